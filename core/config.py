@@ -1,0 +1,641 @@
+"""Typed, frozen, validated configuration.
+
+A config is a tree of frozen dataclasses, one per section. It is loaded from YAML (a file
+may ``extends:`` another, relative to itself), patched by dotted command-line overrides
+with YAML-typed values (``train.lr=3e-4``), validated (unknown keys and wrong types name
+the key path and the nearest valid key) and hashed over a canonical serialization, so the
+same settings spelled differently hash the same.
+
+Each field's one-line docstring is the string literal right below it; ``describe()``
+collects them for the README's config reference and for error messages.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import hashlib
+import inspect
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from core.exceptions import ConfigError
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    """Semantic part of the run ID: <name>-<YYYYMMDD-HHMMSS>-<hash8>."""
+    root: str = "runs"
+    """Directory that holds run directories (relative to the working directory)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: Literal["qwen2", "qwen3"] = "qwen3"
+    """Model family: qwen2 (q/k/v bias) or qwen3 (RMSNorm on q and k)."""
+    vocab_size: int = 512
+    """Vocabulary size; must cover the tokenizer's ids."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 384
+    """Hidden width of the SiLU-gated MLP."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 4
+    """Query heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); divides num_heads."""
+    head_dim: Optional[int] = None
+    """Per-head width; None means hidden_size // num_heads."""
+    rope_theta: float = 1000000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    qkv_bias: Optional[bool] = None
+    """Bias on q/k/v projections; None means the family default (qwen2 yes, qwen3 no)."""
+    qk_norm: Optional[bool] = None
+    """RMSNorm on q and k per head; None means the family default (qwen3 yes, qwen2 no)."""
+    max_position_embeddings: int = 32768
+    """Longest position the model is configured for (recorded in exports)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init of linear and embedding weights."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """Attention kernel: sdpa (exact, runs anywhere), flex (compiled flex_attention, GPU), auto."""
+    init_from: Optional[str] = None
+    """Local Hugging Face directory to start from; its config.json overrides the shape."""
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    path: str = ""
+    """File, directory or glob of shards."""
+    format: Literal["auto", "parquet", "jsonl", "jsonl.zst", "text"] = "auto"
+    """Shard format; auto picks by file suffix."""
+    weight: float = 1.0
+    """Relative sampling weight in a mixture of several sources."""
+    text_column: str = "text"
+    """Column (parquet) or key (jsonl) that holds the document text."""
+    name: Optional[str] = None
+    """Name used in provenance and metrics; defaults to the path."""
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    kind: Literal["none", "span_drop", "case_flip"] = "none"
+    """Per-document augmentation: none, span_drop (drop a random token span) or case_flip."""
+    probability: float = 0.0
+    """Probability that a document is augmented."""
+    max_fraction: float = 0.1
+    """Largest fraction of a document's tokens an augmentation may touch."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    sources: tuple[SourceConfig, ...] = ()
+    """Training inputs; several sources form a deterministic weighted mixture."""
+    eval_source: Optional[SourceConfig] = None
+    """Held-out source for evaluation (optional)."""
+    tokenizer: str = "byte"
+    """'byte' (built in) or a local directory / tokenizer.json path (Hugging Face tokenizers)."""
+    seq_len: int = 256
+    """Length of every packed sequence."""
+    num_streams: int = 8
+    """Logical streams; every world size that divides it sees the same global batches."""
+    workers: int = 2
+    """Worker threads per rank for decode/tokenize/augment."""
+    prefetch_batches: int = 4
+    """Batches buffered ahead of the trainer."""
+    max_in_flight: int = 256
+    """Semaphore bound on documents in flight inside the pipeline."""
+    on_bad_record: Literal["error", "skip"] = "error"
+    """A record that cannot be read or decoded: stop with a DataError, or skip and count it."""
+    shuffle_shards: bool = True
+    """Permute shard order per epoch from (seed, epoch)."""
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    """Per-document seeded augmentation (off by default)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    """Root seed; every random stream derives from (seed, purpose, step, rank)."""
+    max_steps: int = 100
+    """Number of optimizer steps."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step across all ranks."""
+    micro_batch_size: int = 4
+    """Sequences per forward pass per rank; accumulation steps are derived."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """LR schedule after warmup: cosine, linear, warmup-stable-decay or constant."""
+    schedule_steps: Optional[int] = None
+    """Length of the LR schedule; None means max_steps."""
+    decay_fraction: float = 0.2
+    """wsd: fraction of the schedule spent in the final decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    eval_interval: int = 0
+    """Evaluate on data.eval_source every N steps; 0 disables."""
+    eval_batches: int = 4
+    """Global batches per evaluation."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    strategy: Literal["none", "ddp", "fsdp", "xla_spmd"] = "ddp"
+    """How the model is replicated or sharded across ranks."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: fp32, bf16 autocast/mixed precision, fp16 with a gradient scaler."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, full (every block) or selective (every other)."""
+    dp_replicate: int = 1
+    """Data-parallel replicate degree (HSDP); 1 means shard across all data-parallel ranks."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3) instead of keeping them (ZeRO-2)."""
+    cpu_offload: bool = False
+    """FSDP: keep parameters and optimizer state in host memory."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process group backend; auto is nccl on CUDA, gloo on CPU."""
+    timeout_s: float = 600.0
+    """Collective timeout in seconds."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to train on; auto picks cuda when available."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 50
+    """Optimizer steps between checkpoints; 0 disables periodic checkpoints."""
+    keep: int = 3
+    """Checkpoints retained (oldest deleted first); 0 keeps all."""
+    async_save: bool = False
+    """Write checkpoints in a background thread; the loop waits only for the host copy."""
+    at_end: bool = True
+    """Write a checkpoint after the last step."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    watchdog_timeout_s: float = 300.0
+    """Seconds without progress before a rank dumps diagnostics and aborts; 0 disables."""
+    on_nonfinite: Literal["abort", "skip"] = "abort"
+    """Non-finite loss or gradient: abort (exit 7) or skip the update and count it."""
+    faults: tuple[str, ...] = ()
+    """Injected faults for tests and chaos runs, e.g. 'hang@5:1', 'nan@3', 'sigterm@6'."""
+    profile_start_step: int = 0
+    """First step of the torch.profiler window; 0 disables profiling."""
+    profile_steps: int = 3
+    """Steps recorded in the profiler window."""
+    strict_env: bool = False
+    """Refuse (instead of warn) a resume or replay whose software/hardware environment differs."""
+
+
+@dataclass(frozen=True)
+class DeterminismConfig:
+    mode: Literal["bitwise", "fast"] = "bitwise"
+    """bitwise: deterministic kernels, identical ledgers; fast: allow non-deterministic kernels."""
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    log_interval: int = 1
+    """Steps between aggregated metric records and console lines."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under the run dir."""
+    wandb: bool = False
+    """Also log to Weights & Biases (only if installed)."""
+    wandb_project: str = "lockstep"
+    """Weights & Biases project name."""
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run identity."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data pipeline."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimization."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallelism and precision."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence and retention."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Watchdog, failure policy, faults, profiling."""
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    """Determinism mode."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metric logging."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @property
+    def hash(self) -> str:
+        return config_hash(self)
+
+
+# Keys a resumed run may change. A prefix ending in "." admits every key below it.
+RESUMABLE_KEYS = (
+    "train.max_steps",
+    "train.eval_interval",
+    "train.eval_batches",
+    "checkpoint.",
+    "runtime.",
+    "metrics.",
+    "data.workers",
+    "data.prefetch_batches",
+    "data.max_in_flight",
+    "parallel.strategy",
+    "parallel.compile",
+    "parallel.activation_checkpointing",
+    "parallel.reshard_after_forward",
+    "parallel.cpu_offload",
+    "parallel.backend",
+    "parallel.timeout_s",
+    "parallel.dp_replicate",
+    "parallel.tp",
+)
+
+
+def is_resumable(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load, override, validate and freeze a config. Raises ConfigError (exit 2)."""
+    raw: dict[str, Any] = _read_yaml_tree(Path(path), seen=()) if path is not None else {}
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    config = from_dict(raw)
+    validate(config)
+    return config
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build a Config from a plain nested dict (e.g. a run dir's config.yaml)."""
+    return _build(Config, raw, "")
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``a.b=value`` -> ("a.b", YAML-typed value)."""
+    if "=" not in item:
+        raise ConfigError(
+            f"override {item!r} is not of the form key.path=value",
+            hint="write overrides like train.lr=3e-4",
+        )
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key", hint="write key.path=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override value for {key} is not valid YAML: {exc}", key=key) from exc
+    return key, value
+
+
+def _read_yaml_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist",
+            file=str(path),
+            hint="pass an existing YAML file to --config, e.g. configs/tiny.yaml",
+        )
+    resolved = path.resolve()
+    if resolved in seen:
+        chain = " -> ".join(str(p) for p in (*seen, resolved))
+        raise ConfigError(f"extends: cycle {chain}", file=str(path), hint="remove the cycle")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}", file=str(path)) from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping at top level", file=str(path))
+    parent_name = raw.pop("extends", None)
+    if parent_name is None:
+        return raw
+    parent = _read_yaml_tree((path.parent / str(parent_name)), seen=(*seen, resolved))
+    return _deep_merge(parent, raw)
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"cannot set {key}: {'.'.join(parts[: i + 1])} is not a section", key=key
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+# --------------------------------------------------------------------------- typed build
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _nearest(name: str, options: list[str]) -> str | None:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(raw).__name__}",
+            key=prefix.rstrip(".") or None,
+            hint=f"expected the keys {', '.join(_field_names(cls))}",
+        )
+    hints = typing.get_type_hints(cls)
+    names = _field_names(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            near = _nearest(str(key), names)
+            raise ConfigError(
+                f"unknown key {path!r}",
+                key=path,
+                hint=(f"did you mean {prefix}{near!s}?" if near else f"valid keys: {', '.join(names)}"),
+            )
+        kwargs[key] = _coerce(hints[key], value, path)
+    return cls(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path)
+    if origin is Literal:
+        options = typing.get_args(tp)
+        if value not in options:
+            near = _nearest(str(value), [str(o) for o in options])
+            raise ConfigError(
+                f"{path} must be one of {_type_name(tp)}, got {value!r}",
+                key=path,
+                hint=(f"did you mean {near!r}?" if near else "pick one of the listed values"),
+            )
+        return value
+    if origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+            value = [value]
+        return tuple(_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, f"{path}.")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads "3e-4" as a string; accept it as the float it spells
+                parsed = float(value)
+            except ValueError:
+                parsed = None
+            if parsed is not None and math.isfinite(parsed):
+                return parsed
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(
+        f"{path} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})",
+        key=path,
+        hint=f"set {path} to a value of type {_type_name(tp)}",
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(config: Config, world_size: int | None = None) -> None:
+    """Cross-field checks. ``world_size`` adds the batch-divisibility checks."""
+    m, d, t, p = config.model, config.data, config.train, config.parallel
+    _positive("train.max_steps", t.max_steps)
+    _positive("train.global_batch_size", t.global_batch_size)
+    _positive("train.micro_batch_size", t.micro_batch_size)
+    _positive("data.seq_len", d.seq_len)
+    _positive("data.num_streams", d.num_streams)
+    _positive("data.max_in_flight", d.max_in_flight)
+    _positive("model.num_layers", m.num_layers)
+    _positive("model.hidden_size", m.hidden_size)
+    if d.workers < 0:
+        raise ConfigError("data.workers must be >= 0", key="data.workers")
+    if t.global_batch_size % d.num_streams:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"data.num_streams={d.num_streams}",
+            key="train.global_batch_size",
+            hint="every stream contributes the same number of sequences to a global batch",
+        )
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}",
+            key="model.num_kv_heads",
+        )
+    if m.head_dim is None and m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}",
+            key="model.hidden_size",
+            hint="set model.head_dim explicitly or change the sizes",
+        )
+    for i, source in enumerate(d.sources):
+        if not source.path:
+            raise ConfigError(f"data.sources[{i}].path is empty", key=f"data.sources[{i}].path")
+        if source.weight <= 0:
+            raise ConfigError(f"data.sources[{i}].weight must be > 0", key=f"data.sources[{i}].weight")
+    if config.checkpoint.interval < 0 or config.checkpoint.keep < 0:
+        raise ConfigError("checkpoint.interval and checkpoint.keep must be >= 0", key="checkpoint")
+    if p.tp < 1 or p.dp_replicate < 1:
+        raise ConfigError("parallel.tp and parallel.dp_replicate must be >= 1", key="parallel")
+    if world_size is not None:
+        validate_world(config, world_size)
+
+
+def validate_world(config: Config, world_size: int) -> None:
+    """Checks that need the world size (run before any process group is created)."""
+    t, d, p = config.train, config.data, config.parallel
+    dp = world_size // p.tp if world_size % p.tp == 0 else None
+    if dp is None:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp={p.tp}", key="parallel.tp"
+        )
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size} x data-parallel ranks={dp}",
+            key="train.global_batch_size",
+            hint=(
+                f"use a global batch that is a multiple of {t.micro_batch_size * dp}, "
+                "or change train.micro_batch_size"
+            ),
+        )
+    if d.num_streams % dp:
+        raise ConfigError(
+            f"data.num_streams={d.num_streams} is not divisible by data-parallel ranks={dp}",
+            key="data.num_streams",
+            hint="use a world size that divides data.num_streams",
+        )
+    if p.strategy == "none" and world_size > 1:
+        raise ConfigError(
+            f"parallel.strategy=none cannot run on {world_size} ranks",
+            key="parallel.strategy",
+            hint="use ddp or fsdp for several ranks",
+        )
+
+
+def _positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}", key=key)
+
+
+# --------------------------------------------------------------------------- serialization
+
+
+def to_dict(config: Any) -> Any:
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (list, tuple)):
+        return [to_dict(v) for v in config]
+    return config
+
+
+def canonical_json(config: Config) -> str:
+    """Sorted keys, no whitespace, floats in repr form: equal settings give equal text."""
+    return json.dumps(to_dict(config), sort_keys=True, separators=(",", ":"))
+
+
+def config_hash(config: Config) -> str:
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=True)
+
+
+def save(config: Config, path: str | Path) -> None:
+    Path(path).write_text(to_yaml(config))
+
+
+def diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """Every leaf key whose value differs: (dotted key, a's value, b's value)."""
+    out: list[tuple[str, Any, Any]] = []
+    _diff(to_dict(a), to_dict(b), "", out)
+    return out
+
+
+def _diff(a: Any, b: Any, prefix: str, out: list) -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            _diff(a.get(key), b.get(key), f"{prefix}{key}.", out)
+    elif a != b:
+        out.append((prefix.rstrip("."), a, b))
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every leaf field, from the field docstrings."""
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, f"{prefix}{f.name}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((f"{prefix}{f.name}", _type_name(tp), repr(to_dict(default)), docs.get(f.name, "")))
+    return rows
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = nxt.value.value
+    return docs
