@@ -76,6 +76,8 @@ class ModelConfig:
     """Attention kernel: sdpa (exact, runs anywhere), flex (compiled flex_attention, GPU), auto."""
     init_from: Optional[str] = None
     """Local Hugging Face directory to start from; its config.json overrides the shape."""
+    sdpa_backends: Literal["deterministic", "all"] = "deterministic"
+    """CUDA SDPA kernels: deterministic (memory-efficient, math: repeatable backward) or all (adds flash, cuDNN)."""
 
 
 @dataclass(frozen=True)

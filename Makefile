@@ -1,0 +1,39 @@
+# Lockstep: `make train` and `make test` each set everything up from nothing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NPROC ?= 2
+TINY_DATA := datasets/stdlib/.complete
+
+.PHONY: setup train test test-xla data bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0"
+	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt
+	touch $(STAMP)
+
+$(TINY_DATA): $(STAMP)
+	$(PY) -m data prepare
+
+data: $(TINY_DATA)
+
+train: $(STAMP) $(TINY_DATA)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config configs/tiny.yaml $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-xla:
+	bash scripts/setup_xla_venv.sh
+	PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 .venv-xla/bin/python -m pytest tests/xla -q
+
+bench: $(STAMP) $(TINY_DATA)
+	$(PY) -m data bench --config configs/tiny.yaml
+
+clean:
+	rm -rf $(VENV) runs datasets .pytest_cache

@@ -1,0 +1,207 @@
+"""The single source of truth for rank, world size, device and backend.
+
+``DistributedContext.from_env`` reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``...) or, without it, describes a single process. The process
+group is created here and always destroyed by ``close()``; use the context as a ``with``
+block so that also happens on error. Every other layer asks this object, never the
+environment, who it is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from core.config import ParallelConfig
+
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Rank facts read from the launcher's environment, before any process group exists."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> "ProcessInfo":
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        )
+
+
+def select_device(parallel: ParallelConfig, local_rank: int) -> torch.device:
+    want_cuda = parallel.device == "cuda" or (
+        parallel.device == "auto" and torch.cuda.is_available()
+    )
+    if want_cuda:
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def select_backend(parallel: ParallelConfig, device: torch.device) -> str:
+    if parallel.backend != "auto":
+        return parallel.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class DistributedContext:
+    """Who this process is and how it talks to the others.
+
+    Collectives are no-ops (returning their input) in a single process, so callers never
+    branch on the world size.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.backend = backend
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._owns_group = False
+        self._object_group: Any = None
+
+    @classmethod
+    def from_env(cls, parallel: ParallelConfig) -> "DistributedContext":
+        info = ProcessInfo.from_env()
+        device = select_device(parallel, info.local_rank)
+        ctx = cls(
+            rank=info.rank,
+            world_size=info.world_size,
+            local_rank=info.local_rank,
+            device=device,
+            backend=select_backend(parallel, device),
+            timeout_s=parallel.timeout_s,
+        )
+        ctx.init_process_group()
+        return ctx
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def init_process_group(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if not self.is_distributed or dist.is_initialized():
+            return
+        kwargs: dict[str, Any] = {"backend": self.backend, "timeout": self.timeout}
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(**kwargs)
+        self._owns_group = True
+        # Object collectives go over gloo so they never stage pickles through GPU memory.
+        self._object_group = (
+            dist.new_group(backend="gloo", timeout=self.timeout) if self.backend != "gloo" else None
+        )
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def __enter__(self) -> "DistributedContext":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ collectives
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            dist.barrier(group=self._object_group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of ``tensor`` (sum, max, min, avg); returns it."""
+        if self.is_distributed:
+            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            if op == "avg":
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+                tensor /= self.world_size
+            else:
+                dist.all_reduce(tensor, op=ops[op])
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.is_distributed:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self._object_group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.is_distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._object_group)
+        return out
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank if any rank passes True (one small collective)."""
+        if not self.is_distributed:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self._collective_device)
+        self.all_reduce(t, op="max")
+        return bool(t.item() > 0)
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "device": str(self.device),
+            "backend": self.backend,
+            "timeout_s": self.timeout.total_seconds(),
+        }
+
+    def __repr__(self) -> str:
+        return f"DistributedContext(rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+def launcher_env() -> dict[str, str]:
+    """The launcher's variables, recorded in meta.json."""
+    return {k: os.environ[k] for k in LAUNCHER_ENV if k in os.environ}

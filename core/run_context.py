@@ -1,0 +1,298 @@
+"""What a run is: its ID, its directory, its recorded environment, and its lock.
+
+The run ID is ``<run.name>-<YYYYMMDD-HHMMSS>-<hash8>``, chosen by rank 0 and broadcast so
+every rank writes into the same directory. Rank 0 creates the layout of design.md section 4,
+writes ``config.yaml`` and ``meta.json`` and takes the lock; a second live writer of the
+same directory is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core import config as config_lib
+from core.config import Config
+from core.distributed_context import DistributedContext, launcher_env
+from core.exceptions import ConfigError, ResumeError, RunDirLockedError
+
+SUBDIRS = ("logs", "checkpoints", "diagnostics", "artifacts")
+LOCK_FILE = ".lock"
+# Environment variables that can change numerics; recorded and compared on resume.
+DETERMINISM_ENV = (
+    "CUBLAS_WORKSPACE_CONFIG",
+    "NVIDIA_TF32_OVERRIDE",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def meta(self) -> Path:
+        return self.root / "meta.json"
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / "ledger.jsonl"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def diagnostics(self) -> Path:
+        return self.root / "diagnostics"
+
+    @property
+    def artifacts(self) -> Path:
+        return self.root / "artifacts"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE
+
+
+class RunContext:
+    """The identity and directory of one run, shared by every rank."""
+
+    def __init__(self, config: Config, run_id: str, paths: RunPaths, *, resumed: bool) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.paths = paths
+        self.resumed = resumed
+        self._lock_held = False
+
+    @property
+    def run_dir(self) -> Path:
+        return self.paths.root
+
+    # ------------------------------------------------------------------ creation
+
+    @classmethod
+    def create(cls, config: Config, dist: DistributedContext) -> "RunContext":
+        run_id = None
+        if dist.is_main:
+            run_id = _new_run_id(config)
+        run_id = dist.broadcast_object(run_id)
+        paths = RunPaths(Path(config.run.root) / run_id)
+        ctx = cls(config, run_id, paths, resumed=False)
+        if dist.is_main:
+            if paths.root.exists():
+                raise RunDirLockedError(
+                    f"run dir {paths.root} already exists", hint="use --resume to continue it"
+                )
+            paths.root.mkdir(parents=True)
+            ctx._acquire_lock()
+            for sub in SUBDIRS:
+                (paths.root / sub).mkdir()
+            config_lib.save(config, paths.config)
+            meta = collect_meta(config, dist)
+            (paths.artifacts / "git.diff").write_text(meta["git"].pop("diff", "") or "")
+            paths.meta.write_text(json.dumps(meta, indent=2, sort_keys=True))
+        dist.barrier()
+        return ctx
+
+    @classmethod
+    def open_existing(
+        cls, root: str | Path, run_id: str, dist: DistributedContext, *, lock: bool
+    ) -> "RunContext":
+        """Open a finished or interrupted run (for resume, lock=True; for replay, lock=False)."""
+        paths = RunPaths(Path(root) / run_id)
+        if not paths.config.is_file():
+            known = sorted(p.name for p in Path(root).glob("*") if (p / "config.yaml").is_file())
+            raise ResumeError(
+                f"no run {run_id!r} under {root}",
+                hint=(f"known runs: {', '.join(known[-5:])}" if known else "check --run-root / run.root"),
+            )
+        config = config_lib.from_dict(_read_yaml(paths.config))
+        ctx = cls(config, run_id, paths, resumed=True)
+        if lock and dist.is_main:
+            ctx._acquire_lock()
+        dist.barrier()
+        return ctx
+
+    # ------------------------------------------------------------------ lock
+
+    def _acquire_lock(self) -> None:
+        lock = self.paths.lock
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                if _lock_is_live(lock):
+                    owner = lock.read_text()
+                    raise RunDirLockedError(
+                        f"run dir {self.paths.root} is being written by another process ({owner})",
+                        hint="wait for it to finish or stop it first",
+                    ) from None
+                lock.unlink(missing_ok=True)  # stale lock from a killed run
+                continue
+            with os.fdopen(fd, "w") as fh:
+                json.dump(record, fh)
+            self._lock_held = True
+            return
+
+    def release(self) -> None:
+        if self._lock_held:
+            self.paths.lock.unlink(missing_ok=True)
+            self._lock_held = False
+
+
+def _lock_is_live(lock: Path) -> bool:
+    try:
+        owner = json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return False
+    if owner.get("host") != socket.gethostname():
+        return True  # cannot check a pid on another host: assume it is live
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _new_run_id(config: Config) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    base = f"{config.run.name}-{stamp}-{config.hash[:8]}"
+    run_id, n = base, 1
+    while (Path(config.run.root) / run_id).exists():  # two runs in the same second
+        n += 1
+        run_id = f"{base}.{n}"
+    return run_id
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}", file=str(path)) from exc
+
+
+# --------------------------------------------------------------------------- meta.json
+
+
+def collect_meta(config: Config, dist: DistributedContext) -> dict[str, Any]:
+    """Everything needed to reproduce the run or explain why it does not reproduce."""
+    return {
+        "config_hash": config.hash,
+        "git": git_info(Path.cwd()),
+        "versions": versions(),
+        "host": host_info(),
+        "world": dist.describe() | {"world_size": dist.world_size},
+        "launcher_env": launcher_env(),
+        "determinism": determinism_env(config, dist.device),
+        "command": sys.argv,
+        "cwd": str(Path.cwd()),
+        "time": time.time(),
+    }
+
+
+def git_info(path: Path) -> dict[str, Any]:
+    try:
+        import git
+    except ImportError:
+        return {"is_repo": False, "reason": "GitPython is not installed"}
+    try:
+        repo = git.Repo(path, search_parent_directories=True)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return {"is_repo": False, "reason": f"{path} is not a git checkout"}
+    try:
+        commit = repo.head.commit.hexsha
+    except ValueError:
+        commit = None  # repository without commits
+    try:
+        branch = repo.active_branch.name
+    except TypeError:
+        branch = None  # detached HEAD
+    dirty = repo.is_dirty(untracked_files=False)
+    diff = repo.git.diff("HEAD") if (dirty and commit) else ""
+    return {
+        "is_repo": True,
+        "commit": commit,
+        "branch": branch,
+        "dirty": dirty,
+        "diff_ref": "artifacts/git.diff",
+        "diff": diff,
+    }
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
+    for name in ("pyarrow", "zstandard", "yaml", "tokenizers", "safetensors", "numpy", "transformers"):
+        try:
+            module = __import__(name)
+            out[name] = getattr(module, "__version__", "unknown")
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def host_info() -> dict[str, Any]:
+    import psutil
+
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "memory_total_bytes": psutil.virtual_memory().total,
+        "boot_time": psutil.boot_time(),
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def determinism_env(config: Config, device: torch.device) -> dict[str, Any]:
+    """The facts that decide whether two runs can be bitwise equal."""
+    return {
+        "mode": config.determinism.mode,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device_type": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "env": {k: os.environ.get(k) for k in DETERMINISM_ENV},
+        "torch_threads": torch.get_num_threads(),
+    }

@@ -1,0 +1,106 @@
+"""core/config.py: typed loading, overrides, validation errors, canonical hashing."""
+
+from pathlib import Path
+
+import pytest
+
+from core import config as config_lib
+from core.exceptions import ConfigError, ExitCode
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+def test_tiny_loads_and_is_frozen():
+    config = config_lib.load(TINY)
+    assert config.model.arch == "qwen3"
+    assert len(config.data.sources) == 2
+    with pytest.raises(Exception):
+        config.train.lr = 1.0  # frozen
+
+
+def test_overrides_are_yaml_typed():
+    config = config_lib.load(TINY, ["train.lr=3e-4", "train.max_steps=7", "parallel.compile=true"])
+    assert config.train.lr == 3e-4 and isinstance(config.train.lr, float)
+    assert config.train.max_steps == 7
+    assert config.parallel.compile is True
+
+
+def test_unknown_key_names_path_and_nearest():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY, ["train.max_step=5"])
+    assert info.value.exit_code == ExitCode.CONFIG
+    assert "train.max_step" in str(info.value)
+    assert "train.max_steps" in str(info.value)
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"extends: {TINY}\nmodel:\n  hiden_size: 64\n")
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(path)
+    assert "model.hiden_size" in str(info.value) and "model.hidden_size" in str(info.value)
+
+
+def test_wrong_type_names_key_and_type():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY, ["train.global_batch_size=lots"])
+    message = str(info.value)
+    assert "train.global_batch_size" in message and "int" in message
+
+
+def test_bad_literal_suggests_value():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY, ["parallel.strategy=fsdpp"])
+    assert "'fsdp'" in str(info.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load("configs/does-not-exist.yaml")
+    assert "does-not-exist.yaml" in str(info.value)
+
+
+def test_batch_divisibility_checked_against_world():
+    config = config_lib.load(TINY, ["train.global_batch_size=20", "train.micro_batch_size=4", "data.num_streams=8"])
+    with pytest.raises(ConfigError):
+        config_lib.validate(config)  # 20 is not divisible by 8 streams
+    config = config_lib.load(TINY, ["train.global_batch_size=16", "train.micro_batch_size=3"])
+    with pytest.raises(ConfigError) as info:
+        config_lib.validate_world(config, 2)
+    assert "train.global_batch_size" in str(info.value) and "micro_batch_size" in str(info.value)
+
+
+def test_hash_is_stable_across_spelling_and_order(tmp_path):
+    a = tmp_path / "a.yaml"
+    b = tmp_path / "b.yaml"
+    a.write_text(f"extends: {TINY}\ntrain:\n  lr: 0.0003\n  seed: 1\n")
+    b.write_text(f"extends: {TINY}\ntrain:\n  seed: 1\n  lr: 3e-4\n")
+    assert config_lib.load(a).hash == config_lib.load(b).hash
+    assert config_lib.load(a).hash != config_lib.load(TINY).hash
+
+
+def test_extends_cycle_is_an_error(tmp_path):
+    (tmp_path / "x.yaml").write_text("extends: y.yaml\n")
+    (tmp_path / "y.yaml").write_text("extends: x.yaml\n")
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(tmp_path / "x.yaml")
+    assert "cycle" in str(info.value)
+
+
+def test_round_trip_through_yaml(tmp_path):
+    config = config_lib.load(TINY, ["runtime.faults=[nan@3]"])
+    config_lib.save(config, tmp_path / "c.yaml")
+    again = config_lib.load(tmp_path / "c.yaml")
+    assert again == config and again.hash == config.hash
+
+
+def test_every_field_is_documented():
+    missing = [key for key, _, _, doc in config_lib.describe() if not doc]
+    assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_resumable_keys():
+    assert config_lib.is_resumable("train.max_steps")
+    assert config_lib.is_resumable("checkpoint.interval")
+    assert not config_lib.is_resumable("model.hidden_size")
+    assert not config_lib.is_resumable("train.lr")

@@ -1,0 +1,36 @@
+"""Switch the numerics between ``bitwise`` (repeatable) and ``fast``.
+
+``bitwise``: deterministic algorithms everywhere (an op without a deterministic kernel
+raises instead of silently varying), the cuBLAS workspace pinned, TF32 off, cuDNN
+autotuning off, and the flash and cuDNN attention backends off: measured on H200 with
+torch 2.11, their backward is not bitwise repeatable, while the memory-efficient and math
+backends and compiled flex_attention are (design.md section 7).
+
+``fast``: TF32 matmuls, cuDNN autotuning and every attention backend allowed. The mode is
+recorded in meta.json; resume and replay compare it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from core.config import DeterminismConfig
+
+
+def configure(config: DeterminismConfig, device: torch.device) -> None:
+    bitwise = config.mode == "bitwise"
+    if bitwise:
+        # Read by cuBLAS when its handle is created (first matmul), so setting it here works.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(bitwise)
+    torch.backends.cudnn.deterministic = bitwise
+    torch.backends.cudnn.benchmark = not bitwise
+    torch.backends.cuda.matmul.allow_tf32 = not bitwise
+    torch.backends.cudnn.allow_tf32 = not bitwise
+    if device.type == "cuda":
+        torch.backends.cuda.enable_flash_sdp(not bitwise)
+        torch.backends.cuda.enable_cudnn_sdp(not bitwise)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+        torch.backends.cuda.enable_math_sdp(True)

@@ -1,0 +1,55 @@
+"""Compute precision: fp32, bf16 autocast, fp16 autocast with a gradient scaler.
+
+Under FSDP with bf16 the cast is done by FSDP's mixed-precision policy (bf16 parameters and
+compute, fp32 master weights and gradient reduction), so autocast is not used there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from core.config import ParallelConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, config: ParallelConfig, *, device: torch.device) -> None:
+        self.name = config.precision
+        self.dtype = _DTYPES[config.precision]
+        self.device = device
+        self.use_autocast = self.name != "fp32" and not (
+            config.strategy == "fsdp" and self.name == "bf16"
+        )
+        self.scaler = (
+            torch.amp.GradScaler(device.type) if self.name == "fp16" else None
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if not self.use_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "name": self.name, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

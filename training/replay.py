@@ -1,0 +1,139 @@
+"""Replay one step of a recorded run, bit for bit, and optionally dump what it saw.
+
+``--replay RUN_ID --step S`` restores the newest intact checkpoint at or before S-1, runs to
+S without writing anything into the run, and compares every ledger field of every replayed
+step with the recorded line (``DeterminismError``, exit 5, on the first difference).
+``--dump DIR`` writes step S's batch (token ids and document provenance) and per-layer
+activation and gradient statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from core.exceptions import ResumeError
+from core.run_context import RunPaths
+from training import ledger as ledger_lib
+
+
+def recorded_ledger(paths: RunPaths, step: int) -> dict[int, dict[str, Any]]:
+    records = {r["step"]: r for r in ledger_lib.read(paths.ledger)}
+    if step not in records:
+        last = max(records) if records else 0
+        raise ResumeError(
+            f"step {step} is not in the ledger of {paths.root.name} (it has steps 1..{last})",
+            step=step,
+            hint=f"pick a step between 1 and {last}",
+        )
+    return records
+
+
+class StepDump:
+    """Collects per-layer statistics during one step and writes the dump directory."""
+
+    def __init__(self, out_dir: Path, *, rank: int) -> None:
+        self.out_dir = out_dir
+        self.rank = rank
+        self.activations: dict[str, dict[str, float]] = {}
+        self.output_grads: dict[str, dict[str, float]] = {}
+        self.param_grads: dict[str, dict[str, float]] = {}
+
+    @contextlib.contextmanager
+    def attach(self, model: nn.Module) -> Iterator[None]:
+        handles = []
+        for name, module in _layers(model):
+            handles.append(module.register_forward_hook(self._forward_hook(name)))
+            handles.append(module.register_full_backward_hook(self._backward_hook(name)))
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                handles.append(param.register_hook(self._param_hook(name)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _forward_hook(self, name: str):
+        def hook(_module, _inputs, output):
+            tensor = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(tensor, torch.Tensor):
+                _accumulate(self.activations, name, tensor)
+
+        return hook
+
+    def _backward_hook(self, name: str):
+        def hook(_module, _grad_in, grad_out):
+            if grad_out and isinstance(grad_out[0], torch.Tensor):
+                _accumulate(self.output_grads, name, grad_out[0])
+
+        return hook
+
+    def _param_hook(self, name: str):
+        def hook(grad):
+            _accumulate(self.param_grads, name, grad)
+            return grad
+
+        return hook
+
+    def write(self, batch, record: dict[str, Any]) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        prefix = self.out_dir / f"rank{self.rank}"
+        torch.save(
+            {
+                "input_ids": batch.input_ids,
+                "labels": batch.labels,
+                "position_ids": batch.position_ids,
+                "document_ids": batch.document_ids,
+                "sequence_index": list(batch.sequence_index),
+            },
+            f"{prefix}_batch.pt",
+        )
+        provenance = [
+            {"sequence_index": idx, "documents": [_plain(span) for span in spans]}
+            for idx, spans in zip(batch.sequence_index, batch.provenance)
+        ]
+        summary = {
+            "step": batch.step,
+            "rank": self.rank,
+            "ledger": record,
+            "provenance": provenance,
+            "activations": self.activations,
+            "output_grads": self.output_grads,
+            "param_grads": self.param_grads,
+        }
+        Path(f"{prefix}_step.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
+
+
+def _layers(model: nn.Module):
+    """Named sub-modules worth a line each: embeddings, every block, final norm, head."""
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("embed_tokens", "norm", "lm_head") or (name.split(".")[-2:-1] == ["layers"]):
+            yield name, module
+
+
+def _accumulate(table: dict[str, dict[str, float]], name: str, tensor: torch.Tensor) -> None:
+    t = tensor.detach()
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    t = t.float()
+    stats = table.setdefault(name, {"count": 0, "sum_sq": 0.0, "absmax": 0.0, "mean_sum": 0.0, "numel": 0})
+    stats["count"] += 1
+    stats["numel"] += t.numel()
+    stats["sum_sq"] += float(t.pow(2).sum())
+    stats["mean_sum"] += float(t.sum())
+    stats["absmax"] = max(stats["absmax"], float(t.abs().max())) if t.numel() else stats["absmax"]
+    stats["rms"] = (stats["sum_sq"] / max(stats["numel"], 1)) ** 0.5
+    stats["mean"] = stats["mean_sum"] / max(stats["numel"], 1)
+    stats["nonfinite"] = stats.get("nonfinite", 0) + int((~torch.isfinite(t)).sum())
+
+
+def _plain(span: Any) -> Any:
+    return asdict(span) if is_dataclass(span) else span

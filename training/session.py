@@ -1,0 +1,161 @@
+"""The steps ``train.py`` tells as a story: command line, config, run, model, data, exit.
+
+Each function does one wiring step and raises a typed error when it cannot; ``fail()``
+turns any error into the one line on stderr, the traceback in the rank's log and
+``diagnostics/``, a ``failed`` event, and the exit code of design.md section 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core import config as config_lib
+from core.config import Config
+from core.distributed_context import DistributedContext, ProcessInfo
+from core.exceptions import ExitCode, LockstepError, UsageError, exit_code_for
+from core.logging import EventLog, console, get_logger, setup_logging
+from core.run_context import RunContext
+from training import replay as replay_lib
+from training import resume as resume_lib
+
+
+# --------------------------------------------------------------------------- command line
+
+
+@dataclass(frozen=True)
+class Args:
+    config: str | None
+    resume: str | None
+    replay: str | None
+    step: int | None
+    dump: str | None
+    overrides: tuple[str, ...]
+
+    @property
+    def mode(self) -> str:
+        return "resume" if self.resume else "replay" if self.replay else "train"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 by itself; keep one typed path
+        raise UsageError(message, hint="see `python train.py --help`")
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    parser = _Parser(prog="train.py", description="Lockstep: deterministic LLM training.")
+    parser.add_argument("--config", help="YAML config file (may `extends:` another)")
+    parser.add_argument("--resume", metavar="RUN_ID", help="continue a run from its newest intact checkpoint")
+    parser.add_argument("--replay", metavar="RUN_ID", help="re-execute a step of a run and verify it")
+    parser.add_argument("--step", type=int, help="the step to replay")
+    parser.add_argument("--dump", metavar="DIR", help="with --replay: write the step's batch and layer statistics")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides with YAML values, e.g. train.lr=3e-4")
+    ns = parser.parse_args(argv)
+    chosen = [flag for flag in ("config", "resume", "replay") if getattr(ns, flag)]
+    if len(chosen) != 1:
+        raise UsageError(
+            "pass exactly one of --config, --resume RUN_ID, --replay RUN_ID",
+            hint="e.g. python train.py --config configs/tiny.yaml",
+        )
+    if ns.replay and (ns.step is None or ns.step < 1):
+        raise UsageError("--replay needs --step S with S >= 1", hint="e.g. --replay RUN_ID --step 7")
+    if (ns.step is not None or ns.dump) and not ns.replay:
+        raise UsageError("--step and --dump are only valid with --replay")
+    return Args(ns.config, ns.resume, ns.replay, ns.step, ns.dump, tuple(ns.overrides))
+
+
+def resolve_config(args: Args) -> Config:
+    """The run's config, validated against the launcher's world size (no process group yet)."""
+    if args.mode == "train":
+        config = config_lib.load(args.config, args.overrides)
+    else:
+        run_id = args.resume or args.replay
+        root = resume_lib.parse_override_root(list(args.overrides))
+        config = resume_lib.resume_config(root, run_id, list(args.overrides))
+    config_lib.validate_world(config, ProcessInfo.from_env().world_size)
+    return config
+
+
+def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunContext, EventLog]:
+    if args.mode == "train":
+        run = RunContext.create(config, dist)
+    else:
+        run = RunContext.open_existing(
+            config.run.root, args.resume or args.replay, dist, lock=args.mode == "resume"
+        )
+        run.config = config
+    log_dir = run.paths.logs if args.mode != "replay" else Path(args.dump or run.paths.root / "replays") / "logs"
+    setup_logging(dist.rank, log_dir, console=dist.is_main)
+    events = EventLog(run.paths.events if args.mode != "replay" else None, rank=dist.rank)
+    if dist.is_main:
+        console(f"run_id: {run.run_id}")
+        console(f"run_dir: {run.run_dir}")
+    if args.mode != "train":
+        resume_lib.check_environment(run.paths, config, dist.device, strict=config.runtime.strict_env)
+    if dist.is_main and args.mode != "replay":
+        events.emit(
+            "run_started" if args.mode == "train" else "resume_started",
+            world_size=dist.world_size,
+            config_hash=config.hash,
+            strategy=config.parallel.strategy,
+        )
+    get_logger().info("%s on %s, world size %d", args.mode, dist.device, dist.world_size)
+    return run, events
+
+
+def replay_spec(args: Args, run: RunContext, dist: DistributedContext):
+    from training.loop import ReplaySpec
+
+    if args.mode != "replay":
+        return None
+    recorded = replay_lib.recorded_ledger(run.paths, args.step)
+    dump = replay_lib.StepDump(Path(args.dump), rank=dist.rank) if args.dump else None
+    return ReplaySpec(step=args.step, recorded=recorded, dump=dump)
+
+
+# --------------------------------------------------------------------------- endings
+
+
+def finish(result, run: RunContext, events: EventLog, dist: DistributedContext) -> int:
+    if dist.is_main:
+        if result.status == "replayed":
+            console(f"replay: steps {result.first_step}..{result.last_step} match the ledger of {run.run_id}")
+        else:
+            events.emit(result.status, step=result.last_step, tokens=result.tokens)
+            console(
+                f"{result.status}: steps {result.first_step}..{result.last_step}, "
+                f"{result.tokens} tokens, loss {_fmt(result.first_loss)} -> {_fmt(result.last_loss)}, "
+                f"{result.tokens_per_s:,.0f} tokens/s, run dir {run.run_dir}"
+            )
+    return ExitCode.OK
+
+
+def fail(error: BaseException, run: RunContext | None, events: EventLog | None, dist: DistributedContext | None) -> int:
+    code = exit_code_for(error)
+    if isinstance(error, KeyboardInterrupt):
+        code = 130
+    rank = dist.rank if dist is not None else ProcessInfo.from_env().rank
+    text = "".join(traceback.format_exception(error))
+    line = str(error) if isinstance(error, LockstepError) else f"error: {type(error).__name__}: {error}"
+    print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+    get_logger().error("%s\n%s", line, text)
+    if run is not None:
+        try:
+            run.paths.diagnostics.mkdir(parents=True, exist_ok=True)
+            (run.paths.diagnostics / f"rank{rank}_failure.txt").write_text(f"{line}\n\n{text}")
+            if events is not None and events.path is not None:
+                record: dict[str, Any] = (
+                    error.to_record() if isinstance(error, LockstepError) else {"type": type(error).__name__, "message": str(error)}
+                )
+                events.emit("failed", exit_code=code, **record)
+        except OSError:
+            pass
+    return code
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -1,0 +1,76 @@
+"""One optimizer step: forward, loss and backward over micro-batches, then the update.
+
+The loss of every micro-batch is its *sum* of token losses divided by the number of target
+tokens in the whole global batch (all ranks, all micro-batches), so gradient accumulation
+and the world size do not change the math. Data-parallel wrappers average gradients over
+ranks, so the backward loss is multiplied by the data-parallel size to turn their average
+back into the sum we want.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from training.losses import Loss
+from training.precision import Precision
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean token loss over the global batch
+    grad_norm: float  # global gradient norm before clipping
+    target_tokens: int  # target tokens in the global batch
+    updated: bool  # False when the update was skipped (non-finite)
+
+
+@dataclass
+class StepFunctions:
+    """What the step needs from the parallelism layer (duck-typed, strategy specific)."""
+
+    clip_grad_norm: Callable[[nn.Module, float], torch.Tensor]
+    no_sync: Callable[[nn.Module], contextlib.AbstractContextManager]
+
+
+def forward_backward(
+    model: nn.Module,
+    micro_batches: list,
+    *,
+    loss_fn: Loss,
+    precision: Precision,
+    global_targets: int,
+    dp_size: int,
+    device: torch.device,
+    no_sync: Callable[[nn.Module], contextlib.AbstractContextManager],
+    timer=None,
+    poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Accumulate gradients over ``micro_batches``; returns this rank's summed loss (fp32)."""
+    local_sum = torch.zeros((), dtype=torch.float32, device=device)
+    last = len(micro_batches) - 1
+    for i, micro in enumerate(micro_batches):
+        # Gradient all-reduce only once, on the last micro-batch.
+        sync = contextlib.nullcontext() if i == last else no_sync(model)
+        with sync:
+            with _phase(timer, "forward"), precision.autocast():
+                logits = model(
+                    micro.input_ids.to(device, non_blocking=True),
+                    position_ids=micro.position_ids.to(device, non_blocking=True),
+                    document_ids=micro.document_ids.to(device, non_blocking=True),
+                )
+                loss_sum = loss_fn(logits, micro)
+                if poison is not None:
+                    loss_sum = poison(loss_sum)
+            with _phase(timer, "backward"):
+                scaled = loss_sum * (dp_size / global_targets)
+                precision.scale(scaled).backward()
+        local_sum += loss_sum.detach()
+    return local_sum
+
+
+def _phase(timer, name: str):
+    return timer.phase(name) if timer is not None else contextlib.nullcontext()
