@@ -6,3 +6,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def e2e_workdir(tmp_path_factory):
+    """A working directory holding the prepared stdlib shards, shared by end-to-end tests."""
+    workdir = tmp_path_factory.mktemp("e2e")
+    subprocess.run(
+        [sys.executable, "-m", "data", "prepare", "--out", str(workdir / "datasets" / "stdlib")],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return workdir

@@ -1,0 +1,106 @@
+"""Launch real training processes for end-to-end tests (torchrun or a single process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def run_id(self) -> str:
+        for line in self.stdout.splitlines():
+            if line.startswith("run_id: "):
+                return line.split(": ", 1)[1].strip()
+        raise AssertionError(f"no run_id in stdout:\n{self.stdout}\n{self.stderr}")
+
+    @property
+    def run_dir(self) -> Path:
+        for line in self.stdout.splitlines():
+            if line.startswith("run_dir: "):
+                return Path(line.split(": ", 1)[1].strip())
+        raise AssertionError(f"no run_dir in stdout:\n{self.stdout}\n{self.stderr}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(nproc: int, args: list[str]) -> list[str]:
+    if nproc == 1:
+        return [PYTHON, str(ROOT / "train.py"), *args]
+    return [
+        PYTHON, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc}", "--nnodes=1",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--max_restarts=0", "--monitor_interval=0.5",
+        str(ROOT / "train.py"), *args,
+    ]
+
+
+def env(cwd: Path) -> dict[str, str]:
+    out = dict(os.environ)
+    out["PYTHONPATH"] = str(ROOT)
+    out["OMP_NUM_THREADS"] = "1"
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+def train(cwd: Path, args: list[str], *, nproc: int = 2, timeout: float = 300) -> Result:
+    proc = subprocess.run(
+        command(nproc, args), cwd=cwd, env=env(cwd), capture_output=True, text=True, timeout=timeout
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def start(cwd: Path, args: list[str], *, nproc: int = 2) -> subprocess.Popen:
+    """Start a job in its own process group, so the whole job can be SIGKILLed at once."""
+    return subprocess.Popen(
+        command(nproc, args), cwd=cwd, env=env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    with_suppress = getattr(os, "killpg")
+    try:
+        with_suppress(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    path = run_dir / "ledger.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False

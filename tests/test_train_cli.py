@@ -1,0 +1,50 @@
+"""train.py's command line: bad input exits 2 with a message naming the key, before any
+process group or run dir exists (tested through real torchrun launches)."""
+
+from pathlib import Path
+
+import pytest
+
+from tests import launch
+
+TINY = str(launch.ROOT / "configs" / "tiny.yaml")
+
+
+def _assert_config_error(result, *needles, cwd: Path):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+    assert not (cwd / "runs").exists(), "a run dir was created for a bad config"
+    assert "run_id:" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["train.max_step=3"], ["train.max_step", "did you mean train.max_steps"]),
+        (["train.micro_batch_size=four"], ["train.micro_batch_size", "int"]),
+        (["train.global_batch_size=16", "train.micro_batch_size=3"], ["train.global_batch_size", "micro_batch_size"]),
+    ],
+    ids=["unknown-key", "wrong-type", "indivisible-batch"],
+)
+def test_config_errors_exit_2_on_two_ranks(tmp_path, overrides, needles):
+    result = launch.train(tmp_path, ["--config", TINY, *overrides], nproc=2, timeout=120)
+    _assert_config_error(result, *needles, cwd=tmp_path)
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    result = launch.train(tmp_path, ["--config", "nope.yaml"], nproc=1, timeout=60)
+    _assert_config_error(result, "nope.yaml", "does not exist", cwd=tmp_path)
+
+
+def test_usage_errors_exit_2(tmp_path):
+    result = launch.train(tmp_path, ["--config", TINY, "--step", "3"], nproc=1, timeout=60)
+    _assert_config_error(result, "--step", cwd=tmp_path)
+    result = launch.train(tmp_path, [], nproc=1, timeout=60)
+    _assert_config_error(result, "--config", cwd=tmp_path)
+
+
+def test_resume_of_unknown_run_exits_4(tmp_path):
+    result = launch.train(tmp_path, ["--resume", "no-such-run"], nproc=1, timeout=60)
+    assert result.returncode == 4, result.stderr
+    assert "no-such-run" in result.stderr

@@ -1,0 +1,172 @@
+"""Lockstep's central promise, end to end on CPU with 2 ranks (gloo, torchrun):
+
+- the same config twice gives identical ledgers and parameter hashes;
+- the whole job SIGKILLed at random moments (also mid-checkpoint), then resumed, possibly
+  several times, ends with a ledger identical to the uninterrupted run's, line for line;
+- 2 ranks -> resume on 1 rank: the same batch_hash sequence, loss within float tolerance;
+- accumulation 4x1 vs 1x4: loss within float tolerance;
+- replay before and after a resume point matches; a tampered ledger makes replay exit 5;
+- a truncated or bit-flipped checkpoint is detected, reported, and the previous one used;
+- an incompatible resume exits 4 with the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+
+import pytest
+
+from tests import launch
+from tests.e2e_config import e2e_args
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(e2e_workdir):
+    """One uninterrupted 2-rank run that the other tests compare against."""
+    result = launch.train(e2e_workdir, e2e_args(max_steps=STEPS), nproc=2)
+    assert result.returncode == 0, result.stderr
+    return result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
+
+
+def _run_dir(workdir, result):
+    return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
+
+
+def test_run_dir_contract(reference):
+    for name in ("config.yaml", "meta.json", "ledger.jsonl", "metrics.jsonl", "events.jsonl", "logs/rank0.log", "logs/rank1.log"):
+        assert (reference / name).exists(), name
+    lines = launch.ledger(reference)
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm", "lr", "tokens", "batch_hash", "data_state_hash"):
+        assert key in lines[0]
+    assert "param_hash" in lines[-1]
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    meta = json.loads((reference / "meta.json").read_text())
+    assert meta["determinism"]["mode"] == "bitwise" and meta["world"]["world_size"] == 2
+    kinds = [e["event"] for e in launch.events(reference)]
+    assert kinds[0] == "run_started" and "checkpoint_saved" in kinds and kinds[-1] == "finished"
+
+
+def test_same_config_twice_is_bitwise_identical(e2e_workdir, reference):
+    again = launch.train(e2e_workdir, e2e_args(max_steps=STEPS), nproc=2)
+    assert again.returncode == 0, again.stderr
+    assert launch.ledger(_run_dir(e2e_workdir, again)) == launch.ledger(reference)
+
+
+def test_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):
+    rng = random.Random(1234)
+    job = launch.start(e2e_workdir, e2e_args(max_steps=STEPS, name="killed"))
+    assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob("killed-*")), timeout=120)
+    run_dir = next((e2e_workdir / "runs").glob("killed-*"))
+    kills = 0
+    while kills < 3:
+        # Kill the whole job (every rank and the launcher) at a random moment after step 1.
+        launch.wait_for(lambda: len(launch.ledger(run_dir)) >= 1 or job.poll() is not None, timeout=120)
+        time.sleep(rng.uniform(0.0, 2.0))
+        if job.poll() is not None:
+            break
+        launch.kill_job(job)
+        kills += 1
+        job = launch.start(e2e_workdir, ["--resume", run_dir.name])
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err
+    assert kills >= 1
+    assert launch.ledger(run_dir) == launch.ledger(reference)
+    assert not (run_dir / ".lock").exists()
+
+
+def test_resume_on_one_rank_keeps_the_data_stream(e2e_workdir, reference):
+    first = launch.train(e2e_workdir, e2e_args(max_steps=STEPS, overrides=["checkpoint.interval=4"]), nproc=2)
+    run_dir = _run_dir(e2e_workdir, first)
+    # Cut the run back to its step-4 checkpoint, as if it had died right after it.
+    _drop_checkpoints_after(run_dir, 4)
+    resumed = launch.train(e2e_workdir, ["--resume", run_dir.name], nproc=1)
+    assert resumed.returncode == 0, resumed.stderr
+    ref, got = launch.ledger(reference), launch.ledger(run_dir)
+    assert [r["batch_hash"] for r in got] == [r["batch_hash"] for r in ref]
+    assert [r["data_state_hash"] for r in got] == [r["data_state_hash"] for r in ref]
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_accumulation_does_not_change_the_loss(e2e_workdir):
+    four_by_one = launch.train(e2e_workdir, e2e_args(max_steps=3, overrides=["train.micro_batch_size=1"]), nproc=1)
+    one_by_four = launch.train(e2e_workdir, e2e_args(max_steps=3, overrides=["train.micro_batch_size=4"]), nproc=1)
+    assert four_by_one.returncode == 0 and one_by_four.returncode == 0, four_by_one.stderr + one_by_four.stderr
+    a = launch.ledger(_run_dir(e2e_workdir, four_by_one))
+    b = launch.ledger(_run_dir(e2e_workdir, one_by_four))
+    assert [r["batch_hash"] for r in a] == [r["batch_hash"] for r in b]
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
+
+
+def test_replay_matches_before_and_after_a_resume_point(e2e_workdir, reference, tmp_path):
+    for step in (3, 6):  # checkpoint every 4 steps: 3 replays from scratch, 6 from step 4
+        dump = tmp_path / f"dump{step}"
+        result = launch.train(e2e_workdir, ["--replay", reference.name, "--step", str(step), "--dump", str(dump)], nproc=2)
+        assert result.returncode == 0, result.stderr
+        assert "match" in result.stdout
+        summary = json.loads((dump / "rank0_step.json").read_text())
+        assert summary["provenance"] and summary["activations"] and summary["param_grads"]
+        assert (dump / "rank1_batch.pt").exists()
+
+
+def test_tampered_ledger_makes_replay_exit_5(e2e_workdir, reference, tmp_path):
+    copy = reference.parent / (reference.name + "-tampered")
+    shutil.copytree(reference, copy)
+    lines = launch.ledger(copy)
+    lines[5]["loss"] += 1e-6
+    (copy / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    result = launch.train(e2e_workdir, ["--replay", copy.name, "--step", "6"], nproc=2)
+    assert result.returncode == 5, result.stderr
+    assert "loss" in result.stderr and "step=6" in result.stderr
+    assert launch.ledger(copy) == lines  # replay never rewrites the ledger
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous_one(e2e_workdir, reference):
+    copy = reference.parent / (reference.name + "-damaged")
+    shutil.copytree(reference, copy)
+    steps = sorted((copy / "checkpoints").glob("step_*"))
+    assert len(steps) >= 3, steps
+    newest, middle, oldest = steps[-1], steps[-2], steps[-3]
+    flipped = _largest_file(newest)
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    flipped.write_bytes(bytes(data))
+    truncated = _largest_file(middle)
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+
+    result = launch.train(e2e_workdir, ["--resume", copy.name], nproc=2)
+    assert result.returncode == 0, result.stderr
+    corrupt = {e["path"].rstrip("/").rsplit("/", 1)[-1] for e in launch.events(copy) if e["event"] == "checkpoint_corrupt"}
+    assert {newest.name, middle.name} <= corrupt
+    resumed = [e for e in launch.events(copy) if e["event"] == "resumed"]
+    assert resumed[-1]["step"] == int(oldest.name.split("_")[1])
+    assert launch.ledger(copy) == launch.ledger(reference)
+
+
+def _largest_file(directory):
+    return max((p for p in directory.rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+
+
+def test_incompatible_resume_exits_4_with_diff(e2e_workdir, reference):
+    result = launch.train(e2e_workdir, ["--resume", reference.name, "model.hidden_size=64"], nproc=1)
+    assert result.returncode == 4, result.stderr
+    assert "model.hidden_size" in result.stdout + result.stderr
+    assert "128" in result.stdout and "64" in result.stdout
+
+
+def _drop_checkpoints_after(run_dir, step):
+    ckpts = run_dir / "checkpoints"
+    for path in ckpts.glob("step_*"):
+        if int(path.name.split("_")[1]) > step:
+            shutil.rmtree(path)
+    (ckpts / "LATEST").write_text(f"step_{step:08d}")

@@ -1,0 +1,145 @@
+"""Build the parts a Trainer is made of, each from its config section.
+
+Order matters in one place: the determinism switches are set before the model is built, so
+initialization and the first kernels already run under them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import models
+from core import seeding
+from core.config import Config
+from core.distributed_context import DistributedContext
+from core.logging import EventLog, get_logger
+from core.run_context import RunContext
+from data.pipeline import build as build_pipeline
+from distributed import clip_grad_norm_, param_hash, parallelize
+from distributed.topology import Topology, build_mesh
+from experiments.tracking import MetricsTracker
+from models.flops import flops_per_token
+from training import determinism, ledger as ledger_lib
+from training.guards import Guards
+
+
+@dataclass
+class ParallelPlan:
+    """What the trainer needs to know about how the model is spread over ranks."""
+
+    topology: Topology
+    strategy: str
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp_size
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(model, max_norm)
+
+    def no_sync(self, model: nn.Module):
+        if hasattr(model, "no_sync"):  # DDP: skip the all-reduce on accumulation steps
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def param_hash(self, model: nn.Module) -> str:
+        return param_hash(model)
+
+
+def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, ParallelPlan]:
+    determinism.configure(config.determinism, dist.device)
+    model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
+    topology = build_mesh(config.parallel, dist)
+    model = parallelize(model, config.parallel, dist, topology)
+    get_logger().info(
+        "model: %s, %.2fM parameters, strategy %s, dp %d x tp %d",
+        config.model.arch,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        config.parallel.strategy,
+        topology.dp_size,
+        topology.tp_size,
+    )
+    return model, ParallelPlan(topology=topology, strategy=config.parallel.strategy)
+
+
+def build_data(config: Config, plan: ParallelPlan) -> tuple[Any, Callable[[], Any] | None]:
+    """The training pipeline for this data-parallel rank, and a factory for evaluation."""
+
+    def pipeline(split: str):
+        return build_pipeline(
+            config.data,
+            seed=config.train.seed,
+            global_batch_size=config.train.global_batch_size,
+            rank=plan.dp_rank,
+            world_size=plan.dp_size,
+            split=split,
+        )
+
+    eval_factory = (lambda: pipeline("eval")) if config.data.eval_source is not None else None
+    return pipeline("train"), eval_factory
+
+
+def build_tracker(config: Config, run: RunContext, dist: DistributedContext, *, replaying: bool):
+    fpt = flops_per_token(config.model, config.data.seq_len, include_embedding_head=False)
+    return MetricsTracker(
+        config.metrics,
+        dist=dist,
+        run_dir=run.run_dir if not replaying else None,
+        total_steps=config.train.max_steps,
+        flops_per_token=fpt,
+        peak_flops=_peak_flops(dist.device),
+    )
+
+
+def build_guards(config: Config, run: RunContext, dist: DistributedContext, events: EventLog, *, data) -> Guards:
+    def last_ledger_line():
+        lines = ledger_lib.read(run.paths.ledger)
+        return lines[-1] if lines else None
+
+    return Guards(
+        config,
+        dist=dist,
+        diagnostics_dir=run.paths.diagnostics,
+        trace_dir=run.paths.artifacts / "traces",
+        providers={
+            "data_pipeline": data.stats,
+            "last_ledger_line": last_ledger_line,
+            "recent_events": lambda: list(events.recent),
+        },
+        on_abort=lambda info: events.emit("watchdog_abort", **info),
+    )
+
+
+def close_all(parts: list, run: RunContext | None, dist: DistributedContext | None) -> None:
+    """Close pipelines (joins their threads), sinks and guards; release the lock; end the group."""
+    for part in parts:
+        with contextlib.suppress(Exception):
+            part.close()
+    if run is not None:
+        run.release()
+    if dist is not None:
+        dist.close()
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the accelerator, for MFU; None where unknown (CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12)):
+        if key in name:
+            return peak
+    return None

@@ -1,0 +1,669 @@
+"""Checkpoints that restore a run bit for bit: save, find the newest intact one, load.
+
+The on-disk format (layout, manifest, verification) lives in ``training.checkpoint_manifest``.
+Model and optimizer go through ``get_state_dict``/``set_state_dict`` with canonical FQNs
+(no ``module.``/``_orig_mod.`` prefixes) and a flattened optimizer state, so one code path
+serves a plain module, DDP and FSDP2, and a checkpoint saved under one strategy or world
+size loads under another.
+
+Save protocol (all ranks take part; rank 0 does the directory work):
+1. stage: every rank takes its state dict (a host copy when saving asynchronously),
+   captures its RNG state and encodes the JSON states, so a bad state fails before any
+   file is written;
+2. rank 0 removes leftovers of crashed saves (``.tmp-*``) and creates
+   ``.tmp-step_<N>-<nonce>`` next to the final place (same filesystem), and broadcasts it;
+3. every rank writes its DCP shards (fsynced by DCP) and its own files (fsynced);
+4. the files are hashed, split across ranks; rank 0 writes the manifest, re-reads and
+   checks it against the directory, fsyncs every directory, renames the temporary
+   directory into place, fsyncs the parent, then replaces ``LATEST`` atomically (write
+   ``LATEST.tmp``, fsync, ``os.replace``, fsync) and applies retention.
+A crash at any point leaves ``LATEST`` naming the previous complete checkpoint.
+
+Asynchronous save (``checkpoint.async_save``). ``save()`` blocks for steps 1-2 only (the
+device-to-host copy, plus one small broadcast); steps 3-4 run in a background thread. Steps 3-4 need collectives
+(DCP plans its shards across ranks; hashing and the final outcome are shared), and
+collectives issued from a second thread on the training loop's process group could
+interleave with the loop's own all-reduces and deadlock or corrupt both. The manager
+therefore creates, once in its constructor, a dedicated gloo process group used for
+*every* checkpoint collective, on both the main and the background thread. Gloo groups
+are independent communicators, so they run safely beside the training group (this is
+the arrangement torch's own ``async_save`` asks for); gloo is right here because DCP only
+exchanges small pickled plans, never tensors. Only one save is in flight: ``save()`` and
+every other collective method first ``wait()``, which joins the thread and re-raises a
+background failure as ``CheckpointError`` on every rank (rank 0's outcome is broadcast).
+
+Optimizer state at load. ``get_state_dict`` on a never-stepped optimizer initializes it by
+taking an optimizer step with zero gradients and a zero learning rate. That touches the
+parameters and the step counters, so it is avoided on both paths:
+- save: an optimizer without state saves no optimizer entries (``has_optimizer_state``
+  is false in the manifest), and a load of such a checkpoint clears the optimizer state;
+- load: every parameter without state gets zero placeholders shaped like the parameter
+  (DTensor-aware, via ``zeros_like``) or like a scalar, for each state name the checkpoint
+  holds (dtype from the checkpoint metadata). The placeholders are the targets DCP loads
+  into; nothing steps. Parameters that had no state at save time have it removed again.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from core.config import CheckpointConfig
+from core.distributed_context import DistributedContext
+from core.exceptions import CheckpointError
+from training.checkpoint_manifest import (
+    DATA_STATE_FILE,
+    DCP_DIR,
+    EXTRA_DIR,
+    LATEST_TMP_NAME,
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    TRAINER_STATE_FILE,
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointManifest,
+    check_hashes,
+    check_header,
+    check_listing,
+    encode_json_state,
+    extra_file_name,
+    fsync_dir,
+    fsync_dirs_below,
+    hash_file,
+    list_files,
+    list_steps,
+    parse_step_dir_name,
+    read_latest,
+    read_manifest,
+    rng_file_name,
+    step_dir_name,
+    verify_checkpoint,
+    write_file_durably,
+    write_latest,
+)
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointFormatError",
+    "CheckpointManager",
+    "LoadedCheckpoint",
+    "capture_rng_state",
+    "restore_rng_state",
+    "verify_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+_OPTIM_STATE_PREFIX = "state."  # flattened optimizer keys: state.<fqn>.<name>
+
+RNG_STATE_VERSION = 1
+RNG_KEY_VERSION = "version"
+RNG_KEY_CPU = "cpu"
+RNG_KEY_DEVICE_TYPE = "device_type"
+RNG_KEY_DEVICE = "device"
+
+_STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_FAILURES = (Exception, dcp.CheckpointException)  # DCP's own error derives from BaseException
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng_state(device: torch.device | str) -> dict[str, Any]:
+    """This process's torch CPU generator state, plus the CUDA generator's on a CUDA device."""
+    device = torch.device(device)
+    return {
+        RNG_KEY_VERSION: RNG_STATE_VERSION,
+        RNG_KEY_CPU: torch.get_rng_state(),
+        RNG_KEY_DEVICE_TYPE: device.type,
+        RNG_KEY_DEVICE: torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+
+
+def restore_rng_state(state: dict[str, Any], device: torch.device | str) -> None:
+    """Restore a ``capture_rng_state`` result. A CUDA state is restored only onto CUDA."""
+    device = torch.device(device)
+    if state.get(RNG_KEY_VERSION) != RNG_STATE_VERSION:
+        raise CheckpointError(
+            f"RNG state version {state.get(RNG_KEY_VERSION)!r} is not {RNG_STATE_VERSION}",
+            hint="resume with the Lockstep version that wrote the checkpoint",
+        )
+    torch.set_rng_state(state[RNG_KEY_CPU])
+    if state[RNG_KEY_DEVICE] is not None and device.type == state[RNG_KEY_DEVICE_TYPE] == "cuda":
+        torch.cuda.set_rng_state(state[RNG_KEY_DEVICE], device)
+
+
+def _encode_rng_state(state: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def _has_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    return any(bool(state) for state in optimizer.state.values())
+
+
+class _HostBuffers:
+    """Host copies of state-dict tensors that later training steps cannot change.
+
+    The buffers are kept and refilled by the next asynchronous save, so only the first save
+    pays for faulting in fresh host memory (several times the copy itself, on our CPU box). That
+    costs one resident host copy of this rank's state, and is safe because a save starts
+    only after the previous one finished with the buffers. DTensors stay DTensors.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, value: Any, key: str = "") -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._copy_tensor(key, value.detach())
+        if isinstance(value, dict):
+            return {k: self.copy(v, f"{key}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.copy(v, f"{key}[{i}]") for i, v in enumerate(value))
+        return value  # ints, floats, strings, bools: immutable
+
+    def _copy_tensor(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or _layout(buffer) != _layout(tensor):
+            buffer = self._buffers[key] = tensor.to("cpu", copy=True)
+        else:
+            _local(buffer).copy_(_local(tensor))
+        return buffer
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    spec = (tensor.device_mesh, tensor.placements) if isinstance(tensor, DTensor) else None
+    return type(tensor), tensor.shape, tensor.stride(), tensor.dtype, _local(tensor).shape, spec
+
+
+def _placeholder(param: torch.Tensor, meta: Any) -> Any:
+    if isinstance(meta, BytesStorageMetadata):
+        return 0  # DCP replaces non-tensor values wholesale
+    if meta.size == torch.Size([]):
+        return torch.zeros((), dtype=meta.properties.dtype)
+    return torch.zeros_like(param, dtype=meta.properties.dtype)
+
+
+def _add_optimizer_placeholders(optimizer: torch.optim.Optimizer, metadata: dict[str, Any]) -> None:
+    """Give each parameter without state a zero placeholder per state name in the checkpoint."""
+    prefix = f"{OPTIM_KEY}.{_OPTIM_STATE_PREFIX}"
+    specs: dict[str, Any] = {}
+    for key, meta in metadata.items():
+        if key.startswith(prefix):
+            specs.setdefault(key.rsplit(".", 1)[1], meta)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and not optimizer.state.get(param):
+                optimizer.state[param] = {name: _placeholder(param, m) for name, m in specs.items()}
+
+
+def _drop_state_absent_from_checkpoint(
+    optimizer: torch.optim.Optimizer, osd: dict[str, Any], saved_keys: set[str]
+) -> None:
+    """Parameters that had no optimizer state at save time get none after load either."""
+    owner = {id(v): p for p, s in optimizer.state.items() for v in s.values() if isinstance(v, torch.Tensor)}
+    keys_by_fqn: dict[str, list[str]] = {}
+    for key in osd:
+        if key.startswith(_OPTIM_STATE_PREFIX):
+            keys_by_fqn.setdefault(key[len(_OPTIM_STATE_PREFIX) :].rsplit(".", 1)[0], []).append(key)
+    for fqn, keys in keys_by_fqn.items():
+        present = [k for k in keys if f"{OPTIM_KEY}.{k}" in saved_keys]
+        if len(present) == len(keys):
+            continue
+        if present:
+            missing = sorted(set(keys) - set(present))
+            raise CheckpointError(
+                f"the checkpoint's optimizer state for {fqn} lacks {missing}",
+                key=fqn,
+                hint="load with the optimizer type and settings the checkpoint was saved with",
+            )
+        params = {owner[id(osd[k])] for k in keys if id(osd[k]) in owner}
+        if not params:
+            raise CheckpointError(f"optimizer state of {fqn} holds no tensors; cannot drop it", key=fqn)
+        for k in keys:
+            del osd[k]
+        for param in params:
+            optimizer.state.pop(param, None)
+
+
+def _check_nothing_left_behind(saved_keys: set[str], request: dict[str, dict[str, Any]]) -> None:
+    """Refuse a checkpoint that holds model/optimizer entries this model would silently skip."""
+    requested = {f"{top}.{key}" for top, sub in request.items() for key in sub}
+    skipped = []
+    for key in saved_keys:
+        parts = key.split(".")
+        if not any(".".join(parts[:n]) in requested for n in range(2, len(parts) + 1)):
+            skipped.append(key)
+    if skipped:
+        skipped.sort()
+        raise CheckpointError(
+            f"the checkpoint holds {len(skipped)} entries this model/optimizer has no place for, "
+            f"e.g. {skipped[:3]}",
+            hint="load into the same architecture and optimizer the checkpoint was saved with",
+        )
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+class _CheckpointGroup:
+    """Object collectives on a gloo group reserved for checkpoint I/O (see module docstring).
+
+    ``on_main`` and ``everywhere`` keep ranks in lockstep on errors: a failure on any rank
+    becomes the same exception on every rank at the same point, never a hang.
+    """
+
+    def __init__(self, ctx: DistributedContext) -> None:
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.group: Any = None
+        if ctx.world_size > 1:
+            self.group = dist.new_group(backend="gloo", timeout=ctx.timeout)
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def on_main(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank."""
+        result: tuple[Any, BaseException | None] = (None, None)
+        if self.rank == 0:
+            result = _capture(fn, what)
+        value, error = self.broadcast(result)
+        if error is not None:
+            raise error
+        return value
+
+    def everywhere(self, fn: Callable[[], T], what: str) -> list[T]:
+        """Run ``fn`` on every rank; all results to every rank, or the first rank's error."""
+        results = self.gather(_capture(fn, what))
+        for rank, (_, error) in enumerate(results):
+            if error is not None:
+                error.context.setdefault("rank", rank)
+                raise error
+        return [value for value, _ in results]
+
+
+def _capture(fn: Callable[[], T], what: str) -> tuple[T | None, CheckpointError | None]:
+    try:
+        return fn(), None
+    except CheckpointError as exc:
+        return None, exc
+    except _FAILURES as exc:  # an OSError, a DCP error: becomes a typed, picklable error
+        return None, CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}")
+
+
+# --------------------------------------------------------------------------- manager
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What ``CheckpointManager.load`` restored, besides the model and optimizer (in place)."""
+
+    step: int
+    path: Path
+    trainer_state: dict
+    data_state: dict
+    rng_state: dict | None  # this rank's; None when the saving run had no such rank
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+    saved_world_size: int = 1
+
+
+@dataclass
+class _StagedSave:
+    """What the write phase needs; when saving asynchronously nothing here aliases live state."""
+
+    step: int
+    state: dict[str, Any]
+    has_optimizer_state: bool
+    rank_files: dict[str, bytes]
+
+
+class CheckpointManager:
+    """Saves, finds and loads the checkpoints of one run (see the module docstring).
+
+    Every method except ``list_steps`` is collective: all ranks call it in the same order.
+    The constructor is collective too when distributed (it creates the checkpoint group).
+    ``checkpoint_dir`` must be one directory shared by all ranks. ``on_corrupt(step, path,
+    reason)`` is called on every rank, with the same arguments, for each damaged checkpoint
+    skipped while looking for an intact one. ``read_only`` (replay) refuses ``save()`` and
+    leaves the directory untouched, leftovers included.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        checkpoint_dir: Path,
+        dist: DistributedContext,
+        on_corrupt: Callable[[int, Path, str], None] | None = None,
+        read_only: bool = False,
+    ) -> None:
+        self.config = config
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.dist = dist
+        self.on_corrupt = on_corrupt
+        self.read_only = read_only
+        self._group = _CheckpointGroup(dist)
+        self._thread: threading.Thread | None = None
+        self._background_error: BaseException | None = None
+        self._verified: set[Path] = set()
+        self._latest_step: int | None = None
+        self._host_buffers = _HostBuffers()
+        if dist.is_main and not read_only:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_leftovers()
+
+    @property
+    def latest_step(self) -> int | None:
+        """Step of the last checkpoint this manager saved (or is saving) or loaded; else None."""
+        return self._latest_step
+
+    # ------------------------------------------------------------------ save
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict,
+        data_state: dict,
+        extra_files: dict[str, bytes] | None = None,
+    ) -> Path:
+        """Write checkpoint ``step``; returns its final path (durable after ``wait()`` if async)."""
+        if self.read_only:
+            raise CheckpointError("this checkpoint manager is read-only (replay) and does not save", step=step)
+        self.wait()
+        staged = self._stage(step, model, optimizer, trainer_state, data_state, extra_files or {})
+        tmp_name = self._group.on_main(lambda: self._make_tmp_dir(step), "creating the checkpoint's temporary dir")
+        tmp = self.checkpoint_dir / tmp_name
+        final = self.checkpoint_dir / step_dir_name(step)
+        self._verified.discard(final)
+        if self.config.async_save:
+            self._thread = threading.Thread(
+                target=self._run_in_background, args=(staged, tmp, final), name=f"checkpoint-step-{step}"
+            )
+            self._thread.start()
+        else:
+            self._write_and_publish(staged, tmp, final)
+        self._latest_step = step
+        return final
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is durable; raise its error."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._background_error = self._background_error, None
+        if isinstance(error, CheckpointError):
+            raise error
+        if error is not None:
+            raise CheckpointError(f"asynchronous checkpoint save failed: {error!r}") from error
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        self.wait()
+
+    def _stage(self, step, model, optimizer, trainer_state, data_state, extra_files) -> _StagedSave:
+        rank_files = {rng_file_name(self.dist.rank): _encode_rng_state(capture_rng_state(self.dist.device))}
+        trainer_bytes = encode_json_state(trainer_state, "trainer_state")
+        data_bytes = encode_json_state(data_state, "data_state")
+        extra = {extra_file_name(name): bytes(data) for name, data in extra_files.items()}
+        if self.dist.is_main:
+            rank_files.update({TRAINER_STATE_FILE: trainer_bytes, DATA_STATE_FILE: data_bytes, **extra})
+        has_optim = _has_optimizer_state(optimizer)
+        if has_optim:
+            msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+            state = {MODEL_KEY: msd, OPTIM_KEY: osd}
+        else:  # get_state_dict would initialize the optimizer by stepping it
+            state = {MODEL_KEY: get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
+        if self.config.async_save:
+            state = self._host_buffers.copy(state)
+        return _StagedSave(step=step, state=state, has_optimizer_state=has_optim, rank_files=rank_files)
+
+    def _make_tmp_dir(self, step: int) -> str:
+        self._remove_leftovers()
+        name = f"{TMP_PREFIX}{step_dir_name(step)}-{secrets.token_hex(4)}"
+        (self.checkpoint_dir / name).mkdir()
+        return name
+
+    def _run_in_background(self, staged: _StagedSave, tmp: Path, final: Path) -> None:
+        try:
+            self._write_and_publish(staged, tmp, final)
+        except BaseException as exc:  # surfaces at the next wait()/save()
+            self._background_error = exc
+
+    def _write_and_publish(self, staged: _StagedSave, tmp: Path, final: Path) -> None:
+        group = self._group
+        try:
+            dcp.save(
+                staged.state,
+                storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR), sync_files=True),
+                process_group=group.group,
+                no_dist=group.group is None,
+            )
+        except _FAILURES as exc:  # DCP reports a failure on every rank
+            raise CheckpointError(
+                f"writing model/optimizer shards failed: {exc}", step=staged.step, path=str(tmp)
+            ) from exc
+        group.everywhere(lambda: self._write_rank_files(tmp, staged.rank_files), "writing checkpoint files")
+        names = group.on_main(lambda: list_files(tmp), "listing checkpoint files")
+        mine = names[group.rank :: group.world_size]
+        hashed = group.everywhere(lambda: {n: hash_file(tmp / n) for n in mine}, "hashing checkpoint files")
+        entries = {name: entry for part in hashed for name, entry in part.items()}
+        manifest = CheckpointManifest(
+            step=staged.step,
+            world_size=group.world_size,
+            has_optimizer_state=staged.has_optimizer_state,
+            torch_version=torch.__version__,
+            files=entries,
+        )
+        group.on_main(lambda: self._publish(manifest, tmp, final), "publishing the checkpoint")
+
+    @staticmethod
+    def _write_rank_files(tmp: Path, files: dict[str, bytes]) -> None:
+        for rel, data in files.items():
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_file_durably(target, data)
+
+    def _publish(self, manifest: CheckpointManifest, tmp: Path, final: Path) -> None:
+        write_file_durably(tmp / MANIFEST_NAME, manifest.to_bytes())
+        reason = check_listing(tmp, read_manifest(tmp))
+        if reason is not None:
+            raise CheckpointCorruptError(f"checkpoint failed its check before publishing: {reason}", path=str(tmp))
+        fsync_dirs_below(tmp)
+        if final.exists():  # a newer-than-LATEST leftover of a crash, being re-saved
+            self._remove_dir(final)
+        os.rename(tmp, final)
+        fsync_dir(self.checkpoint_dir)
+        write_latest(self.checkpoint_dir, manifest.step)
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Keep the newest ``keep`` checkpoints up to LATEST (LATEST among them).
+
+        Directories newer than LATEST (left by a crash, or damaged ones a resume fell back
+        from) are never loaded and do not count; saving their step again replaces them.
+        """
+        if self.config.keep == 0:
+            return
+        latest = read_latest(self.checkpoint_dir)
+        steps = [s for s in self.list_steps() if latest is None or s <= latest]
+        for step in steps[: -self.config.keep]:
+            self._remove_dir(self.checkpoint_dir / step_dir_name(step))
+
+    def _remove_dir(self, path: Path) -> None:
+        """Rename first (atomic), then delete: a crash never leaves a half-deleted step dir."""
+        doomed = self.checkpoint_dir / f"{TMP_PREFIX}deleting-{path.name}-{secrets.token_hex(4)}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        for entry in self.checkpoint_dir.iterdir():
+            if entry.name.startswith(TMP_PREFIX):
+                log.info("removing leftover of an interrupted save: %s", entry)
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        (self.checkpoint_dir / LATEST_TMP_NAME).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ find
+
+    def list_steps(self) -> list[int]:
+        """Steps of the published checkpoint directories, ascending (intact or not). Local."""
+        return list_steps(self.checkpoint_dir)
+
+    def _candidates(self, max_step: int | None) -> list[int]:
+        """LATEST's step first, then older checkpoints, newest first; newer orphans are skipped."""
+        steps = set(self.list_steps())
+        latest = read_latest(self.checkpoint_dir)
+        if latest is not None:
+            steps = {s for s in steps if s <= latest} | {latest}
+        if max_step is not None:
+            steps = {s for s in steps if s <= max_step}
+        return sorted(steps, reverse=True)
+
+    def latest_intact(self, max_step: int | None = None) -> tuple[int, Path] | None:
+        """The newest verified checkpoint with step <= ``max_step``; damaged ones are reported."""
+        self.wait()
+        for step in self._group.on_main(lambda: self._candidates(max_step), "listing checkpoints"):
+            path = self.checkpoint_dir / step_dir_name(step)
+            reason = self._verify(path, step)
+            if reason is None:
+                self._verified.add(path)
+                return step, path
+            log.warning("checkpoint %s is damaged (%s); trying an older one", path, reason)
+            if self.on_corrupt is not None:
+                self.on_corrupt(step, path, reason)
+        return None
+
+    def _verify(self, path: Path, step: int | None) -> str | None:
+        """Collective full check: rank 0 reads the manifest, every rank hashes a share."""
+        manifest, reason = self._group.on_main(lambda: check_header(path, step), f"reading {path}/manifest.json")
+        if reason is not None:
+            return reason
+        mine = sorted(manifest.files)[self._group.rank :: self._group.world_size]
+        reasons = self._group.everywhere(lambda: check_hashes(path, manifest, mine), "verifying checkpoint files")
+        return next((r for r in reasons if r is not None), None)
+
+    # ------------------------------------------------------------------ load
+
+    def load(
+        self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> LoadedCheckpoint:
+        """Restore model (and optimizer) in place from ``path``; RNG is returned, not restored."""
+        self.wait()
+        path = Path(path)
+        step = parse_step_dir_name(path.name)
+        if path not in self._verified:
+            reason = self._verify(path, step)
+            if reason is not None:
+                raise CheckpointCorruptError(f"checkpoint is damaged: {reason}", path=str(path))
+        manifest = read_manifest(path)
+        try:
+            self._load_model_and_optimizer(path, manifest, model, optimizer)
+        except CheckpointError:
+            raise
+        except _FAILURES as exc:
+            raise CheckpointError(
+                f"restoring model/optimizer failed: {type(exc).__name__}: {exc}",
+                path=str(path),
+                hint="a checkpoint loads only into the same architecture and optimizer type",
+            ) from exc
+        self._latest_step = manifest.step
+        rng_path = path / rng_file_name(self.dist.rank)
+        extra_prefix = f"{EXTRA_DIR}/"
+        return LoadedCheckpoint(
+            step=manifest.step,
+            path=path,
+            trainer_state=json.loads((path / TRAINER_STATE_FILE).read_bytes()),
+            data_state=json.loads((path / DATA_STATE_FILE).read_bytes()),
+            rng_state=torch.load(rng_path, weights_only=True) if rng_path.exists() else None,
+            extra_files={
+                name[len(extra_prefix) :]: (path / name).read_bytes()
+                for name in sorted(manifest.files)
+                if name.startswith(extra_prefix)
+            },
+            saved_world_size=manifest.world_size,
+        )
+
+    def _load_model_and_optimizer(
+        self, path: Path, manifest: CheckpointManifest, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        """DCP load into the live (possibly sharded) tensors, then set_state_dict; never steps."""
+        reader = dcp.FileSystemReader(str(path / DCP_DIR))
+        saved = reader.read_metadata().state_dict_metadata
+        group = self._group.group
+        with_optimizer = optimizer is not None and manifest.has_optimizer_state
+        if with_optimizer:
+            _add_optimizer_placeholders(optimizer, saved)
+            msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
+            _drop_state_absent_from_checkpoint(optimizer, osd, set(saved))
+            request = {MODEL_KEY: msd, OPTIM_KEY: osd}
+        else:
+            request = {MODEL_KEY: get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
+        _check_nothing_left_behind({k for k in saved if k.split(".", 1)[0] in request}, request)
+        dcp.load(request, storage_reader=reader, process_group=group, no_dist=group is None)
+        if with_optimizer:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=request[MODEL_KEY],
+                optim_state_dict=request[OPTIM_KEY],
+                options=_STATE_DICT_OPTIONS,
+            )
+        else:
+            set_model_state_dict(model, request[MODEL_KEY], options=_STATE_DICT_OPTIONS)
+            if optimizer is not None:  # saved before its first step: fresh state
+                optimizer.state.clear()
