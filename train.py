@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = session.parse_args(argv)
         config = session.resolve_config(args)  # exits 2 (or 4) before any process group exists
+        session.prepare_process(config)
         dist = DistributedContext.from_env(config.parallel)
         run, events = session.open_run(args, config, dist)
         model, parallel = build_model(config, dist)

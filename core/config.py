@@ -92,6 +92,8 @@ class SourceConfig:
     """Column (parquet) or key (jsonl) that holds the document text."""
     name: Optional[str] = None
     """Name used in provenance and metrics; defaults to the path."""
+    text_unit: Literal["file", "line"] = "file"
+    """Text format: each file is one document, or each non-blank line is one."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,8 @@ class DataConfig:
     """Logical streams; every world size that divides it sees the same global batches."""
     workers: int = 2
     """Worker threads per rank for decode/tokenize/augment."""
+    process_pool: bool = True
+    """Run the stages that hold the GIL in data.workers worker processes (false: in the threads)."""
     prefetch_batches: int = 4
     """Batches buffered ahead of the trainer."""
     max_in_flight: int = 256
@@ -210,16 +214,24 @@ class CheckpointConfig:
 class RuntimeConfig:
     watchdog_timeout_s: float = 300.0
     """Seconds without progress before a rank dumps diagnostics and aborts; 0 disables."""
+    watchdog_pause_limit_s: float = 3600.0
+    """Longest a paused watchdog (checkpoint writes, compilation) waits before aborting; 0 means no limit."""
+    watchdog_exit_grace_s: float = 10.0
+    """Seconds a timed-out rank waits after its dump before exiting, so ranks blocked on it can dump too."""
     on_nonfinite: Literal["abort", "skip"] = "abort"
     """Non-finite loss or gradient: abort (exit 7) or skip the update and count it."""
     faults: tuple[str, ...] = ()
     """Injected faults for tests and chaos runs, e.g. 'hang@5:1', 'nan@3', 'sigterm@6'."""
+    fault_slow_data_s: float = 2.0
+    """Seconds a slow_data fault delays the batch of its step."""
     profile_start_step: int = 0
     """First step of the torch.profiler window; 0 disables profiling."""
     profile_steps: int = 3
     """Steps recorded in the profiler window."""
     strict_env: bool = False
     """Refuse (instead of warn) a resume or replay whose software/hardware environment differs."""
+    record_memory_history: bool = False
+    """Record CUDA allocation history with stacks, saved in the memory snapshot on out-of-memory."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -21,6 +22,15 @@ class Result:
     returncode: int
     stdout: str
     stderr: str
+
+    @property
+    def exit_code(self) -> int:
+        """train.py's own exit code. torchrun itself exits 1 when a rank fails and names each
+        failed rank's exit code in its summary; the first failure's code is the job's."""
+        if self.returncode in (0, None):
+            return self.returncode
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", self.stderr)
+        return int(codes[0]) if codes else self.returncode
 
     @property
     def run_id(self) -> str:

@@ -11,7 +11,7 @@ TINY = str(launch.ROOT / "configs" / "tiny.yaml")
 
 
 def _assert_config_error(result, *needles, cwd: Path):
-    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.exit_code == 2, (result.stdout, result.stderr)
     for needle in needles:
         assert needle in result.stderr, result.stderr
     assert not (cwd / "runs").exists(), "a run dir was created for a bad config"
@@ -46,5 +46,5 @@ def test_usage_errors_exit_2(tmp_path):
 
 def test_resume_of_unknown_run_exits_4(tmp_path):
     result = launch.train(tmp_path, ["--resume", "no-such-run"], nproc=1, timeout=60)
-    assert result.returncode == 4, result.stderr
+    assert result.exit_code == 4, result.stderr
     assert "no-such-run" in result.stderr

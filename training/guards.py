@@ -9,7 +9,7 @@ replay or a benchmark can pass a quieter one.
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -17,7 +17,7 @@ from core.config import Config
 from core.distributed_context import DistributedContext
 from runtime.faults import FaultInjector, parse_faults
 from runtime.health import NonFiniteGuard, StallDetector, dump_provenance
-from runtime.memory import memory_snapshot
+from runtime.memory import memory_metrics
 from runtime.profiler import ProfilerWindow, StepTimer
 from runtime.signals import StopSignals
 from runtime.watchdog import Watchdog
@@ -37,19 +37,26 @@ class Guards:
     ) -> None:
         self.dist = dist
         self.diagnostics_dir = diagnostics_dir
-        self.timer = StepTimer(device=dist.device)
         self.stall = StallDetector()
-        self.faults = FaultInjector(parse_faults(config.runtime.faults), rank=dist.rank)
-        self.nonfinite = NonFiniteGuard(config.runtime.on_nonfinite, dist=dist)
-        self.profiler = ProfilerWindow(config.runtime, trace_dir=trace_dir)
-        self.signals = StopSignals() if install_signals else None
         self.watchdog = Watchdog(
             config.runtime,
             rank=dist.rank,
             diagnostics_dir=diagnostics_dir,
-            providers={**providers, "stall": self.stall.summary, "step_times": self.timer.summary},
+            providers={**providers, "stall": self.stall.summary, "step_times": lambda: self.timer.summary()},
             on_abort=on_abort,
+            device=dist.device,
         )
+        # Every phase start is a heartbeat, so the watchdog knows the phase a rank hangs in.
+        self.timer = StepTimer(device=dist.device, listeners=[self.watchdog, self.stall])
+        self.faults = FaultInjector(
+            parse_faults(config.runtime.faults),
+            rank=dist.rank,
+            slow_data_s=config.runtime.fault_slow_data_s,
+            flush=_flush_logs,
+        )
+        self.nonfinite = NonFiniteGuard(config.runtime.on_nonfinite, dist=dist)
+        self.profiler = ProfilerWindow(config.runtime, trace_dir=trace_dir, rank=dist.rank, device=dist.device)
+        self.signals = StopSignals() if install_signals else None
 
     def start(self) -> None:
         self.watchdog.start()
@@ -72,10 +79,18 @@ class Guards:
         return self.signals is not None and self.signals.should_stop(dist)
 
     def stop_reason(self) -> str | None:
-        return self.signals.received if self.signals is not None else None
+        return self.signals.signal_name if self.signals is not None else None
 
-    def profiler_step(self) -> None:
-        self.profiler.step()
+    def begin_step(self, step: int) -> None:
+        self.profiler.before_step(step)
+        self.timer.start_step(step)
+
+    def end_step(self, step: int) -> dict[str, float]:
+        """Seconds per phase of the step that just ended (they add up to the step time)."""
+        times = self.timer.end_step()
+        self.stall.observe(step, times)
+        self.profiler.after_step(step)
+        return times
 
     def dump_provenance(self, step: int, batch) -> Path:
         path = self.diagnostics_dir / f"nonfinite_step{step:08d}_rank{self.dist.rank}.json"
@@ -83,4 +98,16 @@ class Guards:
         return path
 
     def memory(self) -> dict[str, float]:
-        return {k: float(v) for k, v in memory_snapshot(self.dist.device).items() if isinstance(v, (int, float))}
+        return memory_metrics(self.dist.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "nonfinite": self.nonfinite.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.nonfinite.load_state_dict(state["nonfinite"])
+
+
+def _flush_logs() -> None:
+    """Flush every log handler before an injected hard crash, so the logs show it."""
+    for handler in logging.getLogger("lockstep").handlers:
+        handler.flush()

@@ -177,6 +177,7 @@ class Trainer:
         self.tokens_seen = state["tokens_seen"]
         self.skipped_steps = state["skipped_steps"]
         self.precision.load_state_dict(state["precision"])
+        self.guards.load_state_dict(state["guards"])
         self.data.load_state_dict(loaded.data_state)
         self._global_data_state = loaded.data_state
         if loaded.rng_state is not None:
@@ -190,8 +191,7 @@ class Trainer:
 
     def train_one_step(self, step: int) -> dict[str, Any]:
         guards, timer = self.guards, self.guards.timer
-        timer.start_step(step)
-        guards.heartbeat(step, "data")
+        guards.begin_step(step)
         with timer.phase("data_wait"):
             delay = guards.faults.slow_data_delay(step)
             if delay:
@@ -205,7 +205,6 @@ class Trainer:
                 hint="the data state in the checkpoint does not match the trainer state",
             )
         guards.faults.before_step(step)
-        guards.heartbeat(step, "compute")
 
         lr = lr_at(step, self.config.train)
         set_lr(self.optimizer, lr)
@@ -261,8 +260,7 @@ class Trainer:
             if due:
                 with timer.phase("checkpoint"):
                     self.save_checkpoint(step, reason="interval")
-        times = timer.end_step()
-        guards.profiler_step()
+        times = guards.end_step(step)
         self.tracker.log(step, self._metrics(record, times, batch))
         return record
 
@@ -343,6 +341,7 @@ class Trainer:
             "precision": self.precision.state_dict(),
             "world_size": self.dist.world_size,
             "strategy": self.config.parallel.strategy,
+            "guards": self.guards.state_dict(),
         }
 
     def _on_corrupt_checkpoint(self, step: int, path: Path, reason: str) -> None:

@@ -14,12 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from core import config as config_lib
 from core.config import Config
 from core.distributed_context import DistributedContext, ProcessInfo
 from core.exceptions import ExitCode, LockstepError, UsageError, exit_code_for
 from core.logging import EventLog, console, get_logger, setup_logging
 from core.run_context import RunContext
+from experiments.artifacts import ArtifactStore
+from runtime.faults import parse_faults
+from runtime.watchdog import configure_nccl_diagnostics
 from training import replay as replay_lib
 from training import resume as resume_lib
 
@@ -77,7 +82,14 @@ def resolve_config(args: Args) -> Config:
         root = resume_lib.parse_override_root(list(args.overrides))
         config = resume_lib.resume_config(root, run_id, list(args.overrides))
     config_lib.validate_world(config, ProcessInfo.from_env().world_size)
+    parse_faults(config.runtime.faults)  # a bad fault entry is a config error (exit 2)
     return config
+
+
+def prepare_process(config: Config) -> None:
+    """Process-wide settings read when the process group is created (NCCL flight recorder)."""
+    if config.parallel.device != "cpu" and torch.cuda.is_available():
+        configure_nccl_diagnostics(Path(config.run.root) / "_nccl_traces", config.runtime.watchdog_timeout_s)
 
 
 def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunContext, EventLog]:
@@ -94,6 +106,8 @@ def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunC
     if dist.is_main:
         console(f"run_id: {run.run_id}")
         console(f"run_dir: {run.run_dir}")
+    if args.mode == "train" and dist.is_main:
+        ArtifactStore(run.run_dir).collect(config, repo_root=Path.cwd())
     if args.mode != "train":
         resume_lib.check_environment(run.paths, config, dist.device, strict=config.runtime.strict_env)
     if dist.is_main and args.mode != "replay":
@@ -151,7 +165,8 @@ def fail(error: BaseException, run: RunContext | None, events: EventLog | None, 
                 record: dict[str, Any] = (
                     error.to_record() if isinstance(error, LockstepError) else {"type": type(error).__name__, "message": str(error)}
                 )
-                events.emit("failed", exit_code=code, **record)
+                record["exit_code"] = code
+                events.emit("failed", **record)
         except OSError:
             pass
     return code

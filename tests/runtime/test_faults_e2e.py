@@ -60,7 +60,7 @@ def test_hang_is_caught_by_the_watchdog(e2e_workdir):
 
 def test_nan_aborts_with_provenance(e2e_workdir):
     result = launch.train(e2e_workdir, e2e_args(max_steps=STEPS, name="nan", overrides=["runtime.faults=[nan@3]"]), nproc=2)
-    assert result.returncode == 7, result.stderr
+    assert result.exit_code == 7, result.stderr
     run_dir = _abs(e2e_workdir, result.run_dir)
     dumps = list((run_dir / "diagnostics").glob("nonfinite_step00000003_rank*.json"))
     assert dumps, list((run_dir / "diagnostics").iterdir())

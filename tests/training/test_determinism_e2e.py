@@ -126,7 +126,7 @@ def test_tampered_ledger_makes_replay_exit_5(e2e_workdir, reference, tmp_path):
     lines[5]["loss"] += 1e-6
     (copy / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     result = launch.train(e2e_workdir, ["--replay", copy.name, "--step", "6"], nproc=2)
-    assert result.returncode == 5, result.stderr
+    assert result.exit_code == 5, result.stderr
     assert "loss" in result.stderr and "step=6" in result.stderr
     assert launch.ledger(copy) == lines  # replay never rewrites the ledger
 
@@ -158,10 +158,10 @@ def _largest_file(directory):
 
 
 def test_incompatible_resume_exits_4_with_diff(e2e_workdir, reference):
-    result = launch.train(e2e_workdir, ["--resume", reference.name, "model.hidden_size=64"], nproc=1)
-    assert result.returncode == 4, result.stderr
+    result = launch.train(e2e_workdir, ["--resume", reference.name, "model.hidden_size=96"], nproc=1)
+    assert result.exit_code == 4, result.stderr
     assert "model.hidden_size" in result.stdout + result.stderr
-    assert "128" in result.stdout and "64" in result.stdout
+    assert "- model.hidden_size: 64" in result.stdout and "+ model.hidden_size: 96" in result.stdout
 
 
 def _drop_checkpoints_after(run_dir, step):

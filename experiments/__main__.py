@@ -1,0 +1,133 @@
+"""Run browser: ``python -m experiments runs [list | show RUN_ID | diff A B | plot RUN_ID]``.
+
+Every subcommand takes ``--root DIR`` (default ``runs``); RUN_ID may be a unique prefix.
+Exit codes follow design.md: 0 success, 2 usage error (unknown run, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from core.exceptions import LockstepError
+from experiments import layout
+from experiments.runs import config_diff, describe_run, find_runs, plot_run, resolve_run, summarize
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except LockstepError as err:
+        print(str(err), file=sys.stderr)
+        return err.exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(add_help=False)
+    top.add_argument("--root", type=Path, default=Path("runs"), help="directory of run dirs")
+    # Subcommands accept --root too; SUPPRESS keeps `runs --root X list` from being reset.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", type=Path, default=argparse.SUPPRESS, help="directory of run dirs")
+    parser = argparse.ArgumentParser(prog="python -m experiments")
+    groups = parser.add_subparsers(dest="group", required=True)
+    runs = groups.add_parser("runs", help="list and inspect runs", parents=[top])
+    runs.set_defaults(handler=_list, json=False)
+    sub = runs.add_subparsers(dest="command")
+    p = sub.add_parser("list", help="runs with state, step, loss, tokens/s", parents=[common])
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=_list)
+    p = sub.add_parser("show", help="one run's summary", parents=[common])
+    p.add_argument("run_id")
+    p.add_argument("--events", type=int, default=30, help="how many of the last events to show")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_show)
+    p = sub.add_parser("diff", help="config differences of two runs", parents=[common])
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(handler=_diff)
+    p = sub.add_parser("plot", help="loss, LR and throughput curves to PNG", parents=[common])
+    p.add_argument("run_id")
+    p.add_argument("--out", type=Path, default=None, help=f"default: RUN/{layout.ARTIFACTS_DIR}/{layout.PLOTS_FILE}")
+    p.set_defaults(handler=_plot)
+    return parser
+
+
+def _list(args: argparse.Namespace) -> int:
+    summaries = [summarize(p) for p in find_runs(args.root)]
+    if args.json:
+        print(json.dumps([s.to_dict() for s in summaries], indent=2))
+        return 0
+    if not summaries:
+        print(f"no runs under {args.root}")
+        return 0
+    rows = [("RUN_ID", "STATE", "STEP", "LOSS", "TOK/S")]
+    for s in summaries:
+        rows.append((s.run_id, s.state, _fmt(s.step), _fmt(s.loss, ".4f"), _fmt(s.tokens_per_s, ",.0f")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    info = describe_run(resolve_run(args.root, args.run_id), max_events=args.events)
+    if args.json:
+        print(json.dumps(info, indent=2, default=repr))
+        return 0
+    print(f"run:         {info['run_id']}")
+    print(f"path:        {info['path']}")
+    print(f"state:       {info['state']}" + (f"  ({info['state_detail']})" if info["state_detail"] else ""))
+    print(f"config hash: {info['config_hash'] or 'unknown'}")
+    meta = info["meta"] or {}
+    for key in sorted(meta):
+        if isinstance(meta[key], (str, int, float, bool)) or meta[key] is None:
+            print(f"meta.{key}: {meta[key]}")
+    print(f"last ledger: {json.dumps(info['last_ledger']) if info['last_ledger'] else '-'}")
+    ckpts = info["checkpoints"]
+    names = ", ".join(c["name"] + ("" if c["has_manifest"] else " (no manifest)") for c in ckpts["checkpoints"])
+    print(f"checkpoints: {names or '-'}  LATEST={ckpts['latest'] or '-'}")
+    if info["diagnostics"]:
+        print(f"diagnostics: {', '.join(info['diagnostics'])}")
+    print(f"events ({len(info['events'])} of {info['events_total']}):")
+    for event in info["events"]:
+        print("  " + _fmt_event(event))
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    a, b = resolve_run(args.root, args.a), resolve_run(args.root, args.b)
+    changes = config_diff(a, b)
+    if not changes:
+        print(f"configs of {a.name} and {b.name} are equal")
+        return 0
+    print(f"--- {a.name}\n+++ {b.name}")
+    for key, va, vb in changes:
+        print(f"{key}: {va!r} -> {vb!r}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    run_dir = resolve_run(args.root, args.run_id)
+    out = args.out or run_dir / layout.ARTIFACTS_DIR / layout.PLOTS_FILE
+    print(plot_run(run_dir, out))
+    return 0
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _fmt_event(event: dict[str, Any]) -> str:
+    when = datetime.datetime.fromtimestamp(event["time"]).strftime("%Y-%m-%d %H:%M:%S")
+    rest = {k: v for k, v in event.items() if k not in ("event", "time", "rank", "schema_version")}
+    fields = " ".join(f"{k}={json.dumps(v, default=repr)}" for k, v in rest.items())
+    return f"{when} rank{event['rank']} {event['event']} {fields}".rstrip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Files that describe how a run was made, under ``run_dir/artifacts``.
+
+``config.yaml`` (a copy of the resolved config), ``git.diff`` and ``git-untracked.txt``
+(the uncommitted state of the source tree), ``pip-freeze.txt`` (installed packages), and
+the folders for profiler traces and plots. Collecting an artifact never fails the run: an
+external command that is missing, fails or times out is recorded in ``artifacts.json``
+with its error, and the run goes on. Call on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from core.config import Config, to_yaml
+from experiments import layout
+
+Runner = Callable[..., subprocess.CompletedProcess]
+
+INDEX_FILE = "artifacts.json"
+
+
+@dataclass(frozen=True)
+class ArtifactResult:
+    """What collecting one artifact produced."""
+
+    name: str
+    path: str | None
+    ok: bool
+    error: str | None = None
+
+
+class ArtifactStore:
+    """Writes a run's artifacts; external commands go through an injectable runner."""
+
+    def __init__(self, run_dir: Path, *, runner: Runner = subprocess.run) -> None:
+        self._dir = Path(run_dir) / layout.ARTIFACTS_DIR
+        self._runner = runner
+
+    @property
+    def dir(self) -> Path:
+        return self._dir
+
+    @property
+    def trace_dir(self) -> Path:
+        """Where profiler chrome traces go (created on access)."""
+        path = self._dir / layout.TRACES_DIR
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def plots_path(self) -> Path:
+        return self._dir / layout.PLOTS_FILE
+
+    def save_config(self, config: Config) -> ArtifactResult:
+        path = self._write("config.yaml", to_yaml(config))
+        return ArtifactResult("config", str(path), True)
+
+    def save_git_diff(self, repo_root: Path, *, timeout_s: float = 30.0) -> ArtifactResult:
+        """``git diff HEAD`` (staged and unstaged changes) and the untracked file list."""
+        diff = self._run(["git", "-C", str(repo_root), "diff", "HEAD", "--binary"], timeout_s)
+        if isinstance(diff, str):
+            return ArtifactResult("git_diff", None, False, diff)
+        path = self._write("git.diff", diff.stdout)
+        untracked = self._run(
+            ["git", "-C", str(repo_root), "ls-files", "--others", "--exclude-standard"], timeout_s
+        )
+        if not isinstance(untracked, str):
+            self._write("git-untracked.txt", untracked.stdout)
+        return ArtifactResult("git_diff", str(path), True)
+
+    def save_pip_freeze(self, *, python: str = sys.executable, timeout_s: float = 60.0) -> ArtifactResult:
+        """``pip freeze``; if pip is missing or fails, the installed distributions instead."""
+        result = self._run([python, "-m", "pip", "freeze", "--all"], timeout_s)
+        if not isinstance(result, str):
+            path = self._write("pip-freeze.txt", result.stdout)
+            return ArtifactResult("pip_freeze", str(path), True)
+        listing = "\n".join(sorted(installed_distributions()))
+        header = f"# pip freeze failed ({result}); installed distributions of this interpreter:\n"
+        path = self._write("pip-freeze.txt", header + listing + "\n")
+        return ArtifactResult("pip_freeze", str(path), False, result)
+
+    def collect(self, config: Config, *, repo_root: Path) -> list[ArtifactResult]:
+        """Config copy, git diff and pip freeze; writes and returns the index."""
+        results = [
+            self.save_config(config),
+            self.save_git_diff(repo_root),
+            self.save_pip_freeze(),
+        ]
+        self.write_index(results)
+        return results
+
+    def write_index(self, results: Sequence[ArtifactResult]) -> Path:
+        return self._write(INDEX_FILE, json.dumps([asdict(r) for r in results], indent=2) + "\n")
+
+    # ------------------------------------------------------------------ internals
+
+    def _write(self, name: str, text: str) -> Path:
+        self._dir.mkdir(parents=True, exist_ok=True)
+        path = self._dir / name
+        path.write_text(text)
+        return path
+
+    def _run(self, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess | str:
+        """The finished process, or a one-line reason it failed."""
+        try:
+            proc = self._runner(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except FileNotFoundError:
+            return f"{argv[0]} not found"
+        except subprocess.TimeoutExpired:
+            return f"{' '.join(argv[:3])} timed out after {timeout_s:g}s"
+        except OSError as exc:
+            return f"{' '.join(argv[:3])} could not start: {exc}"
+        if proc.returncode != 0:
+            tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no stderr"]
+            return f"{' '.join(argv[:3])} exited {proc.returncode}: {tail[0]}"
+        return proc
+
+
+def installed_distributions() -> list[str]:
+    """``name==version`` of every distribution importlib.metadata can see."""
+    out = set()
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            out.add(f"{name}=={dist.version}")
+    return list(out)

@@ -1,0 +1,162 @@
+"""Where aggregated metric records go: metrics.jsonl, TensorBoard, the console, W&B.
+
+Only rank 0 builds sinks (``build_sinks``). Each sink implements ``MetricSink``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from core.config import MetricsConfig
+from experiments import layout
+from experiments.events import append_line
+from experiments.schema import MetricRecord
+
+log = logging.getLogger(__name__)
+
+
+class MetricSink(Protocol):
+    """Receives every aggregated record on rank 0."""
+
+    def write(self, record: MetricRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlMetricsSink:
+    """Appends one line per record to ``metrics.jsonl``.
+
+    A resumed run appends after the records of the interrupted one; steps logged after the
+    last checkpoint appear twice and readers keep the last record of each step.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = Path(path)
+
+    def write(self, record: MetricRecord) -> None:
+        append_line(self._path, record.to_json(), fsync=False)
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    """Scalars ``<metric>/mean|min|max`` and ``throughput/*`` under ``run_dir/tensorboard``.
+
+    ``purge_step`` (the first step of a resumed run) makes TensorBoard drop events that the
+    interrupted run wrote at or after that step, so a resumed curve has no overlap.
+    """
+
+    def __init__(self, log_dir: Path, *, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+    def write(self, record: MetricRecord) -> None:
+        step = record.step
+        for name, stats in record.metrics.items():
+            self._writer.add_scalar(f"{name}/mean", stats.mean, step)
+            self._writer.add_scalar(f"{name}/min", stats.min, step)
+            self._writer.add_scalar(f"{name}/max", stats.max, step)
+        for name in ("tokens_per_s", "mfu"):
+            value = getattr(record, name)
+            if value is not None:
+                self._writer.add_scalar(f"throughput/{name}", value, step)
+        if record.slowest_rank is not None:
+            self._writer.add_scalar("ranks/slowest_rank", record.slowest_rank, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class ConsoleSink:
+    """One progress line per record: step, loss, tokens/s, MFU, ETA, slowest rank."""
+
+    def __init__(self, *, total_steps: int, print_fn: Callable[[str], None]) -> None:
+        self._total_steps = total_steps
+        self._print = print_fn
+
+    def write(self, record: MetricRecord) -> None:
+        self._print(format_progress(record, self._total_steps))
+
+    def close(self) -> None:
+        pass
+
+
+class WandbSink:
+    """Weights & Biases run named after the run ID (resumes the same W&B run)."""
+
+    def __init__(self, *, project: str, run_dir: Path) -> None:
+        import wandb  # optional dependency, checked by build_sinks
+
+        self._run = wandb.init(
+            project=project, name=run_dir.name, id=run_dir.name, dir=str(run_dir), resume="allow"
+        )
+
+    def write(self, record: MetricRecord) -> None:
+        data: dict[str, Any] = {f"{k}/mean": v.mean for k, v in record.metrics.items()}
+        data.update({f"{k}/max": v.max for k, v in record.metrics.items()})
+        for name in ("tokens_per_s", "mfu"):
+            if getattr(record, name) is not None:
+                data[f"throughput/{name}"] = getattr(record, name)
+        self._run.log(data, step=record.step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def build_sinks(
+    config: MetricsConfig,
+    *,
+    run_dir: Path | None,
+    total_steps: int,
+    start_step: int,
+    print_fn: Callable[[str], None],
+) -> list[MetricSink]:
+    """The sinks ``config`` asks for (call on rank 0 only); without a run dir, console only."""
+    if run_dir is None:
+        return [ConsoleSink(total_steps=total_steps, print_fn=print_fn)]
+    sinks: list[MetricSink] = [JsonlMetricsSink(run_dir / layout.METRICS_FILE)]
+    if config.tensorboard:
+        purge = start_step + 1 if start_step > 0 else None
+        sinks.append(TensorBoardSink(run_dir / layout.TENSORBOARD_DIR, purge_step=purge))
+    if config.wandb:
+        if importlib.util.find_spec("wandb") is None:
+            log.warning("metrics.wandb is on but wandb is not installed; W&B logging is off")
+        else:
+            sinks.append(WandbSink(project=config.wandb_project, run_dir=run_dir))
+    sinks.append(ConsoleSink(total_steps=total_steps, print_fn=print_fn))
+    return sinks
+
+
+def format_progress(record: MetricRecord, total_steps: int) -> str:
+    parts = [f"step {record.step}/{total_steps}"]
+    loss = record.metrics.get("loss")
+    if loss is not None:
+        parts.append(f"loss {loss.mean:.4f}")
+    lr = record.metrics.get("lr")
+    if lr is not None:
+        parts.append(f"lr {lr.mean:.2e}")
+    if record.tokens_per_s is not None:
+        parts.append(f"{record.tokens_per_s:,.0f} tok/s")
+    if record.mfu is not None:
+        parts.append(f"MFU {100 * record.mfu:.1f}%")
+    if record.eta_s is not None:
+        parts.append(f"ETA {datetime.timedelta(seconds=round(record.eta_s))}")
+    step_time = record.metrics.get("step_time")
+    if record.slowest_rank is not None and step_time is not None and record.world_size > 1:
+        parts.append(f"slowest rank {record.slowest_rank} ({step_time.max:.3f}s)")
+    return " | ".join(parts)
+
+
+def close_all(sinks: Sequence[MetricSink]) -> None:
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:  # closing one sink must not keep the others open
+            log.warning("closing metrics sink %s failed: %s", type(sink).__name__, exc)

@@ -1,0 +1,222 @@
+"""Hugging Face safetensors checkpoints <-> QwenForCausalLM.
+
+A checkpoint directory holds config.json plus either ``model.safetensors`` or shards
+listed in ``model.safetensors.index.json``. Our state_dict key is the HF key without the
+leading ``model.`` (``lm_head.weight`` is the same in both), so I/O is a rename plus
+checks: every parameter must be found exactly once with the shape config.json implies,
+and a tensor we have no place for is an error rather than silently dropped.
+
+Exactness padding: HF Qwen2 always has q/k/v biases and HF Qwen3 with ``attention_bias``
+also has an o_proj bias. Where our model lacks such a bias the exporter writes zeros (the
+same function), and the loader accepts such a tensor only if it is all zeros.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from core.config import ModelConfig
+from core.exceptions import ConfigError
+from models.hf_config import config_path, hf_config_dict, model_config_from_hf
+from models.qwen.model import QwenForCausalLM, empty_model
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
+_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Old exports stored RoPE's inverse frequencies; we recompute them.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_ZERO_PADDING = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.bias")
+
+
+def to_hf_key(key: str) -> str:
+    return key if key == "lm_head.weight" else f"model.{key}"
+
+
+def from_hf_key(hf_key: str) -> str:
+    return hf_key if hf_key == "lm_head.weight" else hf_key.removeprefix("model.")
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    base: ModelConfig | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> QwenForCausalLM:
+    """Our model with the weights of a local HF directory, on ``device`` in ``dtype``.
+
+    The shape comes from config.json; non-shape fields from ``base`` (see
+    ``model_config_from_hf``). Any disagreement is a ConfigError naming file and field.
+    """
+    config = model_config_from_hf(path, base)
+    model = empty_model(config, device=device, dtype=dtype)
+    load_hf_weights(model, path)
+    return model
+
+
+@torch.no_grad()
+def load_hf_weights(model: QwenForCausalLM, path: str | Path) -> None:
+    """Fill every parameter of ``model`` from the safetensors files under ``path``."""
+    directory = config_path(path).parent
+    expected = {to_hf_key(name): param for name, param in model.named_parameters()}  # tied: embed only
+    filled: set[str] = set()
+    for file in _weight_files(directory):
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for hf_key in reader.keys():
+                if hf_key in expected:
+                    tensor = reader.get_tensor(hf_key)
+                    _check_shape(hf_key, tensor, expected[hf_key], file, model.config)
+                    expected[hf_key].copy_(tensor)
+                    filled.add(hf_key)
+                elif hf_key == "lm_head.weight" and model.dims.tie_embeddings:
+                    continue  # tied: the output head is the embedding, as in transformers
+                elif _IGNORED.fullmatch(hf_key):
+                    continue
+                elif _ZERO_PADDING.fullmatch(hf_key):
+                    _check_zero_padding(hf_key, reader.get_tensor(hf_key), file)
+                else:
+                    raise ConfigError(
+                        f"{file.name} holds tensor {hf_key!r}, which this model has no place for",
+                        file=str(file),
+                        key=hf_key,
+                        hint="check config.json's architecture and flags (tie_word_embeddings, attention_bias)",
+                    )
+    missing = sorted(set(expected) - filled)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"{directory} lacks tensor {missing[0]!r}{more} that config.json requires",
+            file=str(directory / (INDEX_NAME if (directory / INDEX_NAME).is_file() else WEIGHTS_NAME)),
+            key=missing[0],
+            hint="config.json and the weights disagree (num_hidden_layers, tie_word_embeddings, architecture?)",
+        )
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"{index} is not a valid safetensors index: {exc}", file=str(index), key="weight_map"
+            ) from exc
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]  # ordered, unique
+        for file in files:
+            if not file.is_file():
+                raise ConfigError(
+                    f"{index.name} lists {file.name}, which does not exist", file=str(file), key="weight_map"
+                )
+        return files
+    single = directory / WEIGHTS_NAME
+    if not single.is_file():
+        raise ConfigError(
+            f"{directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}",
+            file=str(single),
+            hint="only safetensors checkpoints are supported (convert .bin files with transformers first)",
+        )
+    return [single]
+
+
+def _check_shape(hf_key: str, tensor: torch.Tensor, param: torch.Tensor, file: Path, config: ModelConfig) -> None:
+    if tuple(tensor.shape) == tuple(param.shape):
+        return
+    raise ConfigError(
+        f"tensor {hf_key!r} in {file.name} has shape {list(tensor.shape)} but config.json implies "
+        f"{list(param.shape)} (hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
+        f"num_attention_heads={config.num_heads}, num_key_value_heads={config.num_kv_heads}, "
+        f"head_dim={config.head_dim}, vocab_size={config.vocab_size})",
+        file=str(file),
+        key=hf_key,
+        hint="config.json does not describe these weights; fix its sizes or use the matching config",
+    )
+
+
+def _check_zero_padding(hf_key: str, tensor: torch.Tensor, file: Path) -> None:
+    if not torch.count_nonzero(tensor):
+        return
+    raise ConfigError(
+        f"{file.name} holds a non-zero {hf_key!r}, a bias this model does not implement",
+        file=str(file),
+        key=hf_key,
+        hint="only checkpoints without o_proj bias (Qwen3 attention_bias=false) are supported",
+    )
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_pretrained(
+    model: QwenForCausalLM,
+    path: str | Path,
+    *,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> None:
+    """Write config.json and safetensors weights that transformers loads as Qwen2/Qwen3ForCausalLM.
+
+    ``state_dict`` overrides the model's own (pass a gathered full state dict for an
+    FSDP-sharded model, and call on one rank). Weights keep their dtype. Tied checkpoints
+    omit lm_head.weight, as transformers does. Above ``max_shard_bytes`` the weights are
+    split into shards with an index. Earlier weight files in ``path`` are replaced.
+    """
+    dims = model.dims
+    source = model.state_dict() if state_dict is None else state_dict
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in source.items():
+        if key == "lm_head.weight" and dims.tie_embeddings:
+            continue
+        if hasattr(value, "full_tensor"):
+            raise ValueError(f"{key} is a sharded DTensor; pass a gathered full state_dict to save_pretrained")
+        tensors[to_hf_key(key)] = value.detach().to("cpu").contiguous()
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    for layer in range(dims.num_layers):
+        prefix = f"model.layers.{layer}.self_attn"
+        if not dims.qk_norm and not dims.qkv_bias:  # exported as Qwen2, which always has q/k/v bias
+            for proj, width in (("q_proj", dims.q_width), ("k_proj", dims.kv_width), ("v_proj", dims.kv_width)):
+                tensors[f"{prefix}.{proj}.bias"] = torch.zeros(width, dtype=dtype)
+        if dims.qk_norm and dims.qkv_bias:  # exported as Qwen3 attention_bias=true, which biases o_proj too
+            tensors[f"{prefix}.o_proj.bias"] = torch.zeros(dims.hidden_size, dtype=dtype)
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in [directory / WEIGHTS_NAME, directory / INDEX_NAME, *directory.glob("model-*-of-*.safetensors")]:
+        if stale.is_file() and (stale.name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_PATTERN.fullmatch(stale.name)):
+            stale.unlink()
+    _write_shards(tensors, directory, max_shard_bytes)
+    hf_config = hf_config_dict(model.config, dims, str(dtype).removeprefix("torch."))
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][key] = tensor
+        shard_bytes += size
+    metadata = {"format": "pt"}  # transformers checks this tag before trusting the file
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / WEIGHTS_NAME), metadata=metadata)
+        return
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        name = _SHARD_NAME.format(index=index, count=len(shards))
+        save_file(shard, str(directory / name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,147 @@
+"""Causal attention kernels, with document masking for packed sequences.
+
+A packed sequence holds several documents back to back; a token may attend only to
+earlier tokens of its own document. Two kernels implement that, chosen by
+``ModelConfig.attention``:
+
+- ``sdpa`` (exact, runs anywhere): ``scaled_dot_product_attention`` with a boolean
+  (B, 1, T, T) mask built from ``document_ids``. Every row keeps at least its diagonal,
+  so no row is fully masked and the math backend never produces NaN.
+- ``flex`` (fast, GPU): compiled ``flex_attention`` with a causal-document ``BlockMask``,
+  which skips the blocks that cross documents instead of computing and discarding them.
+
+``auto`` means flex when the input lives on CUDA, sdpa otherwise. Without
+``document_ids`` the whole sequence is one document and both choices use plain causal
+SDPA (``is_causal=True``).
+
+The mask is built once per forward by ``build_attention_mask`` and handed to every
+block, because building a BlockMask costs about as much as one attention layer.
+
+On CUDA, ``sdpa_backends="deterministic"`` restricts SDPA to the memory-efficient and
+math backends (design.md section 7 measured flash and cuDNN backward not to be bitwise
+repeatable). The memory-efficient backward is repeatable only while
+``torch.use_deterministic_algorithms(True)`` is on, which bitwise mode must set; the flex
+path was measured repeatable with or without it (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+# What a block receives as its mask: None (plain causal), a boolean SDPA mask, or a BlockMask.
+AttentionMask = Optional[Union[torch.Tensor, BlockMask]]
+Kernel = Literal["sdpa", "flex"]
+
+
+# Eager flex_attention materializes the full score matrix and is meant for debugging only;
+# the fused kernel exists only when compiled. Inside an enclosing torch.compile (e.g. a
+# compiled block) the plain functions are called and the outer compile fuses them;
+# otherwise a compiled wrapper is made on first use, lazily so that importing the model
+# does not load the compiler (about a second) on the sdpa path.
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def _flex_attention(*args, **kwargs):
+    fn = flex_attention if torch.compiler.is_compiling() else _compiled(flex_attention)
+    return fn(*args, **kwargs)
+
+
+def _create_block_mask(*args, **kwargs):
+    fn = create_block_mask if torch.compiler.is_compiling() else _compiled(create_block_mask)
+    return fn(*args, **kwargs)
+
+
+_DETERMINISTIC_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def select_kernel(attention: str, device: torch.device) -> Kernel:
+    """Resolve ModelConfig.attention ("auto" | "sdpa" | "flex") for tensors on ``device``."""
+    if attention == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if attention in ("sdpa", "flex"):
+        return attention  # type: ignore[return-value]
+    raise ValueError(f"unknown attention kernel {attention!r}; expected auto, sdpa or flex")
+
+
+def build_attention_mask(document_ids: torch.Tensor | None, kernel: Kernel) -> AttentionMask:
+    """The causal document mask for a batch of packed sequences.
+
+    ``document_ids`` is (B, T) (or (1, T), shared by the batch) integers, equal within a
+    document and distinct between the documents of a row (0, 1, 2, ... as the packer numbers
+    them: a reused id would join two documents). Returns None without document_ids.
+    """
+    if document_ids is None:
+        return None
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must be (B, T), got shape {tuple(document_ids.shape)}")
+    if kernel == "flex":
+        return causal_document_block_mask(document_ids)
+    return causal_document_bool_mask(document_ids)
+
+
+def causal_document_bool_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean mask, True where query i may attend key j (j <= i, same document)."""
+    seq_len = document_ids.shape[1]
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
+    return (same_doc & causal).unsqueeze(1)  # (B, 1, T, T): broadcast over heads
+
+
+def causal_document_block_mask(document_ids: torch.Tensor) -> BlockMask:
+    """flex_attention BlockMask for the same pattern as ``causal_document_bool_mask``."""
+    batch, seq_len = document_ids.shape
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+    # H=None: one mask shared by every head.
+    return _create_block_mask(causal_document, batch, None, seq_len, seq_len, device=document_ids.device)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    *,
+    sdpa_backends: str = "deterministic",
+) -> torch.Tensor:
+    """Causal attention. q is (B, n_head, T, head_dim); k, v are (B, n_kv_head, T, head_dim).
+
+    Returns (B, n_head, T, head_dim). The scale is head_dim ** -0.5 (the kernels' default).
+    """
+    if isinstance(mask, BlockMask):
+        return _flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    k, v = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
+    if q.device.type == "cuda" and sdpa_backends == "deterministic":
+        with sdpa_kernel(_DETERMINISTIC_SDPA):
+            return _sdpa(q, k, v, mask)
+    return _sdpa(q, k, v, mask)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Repeat each key/value head for the query heads of its group.
+
+    SDPA's own ``enable_gqa`` is served only by the flash and math backends; expanding here
+    keeps the memory-efficient backend (deterministic, no T x T matrix) available.
+    """
+    batch, kv_heads, seq_len, head_dim = x.shape
+    if kv_heads == num_heads:
+        return x
+    groups = num_heads // kv_heads
+    x = x[:, :, None].expand(batch, kv_heads, groups, seq_len, head_dim)  # (B, n_kv_head, groups, T, head_dim)
+    return x.reshape(batch, num_heads, seq_len, head_dim)  # (B, n_head, T, head_dim)

@@ -1,0 +1,223 @@
+"""Qwen2 / Qwen2.5 / Qwen3 decoder-only language model, one config-driven family.
+
+The families differ in two switches (see ``QwenDims``): Qwen2 puts a bias on the q/k/v
+projections; Qwen3 has none but RMS-normalizes q and k over head_dim before RoPE, and sets
+head_dim independently of hidden_size. Everything else is shared: pre-norm blocks,
+grouped-query attention, rotate-half RoPE, a SiLU-gated MLP, tied or untied embeddings.
+
+Module and parameter names follow the Hugging Face checkpoints with the leading
+``model.`` removed, so checkpoint I/O is a key rename (models/hf_weights.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.config import ModelConfig
+from models.qwen.attention import AttentionMask, attend, build_attention_mask, select_kernel
+from models.qwen.dims import QwenDims, resolve_dims
+from models.qwen.rope import apply_rope, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dimension, normalized in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before the weight, as the checkpoints were trained: under bf16 the
+        # product is then rounded the same way it was during pretraining.
+        return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class QwenMLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dims: QwenDims) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class QwenAttention(nn.Module):
+    """Grouped-query self-attention with RoPE (and q/k RMSNorm for Qwen3)."""
+
+    def __init__(self, dims: QwenDims, *, sdpa_backends: str) -> None:
+        super().__init__()
+        self.head_dim = dims.head_dim
+        self.rope_theta = dims.rope_theta
+        self.sdpa_backends = sdpa_backends
+        self.q_proj = nn.Linear(dims.hidden_size, dims.q_width, bias=dims.qkv_bias)
+        self.k_proj = nn.Linear(dims.hidden_size, dims.kv_width, bias=dims.qkv_bias)
+        self.v_proj = nn.Linear(dims.hidden_size, dims.kv_width, bias=dims.qkv_bias)
+        self.o_proj = nn.Linear(dims.q_width, dims.hidden_size, bias=False)
+        if dims.qk_norm:
+            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # Head counts come from the projection widths (-1), not from num_heads: under tensor
+        # parallelism each rank's q/k/v_proj output holds only its heads / tp heads.
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, n_head, head_dim)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, n_kv_head, head_dim)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, n_kv_head, head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim, before RoPE
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)  # (B or 1, T, head_dim/2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
+        out = attend(q, k, v, mask, sdpa_backends=self.sdpa_backends)  # (B, n_head, T, head_dim)
+        out = out.transpose(1, 2).reshape(batch, seq_len, -1)  # (B, T, n_head * head_dim)
+        return self.o_proj(out)
+
+
+class QwenBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Callable on its own as ``block(hidden, position_ids, mask)`` so that FSDP, activation
+    checkpointing and torch.compile can wrap each block. ``position_ids`` are integers (not
+    precomputed cos/sin) so that no mixed-precision input cast can round the angles.
+    """
+
+    def __init__(self, dims: QwenDims, *, sdpa_backends: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.self_attn = QwenAttention(dims, sdpa_backends=sdpa_backends)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.mlp = QwenMLP(dims)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class QwenForCausalLM(nn.Module):
+    """Token ids -> next-token logits (B, T, vocab) in the compute dtype.
+
+    Parameters are created by the constructor but hold meaningless values until
+    ``init_weights(generator)`` or a checkpoint load fills them; ``models.build`` does one
+    of the two.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.dims = dims = resolve_dims(config)
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.layers = nn.ModuleList(
+            QwenBlock(dims, sdpa_backends=config.sdpa_backends) for _ in range(dims.num_layers)
+        )
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make lm_head share embed_tokens' weight when tied.
+
+        ``to_empty`` from the meta device gives every parameter new storage and so breaks the
+        tie; ``init_weights`` and ``empty_model`` call this again afterwards.
+        """
+        if self.dims.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_mask(self, document_ids: torch.Tensor | None, device: torch.device) -> AttentionMask:
+        """The mask every block receives for this batch (built once per forward)."""
+        return build_attention_mask(document_ids, select_kernel(self.config.attention, device))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, vocab).
+
+        position_ids (B, T) restart at 0 for each packed document (default: 0..T-1);
+        document_ids (B, T) confine attention to each document (default: one document).
+        """
+        batch, seq_len = input_ids.shape
+        for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
+            if ids is not None and (ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch)):
+                raise ValueError(f"{name} must be (B, T)={batch, seq_len}, got {tuple(ids.shape)}")
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)  # (1, T)
+        mask = self.attention_mask(document_ids, input_ids.device)
+        hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
+        for block in self.layers:
+            hidden = block(hidden, position_ids, mask)
+        return self.lm_head(self.norm(hidden))  # (B, T, vocab)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Re-initialize every parameter from ``generator`` (a CPU generator).
+
+        Linear and embedding weights ~ N(0, init_std), biases 0, norm weights 1. Values are
+        drawn on the CPU in fp32, parameter by parameter in registration order, then copied
+        to each parameter's device and dtype, so a CPU and a GPU model built from equal
+        generators start bit-identical. Works after ``to_empty`` from the meta device and
+        on FSDP2-sharded (DTensor) parameters, where each rank keeps its shard of the same
+        full draw.
+        """
+        if generator.device.type != "cpu":
+            raise ValueError(f"init_weights needs a CPU torch.Generator, got one on {generator.device}")
+        self.tie_weights()
+        norm_params = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
+        for name, param in self.named_parameters():  # a tied weight appears once
+            if param.is_meta:
+                raise ValueError(f"{name} is on the meta device; call model.to_empty(device=...) first")
+            if id(param) in norm_params:
+                full = torch.ones(param.shape, dtype=torch.float32)
+            elif name.endswith(".bias"):
+                full = torch.zeros(param.shape, dtype=torch.float32)
+            else:
+                full = torch.empty(param.shape, dtype=torch.float32)
+                full.normal_(0.0, self.dims.init_std, generator=generator)
+            _copy_full_into(param, full)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """param.copy_(full), where param may be a DTensor shard of the full tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full draw, so each slices its own
+        # shard locally instead of receiving it from rank 0.
+        full = distribute_tensor(
+            full.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=None
+        )
+    param.copy_(full)
+
+
+def empty_model(
+    config: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> QwenForCausalLM:
+    """A model with storage allocated on ``device`` but undefined values.
+
+    Built on the meta device first so that no time is spent on an init that is about to
+    be overwritten (by ``init_weights`` or a checkpoint load).
+    """
+    with torch.device("meta"):
+        model = QwenForCausalLM(config)
+    model.to_empty(device=device if device is not None else "cpu")
+    model.tie_weights()
+    if dtype != torch.float32:
+        model.to(dtype)
+    return model

@@ -1,0 +1,39 @@
+"""Rotary position embedding, rotate-half layout, always computed in fp32.
+
+Rotate-half pairs dimension ``i`` with ``i + head_dim/2`` (the layout of the Qwen
+checkpoints), not adjacent dimensions. Nothing is cached in buffers: the angles are
+recomputed from integer ``position_ids`` in every attention layer. That costs a few
+elementwise ops per layer and buys three things: no buffer to re-create after a meta-device
+``to_empty``, no state_dict entry, and nothing floating-point crossing a block boundary
+where FSDP's mixed-precision input cast would round it to bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inverse_frequencies(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """theta^(-2i/head_dim) for i in [0, head_dim/2), fp32, shape (head_dim/2,)."""
+    # Evaluated in fp32 in the same order as the reference checkpoints' code, so that
+    # fp32 logits match theirs to the last bits rather than to 1e-7.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each (B or 1, T, head_dim/2) in fp32."""
+    inv_freq = inverse_frequencies(head_dim, theta, position_ids.device)
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq  # (B, T, head_dim/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x of shape (B, T, n_head, head_dim) by the angles; math in fp32, result in x's dtype."""
+    half = x.shape[-1] // 2
+    x32 = x.to(torch.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]  # (B, T, n_head, head_dim/2) each
+    cos = cos.unsqueeze(-2)  # (B, T, 1, head_dim/2): broadcast over heads
+    sin = sin.unsqueeze(-2)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, n_head, head_dim)
+    return rotated.to(x.dtype)

@@ -1,0 +1,109 @@
+"""Stop requests from signals, agreed across ranks at step boundaries.
+
+SIGTERM (preemption, torchrun teardown), SIGINT (Ctrl-C) and SIGUSR1 (e.g. SLURM's
+warning before the time limit) only set a flag; the training loop asks
+``should_stop(dist)`` once per step boundary, every rank gets the same answer (one small
+all-reduce), and the run checkpoints and exits 0. A SIGINT that arrives while a stop is
+already pending means "now": the process exits at once with code 130, without cleanup.
+
+Python runs signal handlers in the main thread between bytecodes, so a rank blocked in a
+long C call (a collective, a kernel) sees its flag only when that call returns; that is
+fine for step-boundary semantics, and a rank that never returns is the watchdog's case.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any, Callable, Protocol, Sequence
+
+from core.exceptions import LockstepError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+INTERRUPT_EXIT_CODE = 130
+
+
+class AgreesOnFlags(Protocol):
+    """The part of DistributedContext used here."""
+
+    def any_true(self, flag: bool) -> bool: ...
+
+
+class StopSignals:
+    """Installs stop handlers on construction; ``restore()`` (or ``with``) removes them."""
+
+    def __init__(
+        self,
+        *,
+        signals: Sequence[signal.Signals] = STOP_SIGNALS,
+        exit_fn: Callable[[int], Any] = os._exit,
+    ) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise LockstepError(
+                "StopSignals must be created in the main thread",
+                hint="create it in train.py / the trainer before the step loop",
+            )
+        self._exit = exit_fn
+        self._received: list[str] = []
+        self._agreed = False
+        self._previous: dict[signal.Signals, Any] = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process received a stop signal."""
+        return bool(self._received)
+
+    @property
+    def signal_name(self) -> str | None:
+        """The first stop signal received (e.g. "SIGTERM"), or None."""
+        return self._received[0] if self._received else None
+
+    @property
+    def received(self) -> tuple[str, ...]:
+        return tuple(self._received)
+
+    def should_stop(self, dist: AgreesOnFlags) -> bool:
+        """True on every rank if any rank received a stop signal (a collective: every rank
+        must call it at the same step boundary). Once True it stays True."""
+        if not self._agreed:
+            self._agreed = dist.any_true(self.requested)
+        return self._agreed
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before (idempotent)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    # ------------------------------------------------------------------ handler
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self._received:
+            os.write(2, f"stop: second interrupt ({name}); exiting now without cleanup\n".encode())
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError, RuntimeError):
+                    pass
+            self._exit(INTERRUPT_EXIT_CODE)
+            return
+        self._received.append(name)
+        if len(self._received) == 1:
+            os.write(2, f"stop: {name} received; stopping at the next step boundary "
+                        "(Ctrl-C again to exit now)\n".encode())
