@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPROC ?= 2
-TINY_DATA := datasets/stdlib/manifest.json
+TINY_DATA := datasets/stdlib/.complete
 
 .PHONY: setup train test test-xla data bench clean
 

@@ -1,0 +1,113 @@
+"""``python -m data {prepare, inspect, bench}``: the data layer's command line.
+
+Errors print one line and exit with the code of their type (3 for data errors, 2 for usage
+and config errors); see core/exceptions.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from core.exceptions import LockstepError, UsageError, exit_code_for
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        if args.command != "prepare" and any("=" not in item for item in extra):
+            raise UsageError(f"unexpected arguments {extra}", hint="overrides look like key.path=value")
+        if args.command == "prepare":
+            if extra:
+                raise UsageError(f"unexpected arguments {extra}")
+            return _prepare(args)
+        if args.command == "inspect":
+            return _inspect(args, extra)
+        return _bench(args, extra)
+    except LockstepError as exc:
+        print(str(exc), file=sys.stderr)
+        return exit_code_for(exc)
+    except BrokenPipeError:  # e.g. `python -m data inspect ... | head`
+        sys.stderr.close()
+        return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m data", description="Lockstep data tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="write shards (default: the Python standard library)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default datasets/stdlib)")
+    p.add_argument("--input", nargs="+", default=[], help="files, directories or globs to re-shard")
+    p.add_argument("--input-format", default="auto", choices=["auto", "parquet", "jsonl", "jsonl.zst", "text"])
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--text-unit", default="file", choices=["file", "line"])
+    p.add_argument("--shard-docs", type=int, default=128)
+    p.add_argument("--frame-docs", type=int, default=8)
+    p.add_argument("--eval-every", type=int, default=50, help="~1 in N documents to eval (0: none)")
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+
+    for name, text in (("inspect", "show global batch S"), ("bench", "measure pipeline throughput")):
+        q = sub.add_parser(name, help=text, epilog="Trailing key.path=value arguments override the config.")
+        q.add_argument("--config", required=True, help="YAML config (as for train.py)")
+        if name == "inspect":
+            q.add_argument("--step", type=int, required=True, help="1-based global batch index")
+            q.add_argument("--json", action="store_true", help="print JSON")
+        else:
+            q.add_argument("--batches", type=int, default=2000, help="global batches per mode")
+            q.add_argument("--workers", default=None, help="comma-separated worker counts (default: config's)")
+            q.add_argument("--repeat", type=int, default=3, help="runs per mode; the best counts")
+            q.add_argument("--json", type=Path, default=None, help="also write the report here")
+    return parser
+
+
+def _prepare(args) -> int:
+    from data.prepare import DEFAULT_OUT, Layout, prepare, recommended_data_section
+
+    out = args.out or (DEFAULT_OUT if not args.input else None)
+    if out is None:
+        raise UsageError("--input needs --out", hint="name the directory to write the shards to")
+    layout = Layout(eval_every=args.eval_every, shard_docs=args.shard_docs, frame_docs=args.frame_docs)
+    manifest, rebuilt = prepare(out, layout, inputs=args.input, input_format=args.input_format,
+                                text_column=args.text_column, text_unit=args.text_unit, force=args.force)
+    print(f"{'wrote' if rebuilt else 'up to date'}: {out}")
+    for name, summary in manifest["outputs"].items():
+        print(f"  {out / name}: {summary['shards']} shard(s), {summary['documents']} documents, "
+              f"{summary['bytes'] / 1e6:.1f} MB")
+    if manifest.get("skipped_not_utf8"):
+        print(f"  skipped {len(manifest['skipped_not_utf8'])} file(s) that are not UTF-8")
+    if not args.input:
+        print("\nconfig section for these shards:\n" + recommended_data_section(out))
+    return 0
+
+
+def _inspect(args, overrides: list[str]) -> int:
+    from core.config import load
+    from data.inspection import describe, global_batch, render
+    from data.tokenizers import build_tokenizer
+
+    config = load(args.config, overrides)
+    report = describe(global_batch(config, args.step), build_tokenizer(config.data.tokenizer))
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
+
+
+def _bench(args, overrides: list[str]) -> int:
+    from core.config import load
+    from data.bench import render, run
+
+    config = load(args.config, overrides)
+    workers = [int(w) for w in args.workers.split(",")] if args.workers else [config.data.workers]
+    report = run(config, batches=args.batches, workers=workers, repeat=args.repeat)
+    print(render(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""What the trainer receives: one rank's rows of one global batch, with provenance and state.
+
+Global batch ``k`` is the next ``G/S`` sequences of every stream in stream order; this rank
+holds the rows of its streams. ``sequence_index`` gives each row's place in the global batch,
+so per-row digests gathered from all ranks hash the same for any world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+"""Label value of positions that carry no loss."""
+
+
+@dataclass(frozen=True, slots=True)
+class DocSpan:
+    """One document's tokens inside a packed sequence."""
+
+    source: str
+    """Source name (data.sources[i].name, or its path)."""
+    shard: str
+    """Shard file the document came from."""
+    record: int
+    """Record index within the shard (0-based line or row)."""
+    start: int
+    """First position of the span in the packed sequence."""
+    end: int
+    """One past the last position of the span (the span is [start, end))."""
+    doc_offset: int
+    """Offset of the span's first token within the document's tokens (documents split across sequences)."""
+
+
+@dataclass
+class Batch:
+    """One rank's share of global batch ``step``."""
+
+    step: int
+    """1-based global batch index."""
+    input_ids: torch.Tensor
+    """(B, T) int64 token ids; B = global_batch_size // world_size."""
+    labels: torch.Tensor
+    """(B, T) int64 next-token targets within a document, IGNORE_INDEX elsewhere."""
+    position_ids: torch.Tensor
+    """(B, T) int64 positions, reset to 0 where each document span starts."""
+    document_ids: torch.Tensor
+    """(B, T) int64 document number within each row (0, 1, 2, ... left to right)."""
+    sequence_index: list[int]
+    """Global row index of each row within the global batch."""
+    provenance: list[list[DocSpan]]
+    """The document spans of each row."""
+    state: dict
+    """This rank's stream states after this batch ({"version", "streams"})."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Further per-row tensors (empty for now)."""
+
+    def num_target_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def micro_batches(self, size: int) -> list["Batch"]:
+        """Row slices of at most ``size`` rows; each keeps the step and the state."""
+        if size <= 0:
+            raise ValueError(f"micro batch size must be > 0, got {size}")
+        rows = self.input_ids.shape[0]
+        return [self._rows(i, min(i + size, rows)) for i in range(0, rows, size)]
+
+    def _rows(self, lo: int, hi: int) -> "Batch":
+        return replace(
+            self,
+            input_ids=self.input_ids[lo:hi],
+            labels=self.labels[lo:hi],
+            position_ids=self.position_ids[lo:hi],
+            document_ids=self.document_ids[lo:hi],
+            sequence_index=self.sequence_index[lo:hi],
+            provenance=self.provenance[lo:hi],
+            extras={k: v[lo:hi] for k, v in self.extras.items()},
+        )
+
+    @classmethod
+    def from_rows(
+        cls,
+        step: int,
+        tokens: list[np.ndarray],
+        spans: list[list[DocSpan]],
+        sequence_index: list[int],
+        state: dict,
+    ) -> "Batch":
+        """Build the tensors from packed rows and their document spans (spans cover each row)."""
+        input_ids = np.stack(tokens).astype(np.int64)  # (B, T)
+        rows, width = input_ids.shape
+        starts = np.array([r * width + sp.start for r, row in enumerate(spans) for sp in row], dtype=np.int64)
+        ends = np.array([r * width + sp.end for r, row in enumerate(spans) for sp in row], dtype=np.int64)
+        first_span = np.cumsum([0] + [len(row) for row in spans[:-1]])  # (B,) index of each row's first span
+        mark = np.zeros(rows * width, dtype=np.int64)
+        mark[starts] = 1
+        span_of = np.cumsum(mark) - 1  # (B*T,) which span each position is in
+        position_ids = (np.arange(rows * width) - starts[span_of]).reshape(rows, width)
+        document_ids = span_of.reshape(rows, width) - first_span[:, None]
+        # Each token predicts the next one of the same span; a span's last position (its EOS,
+        # or where the document continues in another row) has no target.
+        labels = np.empty(rows * width, dtype=np.int64)
+        labels[:-1] = input_ids.reshape(-1)[1:]
+        labels[ends - 1] = IGNORE_INDEX
+        labels = labels.reshape(rows, width)
+        return cls(
+            step=step,
+            input_ids=torch.from_numpy(input_ids),
+            labels=torch.from_numpy(labels),
+            position_ids=torch.from_numpy(position_ids),
+            document_ids=torch.from_numpy(document_ids),
+            sequence_index=list(sequence_index),
+            provenance=[list(s) for s in spans],
+            state=state,
+        )

@@ -1,0 +1,29 @@
+"""The batch stage: the next G/S sequences of each stream this rank runs -> one Batch."""
+
+from __future__ import annotations
+
+from data.batch import Batch
+from data.pipeline.packing import PackedSequence
+from data.state import StreamState, state_dict
+
+
+class BatchAssembler:
+    """Turns per-stream sequences into this rank's rows of a global batch."""
+
+    def __init__(self, owned: list[int], rows_per_stream: int, compat: dict) -> None:
+        self.owned = owned
+        self.rows_per_stream = rows_per_stream
+        self._compat = compat
+
+    def assemble(self, step: int, sequences: dict[int, list[PackedSequence]]) -> Batch:
+        tokens, spans, index = [], [], []
+        states: dict[int, StreamState] = {}
+        for s in self.owned:
+            rows = sequences[s]
+            assert len(rows) == self.rows_per_stream
+            for j, seq in enumerate(rows):
+                tokens.append(seq.tokens)
+                spans.append(seq.spans)
+                index.append(s * self.rows_per_stream + j)
+            states[s] = rows[-1].state
+        return Batch.from_rows(step, tokens, spans, index, state_dict(states, self._compat))

@@ -1,0 +1,147 @@
+"""The pack stage: one stream's documents -> fixed-length sequences, with provenance and state.
+
+Documents are concatenated, each followed by the EOS separator, and cut every ``seq_len``
+tokens; a document that does not fit continues in the next sequence (its ``DocSpan`` then
+has a ``doc_offset`` > 0). Every sequence carries the stream state *after* it, so a batch
+can hand the trainer the exact position to resume from.
+
+The packer is the first stage that sees a stream's documents in order, so it is where a bad
+document either stops the stream (``on_bad_record: error``, reported when the batch that
+needs it is assembled) or is skipped and counted (``skip``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.exceptions import DataError
+from data.batch import DocSpan
+from data.pipeline.items import Doc
+from data.state import StreamState
+
+
+@dataclass(slots=True)
+class PackedSequence:
+    tokens: np.ndarray
+    """(seq_len,) int32 token ids."""
+    spans: list[DocSpan]
+    """Document spans, left to right."""
+    state: StreamState | None
+    """The stream's state after this sequence (kept for the last sequence of each batch only)."""
+
+
+@dataclass(slots=True)
+class StreamFailure:
+    """Takes the place of the sequence a failed stream can no longer produce."""
+
+    error: DataError
+
+
+class StreamPacker:
+    """Packs one stream, starting from (and continuing) a StreamState.
+
+    Work is per call, not per token: the documents of a chunk are concatenated once and
+    the full sequences are rows of that array; Python only walks documents and spans.
+    """
+
+    def __init__(self, stream: int, state: StreamState, *, seq_len: int, eos_id: int,
+                 source_names: list[str], skip_bad: bool, state_every: int = 1) -> None:
+        self.stream = stream
+        self._seq_len = seq_len
+        self._eos = np.array([eos_id], dtype=np.int32)
+        self._names = source_names
+        self._skip_bad = skip_bad
+        self._state_every = state_every  # states are only needed at batch boundaries
+        self._positions = list(state.positions)
+        self._docs = state.docs  # documents finished
+        self._next = state.docs  # counter of the next document to arrive
+        self._skip = state.skip
+        self._sequences = state.sequences
+        self._carry = np.empty(0, dtype=np.int32)  # tokens of the unfinished sequence
+        self._carry_spans: list[DocSpan] = []
+        self.failed = False
+        self.bad_records = 0
+        self.tokens = 0
+
+    def accept(self, docs: list[Doc]) -> list[PackedSequence | StreamFailure]:
+        """Pack documents (in stream order); returns the sequences they completed."""
+        if self.failed:
+            return []
+        pieces, entries, failure = self._lay_out(docs)
+        flat = np.concatenate(pieces) if len(pieces) > 1 else self._carry
+        self.tokens += len(flat) - len(self._carry)
+        T = self._seq_len
+        full = len(flat) // T
+        spans: list[list[DocSpan]] = [self._carry_spans] + [[] for _ in range(full)]
+        states = self._walk(entries, spans, full)
+        rows = flat[: full * T].reshape(full, T)
+        out: list[PackedSequence | StreamFailure] = [
+            PackedSequence(rows[i], spans[i], states.get(i)) for i in range(full)
+        ]
+        self._carry, self._carry_spans = flat[full * T:].copy(), spans[full]
+        self._sequences += full
+        if failure is not None:
+            out.append(failure)
+        return out
+
+    def _lay_out(self, docs: list[Doc]) -> tuple[list[np.ndarray], list[tuple], StreamFailure | None]:
+        """Token pieces to concatenate, and (doc, start, end, first token) in that array."""
+        pieces, entries = [self._carry], []
+        cursor = len(self._carry)
+        for doc in docs:
+            if doc.counter != self._next:
+                raise RuntimeError(f"stream {self.stream}: document {doc.counter} arrived, expected {self._next}")
+            self._next += 1
+            first, self._skip = self._skip, 0  # tokens already packed before a resume
+            if doc.error is not None:
+                if not self._skip_bad or doc.fatal:
+                    self.failed = True
+                    return pieces, entries, StreamFailure(DataError(
+                        doc.error, file=doc.shard, record=doc.record, stream=self.stream, hint=doc.hint))
+                self.bad_records += 1
+                entries.append((doc, cursor, cursor, 0))
+                continue
+            content: np.ndarray = doc.payload
+            if len(content) == 0:  # an empty document adds nothing, not even a separator
+                entries.append((doc, cursor, cursor, 0))
+                continue
+            if first < len(content):
+                pieces.append(content[first:])
+            pieces.append(self._eos)
+            end = cursor + len(content) + 1 - first
+            entries.append((doc, cursor, end, first))
+            cursor = end
+        return pieces, entries, None
+
+    def _walk(self, entries: list[tuple], spans: list[list[DocSpan]], full: int) -> dict[int, StreamState]:
+        """Fill each sequence's spans; return the states of the sequences that end a batch."""
+        T = self._seq_len
+        wanted = [i for i in range(full) if (self._sequences + i + 1) % self._state_every == 0]
+        states: dict[int, StreamState] = {}
+        w = 0
+        for doc, start, end, first in entries:
+            if start < end:
+                name = self._names[doc.source]
+                s = start // T
+                while True:
+                    lo, hi = max(start, s * T), min(end, (s + 1) * T)
+                    spans[s].append(DocSpan(name, doc.shard, doc.record, lo - s * T, hi - s * T, first + lo - start))
+                    if hi == end:
+                        break
+                    s += 1
+                while w < len(wanted) and (wanted[w] + 1) * T < end:  # sequences that cut this document
+                    i = wanted[w]
+                    positions = list(self._positions)
+                    positions[doc.source] = doc.position  # resume re-reads it and skips what is packed
+                    states[i] = StreamState(tuple(positions), doc.counter, first + (i + 1) * T - start,
+                                            self._sequences + i + 1)
+                    w += 1
+            self._positions[doc.source] = doc.after
+            self._docs = doc.counter + 1
+            if start < end and w < len(wanted) and (wanted[w] + 1) * T == end:  # ends exactly here
+                i = wanted[w]
+                states[i] = StreamState(tuple(self._positions), self._docs, 0, self._sequences + i + 1)
+                w += 1
+        return states

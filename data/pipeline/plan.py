@@ -1,0 +1,113 @@
+"""Everything static about one rank's pipeline, built once from the config.
+
+The threaded ``DataPipeline`` and the single-threaded reference loop (``serial.py``) are
+both built on a plan, so they read, transform and pack with the very same components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.config import DataConfig
+from core.exceptions import ConfigError, DataError
+from data.pipeline.batching import BatchAssembler
+from data.pipeline.packing import StreamPacker
+from data.pipeline.reading import StreamReader
+from data.pipeline.augment import AugmentStage
+from data.pipeline.stages import DecodeStage, Stage, TokenizeStage
+from data.sharding import Mixture, StreamAssignment, owned_streams
+from data.sources.source import Source, open_sources
+from data.state import STATE_VERSION, StreamState
+from data.tokenizers import Tokenizer, build_tokenizer
+
+SPLITS = ("train", "eval")
+
+
+@dataclass
+class DataPlan:
+    config: DataConfig
+    seed: int
+    split: str
+    owned: list[int]
+    rows_per_stream: int
+    sources: list[Source]
+    tokenizer: Tokenizer
+    stages: list[Stage]
+    assignments: list[StreamAssignment]
+    mixture: Mixture
+    compat: dict
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.seq_len
+
+    def fresh_state(self) -> StreamState:
+        return StreamState.start(len(self.sources))
+
+    def reader(self, stream: int, state: StreamState) -> StreamReader:
+        return StreamReader(stream, state, sources=self.sources, assignments=self.assignments,
+                            mixture=self.mixture)
+
+    def packer(self, stream: int, state: StreamState) -> StreamPacker:
+        return StreamPacker(stream, state, seq_len=self.seq_len, eos_id=self.tokenizer.eos_id,
+                            source_names=[s.name for s in self.sources],
+                            skip_bad=self.config.on_bad_record == "skip",
+                            state_every=self.rows_per_stream)
+
+    def assembler(self) -> BatchAssembler:
+        return BatchAssembler(self.owned, self.rows_per_stream, self.compat)
+
+    def start_step(self, states: dict[int, StreamState]) -> int:
+        """The global batch the states end after; refuses states that disagree."""
+        steps = {s: st.sequences / self.rows_per_stream for s, st in states.items()}
+        values = set(steps.values())
+        if len(values) != 1 or not float(next(iter(values))).is_integer():
+            raise DataError(
+                f"stream states end at different batches ({steps})",
+                hint="the state was saved with another train.global_batch_size, or is damaged",
+            )
+        return int(next(iter(values)))
+
+
+def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: int,
+              world_size: int, split: str = "train") -> DataPlan:
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
+    if global_batch_size % config.num_streams:
+        raise ConfigError(
+            f"global batch size {global_batch_size} is not divisible by data.num_streams={config.num_streams}",
+            key="train.global_batch_size",
+        )
+    owned = owned_streams(config.num_streams, rank, world_size)
+    if split == "eval":
+        if config.eval_source is None:
+            raise ConfigError("split='eval' needs data.eval_source", key="data.eval_source",
+                              hint="set data.eval_source or disable evaluation (train.eval_interval=0)")
+        sources = open_sources((config.eval_source,), label="data.eval_source")
+    else:
+        sources = open_sources(config.sources, label="data.sources")
+    tokenizer = build_tokenizer(config.tokenizer)
+    stages: list[Stage] = [DecodeStage([s.config.text_column for s in sources]), TokenizeStage(tokenizer)]
+    if AugmentStage.enabled(config.augment) and split == "train":
+        stages.append(AugmentStage(config.augment, seed=seed, tokenizer=tokenizer))
+    shuffle = config.shuffle_shards and split == "train"
+    assignments = [
+        StreamAssignment(src.units(), seed=seed, source_index=i, num_streams=config.num_streams,
+                         shuffle=shuffle)
+        for i, src in enumerate(sources)
+    ]
+    compat = {
+        "version": STATE_VERSION,
+        "split": split,
+        "seed": seed,
+        "num_streams": config.num_streams,
+        "seq_len": config.seq_len,
+        "tokenizer": tokenizer.fingerprint,
+        "sources": [s.describe() for s in sources],
+    }
+    return DataPlan(
+        config=config, seed=seed, split=split, owned=owned,
+        rows_per_stream=global_batch_size // config.num_streams, sources=sources,
+        tokenizer=tokenizer, stages=stages, assignments=assignments,
+        mixture=Mixture([s.weight for s in sources], seed=seed), compat=compat,
+    )

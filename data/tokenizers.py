@@ -1,0 +1,147 @@
+"""Tokenizers: the built-in byte-level one, or a local Hugging Face ``tokenizer.json``.
+
+``build_tokenizer("byte")`` needs nothing; any other spec is a local directory holding
+``tokenizer.json`` (or the file itself), loaded through the ``tokenizers`` library. Nothing
+is ever downloaded: a missing path is a DataError that says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from core.exceptions import DataError
+
+BYTE_SPEC = "byte"
+
+# Hugging Face end-of-text tokens, tried in this order when tokenizer_config.json names none.
+_EOS_CANDIDATES = ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the pipeline needs from a tokenizer."""
+
+    vocab_size: int
+    eos_id: int
+    fingerprint: str
+    """Identifies the vocabulary; a resume with a different one is refused."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Like encode, as an int32 array (the pipeline's fast path)."""
+        ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; special tokens follow them.
+
+    The vocabulary is tiny (258), so the test models' vocab_size of 512 covers it. Decoding
+    renders specials as their names and replaces bytes that are not valid UTF-8.
+    """
+
+    SPECIALS = ("<|endoftext|>", "<|pad|>")
+    eos_id = 256
+    pad_id = 257
+    vocab_size = 256 + len(SPECIALS)
+    fingerprint = "byte-v1"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: list[int]) -> str:
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            special = i - 256
+            out.append(self.SPECIALS[special] if 0 <= special < len(self.SPECIALS) else f"<|{i}|>")
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer read from a local tokenizer.json."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        self.path = path
+        raw = path.read_bytes()
+        try:
+            self._tok = _HF.from_str(raw.decode("utf-8"))
+        except Exception as exc:  # the library raises plain Exceptions for bad JSON
+            raise DataError(
+                f"cannot load tokenizer: {exc}", file=str(path),
+                hint="point data.tokenizer at a valid Hugging Face tokenizer.json or its directory",
+            ) from exc
+        self.fingerprint = "hf-" + hashlib.sha256(raw).hexdigest()[:16]
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._find_eos(path.parent)
+
+    def _find_eos(self, directory: Path) -> int:
+        names: list[str] = []
+        config = directory / "tokenizer_config.json"
+        if config.is_file():
+            eos = json.loads(config.read_text()).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                names.append(eos)
+        names.extend(_EOS_CANDIDATES)
+        for name in names:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        raise DataError(
+            "tokenizer has no end-of-text token", file=str(self.path),
+            hint=f"add eos_token to tokenizer_config.json or one of {', '.join(_EOS_CANDIDATES)}",
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int32)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __getstate__(self) -> dict:
+        # Worker processes receive the tokenizer once; tokenizers.Tokenizer pickles as JSON.
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"`` or a local directory / tokenizer.json path. Never downloads."""
+    if spec == BYTE_SPEC:
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(
+            f"tokenizer {spec!r} is neither 'byte' nor a local tokenizer.json",
+            file=str(path),
+            hint="Lockstep never downloads tokenizers: copy tokenizer.json into a local directory "
+            "and set data.tokenizer to it, or use data.tokenizer=byte",
+        )
+    return HFTokenizer(path)

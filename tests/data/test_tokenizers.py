@@ -1,0 +1,33 @@
+"""The byte tokenizer, and a local Hugging Face tokenizer.json (trained here, never downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.exceptions import DataError
+from data.tokenizers import ByteTokenizer, build_tokenizer
+from tests.data.corpus import train_local_tokenizer
+
+
+def test_byte_tokenizer_round_trips_utf8_and_fits_a_512_vocab():
+    tok = build_tokenizer("byte")
+    text = "héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and tok.encode_array(text).tolist() == ids
+    assert tok.decode(ids) == text
+    assert tok.vocab_size < 512 and tok.eos_id >= 256
+    assert tok.decode([104, 105, tok.eos_id]) == "hi" + ByteTokenizer.SPECIALS[0]
+
+
+def test_local_hugging_face_tokenizer_directory(tmp_path):
+    train_local_tokenizer(tmp_path / "tok")
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    text = "def g(y):\n    return y\n"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_id == 0 and tok.vocab_size <= 300
+    assert tok.fingerprint.startswith("hf-") and tok.fingerprint == build_tokenizer(str(tmp_path / "tok" / "tokenizer.json")).fingerprint
+
+
+def test_missing_tokenizer_is_a_data_error_that_says_nothing_is_downloaded(tmp_path):
+    with pytest.raises(DataError, match="never downloads"):
+        build_tokenizer("Qwen/Qwen3-0.6B")
