@@ -1,0 +1,575 @@
+"""Contracts of training/checkpointing.py and training/checkpoint_manifest.py.
+
+Bit-identical round trips (plain, DDP, FSDP2, across world sizes), verification that
+catches damage, fallback to the previous intact checkpoint, crash safety of LATEST,
+retention, and asynchronous saves equal to synchronous ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+import training.checkpoint_manifest as manifest_lib
+from core.config import CheckpointConfig, ParallelConfig
+from core.distributed_context import DistributedContext
+from core.exceptions import CheckpointError
+from training.checkpoint_manifest import read_manifest
+from training.checkpointing import (
+    CheckpointFormatError,
+    CheckpointManager,
+    capture_rng_state,
+    restore_rng_state,
+    verify_checkpoint,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class TinyNet(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.out = nn.Linear(width, 4)
+        self.unused = nn.Linear(2, 2)  # never gets a gradient: AdamW keeps no state for it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)))
+
+
+def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyNet()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, first: int, last: int, rank: int = 0) -> None:
+    for step in range(first, last + 1):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(6, 8, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def single_ctx() -> DistributedContext:
+    return DistributedContext(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", timeout_s=60
+    )
+
+
+def manager(path: Path, on_corrupt=None, **config) -> CheckpointManager:
+    return CheckpointManager(
+        CheckpointConfig(**config), checkpoint_dir=path, dist=single_ctx(), on_corrupt=on_corrupt
+    )
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Canonical, unsharded, flat copy of model + optimizer state (any wrapper; collective).
+
+    FSDP2 shards are assembled here from an object all-gather: torch 2.11's own
+    ``full_state_dict`` gather (functional collectives) segfaults on CPU/gloo.
+    """
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {**{f"model.{k}": unsharded(v) for k, v in msd.items()}, **{f"optim.{k}": unsharded(v) for k, v in osd.items()}}
+
+
+def unsharded(value):
+    if isinstance(value, DTensor):
+        assert [type(p) for p in value.placements] == [Shard] and value.placements[0].dim == 0
+        shards = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(shards, value.to_local().detach().cpu())
+        return torch.cat(shards)
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def model_state(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert a[key].dtype == b[key].dtype, key
+            assert torch.equal(bits(a[key]), bits(b[key])), f"{key} differs"
+        else:
+            assert a[key] == b[key], key
+
+
+def save(mgr: CheckpointManager, step: int, model, opt, **extra) -> Path:
+    return mgr.save(
+        step,
+        model=model,
+        optimizer=opt,
+        trainer_state={"step": step, "loss": 0.1 + step / 3, "nested": {"b": [1, 2.5, None]}},
+        data_state={"streams": [{"epoch": 0, "offset": 17 * step}], "z_first": True},
+        **extra,
+    )
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def dcp_shard(ckpt: Path) -> Path:
+    return next((ckpt / "dcp").glob("*.distcp"))
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_is_bit_identical_and_resumes_identically(tmp_path):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 3)
+    expected = full_state(model, opt)
+    torch.manual_seed(1234)
+    rng = capture_rng_state("cpu")
+    mgr = manager(tmp_path, keep=0)
+    path = save(mgr, 3, model, opt, extra_files={"notes/config.yaml": b"a: 1\n"})
+
+    fresh_model, fresh_opt = build(seed=99)  # different weights, optimizer never stepped
+    fresh_opt.step = lambda *a, **k: pytest.fail("load must not step the optimizer")
+    assert mgr.latest_intact() == (3, path)
+    loaded = mgr.load(path, model=fresh_model, optimizer=fresh_opt)
+    del fresh_opt.step
+
+    assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected)
+    assert fresh_opt.state[fresh_model.unused.weight] == {}  # no state at save -> none after load
+    assert loaded.step == 3 and loaded.saved_world_size == 1
+    assert loaded.trainer_state == {"step": 3, "loss": 0.1 + 3 / 3, "nested": {"b": [1, 2.5, None]}}
+    assert list(loaded.data_state) == ["streams", "z_first"]  # insertion order kept
+    assert loaded.extra_files == {"notes/config.yaml": b"a: 1\n"}
+    assert torch.equal(loaded.rng_state["cpu"], rng["cpu"])
+
+    # Resuming from the checkpoint continues exactly like the uninterrupted run.
+    train_steps(model, opt, 4, 5)
+    train_steps(fresh_model, fresh_opt, 4, 5)
+    assert_bitwise_equal(full_state(fresh_model, fresh_opt), full_state(model, opt))
+
+
+def test_rng_state_round_trip():
+    torch.manual_seed(7)
+    state = capture_rng_state(torch.device("cpu"))
+    first = torch.rand(5)
+    torch.manual_seed(8)
+    restore_rng_state(state, "cpu")
+    assert torch.equal(torch.rand(5), first)
+    with pytest.raises(CheckpointError, match="RNG state version"):
+        restore_rng_state({**state, "version": 99}, "cpu")
+
+
+def test_never_stepped_optimizer_is_saved_without_stepping_it(tmp_path):
+    model, opt = build(seed=0)
+    before = model_state(model)
+    mgr = manager(tmp_path)
+    path = save(mgr, 0, model, opt)
+    assert len(opt.state) == 0  # torch's get_state_dict would have stepped it
+    assert read_manifest(path).has_optimizer_state is False
+
+    other_model, other_opt = build(seed=5)
+    train_steps(other_model, other_opt, 1, 1)
+    mgr.load(path, model=other_model, optimizer=other_opt)
+    assert len(other_opt.state) == 0
+    assert_bitwise_equal(model_state(other_model), before)
+
+
+def test_load_into_another_architecture_is_refused(tmp_path):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path)
+    path = save(mgr, 1, model, opt)
+
+    smaller = nn.Sequential()
+    smaller.inp = nn.Linear(8, 16)
+    with pytest.raises(CheckpointError, match="no place for"):
+        mgr.load(path, model=smaller, optimizer=None)
+    torch.manual_seed(0)
+    wider = TinyNet(width=32)
+    with pytest.raises(CheckpointError):
+        mgr.load(path, model=wider, optimizer=torch.optim.AdamW(wider.parameters()))
+
+
+def test_json_states_must_survive_a_round_trip_and_fail_before_writing(tmp_path):
+    model, opt = build(seed=0)
+    mgr = manager(tmp_path)
+    with pytest.raises(CheckpointError, match=r"trainer_state\.pos is a tuple"):
+        mgr.save(1, model=model, optimizer=opt, trainer_state={"pos": (1, 2)}, data_state={})
+    with pytest.raises(CheckpointError, match="non-string key"):
+        mgr.save(1, model=model, optimizer=opt, trainer_state={}, data_state={"streams": {0: 1}})
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def test_layout_latest_and_retention(tmp_path):
+    model, opt = build(seed=0)
+    mgr = manager(tmp_path, keep=2)
+    for step in range(1, 5):
+        train_steps(model, opt, step, step)
+        save(mgr, step, model, opt)
+    assert mgr.list_steps() == [3, 4]
+    assert (tmp_path / "LATEST").read_text() == "step_00000004\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_00000003", "step_00000004"]
+    files = set(read_manifest(tmp_path / "step_00000004").files)
+    assert {"trainer_state.json", "data_state.json", "rng/rank0.pt", "dcp/.metadata"} <= files
+    assert mgr.latest_step == 4
+
+
+def test_retention_counts_only_checkpoints_up_to_latest(tmp_path):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path, keep=2)
+    save(mgr, 1, model, opt)
+    save(mgr, 2, model, opt)
+    # Newer than LATEST: left by a run that crashed before updating LATEST (or damaged).
+    for orphan in (8, 9):
+        os.rename(save(manager(tmp_path / "other", keep=0), orphan, model, opt), tmp_path / f"step_0000000{orphan}")
+    flip_bit(tmp_path / "step_00000009" / "trainer_state.json", 3)
+    save(mgr, 3, model, opt)
+    assert mgr.list_steps() == [2, 3, 8, 9]  # orphans neither kept in place of 2 nor deleted
+    assert (tmp_path / "LATEST").read_text() == "step_00000003\n"
+    reports = []
+    assert manager(tmp_path, on_corrupt=lambda *a: reports.append(a)).latest_intact() == (3, tmp_path / "step_00000003")
+    assert reports == []  # orphans are not candidates
+    save(mgr, 9, model, opt)  # re-saving an orphan's step replaces it
+    assert verify_checkpoint(tmp_path / "step_00000009") is None
+    assert mgr.list_steps() == [8, 9]
+
+
+def test_keep_zero_keeps_everything(tmp_path):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path, keep=0)
+    for step in range(1, 5):
+        save(mgr, step, model, opt)
+    assert mgr.list_steps() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda p: os.truncate(dcp_shard(p), dcp_shard(p).stat().st_size // 2), "bytes, manifest says"),
+        (lambda p: flip_bit(dcp_shard(p), dcp_shard(p).stat().st_size // 2), "sha256"),
+        (lambda p: flip_bit(p / "trainer_state.json", 3), "sha256"),
+        (lambda p: flip_bit(p / "rng" / "rank0.pt", 100), "sha256"),
+        (lambda p: flip_bit(p / "manifest.json", 40), "manifest"),
+        (lambda p: (p / "data_state.json").unlink(), "missing file data_state.json"),
+        (lambda p: (p / "dcp" / "stray.bin").write_bytes(b"x"), "unexpected file dcp/stray.bin"),
+        (lambda p: (p / "manifest.json").unlink(), "manifest.json is missing"),
+    ],
+    ids=["truncated", "bitflip-shard", "bitflip-json", "bitflip-rng", "bitflip-manifest", "missing", "extra", "no-manifest"],
+)
+def test_damage_is_detected_and_load_falls_back(tmp_path, damage, reason):
+    model, opt = build(seed=0)
+    mgr = manager(tmp_path, keep=0)
+    train_steps(model, opt, 1, 1)
+    good = save(mgr, 1, model, opt)
+    expected = full_state(model, opt)
+    train_steps(model, opt, 2, 2)
+    bad = save(mgr, 2, model, opt)
+    assert verify_checkpoint(bad) is None
+
+    damage(bad)
+    assert reason in verify_checkpoint(bad)
+    reports = []
+    reader = manager(tmp_path, on_corrupt=lambda *args: reports.append(args))
+    assert reader.latest_intact() == (1, good)
+    assert len(reports) == 1 and reports[0][:2] == (2, bad) and reason in reports[0][2]
+    fresh_model, fresh_opt = build(seed=3)
+    reader.load(good, model=fresh_model, optimizer=fresh_opt)
+    assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected)
+    with pytest.raises(CheckpointError, match="damaged"):
+        reader.load(bad, model=fresh_model, optimizer=fresh_opt)
+
+
+def test_newer_format_version_is_refused_not_skipped(tmp_path):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path)
+    save(mgr, 1, model, opt)
+    path = save(mgr, 2, model, opt)
+    body = json.loads((path / "manifest.json").read_text())
+    body.pop("manifest_sha256")
+    body["version"] = 2
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))  # the documented checksum rule
+    body["manifest_sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(body))
+    with pytest.raises(CheckpointFormatError, match="version 2"):
+        mgr.latest_intact()
+    assert "version 2" in verify_checkpoint(path)
+
+
+def test_leftover_tmp_dirs_are_ignored_and_cleaned(tmp_path):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    save(manager(tmp_path), 1, model, opt)
+    leftover = tmp_path / ".tmp-step_00000002-deadbeef"
+    (leftover / "dcp").mkdir(parents=True)
+    (leftover / "dcp" / "__0_0.distcp").write_bytes(b"partial")
+    (tmp_path / "LATEST.tmp").write_text("step_00000002\n")
+
+    assert manager(tmp_path).list_steps() == [1]  # constructor (rank 0) cleans
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_00000001"]
+    leftover.mkdir()
+    reader = CheckpointManager(CheckpointConfig(), checkpoint_dir=tmp_path, dist=single_ctx(), read_only=True)
+    assert leftover.exists()  # read-only managers (replay) touch nothing
+    assert reader.latest_intact()[0] == 1
+    with pytest.raises(CheckpointError, match="read-only"):
+        save(reader, 2, model, opt)
+    save(manager(tmp_path), 2, model, opt)
+    assert not leftover.exists()
+
+
+def test_failure_mid_save_keeps_latest_on_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path)
+    first = save(mgr, 1, model, opt)
+    real_write = manifest_lib.write_file_durably
+    calls = []
+
+    def failing_write(path, data):
+        calls.append(path)
+        if len(calls) == 2:  # after the DCP shards and one small file are on disk
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr("training.checkpointing.write_file_durably", failing_write)
+    with pytest.raises(CheckpointError, match="No space left"):
+        save(mgr, 2, model, opt)
+    monkeypatch.undo()
+    assert (tmp_path / "LATEST").read_text() == "step_00000001\n"
+    assert [p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir()].count(True) == 1
+    assert mgr.latest_intact() == (1, first)
+
+    # Crash between writing LATEST.tmp and replacing LATEST: LATEST still names step 1.
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(dst).name == "LATEST":
+            raise OSError(5, "I/O error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest_lib.os, "replace", failing_replace)
+    with pytest.raises(CheckpointError, match="I/O error"):
+        save(mgr, 3, model, opt)
+    monkeypatch.undo()
+    assert (tmp_path / "LATEST").read_text() == "step_00000001\n"
+    assert mgr.latest_intact() == (1, first)  # step 3 is published but newer than LATEST
+
+
+_KILL_LOOP = textwrap.dedent(
+    """
+    import sys, torch
+    from pathlib import Path
+    from core.config import CheckpointConfig
+    from core.distributed_context import DistributedContext
+    from training.checkpointing import CheckpointManager
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
+                             backend="gloo", timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    mgr = CheckpointManager(CheckpointConfig(keep=2, async_save=sys.argv[2] == "async"),
+                            checkpoint_dir=Path(sys.argv[1]), dist=ctx)
+    step = 0
+    while True:
+        step += 1
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        mgr.save(step, model=model, optimizer=opt, trainer_state={"step": step}, data_state={})
+        print(step, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("mode, delay", [("sync", 0.013), ("async", 0.029), ("sync", 0.061)])
+def test_sigkill_mid_save_never_leaves_latest_broken(tmp_path, mode, delay):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILL_LOOP, str(tmp_path), mode], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        for _ in range(3):  # a few complete saves first
+            assert proc.stdout.readline(), proc.stderr.read()
+        time.sleep(delay)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    latest = (tmp_path / "LATEST").read_text().strip()
+    assert verify_checkpoint(tmp_path / latest) is None
+    reports = []
+    found = manager(tmp_path, on_corrupt=lambda *a: reports.append(a)).latest_intact()
+    assert found is not None and found[1].name == latest and reports == []
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+# --------------------------------------------------------------------------- async
+
+
+def test_async_save_equals_sync_and_copies_before_returning(tmp_path):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 2)
+    expected = full_state(model, opt)
+    torch.manual_seed(5)
+    sync_path = save(manager(tmp_path / "sync"), 2, model, opt)
+    torch.manual_seed(5)
+    mgr = manager(tmp_path / "async", async_save=True)
+    async_path = save(mgr, 2, model, opt)
+    train_steps(model, opt, 3, 3)  # the loop goes on while the checkpoint is written
+    mgr.wait()
+    assert mgr.in_flight is False
+
+    sync_files, async_files = read_manifest(sync_path).files, read_manifest(async_path).files
+    assert sorted(sync_files) == sorted(async_files)
+    for name in sync_files:
+        if name != "dcp/.metadata":  # DCP's metadata records the path it was written to
+            assert sync_files[name] == async_files[name], name
+    fresh_model, fresh_opt = build(seed=4)
+    mgr.load(async_path, model=fresh_model, optimizer=fresh_opt)
+    assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected)
+
+    # The next save refills the same host buffers; the earlier checkpoint is unaffected.
+    expected_3 = full_state(model, opt)
+    path_3 = save(mgr, 3, model, opt)
+    train_steps(model, opt, 4, 4)
+    mgr.wait()
+    assert verify_checkpoint(async_path) is None
+    mgr.load(path_3, model=fresh_model, optimizer=fresh_opt)
+    assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected_3)
+
+
+def test_async_failure_surfaces_at_wait_and_next_save_works(tmp_path, monkeypatch):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path, async_save=True)
+    monkeypatch.setattr("training.checkpointing.hash_file", lambda p: (_ for _ in ()).throw(OSError(5, "EIO")))
+    save(mgr, 1, model, opt)
+    with pytest.raises(CheckpointError, match="EIO"):
+        mgr.wait()
+    monkeypatch.undo()
+    mgr.wait()  # the error is reported once
+    save(mgr, 2, model, opt)
+    mgr.wait()
+    assert mgr.latest_intact()[0] == 2
+
+
+# --------------------------------------------------------------------------- several ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_on_two_ranks(fn, *args) -> list:
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_rank_entry, args=(port, out, fn, args), nprocs=2, join=True)
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _rank_entry(rank: int, port: int, out: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    with DistributedContext.from_env(ParallelConfig(device="cpu", backend="gloo", timeout_s=60)) as ctx:
+        result = fn(ctx, *args)
+        ctx.barrier()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def _wrap(model: nn.Module, strategy: str) -> nn.Module:
+    if strategy == "ddp":
+        return nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))  # CPU even where CUDA exists
+    fully_shard(model.inp, mesh=mesh)
+    fully_shard(model.out, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _save_ddp_and_fsdp2(ctx: DistributedContext, root: str) -> dict:
+    return {
+        "ddp": _save_on_ranks(ctx, f"{root}/ddp", "ddp", async_save=False),
+        "fsdp": _save_on_ranks(ctx, f"{root}/fsdp", "fsdp", async_save=True),
+    }
+
+
+def _save_on_ranks(ctx: DistributedContext, ckpt_dir: str, strategy: str, async_save: bool) -> dict:
+    torch.manual_seed(0)
+    model = _wrap(TinyNet(), strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train_steps(model, opt, 1, 2, rank=ctx.rank)
+    expected = full_state(model, opt)
+    mgr = CheckpointManager(CheckpointConfig(async_save=async_save), checkpoint_dir=Path(ckpt_dir), dist=ctx)
+    save(mgr, 2, model, opt)
+    train_steps(model, opt, 3, 4, rank=ctx.rank)  # training collectives while the save runs
+    mgr.wait()
+    return expected
+
+
+def _load_on_ranks(ctx: DistributedContext, ckpt_dir: str, strategy: str) -> dict:
+    torch.manual_seed(123)
+    model = _wrap(TinyNet(), strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mgr = CheckpointManager(CheckpointConfig(), checkpoint_dir=Path(ckpt_dir), dist=ctx)
+    step, path = mgr.latest_intact()
+    loaded = mgr.load(path, model=model, optimizer=opt)
+    return {"state": full_state(model, opt), "has_rng": loaded.rng_state is not None}
+
+
+def test_two_ranks_ddp_and_fsdp2_save_then_one_process_loads(tmp_path):
+    ddp_dir, fsdp_dir = tmp_path / "ddp", tmp_path / "fsdp"
+    expected = run_on_two_ranks(_save_ddp_and_fsdp2, str(tmp_path))[0]
+    ddp_expected, fsdp_expected = expected["ddp"], expected["fsdp"]
+    assert read_manifest(ddp_dir / "step_00000002").world_size == 2
+    assert {"rng/rank0.pt", "rng/rank1.pt"} <= set(read_manifest(fsdp_dir / "step_00000002").files)
+    for ckpt_dir, expected in ((ddp_dir, ddp_expected), (fsdp_dir, fsdp_expected)):
+        model, opt = build(seed=77)
+        mgr = manager(ckpt_dir)
+        mgr.load(mgr.latest_intact()[1], model=model, optimizer=opt)
+        assert_bitwise_equal(full_state(model, opt), expected)
+
+
+def test_one_process_save_then_two_fsdp2_ranks_load(tmp_path):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 2)
+    save(manager(tmp_path), 2, model, opt)
+    results = run_on_two_ranks(_load_on_ranks, str(tmp_path), "fsdp")
+    assert_bitwise_equal(results[0]["state"], full_state(model, opt))
+    assert [r["has_rng"] for r in results] == [True, False]  # rank 1 did not exist at save time
