@@ -20,7 +20,8 @@ from core.distributed_context import DistributedContext
 from core.logging import EventLog, get_logger
 from core.run_context import RunContext
 from data.pipeline import build as build_pipeline
-from distributed import clip_grad_norm_, param_hash, parallelize
+from distributed import clip_grad_norm_, no_sync, param_hash, parallelize, unwrap
+from distributed.fsdp import is_fully_sharded
 from distributed.topology import Topology, build_mesh
 from experiments.tracking import MetricsTracker
 from models.flops import flops_per_token
@@ -34,6 +35,7 @@ class ParallelPlan:
 
     topology: Topology
     strategy: str
+    fsdp_applied: bool = False
 
     @property
     def dp_size(self) -> int:
@@ -51,9 +53,7 @@ class ParallelPlan:
         return clip_grad_norm_(model, max_norm)
 
     def no_sync(self, model: nn.Module):
-        if hasattr(model, "no_sync"):  # DDP: skip the all-reduce on accumulation steps
-            return model.no_sync()
-        return contextlib.nullcontext()
+        return no_sync(model)  # skip gradient sync on accumulation micro-batches (DDP and FSDP)
 
     def param_hash(self, model: nn.Module) -> str:
         return param_hash(model)
@@ -72,7 +72,8 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
         topology.dp_size,
         topology.tp_size,
     )
-    return model, ParallelPlan(topology=topology, strategy=config.parallel.strategy)
+    plan = ParallelPlan(topology=topology, strategy=config.parallel.strategy, fsdp_applied=is_fully_sharded(model))
+    return model, plan
 
 
 def build_data(config: Config, plan: ParallelPlan) -> tuple[Any, Callable[[], Any] | None]:
@@ -92,8 +93,9 @@ def build_data(config: Config, plan: ParallelPlan) -> tuple[Any, Callable[[], An
     return pipeline("train"), eval_factory
 
 
-def build_tracker(config: Config, run: RunContext, dist: DistributedContext, *, replaying: bool):
-    fpt = flops_per_token(config.model, config.data.seq_len, include_embedding_head=False)
+def build_tracker(config: Config, run: RunContext, dist: DistributedContext, model: nn.Module, *, replaying: bool):
+    # The model's own config: with model.init_from the shape comes from the HF directory.
+    fpt = flops_per_token(unwrap(model).config, config.data.seq_len, include_embedding_head=False)
     return MetricsTracker(
         config.metrics,
         dist=dist,

@@ -107,7 +107,7 @@ class Trainer:
         self.replay = replay
         self.log = get_logger()
         self.device = dist.device
-        self.precision = Precision(config.parallel, device=self.device)
+        self.precision = Precision(config.parallel, device=self.device, wrapper_casts=parallel.fsdp_applied)
         self.optimizer = build_optimizer(model, config.train, self.device)
         self.ledger = ledger_lib.Ledger(run.paths.ledger, writer=dist.is_main and replay is None)
         self.checkpoints = CheckpointManager(

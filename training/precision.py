@@ -17,13 +17,13 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
-    def __init__(self, config: ParallelConfig, *, device: torch.device) -> None:
+    def __init__(self, config: ParallelConfig, *, device: torch.device, wrapper_casts: bool) -> None:
+        """``wrapper_casts``: the model is wrapped by FSDP2 with a bf16 mixed-precision policy
+        (only true where fully_shard was applied: a single process is not sharded)."""
         self.name = config.precision
         self.dtype = _DTYPES[config.precision]
         self.device = device
-        self.use_autocast = self.name != "fp32" and not (
-            config.strategy == "fsdp" and self.name == "bf16"
-        )
+        self.use_autocast = self.name != "fp32" and not (wrapper_casts and self.name == "bf16")
         self.scaler = (
             torch.amp.GradScaler(device.type) if self.name == "fp16" else None
         )

@@ -1,0 +1,61 @@
+"""FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded on dim 0.
+
+One FSDP unit per transformer block (its parameters are all-gathered just before it runs
+and freed after), plus the root unit, which holds what is left: ``embed_tokens``, ``norm``
+and ``lm_head``. A tied embedding/head weight is one Parameter that lives in the root
+unit only, so it is sharded, gathered and updated once and stays tied.
+
+Precision: with ``parallel.precision=bf16`` parameters are all-gathered and computed in
+bf16, gradients are reduced in fp32, and the sharded fp32 parameters are the master
+weights the optimizer updates; the training loop must not also autocast (see
+``is_fully_sharded``). fp32 and fp16 keep fp32 parameters here (fp16 is autocast plus
+a gradient scaler in the loop).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from core.config import ParallelConfig
+from distributed.model_structure import has_tied_embeddings, transformer_blocks
+
+
+def mixed_precision_policy(parallel: ParallelConfig) -> MixedPrecisionPolicy:
+    if parallel.precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def offload_policy(parallel: ParallelConfig, device: torch.device) -> OffloadPolicy:
+    if not parallel.cpu_offload:
+        return OffloadPolicy()
+    # Pinned host memory only helps (and only exists) with an accelerator to copy to.
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, device: torch.device) -> None:
+    """Shard ``model`` in place: every block bottom-up, then the root."""
+    options = dict(
+        mesh=dp_mesh,
+        reshard_after_forward=parallel.reshard_after_forward,
+        mp_policy=mixed_precision_policy(parallel),
+        offload_policy=offload_policy(parallel, device),
+    )
+    tied = has_tied_embeddings(model)
+    for block in transformer_blocks(model):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    if tied and not has_tied_embeddings(model):
+        raise RuntimeError("FSDP untied embed_tokens.weight and lm_head.weight")
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    """True when parallelize applied FSDP (so a bf16 run is cast by FSDP, not autocast).
+
+    With one process there is no process group and FSDP is not applied, even for
+    ``strategy=fsdp``; the loop then autocasts as it would without FSDP.
+    """
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,57 @@
+"""parallelize: one pure function that turns a plain model into the configured parallel one.
+
+The order of the steps matters, and each step says why it comes where it does.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from core.config import ParallelConfig
+from core.distributed_context import DistributedContext
+from distributed.activation_checkpoint import apply_activation_checkpointing
+from distributed.compile import apply_compile
+from distributed.ddp import apply_ddp
+from distributed.fsdp import apply_fsdp
+from distributed.topology import Topology
+from distributed.tp import apply_tensor_parallel
+
+
+def parallelize(
+    model: nn.Module, parallel: ParallelConfig, dist: DistributedContext, topology: Topology
+) -> nn.Module:
+    """Apply TP, activation checkpointing, compile and FSDP/DDP to ``model``, in that order.
+
+    ``model`` is the plain model with identical weights on every rank (built from the same
+    seed); its blocks are modified in place and the returned module is what the loop
+    trains: the model itself, or its DDP wrapper. Use ``distributed.params.unwrap`` to get
+    back to the model.
+    """
+    if parallel.strategy == "xla_spmd":
+        raise ValueError("parallel.strategy=xla_spmd is set up by distributed.xla_spmd.setup_xla_spmd")
+    model.to(dist.device)
+
+    # 1. Tensor parallelism first: it needs the raw nn.Linear modules at their plain paths,
+    #    and FSDP below must see the TP-sharded DTensor parameters to shard them further
+    #    over the data-parallel dimension (2-D FSDP x TP).
+    if topology.tp_size > 1:
+        apply_tensor_parallel(model, topology.tp_mesh)
+
+    # 2. Activation checkpointing wraps each (TP-sharded) block, so recomputation in
+    #    backward replays the block including its TP collectives.
+    apply_activation_checkpointing(model, parallel.activation_checkpointing)
+
+    # 3. Compile each block after wrapping it, so the compiled region contains the
+    #    checkpoint logic too; before FSDP/DDP, so their communication hooks stay between
+    #    the compiled blocks instead of being traced into them.
+    if parallel.compile:
+        apply_compile(model)
+
+    # 4. Data parallelism last: fully_shard registers its hooks on the final block objects
+    #    (the wrappers above), and DDP must wrap the finished model to see every parameter.
+    if topology.mesh is not None:
+        if parallel.strategy == "fsdp":
+            apply_fsdp(model, topology.dp_mesh, parallel, dist.device)
+        elif parallel.strategy == "ddp" and topology.dp_size > 1:
+            return apply_ddp(model, topology.dp_mesh, dist.device)
+    return model

@@ -1,0 +1,179 @@
+"""How the ranks are arranged: a DeviceMesh with named dimensions, and who feeds which data.
+
+The mesh is always three-dimensional, ``("dp_replicate", "dp_shard", "tp")``, with the
+tensor-parallel dimension innermost so that a TP group is made of consecutive ranks (the
+GPUs of one node, joined by the fastest links). Dimensions of size 1 are kept so code can
+slice by name without asking which parallelisms are on.
+
+- ``ddp``: every rank holds a full replica: ``dp_replicate = world``, ``dp_shard = 1``,
+  ``tp = 1`` (tensor parallelism composes with fsdp only).
+- ``fsdp``: ``dp_shard = world / (tp * dp_replicate)``; ``dp_replicate > 1`` is HSDP
+  (shard inside a group, replicate across groups).
+- ``none`` (one process) and ``xla_spmd`` (one process drives every XLA device) need no
+  torch mesh.
+
+All ranks of one TP group read the same data, so the data pipeline is built with
+``rank=topology.dp_rank, world_size=topology.dp_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from core.config import ParallelConfig
+from core.distributed_context import DistributedContext
+from core.exceptions import ConfigError
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the three mesh dimensions (their product is the world size)."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the mesh. ``mesh`` is None when no torch mesh is needed."""
+
+    shape: MeshShape
+    dp_rank: int
+    tp_rank: int
+    mesh: Optional[DeviceMesh]
+
+    @property
+    def dp_size(self) -> int:
+        return self.shape.dp
+
+    @property
+    def tp_size(self) -> int:
+        return self.shape.tp
+
+    @property
+    def dp_mesh(self) -> Optional[DeviceMesh]:
+        """The data-parallel part: 2-D ``(dp_replicate, dp_shard)`` for HSDP, else 1-D."""
+        if self.mesh is None:
+            return None
+        if self.shape.dp_replicate > 1 and self.shape.dp_shard > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        if self.shape.dp_replicate > 1:
+            return self.mesh["dp_replicate"]
+        return self.mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        return None if self.mesh is None else self.mesh["tp"]
+
+    def describe(self) -> dict[str, int]:
+        return {
+            "dp_replicate": self.shape.dp_replicate,
+            "dp_shard": self.shape.dp_shard,
+            "tp": self.shape.tp,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "tp_rank": self.tp_rank,
+        }
+
+
+def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
+    """The mesh sizes for ``parallel`` on ``world_size`` ranks, or a ConfigError naming
+    the sizes that do not divide. Needs no process group, so it can run at config time."""
+    if parallel.tp < 1 or parallel.dp_replicate < 1:
+        raise ConfigError(
+            f"parallel.tp={parallel.tp} and parallel.dp_replicate={parallel.dp_replicate} "
+            "must be >= 1",
+            key="parallel",
+        )
+    if parallel.strategy in ("none", "xla_spmd"):
+        _reject_mesh_options(parallel, world_size)
+        return MeshShape(1, 1, 1)
+    if world_size % parallel.tp:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp={parallel.tp}",
+            key="parallel.tp",
+            hint=f"use a tp degree that divides {world_size}, or a world size that is a "
+            f"multiple of {parallel.tp}",
+        )
+    dp = world_size // parallel.tp
+    if parallel.strategy == "ddp":
+        if parallel.tp > 1:
+            # DDP turns TP's DTensor parameters into local shards outside forward, so
+            # gradient norms and parameter hashes would see shards as whole tensors.
+            raise ConfigError(
+                f"parallel.tp={parallel.tp} is not supported with parallel.strategy=ddp",
+                key="parallel.tp",
+                hint="use parallel.strategy=fsdp for tensor parallelism (with "
+                "parallel.dp_replicate equal to the data-parallel size for DDP-like replication)",
+            )
+        if parallel.dp_replicate not in (1, dp):
+            raise ConfigError(
+                f"parallel.dp_replicate={parallel.dp_replicate} is for fsdp (HSDP); ddp "
+                f"replicates over all {dp} data-parallel ranks",
+                key="parallel.dp_replicate",
+                hint="set parallel.dp_replicate=1, or use parallel.strategy=fsdp",
+            )
+        return MeshShape(dp_replicate=dp, dp_shard=1, tp=parallel.tp)
+    if dp % parallel.dp_replicate:
+        raise ConfigError(
+            f"data-parallel size {dp} (world size {world_size} / parallel.tp={parallel.tp}) "
+            f"is not divisible by parallel.dp_replicate={parallel.dp_replicate}",
+            key="parallel.dp_replicate",
+            hint=f"use a dp_replicate that divides {dp}",
+        )
+    return MeshShape(parallel.dp_replicate, dp // parallel.dp_replicate, parallel.tp)
+
+
+def build_mesh(parallel: ParallelConfig, dist: DistributedContext) -> Topology:
+    """Validate the sizes, then build the named DeviceMesh over the existing process group.
+
+    Collective: every rank must call it, with the same config.
+    """
+    shape = mesh_shape(parallel, dist.world_size)
+    if dist.world_size == 1 or parallel.strategy in ("none", "xla_spmd"):
+        return Topology(shape=shape, dp_rank=0, tp_rank=0, mesh=None)
+    mesh = init_device_mesh(dist.device.type, shape.as_tuple(), mesh_dim_names=MESH_DIMS)
+    replicate_idx, shard_idx, tp_idx = mesh.get_coordinate()
+    return Topology(
+        shape=shape,
+        dp_rank=replicate_idx * shape.dp_shard + shard_idx,
+        tp_rank=tp_idx,
+        mesh=mesh,
+    )
+
+
+def _reject_mesh_options(parallel: ParallelConfig, world_size: int) -> None:
+    name = parallel.strategy
+    if world_size > 1:
+        raise ConfigError(
+            f"parallel.strategy={name} runs one process, not {world_size} ranks",
+            key="parallel.strategy",
+            hint="use ddp or fsdp for several ranks"
+            + ("; xla_spmd drives all devices of one host from one process" if name == "xla_spmd" else ""),
+        )
+    if parallel.tp > 1:
+        raise ConfigError(
+            f"parallel.tp={parallel.tp} needs parallel.strategy ddp or fsdp, not {name}",
+            key="parallel.tp",
+            hint="set parallel.tp=1",
+        )
+    if parallel.dp_replicate > 1:
+        raise ConfigError(
+            f"parallel.dp_replicate={parallel.dp_replicate} needs parallel.strategy=fsdp, "
+            f"not {name}",
+            key="parallel.dp_replicate",
+            hint="set parallel.dp_replicate=1",
+        )

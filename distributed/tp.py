@@ -1,0 +1,101 @@
+"""Tensor parallelism (Megatron-style) for attention and MLP inside each block.
+
+Per block, over the ``tp`` mesh dimension:
+
+- ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``: colwise (output features,
+  i.e. whole heads / MLP channels, split across TP ranks; input replicated);
+- ``o_proj``, ``down_proj``: rowwise (input features split; outputs summed by one
+  all-reduce), so each sub-layer costs one all-reduce forward and one backward.
+
+Modules return plain local tensors, so the attention sees ``heads / tp`` heads: the model
+must derive its local head counts from the projection output size (``view(B, T, -1, D)``),
+not from stored totals. Embedding, norms and ``lm_head`` stay replicated (keeps a tied
+embedding/head pair trivially tied).
+
+q/k RMSNorms (Qwen3) act per head, so each TP rank normalises its own heads with the same
+replicated weight, and that weight's gradient is a *sum over all heads*: each rank holds
+only its part. Making the weight a replicated DTensor and the input a sharded one (as
+sequence parallelism does for the block norms) lets DTensor all-reduce that gradient.
+The local tensors hold different heads; any dimension other than the normalised last one
+may be declared the sharded one without changing the math, and dim 0 (batch) exists in
+every layout the model may use, so that is the one declared.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from core.exceptions import ConfigError
+from distributed.model_structure import transformer_blocks
+
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+HEAD_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+def block_plan(block: nn.Module) -> dict[str, object]:
+    """The parallelize_module plan of one block (paths relative to the block)."""
+    plan: dict[str, object] = {path: ColwiseParallel() for path in COLWISE}
+    plan.update({path: RowwiseParallel() for path in ROWWISE})
+    for path in HEAD_NORMS:
+        norm = _optional_submodule(block, path)
+        if norm is not None and any(True for _ in norm.parameters()):
+            plan[path] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    return plan
+
+
+def check_divisible(model: nn.Module, tp: int) -> None:
+    """ConfigError naming the first projection whose heads / channels do not split by tp."""
+    for index, block in enumerate(transformer_blocks(model)):
+        head_dim = _head_dim(block)
+        for path in COLWISE:
+            linear = _linear(block, path, index)
+            units, what = linear.out_features, "output features"
+            if head_dim and path in HEAD_PROJECTIONS:
+                units, what = linear.out_features // head_dim, f"heads (head_dim {head_dim})"
+            if units % tp:
+                raise ConfigError(
+                    f"layers.{index}.{path} has {units} {what}, not divisible by parallel.tp={tp}",
+                    key="parallel.tp",
+                    hint="choose a tp degree that divides the number of key/value heads",
+                )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard every block's projections over ``tp_mesh`` in place."""
+    check_divisible(model, tp_mesh.size())
+    for block in transformer_blocks(model):
+        parallelize_module(block, tp_mesh, block_plan(block))
+
+
+def _linear(block: nn.Module, path: str, index: int) -> nn.Linear:
+    module = block.get_submodule(path)
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"layers.{index}.{path} is {type(module).__name__}, expected nn.Linear")
+    return module
+
+
+def _optional_submodule(block: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _head_dim(block: nn.Module) -> int | None:
+    """head_dim from the attention module, or from its per-head q_norm; None if unknown."""
+    attn = block.get_submodule("self_attn")
+    head_dim = getattr(attn, "head_dim", None)
+    if isinstance(head_dim, int):
+        return head_dim
+    q_norm = getattr(attn, "q_norm", None)
+    weight = getattr(q_norm, "weight", None)
+    return int(weight.shape[0]) if weight is not None else None

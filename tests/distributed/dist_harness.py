@@ -1,0 +1,47 @@
+"""Run a function on N real processes (gloo on 127.0.0.1) and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``fn(*args)`` on every rank (with torchrun's env set); returns the results by rank."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world_size, port, tmp, fn, args), nprocs=world_size, join=True)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    result = fn(*args)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    # The result is on disk. Skip interpreter teardown: gloo's C++ threads occasionally
+    # abort there ("terminate called without an active exception") after FSDP runs, which
+    # would fail a test whose work had already succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
