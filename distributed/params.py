@@ -10,6 +10,8 @@ run under any strategy agrees with the same weights under any other.
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
@@ -64,14 +66,27 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def param_hash(model: nn.Module) -> str:
     """sha256 over all parameters, identical on every rank and for every strategy.
 
-    Canonical order: sorted by plain name. For each parameter the hash takes
-    ``name``, ``dtype`` and ``shape`` as UTF-8 text, then the full tensor's bytes in its own
-    dtype, C-contiguous, native (little-endian) byte order. Collective for sharded models:
-    every rank must call it.
+    Canonical order: sorted by plain name. Each parameter contributes ``name``, ``dtype``
+    and ``shape`` as UTF-8 text followed by the sha256 of its full tensor's bytes (its own
+    dtype, C-contiguous, native little-endian order); the result is the sha256 of that
+    sequence. Hashing per parameter lets the leaf digests run in parallel threads (hashlib
+    releases the GIL), which matters at billions of parameters. Collective for sharded
+    models: every rank must call it.
     """
-    digest = hashlib.sha256()
-    for name, param in sorted(canonical_named_parameters(model), key=lambda item: item[0]):
-        value = full_tensor(param.detach()).contiguous().cpu()
-        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}|".encode())
-        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    params = sorted(canonical_named_parameters(model), key=lambda item: item[0])
+    entries: list[tuple[str, torch.dtype, tuple[int, ...], Future]] = []
+    workers = max(1, min(8, (os.cpu_count() or 1)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="param-hash") as pool:
+        for name, param in params:
+            # Gathering is collective and stays on this thread, in canonical order.
+            value = full_tensor(param.detach()).contiguous().cpu()
+            entries.append((name, value.dtype, tuple(value.shape), pool.submit(_leaf_digest, value)))
+        digest = hashlib.sha256()
+        for name, dtype, shape, leaf in entries:
+            digest.update(f"{name}|{dtype}|{shape}|".encode())
+            digest.update(leaf.result())
     return digest.hexdigest()
+
+
+def _leaf_digest(value: torch.Tensor) -> bytes:
+    return hashlib.sha256(memoryview(value.reshape(-1).view(torch.uint8).numpy())).digest()

@@ -196,9 +196,15 @@ class _HostBuffers:
     def _copy_tensor(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or _layout(buffer) != _layout(tensor):
-            buffer = self._buffers[key] = tensor.to("cpu", copy=True)
+            if tensor.is_cuda and not isinstance(tensor, DTensor):
+                # Pinned memory: the device-to-host copy runs at full PCIe speed, async.
+                buffer = torch.empty_like(tensor, device="cpu", pin_memory=True)
+                buffer.copy_(tensor, non_blocking=True)
+                self._buffers[key] = buffer
+            else:
+                buffer = self._buffers[key] = tensor.to("cpu", copy=True)
         else:
-            _local(buffer).copy_(_local(tensor))
+            _local(buffer).copy_(_local(tensor), non_blocking=_local(buffer).is_pinned())
         return buffer
 
 
@@ -468,6 +474,8 @@ class CheckpointManager:
             state = {MODEL_KEY: get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
         if self.config.async_save:
             state = self._host_buffers.copy(state)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking pinned copies have landed
         return _StagedSave(step=step, state=state, has_optimizer_state=has_optim, rank_files=rank_files)
 
     def _make_tmp_dir(self, step: int) -> str:

@@ -176,7 +176,7 @@ def _hang_worker(rank: int, world: int, port: int, run_dir: str) -> None:
         events = EventLog(Path(run_dir) / "events.jsonl", rank=rank)
         stall = StallDetector()
         watchdog = Watchdog(
-            RuntimeConfig(watchdog_timeout_s=1.0, watchdog_exit_grace_s=4.0),
+            RuntimeConfig(watchdog_timeout_s=1.0, watchdog_exit_grace_s=8.0),
             rank=rank,
             diagnostics_dir=diag,
             providers={"stall": stall.summary, "pipeline": lambda: {"queue_depth": 4}},
