@@ -114,3 +114,24 @@ def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def spawn_ranks(target, args_for_rank, *, world: int = 2, timeout: float = 90) -> list[int | None]:
+    """Run ``target(*args_for_rank(rank))`` in ``world`` spawned processes; their exit codes.
+
+    Processes still alive after ``timeout`` are killed (their code is then negative)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_for_rank(rank)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [p.exitcode for p in procs]

@@ -61,9 +61,9 @@ def test_missing_file():
 
 
 def test_batch_divisibility_checked_against_world():
-    config = config_lib.load(TINY, ["train.global_batch_size=20", "train.micro_batch_size=4", "data.num_streams=8"])
-    with pytest.raises(ConfigError):
-        config_lib.validate(config)  # 20 is not divisible by 8 streams
+    with pytest.raises(ConfigError) as info:  # 20 is not divisible by 8 streams
+        config_lib.load(TINY, ["train.global_batch_size=20", "data.num_streams=8"])
+    assert "data.num_streams" in str(info.value)
     config = config_lib.load(TINY, ["train.global_batch_size=16", "train.micro_batch_size=3"])
     with pytest.raises(ConfigError) as info:
         config_lib.validate_world(config, 2)

@@ -2,9 +2,7 @@
 
 import json
 import logging
-import multiprocessing
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from core.config import MetricsConfig
 from core.distributed_context import DistributedContext
 from experiments.tracking import MetricsError, MetricsTracker
+from tests import launch
 
 
 class Clock:
@@ -161,11 +160,6 @@ def test_resumed_run_purges_overlapping_tensorboard_steps(tmp_path):
 # ----------------------------------------------------------------------------- two real ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _tracker_worker(rank: int, world: int, port: int, run_dir: str) -> None:
     try:
@@ -205,20 +199,10 @@ def _tracker_worker(rank: int, world: int, port: int, run_dir: str) -> None:
 
 
 def test_two_ranks_one_collective_per_interval_with_mean_min_max_sum_and_slowest(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_tracker_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=90)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    port = launch.free_port()
+    codes = launch.spawn_ranks(_tracker_worker, lambda r: (r, 2, port, str(tmp_path)), timeout=90)
     errors = [f.read_text() for f in tmp_path.glob("*_error.txt")]
-    assert [p.exitcode for p in procs] == [0, 0], errors
+    assert codes == [0, 0], errors
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0["collectives"] == r1["collectives"] == 2  # 4 steps, interval 2
     for a, b in zip(r0["records"], r1["records"]):  # every rank gets the same aggregate

@@ -19,6 +19,7 @@ from core.config import RuntimeConfig
 from runtime.memory import enable_memory_history, is_out_of_memory, memory_snapshot, oom_snapshot
 from runtime.profiler import ProfilerWindow, StepTimer
 from runtime.watchdog import Watchdog
+from tests import launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -205,19 +206,9 @@ def test_nccl_two_ranks_one_hung_both_dump_and_exit_6(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_nccl_hang_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=180)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    codes = launch.spawn_ranks(_nccl_hang_worker, lambda r: (r, port, str(tmp_path)), timeout=180)
     errors = [f.read_text() for f in tmp_path.glob("rank*_error.txt")]
-    assert [p.exitcode for p in procs] == [6, 6], errors
+    assert codes == [6, 6], errors
     diag = tmp_path / "diagnostics"
     assert "maybe_hang" in (diag / "rank1_stacks.txt").read_text()
     assert "_nccl_hang_worker" in (diag / "rank0_stacks.txt").read_text()

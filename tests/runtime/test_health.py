@@ -2,10 +2,8 @@
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import signal
-import socket
 import traceback
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError, ConfigError, ExitCode, NonFiniteError
 from runtime.health import NonFiniteGuard, StallDetector, dump_provenance, provenance_path
+from tests import launch
 
 
 class Clock:
@@ -140,11 +139,6 @@ def test_dump_provenance_writes_strict_json_atomically(tmp_path):
 # ----------------------------------------------------------------------------- two real ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _agreement_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """Only rank 1 sees a NaN / gets SIGTERM; both must take the same decisions."""
@@ -178,20 +172,10 @@ def _agreement_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_two_ranks_agree_on_nonfinite_and_stop(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_agreement_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=90)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    port = launch.free_port()
+    codes = launch.spawn_ranks(_agreement_worker, lambda r: (r, 2, port, str(tmp_path)), timeout=90)
     errors = [f.read_text() for f in tmp_path.glob("*_error.txt")]
-    assert [p.exitcode for p in procs] == [0, 0], errors
+    assert codes == [0, 0], errors
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     for r in (r0, r1):
         assert r["finite_step"] is True

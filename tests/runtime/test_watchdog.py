@@ -1,10 +1,8 @@
 """runtime/watchdog.py: timeouts, pauses, the diagnostics bundle, and real hung processes."""
 
 import json
-import multiprocessing
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +13,7 @@ from pathlib import Path
 from core.config import RuntimeConfig
 from core.exceptions import ExitCode
 from runtime.watchdog import Watchdog, configure_nccl_diagnostics
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,11 +144,6 @@ def test_configure_nccl_diagnostics_sets_defaults_but_keeps_operator_values(tmp_
 # ----------------------------------------------------------------------------- real processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _hang_worker(rank: int, world: int, port: int, run_dir: str) -> None:
     """Rank 1 hangs at step 2 (fault), rank 0 blocks in the step's all-reduce."""
@@ -198,19 +192,8 @@ def _hang_worker(rank: int, world: int, port: int, run_dir: str) -> None:
 
 
 def test_two_ranks_one_hung_both_dump_and_exit_6(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_hang_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=90)
-        codes = [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    port = launch.free_port()
+    codes = launch.spawn_ranks(_hang_worker, lambda r: (r, 2, port, str(tmp_path)), timeout=90)
     errors = [f.read_text() for f in tmp_path.glob("rank*_error.txt")]
     assert codes == [ExitCode.WATCHDOG, ExitCode.WATCHDOG], (codes, errors)
 
