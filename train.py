@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         run, events = session.open_run(args, config, dist)
         model, parallel = build_model(config, dist)
         data, eval_data = build_data(config, parallel)
-        tracker = build_tracker(config, run, dist, replaying=args.mode == "replay")
+        tracker = build_tracker(config, run, dist, model, replaying=args.mode == "replay")
         guards = build_guards(config, run, dist, events, data=data)
         parts = [data, tracker, guards]
         trainer = Trainer(
