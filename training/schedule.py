@@ -20,7 +20,7 @@ def lr_at(step: int, config: TrainConfig) -> float:
         return peak * (t + 1) / config.warmup_steps
     if config.schedule == "constant":
         return peak
-    span = max(total - config.warmup_steps, 1)
+    span = max(total - config.warmup_steps - 1, 1)  # the last step runs at the floor
     progress = min(max(t - config.warmup_steps, 0) / span, 1.0)
     if config.schedule == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
