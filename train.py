@@ -17,7 +17,7 @@ from training.loop import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    run = events = dist = None
+    run = events = dist = guards = None
     parts: list = []
     try:
         args = session.parse_args(argv)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.fit()
         return session.finish(result, run, events, dist)
     except BaseException as error:  # one line on stderr, the traceback in logs and diagnostics
-        return session.fail(error, run, events, dist)
+        return session.fail(error, run, events, dist, watchdog=guards.watchdog if guards else None)
     finally:
         close_all(parts, run, dist)
 

@@ -104,6 +104,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fired = False
+        self._dumped = threading.Event()
 
     # ------------------------------------------------------------------ public API
 
@@ -114,6 +115,10 @@ class Watchdog:
     @property
     def fired(self) -> bool:
         return self._fired
+
+    def wait_for_dump(self, timeout: float) -> bool:
+        """After ``fired``: block until the diagnostics bundle is written (True) or timeout."""
+        return self._dumped.wait(timeout)
 
     def start(self) -> None:
         """Start watching; the timeout counts from now. No-op when the timeout is 0."""
@@ -245,6 +250,7 @@ class Watchdog:
         if self._on_abort is not None:
             self._bounded(lambda: self._on_abort(summary))
         self._bounded(_flush_everything, timeout_s=min(self._section_timeout, 2.0))
+        self._dumped.set()
         # Exiting tears down this rank's connections, which makes a peer blocked on it fail
         # its collective at once (gloo) instead of timing out and dumping its own stacks.
         time.sleep(self._exit_grace)

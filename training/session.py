@@ -19,7 +19,7 @@ import torch
 from core import config as config_lib
 from core.config import Config
 from core.distributed_context import DistributedContext, ProcessInfo
-from core.exceptions import ExitCode, LockstepError, UsageError, exit_code_for
+from core.exceptions import ExitCode, LockstepError, UsageError, WatchdogAbort, exit_code_for
 from core.logging import EventLog, console, get_logger, setup_logging
 from core.run_context import RunContext
 from experiments.artifacts import ArtifactStore
@@ -148,7 +148,19 @@ def finish(result, run: RunContext, events: EventLog, dist: DistributedContext) 
     return ExitCode.OK
 
 
-def fail(error: BaseException, run: RunContext | None, events: EventLog | None, dist: DistributedContext | None) -> int:
+def fail(
+    error: BaseException,
+    run: RunContext | None,
+    events: EventLog | None,
+    dist: DistributedContext | None,
+    *,
+    watchdog=None,
+) -> int:
+    if watchdog is not None and watchdog.fired:
+        # A peer's watchdog exit broke our blocked collective after our own watchdog fired:
+        # the cause is the hang, so exit as the watchdog would once its bundle is written.
+        watchdog.wait_for_dump(timeout=60)
+        error = WatchdogAbort(f"watchdog fired, then: {error}", rank=dist.rank if dist else None)
     code = exit_code_for(error)
     if isinstance(error, KeyboardInterrupt):
         code = 130

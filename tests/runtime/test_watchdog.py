@@ -187,6 +187,11 @@ def _hang_worker(rank: int, world: int, port: int, run_dir: str) -> None:
             stall.observe(step, timer.end_step())
         os._exit(0)  # not reached: the watchdog ends both ranks
     except BaseException:
+        if "watchdog" in locals() and watchdog.fired:
+            # The peer's exit failed our blocked collective after our watchdog fired: the
+            # abort is still the watchdog's (train.py maps this case to exit 6 too).
+            watchdog.wait_for_dump(timeout=30)
+            os._exit(ExitCode.WATCHDOG)
         Path(run_dir, f"rank{rank}_error.txt").write_text(traceback.format_exc())
         os._exit(99)
 
