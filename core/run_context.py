@@ -35,6 +35,9 @@ DETERMINISM_ENV = (
     "MKL_NUM_THREADS",
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
     "PYTORCH_CUDA_ALLOC_CONF",
+    "PJRT_DEVICE",
+    "CPU_NUM_DEVICES",
+    "XLA_FLAGS",
 )
 
 
@@ -260,7 +263,7 @@ def versions() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
     }
-    for name in ("pyarrow", "zstandard", "yaml", "tokenizers", "safetensors", "numpy", "transformers"):
+    for name in ("pyarrow", "zstandard", "yaml", "tokenizers", "safetensors", "numpy", "transformers", "torch_xla"):
         try:
             module = __import__(name)
             out[name] = getattr(module, "__version__", "unknown")

@@ -14,7 +14,8 @@ TORCH_XLA_VERSION="2.9.0"
 VENV="${XLA_VENV:-.venv-xla}"
 PYTHON="${PYTHON:-python3}"
 
-# Everything the XLA tests import besides torch/torch_xla (the repo's core/ needs pyyaml).
+# Everything the XLA tests import besides torch/torch_xla (the repo's core/ needs pyyaml;
+# train.py's default metrics sinks need tensorboard).
 EXTRA_PACKAGES=(
   "pyyaml"
   "pyarrow"
@@ -24,6 +25,7 @@ EXTRA_PACKAGES=(
   "safetensors"
   "tokenizers"
   "numpy"
+  "tensorboard>=2.14"
 )
 
 venv_is_ready() {
@@ -34,7 +36,7 @@ import importlib.metadata as md
 want_torch, want_xla = sys.argv[1], sys.argv[2]
 assert md.version("torch").split("+")[0] == want_torch
 assert md.version("torch_xla").split("+")[0] == want_xla
-for name in ("yaml", "pyarrow", "zstandard", "psutil", "pytest", "safetensors", "tokenizers", "numpy"):
+for name in ("yaml", "pyarrow", "zstandard", "psutil", "pytest", "safetensors", "tokenizers", "numpy", "tensorboard"):
     __import__(name)
 PY
 }

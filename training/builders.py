@@ -31,10 +31,16 @@ from training.guards import Guards
 
 @dataclass
 class ParallelPlan:
-    """What the trainer needs to know about how the model is spread over ranks."""
+    """What the trainer needs to know about how the model is spread over ranks.
+
+    ``device`` is where the step runs: the rank's device for the torch strategies, the XLA
+    device for ``xla_spmd`` (``training.xla.XlaSpmdPlan``, which also overrides
+    ``place_batch`` and ``sync``).
+    """
 
     topology: Topology
     strategy: str
+    device: torch.device
     fsdp_applied: bool = False
 
     @property
@@ -58,12 +64,35 @@ class ParallelPlan:
     def param_hash(self, model: nn.Module) -> str:
         return param_hash(model)
 
+    def place_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A batch tensor (host memory) on the step's device."""
+        return tensor.to(self.device, non_blocking=True)
+
+    def sync(self) -> None:
+        """Run the device work recorded so far. Eager torch devices run it as issued: nothing
+        to do. (Lazy XLA tensors only record it; see ``training.xla``.)"""
+
+    def after_load(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Restore the device layout that loading a checkpoint does not keep. The torch
+        strategies load into their live (sharded) tensors: nothing to do."""
+
 
 def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, ParallelPlan]:
     determinism.configure(config.determinism, dist.device)
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
     topology = build_mesh(config.parallel, dist)
-    model = parallelize(model, config.parallel, dist, topology)
+    if config.parallel.strategy == "xla_spmd":
+        from training import xla  # needs torch_xla, which only the XLA interpreter has
+
+        model, plan = xla.setup(model, config, topology)
+    else:
+        model = parallelize(model, config.parallel, dist, topology)
+        plan = ParallelPlan(
+            topology=topology,
+            strategy=config.parallel.strategy,
+            device=dist.device,
+            fsdp_applied=is_fully_sharded(model),
+        )
     get_logger().info(
         "model: %s, %.2fM parameters, strategy %s, dp %d x tp %d",
         config.model.arch,
@@ -72,7 +101,6 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
         topology.dp_size,
         topology.tp_size,
     )
-    plan = ParallelPlan(topology=topology, strategy=config.parallel.strategy, fsdp_applied=is_fully_sharded(model))
     return model, plan
 
 

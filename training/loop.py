@@ -74,7 +74,9 @@ class Trainer:
 
     ``parallel`` is the parallelism layer's toolbox for the wrapped model: ``dp_size``,
     ``dp_rank``, ``clip_grad_norm(model, max_norm)``, ``no_sync(model)`` and
-    ``param_hash(model)``; the trainer never branches on the strategy itself.
+    ``param_hash(model)``, plus ``device``, ``place_batch(tensor)``, ``sync()`` and
+    ``after_load(model, optimizer)`` (which matter for xla_spmd's lazy XLA tensors, see
+    ``training.xla``); the trainer never branches on the strategy itself.
     """
 
     def __init__(
@@ -106,7 +108,7 @@ class Trainer:
         self.loss_fn = loss_fn or CausalLMLoss()
         self.replay = replay
         self.log = get_logger()
-        self.device = dist.device
+        self.device = parallel.device  # where the step runs; dist.device unless xla_spmd (XLA)
         self.precision = Precision(config.parallel, device=self.device, wrapper_casts=parallel.fsdp_applied)
         self.optimizer = build_optimizer(model, config.train, self.device)
         self.ledger = ledger_lib.Ledger(run.paths.ledger, writer=dist.is_main and replay is None)
@@ -170,6 +172,7 @@ class Trainer:
             return 0
         step, path = found
         loaded = self.checkpoints.load(path, model=self.model, optimizer=self.optimizer)
+        self.parallel.after_load(self.model, self.optimizer)
         state = loaded.trainer_state
         if state.get("version") != TRAINER_STATE_VERSION:
             raise DataError(f"trainer state version {state.get('version')} is not supported", file=str(path))
@@ -228,18 +231,24 @@ class Trainer:
                 no_sync=self.parallel.no_sync,
                 timer=timer,
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
+                place=self.parallel.place_batch,
             )
         with timer.phase("communication"):
             loss = self._all_reduce_sum(local_loss) / max(global_targets, 1)
         with timer.phase("optimizer"):
             self.precision.unscale_(self.optimizer)
             grad_norm = self.parallel.clip_grad_norm(self.model, self.config.train.grad_clip)
+            # Lazy devices (xla_spmd) run the recorded forward, backward and clipping here,
+            # before loss and norm are read, and the update at the second sync; both are no-ops
+            # for the torch strategies (training/xla.py explains the two cuts).
+            self.parallel.sync()
             finite = guards.nonfinite.check(loss, grad_norm)
             if finite:
                 self.precision.step(self.optimizer)
             else:
                 self._handle_nonfinite(step, batch, float(loss), float(grad_norm))
             self.optimizer.zero_grad(set_to_none=True)
+            self.parallel.sync()
         self.step = step
         tokens = batch.input_ids.numel() * self.parallel.dp_size
         self.tokens_seen += tokens
@@ -366,9 +375,9 @@ class Trainer:
                 for micro in batch.micro_batches(self.config.train.micro_batch_size):
                     with self.precision.autocast():
                         logits = self.model(
-                            micro.input_ids.to(self.device),
-                            position_ids=micro.position_ids.to(self.device),
-                            document_ids=micro.document_ids.to(self.device),
+                            self.parallel.place_batch(micro.input_ids),
+                            position_ids=self.parallel.place_batch(micro.position_ids),
+                            document_ids=self.parallel.place_batch(micro.document_ids),
                         )
                     total[0] += self.loss_fn(logits, micro).double().to(total.device)
                     total[1] += self.loss_fn.num_targets(micro)
@@ -385,6 +394,10 @@ class Trainer:
         return self.device if self.dist.backend == "nccl" else torch.device("cpu")
 
     def _all_reduce_sum(self, value):
+        if isinstance(value, torch.Tensor) and not self.dist.is_distributed:
+            # Nothing to reduce. The value stays where it is: reading a lazy XLA loss here
+            # would run the forward as a graph of its own before the step's graph.
+            return value.detach().float()
         if isinstance(value, torch.Tensor):
             t = value.detach().to(self._reduce_device, torch.float32).clone()
             return self.dist.all_reduce(t)

@@ -83,6 +83,10 @@ def resolve_config(args: Args) -> Config:
         config = resume_lib.resume_config(root, run_id, list(args.overrides))
     config_lib.validate_world(config, ProcessInfo.from_env().world_size)
     parse_faults(config.runtime.faults)  # a bad fault entry is a config error (exit 2)
+    if config.parallel.strategy == "xla_spmd":
+        from training.xla import check_config  # imports without torch_xla; says if it is missing
+
+        check_config(config)
     return config
 
 
@@ -168,7 +172,8 @@ def fail(
     text = "".join(traceback.format_exception(error))
     line = str(error) if isinstance(error, LockstepError) else f"error: {type(error).__name__}: {error}"
     print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
-    get_logger().error("%s\n%s", line, text)
+    if get_logger().handlers:  # before the run dir exists there is no log file: the line is enough
+        get_logger().error("%s\n%s", line, text)
     if run is not None:
         try:
             run.paths.diagnostics.mkdir(parents=True, exist_ok=True)

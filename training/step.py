@@ -48,8 +48,15 @@ def forward_backward(
     no_sync: Callable[[nn.Module], contextlib.AbstractContextManager],
     timer=None,
     poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    place: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Accumulate gradients over ``micro_batches``; returns this rank's summed loss (fp32)."""
+    """Accumulate gradients over ``micro_batches``; returns this rank's summed loss (fp32).
+
+    ``place`` moves a batch tensor to ``device`` (``ParallelPlan.place_batch``: under
+    xla_spmd it also marks the tensor as split over the mesh); default: a plain copy.
+    """
+    if place is None:
+        place = lambda tensor: tensor.to(device, non_blocking=True)  # noqa: E731
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
     for i, micro in enumerate(micro_batches):
@@ -58,9 +65,9 @@ def forward_backward(
         with sync:
             with _phase(timer, "forward"), precision.autocast():
                 logits = model(
-                    micro.input_ids.to(device, non_blocking=True),
-                    position_ids=micro.position_ids.to(device, non_blocking=True),
-                    document_ids=micro.document_ids.to(device, non_blocking=True),
+                    place(micro.input_ids),
+                    position_ids=place(micro.position_ids),
+                    document_ids=place(micro.document_ids),
                 )
                 loss_sum = loss_fn(logits, micro)
                 if poison is not None:
