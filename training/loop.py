@@ -339,7 +339,8 @@ class Trainer:
                 trainer_state=self.trainer_state(),
                 data_state=self._global_data_state,
             )
-        self.events.emit("checkpoint_saved", step=step, path=str(path), reason=reason) if self.dist.is_main else None
+        if self.dist.is_main:
+            self.events.emit("checkpoint_saved", step=step, path=str(path), reason=reason)
 
     def trainer_state(self) -> dict[str, Any]:
         return {
@@ -384,7 +385,8 @@ class Trainer:
         self.model.train()
         self.dist.all_reduce(total)
         eval_loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
-        self.events.emit("eval", step=step, loss=eval_loss, tokens=int(total[1])) if self.dist.is_main else None
+        if self.dist.is_main:
+            self.events.emit("eval", step=step, loss=eval_loss, tokens=int(total[1]))
         self.log.info("eval step %d: loss %.4f over %d tokens", step, eval_loss, int(total[1]))
 
     # ------------------------------------------------------------------ helpers

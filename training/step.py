@@ -10,7 +10,6 @@ back into the sum we want.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,22 +17,6 @@ from torch import nn
 
 from training.losses import Loss
 from training.precision import Precision
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean token loss over the global batch
-    grad_norm: float  # global gradient norm before clipping
-    target_tokens: int  # target tokens in the global batch
-    updated: bool  # False when the update was skipped (non-finite)
-
-
-@dataclass
-class StepFunctions:
-    """What the step needs from the parallelism layer (duck-typed, strategy specific)."""
-
-    clip_grad_norm: Callable[[nn.Module, float], torch.Tensor]
-    no_sync: Callable[[nn.Module], contextlib.AbstractContextManager]
 
 
 def forward_backward(
