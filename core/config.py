@@ -119,7 +119,7 @@ class DataConfig:
     num_streams: int = 8
     """Logical streams; every world size that divides it sees the same global batches."""
     workers: int = 2
-    """Worker threads per rank for decode/tokenize/augment."""
+    """Workers per rank for the expensive stage (a Hugging Face tokenizer); cheap stages run inline."""
     process_pool: bool = True
     """Run the stages that hold the GIL in data.workers worker processes (false: in the threads)."""
     prefetch_batches: int = 4
@@ -292,6 +292,7 @@ RESUMABLE_KEYS = (
     "data.workers",
     "data.prefetch_batches",
     "data.max_in_flight",
+    "data.process_pool",
     "parallel.strategy",
     "parallel.compile",
     "parallel.activation_checkpointing",
