@@ -104,3 +104,12 @@ def test_resumable_keys():
     assert config_lib.is_resumable("checkpoint.interval")
     assert not config_lib.is_resumable("model.hidden_size")
     assert not config_lib.is_resumable("train.lr")
+
+
+def test_config_reference_doc_is_current():
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "config_reference.py"
+    result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, timeout=60)
+    assert result.returncode == 0, "docs/config.md is stale: run python scripts/config_reference.py"
