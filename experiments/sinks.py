@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -30,12 +32,14 @@ class MetricSink(Protocol):
 class JsonlMetricsSink:
     """Appends one line per record to ``metrics.jsonl``.
 
-    A resumed run appends after the records of the interrupted one; steps logged after the
-    last checkpoint appear twice and readers keep the last record of each step.
+    A resumed run first drops the records after its restored step (``keep_through``), as the
+    ledger does, so every step appears once.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, keep_through: int | None = None) -> None:
         self._path = Path(path)
+        if keep_through is not None and self._path.is_file():
+            _truncate_after(self._path, keep_through)
 
     def write(self, record: MetricRecord) -> None:
         append_line(self._path, record.to_json(), fsync=False)
@@ -121,7 +125,8 @@ def build_sinks(
     """The sinks ``config`` asks for (call on rank 0 only); without a run dir, console only."""
     if run_dir is None:
         return [ConsoleSink(total_steps=total_steps, print_fn=print_fn)]
-    sinks: list[MetricSink] = [JsonlMetricsSink(run_dir / layout.METRICS_FILE)]
+    keep = start_step if start_step > 0 else None
+    sinks: list[MetricSink] = [JsonlMetricsSink(run_dir / layout.METRICS_FILE, keep_through=keep)]
     if config.tensorboard:
         purge = start_step + 1 if start_step > 0 else None
         sinks.append(TensorBoardSink(run_dir / layout.TENSORBOARD_DIR, purge_step=purge))
@@ -160,3 +165,18 @@ def close_all(sinks: Sequence[MetricSink]) -> None:
             sink.close()
         except Exception as exc:  # closing one sink must not keep the others open
             log.warning("closing metrics sink %s failed: %s", type(sink).__name__, exc)
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records with ``step <= step`` (and drop a torn last line); atomic replace."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break
+        if int(record.get("step", 0)) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)

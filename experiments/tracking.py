@@ -93,17 +93,18 @@ class MetricsTracker:
         self._peak_flops = peak_flops
         self._clock = clock
         self._wall_clock = wall_clock
-        if sinks is None:
-            sinks = []
-            if dist.rank == 0:
-                sinks = build_sinks(
-                    config,
-                    run_dir=None if run_dir is None else Path(run_dir),
-                    total_steps=total_steps,
-                    start_step=start_step,
-                    print_fn=print_fn or _print_flush,
-                )
-        self._sinks: list[MetricSink] = list(sinks)
+        # Default sinks are built at the first log(): only then is the first step known, so a
+        # resumed run purges TensorBoard events after its restored step and its ETA counts from
+        # there, although the tracker is built before the checkpoint is restored.
+        self._sink_args = None
+        if sinks is None and dist.rank == 0:
+            self._sink_args = dict(
+                run_dir=None if run_dir is None else Path(run_dir),
+                total_steps=total_steps,
+                print_fn=print_fn or _print_flush,
+                start_step=start_step,
+            )
+        self._sinks: list[MetricSink] = list(sinks or [])
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._interval_steps = 0
@@ -119,6 +120,10 @@ class MetricsTracker:
 
         Returns the aggregated record (on every rank) at the end of an interval, else None.
         """
+        if self._sink_args is not None:
+            args, self._sink_args = self._sink_args, None
+            args["start_step"] = max(args["start_step"], step - 1)
+            self._sinks = build_sinks(self._config, **args)
         for name, value in metrics.items():
             try:
                 number = float(value)
@@ -135,6 +140,7 @@ class MetricsTracker:
 
     def close(self) -> None:
         """Close the sinks. Runs no collective, so it is safe on error paths."""
+        self._sink_args = None
         close_all(self._sinks)
         self._sinks = []
 

@@ -90,6 +90,8 @@ def test_sigterm_checkpoints_and_resume_is_identical(e2e_workdir, reference):
     resumed = launch.train(e2e_workdir, ["--resume", run_dir.name, "runtime.faults=[]"], nproc=2)
     assert resumed.returncode == 0, resumed.stderr
     assert launch.ledger(run_dir) == launch.ledger(reference)
+    metric_steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metric_steps == list(range(1, STEPS + 1))  # each step once, also across the resume
 
 
 def test_crash_then_resume_is_identical(e2e_workdir, reference):
@@ -99,6 +101,8 @@ def test_crash_then_resume_is_identical(e2e_workdir, reference):
     resumed = launch.train(e2e_workdir, ["--resume", run_dir.name, "runtime.faults=[]"], nproc=2)
     assert resumed.returncode == 0, resumed.stderr
     assert launch.ledger(run_dir) == launch.ledger(reference)
+    metric_steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metric_steps == list(range(1, STEPS + 1))  # steps after the checkpoint were not kept twice
 
 
 def test_run_browser_lists_states_and_plots(e2e_workdir, reference, tmp_path):
