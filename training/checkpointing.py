@@ -45,7 +45,6 @@ parameters and the step counters, so it is avoided on both paths:
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -60,8 +59,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -73,6 +70,17 @@ from torch.distributed.checkpoint.state_dict import (
 from core.config import CheckpointConfig
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
+from training.checkpoint_state import (
+    OPTIM_KEY,
+    HostBuffers,
+    add_optimizer_placeholders,
+    capture_rng_state,
+    check_nothing_left_behind,
+    drop_state_absent_from_checkpoint,
+    encode_rng_state,
+    has_optimizer_state,
+    restore_rng_state,
+)
 from training.checkpoint_manifest import (
     DATA_STATE_FILE,
     DCP_DIR,
@@ -117,171 +125,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MODEL_KEY = "model"
-OPTIM_KEY = "optim"
-_OPTIM_STATE_PREFIX = "state."  # flattened optimizer keys: state.<fqn>.<name>
 
-RNG_STATE_VERSION = 1
-RNG_KEY_VERSION = "version"
-RNG_KEY_CPU = "cpu"
-RNG_KEY_DEVICE_TYPE = "device_type"
-RNG_KEY_DEVICE = "device"
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _FAILURES = (Exception, dcp.CheckpointException)  # DCP's own error derives from BaseException
 
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------- RNG
-
-
-def capture_rng_state(device: torch.device | str) -> dict[str, Any]:
-    """This process's torch CPU generator state, plus the CUDA generator's on a CUDA device."""
-    device = torch.device(device)
-    return {
-        RNG_KEY_VERSION: RNG_STATE_VERSION,
-        RNG_KEY_CPU: torch.get_rng_state(),
-        RNG_KEY_DEVICE_TYPE: device.type,
-        RNG_KEY_DEVICE: torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
-
-
-def restore_rng_state(state: dict[str, Any], device: torch.device | str) -> None:
-    """Restore a ``capture_rng_state`` result. A CUDA state is restored only onto CUDA."""
-    device = torch.device(device)
-    if state.get(RNG_KEY_VERSION) != RNG_STATE_VERSION:
-        raise CheckpointError(
-            f"RNG state version {state.get(RNG_KEY_VERSION)!r} is not {RNG_STATE_VERSION}",
-            hint="resume with the Lockstep version that wrote the checkpoint",
-        )
-    torch.set_rng_state(state[RNG_KEY_CPU])
-    if state[RNG_KEY_DEVICE] is not None and device.type == state[RNG_KEY_DEVICE_TYPE] == "cuda":
-        torch.cuda.set_rng_state(state[RNG_KEY_DEVICE], device)
-
-
-def _encode_rng_state(state: dict[str, Any]) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-# --------------------------------------------------------------------------- state dicts
-
-
-def _has_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
-    return any(bool(state) for state in optimizer.state.values())
-
-
-class _HostBuffers:
-    """Host copies of state-dict tensors that later training steps cannot change.
-
-    The buffers are kept and refilled by the next asynchronous save, so only the first save
-    pays for faulting in fresh host memory (several times the copy itself, on our CPU box). That
-    costs one resident host copy of this rank's state, and is safe because a save starts
-    only after the previous one finished with the buffers. DTensors stay DTensors.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def copy(self, value: Any, key: str = "") -> Any:
-        if isinstance(value, torch.Tensor):
-            return self._copy_tensor(key, value.detach())
-        if isinstance(value, dict):
-            return {k: self.copy(v, f"{key}.{k}") for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.copy(v, f"{key}[{i}]") for i, v in enumerate(value))
-        return value  # ints, floats, strings, bools: immutable
-
-    def _copy_tensor(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get(key)
-        if buffer is None or _layout(buffer) != _layout(tensor):
-            if tensor.is_cuda and not isinstance(tensor, DTensor):
-                # Pinned memory: the device-to-host copy runs at full PCIe speed, async.
-                buffer = torch.empty_like(tensor, device="cpu", pin_memory=True)
-                buffer.copy_(tensor, non_blocking=True)
-                self._buffers[key] = buffer
-            else:
-                buffer = self._buffers[key] = tensor.to("cpu", copy=True)
-        else:
-            _local(buffer).copy_(_local(tensor), non_blocking=_local(buffer).is_pinned())
-        return buffer
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _layout(tensor: torch.Tensor) -> tuple:
-    spec = (tensor.device_mesh, tensor.placements) if isinstance(tensor, DTensor) else None
-    return type(tensor), tensor.shape, tensor.stride(), tensor.dtype, _local(tensor).shape, spec
-
-
-def _placeholder(param: torch.Tensor, meta: Any) -> Any:
-    if isinstance(meta, BytesStorageMetadata):
-        return 0  # DCP replaces non-tensor values wholesale
-    if meta.size == torch.Size([]):
-        return torch.zeros((), dtype=meta.properties.dtype)
-    return torch.zeros_like(param, dtype=meta.properties.dtype)
-
-
-def _add_optimizer_placeholders(optimizer: torch.optim.Optimizer, metadata: dict[str, Any]) -> None:
-    """Give each parameter without state a zero placeholder per state name in the checkpoint."""
-    prefix = f"{OPTIM_KEY}.{_OPTIM_STATE_PREFIX}"
-    specs: dict[str, Any] = {}
-    for key, meta in metadata.items():
-        if key.startswith(prefix):
-            specs.setdefault(key.rsplit(".", 1)[1], meta)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.requires_grad and not optimizer.state.get(param):
-                optimizer.state[param] = {name: _placeholder(param, m) for name, m in specs.items()}
-
-
-def _drop_state_absent_from_checkpoint(
-    optimizer: torch.optim.Optimizer, osd: dict[str, Any], saved_keys: set[str]
-) -> None:
-    """Parameters that had no optimizer state at save time get none after load either."""
-    owner = {id(v): p for p, s in optimizer.state.items() for v in s.values() if isinstance(v, torch.Tensor)}
-    keys_by_fqn: dict[str, list[str]] = {}
-    for key in osd:
-        if key.startswith(_OPTIM_STATE_PREFIX):
-            keys_by_fqn.setdefault(key[len(_OPTIM_STATE_PREFIX) :].rsplit(".", 1)[0], []).append(key)
-    for fqn, keys in keys_by_fqn.items():
-        present = [k for k in keys if f"{OPTIM_KEY}.{k}" in saved_keys]
-        if len(present) == len(keys):
-            continue
-        if present:
-            missing = sorted(set(keys) - set(present))
-            raise CheckpointError(
-                f"the checkpoint's optimizer state for {fqn} lacks {missing}",
-                key=fqn,
-                hint="load with the optimizer type and settings the checkpoint was saved with",
-            )
-        params = {owner[id(osd[k])] for k in keys if id(osd[k]) in owner}
-        if not params:
-            raise CheckpointError(f"optimizer state of {fqn} holds no tensors; cannot drop it", key=fqn)
-        for k in keys:
-            del osd[k]
-        for param in params:
-            optimizer.state.pop(param, None)
-
-
-def _check_nothing_left_behind(saved_keys: set[str], request: dict[str, dict[str, Any]]) -> None:
-    """Refuse a checkpoint that holds model/optimizer entries this model would silently skip."""
-    requested = {f"{top}.{key}" for top, sub in request.items() for key in sub}
-    skipped = []
-    for key in saved_keys:
-        parts = key.split(".")
-        if not any(".".join(parts[:n]) in requested for n in range(2, len(parts) + 1)):
-            skipped.append(key)
-    if skipped:
-        skipped.sort()
-        raise CheckpointError(
-            f"the checkpoint holds {len(skipped)} entries this model/optimizer has no place for, "
-            f"e.g. {skipped[:3]}",
-            hint="load into the same architecture and optimizer the checkpoint was saved with",
-        )
 
 
 # --------------------------------------------------------------------------- collectives
@@ -400,7 +249,7 @@ class CheckpointManager:
         self._background_error: BaseException | None = None
         self._verified: set[Path] = set()
         self._latest_step: int | None = None
-        self._host_buffers = _HostBuffers()
+        self._host_buffers = HostBuffers()
         if dist.is_main and not read_only:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()
@@ -460,13 +309,13 @@ class CheckpointManager:
         self.wait()
 
     def _stage(self, step, model, optimizer, trainer_state, data_state, extra_files) -> _StagedSave:
-        rank_files = {rng_file_name(self.dist.rank): _encode_rng_state(capture_rng_state(self.dist.device))}
+        rank_files = {rng_file_name(self.dist.rank): encode_rng_state(capture_rng_state(self.dist.device))}
         trainer_bytes = encode_json_state(trainer_state, "trainer_state")
         data_bytes = encode_json_state(data_state, "data_state")
         extra = {extra_file_name(name): bytes(data) for name, data in extra_files.items()}
         if self.dist.is_main:
             rank_files.update({TRAINER_STATE_FILE: trainer_bytes, DATA_STATE_FILE: data_bytes, **extra})
-        has_optim = _has_optimizer_state(optimizer)
+        has_optim = has_optimizer_state(optimizer)
         if has_optim:
             msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
             state = {MODEL_KEY: msd, OPTIM_KEY: osd}
@@ -655,13 +504,13 @@ class CheckpointManager:
         group = self._group.group
         with_optimizer = optimizer is not None and manifest.has_optimizer_state
         if with_optimizer:
-            _add_optimizer_placeholders(optimizer, saved)
+            add_optimizer_placeholders(optimizer, saved)
             msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
-            _drop_state_absent_from_checkpoint(optimizer, osd, set(saved))
+            drop_state_absent_from_checkpoint(optimizer, osd, set(saved))
             request = {MODEL_KEY: msd, OPTIM_KEY: osd}
         else:
             request = {MODEL_KEY: get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
-        _check_nothing_left_behind({k for k in saved if k.split(".", 1)[0] in request}, request)
+        check_nothing_left_behind({k for k in saved if k.split(".", 1)[0] in request}, request)
         dcp.load(request, storage_reader=reader, process_group=group, no_dist=group is None)
         if with_optimizer:
             set_state_dict(

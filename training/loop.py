@@ -33,7 +33,7 @@ from core.logging import EventLog, get_logger
 from core.run_context import RunContext
 from data.hashing import batch_hash, sequence_digest, state_hash
 from training import ledger as ledger_lib
-from training.checkpointing import CheckpointManager, capture_rng_state, restore_rng_state
+from training.checkpointing import CheckpointManager, restore_rng_state
 from training.guards import Guards
 from training.losses import CausalLMLoss, Loss
 from training.optim import build_optimizer, set_lr

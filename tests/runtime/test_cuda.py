@@ -200,7 +200,6 @@ def _nccl_hang_worker(rank: int, port: int, run_dir: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_two_ranks_one_hung_both_dump_and_exit_6(tmp_path):
-    import multiprocessing
     import socket
 
     with socket.socket() as s:
