@@ -504,16 +504,15 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
-    """Cross-field checks. ``world_size`` adds the batch-divisibility checks."""
-    m, d, t, p = config.model, config.data, config.train, config.parallel
+    """Cross-field checks. ``world_size`` adds the batch-divisibility checks. The model's
+    shape rules live with the model (``models.qwen.dims``); train.py asks them early too."""
+    d, t, p = config.data, config.train, config.parallel
     _positive("train.max_steps", t.max_steps)
     _positive("train.global_batch_size", t.global_batch_size)
     _positive("train.micro_batch_size", t.micro_batch_size)
     _positive("data.seq_len", d.seq_len)
     _positive("data.num_streams", d.num_streams)
     _positive("data.max_in_flight", d.max_in_flight)
-    _positive("model.num_layers", m.num_layers)
-    _positive("model.hidden_size", m.hidden_size)
     if d.workers < 0:
         raise ConfigError("data.workers must be >= 0", key="data.workers")
     if t.global_batch_size % d.num_streams:
@@ -522,17 +521,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"data.num_streams={d.num_streams}",
             key="train.global_batch_size",
             hint="every stream contributes the same number of sequences to a global batch",
-        )
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}",
-            key="model.num_kv_heads",
-        )
-    if m.head_dim is None and m.hidden_size % m.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}",
-            key="model.hidden_size",
-            hint="set model.head_dim explicitly or change the sizes",
         )
     for i, source in enumerate(d.sources):
         if not source.path:

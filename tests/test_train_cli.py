@@ -24,8 +24,9 @@ def _assert_config_error(result, *needles, cwd: Path):
         (["train.max_step=3"], ["train.max_step", "did you mean train.max_steps"]),
         (["train.micro_batch_size=four"], ["train.micro_batch_size", "int"]),
         (["train.global_batch_size=16", "train.micro_batch_size=3"], ["train.global_batch_size", "micro_batch_size"]),
+        (["model.num_kv_heads=3"], ["model.num_kv_heads", "model.num_heads=4"]),
     ],
-    ids=["unknown-key", "wrong-type", "indivisible-batch"],
+    ids=["unknown-key", "wrong-type", "indivisible-batch", "model-shape"],
 )
 def test_config_errors_exit_2_on_two_ranks(tmp_path, overrides, needles):
     result = launch.train(tmp_path, ["--config", TINY, *overrides], nproc=2, timeout=120)

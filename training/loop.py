@@ -32,6 +32,7 @@ from core.exceptions import DataError, DeterminismError, NonFiniteError
 from core.logging import EventLog, get_logger
 from core.run_context import RunContext
 from data.hashing import batch_hash, sequence_digest, state_hash
+from data.state import merge_states
 from training import ledger as ledger_lib
 from training.checkpointing import CheckpointManager, restore_rng_state
 from training.guards import Guards
@@ -121,7 +122,6 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
-        self.skipped_steps = 0
         self._global_data_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -178,7 +178,6 @@ class Trainer:
             raise DataError(f"trainer state version {state.get('version')} is not supported", file=str(path))
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
-        self.skipped_steps = state["skipped_steps"]
         self.precision.load_state_dict(state["precision"])
         self.guards.load_state_dict(state["guards"])
         self.data.load_state_dict(loaded.data_state)
@@ -257,7 +256,7 @@ class Trainer:
         if not finite:
             record["skipped"] = True
         due = self._checkpoint_due(step)
-        if due or step == self.config.train.max_steps or self.replay is not None:
+        if self._param_hash_due(step, due):
             with timer.phase("checkpoint"):
                 record["param_hash"] = self.parallel.param_hash(self.model)
         if self.replay is not None:
@@ -275,13 +274,10 @@ class Trainer:
 
     def _ledger_record(self, step, batch, loss, grad_norm, lr, tokens, targets) -> dict[str, Any]:
         rows = [(i, sequence_digest(row)) for i, row in zip(batch.sequence_index, batch.input_ids)]
-        gathered = self.dist.all_gather_object((rows, self.data.state_dict()["streams"]))
+        gathered = self.dist.all_gather_object((rows, self.data.state_dict()))
         # Tensor-parallel peers hold the same rows: key by global row index.
         all_rows = sorted({i: d for rank_rows, _ in gathered for i, d in rank_rows}.items())
-        streams: dict[str, Any] = {}
-        for _, rank_streams in gathered:
-            streams.update(rank_streams)
-        self._global_data_state = {"version": 1, "streams": dict(sorted(streams.items(), key=lambda kv: int(kv[0])))}
+        self._global_data_state = merge_states([state for _, state in gathered])
         return {
             "step": step,
             "loss": loss,
@@ -294,7 +290,6 @@ class Trainer:
         }
 
     def _handle_nonfinite(self, step: int, batch, loss: float, grad_norm: float) -> None:
-        self.skipped_steps += 1
         if self.config.runtime.on_nonfinite == "skip":
             self.events.emit("nonfinite_skip", step=step, loss=loss, grad_norm=grad_norm)
             self.log.warning("step %d: non-finite loss=%s grad_norm=%s: update skipped", step, loss, grad_norm)
@@ -326,6 +321,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _param_hash_due(self, step: int, checkpoint_due: bool) -> bool:
+        """Checkpoint steps and the last step; a replay hashes where the recorded line did."""
+        if self.replay is not None:
+            return "param_hash" in self.replay.recorded.get(step, {})
+        return checkpoint_due or step == self.config.train.max_steps
+
     def _checkpoint_due(self, step: int) -> bool:
         interval = self.config.checkpoint.interval
         return self.replay is None and interval > 0 and step % interval == 0
@@ -347,7 +348,6 @@ class Trainer:
             "version": TRAINER_STATE_VERSION,
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "skipped_steps": self.skipped_steps,
             "precision": self.precision.state_dict(),
             "world_size": self.dist.world_size,
             "strategy": self.config.parallel.strategy,

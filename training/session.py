@@ -23,6 +23,8 @@ from core.exceptions import ExitCode, LockstepError, UsageError, WatchdogAbort, 
 from core.logging import EventLog, console, get_logger, setup_logging
 from core.run_context import RunContext
 from experiments.artifacts import ArtifactStore
+from models import model_config_from_hf
+from models.qwen.dims import resolve_dims
 from runtime.faults import parse_faults
 from runtime.watchdog import configure_nccl_diagnostics
 from training import replay as replay_lib
@@ -83,6 +85,10 @@ def resolve_config(args: Args) -> Config:
         config = resume_lib.resume_config(root, run_id, list(args.overrides))
     config_lib.validate_world(config, ProcessInfo.from_env().world_size)
     parse_faults(config.runtime.faults)  # a bad fault entry is a config error (exit 2)
+    # The model layer owns the shape rules (including an init_from directory's config.json);
+    # asking it here makes a bad shape exit 2 before any process group or run dir exists.
+    model = config.model
+    resolve_dims(model if model.init_from is None else model_config_from_hf(model.init_from, base=model))
     if config.parallel.strategy == "xla_spmd":
         from training.xla import check_config  # imports without torch_xla; says if it is missing
 
