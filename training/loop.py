@@ -40,7 +40,7 @@ from training.losses import CausalLMLoss, Loss
 from training.optim import build_optimizer, set_lr
 from training.precision import Precision
 from training.schedule import lr_at
-from training.step import forward_backward
+from training.step import forward_backward, model_logits
 
 TRAINER_STATE_VERSION = 1
 
@@ -375,11 +375,7 @@ class Trainer:
                     break
                 for micro in batch.micro_batches(self.config.train.micro_batch_size):
                     with self.precision.autocast():
-                        logits = self.model(
-                            self.parallel.place_batch(micro.input_ids),
-                            position_ids=self.parallel.place_batch(micro.position_ids),
-                            document_ids=self.parallel.place_batch(micro.document_ids),
-                        )
+                        logits = model_logits(self.model, micro, self.parallel.place_batch)
                     total[0] += self.loss_fn(logits, micro).double().to(total.device)
                     total[1] += self.loss_fn.num_targets(micro)
         self.model.train()

@@ -47,12 +47,7 @@ def forward_backward(
         sync = contextlib.nullcontext() if i == last else no_sync(model)
         with sync:
             with _phase(timer, "forward"), precision.autocast():
-                logits = model(
-                    place(micro.input_ids),
-                    position_ids=place(micro.position_ids),
-                    document_ids=place(micro.document_ids),
-                )
-                loss_sum = loss_fn(logits, micro)
+                loss_sum = loss_fn(model_logits(model, micro, place), micro)
                 if poison is not None:
                     loss_sum = poison(loss_sum)
             with _phase(timer, "backward"):
@@ -60,6 +55,15 @@ def forward_backward(
                 precision.scale(scaled).backward()
         local_sum += loss_sum.detach()
     return local_sum
+
+
+def model_logits(model: nn.Module, batch, place: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The model's logits for a (micro-)batch: packed documents are masked from each other."""
+    return model(
+        place(batch.input_ids),
+        position_ids=place(batch.position_ids),
+        document_ids=place(batch.document_ids),
+    )
 
 
 def _phase(timer, name: str):

@@ -170,3 +170,12 @@ def _drop_checkpoints_after(run_dir, step):
         if int(path.name.split("_")[1]) > step:
             shutil.rmtree(path)
     (ckpts / "LATEST").write_text(f"step_{step:08d}")
+
+
+def test_evaluation_on_the_held_out_source(e2e_workdir):
+    result = launch.train(e2e_workdir, e2e_args(max_steps=4, name="eval", overrides=["train.eval_interval=2", "train.eval_batches=2"]), nproc=2)
+    assert result.returncode == 0, result.stderr
+    evals = [e for e in launch.events(_run_dir(e2e_workdir, result)) if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 4]
+    assert all(0 < e["loss"] < 10 and e["tokens"] > 0 for e in evals)
+    assert evals[1]["loss"] < evals[0]["loss"]
