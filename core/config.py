@@ -166,6 +166,8 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    loss_chunk_tokens: int = 8192
+    """Tokens per chunk of the fused output projection + loss (no full logits); 0: full logits. Not under TP or xla_spmd."""
     eval_interval: int = 0
     """Evaluate on data.eval_source every N steps; 0 disables."""
     eval_batches: int = 4
@@ -205,7 +207,9 @@ class CheckpointConfig:
     keep: int = 3
     """Checkpoints retained (oldest deleted first); 0 keeps all."""
     async_save: bool = False
-    """Write checkpoints in a background thread; the loop waits only for the host copy."""
+    """Write checkpoints in a background thread; the loop waits only for the staging copy."""
+    staging: Literal["auto", "device", "host"] = "auto"
+    """Async save copy: device (GPU snapshot, to host off the loop), host (on the loop), auto (device if it fits)."""
     at_end: bool = True
     """Write a checkpoint after the last step."""
 
@@ -515,6 +519,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _positive("data.max_in_flight", d.max_in_flight)
     if d.workers < 0:
         raise ConfigError("data.workers must be >= 0", key="data.workers")
+    if t.loss_chunk_tokens < 0:
+        raise ConfigError("train.loss_chunk_tokens must be >= 0 (0: full logits)", key="train.loss_chunk_tokens")
     if t.global_batch_size % d.num_streams:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "

@@ -82,9 +82,13 @@ def _local_view(grad: torch.Tensor) -> tuple[DeviceMesh | None, tuple[int, ...],
 
 def _scale_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # One multi-tensor kernel per (device, dtype) rather than one kernel per parameter.
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        local.mul_(coef.to(device=local.device, dtype=local.dtype))
+        groups.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), locals_ in groups.items():
+        torch._foreach_mul_(locals_, coef.to(device=device, dtype=dtype))
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

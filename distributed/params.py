@@ -10,8 +10,6 @@ run under any strategy agrees with the same weights under any other.
 from __future__ import annotations
 
 import hashlib
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
@@ -66,27 +64,53 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def param_hash(model: nn.Module) -> str:
     """sha256 over all parameters, identical on every rank and for every strategy.
 
-    Canonical order: sorted by plain name. Each parameter contributes ``name``, ``dtype``
-    and ``shape`` as UTF-8 text followed by the sha256 of its full tensor's bytes (its own
-    dtype, C-contiguous, native little-endian order); the result is the sha256 of that
-    sequence. Hashing per parameter lets the leaf digests run in parallel threads (hashlib
-    releases the GIL), which matters at billions of parameters. Collective for sharded
-    models: every rank must call it.
+    Canonical order: sorted by plain name. Each parameter contributes ``name``, ``dtype``,
+    ``shape`` and a 128-bit fingerprint of its full tensor's bits as UTF-8 text; the result
+    is the sha256 of that sequence. The fingerprint (``fingerprint``) is exact integer
+    arithmetic computed where the tensor lives, so hashing a 1.7B model on a GPU takes
+    milliseconds instead of the seconds a copy to host plus a byte-wise sha256 took (16 s,
+    then 6 s with threads, on an H200 machine), and a CPU and a GPU agree on it. Collective
+    for sharded models (DTensors are gathered one by one): every rank must call it.
     """
     params = sorted(canonical_named_parameters(model), key=lambda item: item[0])
-    entries: list[tuple[str, torch.dtype, tuple[int, ...], Future]] = []
-    workers = max(1, min(8, (os.cpu_count() or 1)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="param-hash") as pool:
-        for name, param in params:
-            # Gathering is collective and stays on this thread, in canonical order.
-            value = full_tensor(param.detach()).contiguous().cpu()
-            entries.append((name, value.dtype, tuple(value.shape), pool.submit(_leaf_digest, value)))
-        digest = hashlib.sha256()
-        for name, dtype, shape, leaf in entries:
-            digest.update(f"{name}|{dtype}|{shape}|".encode())
-            digest.update(leaf.result())
+    entries: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor]] = []
+    for name, param in params:
+        # Gathering is collective: every rank, in canonical order.
+        value = full_tensor(param.detach())
+        if value.device.type not in ("cpu", "cuda"):  # lazy devices (XLA): read it once
+            value = value.cpu()
+        entries.append((name, value.dtype, tuple(value.shape), fingerprint(value)))
+    sums = torch.stack([fp.cpu() for _, _, _, fp in entries]) if entries else torch.zeros(0, 2, dtype=torch.int64)
+    digest = hashlib.sha256()
+    for (name, dtype, shape, _), pair in zip(entries, sums.tolist()):
+        digest.update(f"{name}|{dtype}|{shape}|{pair[0] & _U64:016x}{pair[1] & _U64:016x}|".encode())
     return digest.hexdigest()
 
 
-def _leaf_digest(value: torch.Tensor) -> bytes:
-    return hashlib.sha256(memoryview(value.reshape(-1).view(torch.uint8).numpy())).digest()
+_U64 = (1 << 64) - 1
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Odd 64-bit constants (as signed int64), from the golden ratio and splitmix64.
+_K = (-7046029254386353131, -4658895280553007687, -7723592293110705685, 1609587929392839161)
+_CHUNK = 1 << 24
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """Two position-weighted sums of a tensor's bit patterns, int64 (2,), on its device.
+
+    Each element's bits (as an integer of the element's width) are mixed and multiplied by an
+    odd weight derived from its flat index; the products are summed modulo 2**64. Integer
+    sums do not depend on the order of addition, so the result is exact and the same on any
+    device and for any kernel. Any single changed element changes both sums; two
+    independent weightings make structured collisions vanishingly unlikely. Not a
+    cryptographic hash: it detects divergence, it does not resist tampering.
+    """
+    flat = tensor.detach().contiguous().reshape(-1)
+    words = flat.view(_INT_OF_WIDTH[flat.element_size()])
+    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), _CHUNK):
+        w = words[start : start + _CHUNK].to(torch.int64)
+        index = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
+        mixed = (w ^ (w >> 17)) * _K[2]
+        sums[0] += (w * ((index * _K[0]) | 1)).sum()
+        sums[1] += ((mixed ^ (mixed >> 31)) * ((index * _K[1] + _K[3]) | 1)).sum()
+    return sums

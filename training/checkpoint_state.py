@@ -1,5 +1,6 @@
-"""What a checkpoint holds besides files: RNG states, host copies for asynchronous saves,
-and the optimizer-state bookkeeping that lets a never-stepped optimizer load without stepping.
+"""What a checkpoint holds besides files: RNG states, the staged copies of an asynchronous
+save (host buffers, device snapshots), and the optimizer-state bookkeeping that lets a
+never-stepped optimizer load without stepping.
 
 Split from ``training/checkpointing.py``, which keeps the directory protocol and the manager.
 """
@@ -7,7 +8,7 @@ Split from ``training/checkpointing.py``, which keeps the directory protocol and
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -65,6 +66,31 @@ def has_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(bool(state) for state in optimizer.state.values())
 
 
+def _map_tensors(value: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], key: str = "") -> Any:
+    """A copy of a state dict's containers with ``fn(key, tensor)`` for each (detached) tensor.
+
+    The containers are rebuilt too, so the result shares no mutable object with ``value``.
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(key, value.detach())
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn, f"{key}[{i}]") for i, v in enumerate(value))
+    return value  # ints, floats, strings, bools: immutable
+
+
+def cuda_bytes(value: Any) -> int:
+    """Bytes of the CUDA tensors in a state dict (local shards of DTensors): a snapshot's size."""
+    if isinstance(value, torch.Tensor):
+        return _local(value).nbytes if value.is_cuda else 0
+    if isinstance(value, dict):
+        return sum(cuda_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(cuda_bytes(v) for v in value)
+    return 0
+
+
 class HostBuffers:
     """Host copies of state-dict tensors that later training steps cannot change.
 
@@ -72,19 +98,15 @@ class HostBuffers:
     pays for faulting in fresh host memory (several times the copy itself, on our CPU box). That
     costs one resident host copy of this rank's state, and is safe because a save starts
     only after the previous one finished with the buffers. DTensors stay DTensors.
+
+    The copies are issued on the current stream; the caller synchronizes it before reading.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def copy(self, value: Any, key: str = "") -> Any:
-        if isinstance(value, torch.Tensor):
-            return self._copy_tensor(key, value.detach())
-        if isinstance(value, dict):
-            return {k: self.copy(v, f"{key}.{k}") for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.copy(v, f"{key}[{i}]") for i, v in enumerate(value))
-        return value  # ints, floats, strings, bools: immutable
+    def copy(self, state: dict[str, Any]) -> dict[str, Any]:
+        return _map_tensors(state, self._copy_tensor)
 
     def _copy_tensor(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
@@ -99,6 +121,62 @@ class HostBuffers:
         else:
             _local(buffer).copy_(_local(tensor), non_blocking=_local(buffer).is_pinned())
         return buffer
+
+
+class DeviceSnapshot:
+    """A copy of a state dict on the tensors' own device (``checkpoint.staging: device``).
+
+    Taking it blocks the training loop only for allocating and enqueueing one device-memory
+    clone per tensor, instead of a device-to-host copy (into freshly pinned memory on the
+    first save: 16 s for the 22 GB of a Qwen3-1.7B with AdamW state on an H200). The clones
+    run on the current stream and a CUDA event is recorded after them: the optimizer
+    kernels the loop enqueues next run after the clones, so they cannot change them.
+
+    ``to_host`` runs on the save thread: a side stream waits for the event, copies the
+    snapshot into the reused ``HostBuffers`` (pinned) and is synchronized; then the snapshot
+    is dropped, so its device memory returns to the caching allocator (the blocks belong to
+    the loop's stream, and the side stream's reads have finished). The allocation of the
+    pinned buffers on the first save therefore also happens on the save thread.
+
+    ``device`` is the rank's device; on a CPU the snapshot is a plain clone, so the same path
+    runs (and is tested) without a GPU.
+    """
+
+    def __init__(self, state: dict[str, Any], device: torch.device) -> None:
+        self._state: dict[str, Any] | None = _map_tensors(state, _clone)
+        self._device = device
+        self._ready: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(device))  # the stream the clones ran on
+
+    def to_host(self, buffers: HostBuffers) -> dict[str, Any]:
+        """Copy into ``buffers`` and free the device copy; once, on the save thread."""
+        state, self._state = self._state, None  # the last reference: freed when this returns
+        if self._ready is None:
+            return buffers.copy(state)
+        # A new thread's current device is cuda:0, whatever the rank's device: make the rank's
+        # current here, so nothing below creates a context on (or allocates from) cuda:0.
+        with torch.cuda.device(self._device):
+            stream = torch.cuda.Stream(device=self._device)
+            stream.wait_event(self._ready)
+            with torch.cuda.stream(stream):
+                host = buffers.copy(state)
+            stream.synchronize()  # before the snapshot is freed and the host copies are read
+        return host
+
+
+def _clone(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type not in ("cuda", "cpu"):
+        # A lazy (XLA) clone records only; the save thread would then run the graph.
+        raise CheckpointError(
+            f"checkpoint.staging=device snapshots CUDA and CPU tensors, not {tensor.device.type} ones",
+            key=key,
+            hint="set checkpoint.staging=host (auto chooses host there)",
+        )
+    # A DTensor's clone is a DTensor with the same mesh, placements, shape and stride (a
+    # pointwise op on the local shard, no communication), so DCP plans the same shards.
+    return tensor.clone()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ serves a plain module, DDP and FSDP2, and a checkpoint saved under one strategy 
 size loads under another.
 
 Save protocol (all ranks take part; rank 0 does the directory work):
-1. stage: every rank takes its state dict (a host copy when saving asynchronously),
+1. stage: every rank takes its state dict (a copy when saving asynchronously, see below),
    captures its RNG state and encodes the JSON states, so a bad state fails before any
    file is written;
 2. rank 0 removes leftovers of crashed saves (``.tmp-*``) and creates
@@ -19,13 +19,19 @@ Save protocol (all ranks take part; rank 0 does the directory work):
    ``LATEST.tmp``, fsync, ``os.replace``, fsync) and applies retention.
 A crash at any point leaves ``LATEST`` naming the previous complete checkpoint.
 
-Asynchronous save (``checkpoint.async_save``). ``save()`` blocks for steps 1-2 only (the
-device-to-host copy, plus one small broadcast); steps 3-4 run in a background thread. Steps 3-4 need collectives
-(DCP plans its shards across ranks; hashing and the final outcome are shared), and
-collectives issued from a second thread on the training loop's process group could
-interleave with the loop's own all-reduces and deadlock or corrupt both. The manager
-therefore creates, once in its constructor, a dedicated gloo process group used for
-*every* checkpoint collective, on both the main and the background thread. Gloo groups
+Asynchronous save (``checkpoint.async_save``). ``save()`` blocks for steps 1-2 only (staging,
+plus one small broadcast); steps 3-4 run in a background thread. Staging copies the tensors
+so that later optimizer steps cannot change what is written (``checkpoint.staging``):
+``host`` copies them into reused host buffers on the loop's thread; ``device`` clones them
+on their device and leaves the device-to-host copy, and the first save's pinned-memory
+allocation, to the background thread (``DeviceSnapshot``); ``auto`` is ``device`` where
+the snapshot fits in free device memory. Each rank decides for itself: the choice changes
+no collective. Steps 3-4 need collectives (DCP plans its shards across ranks; hashing and
+the final outcome are shared), and collectives issued from a second thread on the training
+loop's process group could interleave with the loop's own all-reduces and deadlock or
+corrupt both. The manager therefore creates, once in its constructor, a dedicated gloo
+process group used for *every* checkpoint collective, on both the main and the background
+thread. Gloo groups
 are independent communicators, so they run safely beside the training group (this is
 the arrangement torch's own ``async_save`` asks for); gloo is right here because DCP only
 exchanges small pickled plans, never tensors. Only one save is in flight: ``save()`` and
@@ -46,7 +52,6 @@ parameters and the step counters, so it is avoided on both paths:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import shutil
@@ -70,12 +75,15 @@ from torch.distributed.checkpoint.state_dict import (
 from core.config import CheckpointConfig
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
+from core.logging import get_logger
 from training.checkpoint_state import (
     OPTIM_KEY,
+    DeviceSnapshot,
     HostBuffers,
     add_optimizer_placeholders,
     capture_rng_state,
     check_nothing_left_behind,
+    cuda_bytes,
     drop_state_absent_from_checkpoint,
     encode_rng_state,
     has_optimizer_state,
@@ -122,9 +130,15 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger()
 
 MODEL_KEY = "model"
+_GIB = 1 << 30
+
+# ``staging: auto`` snapshots on the device only with this much headroom beyond the snapshot
+# (fraction of it, plus bytes): the allocator needs slack for fragmentation.
+_SNAPSHOT_MARGIN = 0.1
+_SNAPSHOT_RESERVE_BYTES = 2 * _GIB
 
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -214,7 +228,7 @@ class _StagedSave:
     """What the write phase needs; when saving asynchronously nothing here aliases live state."""
 
     step: int
-    state: dict[str, Any]
+    state: dict[str, Any] | DeviceSnapshot  # a snapshot until the save thread moves it to host
     has_optimizer_state: bool
     rank_files: dict[str, bytes]
 
@@ -250,6 +264,7 @@ class CheckpointManager:
         self._verified: set[Path] = set()
         self._latest_step: int | None = None
         self._host_buffers = HostBuffers()
+        self._auto_staging: tuple[str, int] | None = None  # (choice, snapshot bytes it was made for)
         if dist.is_main and not read_only:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()
@@ -321,11 +336,47 @@ class CheckpointManager:
             state = {MODEL_KEY: msd, OPTIM_KEY: osd}
         else:  # get_state_dict would initialize the optimizer by stepping it
             state = {MODEL_KEY: get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
-        if self.config.async_save:
-            state = self._host_buffers.copy(state)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the non-blocking pinned copies have landed
-        return _StagedSave(step=step, state=state, has_optimizer_state=has_optim, rank_files=rank_files)
+        staged = self._copy_for_background(state) if self.config.async_save else state
+        return _StagedSave(step=step, state=staged, has_optimizer_state=has_optim, rank_files=rank_files)
+
+    def _copy_for_background(self, state: dict[str, Any]) -> dict[str, Any] | DeviceSnapshot:
+        """A copy of the tensors that later training steps cannot change (``checkpoint.staging``)."""
+        if self._staging(state) == "device":
+            return DeviceSnapshot(state, self.dist.device)  # the save thread moves it to host
+        host = self._host_buffers.copy(state)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking pinned copies have landed
+        return host
+
+    def _staging(self, state: dict[str, Any]) -> str:
+        """``checkpoint.staging`` for this save, ``auto`` resolved on this rank (and logged).
+
+        ``auto`` snapshots on the device when the driver reports room for the snapshot plus a
+        margin. Memory the caching allocator holds but is not using does not count: after
+        the first step it covers the step's peak (activations), which the next steps need
+        while the snapshot still exists. A freed snapshot stays in that cache, where the next
+        snapshot (same shapes) reuses it but the driver no longer reports it free, so the
+        decision is kept until the state grows (e.g. optimizer state appears after a save at
+        step 0).
+        """
+        if self.config.staging != "auto":
+            return self.config.staging
+        nbytes = cuda_bytes(state)
+        if self._auto_staging is not None and nbytes <= self._auto_staging[1]:
+            return self._auto_staging[0]
+        if nbytes == 0:
+            choice = "host"
+            log.info("checkpoint staging: host (the state is not on a CUDA device)")
+        else:
+            free, _ = torch.cuda.mem_get_info(self.dist.device)
+            needed = int(nbytes * (1 + _SNAPSHOT_MARGIN)) + _SNAPSHOT_RESERVE_BYTES
+            choice = "device" if free >= needed else "host"
+            log.info(
+                "checkpoint staging: %s (snapshot %.1f GiB; %s has %.1f GiB free, %.1f GiB needed)",
+                choice, nbytes / _GIB, self.dist.device, free / _GIB, needed / _GIB,
+            )
+        self._auto_staging = (choice, nbytes)
+        return choice
 
     def _make_tmp_dir(self, step: int) -> str:
         self._remove_leftovers()
@@ -335,9 +386,17 @@ class CheckpointManager:
 
     def _run_in_background(self, staged: _StagedSave, tmp: Path, final: Path) -> None:
         try:
+            # Every rank joins, whatever it staged, so the checkpoint group's collectives stay
+            # paired; a failed copy fails the save on every rank before DCP's collectives.
+            self._group.everywhere(lambda: self._move_to_host(staged), "copying the checkpoint to host memory")
             self._write_and_publish(staged, tmp, final)
         except BaseException as exc:  # surfaces at the next wait()/save()
             self._background_error = exc
+
+    def _move_to_host(self, staged: _StagedSave) -> None:
+        """Replace a device snapshot by its host copy (which frees the snapshot's memory)."""
+        if isinstance(staged.state, DeviceSnapshot):
+            staged.state = staged.state.to_host(self._host_buffers)
 
     def _write_and_publish(self, staged: _StagedSave, tmp: Path, final: Path) -> None:
         group = self._group

@@ -106,7 +106,15 @@ class Trainer:
         self.tracker = tracker
         self.guards = guards
         self.events = events
-        self.loss_fn = loss_fn or CausalLMLoss()
+        self.loss_fn = loss_fn or CausalLMLoss(
+            chunk_tokens=config.train.loss_chunk_tokens, compiled=config.parallel.compile
+        )
+        # The fused head needs the output weight as a plain tensor: not a TP shard, not lazy XLA.
+        self.fuse_head = (
+            getattr(self.loss_fn, "fuses_head", False)
+            and parallel.tp_size == 1
+            and config.parallel.strategy != "xla_spmd"
+        )
         self.replay = replay
         self.log = get_logger()
         self.device = parallel.device  # where the step runs; dist.device unless xla_spmd (XLA)
@@ -231,6 +239,7 @@ class Trainer:
                 timer=timer,
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
                 place=self.parallel.place_batch,
+                fuse_head=self.fuse_head,
             )
         with timer.phase("communication"):
             loss = self._all_reduce_sum(local_loss) / max(global_targets, 1)

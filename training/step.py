@@ -32,11 +32,13 @@ def forward_backward(
     timer=None,
     poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
     place: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fuse_head: bool = False,
 ) -> torch.Tensor:
     """Accumulate gradients over ``micro_batches``; returns this rank's summed loss (fp32).
 
     ``place`` moves a batch tensor to ``device`` (``ParallelPlan.place_batch``: under
     xla_spmd it also marks the tensor as split over the mesh); default: a plain copy.
+    ``fuse_head``: compute the loss with ``loss_fn.head_loss`` inside the model's forward.
     """
     if place is None:
         place = lambda tensor: tensor.to(device, non_blocking=True)  # noqa: E731
@@ -47,7 +49,7 @@ def forward_backward(
         sync = contextlib.nullcontext() if i == last else no_sync(model)
         with sync:
             with _phase(timer, "forward"), precision.autocast():
-                loss_sum = loss_fn(model_logits(model, micro, place), micro)
+                loss_sum = model_loss(model, micro, loss_fn, place, fuse_head=fuse_head)
                 if poison is not None:
                     loss_sum = poison(loss_sum)
             with _phase(timer, "backward"):
@@ -55,6 +57,18 @@ def forward_backward(
                 precision.scale(scaled).backward()
         local_sum += loss_sum.detach()
     return local_sum
+
+
+def model_loss(model: nn.Module, batch, loss_fn: Loss, place, *, fuse_head: bool) -> torch.Tensor:
+    """The loss sum of a (micro-)batch: from the logits, or fused with the output projection."""
+    if not fuse_head:
+        return loss_fn(model_logits(model, batch, place), batch)
+    return model(
+        place(batch.input_ids),
+        position_ids=place(batch.position_ids),
+        document_ids=place(batch.document_ids),
+        head=lambda hidden, weight: loss_fn.head_loss(hidden, weight, batch),
+    )
 
 
 def model_logits(model: nn.Module, batch, place: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,8 @@ Module and parameter names follow the Hugging Face checkpoints with the leading
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,7 @@ from torch import nn
 from core.config import ModelConfig
 from models.qwen.attention import AttentionMask, attend, build_attention_mask, select_kernel
 from models.qwen.dims import QwenDims, resolve_dims
-from models.qwen.rope import apply_rope, rope_cos_sin
+from models.qwen.rope import RotaryTable, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +61,6 @@ class QwenAttention(nn.Module):
     def __init__(self, dims: QwenDims, *, sdpa_backends: str) -> None:
         super().__init__()
         self.head_dim = dims.head_dim
-        self.rope_theta = dims.rope_theta
         self.sdpa_backends = sdpa_backends
         self.q_proj = nn.Linear(dims.hidden_size, dims.q_width, bias=dims.qkv_bias)
         self.k_proj = nn.Linear(dims.hidden_size, dims.kv_width, bias=dims.qkv_bias)
@@ -72,7 +73,7 @@ class QwenAttention(nn.Module):
             self.q_norm = None
             self.k_norm = None
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryTable, mask: AttentionMask) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # Head counts come from the projection widths (-1), not from num_heads: under tensor
         # parallelism each rank's q/k/v_proj output holds only its heads / tp heads.
@@ -81,8 +82,7 @@ class QwenAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, n_kv_head, head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim, before RoPE
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)  # (B or 1, T, head_dim/2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
         out = attend(q, k, v, mask, sdpa_backends=self.sdpa_backends)  # (B, n_head, T, head_dim)
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)  # (B, T, n_head * head_dim)
@@ -92,9 +92,9 @@ class QwenAttention(nn.Module):
 class QwenBlock(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    Callable on its own as ``block(hidden, position_ids, mask)`` so that FSDP, activation
-    checkpointing and torch.compile can wrap each block. ``position_ids`` are integers (not
-    precomputed cos/sin) so that no mixed-precision input cast can round the angles.
+    Callable on its own as ``block(hidden, rope, mask)`` so that FSDP, activation
+    checkpointing and torch.compile can wrap each block. ``rope`` is the batch's
+    ``RotaryTable`` (fp32 cos/sin, built once per forward by ``QwenForCausalLM.rotary_table``).
     """
 
     def __init__(self, dims: QwenDims, *, sdpa_backends: str) -> None:
@@ -104,8 +104,8 @@ class QwenBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.mlp = QwenMLP(dims)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, mask)
+    def forward(self, hidden: torch.Tensor, rope: RotaryTable, mask: AttentionMask) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -142,16 +142,25 @@ class QwenForCausalLM(nn.Module):
         """The mask every block receives for this batch (built once per forward)."""
         return build_attention_mask(document_ids, select_kernel(self.config.attention, device))
 
+    def rotary_table(self, position_ids: torch.Tensor) -> RotaryTable:
+        """The RoPE angles every block receives for this batch (built once per forward)."""
+        return RotaryTable.build(position_ids, self.dims.head_dim, self.dims.rope_theta)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab).
 
         position_ids (B, T) restart at 0 for each packed document (default: 0..T-1);
         document_ids (B, T) confine attention to each document (default: one document).
+        ``head(hidden, output_weight)``, if given, replaces the output projection: it gets the
+        final normalized hidden states (B, T, hidden) and lm_head's weight (vocab, hidden),
+        and its result is returned (a fused loss, training/linear_cross_entropy.py). It runs
+        inside this forward, where wrappers such as FSDP have the weight unsharded.
         """
         batch, seq_len = input_ids.shape
         for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
@@ -160,10 +169,14 @@ class QwenForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)  # (1, T)
         mask = self.attention_mask(document_ids, input_ids.device)
+        rope = self.rotary_table(position_ids)
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
         for block in self.layers:
-            hidden = block(hidden, position_ids, mask)
-        return self.lm_head(self.norm(hidden))  # (B, T, vocab)
+            hidden = block(hidden, rope, mask)
+        hidden = self.norm(hidden)
+        if head is not None:
+            return head(hidden, self.lm_head.weight)
+        return self.lm_head(hidden)  # (B, T, vocab)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:

@@ -63,3 +63,24 @@ def test_canonical_name():
 def test_tied_weight_is_hashed_under_both_names():
     names = [name for name, _ in canonical_named_parameters(build_model())]
     assert "lm_head.weight" in names and "embed_tokens.weight" in names
+
+
+def test_fingerprint_sees_every_element_and_its_position(monkeypatch):
+    from distributed import params
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(1000, generator=gen)
+    reference = params.fingerprint(base)
+    for index in (0, 1, 517, 999):
+        flipped = base.clone()
+        flipped.view(torch.int32)[index] ^= 1  # lowest mantissa bit
+        assert not torch.equal(params.fingerprint(flipped), reference), index
+    swapped = base.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert not torch.equal(params.fingerprint(swapped), reference)
+    assert not torch.equal(params.fingerprint(torch.tensor([0.0])), params.fingerprint(torch.tensor([-0.0])))
+    # Chunked sums equal one pass: integer addition does not care about the order.
+    monkeypatch.setattr(params, "_CHUNK", 64)
+    assert torch.equal(params.fingerprint(base), reference)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.bool):
+        assert params.fingerprint(base.to(dtype)).dtype == torch.int64

@@ -122,7 +122,7 @@ def test_cpu_forward_backward_is_bitwise_repeatable(packed):
 
 def test_blocks_are_callable_one_by_one():
     # FSDP, activation checkpointing and compile wrap model.layers[i]; the model's forward
-    # must be exactly embed -> blocks(hidden, position_ids, mask) -> norm -> head.
+    # must be exactly embed -> blocks(hidden, rope, mask) -> norm -> head.
     model = models.build(CONFIG, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     document_ids = torch.tensor([[0] * 5 + [1] * 7] * 2)
@@ -131,8 +131,9 @@ def test_blocks_are_callable_one_by_one():
         expected = model(ids, position_ids=position_ids, document_ids=document_ids)
         hidden = model.embed_tokens(ids)
         mask = model.attention_mask(document_ids, ids.device)
+        rope = model.rotary_table(position_ids)
         for block in model.layers:
-            hidden = block(hidden, position_ids, mask)
+            hidden = block(hidden, rope, mask)
         got = model.lm_head(model.norm(hidden))
     assert torch.equal(expected, got)
 

@@ -2,13 +2,16 @@
 
 Bit-identical round trips (plain, DDP, FSDP2, across world sizes), verification that
 catches damage, fallback to the previous intact checkpoint, crash safety of LATEST,
-retention, and asynchronous saves equal to synchronous ones.
+retention, and asynchronous saves (host or device staging) equal to synchronous ones and
+immune to the training steps that run while they are written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from core.config import CheckpointConfig, ParallelConfig
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
 from training.checkpoint_manifest import read_manifest
+from training.checkpoint_state import DeviceSnapshot, HostBuffers
 from training.checkpointing import (
     CheckpointFormatError,
     CheckpointManager,
@@ -130,6 +135,26 @@ def save(mgr: CheckpointManager, step: int, model, opt, **extra) -> Path:
         data_state={"streams": [{"epoch": 0, "offset": 17 * step}], "z_first": True},
         **extra,
     )
+
+
+@contextlib.contextmanager
+def save_thread_held_back():
+    """Asynchronous saves started in the block write only once it ends, so whatever the loop
+    does in the block (training steps changing tensors in place) happens before the save
+    thread reads anything."""
+    leave = threading.Event()
+    run_in_background = CheckpointManager._run_in_background
+
+    def held_back(self, *args):
+        assert leave.wait(timeout=60)
+        run_in_background(self, *args)
+
+    CheckpointManager._run_in_background = held_back
+    try:
+        yield
+    finally:
+        CheckpointManager._run_in_background = run_in_background
+        leave.set()
 
 
 def flip_bit(path: Path, offset: int) -> None:
@@ -438,14 +463,15 @@ def test_sigkill_mid_save_never_leaves_latest_broken(tmp_path, mode, delay):
 # --------------------------------------------------------------------------- async
 
 
-def test_async_save_equals_sync_and_copies_before_returning(tmp_path):
+@pytest.mark.parametrize("staging", ["host", "device"])
+def test_async_save_equals_sync_and_copies_before_returning(tmp_path, staging):
     model, opt = build(seed=0)
     train_steps(model, opt, 1, 2)
     expected = full_state(model, opt)
     torch.manual_seed(5)
     sync_path = save(manager(tmp_path / "sync"), 2, model, opt)
     torch.manual_seed(5)
-    mgr = manager(tmp_path / "async", async_save=True)
+    mgr = manager(tmp_path / "async", async_save=True, staging=staging)
     async_path = save(mgr, 2, model, opt)
     train_steps(model, opt, 3, 3)  # the loop goes on while the checkpoint is written
     mgr.wait()
@@ -468,6 +494,75 @@ def test_async_save_equals_sync_and_copies_before_returning(tmp_path):
     assert verify_checkpoint(async_path) is None
     mgr.load(path_3, model=fresh_model, optimizer=fresh_opt)
     assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected_3)
+
+
+@pytest.mark.parametrize("staging", ["host", "device"])
+def test_async_save_is_not_changed_by_steps_taken_before_wait(tmp_path, staging):
+    """The key property of staging: what save() saw is written, whatever the loop does next."""
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 2)
+    expected = full_state(model, opt)
+    mgr = manager(tmp_path, async_save=True, staging=staging)
+    with save_thread_held_back():
+        path = save(mgr, 2, model, opt)
+        train_steps(model, opt, 3, 3)  # in place: parameters, exp_avg, exp_avg_sq, step
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1.0)
+        changed = full_state(model, opt)
+    assert all(not torch.equal(changed[k], v) for k, v in expected.items() if isinstance(v, torch.Tensor))
+    mgr.wait()
+
+    fresh_model, fresh_opt = build(seed=4)
+    mgr.load(path, model=fresh_model, optimizer=fresh_opt)
+    assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected)
+
+
+@pytest.mark.parametrize("staging, on_loop", [("host", True), ("device", False), ("auto", True)])
+def test_staging_decides_where_the_host_copy_is_made(tmp_path, monkeypatch, caplog, staging, on_loop):
+    """host copies on the loop's thread, device on the save thread; auto on a CPU is host."""
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    threads = []
+    copy = HostBuffers.copy
+
+    def spy(self, state):
+        threads.append(threading.current_thread())
+        return copy(self, state)
+
+    monkeypatch.setattr(HostBuffers, "copy", spy)
+    monkeypatch.setattr(logging.getLogger("lockstep"), "propagate", True)  # setup_logging turns it off
+    caplog.set_level(logging.INFO, logger="lockstep")
+    mgr = manager(tmp_path, async_save=True, staging=staging)
+    save(mgr, 1, model, opt)
+    mgr.wait()
+    save(mgr, 2, model, opt)
+    mgr.wait()
+    assert len(threads) == 2
+    assert all((t is threading.current_thread()) == on_loop for t in threads)
+    decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint staging")]
+    logged_once = ["checkpoint staging: host (the state is not on a CUDA device)"]
+    assert decisions == (logged_once if staging == "auto" else [])
+
+
+def test_device_snapshot_refuses_lazy_tensors():
+    with pytest.raises(CheckpointError, match="snapshots CUDA and CPU tensors, not meta ones"):
+        DeviceSnapshot({"model": {"w": torch.empty(2, device="meta")}}, torch.device("cpu"))
+
+
+def test_device_snapshot_copy_failure_surfaces_at_wait(tmp_path, monkeypatch):
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path, async_save=True, staging="device")
+    no_memory = RuntimeError("out of pinned memory")
+    monkeypatch.setattr(HostBuffers, "copy", lambda self, state: (_ for _ in ()).throw(no_memory))
+    save(mgr, 1, model, opt)  # the host copy is the save thread's
+    with pytest.raises(CheckpointError, match="copying the checkpoint to host memory failed: .*out of pinned"):
+        mgr.wait()
+    monkeypatch.undo()
+    save(mgr, 2, model, opt)
+    mgr.wait()
+    assert mgr.latest_intact()[0] == 2
 
 
 def test_async_failure_surfaces_at_wait_and_next_save_works(tmp_path, monkeypatch):
@@ -527,18 +622,38 @@ def _save_ddp_and_fsdp2(ctx: DistributedContext, root: str) -> dict:
     return {
         "ddp": _save_on_ranks(ctx, f"{root}/ddp", "ddp", async_save=False),
         "fsdp": _save_on_ranks(ctx, f"{root}/fsdp", "fsdp", async_save=True),
+        # DTensor snapshots on rank 0, host copies on rank 1 (auto may choose per rank); the
+        # save thread starts only after the next steps changed the shards in place.
+        "fsdp_mixed": _save_on_ranks(
+            ctx,
+            f"{root}/fsdp_mixed",
+            "fsdp",
+            async_save=True,
+            staging="device" if ctx.rank == 0 else "host",
+            held_back=True,
+        ),
     }
 
 
-def _save_on_ranks(ctx: DistributedContext, ckpt_dir: str, strategy: str, async_save: bool) -> dict:
+def _save_on_ranks(
+    ctx: DistributedContext,
+    ckpt_dir: str,
+    strategy: str,
+    async_save: bool,
+    staging: str = "auto",
+    held_back: bool = False,
+) -> dict:
     torch.manual_seed(0)
     model = _wrap(TinyNet(), strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     train_steps(model, opt, 1, 2, rank=ctx.rank)
     expected = full_state(model, opt)
-    mgr = CheckpointManager(CheckpointConfig(async_save=async_save), checkpoint_dir=Path(ckpt_dir), dist=ctx)
-    save(mgr, 2, model, opt)
-    train_steps(model, opt, 3, 4, rank=ctx.rank)  # training collectives while the save runs
+    config = CheckpointConfig(async_save=async_save, staging=staging)
+    mgr = CheckpointManager(config, checkpoint_dir=Path(ckpt_dir), dist=ctx)
+    with save_thread_held_back() if held_back else contextlib.nullcontext():
+        save(mgr, 2, model, opt)
+        # Training collectives while the save runs (held back: before the save reads anything).
+        train_steps(model, opt, 3, 4, rank=ctx.rank)
     mgr.wait()
     return expected
 
@@ -554,14 +669,13 @@ def _load_on_ranks(ctx: DistributedContext, ckpt_dir: str, strategy: str) -> dic
 
 
 def test_two_ranks_ddp_and_fsdp2_save_then_one_process_loads(tmp_path):
-    ddp_dir, fsdp_dir = tmp_path / "ddp", tmp_path / "fsdp"
-    expected = run_on_two_ranks(_save_ddp_and_fsdp2, str(tmp_path))[0]
-    ddp_expected, fsdp_expected = expected["ddp"], expected["fsdp"]
-    assert read_manifest(ddp_dir / "step_00000002").world_size == 2
-    assert {"rng/rank0.pt", "rng/rank1.pt"} <= set(read_manifest(fsdp_dir / "step_00000002").files)
-    for ckpt_dir, expected in ((ddp_dir, ddp_expected), (fsdp_dir, fsdp_expected)):
+    saved = run_on_two_ranks(_save_ddp_and_fsdp2, str(tmp_path))[0]
+    assert sorted(saved) == ["ddp", "fsdp", "fsdp_mixed"]
+    assert read_manifest(tmp_path / "ddp" / "step_00000002").world_size == 2
+    assert {"rng/rank0.pt", "rng/rank1.pt"} <= set(read_manifest(tmp_path / "fsdp" / "step_00000002").files)
+    for name, expected in saved.items():
         model, opt = build(seed=77)
-        mgr = manager(ckpt_dir)
+        mgr = manager(tmp_path / name)
         mgr.load(mgr.latest_intact()[1], model=model, optimizer=opt)
         assert_bitwise_equal(full_state(model, opt), expected)
 

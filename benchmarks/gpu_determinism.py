@@ -1,0 +1,193 @@
+"""Bitwise determinism on GPUs through the real entry point: repeat, kill/resume, world size.
+
+    python benchmarks/gpu_determinism.py --config configs/qwen2.5-0.5b.yaml --gpus 1,2 \
+        --steps 10 --interval 4 --out bench_out/gpu_determinism.json
+
+For every GPU count G (``parallel.strategy=none`` on one GPU, ``fsdp`` on several), with
+``determinism.mode=bitwise`` and bf16:
+
+1. ``repeat``: two fresh runs of the same config; their ledgers must be equal line for line
+   (loss, grad_norm, batch_hash, data_state_hash, param_hash at checkpoint steps).
+2. ``kill_resume``: a third run is SIGKILLed (the whole torchrun job) at a random moment
+   after its first checkpoint, then resumed with ``--resume RUN_ID``; its ledger must equal
+   the first run's.
+
+Across GPU counts the batch_hash and data_state_hash sequences must be equal (the data order
+does not depend on the world size) and the losses close (reduction order differs, so not
+bitwise). The global batch is the same for every G (``--global-batch``), split into
+micro-batches of global / G. Prints a table and writes JSON; exit code 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def overrides(args: argparse.Namespace, gpus: int, run_root: Path) -> list[str]:
+    micro = args.global_batch // gpus
+    return [
+        "--config", args.config,
+        f"run.root={run_root}",
+        f"parallel.strategy={'none' if gpus == 1 else 'fsdp'}",
+        "parallel.precision=bf16",
+        "determinism.mode=bitwise",
+        f"data.seq_len={args.seq}",
+        f"data.num_streams={args.global_batch}",
+        f"train.micro_batch_size={micro}",
+        f"train.global_batch_size={args.global_batch}",
+        f"train.max_steps={args.steps}",
+        "train.eval_interval=0",
+        "data.eval_source=null",
+        f"checkpoint.interval={args.interval}",
+        "checkpoint.async_save=true",
+        "metrics.tensorboard=false",
+        "runtime.watchdog_timeout_s=600",
+        *args.override,
+    ]
+
+
+def command(gpus: int, train_args: list[str]) -> list[str]:
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+            str(ROOT / "train.py"), *train_args]
+
+
+def start(gpus: int, train_args: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    handle = log.open("a")
+    return subprocess.Popen(command(gpus, train_args), cwd=ROOT, env=env, stdout=handle,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return -9
+
+
+def run_dirs(run_root: Path) -> set[Path]:
+    return set(run_root.glob("*/ledger.jsonl"))
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    path = run_dir / "ledger.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def new_run(gpus: int, args: argparse.Namespace, run_root: Path, name: str, log: Path) -> tuple[int, Path | None]:
+    before = run_dirs(run_root)
+    code = finish(start(gpus, overrides(args, gpus, run_root) + [f"run.name={name}"], log), args.timeout)
+    made = sorted(run_dirs(run_root) - before)
+    return code, made[0].parent if made else None
+
+
+def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log: Path, rng: random.Random) -> dict:
+    before = run_dirs(run_root)
+    proc = start(gpus, overrides(args, gpus, run_root) + ["run.name=killed"], log)
+    deadline = time.monotonic() + args.timeout
+    kill_after = rng.randint(args.interval + 1, max(args.interval + 1, args.steps - 2))
+    run_dir = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        made = sorted(run_dirs(run_root) - before)
+        if made and len(ledger(made[0].parent)) >= kill_after:
+            run_dir = made[0].parent
+            time.sleep(rng.uniform(0.0, 0.3))
+            break
+        time.sleep(0.02)
+    if run_dir is None or proc.poll() is not None:
+        finish(proc, 1)
+        return {"ok": False, "error": "the run ended before it could be killed"}
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    lines_at_kill = len(ledger(run_dir))
+    code = finish(start(gpus, ["--resume", run_dir.name, f"run.root={run_root}"], log), args.timeout)
+    return {"ok": code == 0, "killed_after_lines": lines_at_kill, "resume_exit": code, "run_dir": str(run_dir)}
+
+
+def first_difference(a: list[dict], b: list[dict]) -> str | None:
+    if len(a) != len(b):
+        return f"{len(a)} lines vs {len(b)}"
+    for x, y in zip(a, b):
+        if x != y:
+            field = next((k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)), "?")
+            return f"step {x.get('step')}: {field} {x.get(field)!r} != {y.get(field)!r}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/qwen2.5-0.5b.yaml")
+    p.add_argument("--gpus", default="1,2")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--interval", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--seed", type=int, default=0, help="of the kill moment")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--run-root", default="/tmp/lockstep-determinism")
+    p.add_argument("--out", default="bench_out/gpu_determinism.json")
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    results: dict = {"config": args.config, "seq": args.seq, "global_batch": args.global_batch,
+                     "steps": args.steps, "interval": args.interval, "cases": {}}
+    reference: dict[int, list[dict]] = {}
+    failed = False
+    for gpus in [int(g) for g in args.gpus.split(",")]:
+        run_root = Path(args.run_root) / f"g{gpus}"
+        run_root.mkdir(parents=True, exist_ok=True)
+        log = run_root / "train.log"
+        case: dict = {}
+        code_a, dir_a = new_run(gpus, args, run_root, "repeat-a", log)
+        code_b, dir_b = new_run(gpus, args, run_root, "repeat-b", log)
+        if code_a or code_b or dir_a is None or dir_b is None:
+            case["repeat"] = {"ok": False, "error": f"exit codes {code_a}, {code_b}; see {log}",
+                              "log_tail": log.read_text()[-3000:]}
+        else:
+            a, b = ledger(dir_a), ledger(dir_b)
+            diff = first_difference(a, b)
+            case["repeat"] = {"ok": diff is None and len(a) == args.steps, "lines": len(a), "difference": diff,
+                              "param_hash_steps": [r["step"] for r in a if "param_hash" in r]}
+            reference[gpus] = a
+            killed = killed_and_resumed(gpus, args, run_root, log, rng)
+            if killed.get("ok"):
+                diff = first_difference(a, ledger(Path(killed["run_dir"])))
+                killed.update(ok=diff is None, difference=diff)
+            case["kill_resume"] = killed
+        results["cases"][f"{gpus}gpu"] = case
+        failed |= not all(check.get("ok") for check in case.values())
+        print(f"[determinism] {gpus} GPU(s): " + ", ".join(f"{k}: {'ok' if v.get('ok') else 'FAILED'}"
+                                                          for k, v in case.items()), flush=True)
+    if len(reference) > 1:
+        counts = sorted(reference)
+        base = reference[counts[0]]
+        cross = {}
+        for gpus in counts[1:]:
+            other = reference[gpus]
+            same_data = [r["batch_hash"] for r in base] == [r["batch_hash"] for r in other] and \
+                [r["data_state_hash"] for r in base] == [r["data_state_hash"] for r in other]
+            rel = max(abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-12) for x, y in zip(base, other))
+            cross[f"{counts[0]}v{gpus}"] = {"same_batches": same_data, "max_rel_loss_diff": rel}
+            failed |= not same_data
+        results["across_world_sizes"] = cross
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
