@@ -15,7 +15,9 @@ For every GPU count G (``parallel.strategy=none`` on one GPU, ``fsdp`` on severa
 Across GPU counts the batch_hash and data_state_hash sequences must be equal (the data order
 does not depend on the world size) and the losses close (reduction order differs, so not
 bitwise). The global batch is the same for every G (``--global-batch``), split into
-micro-batches of global / G. Prints a table and writes JSON; exit code 1 if a check failed.
+micro-batches of global / G. Prints the results and writes JSON (with each G's reference
+ledger); exit code 1 if a check failed. GPU counts run on different machines compare with
+``--compare a.json b.json``.
 """
 
 from __future__ import annotations
@@ -112,9 +114,33 @@ def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log:
         return {"ok": False, "error": "the run ended before it could be killed"}
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    wait_until_exited(proc.pid)
     lines_at_kill = len(ledger(run_dir))
     code = finish(start(gpus, ["--resume", run_dir.name, f"run.root={run_root}"], log), args.timeout)
-    return {"ok": code == 0, "killed_after_lines": lines_at_kill, "resume_exit": code, "run_dir": str(run_dir)}
+    out = {"ok": code == 0, "killed_after_lines": lines_at_kill, "resume_exit": code, "run_dir": str(run_dir)}
+    if code != 0:
+        out["log_tail"] = log.read_text(errors="replace")[-4000:]
+    return out
+
+
+def wait_until_exited(pgid: int, timeout: float = 60.0) -> None:
+    """Until every process of the killed job has exited (a rank tearing down its CUDA context
+    takes seconds after SIGKILL, and its run-dir lock is live until then); zombies count as
+    exited."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        if not alive:
+            return
+        time.sleep(0.1)
 
 
 def first_difference(a: list[dict], b: list[dict]) -> str | None:
@@ -140,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--run-root", default="/tmp/lockstep-determinism")
     p.add_argument("--out", default="bench_out/gpu_determinism.json")
+    p.add_argument("--compare", nargs="+", metavar="JSON", help="only compare the ledgers of earlier results")
     args = p.parse_args(argv)
+    if args.compare:
+        return compare(args.compare)
     rng = random.Random(args.seed)
     results: dict = {"config": args.config, "seq": args.seq, "global_batch": args.global_batch,
                      "steps": args.steps, "interval": args.interval, "cases": {}}
@@ -171,6 +200,20 @@ def main(argv: list[str] | None = None) -> int:
         failed |= not all(check.get("ok") for check in case.values())
         print(f"[determinism] {gpus} GPU(s): " + ", ".join(f"{k}: {'ok' if v.get('ok') else 'FAILED'}"
                                                           for k, v in case.items()), flush=True)
+    results["ledgers"] = {str(g): rows for g, rows in reference.items()}
+    cross = across_world_sizes(reference)
+    if cross:
+        results["across_world_sizes"] = cross
+        failed |= not all(entry["same_batches"] for entry in cross.values())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k != "ledgers"}, indent=2))
+    return 1 if failed else 0
+
+
+def across_world_sizes(reference: dict[int, list[dict]]) -> dict:
+    """Same batch and data-state hashes for every GPU count; the largest relative loss gap."""
+    cross = {}
     if len(reference) > 1:
         counts = sorted(reference)
         base = reference[counts[0]]
@@ -181,12 +224,17 @@ def main(argv: list[str] | None = None) -> int:
                 [r["data_state_hash"] for r in base] == [r["data_state_hash"] for r in other]
             rel = max(abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-12) for x, y in zip(base, other))
             cross[f"{counts[0]}v{gpus}"] = {"same_batches": same_data, "max_rel_loss_diff": rel}
-            failed |= not same_data
-        results["across_world_sizes"] = cross
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
-    return 1 if failed else 0
+    return cross
+
+
+def compare(paths: list[str]) -> int:
+    reference = {}
+    for path in paths:
+        for gpus, rows in json.loads(Path(path).read_text()).get("ledgers", {}).items():
+            reference[int(gpus)] = rows
+    cross = across_world_sizes(reference)
+    print(json.dumps(cross, indent=2))
+    return 0 if cross and all(entry["same_batches"] for entry in cross.values()) else 1
 
 
 if __name__ == "__main__":

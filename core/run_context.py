@@ -186,7 +186,18 @@ def _lock_is_live(lock: Path) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _is_zombie(int(owner["pid"]))
+
+
+def _is_zombie(pid: int) -> bool:
+    """A killed process whose parent died too stays a zombie where nothing reaps orphans
+    (a container without an init process): it has exited and holds nothing."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return True  # vanished since the check
 
 
 def _new_run_id(config: Config) -> str:

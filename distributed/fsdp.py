@@ -45,9 +45,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, 
         offload_policy=offload_policy(parallel, device),
     )
     tied = has_tied_embeddings(model)
-    for block in transformer_blocks(model):
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+    blocks = list(transformer_blocks(model))
+    for i, block in enumerate(blocks):
+        # The last block's backward starts right after the forward ends: resharding it would
+        # only gather it again at once, with nothing left to overlap the gather with.
+        last = i == len(blocks) - 1
+        fully_shard(block, **{**options, "reshard_after_forward": options["reshard_after_forward"] and not last})
+    # Likewise the root (embeddings, final norm, output head): the head's backward comes first.
+    fully_shard(model, **{**options, "reshard_after_forward": False})
     if tied and not has_tied_embeddings(model):
         raise RuntimeError("FSDP untied embed_tokens.weight and lm_head.weight")
 

@@ -263,7 +263,8 @@ class CheckpointManager:
         self._background_error: BaseException | None = None
         self._verified: set[Path] = set()
         self._latest_step: int | None = None
-        self._host_buffers = HostBuffers()
+        self._host_buffers = HostBuffers()  # staging=host: pinned, filled on the loop thread
+        self._snapshot_buffers = HostBuffers(pinned=False)  # staging=device: filled on the save thread
         self._auto_staging: tuple[str, int] | None = None  # (choice, snapshot bytes it was made for)
         if dist.is_main and not read_only:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -396,7 +397,7 @@ class CheckpointManager:
     def _move_to_host(self, staged: _StagedSave) -> None:
         """Replace a device snapshot by its host copy (which frees the snapshot's memory)."""
         if isinstance(staged.state, DeviceSnapshot):
-            staged.state = staged.state.to_host(self._host_buffers)
+            staged.state = staged.state.to_host(self._snapshot_buffers)
 
     def _write_and_publish(self, staged: _StagedSave, tmp: Path, final: Path) -> None:
         group = self._group
@@ -499,9 +500,10 @@ class CheckpointManager:
             if reason is None:
                 self._verified.add(path)
                 return step, path
-            log.warning("checkpoint %s is damaged (%s); trying an older one", path, reason)
             if self.on_corrupt is not None:
-                self.on_corrupt(step, path, reason)
+                self.on_corrupt(step, path, reason)  # the caller reports it (the trainer: event + log)
+            else:
+                log.warning("checkpoint %s is damaged (%s); trying an older one", path, reason)
         return None
 
     def _verify(self, path: Path, step: int | None) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 
 import pytest
@@ -56,3 +57,35 @@ def test_a_second_live_writer_is_refused_and_a_stale_lock_is_taken(tmp_path):
 def test_git_info_outside_a_checkout(tmp_path):
     info = git_info(tmp_path)
     assert info["is_repo"] is False and "not a git checkout" in info["reason"]
+
+
+def test_a_lock_held_by_a_zombie_is_stale(tmp_path):
+    """A killed writer nobody reaped (containers without an init) still has a pid."""
+    config, dist = _single(tmp_path)
+    run = RunContext.create(config, dist)
+    run.release()
+    zombie = subprocess.Popen(["true"])
+    try:
+        import psutil
+
+        assert _wait_for_zombie(zombie.pid)
+        run.paths.lock.write_text(json.dumps({"pid": zombie.pid, "host": socket.gethostname()}))
+        again = RunContext.open_existing(config.run.root, run.run_id, dist, lock=True)
+        assert json.loads(again.paths.lock.read_text())["pid"] == os.getpid()
+        assert psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE  # not reaped by the check
+        again.release()
+    finally:
+        zombie.wait()
+
+
+def _wait_for_zombie(pid: int, timeout: float = 10.0) -> bool:
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.01)
+    return False
