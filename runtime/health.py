@@ -168,6 +168,11 @@ class NonFiniteGuard:
         value and learns which ranks were bad. On False under ``skip`` the skip is counted;
         under ``abort`` the caller dumps provenance and raises ``self.error(step)``.
         """
+        return self.resolve(self.flags(loss, grad_norm).tolist())
+
+    def flags(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
+        """The all-reduced ``[world_size]`` vector (1.0 where a rank saw a non-finite value),
+        left where the collective ran: reading it is the caller's (see ``resolve``)."""
         device = self._dist.device
         flags = torch.zeros(self._dist.world_size, dtype=torch.float32, device=device)
         bad = ~torch.isfinite(torch.as_tensor(loss, dtype=torch.float32, device=device).detach())
@@ -175,8 +180,12 @@ class NonFiniteGuard:
             gn = torch.as_tensor(grad_norm, dtype=torch.float32, device=device).detach()
             bad = bad | ~torch.isfinite(gn)
         flags[self._dist.rank] = bad.any().to(torch.float32)
-        self._dist.all_reduce(flags, "sum")
-        bad_ranks = tuple(i for i, v in enumerate(flags.tolist()) if v > 0)
+        self._dist.all_reduce(flags, "sum")  # in place
+        return flags
+
+    def resolve(self, flags: list[float]) -> bool:
+        """``check``'s answer from the flag values read back on the host."""
+        bad_ranks = tuple(i for i, v in enumerate(flags) if v > 0)
         if not bad_ranks:
             return True
         self._last_bad_ranks = bad_ranks

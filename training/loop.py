@@ -40,7 +40,7 @@ from training.losses import CausalLMLoss, Loss
 from training.optim import build_optimizer, set_lr
 from training.precision import Precision
 from training.schedule import lr_at
-from training.step import forward_backward, model_logits
+from training.step import apply_update, forward_backward, model_logits
 
 TRAINER_STATE_VERSION = 1
 
@@ -250,18 +250,16 @@ class Trainer:
             # before loss and norm are read, and the update at the second sync; both are no-ops
             # for the torch strategies (training/xla.py explains the two cuts).
             self.parallel.sync()
-            finite = guards.nonfinite.check(loss, grad_norm)
-            if finite:
-                self.precision.step(self.optimizer)
-            else:
-                self._handle_nonfinite(step, batch, float(loss), float(grad_norm))
+            finite, loss, grad_norm = apply_update(self.optimizer, self.precision, guards.nonfinite, loss, grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
             self.parallel.sync()
+            if not finite:
+                self._handle_nonfinite(step, batch, loss, grad_norm)
         self.step = step
         tokens = batch.input_ids.numel() * self.parallel.dp_size
         self.tokens_seen += tokens
 
-        record = self._ledger_record(step, batch, float(loss), float(grad_norm), lr, tokens, global_targets)
+        record = self._ledger_record(step, batch, loss, grad_norm, lr, tokens, global_targets)
         if not finite:
             record["skipped"] = True
         due = self._checkpoint_due(step)

@@ -1,0 +1,66 @@
+"""training.step.apply_update: the on-device skip equals reading the flags first."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from core.config import ParallelConfig
+from core.distributed_context import DistributedContext
+from runtime.health import NonFiniteGuard
+from training.precision import Precision
+from training.step import apply_update
+
+
+def _setup():
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    for p in model.parameters():
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    guard = NonFiniteGuard("skip", dist=DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", timeout_s=10))
+    precision = Precision(ParallelConfig(precision="fp32"), device=torch.device("cpu"), wrapper_casts=False)
+    return model, optimizer, guard, precision
+
+
+def _losses(model, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(5, 8, generator=gen)
+    loss = model(x).pow(2).sum()
+    if step in (0, 3):  # a non-finite first step (before any optimizer state) and a later one
+        loss = loss * float("nan")
+    return loss
+
+
+def test_on_device_skip_matches_reading_the_flags_first():
+    model, optimizer, guard, precision = _setup()
+    ref_model = copy.deepcopy(model)
+    ref_optimizer = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ref_guard = NonFiniteGuard("skip", dist=DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", timeout_s=10))
+    for step in range(6):
+        for m, opt, g, fused_path in ((model, optimizer, guard, True), (ref_model, ref_optimizer, ref_guard, False)):
+            loss = _losses(m, step)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            if fused_path:
+                finite, loss_value, norm_value = apply_update(opt, precision, g, loss.detach(), norm)
+            else:
+                finite = g.check(loss, norm)
+                if finite:
+                    opt.step()
+                loss_value, norm_value = float(loss.detach()), float(norm)
+            opt.zero_grad(set_to_none=True)
+            assert finite is (step not in (0, 3))
+            if fused_path:
+                fused_values = (loss_value, norm_value)
+            else:
+                assert (loss_value != loss_value and fused_values[0] != fused_values[0]) or loss_value == fused_values[0]
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b), step
+    assert guard.skipped == ref_guard.skipped == 2
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        sa, sb = optimizer.state[p], ref_optimizer.state[q]
+        assert torch.equal(sa["step"], sb["step"]) and sa["step"].item() == 4
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
