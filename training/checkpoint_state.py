@@ -82,12 +82,17 @@ def _map_tensors(value: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], ke
 
 def cuda_bytes(value: Any) -> int:
     """Bytes of the CUDA tensors in a state dict (local shards of DTensors): a snapshot's size."""
+    return tensor_bytes(value, cuda_only=True)
+
+
+def tensor_bytes(value: Any, *, cuda_only: bool = False) -> int:
+    """Bytes of the tensors in a state dict (this rank's local shards of DTensors)."""
     if isinstance(value, torch.Tensor):
-        return _local(value).nbytes if value.is_cuda else 0
+        return _local(value).nbytes if value.is_cuda or not cuda_only else 0
     if isinstance(value, dict):
-        return sum(cuda_bytes(v) for v in value.values())
+        return sum(tensor_bytes(v, cuda_only=cuda_only) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(cuda_bytes(v) for v in value)
+        return sum(tensor_bytes(v, cuda_only=cuda_only) for v in value)
     return 0
 
 

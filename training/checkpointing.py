@@ -88,6 +88,7 @@ from training.checkpoint_state import (
     encode_rng_state,
     has_optimizer_state,
     restore_rng_state,
+    tensor_bytes,
 )
 from training.checkpoint_manifest import (
     DATA_STATE_FILE,
@@ -138,6 +139,8 @@ _GIB = 1 << 30
 # ``staging: auto`` snapshots on the device only with this much headroom beyond the snapshot
 # (fraction of it, plus bytes): the allocator needs slack for fragmentation.
 _SNAPSHOT_MARGIN = 0.1
+# A checkpoint's files hold its tensors' bytes plus metadata, manifests and RNG states.
+_FREE_SPACE_MARGIN = 1.05
 _SNAPSHOT_RESERVE_BYTES = 2 * _GIB
 
 
@@ -337,8 +340,33 @@ class CheckpointManager:
             state = {MODEL_KEY: msd, OPTIM_KEY: osd}
         else:  # get_state_dict would initialize the optimizer by stepping it
             state = {MODEL_KEY: get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
+        self._check_free_space(step, tensor_bytes(state) + sum(len(b) for b in rank_files.values()))
         staged = self._copy_for_background(state) if self.config.async_save else state
         return _StagedSave(step=step, state=staged, has_optimizer_state=has_optim, rank_files=rank_files)
+
+    def _check_free_space(self, step: int, my_bytes: int) -> None:
+        """Refuse a save the disk cannot hold, before anything is written (collective).
+
+        DCP reports a full disk as ``unexpected pos`` from its zip writer, half-way through
+        the write; this names the directory and the sizes instead. Older checkpoints are
+        only rotated out after the new one is published, so their space does not count.
+        """
+        total = sum(self._group.gather(my_bytes))
+        need = int(total * _FREE_SPACE_MARGIN)
+
+        def check() -> None:
+            free = shutil.disk_usage(self.checkpoint_dir).free
+            if free < need:
+                raise CheckpointError(
+                    f"not enough free disk space for checkpoint step {step}: it needs about "
+                    f"{need / _GIB:.2f} GiB, {self.checkpoint_dir} has {free / _GIB:.2f} GiB free",
+                    step=step,
+                    path=str(self.checkpoint_dir),
+                    hint="free disk space, lower checkpoint.keep, or put run.root on a larger disk; "
+                    "the run can be resumed from its last checkpoint",
+                )
+
+        self._group.on_main(check, "checking free disk space")
 
     def _copy_for_background(self, state: dict[str, Any]) -> dict[str, Any] | DeviceSnapshot:
         """A copy of the tensors that later training steps cannot change (``checkpoint.staging``)."""

@@ -41,6 +41,7 @@ from training.checkpointing import (
     CheckpointManager,
     capture_rng_state,
     restore_rng_state,
+    step_dir_name,
     verify_checkpoint,
 )
 
@@ -249,6 +250,34 @@ def test_json_states_must_survive_a_round_trip_and_fail_before_writing(tmp_path)
     with pytest.raises(CheckpointError, match="non-string key"):
         mgr.save(1, model=model, optimizer=opt, trainer_state={}, data_state={"streams": {0: 1}})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_is_refused_before_writing_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, async_save):
+    import shutil as shutil_module
+
+    import training.checkpointing as checkpointing
+
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path, async_save=async_save)
+    save(mgr, 1, model, opt)
+    mgr.wait()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    real = shutil_module.disk_usage
+
+    def nearly_full(path):
+        usage = real(path)
+        return type(usage)(usage.total, usage.total - 1000, 1000)
+
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", nearly_full)
+    train_steps(model, opt, 2, 2)
+    with pytest.raises(CheckpointError, match="not enough free disk space for checkpoint step 2") as info:
+        save(mgr, 2, model, opt)
+    assert str(tmp_path) in str(info.value) and "GiB free" in str(info.value)
+    mgr.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary dir, LATEST unchanged
+    assert mgr.latest_intact() == (1, tmp_path / step_dir_name(1))
 
 
 # --------------------------------------------------------------------------- protocol
