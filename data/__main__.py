@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "inspect":
             q.add_argument("--step", type=int, required=True, help="1-based global batch index")
             q.add_argument("--json", action="store_true", help="print JSON")
+            q.add_argument("--run", type=Path, default=None, metavar="RUN_DIR",
+                           help="start from the run's newest checkpoint before --step (not from batch 1)")
         else:
             q.add_argument("--batches", type=int, default=2000, help="global batches per mode")
             q.add_argument("--workers", default=None, help="comma-separated worker counts (default: config's)")
@@ -86,11 +88,21 @@ def _prepare(args) -> int:
 
 def _inspect(args, overrides: list[str]) -> int:
     from core.config import load
-    from data.inspection import describe, global_batch, render
+    from data.inspection import checkpoint_data_state, describe, global_batch, render
     from data.tokenizers import build_tokenizer
 
     config = load(args.config, overrides)
-    report = describe(global_batch(config, args.step), build_tokenizer(config.data.tokenizer))
+    start = None
+    if args.run is not None:
+        if not args.run.is_dir():
+            raise UsageError(f"--run {args.run} is not a directory", hint="pass a run dir (runs/<run_id>)")
+        found = checkpoint_data_state(args.run, args.step)
+        if found is None:
+            print(f"# no checkpoint of {args.run} before step {args.step}: walking from batch 1", file=sys.stderr)
+        else:
+            print(f"# starting after checkpoint step {found[0]} of {args.run}", file=sys.stderr)
+            start = found[1]
+    report = describe(global_batch(config, args.step, start), build_tokenizer(config.data.tokenizer))
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0
 

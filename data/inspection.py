@@ -2,10 +2,15 @@
 
 It runs the pipeline as one rank of a world of one, which yields every row of every global
 batch in global order, so the batch hash it prints is the one the ledger records for step S
-at any world size.
+at any world size. Walking from the first batch costs O(S); ``--run RUN_DIR`` starts from the
+data state of the run's newest checkpoint before S (data states are world-size independent).
 """
 
 from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
 
 from core.config import Config
 from core.exceptions import UsageError
@@ -14,14 +19,48 @@ from data.hashing import batch_hash, sequence_digest, state_hash
 from data.pipeline.pipeline import build
 
 PREVIEW_CHARS = 72
+_STEP_DIR = re.compile(r"^step_(\d{8})$")  # the run dir contract: checkpoints/step_<8 digits>/
+DATA_STATE_FILE = "data_state.json"
 
 
-def global_batch(config: Config, step: int) -> Batch:
-    """Global batch ``step`` (1-based) of the training stream."""
+def checkpoint_data_state(run_dir: Path, step: int) -> tuple[int, dict] | None:
+    """(checkpoint step, data state) of the newest checkpoint of ``run_dir`` before ``step``.
+
+    Only published checkpoints (``checkpoints/step_N``, renamed into place whole) count; the
+    manifest is not re-verified here: a damaged state is refused by the pipeline's checks.
+    """
+    found = []
+    for path in (Path(run_dir) / "checkpoints").glob("step_*"):
+        match = _STEP_DIR.match(path.name)
+        if match and int(match.group(1)) < step and (path / DATA_STATE_FILE).is_file():
+            found.append((int(match.group(1)), path / DATA_STATE_FILE))
+    if not found:
+        return None
+    ckpt_step, state_file = max(found)
+    try:
+        return ckpt_step, json.loads(state_file.read_text())
+    except ValueError as exc:
+        raise UsageError(f"{state_file} is not JSON: {exc}", hint="pick another run or drop --run") from exc
+
+
+def global_batch(config: Config, step: int, start_state: dict | None = None) -> Batch:
+    """Global batch ``step`` (1-based) of the training stream.
+
+    ``start_state``: a data state saved before ``step`` (a checkpoint's ``data_state.json``,
+    merged over ranks), to start there instead of walking every batch from the first.
+    """
     if step < 1:
         raise UsageError(f"--step must be >= 1, got {step}")
     with build(config.data, seed=config.train.seed, global_batch_size=config.train.global_batch_size,
                rank=0, world_size=1) as pipeline:
+        if start_state is not None:
+            pipeline.load_state_dict(start_state)
+            done = pipeline.stats()["step"]
+            if done >= step:
+                raise UsageError(
+                    f"the data state is after batch {done}, not before batch {step}",
+                    hint="pass a checkpoint older than the step (--run picks one itself)",
+                )
         for batch in pipeline:
             if batch.step == step:
                 return batch

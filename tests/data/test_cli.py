@@ -93,3 +93,32 @@ def test_bench_prints_a_table_and_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == ["bare", "naive", "pipeline", "pipeline"]
     assert all(r["tokens_per_s"] > 0 for r in report["rows"])
+
+
+def test_inspect_from_a_run_starts_at_its_checkpoint_and_agrees(tmp_path, capsys):
+    import pytest
+
+    from core.exceptions import UsageError
+    from data.inspection import global_batch
+
+    write_zst(tmp_path / "z", shards=2, docs=20)
+    config_path = _config_file(tmp_path, [{"path": str(tmp_path / "z")}])
+    config = load(config_path, [])
+    with build(config.data, seed=3, global_batch_size=8, rank=0, world_size=1) as pipe:
+        states = {b.step: b.state for b in (next(pipe) for _ in range(7))}
+    run = tmp_path / "run"
+    for step in (3, 7):  # 7 is after the inspected step: never used for it
+        (run / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:08d}" / "data_state.json").write_text(json.dumps(states[step]))
+    (run / "checkpoints" / ".tmp-step_00000005-abcd").mkdir()  # unpublished: ignored
+    assert main(["inspect", "--config", config_path, "--step", "6", "--json"]) == 0
+    walked = json.loads(capsys.readouterr().out)
+    assert main(["inspect", "--config", config_path, "--step", "6", "--json", "--run", str(run)]) == 0
+    out = capsys.readouterr()
+    assert "after checkpoint step 3" in out.err
+    assert json.loads(out.out) == walked
+    with pytest.raises(UsageError, match="after batch 7, not before batch 6"):
+        global_batch(config, 6, start_state=states[7])
+    assert main(["inspect", "--config", config_path, "--step", "2", "--run", str(run)]) == 0
+    assert "walking from batch 1" in capsys.readouterr().err
+    assert main(["inspect", "--config", config_path, "--step", "2", "--run", str(tmp_path / "nope")]) == 2
