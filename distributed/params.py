@@ -80,7 +80,11 @@ def param_hash(model: nn.Module) -> str:
         if value.device.type not in ("cpu", "cuda"):  # lazy devices (XLA): read it once
             value = value.cpu()
         entries.append((name, value.dtype, tuple(value.shape), fingerprint(value)))
-    sums = torch.stack([fp.cpu() for _, _, _, fp in entries]) if entries else torch.zeros(0, 2, dtype=torch.int64)
+    if entries:  # one device-to-host read for all of them
+        device = entries[0][3].device
+        sums = torch.stack([fp.to(device) for _, _, _, fp in entries]).cpu()
+    else:
+        sums = torch.zeros(0, 2, dtype=torch.int64)
     digest = hashlib.sha256()
     for (name, dtype, shape, _), pair in zip(entries, sums.tolist()):
         digest.update(f"{name}|{dtype}|{shape}|{pair[0] & _U64:016x}{pair[1] & _U64:016x}|".encode())

@@ -135,3 +135,14 @@ def spawn_ranks(target, args_for_rank, *, world: int = 2, timeout: float = 90) -
                 p.kill()
                 p.join()
     return [p.exitcode for p in procs]
+
+
+def spawn_json_ranks(target, out_dir: Path, *, world: int = 2, timeout: float = 90) -> list[dict]:
+    """Run ``target(rank, world, port, out_dir)`` on ``world`` spawned ranks, each writing
+    ``rank<R>.json`` (or ``rank<R>_error.txt`` with its traceback); returns the JSONs in rank
+    order, after asserting that every rank exited 0 (naming the tracebacks if not)."""
+    port = free_port()
+    codes = spawn_ranks(target, lambda r: (r, world, port, str(out_dir)), world=world, timeout=timeout)
+    errors = [f.read_text() for f in Path(out_dir).glob("*_error.txt")]
+    assert codes == [0] * world, errors
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]

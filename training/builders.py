@@ -68,6 +68,12 @@ class ParallelPlan:
         """A batch tensor (host memory) on the step's device."""
         return tensor.to(self.device, non_blocking=True)
 
+    @property
+    def output_weight_is_local(self) -> bool:
+        """The output weight is a whole, eager tensor inside the model's forward, so a loss may
+        apply it itself (``Loss.head_loss``): not a tensor-parallel shard, not lazy XLA."""
+        return self.tp_size == 1
+
     def sync(self) -> None:
         """Run the device work recorded so far. Eager torch devices run it as issued: nothing
         to do. (Lazy XLA tensors only record it; see ``training.xla``.)"""

@@ -23,8 +23,8 @@ Asynchronous save (``checkpoint.async_save``). ``save()`` blocks for steps 1-2 o
 plus one small broadcast); steps 3-4 run in a background thread. Staging copies the tensors
 so that later optimizer steps cannot change what is written (``checkpoint.staging``):
 ``host`` copies them into reused host buffers on the loop's thread; ``device`` clones them
-on their device and leaves the device-to-host copy, and the first save's pinned-memory
-allocation, to the background thread (``DeviceSnapshot``); ``auto`` is ``device`` where
+on their device and leaves the device-to-host copy (into pageable buffers) to the
+background thread (``DeviceSnapshot``); ``auto`` is ``device`` where
 the snapshot fits in free device memory. Each rank decides for itself: the choice changes
 no collective. Steps 3-4 need collectives (DCP plans its shards across ranks; hashing and
 the final outcome are shared), and collectives issued from a second thread on the training
@@ -139,9 +139,9 @@ _GIB = 1 << 30
 # ``staging: auto`` snapshots on the device only with this much headroom beyond the snapshot
 # (fraction of it, plus bytes): the allocator needs slack for fragmentation.
 _SNAPSHOT_MARGIN = 0.1
+_SNAPSHOT_RESERVE_BYTES = 2 * _GIB
 # A checkpoint's files hold its tensors' bytes plus metadata, manifests and RNG states.
 _FREE_SPACE_MARGIN = 1.05
-_SNAPSHOT_RESERVE_BYTES = 2 * _GIB
 
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -109,12 +109,7 @@ class Trainer:
         self.loss_fn = loss_fn or CausalLMLoss(
             chunk_tokens=config.train.loss_chunk_tokens, compiled=config.parallel.compile
         )
-        # The fused head needs the output weight as a plain tensor: not a TP shard, not lazy XLA.
-        self.fuse_head = (
-            getattr(self.loss_fn, "fuses_head", False)
-            and parallel.tp_size == 1
-            and config.parallel.strategy != "xla_spmd"
-        )
+        self.fuse_head = getattr(self.loss_fn, "fuses_head", False) and parallel.output_weight_is_local
         self.replay = replay
         self.log = get_logger()
         self.device = parallel.device  # where the step runs; dist.device unless xla_spmd (XLA)

@@ -87,6 +87,10 @@ class XlaSpmdPlan(ParallelPlan):
 
     mesh: Any = field(default=None, kw_only=True)  # torch_xla.distributed.spmd.Mesh
 
+    @property
+    def output_weight_is_local(self) -> bool:
+        return False  # the fused loss's chunk loop would be traced into the lazy graph
+
     def place_batch(self, tensor: torch.Tensor) -> torch.Tensor:
         return xla_spmd.shard_batch(tensor.to(self.device), self.mesh)
 
