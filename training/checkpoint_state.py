@@ -105,14 +105,12 @@ class HostBuffers:
     only after the previous one finished with the buffers. DTensors stay DTensors.
 
     The copies are issued on the current stream; the caller synchronizes it before reading.
-    ``pinned=False`` keeps CUDA tensors' buffers in pageable memory: pinning 22 GB
-    (cudaHostAlloc) took seconds and, done on the save thread, stalled the loop's own CUDA
-    calls for as long (the two steps after a Qwen3-1.7B save ran 10.7 s slower on an H200).
+    This is ``checkpoint.staging: host``, on the loop's thread; a device snapshot is copied
+    by ``SnapshotBuffers`` instead.
     """
 
-    def __init__(self, *, pinned: bool = True) -> None:
+    def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._pinned = pinned
 
     def copy(self, state: dict[str, Any]) -> dict[str, Any]:
         return _map_tensors(state, self._copy_tensor)
@@ -120,7 +118,7 @@ class HostBuffers:
     def _copy_tensor(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or _layout(buffer) != _layout(tensor):
-            if self._pinned and tensor.is_cuda and not isinstance(tensor, DTensor):
+            if tensor.is_cuda and not isinstance(tensor, DTensor):
                 # Pinned memory: the device-to-host copy runs at full PCIe speed, async.
                 buffer = torch.empty_like(tensor, device="cpu", pin_memory=True)
                 buffer.copy_(tensor, non_blocking=True)
@@ -132,6 +130,97 @@ class HostBuffers:
         return buffer
 
 
+class SnapshotBuffers:
+    """Reused pageable host copies of a ``DeviceSnapshot``, filled on the save thread through
+    two small pinned chunks.
+
+    Neither plain way worked on an H200 with a Qwen3-1.7B (22 GB with AdamW state): copying
+    straight into pageable memory (about 1.5 GB/s, through the driver's own staging) made the
+    steps after the save 15 s slower in all, and pinning 22 GB of buffers first (cudaHostAlloc,
+    seconds) 10.7 s. Here the only pinned memory is ``2 * chunk_bytes``, allocated on the
+    first save and kept: the device-to-host copy into one chunk (asynchronous, on the save
+    thread's stream) overlaps the CPU copy out of the other into the pageable buffer.
+
+    ``stream=None`` (a CPU run) does the same copies synchronously, so the chunking is tested
+    without a GPU. Like ``HostBuffers``, the buffers are refilled by the next save, and
+    DTensors stay DTensors.
+    """
+
+    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self._chunk_bytes = chunk_bytes
+        self._buffers: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._chunks: list[torch.Tensor] = []
+
+    def copy(self, state: dict[str, Any], stream: torch.cuda.Stream | None = None) -> dict[str, Any]:
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def target(key: str, tensor: torch.Tensor) -> torch.Tensor:
+            buffer = self._buffer(key, tensor)
+            pairs.append((_local(tensor), _local(buffer)))
+            return buffer
+
+        host = _map_tensors(state, target)
+        self._copy_chunked(pairs, stream)
+        return host
+
+    def _buffer(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        layout = _layout(tensor)
+        cached = self._buffers.get(key)
+        if cached is not None and cached[0] == layout:
+            return cached[1]
+        # Contiguous whatever the source's strides, so it can be filled as a flat byte range.
+        buffer = torch.empty_like(tensor, device="cpu", memory_format=torch.contiguous_format)
+        self._buffers[key] = (layout, buffer)
+        return buffer
+
+    def _staging_chunks(self, pinned: bool) -> list[torch.Tensor]:
+        if len(self._chunks) != 2 or self._chunks[0].is_pinned() != pinned:
+            self._chunks = [torch.empty(self._chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        return self._chunks
+
+    def _copy_chunked(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream | None) -> None:
+        chunks = self._staging_chunks(pinned=stream is not None)
+        done = [torch.cuda.Event(), torch.cuda.Event()] if stream is not None else [None, None]
+        pending: tuple[int, int, torch.Tensor] | None = None  # (chunk, bytes, destination) not yet drained
+        slot = 0
+
+        def drain(chunk: int, nbytes: int, destination: torch.Tensor) -> None:
+            if done[chunk] is not None:
+                done[chunk].synchronize()
+            destination.copy_(chunks[chunk][:nbytes])
+
+        for source, destination in pairs:
+            src, dst = _as_bytes(source, stream), _as_bytes(destination, None)
+            for start in range(0, src.numel(), self._chunk_bytes):
+                nbytes = min(self._chunk_bytes, src.numel() - start)
+                # The chunk written now was drained two iterations ago, on this thread.
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        chunks[slot][:nbytes].copy_(src[start : start + nbytes], non_blocking=True)
+                        done[slot].record(stream)
+                else:
+                    chunks[slot][:nbytes].copy_(src[start : start + nbytes])
+                if pending is not None:
+                    drain(*pending)
+                pending = (slot, nbytes, dst[start : start + nbytes])
+                slot ^= 1
+        if pending is not None:
+            drain(*pending)
+
+
+def _as_bytes(tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """The tensor's elements as a flat uint8 view (a contiguous copy first if need be)."""
+    if not tensor.is_contiguous():
+        if stream is not None:
+            with torch.cuda.stream(stream):  # allocated and freed in the copy stream's order
+                tensor = tensor.contiguous()
+        else:
+            tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 class DeviceSnapshot:
     """A copy of a state dict on the tensors' own device (``checkpoint.staging: device``).
 
@@ -141,9 +230,9 @@ class DeviceSnapshot:
     run on the current stream and a CUDA event is recorded after them: the optimizer
     kernels the loop enqueues next run after the clones, so they cannot change them.
 
-    ``to_host`` runs on the save thread: a side stream waits for the event, copies the
-    snapshot into the reused ``HostBuffers`` (pageable: see there) and is synchronized; then
-    the snapshot is dropped, so its device memory returns to the caching allocator (the
+    ``to_host`` runs on the save thread: a side stream waits for the event, the snapshot is
+    copied into the reused ``SnapshotBuffers`` on that stream and the stream is synchronized;
+    then the snapshot is dropped, so its device memory returns to the caching allocator (the
     blocks belong to the loop's stream, and the side stream's reads have finished).
 
     ``device`` is the rank's device; on a CPU the snapshot is a plain clone, so the same path
@@ -158,7 +247,7 @@ class DeviceSnapshot:
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(device))  # the stream the clones ran on
 
-    def to_host(self, buffers: HostBuffers) -> dict[str, Any]:
+    def to_host(self, buffers: SnapshotBuffers) -> dict[str, Any]:
         """Copy into ``buffers`` and free the device copy; once, on the save thread."""
         state, self._state = self._state, None  # the last reference: freed when this returns
         if self._ready is None:
@@ -168,9 +257,8 @@ class DeviceSnapshot:
         with torch.cuda.device(self._device):
             stream = torch.cuda.Stream(device=self._device)
             stream.wait_event(self._ready)
-            with torch.cuda.stream(stream):
-                host = buffers.copy(state)
-            stream.synchronize()  # before the snapshot is freed and the host copies are read
+            host = buffers.copy(state, stream)
+            stream.synchronize()  # before the snapshot is freed
         return host
 
 

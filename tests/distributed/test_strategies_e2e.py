@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-def _run(workdir, strategy, nproc, name):
-    result = launch.train(workdir, e2e_args(max_steps=STEPS, name=name, overrides=[f"parallel.strategy={strategy}"]), nproc=nproc)
+def _run(workdir, strategy, nproc, name, extra=()):
+    overrides = [f"parallel.strategy={strategy}", *extra]
+    result = launch.train(workdir, e2e_args(max_steps=STEPS, name=name, overrides=overrides), nproc=nproc)
     assert result.returncode == 0, result.stderr
     return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
 
@@ -26,7 +27,8 @@ def _run(workdir, strategy, nproc, name):
 def ledgers(e2e_workdir):
     runs = {
         "ddp": _run(e2e_workdir, "ddp", 2, "strat-ddp"),
-        "fsdp": _run(e2e_workdir, "fsdp", 2, "strat-fsdp"),
+        # Sharded (DTensor) state through the save thread's device snapshot and chunked copy.
+        "fsdp": _run(e2e_workdir, "fsdp", 2, "strat-fsdp", ["checkpoint.async_save=true", "checkpoint.staging=device"]),
         "none": _run(e2e_workdir, "none", 1, "strat-none"),
     }
     return runs

@@ -31,11 +31,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor, Shard
 
 import training.checkpoint_manifest as manifest_lib
+import training.checkpointing as checkpointing
 from core.config import CheckpointConfig, ParallelConfig
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
 from training.checkpoint_manifest import read_manifest
-from training.checkpoint_state import DeviceSnapshot, HostBuffers
+from training.checkpoint_state import DeviceSnapshot, HostBuffers, SnapshotBuffers
 from training.checkpointing import (
     CheckpointFormatError,
     CheckpointManager,
@@ -553,13 +554,18 @@ def test_staging_decides_where_the_host_copy_is_made(tmp_path, monkeypatch, capl
     model, opt = build(seed=0)
     train_steps(model, opt, 1, 1)
     threads = []
-    copy = HostBuffers.copy
 
-    def spy(self, state):
-        threads.append(threading.current_thread())
-        return copy(self, state)
+    def spy(cls):
+        copy = cls.copy
 
-    monkeypatch.setattr(HostBuffers, "copy", spy)
+        def spied(self, state, *args):
+            threads.append(threading.current_thread())
+            return copy(self, state, *args)
+
+        monkeypatch.setattr(cls, "copy", spied)
+
+    spy(HostBuffers)
+    spy(SnapshotBuffers)
     monkeypatch.setattr(logging.getLogger("lockstep"), "propagate", True)  # setup_logging turns it off
     caplog.set_level(logging.INFO, logger="lockstep")
     mgr = manager(tmp_path, async_save=True, staging=staging)
@@ -574,6 +580,36 @@ def test_staging_decides_where_the_host_copy_is_made(tmp_path, monkeypatch, capl
     assert decisions == (logged_once if staging == "auto" else [])
 
 
+def test_snapshot_buffers_copy_every_byte_through_small_chunks_and_reuse_their_buffers():
+    """Chunks of 7 bytes cut through elements and tensors; odd dtypes, strides and sizes."""
+    gen = torch.Generator().manual_seed(0)
+
+    def state(offset):
+        return {
+            "model": {
+                "w": torch.randn(5, 3, generator=gen) + offset,
+                "t": (torch.randn(4, 6, generator=gen) + offset).t(),  # not contiguous
+                "b": torch.randn(9, generator=gen).to(torch.bfloat16),
+                "i": torch.arange(11, dtype=torch.int64) * (offset + 1),
+                "mask": torch.rand(13, generator=gen) > 0.5,
+                "empty": torch.empty(0, 4),
+                "scalar": torch.tensor(3.5 + offset),
+            },
+            "step": 7,
+        }
+
+    buffers = SnapshotBuffers(chunk_bytes=7)
+    first, second = state(0), state(1)
+    copied = buffers.copy(first)
+    assert copied["step"] == 7
+    assert_bitwise_equal(copied["model"], first["model"])
+    assert all(not v.is_pinned() for v in copied["model"].values())
+    again = buffers.copy(second)
+    assert_bitwise_equal(again["model"], second["model"])
+    assert all(again["model"][k] is copied["model"][k] for k in first["model"])  # refilled, not reallocated
+    assert again["model"]["t"].shape == second["model"]["t"].shape
+
+
 def test_device_snapshot_refuses_lazy_tensors():
     with pytest.raises(CheckpointError, match="snapshots CUDA and CPU tensors, not meta ones"):
         DeviceSnapshot({"model": {"w": torch.empty(2, device="meta")}}, torch.device("cpu"))
@@ -584,7 +620,7 @@ def test_device_snapshot_copy_failure_surfaces_at_wait(tmp_path, monkeypatch):
     train_steps(model, opt, 1, 1)
     mgr = manager(tmp_path, async_save=True, staging="device")
     no_memory = RuntimeError("out of pinned memory")
-    monkeypatch.setattr(HostBuffers, "copy", lambda self, state: (_ for _ in ()).throw(no_memory))
+    monkeypatch.setattr(SnapshotBuffers, "copy", lambda self, state, *a: (_ for _ in ()).throw(no_memory))
     save(mgr, 1, model, opt)  # the host copy is the save thread's
     with pytest.raises(CheckpointError, match="copying the checkpoint to host memory failed: .*out of pinned"):
         mgr.wait()
@@ -716,3 +752,43 @@ def test_one_process_save_then_two_fsdp2_ranks_load(tmp_path):
     results = run_on_two_ranks(_load_on_ranks, str(tmp_path), "fsdp")
     assert_bitwise_equal(results[0]["state"], full_state(model, opt))
     assert [r["has_rng"] for r in results] == [True, False]  # rank 1 did not exist at save time
+
+
+def test_several_writer_threads_write_several_files_that_load_bitwise(tmp_path, monkeypatch):
+    """On hosts with cores to spare DCP writes a rank's shards in several files, hashed in parallel."""
+    monkeypatch.setattr(checkpointing, "_IO_THREADS", 3)
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 2)
+    expected = full_state(model, opt)
+    mgr = manager(tmp_path, async_save=True, staging="device")
+    path = save(mgr, 2, model, opt)
+    mgr.wait()
+    assert len(list((path / "dcp").glob("*.distcp"))) == 3
+    assert verify_checkpoint(path) is None
+    fresh_model, fresh_opt = build(seed=4)
+    mgr.load(path, model=fresh_model, optimizer=fresh_opt)
+    assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected)
+
+
+def test_a_save_that_waits_for_the_previous_one_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(checkpointing, "_SLOW_WAIT_WARN_S", 0.2)
+    monkeypatch.setattr(logging.getLogger("lockstep"), "propagate", True)  # setup_logging turns it off
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    mgr = manager(tmp_path, async_save=True)
+    run_in_background = CheckpointManager._run_in_background
+
+    def slow(self, *args):
+        time.sleep(0.5)
+        run_in_background(self, *args)
+
+    monkeypatch.setattr(CheckpointManager, "_run_in_background", slow)
+    save(mgr, 1, model, opt)
+    save(mgr, 2, model, opt)  # step 1 is still being written
+    mgr.wait()
+    save(mgr, 3, model, opt)  # nothing in flight: no warning
+    mgr.wait()
+    warnings = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "checkpoint step 2 waited" in warnings[0] and "save of step 1" in warnings[0]
+    assert "raise checkpoint.interval" in warnings[0]
