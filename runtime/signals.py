@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any, Callable, Protocol, Sequence
 
@@ -107,3 +108,37 @@ class StopSignals:
         if len(self._received) == 1:
             os.write(2, f"stop: {name} received; stopping at the next step boundary "
                         "(Ctrl-C again to exit now)\n".encode())
+
+
+def exit_with_launcher(
+    *, poll_s: float = 1.0, exit_fn: Callable[[int], Any] = os._exit, environ: dict[str, str] | None = None
+) -> threading.Thread | None:
+    """Under torchrun, end this rank within ``poll_s`` of its launcher's death.
+
+    torchrun starts every rank in a session of its own, so SIGKILL of torchrun (or of its
+    process group: a scheduler's kill, an OOM killer's pick, ``timeout -s KILL``) leaves the
+    ranks running: holding the GPU, the run dir's lock and their checkpoint writes, with no
+    one to collect their exit. A daemon thread watches the parent pid and exits the process
+    (code 1, no cleanup, as a kill would) once it changes; the resume then finds what a kill
+    leaves: a stale lock and no half-written checkpoint published.
+
+    Returns the thread, or None when the process was not started by torchrun.
+    """
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    launcher = os.getppid()
+    rank = env.get("RANK", "?")
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != launcher:
+                sys.stderr.write(f"[rank {rank}] launcher (pid {launcher}) is gone; exiting without cleanup\n")
+                sys.stderr.flush()
+                exit_fn(1)
+                return
+
+    thread = threading.Thread(target=watch, name="lockstep-launcher-watch", daemon=True)
+    thread.start()
+    return thread

@@ -26,6 +26,7 @@ from experiments.artifacts import ArtifactStore
 from models import model_config_from_hf
 from models.qwen.dims import resolve_dims
 from runtime.faults import parse_faults
+from runtime.signals import exit_with_launcher
 from runtime.watchdog import configure_nccl_diagnostics
 from training import replay as replay_lib
 from training import resume as resume_lib
@@ -97,7 +98,9 @@ def resolve_config(args: Args) -> Config:
 
 
 def prepare_process(config: Config) -> None:
-    """Process-wide settings read when the process group is created (NCCL flight recorder)."""
+    """Process-wide settings read when the process group is created (NCCL flight recorder),
+    and a rank that outlives its launcher exits (``runtime.signals.exit_with_launcher``)."""
+    exit_with_launcher()
     if config.parallel.device != "cpu" and torch.cuda.is_available():
         configure_nccl_diagnostics(Path(config.run.root) / "_nccl_traces", config.runtime.watchdog_timeout_s)
 
