@@ -75,8 +75,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_job(proc)
         return -9
 
 
@@ -112,9 +111,7 @@ def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log:
     if run_dir is None or proc.poll() is not None:
         finish(proc, 1)
         return {"ok": False, "error": "the run ended before it could be killed"}
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    wait_until_exited(proc.pid)
+    kill_job(proc)
     lines_at_kill = len(ledger(run_dir))
     code = finish(start(gpus, ["--resume", run_dir.name, f"run.root={run_root}"], log), args.timeout)
     out = {"ok": code == 0, "killed_after_lines": lines_at_kill, "resume_exit": code, "run_dir": str(run_dir)}
@@ -123,23 +120,30 @@ def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log:
     return out
 
 
-def wait_until_exited(pgid: int, timeout: float = 60.0) -> None:
-    """Until every process of the killed job has exited (a rank tearing down its CUDA context
-    takes seconds after SIGKILL, and its run-dir lock is live until then); zombies count as
-    exited."""
+def kill_job(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGKILL torchrun and every rank at once (torchrun starts the ranks in sessions of their
+    own, out of reach of its process group), then wait until each has exited: a rank tearing
+    down its CUDA context takes seconds after SIGKILL, and its run-dir lock is live until
+    then. Zombies count as exited."""
     import psutil
 
+    try:
+        job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        job = []
+    for member in reversed(job):
+        try:
+            member.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = []
-        for p in psutil.process_iter(["status"]):
-            try:
-                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except (ProcessLookupError, psutil.Error):
-                continue
-        if not alive:
-            return
+        try:
+            if all(not m.is_running() or m.status() == psutil.STATUS_ZOMBIE for m in job):
+                return
+        except psutil.NoSuchProcess:
+            pass
         time.sleep(0.1)
 
 

@@ -281,16 +281,30 @@ def launch(
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the launched job's process group (torchrun and its ranks), then SIGKILL."""
+    """SIGTERM the launched job (torchrun's process group and its ranks, which torchrun starts
+    in sessions of their own), then SIGKILL what is left."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
     for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            pass
+        for rank in ranks:
+            try:
+                rank.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
         try:
             proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
+            psutil.wait_procs(ranks, timeout=grace)
+            if all(not r.is_running() or r.status() == psutil.STATUS_ZOMBIE for r in ranks):
+                return
+        except (subprocess.TimeoutExpired, psutil.NoSuchProcess):
             continue
 
 
