@@ -1,0 +1,90 @@
+"""The benchmark harnesses end a job whole: torchrun and every rank.
+
+torchrun starts each rank in a session of its own, so killing torchrun's process group
+leaves the ranks running; a harness reading the job's pipes then waits for ever. These jobs
+run a script (not train.py, whose ranks follow their launcher by themselves) that ignores
+SIGTERM and never ends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+HANG = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
+    print("rank", os.environ["RANK"], "hangs", flush=True)
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+def _module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _job(tmp_path: Path) -> list[str]:
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)]
+
+
+def _ranks(tmp_path: Path) -> list[int]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pids = [int(p.read_text()) for p in tmp_path.glob("[0-9]") if p.read_text()]
+        if len(pids) == 2:
+            return pids
+        time.sleep(0.1)
+    raise AssertionError("the ranks did not start")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_throughput_launch_times_out_and_ends_every_rank(tmp_path):
+    tt = _module("train_throughput")
+    started = time.monotonic()
+    result = tt.launch(_job(tmp_path), timeout=15)
+    assert result.timed_out
+    assert "hangs" in result.stdout
+    assert time.monotonic() - started < 15 + 20 + 10 + 15  # timeout, SIGTERM grace, SIGKILL grace, slack
+    assert not [pid for pid in _ranks(tmp_path) if _alive(pid)]
+
+
+def test_determinism_kill_job_ends_every_rank(tmp_path):
+    det = _module("gpu_determinism")
+    proc = subprocess.Popen(_job(tmp_path), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    ranks = _ranks(tmp_path)
+    started = time.monotonic()
+    det.kill_job(proc)
+    assert time.monotonic() - started < 10
+    assert not [pid for pid in ranks if _alive(pid)]
