@@ -116,7 +116,7 @@ def exit_with_launcher(
     """Under torchrun, end this rank within ``poll_s`` of its launcher's death.
 
     torchrun starts every rank in a session of its own, so SIGKILL of torchrun (or of its
-    process group: a scheduler's kill, an OOM killer's pick, ``timeout -s KILL``) leaves the
+    process group: an OOM killer's pick, ``timeout -s KILL``, a harness's ``killpg``) leaves the
     ranks running: holding the GPU, the run dir's lock and their checkpoint writes, with no
     one to collect their exit. A daemon thread watches the parent pid and exits the process
     (code 1, no cleanup, as a kill would) once it changes; the resume then finds what a kill
