@@ -14,7 +14,7 @@ from pathlib import Path
 
 from core.config import Config
 from core.exceptions import UsageError
-from data.batch import Batch
+from data.batch import IGNORE_INDEX, Batch
 from data.hashing import batch_hash, sequence_digest, state_hash
 from data.pipeline.pipeline import build
 
@@ -77,7 +77,7 @@ def describe(batch: Batch, tokenizer) -> dict:
             "index": batch.sequence_index[i],
             "stream": batch.sequence_index[i] // rows_per_stream,
             "digest": digests[i].hex(),
-            "target_tokens": int((batch.labels[i] != -100).sum()),
+            "target_tokens": int((batch.labels[i] != IGNORE_INDEX).sum()),
             "provenance": [
                 {"source": s.source, "shard": s.shard, "record": s.record, "start": s.start,
                  "end": s.end, "doc_offset": s.doc_offset}

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-IGNORE_INDEX = -100
+from data.batch import IGNORE_INDEX
 
 
 def linear_cross_entropy(
@@ -35,7 +35,7 @@ def linear_cross_entropy(
     compute_dtype: torch.dtype | None = None,
     compiled: bool = False,
 ) -> torch.Tensor:
-    """Sum over tokens of cross_entropy(hidden @ weight.T, labels), labels == -100 skipped.
+    """Sum over tokens of cross_entropy(hidden @ weight.T, labels), IGNORE_INDEX labels skipped.
 
     hidden (..., d), weight (V, d), labels (...) -> fp32 scalar. ``compute_dtype`` is the
     dtype of the matmuls (default: hidden's; under autocast pass the autocast dtype).

@@ -18,9 +18,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from data.batch import IGNORE_INDEX
 from training.linear_cross_entropy import linear_cross_entropy
-
-IGNORE_INDEX = -100
 
 
 class Loss(Protocol):
