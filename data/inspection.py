@@ -9,7 +9,6 @@ data state of the run's newest checkpoint before S (data states are world-size i
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from core.config import Config
@@ -17,10 +16,9 @@ from core.exceptions import UsageError
 from data.batch import IGNORE_INDEX, Batch
 from data.hashing import batch_hash, sequence_digest, state_hash
 from data.pipeline.pipeline import build
+from training.checkpoint_manifest import DATA_STATE_FILE, list_steps, step_dir_name
 
 PREVIEW_CHARS = 72
-_STEP_DIR = re.compile(r"^step_(\d{8})$")  # the run dir contract: checkpoints/step_<8 digits>/
-DATA_STATE_FILE = "data_state.json"
 
 
 def checkpoint_data_state(run_dir: Path, step: int) -> tuple[int, dict] | None:
@@ -29,14 +27,13 @@ def checkpoint_data_state(run_dir: Path, step: int) -> tuple[int, dict] | None:
     Only published checkpoints (``checkpoints/step_N``, renamed into place whole) count; the
     manifest is not re-verified here: a damaged state is refused by the pipeline's checks.
     """
-    found = []
-    for path in (Path(run_dir) / "checkpoints").glob("step_*"):
-        match = _STEP_DIR.match(path.name)
-        if match and int(match.group(1)) < step and (path / DATA_STATE_FILE).is_file():
-            found.append((int(match.group(1)), path / DATA_STATE_FILE))
+    checkpoints = Path(run_dir) / "checkpoints"
+    state_files = {s: checkpoints / step_dir_name(s) / DATA_STATE_FILE for s in list_steps(checkpoints) if s < step}
+    found = [s for s, path in state_files.items() if path.is_file()]
     if not found:
         return None
-    ckpt_step, state_file = max(found)
+    ckpt_step = max(found)
+    state_file = state_files[ckpt_step]
     try:
         return ckpt_step, json.loads(state_file.read_text())
     except ValueError as exc:
