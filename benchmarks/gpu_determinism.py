@@ -34,6 +34,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from train_throughput import kill_job as _end_job  # noqa: E402  (the benchmarks folder is not a package)
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every rank at once, and wait until each has exited: a rank
+    tearing down its CUDA context takes seconds after SIGKILL, and its run-dir lock is live
+    until then."""
+    _end_job(proc, escalation=((signal.SIGKILL, 60.0),))
 
 
 def overrides(args: argparse.Namespace, gpus: int, run_root: Path) -> list[str]:
@@ -120,33 +130,6 @@ def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log:
     return out
 
 
-def kill_job(proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """SIGKILL torchrun and every rank at once (torchrun starts the ranks in sessions of their
-    own, out of reach of its process group), then wait until each has exited: a rank tearing
-    down its CUDA context takes seconds after SIGKILL, and its run-dir lock is live until
-    then. Zombies count as exited."""
-    import psutil
-
-    try:
-        job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        job = []
-    for member in reversed(job):
-        try:
-            member.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if all(not m.is_running() or m.status() == psutil.STATUS_ZOMBIE for m in job):
-                return
-        except psutil.NoSuchProcess:
-            pass
-        time.sleep(0.1)
-
-
 def first_difference(a: list[dict], b: list[dict]) -> str | None:
     if len(a) != len(b):
         return f"{len(a)} lines vs {len(b)}"
@@ -221,7 +204,6 @@ def across_world_sizes(reference: dict[int, list[dict]]) -> dict:
     if len(reference) > 1:
         counts = sorted(reference)
         base = reference[counts[0]]
-        cross = {}
         for gpus in counts[1:]:
             other = reference[gpus]
             same_data = [r["batch_hash"] for r in base] == [r["batch_hash"] for r in other] and \

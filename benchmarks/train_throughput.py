@@ -36,6 +36,7 @@ what finished; ``--budget`` stops starting cases that would not fit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -271,7 +272,7 @@ def launch(
         stdout, stderr = proc.communicate(timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc)
+        kill_job(proc)
         stdout, stderr = proc.communicate()
     result = Launch(cmd, proc.returncode, stdout, stderr, time.monotonic() - started, started_at, timed_out)
     if log_path is not None:
@@ -280,32 +281,36 @@ def launch(
     return result
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the launched job (torchrun's process group and its ranks, which torchrun starts
-    in sessions of their own), then SIGKILL what is left."""
+def kill_job(proc: subprocess.Popen, escalation=((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0))) -> None:
+    """End a torchrun job whole: each ``(signal, grace seconds)`` in turn goes to torchrun's
+    process group and to every rank (torchrun starts the ranks in sessions of their own, out
+    of the group's reach), until all have exited (zombies count). A rank left running would
+    hold the GPU, the run dir's lock and the job's output pipes."""
     import psutil
 
     try:
-        ranks = psutil.Process(proc.pid).children(recursive=True)
+        job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
-        ranks = []
-    for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        job = []
+
+    def ended() -> bool:
         try:
+            return all(not m.is_running() or m.status() == psutil.STATUS_ZOMBIE for m in job)
+        except psutil.NoSuchProcess:
+            return False  # vanished between the two checks: look again
+
+    for sig, grace in escalation:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        for rank in ranks:
-            try:
-                rank.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        try:
-            proc.wait(timeout=grace)
-            psutil.wait_procs(ranks, timeout=grace)
-            if all(not r.is_running() or r.status() == psutil.STATUS_ZOMBIE for r in ranks):
+        for member in reversed(job):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.send_signal(sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.1)
+            if proc.returncode is not None and ended():
                 return
-        except (subprocess.TimeoutExpired, psutil.NoSuchProcess):
-            continue
 
 
 def find_run_dir(stdout: str, run_root: Path, run_name: str) -> Path | None:
