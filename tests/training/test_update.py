@@ -13,6 +13,11 @@ from training.precision import Precision
 from training.step import apply_update
 
 
+def _guard() -> NonFiniteGuard:
+    dist = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", timeout_s=10)
+    return NonFiniteGuard("skip", dist=dist)
+
+
 def _setup():
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -20,7 +25,7 @@ def _setup():
         with torch.no_grad():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    guard = NonFiniteGuard("skip", dist=DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", timeout_s=10))
+    guard = _guard()
     precision = Precision(ParallelConfig(precision="fp32"), device=torch.device("cpu"), wrapper_casts=False)
     return model, optimizer, guard, precision
 
@@ -38,7 +43,7 @@ def test_on_device_skip_matches_reading_the_flags_first():
     model, optimizer, guard, precision = _setup()
     ref_model = copy.deepcopy(model)
     ref_optimizer = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    ref_guard = NonFiniteGuard("skip", dist=DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", timeout_s=10))
+    ref_guard = _guard()
     for step in range(6):
         for m, opt, g, fused_path in ((model, optimizer, guard, True), (ref_model, ref_optimizer, ref_guard, False)):
             loss = _losses(m, step)
