@@ -24,6 +24,7 @@ from core import config as config_lib
 from core.config import Config
 from core.distributed_context import DistributedContext, launcher_env
 from core.exceptions import ConfigError, ResumeError, RunDirLockedError
+from core.processes import pid_alive
 
 SUBDIRS = ("logs", "checkpoints", "diagnostics", "artifacts")
 LOCK_FILE = ".lock"
@@ -180,24 +181,7 @@ def _lock_is_live(lock: Path) -> bool:
         return False
     if owner.get("host") != socket.gethostname():
         return True  # cannot check a pid on another host: assume it is live
-    try:
-        os.kill(int(owner["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(int(owner["pid"]))
-
-
-def _is_zombie(pid: int) -> bool:
-    """A killed process whose parent died too stays a zombie where nothing reaps orphans
-    (a container without an init process): it has exited and holds nothing."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except psutil.Error:
-        return True  # vanished since the check
+    return pid_alive(int(owner["pid"]))
 
 
 def _new_run_id(config: Config) -> str:

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
 import yaml
 
 from core.config import config_hash, from_dict
+from core.processes import pid_alive
 from core.exceptions import ConfigError, UsageError
 from experiments import layout
 from experiments.events import iter_jsonl, last_jsonl, read_events
@@ -80,14 +80,6 @@ def resolve_run(root: Path, run_id: str) -> Path:
 
 
 # ---------------------------------------------------------------------------- state
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a running (not zombie) process on this host."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return False
 
 
 def read_lock(run_dir: Path) -> dict[str, Any] | None:

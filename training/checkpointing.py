@@ -23,8 +23,9 @@ Asynchronous save (``checkpoint.async_save``). ``save()`` blocks for steps 1-2 o
 plus one small broadcast); steps 3-4 run in a background thread. Staging copies the tensors
 so that later optimizer steps cannot change what is written (``checkpoint.staging``):
 ``host`` copies them into reused host buffers on the loop's thread; ``device`` clones them
-on their device and leaves the device-to-host copy (into pageable buffers) to the
-background thread (``DeviceSnapshot``); ``auto`` is ``device`` where
+on their device and leaves the device-to-host copy (through two small pinned chunks into
+pageable buffers, ``SnapshotBuffers``) to the background thread (``DeviceSnapshot``);
+``auto`` is ``device`` where
 the snapshot fits in free device memory. Each rank decides for itself: the choice changes
 no collective. Steps 3-4 need collectives (DCP plans its shards across ranks; hashing and
 the final outcome are shared), and collectives issued from a second thread on the training

@@ -8,7 +8,6 @@ run dir's lock (and, on a GPU, the device) while the resume is refused.
 from __future__ import annotations
 
 import os
-import time
 
 import psutil
 import pytest
