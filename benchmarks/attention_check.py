@@ -1,16 +1,22 @@
-"""GPU check of the two document-masked attention paths (models/qwen/attention.py).
+"""GPU check of the document-masked attention paths (models/qwen/attention.py).
 
 For packed sequences (several documents per row) it checks, per sequence length:
 
 - agreement: flex (compiled flex_attention + BlockMask) against the exact sdpa path
   (boolean mask, deterministic backends), forward output and the q/k/v gradients, each
-  measured against an fp32 reference and required to be within bf16 tolerance;
+  measured against an fp32 reference and required to be within bf16 tolerance; on CUDA also
+  ``varlen``, torch's flash-attention kernel over the rows flattened into their documents
+  (``torch.nn.attention.varlen``), as a reference for what flash attention would give;
 - speed: forward and forward+backward time of each path, and the mask build time;
 - repeatability: forward+backward run several times from the same inputs must give
   bitwise-identical outputs and gradients (with torch.use_deterministic_algorithms on by
   default, as Lockstep's bitwise mode runs);
 - model: the whole model with attention=flex vs attention=sdpa, eager and with compiled
   blocks, including that a new batch's document layout does not trigger a recompile.
+
+varlen is not a model kernel: measured here it was no faster than flex (docs/performance.md)
+and its backward is not bitwise repeatable. Its cases run with deterministic algorithms off,
+as a fast-mode kernel would, and its repeatability is reported, not required.
 
 Every case is caught and reported on its own; the table is printed and everything is
 written as JSON to --out. Exit status 1 if any case failed or errored.
@@ -21,6 +27,8 @@ written as JSON to --out. Exit status 1 if any case failed or errored.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import os
 import platform
@@ -40,6 +48,34 @@ import torch  # noqa: E402
 from models.qwen.attention import attend, causal_document_block_mask, causal_document_bool_mask  # noqa: E402
 
 
+def varlen_document_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Flash attention's variable-length layout of the same documents: the (B, T) rows read
+    as one stream of B*T tokens, the int32 offsets where each document starts (then B*T),
+    and the row length T as the bound of any document's length."""
+    batch, seq_len = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    offsets = starts.flatten().nonzero().flatten().to(torch.int32)
+    return torch.cat([offsets, offsets.new_tensor([batch * seq_len])]), seq_len
+
+
+def attend_varlen(q, k, v, mask):
+    """Causal attention within each document through torch's flash varlen kernel (CUDA)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu_seqlens, max_len = mask
+    batch, num_heads, seq_len, head_dim = q.shape
+    if k.shape[1] != num_heads:  # repeat each kv head for its query heads
+        k, v = (x.repeat_interleave(num_heads // x.shape[1], dim=1) for x in (k, v))
+
+    def stream(x):  # (B, heads, T, D) -> (B*T, heads, D)
+        return x.transpose(1, 2).reshape(batch * seq_len, num_heads, head_dim)
+
+    causal = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
+    out = varlen_attn(stream(q), stream(k), stream(v), cu_seqlens, cu_seqlens, max_len, max_len, **causal)
+    return out.view(batch, seq_len, num_heads, head_dim).transpose(1, 2)
+
+
 def _no_mask(document_ids):
     return None  # plain causal attention over the whole row (what runs without document_ids)
 
@@ -47,12 +83,35 @@ def _no_mask(document_ids):
 PATHS = {
     # name -> (mask builder, sdpa_backends)
     "flex": (causal_document_block_mask, "deterministic"),
+    "varlen": (varlen_document_mask, None),  # flash attention reference (CUDA), attend_varlen
     "sdpa": (causal_document_bool_mask, "deterministic"),
     "sdpa_all": (causal_document_bool_mask, "all"),  # lets torch pick any backend
     # Not document-masked, so not compared for agreement; timed and checked for repeatability.
     "causal": (_no_mask, "deterministic"),
     "causal_all": (_no_mask, "all"),  # flash/cuDNN allowed
 }
+
+
+def device_paths(device: str) -> list[str]:
+    return [path for path in PATHS if path != "varlen" or device == "cuda"]
+
+
+def run_attention(path, q, k, v, mask):
+    if path == "varlen":
+        return attend_varlen(q, k, v, mask)
+    return attend(q, k, v, mask, sdpa_backends=PATHS[path][1])
+
+
+@contextlib.contextmanager
+def kernel_mode(path: str):
+    """varlen runs as a fast-mode kernel would: deterministic algorithms off."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    if path == "varlen":
+        torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def parse_args(argv=None):
@@ -112,8 +171,9 @@ def qkv(args, seq_len, dtype, device, generator):
 
 def forward_backward(path, q, k, v, dout, mask):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out = attend(q, k, v, mask, sdpa_backends=PATHS[path][1])
-    out.backward(dout)
+    with kernel_mode(path):
+        out = run_attention(path, q, k, v, mask)
+        out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
 
@@ -151,7 +211,8 @@ def case_agreement(args, seq_len, doc):
     q, k, v, dout = qkv(args, seq_len, torch.bfloat16, args.device, g)
     fp32 = [t.float() for t in (q, k, v, dout)]
     reference = forward_backward("sdpa", *fp32, causal_document_bool_mask(doc))
-    got = {path: forward_backward(path, q, k, v, dout, PATHS[path][0](doc)) for path in ("sdpa", "flex")}
+    fast_paths = [path for path in ("flex", "varlen") if path in device_paths(args.device)]
+    got = {path: forward_backward(path, q, k, v, dout, PATHS[path][0](doc)) for path in ["sdpa", *fast_paths]}
     rel_err = {
         path: {
             name: (x.float() - r).abs().max().item() / max(r.abs().max().item(), 1e-6)
@@ -160,13 +221,13 @@ def case_agreement(args, seq_len, doc):
         for path, tensors in got.items()
     }
     direct = {
-        name: (a.float() - b.float()).abs().max().item()
-        for name, a, b in zip(GRAD_NAMES, got["flex"], got["sdpa"])
+        path: {name: (a.float() - b.float()).abs().max().item() for name, a, b in zip(GRAD_NAMES, got[path], got["sdpa"])}
+        for path in fast_paths
     }
-    # Within bf16 tolerance: flex's error against fp32 is no worse than twice the exact
-    # path's own bf16 error, or below 1% of the largest reference value.
-    ok = all(rel_err["flex"][n] <= max(2 * rel_err["sdpa"][n], 1e-2) for n in GRAD_NAMES)
-    return ok, {"rel_err_vs_fp32": rel_err, "max_abs_flex_minus_sdpa": direct}
+    # Within bf16 tolerance: a fast path's error against fp32 is no worse than twice the
+    # exact path's own bf16 error, or below 1% of the largest reference value.
+    ok = all(rel_err[p][n] <= max(2 * rel_err["sdpa"][n], 1e-2) for p in fast_paths for n in GRAD_NAMES)
+    return ok, {"rel_err_vs_fp32": rel_err, "max_abs_minus_sdpa": direct}
 
 
 def case_speed(args, seq_len, doc, path):
@@ -176,8 +237,8 @@ def case_speed(args, seq_len, doc, path):
     mask = build_mask(doc)
     timing = (args.warmup, args.iters, args.device)
     mask_ms = median_ms(lambda: build_mask(doc), *timing)
-    with torch.no_grad():
-        fwd_ms = median_ms(lambda: attend(q, k, v, mask, sdpa_backends=PATHS[path][1]), *timing)
+    with torch.no_grad(), kernel_mode(path):
+        fwd_ms = median_ms(lambda: run_attention(path, q, k, v, mask), *timing)
     fwd_bwd_ms = median_ms(lambda: forward_backward(path, q, k, v, dout, mask), *timing)
     return True, {"mask_ms": mask_ms, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms}
 
@@ -194,8 +255,11 @@ def case_repeatability(args, seq_len, doc, path):
     data = {"runs": args.repeats, "mismatching_runs": mismatches, "bitwise_repeatable": repeatable}
     # Which paths must repeat: flex always (measured so, with or without deterministic
     # algorithms); the memory-efficient SDPA backward only with use_deterministic_algorithms
-    # on (it accumulates dq with atomics otherwise); any-backend SDPA is informational.
-    expected = path == "flex" or (PATHS[path][1] == "deterministic" and not args.no_deterministic)
+    # on (it accumulates dq with atomics otherwise); any-backend SDPA and the flash varlen
+    # reference are informational.
+    expected = path == "flex" or (
+        path != "varlen" and PATHS[path][1] == "deterministic" and not args.no_deterministic
+    )
     return (repeatable if expected else None), data
 
 
@@ -321,8 +385,9 @@ def _summary(record):
         return f"mismatching runs of {record['runs']}: {record['mismatching_runs']}"
     if "rel_err_vs_fp32" in record:
         e = record["rel_err_vs_fp32"]
-        pairs = " ".join(f"{n} {e['flex'][n]:.1e}/{e['sdpa'][n]:.1e}" for n in GRAD_NAMES)
-        return f"rel err vs fp32 flex/sdpa: {pairs}"
+        paths = [p for p in ("flex", "varlen", "sdpa") if p in e]
+        pairs = " ".join(f"{n} " + "/".join(f"{e[p][n]:.1e}" for p in paths) for n in GRAD_NAMES)
+        return f"rel err vs fp32 {'/'.join(paths)}: {pairs}"
     return json.dumps({k: v for k, v in record.items() if k not in ("case", "status", "wall_s")}, default=str)[:300]
 
 
@@ -355,9 +420,9 @@ def main(argv=None) -> int:
         generator = torch.Generator().manual_seed(args.seed)
         doc = packed_document_ids(args.batch, seq_len, args.mean_doc_len, generator).to(args.device)
         run_case(results, f"agreement/T={seq_len}", case_agreement, args, seq_len, doc)
-        for path in PATHS:
+        for path in device_paths(args.device):
             run_case(results, f"speed/{path}/T={seq_len}", case_speed, args, seq_len, doc, path)
-        for path in PATHS:
+        for path in device_paths(args.device):
             run_case(results, f"repeatable/{path}/T={seq_len}", case_repeatability, args, seq_len, doc, path)
         if not args.skip_model:
             run_case(results, f"model/T={seq_len}", case_model, args, seq_len)
