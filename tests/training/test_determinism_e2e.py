@@ -67,9 +67,12 @@ def test_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, referen
     run_dir = next((e2e_workdir / "runs").glob("killed-*"))
     kills = 0
     while kills < 3:
-        # Kill the whole job (every rank and the launcher) at a random moment after step 1.
-        launch.wait_for(lambda: len(launch.ledger(run_dir)) >= 1 or job.poll() is not None, timeout=120)
-        time.sleep(rng.uniform(0.0, 2.0))
+        # Kill the whole job (every rank and the launcher) at a random moment: 1-3 steps after
+        # it (re)starts training, then up to about a step later (mid-step or mid-checkpoint).
+        # Tied to progress, not to the clock: the 12 steps can take under 2 s on a fast machine.
+        target = len(launch.ledger(run_dir)) + rng.randint(1, 3)
+        launch.wait_for(lambda: len(launch.ledger(run_dir)) >= target or job.poll() is not None, timeout=120)
+        time.sleep(rng.uniform(0.0, 0.2))
         if job.poll() is not None:
             break
         launch.kill_job(job)
