@@ -242,6 +242,8 @@ class RuntimeConfig:
 class DeterminismConfig:
     mode: Literal["bitwise", "fast"] = "bitwise"
     """bitwise: deterministic kernels, identical ledgers; fast: allow non-deterministic kernels."""
+    fill_uninitialized_memory: bool = False
+    """bitwise only: fill every new tensor with NaN, torch's guard against kernels reading memory nobody wrote (costs host time: ~1% of a 0.5B step, 8% under the profiler)."""
 
 
 @dataclass(frozen=True)

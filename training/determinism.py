@@ -1,7 +1,8 @@
 """Switch the numerics between ``bitwise`` (repeatable) and ``fast``.
 
 ``bitwise``: deterministic algorithms everywhere (an op without a deterministic kernel
-raises instead of silently varying), the cuBLAS workspace pinned, TF32 off, cuDNN
+raises instead of silently varying; new tensors are not NaN-filled unless
+``determinism.fill_uninitialized_memory``), the cuBLAS workspace pinned, TF32 off, cuDNN
 autotuning off, and the flash and cuDNN attention backends off: measured on H200 with
 torch 2.11, their backward is not bitwise repeatable, while the memory-efficient and math
 backends and compiled flex_attention are (design.md section 7).
@@ -25,6 +26,15 @@ def configure(config: DeterminismConfig, device: torch.device) -> None:
         # Read by cuBLAS when its handle is created (first matmul), so setting it here works.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(bitwise)
+    # With deterministic algorithms on, torch also fills every new tensor with NaN (the
+    # largest integer for integer dtypes), so that a kernel reading memory that nothing wrote
+    # still repeats. That is about 320 fill kernels a step for Qwen2.5-0.5B, whose launches
+    # keep the host from running ahead of the GPU: on an H200 bitwise ran 1.9% slower than
+    # fast with them and 0.8% without (8% vs 0 under the profiler, whose overhead magnifies
+    # host time). Every kernel here writes what it reads, and the bitwise checks on the GPU
+    # (repeat, kill/resume) pass without the fill (docs/determinism.md);
+    # determinism.fill_uninitialized_memory turns it back on.
+    torch.utils.deterministic.fill_uninitialized_memory = bitwise and config.fill_uninitialized_memory
     torch.backends.cudnn.deterministic = bitwise
     torch.backends.cudnn.benchmark = not bitwise
     torch.backends.cuda.matmul.allow_tf32 = not bitwise
