@@ -65,14 +65,20 @@ def attend_varlen(q, k, v, mask):
 
     cu_seqlens, max_len = mask
     batch, num_heads, seq_len, head_dim = q.shape
-    if k.shape[1] != num_heads:  # repeat each kv head for its query heads
-        k, v = (x.repeat_interleave(num_heads // x.shape[1], dim=1) for x in (k, v))
+    params = inspect.signature(varlen_attn).parameters
+    # Causal as the installed torch spells it: ``is_causal`` (2.9) or a window reaching
+    # nothing to the right (2.10+). Grouped kv heads natively where ``enable_gqa`` exists.
+    options = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if k.shape[1] != num_heads:
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:  # repeat each kv head for its query heads
+            k, v = (x.repeat_interleave(num_heads // x.shape[1], dim=1) for x in (k, v))
 
     def stream(x):  # (B, heads, T, D) -> (B*T, heads, D)
-        return x.transpose(1, 2).reshape(batch * seq_len, num_heads, head_dim)
+        return x.transpose(1, 2).reshape(batch * seq_len, x.shape[1], head_dim)
 
-    causal = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
-    out = varlen_attn(stream(q), stream(k), stream(v), cu_seqlens, cu_seqlens, max_len, max_len, **causal)
+    out = varlen_attn(stream(q), stream(k), stream(v), cu_seqlens, cu_seqlens, max_len, max_len, **options)
     return out.view(batch, seq_len, num_heads, head_dim).transpose(1, 2)
 
 
