@@ -13,42 +13,54 @@ import sys
 from core.distributed_context import DistributedContext
 from training import session
 from training.builders import build_data, build_guards, build_model, build_tracker, close_all
+from training.guards import Guards
 from training.loop import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    run = events = dist = guards = None
-    parts: list = []
+    run = events = dist = None
+    parts: list = []  # what close_all closes: the data pipeline, the tracker, the guards
     try:
         args = session.parse_args(argv)
         config = session.resolve_config(args)  # exits 2 (or 4) before any process group exists
         session.prepare_process(config)
         dist = DistributedContext.from_env(config.parallel)
         run, events = session.open_run(args, config, dist)
-        model, parallel = build_model(config, dist)
-        data, eval_data = build_data(config, parallel)
-        tracker = build_tracker(config, run, dist, model, replaying=args.mode == "replay")
-        guards = build_guards(config, run, dist, events, data=data)
-        parts = [data, tracker, guards]
-        trainer = Trainer(
-            config,
-            run=run,
-            dist=dist,
-            model=model,
-            parallel=parallel,
-            data=data,
-            eval_data_factory=eval_data,
-            tracker=tracker,
-            guards=guards,
-            events=events,
-            replay=session.replay_spec(args, run, dist),
-        )
-        result = trainer.fit()
+        result = _fit(args, config, run, events, dist, parts)
         return session.finish(result, run, events, dist)
     except BaseException as error:  # one line on stderr, the traceback in logs and diagnostics
+        guards = next((part for part in parts if isinstance(part, Guards)), None)
         return session.fail(error, run, events, dist, watchdog=guards.watchdog if guards else None)
     finally:
         close_all(parts, run, dist)
+
+
+def _fit(args, config, run, events, dist: DistributedContext, parts: list):
+    """Build the model, data, tracker and guards, and train. The model lives in this frame
+    only: once it returns, nothing but ``dist`` holds the process group (DDP's reducer and
+    FSDP's hooks do while the model lives), so ``close_all`` can end the group, and join
+    its worker threads, while the interpreter is still whole."""
+    model, parallel = build_model(config, dist)
+    data, eval_data = build_data(config, parallel)
+    parts.append(data)
+    tracker = build_tracker(config, run, dist, model, replaying=args.mode == "replay")
+    parts.append(tracker)
+    guards = build_guards(config, run, dist, events, data=data)
+    parts.append(guards)
+    trainer = Trainer(
+        config,
+        run=run,
+        dist=dist,
+        model=model,
+        parallel=parallel,
+        data=data,
+        eval_data_factory=eval_data,
+        tracker=tracker,
+        guards=guards,
+        events=events,
+        replay=session.replay_spec(args, run, dist),
+    )
+    return trainer.fit()
 
 
 if __name__ == "__main__":

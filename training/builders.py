@@ -7,6 +7,7 @@ initialization and the first kernels already run under them.
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -160,13 +161,21 @@ def build_guards(config: Config, run: RunContext, dist: DistributedContext, even
 
 
 def close_all(parts: list, run: RunContext | None, dist: DistributedContext | None) -> None:
-    """Close pipelines (joins their threads), sinks and guards; release the lock; end the group."""
+    """Close pipelines (joins their threads), sinks and guards; release the lock; end the group.
+
+    The group ends only after the last module holding it (a DDP reducer keeps its own
+    reference) is collected: left to interpreter shutdown, a gloo worker thread that drops
+    a tensor then cannot take the GIL, and the process aborts ("terminate called without an
+    active exception") after a run that succeeded.
+    """
     for part in parts:
         with contextlib.suppress(Exception):
             part.close()
+    parts.clear()
     if run is not None:
         run.release()
     if dist is not None:
+        gc.collect()  # modules in reference cycles, and a failed step's traceback frames
         dist.close()
 
 
