@@ -23,7 +23,7 @@ $(TINY_DATA): $(STAMP)
 data: $(TINY_DATA)
 
 train: $(STAMP) $(TINY_DATA)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config configs/tiny.yaml $(ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config configs/tiny.yaml parallel.device=cpu $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -197,7 +197,7 @@ class ParallelConfig:
     timeout_s: float = 600.0
     """Collective timeout in seconds."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device to train on; auto picks cuda when available."""
+    """Device to train on; auto picks cuda when available. Local rank i takes cuda:i; more ranks per node than visible GPUs is an error (exit 2)."""
 
 
 @dataclass(frozen=True)

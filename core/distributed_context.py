@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from core.config import ParallelConfig
+from core.exceptions import ConfigError
 
 LAUNCHER_ENV = (
     "RANK",
@@ -43,23 +44,51 @@ class ProcessInfo:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int = 1
 
     @classmethod
     def from_env(cls) -> "ProcessInfo":
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
         return cls(
             rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            world_size=world_size,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
         )
 
 
-def select_device(parallel: ParallelConfig, local_rank: int) -> torch.device:
-    want_cuda = parallel.device == "cuda" or (
-        parallel.device == "auto" and torch.cuda.is_available()
-    )
-    if want_cuda:
-        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
+def select_device(
+    parallel: ParallelConfig, local_rank: int, local_world_size: int = 1, *, environ: dict[str, str] | None = None
+) -> torch.device:
+    """This rank's device: ``cuda:<local_rank>`` when CUDA is wanted (``cuda``, or ``auto``
+    with a GPU visible), else the CPU.
+
+    A ConfigError, before any process group exists, when the node's ranks would share a
+    GPU: NCCL refuses that, but only at the first collective and in its own words. A
+    launcher that hands each process one GPU of its own (``CUDA_VISIBLE_DEVICES`` set, one
+    device visible) is the exception: every rank then uses its ``cuda:0``.
+    """
+    env = os.environ if environ is None else environ
+    want_cuda = parallel.device == "cuda" or (parallel.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ConfigError(
+            "parallel.device=cuda, but no CUDA device is visible",
+            key="parallel.device",
+            hint="check CUDA_VISIBLE_DEVICES and the driver (nvidia-smi), or set parallel.device=cpu",
+        )
+    own_gpu = count == 1 and "CUDA_VISIBLE_DEVICES" in env
+    if local_world_size > count and not own_gpu:
+        raise ConfigError(
+            f"{local_world_size} ranks on this node but {count} visible GPU(s): ranks would share a GPU "
+            f"(parallel.device={parallel.device})",
+            key="parallel.device",
+            hint=f"start at most {count} ranks per node (torchrun --nproc_per_node={count}), "
+            "or train on the CPU with parallel.device=cpu",
+        )
+    return torch.device("cuda", local_rank % count)
 
 
 def select_backend(parallel: ParallelConfig, device: torch.device) -> str:
@@ -97,7 +126,7 @@ class DistributedContext:
     @classmethod
     def from_env(cls, parallel: ParallelConfig) -> "DistributedContext":
         info = ProcessInfo.from_env()
-        device = select_device(parallel, info.local_rank)
+        device = select_device(parallel, info.local_rank, info.local_world_size)
         ctx = cls(
             rank=info.rank,
             world_size=info.world_size,

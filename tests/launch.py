@@ -68,6 +68,9 @@ def command(nproc: int, args: list[str]) -> list[str]:
 def env(cwd: Path) -> dict[str, str]:
     out = dict(os.environ)
     out["PYTHONPATH"] = str(ROOT)
+    # The suite's runs are CPU runs with gloo, also on a machine with a GPU (where the
+    # CUDA tests, tests/runtime/test_cuda.py, cover the device).
+    out["CUDA_VISIBLE_DEVICES"] = ""
     out["OMP_NUM_THREADS"] = "1"
     out["PYTHONUNBUFFERED"] = "1"
     return out

@@ -25,8 +25,9 @@ def _assert_config_error(result, *needles, cwd: Path):
         (["train.micro_batch_size=four"], ["train.micro_batch_size", "int"]),
         (["train.global_batch_size=16", "train.micro_batch_size=3"], ["train.global_batch_size", "micro_batch_size"]),
         (["model.num_kv_heads=3"], ["model.num_kv_heads", "model.num_heads=4"]),
+        (["parallel.device=cuda"], ["parallel.device", "no CUDA device is visible"]),  # launch hides GPUs
     ],
-    ids=["unknown-key", "wrong-type", "indivisible-batch", "model-shape"],
+    ids=["unknown-key", "wrong-type", "indivisible-batch", "model-shape", "cuda-without-a-gpu"],
 )
 def test_config_errors_exit_2_on_two_ranks(tmp_path, overrides, needles):
     result = launch.train(tmp_path, ["--config", TINY, *overrides], nproc=2, timeout=120)
