@@ -1,9 +1,10 @@
 """FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded on dim 0.
 
 One FSDP unit per transformer block (its parameters are all-gathered just before it runs
-and freed after), plus the root unit, which holds what is left: ``embed_tokens``, ``norm``
-and ``lm_head``. A tied embedding/head weight is one Parameter that lives in the root
-unit only, so it is sharded, gathered and updated once and stays tied.
+and freed after), or per ``parallel.fsdp_unit_blocks`` consecutive blocks, plus the root
+unit, which holds what is left: ``embed_tokens``, ``norm`` and ``lm_head``. A tied
+embedding/head weight is one Parameter that lives in the root unit only, so it is sharded,
+gathered and updated once and stays tied.
 
 Precision: with ``parallel.precision=bf16`` parameters are all-gathered and computed in
 bf16, gradients are reduced in fp32, and the sharded fp32 parameters are the master
@@ -46,11 +47,16 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, 
     )
     tied = has_tied_embeddings(model)
     blocks = list(transformer_blocks(model))
-    for i, block in enumerate(blocks):
-        # The last block's backward starts right after the forward ends: resharding it would
+    size = parallel.fsdp_unit_blocks
+    units = [blocks[i : i + size] for i in range(0, len(blocks), size)]
+    for i, unit in enumerate(units):
+        # The last unit's backward starts right after the forward ends: resharding it would
         # only gather it again at once, with nothing left to overlap the gather with.
-        last = i == len(blocks) - 1
-        fully_shard(block, **{**options, "reshard_after_forward": options["reshard_after_forward"] and not last})
+        last = i == len(units) - 1
+        fully_shard(
+            unit[0] if len(unit) == 1 else unit,
+            **{**options, "reshard_after_forward": options["reshard_after_forward"] and not last},
+        )
     # Likewise the root (embeddings, final norm, output head): the head's backward comes first.
     fully_shard(model, **{**options, "reshard_after_forward": False})
     if tied and not has_tied_embeddings(model):

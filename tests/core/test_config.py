@@ -60,6 +60,13 @@ def test_missing_file():
     assert "does-not-exist.yaml" in str(info.value)
 
 
+def test_fsdp_unit_blocks_must_be_positive():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY, ["parallel.fsdp_unit_blocks=0"])
+    assert info.value.context["key"] == "parallel.fsdp_unit_blocks" and "got 0" in str(info.value)
+    assert config_lib.load(TINY, ["parallel.fsdp_unit_blocks=4"]).parallel.fsdp_unit_blocks == 4
+
+
 def test_batch_divisibility_checked_against_world():
     with pytest.raises(ConfigError) as info:  # 20 is not divisible by 8 streams
         config_lib.load(TINY, ["train.global_batch_size=20", "data.num_streams=8"])

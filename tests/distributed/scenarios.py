@@ -99,6 +99,7 @@ def train(
             "names": sorted(name for name, _ in canonical_named_parameters(model)),
             "state_dict_keys": sorted(get_model_state_dict(model)),
             "tied": _tied(model),
+            "fsdp_units": _fsdp_units(model),
         }
 
 
@@ -116,6 +117,13 @@ def _accumulate(model, batch: dict[str, torch.Tensor], micro_batches: int) -> to
             (loss / len(chunks)).backward()
         total += loss.detach() / len(chunks)
     return total
+
+
+def _fsdp_units(model) -> int:
+    """How many FSDP units (one all-gather each) the model was sharded into; 0 without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
 
 
 def _tied(model) -> bool:

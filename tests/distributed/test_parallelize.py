@@ -23,6 +23,7 @@ RUNS = [
     ("hsdp", dict(strategy="fsdp", dp_replicate=2), {}),
     ("fsdp_ac", dict(strategy="fsdp", activation_checkpointing="full"), {}),
     ("fsdp_accum", dict(strategy="fsdp"), {"micro_batches": 2}),
+    ("fsdp_units", dict(strategy="fsdp", fsdp_unit_blocks=2, activation_checkpointing="full"), {"micro_batches": 2}),
     ("ddp_accum_ac", dict(strategy="ddp", activation_checkpointing="selective"), {"micro_batches": 2}),
     ("fsdp_bf16", dict(strategy="fsdp", precision="bf16"), {}),
     ("tp", dict(strategy="fsdp", tp=2), {}),
@@ -114,3 +115,9 @@ def test_names_map_back_to_the_plain_model(ranks, single, name):
 )
 def test_data_parallel_rank_and_size(ranks, name, expected):
     assert [rank[name]["dp"] for rank in ranks] == expected
+
+
+@pytest.mark.parametrize("name, units", [("ddp", 0), ("fsdp", scenarios.LAYERS + 1), ("fsdp_units", 2)])
+def test_fsdp_units_group_consecutive_blocks(ranks, name, units):
+    # fsdp: one unit per block plus the root; fsdp_unit_blocks=2: both blocks in one unit.
+    assert [r[name]["fsdp_units"] for r in ranks] == [units] * WORLD
