@@ -48,12 +48,13 @@ class ProcessInfo:
 
     @classmethod
     def from_env(cls) -> "ProcessInfo":
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return cls(
             rank=int(os.environ.get("RANK", "0")),
-            world_size=world_size,
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            local_rank=local_rank,
+            # torchrun sets it; without it, local rank i shows at least i + 1 ranks per node.
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))),
         )
 
 

@@ -64,3 +64,13 @@ def test_local_world_size_comes_from_torchrun(monkeypatch):
     monkeypatch.setenv("RANK", "9")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert ProcessInfo.from_env() == ProcessInfo(rank=9, world_size=16, local_rank=1, local_world_size=8)
+
+
+def test_without_local_world_size_the_local_rank_bounds_it(monkeypatch):
+    # A launcher other than torchrun may set LOCAL_RANK only: 16 ranks over 2 nodes must not
+    # read as 16 ranks on this node.
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("RANK", "11")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert ProcessInfo.from_env().local_world_size == 4
