@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from core import config as config_lib
 from core.config import Config
-from core.distributed_context import DistributedContext, ProcessInfo
+from core.distributed_context import DistributedContext, ProcessInfo, select_device
 from core.exceptions import ExitCode, LockstepError, UsageError, WatchdogAbort, exit_code_for
 from core.logging import EventLog, console, get_logger, setup_logging
 from core.run_context import RunContext
@@ -99,9 +97,13 @@ def resolve_config(args: Args) -> Config:
 
 def prepare_process(config: Config) -> None:
     """Process-wide settings read when the process group is created (NCCL flight recorder),
-    and a rank that outlives its launcher exits (``runtime.signals.exit_with_launcher``)."""
+    and a rank that outlives its launcher exits (``runtime.signals.exit_with_launcher``).
+
+    The device is checked first: ranks that would share a GPU are a ConfigError (exit 2)
+    before anything is written under ``run.root``."""
     exit_with_launcher()
-    if config.parallel.device != "cpu" and torch.cuda.is_available():
+    info = ProcessInfo.from_env()
+    if select_device(config.parallel, info.local_rank, info.local_world_size).type == "cuda":
         configure_nccl_diagnostics(Path(config.run.root) / "_nccl_traces", config.runtime.watchdog_timeout_s)
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,3 +76,19 @@ def test_without_local_world_size_the_local_rank_bounds_it(monkeypatch):
     monkeypatch.setenv("RANK", "11")
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert ProcessInfo.from_env().local_world_size == 4
+
+
+def test_prepare_process_refuses_shared_gpus_before_writing_anything(gpus, monkeypatch, tmp_path):
+    from core.config import load
+    from training import session
+
+    gpus(1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # no launcher watch thread
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    root = tmp_path / "runs"
+    config = load(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml", [f"run.root={root}"])
+    with pytest.raises(ConfigError, match="2 ranks on this node but 1 visible GPU"):
+        session.prepare_process(config)
+    assert not root.exists()  # not even the NCCL flight-recorder dir
