@@ -14,20 +14,19 @@ import platform
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from core import config as config_lib
+from core import layout
 from core.config import Config
 from core.distributed_context import DistributedContext, launcher_env
 from core.exceptions import ConfigError, ResumeError, RunDirLockedError
+from core.layout import RunPaths
 from core.processes import pid_alive
 
-SUBDIRS = ("logs", "checkpoints", "diagnostics", "artifacts")
-LOCK_FILE = ".lock"
 # Environment variables that can change numerics; recorded and compared on resume.
 DETERMINISM_ENV = (
     "CUBLAS_WORKSPACE_CONFIG",
@@ -40,51 +39,6 @@ DETERMINISM_ENV = (
     "CPU_NUM_DEVICES",
     "XLA_FLAGS",
 )
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    root: Path
-
-    @property
-    def config(self) -> Path:
-        return self.root / "config.yaml"
-
-    @property
-    def meta(self) -> Path:
-        return self.root / "meta.json"
-
-    @property
-    def ledger(self) -> Path:
-        return self.root / "ledger.jsonl"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def events(self) -> Path:
-        return self.root / "events.jsonl"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def diagnostics(self) -> Path:
-        return self.root / "diagnostics"
-
-    @property
-    def artifacts(self) -> Path:
-        return self.root / "artifacts"
-
-    @property
-    def lock(self) -> Path:
-        return self.root / LOCK_FILE
 
 
 class RunContext:
@@ -118,11 +72,11 @@ class RunContext:
                 )
             paths.root.mkdir(parents=True)
             ctx._acquire_lock()
-            for sub in SUBDIRS:
+            for sub in layout.SUBDIRS:
                 (paths.root / sub).mkdir()
             config_lib.save(config, paths.config)
             meta = collect_meta(config, dist)
-            (paths.artifacts / "git.diff").write_text(meta["git"].pop("diff", "") or "")
+            (paths.artifacts / layout.GIT_DIFF_FILE).write_text(meta["git"].pop("diff", "") or "")
             paths.meta.write_text(json.dumps(meta, indent=2, sort_keys=True))
         dist.barrier()
         return ctx
@@ -134,7 +88,7 @@ class RunContext:
         """Open a finished or interrupted run (for resume, lock=True; for replay, lock=False)."""
         paths = RunPaths(Path(root) / run_id)
         if not paths.config.is_file():
-            known = sorted(p.name for p in Path(root).glob("*") if (p / "config.yaml").is_file())
+            known = sorted(p.name for p in Path(root).glob("*") if (p / layout.CONFIG_FILE).is_file())
             raise ResumeError(
                 f"no run {run_id!r} under {root}",
                 hint=(f"known runs: {', '.join(known[-5:])}" if known else "check --run-root / run.root"),
@@ -246,7 +200,7 @@ def git_info(path: Path) -> dict[str, Any]:
         "commit": commit,
         "branch": branch,
         "dirty": dirty,
-        "diff_ref": "artifacts/git.diff",
+        "diff_ref": f"{layout.ARTIFACTS_DIR}/{layout.GIT_DIFF_FILE}",
         "diff": diff,
     }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from core.exceptions import LockstepError
-from experiments import layout
+from core import layout
 from experiments.runs import config_diff, describe_run, find_runs, plot_run, resolve_run, summarize
 
 

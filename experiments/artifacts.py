@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from core.config import Config, to_yaml
-from experiments import layout
+from core import layout
 
 Runner = Callable[..., subprocess.CompletedProcess]
 

@@ -24,11 +24,9 @@ import yaml
 from core.config import config_hash, from_dict
 from core.processes import pid_alive
 from core.exceptions import ConfigError, UsageError
-from experiments import layout
+from core import layout
 from experiments.events import iter_jsonl, last_jsonl, read_events
 from experiments.schema import START_EVENTS, TERMINAL_EVENTS, Event
-
-RUN_MARKERS = (layout.CONFIG_FILE, layout.EVENTS_FILE, layout.LEDGER_FILE, layout.META_FILE)
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,7 @@ def find_runs(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(
-        p for p in root.iterdir() if p.is_dir() and any((p / m).exists() for m in RUN_MARKERS)
+        p for p in root.iterdir() if p.is_dir() and any((p / m).exists() for m in layout.RUN_MARKERS)
     )
 
 
@@ -175,8 +173,8 @@ def list_checkpoints(run_dir: Path) -> dict[str, Any]:
     latest = latest_file.read_text().strip() if latest_file.is_file() else None
     entries = [
         {"name": p.name, "has_manifest": (p / "manifest.json").is_file()}
-        for p in sorted(ckpt_dir.glob("step_*"))
-        if p.is_dir()
+        for p in sorted(ckpt_dir.glob(f"{layout.STEP_DIR_PREFIX}*"))
+        if p.is_dir() and layout.parse_step_dir_name(p.name) is not None
     ]
     return {"latest": latest, "checkpoints": entries}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from core.config import MetricsConfig
-from experiments import layout
+from core import layout
 from experiments.events import append_line
 from experiments.schema import MetricRecord
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from core.exceptions import ResumeError
-from core.run_context import RunPaths
+from core.layout import RunPaths
 from training import ledger as ledger_lib
 
 

@@ -18,13 +18,15 @@ from core import config as config_lib
 from core.config import Config
 from core.exceptions import ConfigError, ResumeError
 from core.logging import get_logger
-from core.run_context import RunPaths, determinism_env
+from core import layout
+from core.layout import RunPaths
+from core.run_context import determinism_env
 
 
 def find_run(root: str | Path, run_id: str) -> RunPaths:
     paths = RunPaths(Path(root) / run_id)
     if not paths.config.is_file():
-        runs = sorted(p.name for p in Path(root).glob("*") if (p / "config.yaml").is_file())
+        runs = sorted(p.name for p in Path(root).glob("*") if (p / layout.CONFIG_FILE).is_file())
         raise ResumeError(
             f"no run {run_id!r} under {root}/",
             run_id=run_id,
