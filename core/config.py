@@ -94,6 +94,8 @@ class SourceConfig:
     """Name used in provenance and metrics; defaults to the path."""
     text_unit: Literal["file", "line"] = "file"
     """Text format: each file is one document, or each non-blank line is one."""
+    record: Literal["text", "chat", "prompt_completion"] = "text"
+    """Record kind: text (text_column), chat ({"messages": [...]}) or prompt_completion ({"prompt", "completion"})."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,14 @@ class DataConfig:
     """Permute shard order per epoch from (seed, epoch)."""
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     """Per-document seeded augmentation (off by default)."""
+    loss_on: Literal["assistant", "completion", "all"] = "assistant"
+    """Chat/prompt-completion records: which tokens carry loss (assistant turns, the completion, or all)."""
+    packing: Literal["auto", "split", "whole"] = "auto"
+    """split: documents continue across sequences; whole: a sequence holds whole documents, padded (auto: whole for chat records)."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """whole packing: a document longer than seq_len is truncated to it or dropped (both counted)."""
+    chat_template: Optional[str] = None
+    """A Jinja2 chat template file overriding the tokenizer directory's (default: its tokenizer_config.json, else ChatML)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,12 @@ class TrainConfig:
     """Evaluate on data.eval_source every N steps; 0 disables."""
     eval_batches: int = 4
     """Global batches per evaluation."""
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    kind: Literal["causal_lm", "sft"] = "causal_lm"
+    """Training objective: causal_lm (pretraining) or sft (supervised fine-tuning on chat data); docs/architecture.md."""
 
 
 @dataclass(frozen=True)
@@ -270,6 +286,8 @@ class Config:
     """Data pipeline."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimization."""
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """What the loop optimizes: pretraining or a post-training method."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallelism and precision."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
