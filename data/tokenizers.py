@@ -39,6 +39,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """int32 ids and (N, 2) character offsets [start, end) of each token (chat loss masks)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; special tokens follow them.
@@ -58,6 +62,14 @@ class ByteTokenizer:
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.encode_array(text)
+        if len(ids) == len(text):  # ASCII: byte i is character i
+            chars = np.arange(len(text), dtype=np.int64)
+        else:
+            chars = np.repeat(np.arange(len(text), dtype=np.int64), [len(c.encode("utf-8")) for c in text])
+        return ids, np.stack([chars, chars + 1], axis=1)
 
     def decode(self, ids: list[int]) -> str:
         out: list[str] = []
@@ -118,6 +130,11 @@ class HFTokenizer:
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int32)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int32), offsets
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
