@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from data.hashing import sequence_digest
+
 IGNORE_INDEX = -100
 """Label value of positions that carry no loss."""
 
@@ -55,10 +57,34 @@ class Batch:
     state: dict
     """This rank's stream states after this batch ({"version", "streams"})."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Further per-row tensors (empty for now)."""
+    """Further per-row tensors, (B, ...) each: ``target_mask`` (B, T) bool for chat data (which
+    tokens are training targets); objectives add theirs (e.g. reference log-probs). They move to
+    the device with the batch (``placed``) and are covered by the batch hash (``row_digests``)."""
 
     def num_target_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
+
+    def row_digests(self) -> list[tuple[int, bytes]]:
+        """(global row index, digest) of each row: its token ids, then its extras by name."""
+        extras = sorted(self.extras.items())
+        return [
+            (index, sequence_digest(self.input_ids[r], [(name, value[r]) for name, value in extras]))
+            for r, index in enumerate(self.sequence_index)
+        ]
+
+    def placed(self, place) -> "Batch":
+        """The batch with its tensors (extras included) moved by ``place`` (e.g. to the device)."""
+        return replace(
+            self,
+            input_ids=place(self.input_ids),
+            labels=place(self.labels),
+            position_ids=place(self.position_ids),
+            document_ids=place(self.document_ids),
+            extras={k: place(v) for k, v in self.extras.items()},
+        )
+
+    def with_extras(self, **extras: torch.Tensor) -> "Batch":
+        return replace(self, extras={**self.extras, **extras})
 
     def micro_batches(self, size: int) -> list["Batch"]:
         """Row slices of at most ``size`` rows; each keeps the step and the state."""
@@ -87,8 +113,12 @@ class Batch:
         spans: list[list[DocSpan]],
         sequence_index: list[int],
         state: dict,
+        masks: list[np.ndarray] | None = None,
     ) -> "Batch":
-        """Build the tensors from packed rows and their document spans (spans cover each row)."""
+        """Build the tensors from packed rows and their document spans (spans cover each row).
+
+        ``masks``: per row, which tokens are training targets (chat data); a position whose
+        next token is not a target gets no label, and the masks travel as ``target_mask``."""
         input_ids = np.stack(tokens).astype(np.int64)  # (B, T)
         rows, width = input_ids.shape
         starts = np.array([r * width + sp.start for r, row in enumerate(spans) for sp in row], dtype=np.int64)
@@ -104,6 +134,11 @@ class Batch:
         labels = np.empty(rows * width, dtype=np.int64)
         labels[:-1] = input_ids.reshape(-1)[1:]
         labels[ends - 1] = IGNORE_INDEX
+        extras = {}
+        if masks is not None:
+            target = np.stack(masks).astype(bool).reshape(-1)  # (B*T,)
+            labels[:-1][~target[1:]] = IGNORE_INDEX
+            extras["target_mask"] = torch.from_numpy(target.reshape(rows, width))
         labels = labels.reshape(rows, width)
         return cls(
             step=step,
@@ -114,4 +149,5 @@ class Batch:
             sequence_index=list(sequence_index),
             provenance=[list(s) for s in spans],
             state=state,
+            extras=extras,
         )

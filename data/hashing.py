@@ -14,14 +14,25 @@ from typing import Any
 import numpy as np
 
 
-def sequence_digest(input_ids_row: Any) -> bytes:
-    """sha256 over the row's token ids as little-endian int32 bytes."""
-    if hasattr(input_ids_row, "detach"):  # a torch tensor; avoid importing torch here
-        input_ids_row = input_ids_row.detach().cpu().numpy()
-    row = np.asarray(input_ids_row)
+def sequence_digest(input_ids_row: Any, extras: list[tuple[str, Any]] = ()) -> bytes:
+    """sha256 over the row's token ids as little-endian int32 bytes, then each extra's name,
+    dtype, shape and little-endian bytes (a row without extras hashes as its ids alone)."""
+    row = _array(input_ids_row)
     if row.ndim != 1:
         raise ValueError(f"sequence_digest expects one row, got shape {row.shape}")
-    return hashlib.sha256(row.astype("<i4", copy=False).tobytes()).digest()
+    h = hashlib.sha256(row.astype("<i4", copy=False).tobytes())
+    for name, value in extras:
+        value = _array(value)
+        little = value.astype(value.dtype.newbyteorder("<"), copy=False)
+        h.update(f"|{name}|{value.dtype.str}|{value.shape}|".encode())
+        h.update(little.tobytes())
+    return h.digest()
+
+
+def _array(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor; avoid importing torch here
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
 
 
 def batch_hash(digests_in_global_order: list[bytes]) -> str:

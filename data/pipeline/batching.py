@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from data.batch import Batch
 from data.pipeline.packing import PackedSequence
 from data.state import StreamState, state_dict
@@ -16,14 +18,19 @@ class BatchAssembler:
         self._compat = compat
 
     def assemble(self, step: int, sequences: dict[int, list[PackedSequence]]) -> Batch:
-        tokens, spans, index = [], [], []
+        tokens, spans, index, masks = [], [], [], []
         states: dict[int, StreamState] = {}
         for s in self.owned:
             rows = sequences[s]
             assert len(rows) == self.rows_per_stream
             for j, seq in enumerate(rows):
                 tokens.append(seq.tokens)
+                masks.append(seq.mask)
                 spans.append(seq.spans)
                 index.append(s * self.rows_per_stream + j)
             states[s] = rows[-1].state
-        return Batch.from_rows(step, tokens, spans, index, state_dict(states, self._compat))
+        has_masks = any(m is not None for m in masks)
+        if has_masks:
+            masks = [m if m is not None else np.ones(len(t), dtype=bool) for m, t in zip(masks, tokens)]
+        return Batch.from_rows(step, tokens, spans, index, state_dict(states, self._compat),
+                               masks if has_masks else None)

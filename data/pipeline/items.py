@@ -45,6 +45,8 @@ class Doc:
     """What to do about the error."""
     fatal: bool = False
     """True for failures that on_bad_record=skip must not hide (bugs, dead workers)."""
+    mask: Optional[np.ndarray] = None
+    """Chat records: (len(tokens),) bool, True where a token is a training target (data.loss_on)."""
 
 
 @dataclass(slots=True)

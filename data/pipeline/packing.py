@@ -30,6 +30,8 @@ class PackedSequence:
     """Document spans, left to right."""
     state: StreamState | None
     """The stream's state after this sequence (kept for the last sequence of each batch only)."""
+    mask: np.ndarray | None = None
+    """(seq_len,) bool training targets (whole-document packing only; None: every token)."""
 
 
 @dataclass(slots=True)
@@ -145,3 +147,114 @@ class StreamPacker:
                 states[i] = StreamState(tuple(self._positions), self._docs, 0, self._sequences + i + 1)
                 w += 1
         return states
+
+
+PAD_SOURCE = "<padding>"
+"""Source name of the span that pads a row of whole documents (no document, no loss)."""
+
+
+class WholeDocPacker:
+    """Packs one stream's whole documents into rows, padding the rest of each row.
+
+    No document is cut across rows, so a conversation always sees its prompt (the packing of
+    chat and prompt/completion data). Documents keep their order: a row closes when the next
+    document does not fit, so the state after a row is simply "read from the first document
+    of the next row" (``skip`` is always 0). A document longer than ``seq_len`` (with its
+    separator) is truncated to ``seq_len`` tokens or dropped (``data.overlong``); both are
+    counted. The separator after a document is a target iff the document's last token is.
+    """
+
+    def __init__(self, stream: int, state: StreamState, *, seq_len: int, eos_id: int, pad_id: int,
+                 source_names: list[str], skip_bad: bool, overlong: str, state_every: int = 1) -> None:
+        if state.skip:
+            raise DataError(
+                f"stream {stream}: the data state was saved with data.packing=split (skip={state.skip})",
+                stream=stream, hint="resume with the data.packing of the run",
+            )
+        self.stream = stream
+        self._seq_len = seq_len
+        self._eos = np.array([eos_id], dtype=np.int32)
+        self._pad = pad_id
+        self._names = source_names
+        self._skip_bad = skip_bad
+        self._overlong = overlong
+        self._state_every = state_every
+        self._positions = list(state.positions)
+        self._docs = state.docs
+        self._next = state.docs
+        self._sequences = state.sequences
+        self._tokens: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
+        self._spans: list[DocSpan] = []
+        self._fill = 0
+        self.failed = False
+        self.bad_records = 0
+        self.truncated = 0
+        self.dropped = 0
+        self.padding = 0
+        self.tokens = 0
+
+    def accept(self, docs: list[Doc]) -> list[PackedSequence | StreamFailure]:
+        if self.failed:
+            return []
+        out: list[PackedSequence | StreamFailure] = []
+        T = self._seq_len
+        for doc in docs:
+            if doc.counter != self._next:
+                raise RuntimeError(f"stream {self.stream}: document {doc.counter} arrived, expected {self._next}")
+            self._next += 1
+            if doc.error is not None:
+                if not self._skip_bad or doc.fatal:
+                    self.failed = True
+                    out.append(StreamFailure(DataError(
+                        doc.error, file=doc.shard, record=doc.record, stream=self.stream, hint=doc.hint)))
+                    return out
+                self.bad_records += 1
+                self._consumed(doc)
+                continue
+            content: np.ndarray = doc.payload
+            if len(content) == 0:
+                self._consumed(doc)
+                continue
+            mask = doc.mask if doc.mask is not None else np.ones(len(content), dtype=bool)
+            piece = np.concatenate([content, self._eos])
+            piece_mask = np.concatenate([mask, mask[-1:]])
+            if len(piece) > T:
+                if self._overlong == "drop":
+                    self.dropped += 1
+                    self._consumed(doc)
+                    continue
+                self.truncated += 1
+                piece, piece_mask = piece[:T], piece_mask[:T]
+            if self._fill + len(piece) > T:
+                out.append(self._close_row())
+            self._spans.append(DocSpan(self._names[doc.source], doc.shard, doc.record,
+                                       self._fill, self._fill + len(piece), 0))
+            self._tokens.append(piece)
+            self._masks.append(piece_mask)
+            self._fill += len(piece)
+            self._consumed(doc)
+            if self._fill == T:
+                out.append(self._close_row())
+        return out
+
+    def _consumed(self, doc: Doc) -> None:
+        self._positions[doc.source] = doc.after
+        self._docs = doc.counter + 1
+
+    def _close_row(self) -> PackedSequence:
+        T, fill = self._seq_len, self._fill
+        if fill < T:
+            self._tokens.append(np.full(T - fill, self._pad, dtype=np.int32))
+            self._masks.append(np.zeros(T - fill, dtype=bool))
+            self._spans.append(DocSpan(PAD_SOURCE, "", -1, fill, T, 0))
+            self.padding += T - fill
+        self.tokens += T
+        self._sequences += 1
+        state = None
+        if self._sequences % self._state_every == 0:
+            state = StreamState(tuple(self._positions), self._docs, 0, self._sequences)
+        row = PackedSequence(np.concatenate(self._tokens).astype(np.int32, copy=False), self._spans, state,
+                             np.concatenate(self._masks))
+        self._tokens, self._masks, self._spans, self._fill = [], [], [], 0
+        return row

@@ -147,7 +147,17 @@ class DataPipeline:
             "docs_read": self._docs_read,
             "tokens_packed": sum(p.tokens for p in self._packers.values()) if started else 0,
             "bad_records_skipped": sum(p.bad_records for p in self._packers.values()) if started else 0,
+            **(self._whole_doc_counts() if started and self._plan.whole_documents else {}),
             "error": str(self._error) if self._error else None,
+        }
+
+    def _whole_doc_counts(self) -> dict:
+        """Whole-document packing: overlong documents truncated/dropped, padding tokens."""
+        packers = self._packers.values()
+        return {
+            "overlong_truncated": sum(p.truncated for p in packers),
+            "overlong_dropped": sum(p.dropped for p in packers),
+            "padding_tokens": sum(p.padding for p in packers),
         }
 
     def close(self) -> None:

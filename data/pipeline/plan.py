@@ -6,12 +6,14 @@ both built on a plan, so they read, transform and pack with the very same compon
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from core.config import DataConfig
 from core.exceptions import ConfigError, DataError
 from data.pipeline.batching import BatchAssembler
-from data.pipeline.packing import StreamPacker
+from data.chat_template import ChatEncoder, ChatTemplate
+from data.pipeline.packing import StreamPacker, WholeDocPacker
 from data.pipeline.reading import StreamReader
 from data.pipeline.augment import AugmentStage
 from data.pipeline.stages import DecodeStage, Stage, TokenizeStage
@@ -48,7 +50,18 @@ class DataPlan:
         return StreamReader(stream, state, sources=self.sources, assignments=self.assignments,
                             mixture=self.mixture)
 
-    def packer(self, stream: int, state: StreamState) -> StreamPacker:
+    @property
+    def whole_documents(self) -> bool:
+        """Rows of whole documents, padded (chat data), instead of documents cut across rows."""
+        return packing_mode(self.config, self.sources) == "whole"
+
+    def packer(self, stream: int, state: StreamState) -> StreamPacker | WholeDocPacker:
+        if self.whole_documents:
+            return WholeDocPacker(stream, state, seq_len=self.seq_len, eos_id=self.tokenizer.eos_id,
+                                  pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id),
+                                  source_names=[s.name for s in self.sources],
+                                  skip_bad=self.config.on_bad_record == "skip", overlong=self.config.overlong,
+                                  state_every=self.rows_per_stream)
         return StreamPacker(stream, state, seq_len=self.seq_len, eos_id=self.tokenizer.eos_id,
                             source_names=[s.name for s in self.sources],
                             skip_bad=self.config.on_bad_record == "skip",
@@ -87,7 +100,10 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
     else:
         sources = open_sources(config.sources, label="data.sources")
     tokenizer = build_tokenizer(config.tokenizer)
-    stages: list[Stage] = [DecodeStage([s.config.text_column for s in sources]), TokenizeStage(tokenizer)]
+    records = [s.config.record for s in sources]
+    chat = chat_encoders(config, sources, tokenizer)
+    stages: list[Stage] = [DecodeStage([s.config.text_column for s in sources], records),
+                           TokenizeStage(tokenizer, chat)]
     if AugmentStage.enabled(config.augment) and split == "train":
         stages.append(AugmentStage(config.augment, seed=seed, tokenizer=tokenizer))
     shuffle = config.shuffle_shards and split == "train"
@@ -105,9 +121,43 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
         "tokenizer": tokenizer.fingerprint,
         "sources": [s.describe() for s in sources],
     }
+    if any(c is not None for c in chat):  # what decides the tokens and masks of chat records
+        template = next(c for c in chat if c is not None).template
+        compat["chat"] = {"records": records, "loss_on": config.loss_on, "overlong": config.overlong,
+                          "template": hashlib.sha256(template.source.encode()).hexdigest()[:16]}
+    if packing_mode(config, sources) == "whole":
+        compat["packing"] = "whole"
     return DataPlan(
         config=config, seed=seed, split=split, owned=owned,
         rows_per_stream=global_batch_size // config.num_streams, sources=sources,
         tokenizer=tokenizer, stages=stages, assignments=assignments,
         mixture=Mixture([s.weight for s in sources], seed=seed), compat=compat,
     )
+
+
+def packing_mode(config: DataConfig, sources: list[Source]) -> str:
+    """``data.packing``, with ``auto`` resolved: whole documents when any source is not text."""
+    if config.packing != "auto":
+        return config.packing
+    return "whole" if any(s.config.record != "text" for s in sources) else "split"
+
+
+def chat_encoders(config: DataConfig, sources: list[Source], tokenizer: Tokenizer) -> list[ChatEncoder | None]:
+    """One encoder per structured source (None for text sources); checks the template once."""
+    if all(s.config.record == "text" for s in sources):
+        return [None] * len(sources)
+    if packing_mode(config, sources) == "split":
+        raise ConfigError(
+            "chat and prompt_completion records need data.packing=whole (or auto)", key="data.packing",
+            hint="a conversation cut across rows would lose its prompt",
+        )
+    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template)
+    encoders: list[ChatEncoder | None] = []
+    for s in sources:
+        if s.config.record == "text":
+            encoders.append(None)
+            continue
+        encoder = ChatEncoder(template, tokenizer, kind=s.config.record, loss_on=config.loss_on)
+        encoders.append(encoder)
+    next(e for e in encoders if e is not None).check()
+    return encoders

@@ -15,6 +15,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from data.chat_template import ChatEncoder, RecordError
 from data.pipeline.items import Chunk, Doc
 from data.tokenizers import ByteTokenizer, Tokenizer
 
@@ -60,14 +61,19 @@ class DecodeStage:
     heavy = False
     holds_gil = True
 
-    def __init__(self, text_columns: list[str]) -> None:
+    def __init__(self, text_columns: list[str], records: list[str] | None = None) -> None:
         self.text_columns = text_columns  # per source index
+        self.records = records or ["text"] * len(text_columns)  # record kind per source index
 
     def process(self, chunk: Chunk) -> Chunk:
         return each_doc(self.name, chunk, self._decode)
 
-    def _decode(self, doc: Doc) -> str:
+    def _decode(self, doc: Doc) -> str | dict:
         payload = doc.payload
+        if self.records[doc.source] != "text":  # a structured record: the tokenize stage renders it
+            if isinstance(payload, dict):
+                return payload
+            return self._object(_utf8(payload))
         if doc.codec == "json":
             return self._field(_utf8(payload), self.text_columns[doc.source])
         if isinstance(payload, str):
@@ -79,13 +85,18 @@ class DecodeStage:
         raise BadRecord(f"text is a {type(payload).__name__}, not a string")
 
     @staticmethod
-    def _field(line: str, column: str) -> str:
+    def _object(line: str) -> dict:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise BadRecord(f"invalid JSON line: {exc.msg} at column {exc.colno}") from None
         if not isinstance(obj, dict):
             raise BadRecord(f"JSON line is a {type(obj).__name__}, not an object")
+        return obj
+
+    @classmethod
+    def _field(cls, line: str, column: str) -> str:
+        obj = cls._object(line)
         if column not in obj:
             keys = ", ".join(list(obj)[:8])
             raise BadRecord(f"JSON line has no text key {column!r} (keys: {keys})")
@@ -105,21 +116,33 @@ def _utf8(payload: object) -> str:
 
 
 class TokenizeStage:
-    """Text -> int32 token ids (no special tokens; the packer adds the separator)."""
+    """Text -> int32 token ids (no special tokens; the packer adds the separator).
+
+    A structured record (chat, prompt/completion) is rendered by its source's ``ChatEncoder``
+    (data/chat_template.py) into ids plus the target mask, which travels as ``doc.mask``.
+    """
 
     name = "tokenize"
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat: list[ChatEncoder | None] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.chat = chat or []  # per source index; None for text sources
         # Measured: byte tokenization runs at ~400 MB/s (light); tokenizers' BPE encode (0.23)
         # at ~2.5 MB/s a core and not in parallel in threads: heavy, and it holds the GIL.
-        self.heavy = not isinstance(tokenizer, ByteTokenizer)
+        # Rendering a chat template is Python work per record: heavy too.
+        self.heavy = not isinstance(tokenizer, ByteTokenizer) or any(c is not None for c in self.chat)
         self.holds_gil = True
 
     def process(self, chunk: Chunk) -> Chunk:
         return each_doc(self.name, chunk, self._encode)
 
     def _encode(self, doc: Doc) -> np.ndarray:
+        if isinstance(doc.payload, dict):
+            try:
+                ids, doc.mask = self.chat[doc.source].encode(doc.payload)
+            except RecordError as exc:
+                raise BadRecord(str(exc)) from None
+            return ids
         try:
             return self.tokenizer.encode_array(doc.payload)
         except (UnicodeEncodeError, TypeError) as exc:  # tokenizers raises TypeError for surrogates

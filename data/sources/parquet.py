@@ -16,13 +16,22 @@ class ParquetFormat:
 
     name = "parquet"
 
-    def __init__(self, text_column: str) -> None:
+    def __init__(self, text_column: str, columns: tuple[str, ...] | None = None) -> None:
         self.text_column = text_column
+        # Structured records (chat, prompt/completion): these columns, read as one dict a row.
+        self.columns = columns
 
     def units(self, shard: str, shard_id: str) -> list[Unit]:
         meta = self._open(shard).metadata
         names = meta.schema.names
-        if self.text_column not in names:
+        if self.columns is not None:
+            missing = [c for c in self.columns if c not in names]
+            if missing:
+                raise DataError(
+                    f"missing column(s) {', '.join(map(repr, missing))} (columns: {', '.join(names)})",
+                    file=shard, hint="the record kind of this source (data.sources[i].record) needs them",
+                )
+        elif self.text_column not in names:
             raise DataError(
                 f"missing text column {self.text_column!r} (columns: {', '.join(names)})",
                 file=shard,
@@ -40,13 +49,14 @@ class ParquetFormat:
         if record >= (unit.num_records or 0):
             return
         try:
-            table = self._open(unit.shard).read_row_group(unit.block, columns=[self.text_column])
+            table = self._open(unit.shard).read_row_group(unit.block, columns=list(self.columns or [self.text_column]))
         except (pa.ArrowException, OSError) as exc:
             raise DataError(
                 f"cannot read row group {unit.block}: {exc}", file=unit.shard, record=unit.first_record,
                 hint="re-create the shard or set data.on_bad_record=skip",
             ) from exc
-        values = table.column(0).slice(record).to_pylist()
+        table = table.slice(record)
+        values = table.to_pylist() if self.columns is not None else table.column(0).to_pylist()
         for offset, value in enumerate(values, start=record):
             yield RawRecord(value, unit.first_record + offset, offset + 1, None)
 

@@ -63,10 +63,14 @@ class Source:
         return self._shard_format[unit.shard].read(unit, record, seek)
 
 
+RECORD_COLUMNS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+"""The Parquet columns each structured record kind reads (a row becomes one dict)."""
+
+
 def _formats(config: SourceConfig) -> dict[str, ShardFormat]:
     text: ShardFormat = WholeFileFormat() if config.text_unit == "file" else LineFormat("text", "utf8")
     return {
-        "parquet": ParquetFormat(config.text_column),
+        "parquet": ParquetFormat(config.text_column, RECORD_COLUMNS.get(config.record)),
         "jsonl": LineFormat("jsonl", "json"),
         "jsonl.zst": ZstdJsonlFormat(),
         "text": text,
