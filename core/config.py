@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import json
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from core.exceptions import ConfigError
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
-    """Semantic part of the run ID: <name>-<YYYYMMDD-HHMMSS>-<hash8>."""
+    """Semantic part of the run ID: <name>-<YYYYMMDD-HHMMSS>-<hash8>; 1-64 of [A-Za-z0-9._-], starting with a letter or digit."""
     root: str = "runs"
     """Directory that holds run directories (relative to the working directory)."""
 
@@ -534,6 +535,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks. ``world_size`` adds the batch-divisibility checks. The model's
     shape rules live with the model (``models.qwen.dims``); train.py asks them early too."""
     d, t, p = config.data, config.train, config.parallel
+    validate_run_name(config.run.name)
+    _validate_numbers(config)
     _positive("train.max_steps", t.max_steps)
     _positive("train.global_batch_size", t.global_batch_size)
     _positive("train.micro_batch_size", t.micro_batch_size)
@@ -554,8 +557,11 @@ def validate(config: Config, world_size: int | None = None) -> None:
     for i, source in enumerate(d.sources):
         if not source.path:
             raise ConfigError(f"data.sources[{i}].path is empty", key=f"data.sources[{i}].path")
-        if source.weight <= 0:
-            raise ConfigError(f"data.sources[{i}].weight must be > 0", key=f"data.sources[{i}].weight")
+        if not math.isfinite(source.weight) or source.weight <= 0:
+            raise ConfigError(
+                f"data.sources[{i}].weight must be a finite number > 0, got {source.weight}",
+                key=f"data.sources[{i}].weight",
+            )
     if config.checkpoint.interval < 0 or config.checkpoint.keep < 0:
         raise ConfigError("checkpoint.interval and checkpoint.keep must be >= 0", key="checkpoint")
     if p.tp < 1 or p.dp_replicate < 1:
@@ -600,6 +606,33 @@ def validate_world(config: Config, world_size: int) -> None:
             key="parallel.strategy",
             hint="use ddp or fsdp for several ranks",
         )
+
+
+RUN_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def validate_run_name(name: str) -> None:
+    """run.name becomes a directory name under run.root and the start of ``--resume ID``:
+    1-64 characters of ``[A-Za-z0-9._-]`` starting with a letter or digit (no separators,
+    no ``..`` component, nothing that reads as an option)."""
+    if not isinstance(name, str) or RUN_NAME_PATTERN.fullmatch(name) is None:
+        raise ConfigError(
+            f"run.name={name!r} is not a valid run name",
+            key="run.name",
+            hint="use 1-64 characters of letters, digits, '.', '_' and '-', starting with a letter or digit",
+        )
+
+
+def _validate_numbers(config: Config) -> None:
+    """Values whose wrong sign or non-finite value would only fail (or silently misbehave) later."""
+    t = config.train
+    if not math.isfinite(t.lr) or t.lr < 0:
+        raise ConfigError(f"train.lr must be a finite number >= 0, got {t.lr}", key="train.lr")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}", key="train.warmup_steps")
+    if not math.isfinite(t.min_lr_ratio) or not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}", key="train.min_lr_ratio")
+    _positive("model.vocab_size", config.model.vocab_size)
 
 
 def _positive(key: str, value: int) -> None:

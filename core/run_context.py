@@ -8,9 +8,11 @@ same directory is refused.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
+import re
 import socket
 import sys
 import time
@@ -25,7 +27,6 @@ from core.config import Config
 from core.distributed_context import DistributedContext, launcher_env
 from core.exceptions import ConfigError, ResumeError, RunDirLockedError
 from core.layout import RunPaths
-from core.processes import pid_alive
 
 # Environment variables that can change numerics; recorded and compared on resume.
 DETERMINISM_ENV = (
@@ -49,7 +50,7 @@ class RunContext:
         self.run_id = run_id
         self.paths = paths
         self.resumed = resumed
-        self._lock_held = False
+        self._lock: RunDirLock | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -63,7 +64,7 @@ class RunContext:
         if dist.is_main:
             run_id = _new_run_id(config)
         run_id = dist.broadcast_object(run_id)
-        paths = RunPaths(Path(config.run.root) / run_id)
+        paths = run_paths(config.run.root, run_id)
         ctx = cls(config, run_id, paths, resumed=False)
         if dist.is_main:
             if paths.root.exists():
@@ -86,7 +87,7 @@ class RunContext:
         cls, root: str | Path, run_id: str, dist: DistributedContext, *, lock: bool
     ) -> "RunContext":
         """Open a finished or interrupted run (for resume, lock=True; for replay, lock=False)."""
-        paths = RunPaths(Path(root) / run_id)
+        paths = run_paths(root, run_id)
         if not paths.config.is_file():
             known = sorted(p.name for p in Path(root).glob("*") if (p / layout.CONFIG_FILE).is_file())
             raise ResumeError(
@@ -103,39 +104,89 @@ class RunContext:
     # ------------------------------------------------------------------ lock
 
     def _acquire_lock(self) -> None:
-        lock = self.paths.lock
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
-        for _ in range(2):
+        self._lock = RunDirLock(self.paths.lock)
+        self._lock.acquire()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+class RunDirLock:
+    """An exclusive lock on a run dir: ``flock`` on its ``.lock`` file, which names the owner.
+
+    The kernel holds the lock for the owning process and drops it when that process ends
+    however it ends, so there is no stale lock to take over: a lock file whose flock is free
+    belongs to a dead process, and whoever locks it first owns it; every other contender
+    fails at once. After locking, the path must still name the locked file (a releasing owner
+    unlinks it), else the attempt starts again on the new file. Locks on a shared filesystem
+    hold across hosts where it supports ``flock`` (NFSv4, Lustre with ``flock``).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                if _lock_is_live(lock):
-                    owner = lock.read_text()
-                    raise RunDirLockedError(
-                        f"run dir {self.paths.root} is being written by another process ({owner})",
-                        hint="wait for it to finish or stop it first",
-                    ) from None
-                lock.unlink(missing_ok=True)  # stale lock from a killed run
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunDirLockedError(
+                    f"run dir {self.path.parent} is being written by another process ({_read_owner(self.path)})",
+                    hint="wait for it to finish or stop it first",
+                ) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # released and unlinked between our open and our flock
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w") as fh:
-                json.dump(record, fh)
-            self._lock_held = True
+            record = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            self._fd = fd
             return
 
     def release(self) -> None:
-        if self._lock_held:
-            self.paths.lock.unlink(missing_ok=True)
-            self._lock_held = False
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)  # while still locked: no one can take a doomed file
+            os.close(self._fd)
+            self._fd = None
 
 
-def _lock_is_live(lock: Path) -> bool:
+def _read_owner(lock: Path) -> str:
     try:
-        owner = json.loads(lock.read_text())
-    except (OSError, ValueError):
-        return False
-    if owner.get("host") != socket.gethostname():
-        return True  # cannot check a pid on another host: assume it is live
-    return pid_alive(int(owner["pid"]))
+        return lock.read_text().strip() or "owner not yet recorded"
+    except OSError:
+        return "owner unknown"
+
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def run_paths(root: str | Path, run_id: str) -> RunPaths:
+    """The paths of run ``run_id`` under ``root``; refuses an ID that is not one path
+    component (``..``, a separator, an option-like ``-x``) or a dir that resolves elsewhere
+    (through a symlink), so no run ever writes outside ``run.root``."""
+    if not isinstance(run_id, str) or RUN_ID_PATTERN.fullmatch(run_id) is None or run_id in (".", ".."):
+        raise ConfigError(
+            f"{run_id!r} is not a run ID",
+            hint="a run ID is <run.name>-<YYYYMMDD-HHMMSS>-<hash8>; see `python -m experiments runs list`",
+        )
+    root_dir = Path(root).resolve()
+    run_dir = Path(root) / run_id
+    if run_dir.resolve().parent != root_dir:
+        raise ConfigError(
+            f"run dir {run_dir} resolves to {run_dir.resolve()}, outside run.root={root_dir}",
+            key="run.root",
+            hint="remove the link or choose another run.root",
+        )
+    return RunPaths(run_dir)
 
 
 def _new_run_id(config: Config) -> str:

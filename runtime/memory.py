@@ -107,3 +107,31 @@ def oom_snapshot(
     json_path.write_text(json.dumps(report, indent=2, default=repr) + "\n")
     written.insert(0, json_path)
     return written
+
+
+def check_training_state_fits(
+    state_bytes: int, device: torch.device | str, *, ranks_sharing: int, what: str, key: str = "model"
+) -> None:
+    """Refuse, before anything is allocated, a training state that cannot fit where it must live.
+
+    ``state_bytes`` is one rank's lower bound (parameters, gradients, optimizer state; no
+    activations); ``ranks_sharing`` ranks of this node keep theirs in the same memory (all
+    local ranks on a CPU host, one rank per GPU). A ConfigError (exit 2) names the estimate
+    and the memory available."""
+    from core.exceptions import ConfigError
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        available, total = torch.cuda.mem_get_info(device)
+        where, need = f"{device} ({total / GIB:.1f} GiB total)", state_bytes
+    else:
+        host = psutil.virtual_memory()
+        available = host.available
+        where, need = f"host memory ({host.total / GIB:.1f} GiB total)", state_bytes * ranks_sharing
+    if need > available:
+        raise ConfigError(
+            f"{what} needs at least {need / GIB:.2f} GiB for parameters, gradients and optimizer state "
+            f"({ranks_sharing} rank(s) sharing {where}), but only {available / GIB:.2f} GiB is available",
+            key=key,
+            hint="shrink the model, shard it (parallel.strategy=fsdp over more ranks) or use a larger device",
+        )

@@ -20,11 +20,11 @@ from core.exceptions import ConfigError, ResumeError
 from core.logging import get_logger
 from core import layout
 from core.layout import RunPaths
-from core.run_context import determinism_env
+from core.run_context import determinism_env, run_paths
 
 
 def find_run(root: str | Path, run_id: str) -> RunPaths:
-    paths = RunPaths(Path(root) / run_id)
+    paths = run_paths(root, run_id)
     if not paths.config.is_file():
         runs = sorted(p.name for p in Path(root).glob("*") if (p / layout.CONFIG_FILE).is_file())
         raise ResumeError(

@@ -17,7 +17,7 @@ from typing import Any
 from core import config as config_lib
 from core.config import Config
 from core.distributed_context import DistributedContext, ProcessInfo, select_device
-from core.exceptions import ExitCode, LockstepError, UsageError, WatchdogAbort, exit_code_for
+from core.exceptions import ConfigError, ExitCode, LockstepError, UsageError, WatchdogAbort, exit_code_for
 from core.logging import EventLog, console, get_logger, setup_logging
 from core.run_context import RunContext
 from experiments.artifacts import ArtifactStore
@@ -87,7 +87,9 @@ def resolve_config(args: Args) -> Config:
     # The model layer owns the shape rules (including an init_from directory's config.json);
     # asking it here makes a bad shape exit 2 before any process group or run dir exists.
     model = config.model
-    resolve_dims(model if model.init_from is None else model_config_from_hf(model.init_from, base=model))
+    model = model if model.init_from is None else model_config_from_hf(model.init_from, base=model)
+    dims = resolve_dims(model)
+    check_vocab_covers_tokenizer(dims.vocab_size, config.data.tokenizer)
     if config.parallel.strategy == "xla_spmd":
         from training.xla import check_config  # imports without torch_xla; says if it is missing
 
@@ -103,8 +105,47 @@ def prepare_process(config: Config) -> None:
     before anything is written under ``run.root``."""
     exit_with_launcher()
     info = ProcessInfo.from_env()
-    if select_device(config.parallel, info.local_rank, info.local_world_size).type == "cuda":
+    device = select_device(config.parallel, info.local_rank, info.local_world_size)
+    check_model_fits(config, device, info)
+    if device.type == "cuda":
         configure_nccl_diagnostics(Path(config.run.root) / "_nccl_traces", config.runtime.watchdog_timeout_s)
+
+
+def check_vocab_covers_tokenizer(vocab_size: int, tokenizer: str) -> None:
+    """A tokenizer id >= model.vocab_size would only fail inside the embedding (IndexError)."""
+    from data.tokenizers import build_tokenizer
+
+    needed = build_tokenizer(tokenizer).vocab_size
+    if vocab_size < needed:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary ({needed} ids, data.tokenizer={tokenizer})",
+            key="model.vocab_size",
+            hint=f"set model.vocab_size >= {needed}",
+        )
+
+
+# Bytes per parameter that training keeps resident, beyond activations: the fp32 parameter
+# and its gradient, plus the optimizer's state (AdamW: two moments; Lion, Muon: one buffer).
+_OPTIMIZER_STATE_BYTES = {"adamw": 8, "schedule_free_adamw": 8, "lion": 4, "muon": 4}
+
+
+def check_model_fits(config: Config, device, info: ProcessInfo) -> None:
+    """Refuse (exit 2) a model whose parameters, gradients and optimizer state cannot fit,
+    before anything is allocated (a huge model would otherwise be OOM-killed mid-build)."""
+    from models.flops import num_params
+    from runtime.memory import check_training_state_fits
+
+    model = config.model
+    model = model if model.init_from is None else model_config_from_hf(model.init_from, base=model)
+    params = num_params(model)
+    per_param = 4 if model.lora.rank > 0 else 8 + _OPTIMIZER_STATE_BYTES.get(config.train.optimizer, 8)
+    shards = info.world_size if config.parallel.strategy == "fsdp" else 1
+    check_training_state_fits(
+        params * per_param // shards,
+        device,
+        ranks_sharing=info.local_world_size if device.type != "cuda" else 1,
+        what=f"a model of {params / 1e6:,.1f}M parameters",
+    )
 
 
 def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunContext, EventLog]:
@@ -137,7 +178,7 @@ def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunC
 
 
 def replay_spec(args: Args, run: RunContext, dist: DistributedContext):
-    from training.loop import ReplaySpec
+    from training.recorder import ReplaySpec
 
     if args.mode != "replay":
         return None
