@@ -1,0 +1,105 @@
+"""Log-probabilities of the label tokens, from hidden states and the output weight, chunk by chunk.
+
+DPO-style and policy-gradient losses need ``log p(label_t | prefix)`` per token (summed per
+sequence, or weighted by advantages) and are not linear in it, so the trick of
+training/linear_cross_entropy.py (gradient computed in the forward, merely scaled in the
+backward) does not apply: the upstream gradient differs per token. Here the forward keeps,
+per token, only the log-prob and the log-partition ``lse``; the backward recomputes each
+chunk's logits, ``softmax = exp(z / T - lse)``, and folds
+``d logp / d z = (onehot - softmax) / T``, scaled by the token's upstream gradient, into the
+gradients of the hidden states and of the weight. One chunk of ``(chunk_tokens, V)`` logits
+is alive at a time, in both passes; the price is a second matmul per chunk.
+
+Matmuls run in the compute dtype (fp32 accumulation), everything after them in fp32; the
+weight gradient is accumulated chunk after chunk in fp32, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from data.batch import IGNORE_INDEX
+
+
+def linear_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``log softmax(hidden @ weight.T / temperature)[label]`` per token, 0 where the label is IGNORE_INDEX.
+
+    hidden (..., d), weight (V, d), labels (...) -> fp32 (or fp64 for fp64 inputs) tensor of
+    labels' shape. Differentiable with respect to ``hidden`` and ``weight``.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logps = _LinearTokenLogps.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+        max(1, int(chunk_tokens)), float(temperature), compute_dtype or hidden.dtype,
+    )
+    return logps.reshape(labels.shape)
+
+
+def token_logps_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """The same from full logits (..., V) through plain autograd (small inputs and tests)."""
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    log_probs = torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)
+    valid = labels != IGNORE_INDEX
+    picked = log_probs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return picked * valid
+
+
+def _chunk_logits(h_c: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = h_c @ w.t()  # (chunk, V) in the compute dtype
+    z = z if z.dtype in (torch.float32, torch.float64) else z.float()
+    return z if temperature == 1.0 else z / temperature
+
+
+class _LinearTokenLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens, temperature, dtype):
+        h = hidden.detach().to(dtype)
+        w = weight.detach().to(dtype)
+        out_dtype = torch.promote_types(dtype, torch.float32)
+        n = h.shape[0]
+        logps = torch.empty(n, dtype=out_dtype, device=h.device)
+        lse = torch.empty(n, dtype=out_dtype, device=h.device)
+        valid = labels != IGNORE_INDEX
+        target = labels.clamp_min(0)
+        for start in range(0, n, chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            z = _chunk_logits(h[rows], w, temperature)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logps[rows] = (z.gather(1, target[rows].unsqueeze(1)).squeeze(1) - lse[rows]) * valid[rows]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_tokens, ctx.temperature, ctx.dtype = chunk_tokens, temperature, dtype
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype, temperature, step = ctx.dtype, ctx.temperature, ctx.chunk_tokens
+        h = hidden.detach().to(dtype)
+        w = weight.detach().to(dtype)
+        # d logp / d z, times the upstream gradient, is zero for ignored tokens.
+        scale = (grad_out.to(lse.dtype) * (labels != IGNORE_INDEX)) / temperature
+        target = labels.clamp_min(0).unsqueeze(1)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=h.device) if need_w else None
+        for start in range(0, h.shape[0], step):
+            rows = slice(start, start + step)
+            softmax = torch.exp(_chunk_logits(h[rows], w, temperature) - lse[rows].unsqueeze(1))
+            one_hot = torch.arange(softmax.shape[1], device=softmax.device) == target[rows]
+            grad_z = ((one_hot.to(softmax.dtype) - softmax) * scale[rows].unsqueeze(1)).to(dtype)
+            if need_h:
+                torch.mm(grad_z, w, out=grad_h[rows])
+            if need_w:
+                grad_w += grad_z.t() @ h[rows]
+        dh = grad_h.to(hidden.dtype) if need_h else None
+        dw = grad_w.to(weight.dtype) if need_w else None
+        return dh, dw, None, None, None, None
