@@ -112,7 +112,8 @@ def test_fused_matches_plain_autograd(settings):
     (ref_loss * 0.37).backward()
     ref_dh, ref_dw = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    loss, count, metrics = distill_loss_sum(hidden, weight, t_hidden, t_weight, labels, mask, chunk_tokens=5, **settings)
+    args = (hidden, weight, t_hidden, t_weight, labels, mask)
+    loss, count, metrics = distill_loss_sum(*args, chunk_tokens=5, **settings)
     (loss * 0.37).backward()
     assert count.item() == ref_count.item() == int(mask.sum())
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
@@ -124,7 +125,8 @@ def test_fused_matches_plain_autograd(settings):
 
 @pytest.mark.parametrize("settings", SETTINGS[:4], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 def test_fused_gradients_pass_gradcheck_in_fp64(settings):
-    hidden, weight, t_hidden, t_weight, labels, mask = _inputs(tokens=6, vocab=7, dim=3, teacher_dim=3, dtype=torch.float64)
+    tiny = dict(tokens=6, vocab=7, dim=3, teacher_dim=3, dtype=torch.float64)
+    hidden, weight, t_hidden, t_weight, labels, mask = _inputs(**tiny)
 
     def fn(h, w):
         return distill_loss_sum(h, w, t_hidden, t_weight, labels, mask, chunk_tokens=4, **settings)[0]
@@ -163,7 +165,8 @@ def test_sums_are_bitwise_equal_across_chunkings_when_logits_are_exact(chunk):
 def _run_fused(hidden, weight, t_hidden, t_weight, labels, mask, chunk):
     hidden.grad = weight.grad = None
     settings = dict(kind="jsd", beta=0.4, temperature=2.0, alpha=0.2)
-    loss, _, metrics = distill_loss_sum(hidden, weight, t_hidden, t_weight, labels, mask, chunk_tokens=chunk, **settings)
+    args = (hidden, weight, t_hidden, t_weight, labels, mask)
+    loss, _, metrics = distill_loss_sum(*args, chunk_tokens=chunk, **settings)
     loss.backward()
     return loss, metrics, hidden.grad.clone(), weight.grad.clone()
 
@@ -201,7 +204,8 @@ def test_no_tensor_larger_than_one_chunk_of_logits():
     # Everything else (hidden states, weights, per-token sums) is far smaller than tokens x vocab.
     assert max(hidden.numel(), weight.numel(), 3 * tokens) <= chunk * vocab
     with _LargestTensor() as probe:
-        loss, _, _ = distill_loss_sum(hidden, weight, t_hidden, t_weight, labels, mask, kind="jsd", alpha=0.5, chunk_tokens=chunk)
+        args = (hidden, weight, t_hidden, t_weight, labels, mask)
+        loss, _, _ = distill_loss_sum(*args, kind="jsd", alpha=0.5, chunk_tokens=chunk)
         loss.backward()
     assert probe.largest <= chunk * vocab
     with _LargestTensor() as plain:  # the probe sees the full logits of the plain path
