@@ -191,14 +191,30 @@ class TrainConfig:
     """Length of the LR schedule; None means max_steps."""
     decay_fraction: float = 0.2
     """wsd: fraction of the schedule spent in the final decay."""
+    optimizer: Literal["adamw", "muon", "lion", "schedule_free_adamw"] = "adamw"
+    """adamw; muon (Muon on hidden matrices, AdamW on the rest); lion; schedule_free_adamw (needs schedule=constant). See docs/config.md."""
     weight_decay: float = 0.1
-    """AdamW weight decay (not applied to norms and biases)."""
+    """Decoupled weight decay of every optimizer (not applied to norms, biases and embeddings)."""
     beta1: float = 0.9
-    """AdamW beta1."""
+    """AdamW beta1 (also the AdamW groups of muon, and schedule_free_adamw's interpolation beta)."""
     beta2: float = 0.95
-    """AdamW beta2."""
+    """AdamW beta2 (also muon's AdamW groups and schedule_free_adamw)."""
     eps: float = 1e-8
-    """AdamW epsilon."""
+    """AdamW epsilon (also muon's AdamW groups and schedule_free_adamw)."""
+    muon_momentum: float = 0.95
+    """muon: momentum of the hidden matrices' updates."""
+    muon_nesterov: bool = True
+    """muon: Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """muon: Newton-Schulz iterations that orthogonalize each update."""
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """muon: LR scale per matrix: match_rms_adamw (0.2*sqrt(max dim); shares AdamW's lr) or original (sqrt(max(1, rows/cols)))."""
+    lion_beta1: float = 0.9
+    """lion: interpolation beta of the sign update."""
+    lion_beta2: float = 0.99
+    """lion: momentum beta."""
+    sf_weight_lr_power: float = 2.0
+    """schedule_free_adamw: the average weights step t by lr_t**power."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     loss_chunk_tokens: int = 8192
@@ -241,6 +257,8 @@ class ParallelConfig:
     """Collective timeout in seconds."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; auto picks cuda when available. Local rank i takes cuda:i; more ranks per node than visible GPUs is an error (exit 2)."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """FP8 linears via torchao (CUDA sm89+ only; master weights stay fp32): none, tensorwise or rowwise scaling. See docs/parallelism.md."""
 
 
 @dataclass(frozen=True)
@@ -596,6 +614,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
             key="parallel.fsdp_unit_blocks",
             hint="1 shards every transformer block on its own",
         )
+    _validate_optimizer(t)
+    _validate_float8(p)
     _validate_lora(config)
     if world_size is not None:
         validate_world(config, world_size)
@@ -682,6 +702,52 @@ def validate_world(config: Config, world_size: int) -> None:
             f"parallel.strategy=none cannot run on {world_size} ranks",
             key="parallel.strategy",
             hint="use ddp or fsdp for several ranks",
+        )
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    if t.optimizer == "schedule_free_adamw" and t.schedule != "constant":
+        raise ConfigError(
+            f"train.optimizer=schedule_free_adamw averages its iterates instead of decaying the LR; "
+            f"train.schedule={t.schedule} would decay it as well",
+            key="train.schedule",
+            hint="set train.schedule=constant (train.warmup_steps still applies)",
+        )
+    if not 1 <= t.muon_ns_steps < 100:
+        raise ConfigError(f"train.muon_ns_steps must lie in [1, 100), got {t.muon_ns_steps}", key="train.muon_ns_steps")
+    for key, value in (("muon_momentum", t.muon_momentum), ("lion_beta1", t.lion_beta1), ("lion_beta2", t.lion_beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"train.{key} must lie in [0, 1), got {value}", key=f"train.{key}")
+    if t.optimizer == "schedule_free_adamw" and not 0.0 < t.beta1 < 1.0:
+        raise ConfigError(f"train.beta1 must lie in (0, 1) for schedule_free_adamw, got {t.beta1}", key="train.beta1")
+
+
+def _validate_float8(p: ParallelConfig) -> None:
+    """What the config alone rules out; the GPU and torchao are checked where the model is
+    built (distributed.float8.require_float8)."""
+    if p.float8 == "none":
+        return
+    if p.device == "cpu" or p.strategy == "xla_spmd":
+        where = "parallel.device=cpu" if p.device == "cpu" else "parallel.strategy=xla_spmd"
+        raise ConfigError(
+            f"parallel.float8={p.float8} needs CUDA GPUs with FP8 tensor cores (sm89+: L4, L40, H100, H200, B200); "
+            f"{where} has none",
+            key="parallel.float8",
+            hint="set parallel.float8=none, or train on such GPUs with torchao installed (pip install torchao)",
+        )
+    if p.precision != "bf16":
+        raise ConfigError(
+            f"parallel.float8={p.float8} runs its matmuls in FP8 around bf16 activations; "
+            f"parallel.precision={p.precision} is not bf16",
+            key="parallel.precision",
+            hint="set parallel.precision=bf16 with parallel.float8",
+        )
+    if p.tp > 1:
+        raise ConfigError(
+            f"parallel.float8={p.float8} with parallel.tp={p.tp} is not supported: the tensor-parallel plan "
+            "shards plain linears, not FP8 ones",
+            key="parallel.float8",
+            hint="use parallel.tp=1 (FSDP or DDP) with FP8",
         )
 
 

@@ -12,6 +12,7 @@ from core.distributed_context import DistributedContext
 from distributed.activation_checkpoint import apply_activation_checkpointing
 from distributed.compile import apply_compile
 from distributed.ddp import apply_ddp
+from distributed.float8 import apply_float8, require_float8
 from distributed.fsdp import apply_fsdp
 from distributed.topology import Topology
 from distributed.tp import apply_tensor_parallel
@@ -20,7 +21,7 @@ from distributed.tp import apply_tensor_parallel
 def parallelize(
     model: nn.Module, parallel: ParallelConfig, dist: DistributedContext, topology: Topology
 ) -> nn.Module:
-    """Apply TP, activation checkpointing, compile and FSDP/DDP to ``model``, in that order.
+    """Apply FP8, TP, activation checkpointing, compile and FSDP/DDP to ``model``, in that order.
 
     ``model`` is the plain model with identical weights on every rank (built from the same
     seed); its blocks are modified in place and the returned module is what the loop
@@ -30,6 +31,11 @@ def parallelize(
     if parallel.strategy == "xla_spmd":
         raise ValueError("parallel.strategy=xla_spmd is set up by distributed.xla_spmd.setup_xla_spmd")
     model.to(dist.device)
+
+    # 0. FP8 linears before anything wraps or shards them: torchao swaps nn.Linear modules
+    #    in place (the same parameters), and FSDP below then all-gathers their weights in FP8.
+    require_float8(parallel, dist.device)
+    apply_float8(model, parallel, fsdp=parallel.strategy == "fsdp" and topology.mesh is not None)
 
     # 1. Tensor parallelism first: it needs the raw nn.Linear modules at their plain paths,
     #    and FSDP below must see the TP-sharded DTensor parameters to shard them further
