@@ -73,6 +73,8 @@ class DataError(LockstepError):
 
     exit_code = ExitCode.DATA
     kind = "data error"
+    skippable = True
+    """Whether data.on_bad_record=skip may skip the record it names (False: a lost file tail)."""
 
 
 class CheckpointError(LockstepError):

@@ -119,7 +119,7 @@ class StreamReader:
         self._counter += 1
         if error is not None:
             doc.record = int(error.context.get("record", unit.first_record + before.record))
-            doc.error, doc.hint = error.message, error.hint
+            doc.error, doc.hint, doc.fatal = error.message, error.hint, not error.skippable
             return doc
         doc.record, doc.payload = raw.record, raw.payload
         doc.raw_bytes = len(raw.payload) if isinstance(raw.payload, (bytes, str)) else 0

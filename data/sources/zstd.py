@@ -93,25 +93,53 @@ def _open(path: str) -> BinaryIO:
                         hint="the file was listed at start-up; restore it or restart") from exc
 
 
+class TruncatedShardError(DataError):
+    """A shard that ends inside a zstd frame: its tail is missing, so every record after the
+    cut is lost. Never skipped by data.on_bad_record=skip."""
+
+    skippable = False
+
+
 def _stream_lines(path: str) -> Iterator[bytes]:
-    """Lines of a zstd file of any frame layout, decompressed as a stream."""
+    """Lines of a zstd file of any frame layout, decompressed frame by frame as a stream.
+
+    A file that ends inside a frame is truncated: TruncatedShardError names the byte offset
+    where the unfinished frame starts and where the file ends. Without this check a cut
+    file would read as a last line of garbage (or as no documents at all)."""
     line_no = 0
     rest = b""
+    decompressor = zstandard.ZstdDecompressor()
+    frame, frame_start, consumed = None, 0, 0
     with _open(path) as handle:
-        reader = zstandard.ZstdDecompressor().stream_reader(handle, read_across_frames=True)
-        while True:
-            try:
-                chunk = reader.read(_STREAM_CHUNK)
-            except zstandard.ZstdError as exc:
-                raise DataError(f"corrupt zstd data after line {line_no}: {exc}", file=path,
-                                record=line_no,
-                                hint="re-create the shard or set data.on_bad_record=skip") from exc
-            if not chunk:
-                break
-            lines = (rest + chunk).split(b"\n")
-            rest = lines.pop()
-            line_no += len(lines)
-            yield from lines
+        while chunk := handle.read(_STREAM_CHUNK):
+            while chunk:
+                if frame is None:
+                    frame, frame_start = decompressor.decompressobj(), consumed
+                try:
+                    out = frame.decompress(chunk)
+                except zstandard.ZstdError as exc:
+                    raise DataError(f"corrupt zstd data in the frame at byte {frame_start}, after line {line_no}: {exc}",
+                                    file=path, record=line_no,
+                                    hint="re-create the shard or set data.on_bad_record=skip") from exc
+                if frame.eof:
+                    unused = frame.unused_data
+                    consumed += len(chunk) - len(unused)
+                    chunk, frame = unused, None
+                else:
+                    consumed += len(chunk)
+                    chunk = b""
+                if out:
+                    lines = (rest + out).split(b"\n")
+                    rest = lines.pop()
+                    line_no += len(lines)
+                    yield from lines
+    if frame is not None:
+        raise TruncatedShardError(
+            f"truncated zstd file: the frame starting at byte {frame_start} is cut off at byte {consumed} "
+            f"(end of file), after line {line_no}",
+            file=path, offset=consumed, record=line_no,
+            hint="the file is incomplete (an interrupted copy or download); restore or re-create it",
+        )
     if rest:
         yield rest
 
