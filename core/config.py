@@ -352,6 +352,7 @@ class Config:
 
 # Keys a resumed run may change. A prefix ending in "." admits every key below it.
 RESUMABLE_KEYS = (
+    "run.root",  # where the run dir lives now (a run moved to another root resumes from there)
     "train.max_steps",
     "train.eval_interval",
     "train.eval_batches",

@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from core.exceptions import CheckpointError
+
 # Fields compared by replay (param_hash only where the recorded line has it).
 COMPARED_FIELDS = (
     "loss",
@@ -36,15 +38,27 @@ def dumps(record: dict[str, Any]) -> str:
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    """All complete lines; a torn last line (killed mid-write) is ignored."""
+    """All complete lines. Only a torn last line (no newline: the writer was killed
+    mid-append) is ignored; a damaged complete line anywhere is a CheckpointError naming
+    it, so no intact line after it is ever dropped (docs/checkpoints.md, ledger damage)."""
     if not path.is_file():
         return []
+    lines = path.read_bytes().split(b"\n")
+    complete = lines[:-1]  # the last piece is "" after a final newline, or a torn append
     records = []
-    for line in path.read_text().splitlines():
+    for number, raw in enumerate(complete, start=1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(raw)
         except ValueError:
-            break
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise CheckpointError(
+                f"ledger line {number} is damaged ({raw[:60]!r}); refusing to drop it or the lines after it",
+                file=str(path),
+                line=number,
+                hint="repair or delete that line by hand (the ledger is the run's determinism record), then resume",
+            )
+        records.append(record)
     return records
 
 

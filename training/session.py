@@ -8,6 +8,7 @@ turns any error into the one line on stderr, the traceback in the rank's log and
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import traceback
 from dataclasses import dataclass
@@ -224,8 +225,7 @@ def fail(
     text = "".join(traceback.format_exception(error))
     line = str(error) if isinstance(error, LockstepError) else f"error: {type(error).__name__}: {error}"
     print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
-    if get_logger().handlers:  # before the run dir exists there is no log file: the line is enough
-        get_logger().error("%s\n%s", line, text)
+    _log_to_files_only(f"{line}\n{text}")  # the console (stdout) gets nothing more than stderr's line
     if run is not None:
         try:
             run.paths.diagnostics.mkdir(parents=True, exist_ok=True)
@@ -239,6 +239,16 @@ def fail(
         except OSError:
             pass
     return code
+
+
+def _log_to_files_only(message: str) -> None:
+    """The traceback goes to ``logs/rank<R>.log``, not to the logger's console handler;
+    before the run dir exists there is no log file and the stderr line is all there is."""
+    logger = get_logger()
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _fmt(value: float | None) -> str:
