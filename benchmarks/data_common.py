@@ -1,4 +1,4 @@
-"""Shared set-up of the data benchmarks: the prepared stdlib shards, the tiny config, a BPE tokenizer.
+"""Shared set-up of the data benchmarks: the prepared stdlib shards, the configs, the BPE tokenizers.
 
 Not a benchmark itself (``data_*.py`` that start with ``data_`` and a verb are). Everything
 lands under ``bench_out/`` (git-ignored).
@@ -18,6 +18,8 @@ if str(ROOT) not in sys.path:
 
 from core.config import Config, load  # noqa: E402
 from data.prepare import DEFAULT_OUT, Layout, prepare  # noqa: E402
+from data.qwen_vocab import DEFAULT_DIR as QWEN_DIR  # noqa: E402
+from data.qwen_vocab import QWEN_SPEC  # noqa: E402
 
 OUT = ROOT / "bench_out"
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -34,6 +36,22 @@ def ensure_stdlib() -> Path:
 def tiny_config(*overrides: str) -> Config:
     ensure_stdlib()
     return load(TINY, list(overrides))
+
+
+def preset_config(name: str, *overrides: str) -> Config:
+    """configs/<name>.yaml (a GPU preset: only its data and train sections matter here)."""
+    ensure_stdlib()
+    return load(ROOT / "configs" / f"{name}.yaml", list(overrides))
+
+
+def qwen_tokenizer() -> str:
+    """``qwen``: the real Qwen vocabulary (python -m data prepare --tokenizer qwen), built if missing."""
+    os.chdir(ROOT)
+    if not (QWEN_DIR / "tokenizer.json").is_file():
+        from data.qwen_vocab import build
+
+        build(QWEN_DIR)
+    return QWEN_SPEC
 
 
 def bpe_tokenizer(vocab_size: int = 8192) -> Path:
