@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from core.exceptions import DataError
-from data.tokenizers import ByteTokenizer, build_tokenizer
+from data.tokenizers import ByteTokenizer, build_tokenizer, tokenizer_directory
 from tests.data.corpus import train_local_tokenizer
 
 
@@ -31,3 +33,11 @@ def test_local_hugging_face_tokenizer_directory(tmp_path):
 def test_missing_tokenizer_is_a_data_error_that_says_nothing_is_downloaded(tmp_path):
     with pytest.raises(DataError, match="never downloads"):
         build_tokenizer("Qwen/Qwen3-0.6B")
+
+
+def test_tokenizer_directory_names_where_a_spec_lives(tmp_path):
+    train_local_tokenizer(tmp_path / "tok")
+    assert tokenizer_directory("byte") is None
+    assert tokenizer_directory("qwen") == Path("datasets/tokenizers/qwen")
+    assert tokenizer_directory(str(tmp_path / "tok")) == tmp_path / "tok"
+    assert tokenizer_directory(str(tmp_path / "tok" / "tokenizer.json")) == tmp_path / "tok"
