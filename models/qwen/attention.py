@@ -145,3 +145,73 @@ def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     groups = num_heads // kv_heads
     x = x[:, :, None].expand(batch, kv_heads, groups, seq_len, head_dim)  # (B, n_kv_head, groups, T, head_dim)
     return x.reshape(batch, num_heads, seq_len, head_dim)  # (B, n_head, T, head_dim)
+
+
+# --------------------------------------------------------------------------- KV-cache decoding
+# Generation (models/qwen/sampler.py) runs the same blocks over a preallocated key/value
+# cache instead of a packed batch. The training path above is untouched by this section.
+
+
+class KVCache(torch.nn.Module):
+    """Preallocated keys and values of every layer: (layers, B, n_kv_head, slots, head_dim) each.
+
+    The cache is indexed by position: the key/value of the token at position p of row b
+    lives in slot p of row b, so a row's layout never depends on the other rows of its
+    batch (ragged prompts need no left padding). It is zero-initialized, and slots a row
+    has not written are masked, never read: stale or padding values cannot reach a result.
+    Buffers (not plain attributes) so that torch.compile and CUDA graphs see static
+    addresses that the decode step updates in place.
+    """
+
+    def __init__(
+        self, *, num_layers: int, batch: int, num_kv_heads: int, slots: int, head_dim: int,
+        device: torch.device, dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        shape = (num_layers, batch, num_kv_heads, slots, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, position_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (B, T, n_kv_head, head_dim) of tokens at position_ids (B, T) into their slots."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        # Advanced indices around a slice put the indexed dims first: the target is (B, T, n_kv, hd).
+        self.k[layer][rows, :, position_ids] = k
+        self.v[layer][rows, :, position_ids] = v
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer, each (B, n_kv_head, slots, head_dim)."""
+        return self.k[layer], self.v[layer]
+
+
+def cache_mask(position_ids: torch.Tensor, slots: int) -> torch.Tensor:
+    """(B, 1, T, slots) boolean: the query at position p may read slots 0..p of its own row."""
+    slot = torch.arange(slots, device=position_ids.device)
+    return (slot[None, None, :] <= position_ids[:, :, None]).unsqueeze(1)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of new queries over a whole cache, in fp32.
+
+    q is (B, n_head, T, head_dim); k, v are a layer's cache (B, n_kv_head, slots, head_dim);
+    mask is ``cache_mask``'s (B, 1, T, slots). Returns (B, n_head, T, head_dim) in q's dtype.
+    Query heads are grouped under their key/value head instead of expanding the cache to
+    every query head (which would copy the whole cache at every step). Every reduction runs
+    over the full, fixed number of slots, so a row's result does not depend on how many
+    slots its neighbours use.
+    """
+    batch, num_heads, seq_len, head_dim = q.shape
+    kv_heads, slots = k.shape[1], k.shape[2]
+    groups = num_heads // kv_heads
+    # Query head h reads kv head h // groups, as _expand_kv_heads arranges it.
+    qg = q.reshape(batch, kv_heads, groups * seq_len, head_dim).to(torch.float32)  # (B, n_kv, G*T, hd)
+    scores = qg @ k.to(torch.float32).transpose(-1, -2) * head_dim**-0.5  # (B, n_kv, G*T, slots)
+    scores = scores.view(batch, kv_heads, groups, seq_len, slots)
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # mask (B, 1, 1, T, slots)
+    probs = scores.softmax(dim=-1).view(batch, kv_heads, groups * seq_len, slots)
+    out = probs @ v.to(torch.float32)  # (B, n_kv, G*T, hd)
+    return out.view(batch, num_heads, seq_len, head_dim).to(q.dtype)

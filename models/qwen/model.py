@@ -18,7 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import ModelConfig
-from models.qwen.attention import AttentionMask, attend, build_attention_mask, select_kernel
+from models.qwen.attention import (
+    AttentionMask,
+    KVCache,
+    attend,
+    attend_cached,
+    build_attention_mask,
+    cache_mask,
+    select_kernel,
+)
 from models.qwen.dims import QwenDims, resolve_dims
 from models.qwen.rope import RotaryTable, apply_rope
 
@@ -75,6 +83,32 @@ class QwenAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryTable, mask: AttentionMask) -> torch.Tensor:
         batch, seq_len, _ = x.shape
+        q, k, v = self._project(x, rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
+        out = attend(q, k, v, mask, sdpa_backends=self.sdpa_backends)  # (B, n_head, T, head_dim)
+        out = out.transpose(1, 2).reshape(batch, seq_len, -1)  # (B, T, n_head * head_dim)
+        return self.o_proj(out)
+
+    def forward_cached(
+        self, x: torch.Tensor, rope: RotaryTable, cache: KVCache, layer: int, position_ids: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Generation: write this chunk's keys/values into ``cache``, then attend over the cache.
+
+        ``position_ids`` (B, T) are the tokens' positions and cache slots; ``mask`` is
+        ``cache_mask(position_ids, cache.slots)``.
+        """
+        batch, seq_len, _ = x.shape
+        q, k, v = self._project(x, rope)
+        cache.write(layer, position_ids, k, v)
+        k_all, v_all = cache.read(layer)  # (B, n_kv_head, slots, head_dim)
+        out = attend_cached(q.transpose(1, 2), k_all, v_all, mask)  # (B, n_head, T, head_dim)
+        out = out.transpose(1, 2).reshape(batch, seq_len, -1)  # (B, T, n_head * head_dim)
+        return self.o_proj(out)
+
+    def _project(self, x: torch.Tensor, rope: RotaryTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, T, n_head, head_dim), k and v (B, T, n_kv_head, head_dim), normed and rotated."""
+        batch, seq_len, _ = x.shape
         # Head counts come from the projection widths (-1), not from num_heads: under tensor
         # parallelism each rank's q/k/v_proj output holds only its heads / tp heads.
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, n_head, head_dim)
@@ -83,10 +117,7 @@ class QwenAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim, before RoPE
         q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
-        out = attend(q, k, v, mask, sdpa_backends=self.sdpa_backends)  # (B, n_head, T, head_dim)
-        out = out.transpose(1, 2).reshape(batch, seq_len, -1)  # (B, T, n_head * head_dim)
-        return self.o_proj(out)
+        return q, k, v
 
 
 class QwenBlock(nn.Module):
@@ -106,6 +137,15 @@ class QwenBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: RotaryTable, mask: AttentionMask) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_cached(
+        self, hidden: torch.Tensor, rope: RotaryTable, cache: KVCache, layer: int, position_ids: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` for generation: attention reads and extends ``cache`` (layer ``layer``)."""
+        attn = self.self_attn.forward_cached(self.input_layernorm(hidden), rope, cache, layer, position_ids, mask)
+        hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -177,6 +217,32 @@ class QwenForCausalLM(nn.Module):
         if head is not None:
             return head(hidden, self.lm_head.weight)
         return self.lm_head(hidden)  # (B, T, vocab)
+
+    def forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Generation step: input_ids (B, T) at position_ids (B, T) -> logits (B, vocab) of each row's last token.
+
+        Each token's keys/values are written into cache slot ``position`` of its row, and it
+        attends to slots 0..position of that row (earlier chunks' tokens included), so a
+        prompt can be fed in chunks and then one token at a time. Rows are independent:
+        each has its own positions. Call on a plain (unwrapped) model, under no_grad;
+        ``models.qwen.sampler`` drives it. The training ``forward`` does not use this path.
+        """
+        if input_ids.shape != position_ids.shape:
+            raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}")
+        mask = cache_mask(position_ids, cache.slots)  # (B, 1, T, slots)
+        rope = self.rotary_table(position_ids)
+        hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
+        for layer, block in enumerate(self.layers):
+            hidden = block.forward_cached(hidden, rope, cache, layer, position_ids, mask)
+        return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
+
+    def new_kv_cache(self, *, batch: int, slots: int) -> KVCache:
+        """A zeroed KV cache for ``batch`` rows of ``slots`` positions, on the model's device and dtype."""
+        weight = self.embed_tokens.weight
+        return KVCache(
+            num_layers=self.dims.num_layers, batch=batch, num_kv_heads=self.dims.num_kv_heads, slots=slots,
+            head_dim=self.dims.head_dim, device=weight.device, dtype=weight.dtype,
+        )
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:

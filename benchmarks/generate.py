@@ -1,0 +1,265 @@
+"""Generation throughput: models/qwen/sampler.py against `transformers` `generate`, and what holds bitwise.
+
+    python benchmarks/generate.py --shape qwen2.5-0.5b --batch 64 --prompt-len 128 --new-tokens 256 \
+        --check-determinism --out bench_out/generate-0.5b.json
+    python benchmarks/generate.py --tiny --out bench_out/generate-tiny.json      # CPU smoke test
+
+Both generators get the same weights (a random init of the preset's shape, copied from the
+transformers model into ours, bf16), the same ``--batch`` prompts of ``--prompt-len`` random
+token ids and produce exactly ``--new-tokens`` tokens per prompt (no stop token), sampling at
+temperature 1 without filters (``--greedy``: argmax). tokens/s = batch x new tokens / wall
+time of one whole ``generate`` call (prefill included), median of ``--repeats`` calls after
+one warm-up call (which includes compilation and CUDA-graph capture; reported separately).
+
+Variants of ours: ``eager``; ``compiled`` (decode step under torch.compile, no CUDA graphs);
+``graphs`` (compiled and replayed as a CUDA graph, the default on CUDA). transformers:
+``hf`` (``model.generate`` with its default dynamic cache) and, with ``--hf-static``,
+``hf_static`` (``cache_implementation="static"``, which transformers compiles itself).
+A variant that fails is reported with its error and the others still run.
+
+``--check-determinism`` (ours, sampling, the fastest variant) reports, for the default
+settings and again under ``torch.use_deterministic_algorithms(True)`` (what
+``determinism.mode=bitwise`` sets): the same batch twice; each of the first ``--probe``
+prompts alone (batch of 1, padded to max_batch) vs inside the full batch; the batch in
+shuffled order. ``equal`` means tokens and log-probs are bitwise equal for every probed sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+# Deterministic cuBLAS needs this before CUDA initializes (torch.use_deterministic_algorithms).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.hf_baseline import build_hf_model, load_model_config, write_json  # noqa: E402
+
+TINY = {"shape": "tiny", "batch": 4, "prompt_len": 8, "new_tokens": 8, "repeats": 1, "probe": 2}
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], Any], device) -> tuple[float, Any]:
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return time.perf_counter() - start, result
+
+
+def _measure(fn: Callable[[], Any], device, repeats: int, generated: int) -> dict[str, Any]:
+    warmup_s, result = _timed(fn, device)
+    times = [_timed(fn, device)[0] for _ in range(repeats)]
+    median = statistics.median(times)
+    return {"warmup_s": warmup_s, "times_s": times, "median_s": median, "tokens_per_s": generated / median,
+            "result": result}
+
+
+def build_models(args, device):
+    """(transformers model, our model): the same bf16 weights."""
+    import torch
+
+    from models.hf_weights import from_hf_key
+    from models.qwen.model import empty_model
+
+    model_config = load_model_config(args.shape, args.config)
+    hf_model, class_name = build_hf_model(model_config, device)
+    hf_model.config.use_cache = True
+    hf_model.eval()
+    ours = empty_model(model_config, device=device, dtype=torch.bfloat16)
+    ours.load_state_dict({from_hf_key(k): v for k, v in hf_model.state_dict().items()}, strict=True)
+    ours.tie_weights()
+    return hf_model, ours.eval(), class_name, model_config
+
+
+def ours_variant(model, args, name: str):
+    from models.qwen.sampler import Sampler
+
+    compile_, graphs = {"eager": (False, False), "compiled": (True, False), "graphs": (True, True)}[name]
+    return Sampler(model, max_batch=args.batch, max_len=args.prompt_len + args.new_tokens,
+                   prefill_chunk=args.prompt_len, compile=compile_, cuda_graphs=graphs)
+
+
+def run_ours(sampler, prompts, keys, params):
+    samples = sampler.generate(prompts, keys, params)
+    assert all(len(s.tokens) == params.max_new_tokens for s in samples), "a sample ended early"
+    return samples
+
+
+def run_hf(hf_model, input_ids, args, static: bool):
+    import torch
+
+    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                  attention_mask=torch.ones_like(input_ids), pad_token_id=0)
+    if args.greedy:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    if static:
+        kwargs.update(cache_implementation="static")
+    with torch.no_grad():
+        out = hf_model.generate(input_ids, **kwargs)
+    assert out.shape[1] == input_ids.shape[1] + args.new_tokens, tuple(out.shape)
+    return out[:, input_ids.shape[1]:]
+
+
+def check_determinism(sampler, prompts, keys, params, probe: int) -> dict[str, Any]:
+    base = sampler.generate(prompts, keys, params)
+    again = sampler.generate(prompts, keys, params)
+    alone = [sampler.generate([prompts[i]], [keys[i]], params)[0] for i in range(probe)]
+    order = list(reversed(range(len(prompts))))
+    shuffled = sampler.generate([prompts[i] for i in order], [keys[i] for i in order], params)
+    unshuffled = [shuffled[order.index(i)] for i in range(len(prompts))]
+
+    def compare(a, b) -> dict[str, Any]:
+        differing = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        first = None
+        if differing:
+            x, y = a[differing[0]], b[differing[0]]
+            first = next((t for t, (u, v) in enumerate(zip(x.logprobs, y.logprobs)) if u != v or x.tokens[t] != y.tokens[t]), None)
+        return {"equal": not differing, "differing_samples": len(differing), "compared": len(a),
+                "first_differing_position": first}
+
+    return {"same_batch_twice": compare(base, again), "batch_1_vs_full": compare(base[:probe], alone),
+            "shuffled_order": compare(base, unshuffled)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-0.5b")
+    parser.add_argument("--config", default=None, help="a config YAML instead of --shape's preset")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="graphs,compiled,eager,hf", help="of graphs, compiled, eager, hf, hf_static")
+    parser.add_argument("--hf-static", action="store_true", help="add the hf_static variant")
+    parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--check-determinism", action="store_true")
+    parser.add_argument("--probe", type=int, default=4, help="prompts checked alone in --check-determinism")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--tiny", action="store_true", help="a CPU-sized smoke test of this script")
+    parser.add_argument("--out", default="bench_out/generate.json")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        for key, value in TINY.items():
+            setattr(args, key, value)
+        args.device = args.device or "cpu"
+        args.variants = "eager,hf"
+        args.check_determinism = True
+
+    import torch
+    import transformers
+
+    from models.qwen.sampler import SampleKey, SamplingParams
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    hf_model, ours, class_name, model_config = build_models(args, device)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model_config.vocab_size, (args.batch, args.prompt_len), generator=generator)
+    prompts = input_ids.tolist()
+    keys = [SampleKey(0, "benchmark", 0, i) for i in range(args.batch)]
+    params = SamplingParams(temperature=0.0 if args.greedy else 1.0, max_new_tokens=args.new_tokens)
+    generated = args.batch * args.new_tokens
+    variants = [v for v in args.variants.split(",") if v] + (["hf_static"] if args.hf_static else [])
+
+    results: dict[str, Any] = {}
+    outputs: dict[str, Any] = {}
+    fastest = None
+    for name in variants:
+        print(f"[generate] {name} ...", flush=True)
+        try:
+            if name.startswith("hf"):
+                ids = input_ids.to(device)
+                measured = _measure(lambda: run_hf(hf_model, ids, args, name == "hf_static"), device, args.repeats, generated)
+                outputs[name] = measured.pop("result").tolist()
+            else:
+                sampler = ours_variant(ours, args, name)
+                measured = _measure(lambda: run_ours(sampler, prompts, keys, params), device, args.repeats, generated)
+                outputs[name] = [s.tokens for s in measured.pop("result")]
+                if fastest is None or measured["tokens_per_s"] > results[fastest]["tokens_per_s"]:
+                    fastest = name
+            if device.type == "cuda":
+                measured["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                torch.cuda.reset_peak_memory_stats()
+            results[name] = measured
+        except Exception as exc:  # report and go on with the other variants
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    determinism = {}
+    if args.check_determinism and fastest is not None:
+        for label, deterministic in (("default", False), ("deterministic_algorithms", True)):
+            print(f"[generate] determinism ({label}) with {fastest} ...", flush=True)
+            previous = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(deterministic)
+            try:
+                determinism[label] = check_determinism(ours_variant(ours, args, fastest), prompts, keys,
+                                                       SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens),
+                                                       min(args.probe, args.batch))
+            except Exception as exc:
+                traceback.print_exc()
+                determinism[label] = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                torch.use_deterministic_algorithms(previous)
+
+    agreement = {}
+    if args.greedy and "hf" in outputs:
+        for name, tokens in outputs.items():
+            if name != "hf":
+                same_first = sum(a[0] == b[0] for a, b in zip(tokens, outputs["hf"]))
+                prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(tokens, outputs["hf"])]
+                agreement[name] = {"first_token_equal": same_first / len(tokens), "mean_equal_prefix": statistics.mean(prefix)}
+
+    hf_speed = results.get("hf", {}).get("tokens_per_s")
+    payload = {
+        "shape": args.shape, "model_class": class_name, "batch": args.batch, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "greedy": args.greedy, "dtype": "bfloat16", "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "results": results, "speedup_vs_hf": {n: r["tokens_per_s"] / hf_speed for n, r in results.items()
+                                              if hf_speed and "tokens_per_s" in r},
+        "determinism": determinism, "greedy_agreement_with_hf": agreement,
+    }
+    write_json(args.out, payload)
+    print(f"\n{args.shape} ({class_name}), batch {args.batch} x {args.prompt_len} prompt tokens, "
+          f"{args.new_tokens} new, bf16, {payload['gpu'] or device}")
+    print("| variant | tokens/s | median s | warm-up s | vs hf |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | error: {r['error'][:80]} | | | |")
+        else:
+            ratio = payload["speedup_vs_hf"].get(name)
+            print(f"| {name} | {r['tokens_per_s']:.0f} | {r['median_s']:.3f} | {r['warmup_s']:.1f} | "
+                  f"{'' if ratio is None else f'{ratio:.2f}x'} |")
+    for label, checks in determinism.items():
+        print(f"determinism ({label}): " + ", ".join(
+            f"{k}={v['equal']} ({v['differing_samples']}/{v['compared']} differ)" if "equal" in v else f"{k}={v}"
+            for k, v in checks.items()))
+    if agreement:
+        print(f"greedy agreement with hf: {agreement}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Batched autoregressive generation for QwenForCausalLM over a preallocated KV cache.
+
+    sampler = Sampler(model, max_batch=64, max_len=512)
+    samples = sampler.generate(prompts, keys, SamplingParams(temperature=0.7, top_p=0.9))
+
+**Reproducible by construction.** A sample's randomness is one uniform number per generated
+position, derived on the host from its ``SampleKey`` (seed, purpose, step, prompt index,
+sample index) with a counter-based 64-bit hash, and nothing else: no generator state is
+shared between rows or calls. A token is drawn by inverting the CDF of the (tempered,
+filtered) next-token distribution at that uniform. The model runs every forward at one
+static shape, ``max_batch`` rows (a call with fewer prompts is padded with dummy rows) and
+prompts fed in chunks of ``prefill_chunk`` positions into a cache of fixed size, so the
+arithmetic a row goes through does not depend on which prompts share its batch, how many
+there are, or in which order they come; only on the Sampler's own settings (max_batch,
+max_len, prefill_chunk, device, dtype, compile). That holds bitwise wherever a kernel's
+result for one row depends on the tensor's shape but not on the other rows' values or the
+row's index (measured on the CPU, tests/models/test_sampler.py; on the GPU,
+benchmarks/generate.py --check-determinism measures it). A CPU GEMM's row results *do*
+change with the number of rows (e.g. 1 vs 5 vs 8 rows on the CPU the tests run on),
+which is why the shapes are static rather than "as many rows as prompts".
+
+**Layout.** Cache slot p of row b holds the key/value of row b's token at position p. A
+prompt of length n is prefilled at positions 0..n-2 (in fixed chunks; positions beyond a
+short row's prompt compute padding that is never read), and decoding starts by feeding the
+last prompt token at position n-1, so every generated token comes out of the same decode
+step. Slots a row has not written are masked out.
+
+**Log-probs.** ``Sample.logprobs[i]`` is log softmax of the model's *untempered* logits
+(fp32) at the chosen token: what a trainer computes for the same tokens (up to kernel
+differences between the cached and the training forward), whatever the sampling
+temperature or filters were.
+
+**Speed (CUDA).** The decode step (model + sampling) is compiled with static shapes and, by
+default, replayed as a CUDA graph (``mode="reduce-overhead"``); the prefill runs eagerly.
+On other devices everything runs eagerly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from core.exceptions import ConfigError, DataError
+from models.qwen.model import QwenForCausalLM
+
+FinishReason = Literal["stop", "length"]
+
+# How many decode steps run between checks (one host sync each) that every row has finished.
+_DONE_CHECK_INTERVAL = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature=0`` is greedy (argmax; the filters do not apply)."""
+
+    temperature: float = 1.0
+    """Divides the logits before the softmax; 0 means greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (nucleus)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely token's probability."""
+    max_new_tokens: int = 128
+    """Generated tokens per sample at most (fewer where the context ends first)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a sample (e.g. EOS, <|im_end|>); the stop token is kept in the output."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_k", self.top_k >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+        )
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(
+                    f"sampling {name} must be {expected}, got {getattr(self, name)!r}", key=f"sampling.{name}"
+                )
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        """Whether any of top_k, top_p, min_p removes tokens."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """The identity of one sample, and so of all its randomness (design.md section 9).
+
+    ``purpose`` names the consumer (e.g. "grpo.rollout", "cli"), ``step`` the training step
+    (0 outside training), ``prompt_index`` the prompt's index in its data set or file (not
+    its position in a batch) and ``sample_index`` which of several samples of that prompt.
+    """
+
+    seed: int
+    purpose: str
+    step: int
+    prompt_index: int
+    sample_index: int = 0
+
+    def stream(self) -> int:
+        """A 64-bit integer that depends on every field and nothing else."""
+        text = f"{self.seed}:{self.purpose}:{self.step}:{self.prompt_index}:{self.sample_index}".encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
+
+    def uniforms(self, count: int) -> np.ndarray:
+        """``count`` uniforms in [0, 1), float32, one per generated position (counter-based)."""
+        return counter_uniforms(np.array([self.stream()], dtype=np.uint64), count)[0]
+
+
+def counter_uniforms(streams: np.ndarray, count: int) -> np.ndarray:
+    """(N,) uint64 streams -> (N, count) float32 uniforms in [0, 1): splitmix64(stream + (t+1)*golden).
+
+    Pure integer arithmetic (numpy uint64 wraps modulo 2^64), so the numbers are the same on
+    every machine; each uses the top 24 bits, exactly representable in float32.
+    """
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    counters = np.arange(1, count + 1, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        x = streams[:, None] + counters * golden
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return ((x >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated continuation."""
+
+    tokens: list[int]
+    """Generated token ids (the prompt excluded; a stop token included)."""
+    logprobs: list[float]
+    """The model's untempered log-probability of each generated token."""
+    finish_reason: FinishReason
+    """'stop' (a stop token was generated) or 'length' (max_new_tokens or the context ran out)."""
+
+
+def sample_next(
+    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, vocab), uniforms (B,) -> (tokens (B,) int64, untempered log-probs (B,) fp32).
+
+    Every operation is row-wise, so a row's token depends on its own logits and uniform only.
+    Sampling inverts the CDF at the uniform: over the tokens in descending probability when
+    a filter applies (the kept tokens are then a prefix), else in vocabulary order.
+    """
+    logits = logits.to(torch.float32)
+    logprobs = F.log_softmax(logits, dim=-1)
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = F.softmax(logits / params.temperature, dim=-1)
+        tokens = _filtered_draw(probs, uniforms, params) if params.filtered else _draw(probs, uniforms)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF in vocabulary order; never a zero-probability token."""
+    cdf = probs.cumsum(dim=-1)  # (B, vocab)
+    target = (uniforms * cdf[:, -1]).unsqueeze(-1)  # (B, 1), below the total
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    # Rounding can land exactly on the total; fall back to the mode rather than a p=0 token.
+    chosen = probs.gather(-1, tokens[:, None]).squeeze(-1)
+    return torch.where(chosen > 0, tokens, probs.argmax(dim=-1))
+
+
+def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B, vocab)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if params.top_k > 0:
+        keep &= rank < params.top_k
+    if params.top_p < 1:
+        keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs) < params.top_p  # mass before it
+    if params.min_p > 0:
+        keep &= sorted_probs >= params.min_p * sorted_probs[:, :1]
+    # Every condition keeps the most likely token and is monotone in rank: the kept tokens
+    # are a prefix of the sorted order, of length kept.
+    kept = keep.sum(dim=-1)  # (B,)
+    cdf = (sorted_probs * keep).cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    position = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    position = torch.minimum(position, kept - 1)
+    return order.gather(-1, position[:, None]).squeeze(-1)
+
+
+class Sampler:
+    """Generates continuations of token-id prompts with a plain QwenForCausalLM.
+
+    The model is used as it is (its device and dtype; put it in eval mode yourself if it
+    has any train-only behaviour, which Qwen has not). For a sharded (FSDP2/TP) or DDP
+    model, pass ``generation_model(model)``'s result. ``max_len`` bounds prompt plus
+    generated tokens of one sample; ``max_batch`` is the number of rows every forward
+    runs (calls with more prompts are processed in groups of max_batch).
+
+    ``compile`` (default: on CUDA) compiles the decode step with static shapes;
+    ``cuda_graphs`` (default: with compile on CUDA) replays it as a CUDA graph.
+    """
+
+    def __init__(
+        self,
+        model: QwenForCausalLM,
+        *,
+        max_batch: int,
+        max_len: int,
+        prefill_chunk: int = 128,
+        compile: Optional[bool] = None,
+        cuda_graphs: Optional[bool] = None,
+    ) -> None:
+        if not isinstance(model, QwenForCausalLM):
+            raise ConfigError(
+                f"Sampler needs a plain QwenForCausalLM, got {type(model).__name__}",
+                hint="pass models.qwen.sampler.generation_model(model) for a wrapped or sharded model",
+            )
+        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
+            if value < 1:
+                raise ConfigError(f"sampler {name} must be >= 1, got {value}", key=f"sampler.{name}")
+        if max_len < 2:
+            raise ConfigError(f"sampler max_len must be >= 2 (a prompt token and a new one), got {max_len}",
+                              key="sampler.max_len")
+        self.model = model
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.prefill_chunk = min(prefill_chunk, max_len)
+        weight = model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        on_cuda = self.device.type == "cuda"
+        self.compile = on_cuda if compile is None else compile
+        self.cuda_graphs = (self.compile and on_cuda) if cuda_graphs is None else cuda_graphs
+        # Slots rounded up to whole prefill chunks: chunk positions never leave the cache.
+        slots = math.ceil(max_len / self.prefill_chunk) * self.prefill_chunk
+        with torch.no_grad():
+            self.cache = model.new_kv_cache(batch=max_batch, slots=slots)
+        if self.cuda_graphs:
+            torch._dynamo.mark_static_address(self.cache.k)
+            torch._dynamo.mark_static_address(self.cache.v)
+        self._decode_steps: dict[SamplingParams, Callable] = {}
+
+    # ------------------------------------------------------------------ public
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], keys: Sequence[SampleKey], params: SamplingParams
+    ) -> list[Sample]:
+        """One sample per (prompt, key) pair, in the order given.
+
+        A prompt may appear several times with different keys (several samples of it).
+        Raises DataError naming the prompt index for an empty prompt, a prompt that leaves
+        no room for a new token within max_len, or a token id outside the vocabulary.
+        """
+        if len(prompts) != len(keys):
+            raise ConfigError(f"generate got {len(prompts)} prompts but {len(keys)} keys; pass one key per prompt")
+        rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
+        samples: list[Sample] = []
+        with torch.no_grad():
+            for start in range(0, len(rows), self.max_batch):
+                group = slice(start, start + self.max_batch)
+                samples.extend(self._generate_group(rows[group], list(keys[group]), params))
+        return samples
+
+    # ------------------------------------------------------------------ internals
+
+    def _checked_prompt(self, index: int, prompt: Sequence[int]) -> list[int]:
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise DataError(f"prompt {index} is empty", record=index,
+                            hint="give every prompt at least one token (e.g. BOS or a chat template's header)")
+        if len(tokens) >= self.max_len:
+            raise DataError(
+                f"prompt {index} has {len(tokens)} tokens, which leaves no room for a new one "
+                f"within the sampler's max_len={self.max_len}",
+                record=index, hint="shorten the prompt or raise max_len",
+            )
+        vocab = self.model.dims.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise DataError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab})",
+                            record=index, hint="tokenize with the model's own tokenizer")
+        return tokens
+
+    def _generate_group(self, prompts: list[list[int]], keys: list[SampleKey], params: SamplingParams) -> list[Sample]:
+        rows, batch, device = len(prompts), self.max_batch, self.device
+        lengths = [len(p) for p in prompts] + [1] * (batch - rows)  # padding rows: one token
+        budgets = [min(params.max_new_tokens, self.max_len - n) for n in lengths[:rows]]
+        steps = max(budgets)
+        self._prefill(prompts, lengths)
+
+        streams = np.array([k.stream() for k in keys] + [0] * (batch - rows), dtype=np.uint64)
+        uniforms = torch.from_numpy(counter_uniforms(streams, steps)).to(device)  # (B, steps)
+        last = torch.tensor([p[-1] for p in prompts] + [0] * (batch - rows), device=device)
+        start = torch.tensor([n - 1 for n in lengths], device=device)  # position of the last prompt token
+        budget = torch.tensor(budgets + [0] * (batch - rows), device=device)
+        stops = torch.tensor(params.stop_token_ids or [-1], device=device)
+        out_tokens = torch.zeros(batch, steps, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros(batch, steps, dtype=torch.float32, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        done[rows:] = True
+        decode = self._decode_step(params)
+        token = last[:, None]  # (B, 1)
+        for t in range(steps):
+            # A finished row keeps stepping (static shapes) at a clamped position; its output is ignored.
+            positions = (start + t).clamp(max=self.cache.slots - 1)[:, None]  # (B, 1)
+            next_token, logprob = decode(token, positions, uniforms[:, t])
+            out_tokens[:, t] = next_token
+            out_logprobs[:, t] = logprob
+            token = next_token[:, None].clone()  # the graph's output buffer is reused by its next replay
+            done |= torch.isin(next_token, stops) | (t + 1 >= budget)
+            if (t + 1) % _DONE_CHECK_INTERVAL == 0 and bool(done.all()):
+                break
+        return _collect(out_tokens[:rows].tolist(), out_logprobs[:rows].tolist(), budgets, params.stop_token_ids)
+
+    def _prefill(self, prompts: list[list[int]], lengths: list[int]) -> None:
+        """Write keys/values of every prompt token but the last, in chunks of fixed shape."""
+        batch, chunk = self.max_batch, self.prefill_chunk
+        width = max(lengths) - 1
+        if width == 0:
+            return
+        chunks = math.ceil(width / chunk)
+        ids = torch.zeros(batch, chunks * chunk, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt) - 1] = torch.tensor(prompt[:-1])
+        ids = ids.to(self.device)
+        for c in range(chunks):
+            positions = torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(batch, chunk)
+            self.model.forward_cached(ids[:, c * chunk : (c + 1) * chunk], positions, self.cache)
+
+    def _decode_step(self, params: SamplingParams) -> Callable:
+        """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""
+        if params in self._decode_steps:
+            return self._decode_steps[params]
+
+        def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
+            logits = self.model.forward_cached(tokens, positions, self.cache)
+            return sample_next(logits, uniforms, params)
+
+        if self.compile:
+            mode = "reduce-overhead" if self.cuda_graphs else "default"
+            compiled = torch.compile(step, mode=mode, fullgraph=True, dynamic=False)
+            if self.cuda_graphs:
+                def graphed(*args):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    return compiled(*args)
+                step = graphed
+            else:
+                step = compiled
+        self._decode_steps[params] = step
+        return step
+
+
+def _collect(
+    tokens: list[list[int]], logprobs: list[list[float]], budgets: list[int], stop_token_ids: tuple[int, ...]
+) -> list[Sample]:
+    stops = set(stop_token_ids)
+    samples = []
+    for row_tokens, row_logprobs, budget in zip(tokens, logprobs, budgets):
+        end = next((i + 1 for i, t in enumerate(row_tokens[:budget]) if t in stops), None)
+        reason: FinishReason = "stop" if end is not None else "length"
+        end = budget if end is None else end
+        samples.append(Sample(tokens=row_tokens[:end], logprobs=row_logprobs[:end], finish_reason=reason))
+    return samples
+
+
+# ---------------------------------------------------------------------- sharded models
+
+
+def generation_model(
+    model: torch.nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> QwenForCausalLM:
+    """A plain local QwenForCausalLM with the full weights of ``model``, for the Sampler.
+
+    ``model`` may be plain, DDP-wrapped, compiled, or sharded with FSDP2 / tensor
+    parallelism (DTensor parameters). A plain model on the requested device and dtype is
+    returned as it is; otherwise the full weights are gathered into a fresh model. With
+    sharded parameters this is a collective: call it on every rank. Memory: one full copy of
+    the weights per rank in ``dtype`` (default: the parameters' dtype), plus, transiently,
+    one gathered parameter at a time. No separate inference server, no files.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from models.qwen.model import empty_model
+
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile(model)
+    config = getattr(inner, "config", None)
+    if config is None:
+        raise ConfigError(f"generation_model needs a Qwen model, got {type(model).__name__} without .config")
+    state = get_model_state_dict(inner)  # canonical names: no compile / checkpoint-wrapper prefixes
+    first = next(iter(state.values()))
+    target_device = torch.device(device) if device is not None else (
+        first.device_mesh.device_type if isinstance(first, DTensor) else first.device
+    )
+    target_dtype = dtype if dtype is not None else first.dtype
+    plain = type(inner) is QwenForCausalLM and not any(isinstance(v, DTensor) for v in state.values())
+    if plain and first.device == torch.device(target_device) and first.dtype == target_dtype:
+        return inner
+    fresh = empty_model(config, device=target_device, dtype=target_dtype)
+    with torch.no_grad():
+        params = dict(fresh.named_parameters())
+        for name, value in state.items():
+            if name not in params:
+                continue  # a tied lm_head.weight shares embed_tokens' storage
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            params[name].copy_(full)
+            del full
+    fresh.tie_weights()
+    return fresh.eval()
