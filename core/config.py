@@ -192,7 +192,7 @@ class TrainConfig:
     decay_fraction: float = 0.2
     """wsd: fraction of the schedule spent in the final decay."""
     optimizer: Literal["adamw", "muon", "lion", "schedule_free_adamw"] = "adamw"
-    """adamw; muon (Muon on hidden matrices, AdamW on the rest); lion; schedule_free_adamw (needs schedule=constant). See docs/config.md."""
+    """adamw; muon (Muon on hidden matrices, AdamW on the rest); lion; schedule_free_adamw (needs schedule=constant). See docs/optimizers.md."""
     weight_decay: float = 0.1
     """Decoupled weight decay of every optimizer (not applied to norms, biases and embeddings)."""
     beta1: float = 0.9
