@@ -49,7 +49,7 @@ TERMINAL_EVENTS: dict[str, str] = {
     "watchdog_abort": "failed",
     "nonfinite_abort": "failed",
 }
-START_EVENTS = ("run_started", "resumed")
+START_EVENTS = ("run_started", "resume_started", "resumed")
 
 
 class SchemaError(LockstepError):

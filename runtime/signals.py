@@ -53,6 +53,9 @@ class StopSignals:
         self._previous: dict[signal.Signals, Any] = {}
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+            owner = getattr(self._previous[sig], "__self__", None)
+            if isinstance(owner, StartupSignals):
+                owner.disarm()  # the step loop's stop handling takes over from start-up's
 
     # ------------------------------------------------------------------ queries
 
@@ -108,6 +111,45 @@ class StopSignals:
         if len(self._received) == 1:
             os.write(2, f"stop: {name} received; stopping at the next step boundary "
                         "(Ctrl-C again to exit now)\n".encode())
+
+
+class StopDuringStartup(LockstepError):
+    """A stop signal before the step loop could take it: nothing to checkpoint yet, so the
+    run records a failure with exit code 128 + signal (143 for SIGTERM) and ends cleanly
+    (event written, lock released) instead of dying silently with its lock held."""
+
+    kind = "stopped during start-up"
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"{name} received before the first step; nothing was trained or checkpointed",
+            signal=name,
+            hint="run or resume it again",
+        )
+        self.exit_code = 128 + signum
+
+
+class StartupSignals:
+    """From process start until ``StopSignals`` takes over: the first stop signal raises
+    ``StopDuringStartup`` in the main thread. Once disarmed (by ``StopSignals``), a signal
+    that reaches it again (after the loop's handlers are restored, during teardown) gets
+    the default action, as if no handler had been installed."""
+
+    def __init__(self, *, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
+        self._armed = True
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._armed:
+            self._armed = False
+            raise StopDuringStartup(signum)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def exit_with_launcher(

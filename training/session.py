@@ -25,7 +25,7 @@ from experiments.artifacts import ArtifactStore
 from models import model_config_from_hf
 from models.qwen.dims import resolve_dims
 from runtime.faults import parse_faults
-from runtime.signals import exit_with_launcher
+from runtime.signals import StartupSignals, exit_with_launcher
 from runtime.watchdog import configure_nccl_diagnostics
 from training import replay as replay_lib
 from training import resume as resume_lib
@@ -105,6 +105,7 @@ def prepare_process(config: Config) -> None:
     The device is checked first: ranks that would share a GPU are a ConfigError (exit 2)
     before anything is written under ``run.root``."""
     exit_with_launcher()
+    StartupSignals()  # a stop signal before the step loop is recorded, not a silent death
     info = ProcessInfo.from_env()
     device = select_device(config.parallel, info.local_rank, info.local_world_size)
     check_model_fits(config, device, info)
@@ -157,24 +158,32 @@ def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunC
             config.run.root, args.resume or args.replay, dist, lock=args.mode == "resume"
         )
         run.config = config
-    log_dir = run.paths.logs if args.mode != "replay" else Path(args.dump or run.paths.root / "replays") / "logs"
-    setup_logging(dist.rank, log_dir, console=dist.is_main)
-    events = EventLog(run.paths.events if args.mode != "replay" else None, rank=dist.rank)
-    if dist.is_main:
-        console(f"run_id: {run.run_id}")
-        console(f"run_dir: {run.run_dir}")
-    if args.mode == "train" and dist.is_main:
-        ArtifactStore(run.run_dir).collect(config, repo_root=Path.cwd())
-    if args.mode != "train":
-        resume_lib.check_environment(run.paths, config, dist.device, strict=config.runtime.strict_env)
-    if dist.is_main and args.mode != "replay":
-        events.emit(
-            "run_started" if args.mode == "train" else "resume_started",
-            world_size=dist.world_size,
-            config_hash=config.hash,
-            strategy=config.parallel.strategy,
-        )
-    get_logger().info("%s on %s, world size %d", args.mode, dist.device, dist.world_size)
+    events = None
+    try:  # from here the run dir exists: a failure (or a stop signal) is recorded in it
+        log_dir = run.paths.logs if args.mode != "replay" else Path(args.dump or run.paths.root / "replays") / "logs"
+        setup_logging(dist.rank, log_dir, console=dist.is_main)
+        events = EventLog(run.paths.events if args.mode != "replay" else None, rank=dist.rank)
+        if dist.is_main:
+            console(f"run_id: {run.run_id}")
+            console(f"run_dir: {run.run_dir}")
+        if args.mode == "train" and dist.is_main:
+            ArtifactStore(run.run_dir).collect(config, repo_root=Path.cwd())
+        if args.mode != "train":
+            resume_lib.check_environment(run.paths, config, dist.device, strict=config.runtime.strict_env)
+        if dist.is_main and args.mode != "replay":
+            events.emit(
+                "run_started" if args.mode == "train" else "resume_started",
+                world_size=dist.world_size,
+                config_hash=config.hash,
+                strategy=config.parallel.strategy,
+            )
+        get_logger().info("%s on %s, world size %d", args.mode, dist.device, dist.world_size)
+    except BaseException as error:
+        # The caller never receives ``run``: record here and free the lock; the caller's
+        # fail() prints the one line.
+        record_failure(error, run, events, dist.rank)
+        run.release()
+        raise
     return run, events
 
 
@@ -196,7 +205,8 @@ def finish(result, run: RunContext, events: EventLog, dist: DistributedContext) 
         if result.status == "replayed":
             console(f"replay: steps {result.first_step}..{result.last_step} match the ledger of {run.run_id}")
         else:
-            events.emit(result.status, step=result.last_step, tokens=result.tokens)
+            if result.status != "stopped":  # the loop records "stopped" with its signal
+                events.emit(result.status, step=result.last_step, tokens=result.tokens)
             console(
                 f"{result.status}: steps {result.first_step}..{result.last_step}, "
                 f"{result.tokens} tokens, loss {_fmt(result.first_loss)} -> {_fmt(result.last_loss)}, "
@@ -218,13 +228,23 @@ def fail(
         # the cause is the hang, so exit as the watchdog would once its bundle is written.
         watchdog.wait_for_dump(timeout=60)
         error = WatchdogAbort(f"watchdog fired, then: {error}", rank=dist.rank if dist else None)
-    code = exit_code_for(error)
-    if isinstance(error, KeyboardInterrupt):
-        code = 130
     rank = dist.rank if dist is not None else ProcessInfo.from_env().rank
+    print(f"[rank {rank}] {_one_line(error)}", file=sys.stderr, flush=True)
+    return record_failure(error, run, events, rank)
+
+
+def _exit_code(error: BaseException) -> int:
+    return 130 if isinstance(error, KeyboardInterrupt) else exit_code_for(error)
+
+
+def _one_line(error: BaseException) -> str:
+    return str(error) if isinstance(error, LockstepError) else f"error: {type(error).__name__}: {error}"
+
+
+def record_failure(error: BaseException, run: RunContext | None, events: EventLog | None, rank: int) -> int:
+    """The traceback into the rank's log and ``diagnostics/``, a ``failed`` event; the exit code."""
+    code, line = _exit_code(error), _one_line(error)
     text = "".join(traceback.format_exception(error))
-    line = str(error) if isinstance(error, LockstepError) else f"error: {type(error).__name__}: {error}"
-    print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
     _log_to_files_only(f"{line}\n{text}")  # the console (stdout) gets nothing more than stderr's line
     if run is not None:
         try:
