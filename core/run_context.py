@@ -51,10 +51,32 @@ class RunContext:
         self.paths = paths
         self.resumed = resumed
         self._lock: RunDirLock | None = None
+        self.output_dir: Path = paths.root
+        """Where this process writes logs and diagnostics: the run dir, except for a replay,
+        which writes only into its own output directory (``use_output_dir``)."""
 
     @property
     def run_dir(self) -> Path:
         return self.paths.root
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.output_dir / layout.LOGS_DIR
+
+    @property
+    def diagnostics_dir(self) -> Path:
+        return self.output_dir / layout.DIAGNOSTICS_DIR
+
+    def use_output_dir(self, directory: Path) -> None:
+        """Send this process's logs and diagnostics to ``directory`` (a replay's own output),
+        which must lie outside the run dir."""
+        directory = Path(directory)
+        if directory.resolve().is_relative_to(self.paths.root.resolve()):
+            raise ConfigError(
+                f"output directory {directory} is inside the run dir {self.paths.root}",
+                hint="a replay writes only into its own directory; choose one outside the run",
+            )
+        self.output_dir = directory
 
     # ------------------------------------------------------------------ creation
 

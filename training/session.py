@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,14 +159,17 @@ def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunC
             config.run.root, args.resume or args.replay, dist, lock=args.mode == "resume"
         )
         run.config = config
+        if args.mode == "replay":
+            run.use_output_dir(replay_output_dir(args, run, dist))
     events = None
     try:  # from here the run dir exists: a failure (or a stop signal) is recorded in it
-        log_dir = run.paths.logs if args.mode != "replay" else Path(args.dump or run.paths.root / "replays") / "logs"
-        setup_logging(dist.rank, log_dir, console=dist.is_main)
+        setup_logging(dist.rank, run.logs_dir, console=dist.is_main)
         events = EventLog(run.paths.events if args.mode != "replay" else None, rank=dist.rank)
         if dist.is_main:
             console(f"run_id: {run.run_id}")
             console(f"run_dir: {run.run_dir}")
+            if args.mode == "replay":
+                console(f"replay_dir: {run.output_dir}")
         if args.mode == "train" and dist.is_main:
             ArtifactStore(run.run_dir).collect(config, repo_root=Path.cwd())
         if args.mode != "train":
@@ -185,6 +189,17 @@ def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunC
         run.release()
         raise
     return run, events
+
+
+def replay_output_dir(args: Args, run: RunContext, dist: DistributedContext) -> Path:
+    """A replay's own directory: ``--dump DIR``, else a fresh temporary one (printed), so
+    the replayed run is only read, never written."""
+    if args.dump:
+        return Path(args.dump)
+    made = None
+    if dist.is_main:
+        made = tempfile.mkdtemp(prefix=f"lockstep-replay-{run.run_id}-step{args.step}-")
+    return Path(dist.broadcast_object(made))
 
 
 def replay_spec(args: Args, run: RunContext, dist: DistributedContext):
@@ -248,8 +263,8 @@ def record_failure(error: BaseException, run: RunContext | None, events: EventLo
     _log_to_files_only(f"{line}\n{text}")  # the console (stdout) gets nothing more than stderr's line
     if run is not None:
         try:
-            run.paths.diagnostics.mkdir(parents=True, exist_ok=True)
-            (run.paths.diagnostics / f"rank{rank}_failure.txt").write_text(f"{line}\n\n{text}")
+            run.diagnostics_dir.mkdir(parents=True, exist_ok=True)
+            (run.diagnostics_dir / f"rank{rank}_failure.txt").write_text(f"{line}\n\n{text}")
             if events is not None and events.path is not None:
                 record: dict[str, Any] = (
                     error.to_record() if isinstance(error, LockstepError) else {"type": type(error).__name__, "message": str(error)}
