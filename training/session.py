@@ -220,12 +220,16 @@ def finish(result, run: RunContext, events: EventLog, dist: DistributedContext) 
         if result.status == "replayed":
             console(f"replay: steps {result.first_step}..{result.last_step} match the ledger of {run.run_id}")
         else:
+            # data.on_bad_record=skip: how many records were skipped (the trainer's total over ranks).
+            skipped = int(result.extra.get("bad_records_skipped", 0))
             if result.status != "stopped":  # the loop records "stopped" with its signal
-                events.emit(result.status, step=result.last_step, tokens=result.tokens)
+                events.emit(result.status, step=result.last_step, tokens=result.tokens, bad_records_skipped=skipped)
             console(
                 f"{result.status}: steps {result.first_step}..{result.last_step}, "
                 f"{result.tokens} tokens, loss {_fmt(result.first_loss)} -> {_fmt(result.last_loss)}, "
-                f"{result.tokens_per_s:,.0f} tokens/s, run dir {run.run_dir}"
+                f"{result.tokens_per_s:,.0f} tokens/s"
+                + (f", {skipped} bad records skipped" if skipped else "")
+                + f", run dir {run.run_dir}"
             )
     return ExitCode.OK
 
