@@ -383,39 +383,79 @@ def generation_model(
     """A plain local QwenForCausalLM with the full weights of ``model``, for the Sampler.
 
     ``model`` may be plain, DDP-wrapped, compiled, or sharded with FSDP2 / tensor
-    parallelism (DTensor parameters). A plain model on the requested device and dtype is
-    returned as it is; otherwise the full weights are gathered into a fresh model. With
-    sharded parameters this is a collective: call it on every rank. Memory: one full copy of
-    the weights per rank in ``dtype`` (default: the parameters' dtype), plus, transiently,
-    one gathered parameter at a time. No separate inference server, no files.
+    parallelism (DTensor parameters), with or without LoRA adapters (folded into the base
+    weights; an NF4 base is refused). A plain model already on the requested device and
+    dtype is returned as it is; otherwise the full weights are copied, parameter by
+    parameter, into a fresh model. With sharded parameters this is a collective: call it on
+    every rank. Memory: one full copy of the weights per rank in ``dtype`` (default: the
+    parameters' dtype), plus one gathered parameter at a time. No inference server, no files.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
+    from models.lora import LoRALinear, lora_modules, merge_lora
+    from models.nf4 import NF4Linear
     from models.qwen.model import empty_model
 
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     inner = getattr(inner, "_orig_mod", inner)  # torch.compile(model)
     config = getattr(inner, "config", None)
-    if config is None:
-        raise ConfigError(f"generation_model needs a Qwen model, got {type(model).__name__} without .config")
+    if config is None or not isinstance(inner, QwenForCausalLM):
+        raise ConfigError(f"generation_model needs a Qwen model, got {type(model).__name__}")
     state = get_model_state_dict(inner)  # canonical names: no compile / checkpoint-wrapper prefixes
     first = next(iter(state.values()))
-    target_device = torch.device(device) if device is not None else (
-        first.device_mesh.device_type if isinstance(first, DTensor) else first.device
-    )
-    target_dtype = dtype if dtype is not None else first.dtype
-    plain = type(inner) is QwenForCausalLM and not any(isinstance(v, DTensor) for v in state.values())
-    if plain and first.device == torch.device(target_device) and first.dtype == target_dtype:
+    sharded = any(isinstance(v, DTensor) for v in state.values())
+    adapters = {m.name: m for m in lora_modules(inner)}
+    if device is None:
+        device = torch.device(first.device_mesh.device_type) if isinstance(first, DTensor) else first.device
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = first.dtype if dtype is None else dtype
+    if type(inner) is QwenForCausalLM and not sharded and not adapters and (first.device, first.dtype) == (device, dtype):
         return inner
-    fresh = empty_model(config, device=target_device, dtype=target_dtype)
+    if any(isinstance(m.base_layer, NF4Linear) for m in adapters.values()):
+        raise ConfigError(
+            "generation_model cannot gather an NF4-quantized base", key="model.quantize_base",
+            hint="export the merged model (python -m training export --merge) and load that",
+        )
+    fresh = empty_model(config, device=device, dtype=dtype)
+    for name, source in adapters.items():  # the same adapters (names, rank, alpha, dtype); values follow
+        wrapper = LoRALinear(fresh.get_submodule(name), rank=source.rank, alpha=source.alpha, dropout=0.0, name=name)
+        wrapper.to(dtype=source.lora_A.weight.dtype)
+        wrapper.base_layer.to(dtype=dtype)
+        parent, leaf = name.rsplit(".", 1)
+        setattr(fresh.get_submodule(parent), leaf, wrapper)
+    params = dict(fresh.named_parameters())  # a tied head appears once, as embed_tokens.weight
+    tied_head = "lm_head.weight" if fresh.dims.tie_embeddings else None
+    unknown = [name for name in state if name not in params and name != tied_head]
+    missing = [name for name in params if name not in state]
+    if unknown or missing:
+        raise ConfigError(
+            f"generation_model: the model's parameters do not match a fresh {type(fresh).__name__} of its config "
+            f"(unexpected: {unknown[:3]}, missing: {missing[:3]})",
+            hint="the model has parts this function does not know; pass a plain QwenForCausalLM",
+        )
     with torch.no_grad():
-        params = dict(fresh.named_parameters())
-        for name, value in state.items():
+        for name, value in state.items():  # the same order on every rank: collectives line up
             if name not in params:
-                continue  # a tied lm_head.weight shares embed_tokens' storage
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            params[name].copy_(full)
-            del full
+                continue
+            params[name].copy_(_full_tensor(value) if isinstance(value, DTensor) else value)
     fresh.tie_weights()
+    if adapters:
+        fresh = merge_lora(fresh, inplace=True)
+    for param in fresh.parameters():
+        param.requires_grad_(False)
     return fresh.eval()
+
+
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole value of a DTensor (collective); shards offloaded to the host are moved to the mesh's device."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = value.device_mesh
+    if value.to_local().device.type != mesh.device_type:
+        target = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+        value = DTensor.from_local(value.to_local().to(target), mesh, value.placements,
+                                   shape=value.shape, stride=value.stride())
+    return value.full_tensor()

@@ -224,3 +224,63 @@ def test_generation_model_of_a_plain_model_is_the_model_and_a_conversion_is_a_co
     assert torch.equal(half.layers[1].mlp.up_proj.weight, model.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
     with pytest.raises(ConfigError, match="plain QwenForCausalLM"):
         Sampler(compiled, max_batch=2, max_len=8)
+
+
+# --------------------------------------------------------------------------- sharded models on two ranks
+
+_RANK_PROMPTS = (3, 1, 7, 12, 5, 2)
+
+
+def _sharded_generation(parallel_overrides: dict) -> list:
+    """Each rank samples the prompts p with p % 2 == rank from a parallelized model's gathered copy."""
+    from core.distributed_context import DistributedContext
+    from distributed import build_mesh, parallelize
+    from tests.distributed.scenarios import cpu_parallel
+
+    parallel = cpu_parallel(**parallel_overrides)
+    with DistributedContext.from_env(parallel) as dist:
+        model = models.build(QWEN3, generator=torch.Generator().manual_seed(5))
+        model = parallelize(model, parallel, dist, build_mesh(parallel, dist))
+        local = generation_model(model)
+        mine = [i for i in range(len(_RANK_PROMPTS)) if i % dist.world_size == dist.rank]
+        prompts = _prompts(_RANK_PROMPTS, seed=8)
+        sampler = Sampler(local, max_batch=4, max_len=24, prefill_chunk=8)
+        samples = sampler.generate([prompts[i] for i in mine], [_keys(len(prompts))[i] for i in mine], FILTERED)
+        return list(zip(mine, samples))
+
+
+def _two_rank_generation() -> dict:
+    torch.set_num_threads(1)
+    return {name: _sharded_generation(overrides) for name, overrides in
+            (("ddp", {"strategy": "ddp"}), ("fsdp", {"strategy": "fsdp"}), ("fsdp_tp", {"strategy": "fsdp", "tp": 2}))}
+
+
+def test_samples_of_a_sharded_model_on_two_ranks_equal_one_process(model):
+    from tests.distributed.dist_harness import run_on_ranks
+
+    prompts = _prompts(_RANK_PROMPTS, seed=8)
+    expected = Sampler(model, max_batch=4, max_len=24, prefill_chunk=8).generate(prompts, _keys(len(prompts)), FILTERED)
+    by_rank = run_on_ranks(_two_rank_generation, 2)
+    for strategy in ("ddp", "fsdp", "fsdp_tp"):
+        gathered = dict(pair for rank in by_rank for pair in rank[strategy])
+        assert sorted(gathered) == list(range(len(prompts))), strategy
+        assert [gathered[i] for i in range(len(prompts))] == expected, strategy
+
+
+def test_generation_model_folds_lora_adapters_into_the_weights(model):
+    from models.lora import apply_lora, merge_lora
+    from core.config import LoRAConfig
+
+    tuned = models.build(QWEN3, generator=torch.Generator().manual_seed(5))
+    apply_lora(tuned, LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj")), seed=1)
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))  # B starts at 0: move it
+    local = generation_model(tuned)
+    assert local is not tuned and not any("lora" in n for n, _ in local.named_parameters())
+    reference = merge_lora(tuned)
+    inputs = torch.tensor([_prompts((10,))[0]])
+    with torch.no_grad():
+        assert torch.equal(local(inputs), reference(inputs))
+        assert not torch.equal(local(inputs), model(inputs))  # the adapters changed the model
