@@ -62,7 +62,7 @@ def build(variant: str, config, device: torch.device):
     from distributed.parallelize import parallelize
     from distributed.topology import MESH_DIMS, Topology, mesh_shape
     from torch.distributed.device_mesh import init_device_mesh
-    from training.builders import ParallelPlan
+    from training.plan import ParallelPlan
     from training.optim import build_optimizer
     from training.precision import Precision
 

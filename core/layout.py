@@ -51,6 +51,31 @@ def parse_step_dir_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def list_steps(checkpoint_dir: Path) -> list[int]:
+    """Steps of the published checkpoint directories, ascending (intact or not)."""
+    if not checkpoint_dir.is_dir():
+        return []
+    steps = (parse_step_dir_name(p.name) for p in checkpoint_dir.iterdir() if p.is_dir())
+    return sorted(s for s in steps if s is not None)
+
+
+STATE_FILE_SUFFIX = "_state.json"
+_STATE_FILE_RE = re.compile(r"([a-z][a-z0-9_]*)_state\.json")
+
+
+def state_file_name(part: str) -> str:
+    """``<part>_state.json``: where a checkpoint keeps the JSON state of its part ``part``."""
+    if _STATE_FILE_RE.fullmatch(part + STATE_FILE_SUFFIX) is None:
+        raise ValueError(f"checkpoint part name {part!r} must match [a-z][a-z0-9_]*")
+    return part + STATE_FILE_SUFFIX
+
+
+def part_of_state_file(name: str) -> str | None:
+    """The part a checkpoint file holds the state of; None for any other file."""
+    match = _STATE_FILE_RE.fullmatch(name)
+    return match.group(1) if match else None
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """Where each part of one run dir lives."""

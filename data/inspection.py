@@ -14,9 +14,9 @@ from pathlib import Path
 from core.config import Config
 from core.exceptions import UsageError
 from data.batch import IGNORE_INDEX, Batch
-from data.hashing import batch_hash, sequence_digest, state_hash
+from core.layout import CHECKPOINTS_DIR, list_steps, state_file_name, step_dir_name
+from data.hashing import batch_hash, state_hash
 from data.pipeline.pipeline import build
-from training.checkpoint_manifest import DATA_STATE_FILE, list_steps, step_dir_name
 
 PREVIEW_CHARS = 72
 
@@ -27,8 +27,8 @@ def checkpoint_data_state(run_dir: Path, step: int) -> tuple[int, dict] | None:
     Only published checkpoints (``checkpoints/step_N``, renamed into place whole) count; the
     manifest is not re-verified here: a damaged state is refused by the pipeline's checks.
     """
-    checkpoints = Path(run_dir) / "checkpoints"
-    state_files = {s: checkpoints / step_dir_name(s) / DATA_STATE_FILE for s in list_steps(checkpoints) if s < step}
+    checkpoints = Path(run_dir) / CHECKPOINTS_DIR
+    state_files = {s: checkpoints / step_dir_name(s) / state_file_name("data") for s in list_steps(checkpoints) if s < step}
     found = [s for s, path in state_files.items() if path.is_file()]
     if not found:
         return None
@@ -66,7 +66,7 @@ def global_batch(config: Config, step: int, start_state: dict | None = None) -> 
 
 def describe(batch: Batch, tokenizer) -> dict:
     """The JSON report of one batch."""
-    digests = [sequence_digest(row) for row in batch.input_ids]
+    digests = [digest for _, digest in batch.row_digests()]
     rows_per_stream = len(batch.sequence_index) // len(batch.state["streams"])
     rows = []
     for i, row in enumerate(batch.input_ids):
@@ -77,7 +77,7 @@ def describe(batch: Batch, tokenizer) -> dict:
             "target_tokens": int((batch.labels[i] != IGNORE_INDEX).sum()),
             "provenance": [
                 {"source": s.source, "shard": s.shard, "record": s.record, "start": s.start,
-                 "end": s.end, "doc_offset": s.doc_offset}
+                 "end": s.end, "doc_offset": s.doc_offset, **_trained(batch, i, s, tokenizer)}
                 for s in batch.provenance[i]
             ],
             "preview": tokenizer.decode(row[:PREVIEW_CHARS * 2].tolist())[:PREVIEW_CHARS],
@@ -104,5 +104,24 @@ def render(report: dict) -> str:
                      f"preview {row['preview']!r}")
         for span in row["provenance"]:
             lines.append(f"    [{span['start']:>5},{span['end']:>5})  {span['source']}  "
-                         f"{span['shard']} record {span['record']}  from token {span['doc_offset']}")
+                         f"{span['shard']} record {span['record']}  from token {span['doc_offset']}  "
+                         f"trained {span['trained_tokens']}/{span['end'] - span['start']}")
+            if 0 < span["trained_tokens"] < span["end"] - span["start"]:
+                lines.append(f"        trained: {span['trained_text']!r}")
     return "\n".join(lines)
+
+
+def _trained(batch: Batch, row: int, span, tokenizer) -> dict:
+    """Which tokens of a document span are training targets: token t is one when the label of
+    position t-1 (inside the span) is not IGNORE_INDEX. The trained text joins runs with ' | '."""
+    labels = batch.labels[row]
+    ids = batch.input_ids[row]
+    trained = [t for t in range(span.start + 1, span.end) if int(labels[t - 1]) != IGNORE_INDEX]
+    runs: list[list[int]] = []
+    for t in trained:
+        if runs and runs[-1][-1] == t - 1:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    text = " | ".join(tokenizer.decode([int(ids[t]) for t in run]) for run in runs)
+    return {"trained_tokens": len(trained), "trained_text": text[:PREVIEW_CHARS * 4]}

@@ -4,7 +4,8 @@ Layout, under the run's ``checkpoints/``::
 
     step_00000040/
       dcp/                  model + optimizer (torch.distributed.checkpoint: sharded, reshardable)
-      trainer_state.json    data_state.json    rng/rank<R>.pt    extra/<name>
+      <part>_state.json     the JSON state of each named part: trainer, data, objective, ...
+      rng/rank<R>.pt        extra/<name>
       manifest.json         size + sha256 of every other file
     LATEST                  "step_00000040": the newest complete checkpoint
     .tmp-*                  a save in progress, or the leftover of a crashed one (never loaded)
@@ -44,6 +45,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterable
 
 from core.exceptions import CheckpointError
+from core.layout import list_steps, part_of_state_file, state_file_name  # noqa: F401  (re-exported)
 
 STEP_DIR_PREFIX = "step_"
 _STEP_DIR_RE = re.compile(r"step_(\d{8,})")
@@ -53,8 +55,8 @@ LATEST_TMP_NAME = "LATEST.tmp"
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
 EXTRA_DIR = "extra"
-TRAINER_STATE_FILE = "trainer_state.json"
-DATA_STATE_FILE = "data_state.json"
+TRAINER_PART = "trainer"
+DATA_PART = "data"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "lockstep-checkpoint"
 MANIFEST_VERSION = 1
@@ -181,14 +183,6 @@ def extra_file_name(name: str) -> str:
     if rel.is_absolute() or not rel.parts or ".." in rel.parts:
         raise CheckpointError(f"extra file name {name!r} must be a relative path inside the checkpoint")
     return f"{EXTRA_DIR}/{rel.as_posix()}"
-
-
-def list_steps(checkpoint_dir: Path) -> list[int]:
-    """Steps of the published checkpoint directories, ascending (intact or not)."""
-    if not checkpoint_dir.is_dir():
-        return []
-    steps = (parse_step_dir_name(p.name) for p in checkpoint_dir.iterdir() if p.is_dir())
-    return sorted(s for s in steps if s is not None)
 
 
 def read_latest(checkpoint_dir: Path) -> int | None:

@@ -61,7 +61,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -96,13 +96,13 @@ from training.checkpoint_state import (
 )
 from training.safe_dcp import SafeFileSystemReader
 from training.checkpoint_manifest import (
-    DATA_STATE_FILE,
+    DATA_PART,
     DCP_DIR,
     EXTRA_DIR,
     LATEST_TMP_NAME,
     MANIFEST_NAME,
     TMP_PREFIX,
-    TRAINER_STATE_FILE,
+    TRAINER_PART,
     CheckpointCorruptError,
     CheckpointFormatError,
     CheckpointManifest,
@@ -117,9 +117,11 @@ from training.checkpoint_manifest import (
     list_files,
     list_steps,
     parse_step_dir_name,
+    part_of_state_file,
     read_latest,
     read_manifest,
     rng_file_name,
+    state_file_name,
     step_dir_name,
     verify_checkpoint,
     write_file_durably,
@@ -231,11 +233,18 @@ class LoadedCheckpoint:
 
     step: int
     path: Path
-    trainer_state: dict
-    data_state: dict
+    states: dict[str, dict]  # the named JSON parts (trainer, data, objective, ...), by name
     rng_state: dict | None  # this rank's; None when the saving run had no such rank
     extra_files: dict[str, bytes] = field(default_factory=dict)
     saved_world_size: int = 1
+
+    @property
+    def trainer_state(self) -> dict:
+        return self.states[TRAINER_PART]
+
+    @property
+    def data_state(self) -> dict:
+        return self.states[DATA_PART]
 
 
 @dataclass
@@ -298,15 +307,18 @@ class CheckpointManager:
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        trainer_state: dict,
-        data_state: dict,
+        states: Mapping[str, dict],
         extra_files: dict[str, bytes] | None = None,
     ) -> Path:
-        """Write checkpoint ``step``; returns its final path (durable after ``wait()`` if async)."""
+        """Write checkpoint ``step``; returns its final path (durable after ``wait()`` if async).
+
+        The checkpoint is a dict of named parts: ``model`` and ``optimizer`` (tensors, through
+        DCP) and the JSON ``states`` by name (``trainer`` and ``data`` always; ``objective``
+        and others as the run has them), each in ``<name>_state.json``."""
         if self.read_only:
             raise CheckpointError("this checkpoint manager is read-only (replay) and does not save", step=step)
         self._wait_for_previous(step)
-        staged = self._stage(step, model, optimizer, trainer_state, data_state, extra_files or {})
+        staged = self._stage(step, model, optimizer, states, extra_files or {})
         tmp_name = self._group.on_main(lambda: self._make_tmp_dir(step), "creating the checkpoint's temporary dir")
         tmp = self.checkpoint_dir / tmp_name
         final = self.checkpoint_dir / step_dir_name(step)
@@ -353,13 +365,15 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
 
-    def _stage(self, step, model, optimizer, trainer_state, data_state, extra_files) -> _StagedSave:
+    def _stage(self, step, model, optimizer, states, extra_files) -> _StagedSave:
         rank_files = {rng_file_name(self.dist.rank): encode_rng_state(capture_rng_state(self.dist.device))}
-        trainer_bytes = encode_json_state(trainer_state, "trainer_state")
-        data_bytes = encode_json_state(data_state, "data_state")
+        missing = [name for name in (TRAINER_PART, DATA_PART) if name not in states]
+        if missing:
+            raise CheckpointError(f"checkpoint step {step} lacks the {', '.join(missing)} state", step=step)
+        encoded = {state_file_name(name): encode_json_state(state, f"{name}_state") for name, state in states.items()}
         extra = {extra_file_name(name): bytes(data) for name, data in extra_files.items()}
         if self.dist.is_main:
-            rank_files.update({TRAINER_STATE_FILE: trainer_bytes, DATA_STATE_FILE: data_bytes, **extra})
+            rank_files.update({**encoded, **extra})
         has_optim = has_optimizer_state(optimizer)
         if has_optim:
             msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
@@ -599,8 +613,11 @@ class CheckpointManager:
         return LoadedCheckpoint(
             step=manifest.step,
             path=path,
-            trainer_state=json.loads((path / TRAINER_STATE_FILE).read_bytes()),
-            data_state=json.loads((path / DATA_STATE_FILE).read_bytes()),
+            states={
+                part_of_state_file(name): json.loads((path / name).read_bytes())
+                for name in sorted(manifest.files)
+                if part_of_state_file(name) is not None
+            },
             rng_state=torch.load(rng_path, weights_only=True) if rng_path.exists() else None,
             extra_files={
                 name[len(extra_prefix) :]: (path / name).read_bytes()

@@ -91,8 +91,10 @@ class Ledger:
 
 
 def first_mismatch(expected: dict[str, Any], actual: dict[str, Any]) -> str | None:
-    """The first compared field whose value differs, or None."""
-    for field in COMPARED_FIELDS:
+    """The first compared field whose value differs, or None. Fields an objective adds
+    (``trained_tokens``, ...) are compared after the common ones, by name."""
+    others = sorted((set(expected) | set(actual)) - set(COMPARED_FIELDS) - {"step"})
+    for field in (*COMPARED_FIELDS, *others):
         if field not in expected and field not in actual:
             continue
         if field == "param_hash" and field not in expected:

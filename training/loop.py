@@ -10,14 +10,17 @@
 6. checkpoint when due (the ledger line is already on disk, so a checkpoint never exists
    without its line), log metrics, evaluate when due, stop if any rank was signalled.
 
-The same class replays a recorded run (``ReplaySpec``): nothing is written to the run, each
-computed line is compared with the recorded one, and the first difference raises
-``DeterminismError``.
+What differs between training methods lives in the run's objective (training/objectives:
+the frozen models it needs, a no-grad preparation of each batch, the loss over a micro-batch,
+its ledger fields and its state). What happens to each ledger line lives in the recorder
+(training/recorder.py): a recording run appends it, a replay compares it with the recorded
+one. A checkpoint is a dict of named parts: model and optimizer (tensors), and the JSON
+states ``trainer``, ``data`` and ``objective`` (with the identity of the objective's frozen
+models, verified on resume).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,30 +31,23 @@ from torch import nn
 
 from core.config import Config
 from core.distributed_context import DistributedContext
-from core.exceptions import DataError, DeterminismError, NonFiniteError
+from core.exceptions import CheckpointError, DataError, NonFiniteError
 from core.logging import EventLog, get_logger
 from core.run_context import RunContext
-from data.hashing import batch_hash, sequence_digest, state_hash
+from data.hashing import batch_hash, state_hash
 from data.state import merge_states
-from training import ledger as ledger_lib
 from training.checkpointing import CheckpointManager, restore_rng_state
 from training.guards import Guards
-from training.losses import CausalLMLoss, Loss
+from training.objectives import Objective, ObjectiveContext, build_objective
+from training.objectives.base import check_frozen
 from training.optim import build_optimizer, set_lr
 from training.precision import Precision
+from training.recorder import LedgerWriter, ReplayComparator, ReplaySpec, StepRecorder
 from training.schedule import lr_at
-from training.step import apply_update, forward_backward, model_logits
+from training.step import apply_update, forward_backward
 
 TRAINER_STATE_VERSION = 1
-
-
-@dataclass
-class ReplaySpec:
-    """Replay steps up to ``step`` and compare them with ``recorded`` ledger lines."""
-
-    step: int
-    recorded: dict[int, dict[str, Any]]
-    dump: Any = None  # training.replay.StepDump: instruments and writes step ``step``
+TRAINER_PART, DATA_PART, OBJECTIVE_PART = "trainer", "data", "objective"
 
 
 @dataclass
@@ -93,7 +89,7 @@ class Trainer:
         tracker,
         guards: Guards,
         events: EventLog,
-        loss_fn: Loss | None = None,
+        objective: Objective | None = None,
         replay: ReplaySpec | None = None,
     ) -> None:
         self.config = config
@@ -106,22 +102,24 @@ class Trainer:
         self.tracker = tracker
         self.guards = guards
         self.events = events
-        self.loss_fn = loss_fn or CausalLMLoss(
-            chunk_tokens=config.train.loss_chunk_tokens, compiled=config.parallel.compile
+        self.recorder: StepRecorder = (
+            ReplayComparator(replay, dist) if replay is not None else LedgerWriter(run.paths.ledger, dist)
         )
-        self.fuse_head = getattr(self.loss_fn, "fuses_head", False) and parallel.output_weight_is_local
-        self.replay = replay
         self.log = get_logger()
         self.device = parallel.device  # where the step runs; dist.device unless xla_spmd (XLA)
+        self.objective = objective or build_objective(config)
+        self.objective.setup(model, ObjectiveContext(
+            config=config, dist=dist, parallel=parallel, place=parallel.place_batch,
+            fuse_head=parallel.output_weight_is_local,
+        ))
         self.precision = Precision(config.parallel, device=self.device, wrapper_casts=parallel.fsdp_applied)
         self.optimizer = build_optimizer(model, config.train, self.device)
-        self.ledger = ledger_lib.Ledger(run.paths.ledger, writer=dist.is_main and replay is None)
         self.checkpoints = CheckpointManager(
             config.checkpoint,
             checkpoint_dir=run.paths.checkpoints,
             dist=dist,
             on_corrupt=self._on_corrupt_checkpoint,
-            read_only=replay is not None,
+            read_only=not self.recorder.records,
         )
         self.step = 0
         self.tokens_seen = 0
@@ -132,7 +130,7 @@ class Trainer:
     def fit(self) -> FitResult:
         first_step = self.restore() + 1
         self._data_iter = iter(self.data)
-        last_step = self.replay.step if self.replay else self.config.train.max_steps
+        last_step = self.recorder.last_step(self.config.train.max_steps)
         result = FitResult(status="finished", first_step=first_step, last_step=first_step - 1)
         started = time.perf_counter()
         self.guards.start()
@@ -144,7 +142,7 @@ class Trainer:
                 if result.first_loss is None:
                     result.first_loss = record["loss"]
                 result.last_loss = record["loss"]
-                if self.replay is not None:
+                if not self.recorder.records:
                     continue
                 self.maybe_evaluate(step)
                 if step < last_step and self.guards.should_stop(self.dist):
@@ -153,42 +151,50 @@ class Trainer:
                     result.status = "stopped"
                     break
             else:
-                if self.replay is None and self.config.checkpoint.at_end and last_step >= first_step:
+                if self.recorder.records and self.config.checkpoint.at_end and last_step >= first_step:
                     if self.checkpoints.latest_step != last_step:
                         self.save_checkpoint(last_step, reason="end")
             self.checkpoints.wait()
         finally:
             self.guards.close()
         result.seconds = time.perf_counter() - started
-        if self.replay is not None:
+        if not self.recorder.records:
             result.status = "replayed"
         return result
 
     def restore(self) -> int:
         """Load the newest intact checkpoint (<= replay step - 1 when replaying); returns its step."""
-        max_step = self.replay.step - 1 if self.replay else None
-        found = self.checkpoints.latest_intact(max_step=max_step)
+        found = self.checkpoints.latest_intact(max_step=self.recorder.restore_limit())
         if found is None:
-            if self.run.resumed and self.replay is None:
+            damaged = self.checkpoints.list_steps() if self.recorder.restore_limit() is None else []
+            if self.run.resumed and damaged:  # never restart silently over damaged checkpoints
+                raise CheckpointError(
+                    f"no intact checkpoint: all {len(damaged)} are damaged (steps {', '.join(map(str, damaged))}; "
+                    "reasons in events.jsonl, checkpoint_corrupt)",
+                    path=str(self.checkpoints.checkpoint_dir),
+                    hint="restore them from a copy, or move checkpoints/ aside to run again from step 1",
+                )
+            if self.run.resumed and self.recorder.records:
                 self.log.info("no intact checkpoint: the resumed run starts from step 1")
-            self.ledger.truncate_after(0)
+            self.recorder.restored(0)
             return 0
         step, path = found
         loaded = self.checkpoints.load(path, model=self.model, optimizer=self.optimizer)
         self.parallel.after_load(self.model, self.optimizer)
-        state = loaded.trainer_state
+        state = loaded.states[TRAINER_PART]
         if state.get("version") != TRAINER_STATE_VERSION:
             raise DataError(f"trainer state version {state.get('version')} is not supported", file=str(path))
+        self._load_objective_state(loaded.states.get(OBJECTIVE_PART), path)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.precision.load_state_dict(state["precision"])
         self.guards.load_state_dict(state["guards"])
-        self.data.load_state_dict(loaded.data_state)
-        self._global_data_state = loaded.data_state
+        self.data.load_state_dict(loaded.states[DATA_PART])
+        self._global_data_state = loaded.states[DATA_PART]
         if loaded.rng_state is not None:
             restore_rng_state(loaded.rng_state, self.device)
-        self.ledger.truncate_after(step)
-        self.events.emit("resumed" if self.replay is None else "replay_restored", step=step, path=str(path))
+        self.recorder.restored(step)
+        self.events.emit(self.recorder.restored_event, step=step, path=str(path))
         self.log.info("restored checkpoint step %d from %s", step, path)
         return step
 
@@ -210,22 +216,19 @@ class Trainer:
                 hint="the data state in the checkpoint does not match the trainer state",
             )
         guards.faults.before_step(step)
+        with timer.phase("prepare"), torch.no_grad():
+            batch = self.objective.prepare(batch)  # frozen models' outputs, rollouts: as batch extras
 
         lr = lr_at(step, self.config.train)
         set_lr(self.optimizer, lr)
-        local_targets = self.loss_fn.num_targets(batch)
+        local_targets = self.objective.num_targets(batch)
         global_targets = int(self._all_reduce_sum(float(local_targets)))
         micro = batch.micro_batches(self.config.train.micro_batch_size)
-        instrument = (
-            self.replay.dump.attach(self.model)
-            if self.replay is not None and self.replay.dump is not None and step == self.replay.step
-            else contextlib.nullcontext()
-        )
-        with instrument:
-            local_loss = forward_backward(
+        with self.recorder.instrument(self.model, step):
+            local_loss, local_metrics = forward_backward(
                 self.model,
                 micro,
-                loss_fn=self.loss_fn,
+                objective=self.objective,
                 precision=self.precision,
                 global_targets=max(global_targets, 1),
                 dp_size=self.parallel.dp_size,
@@ -233,11 +236,10 @@ class Trainer:
                 no_sync=self.parallel.no_sync,
                 timer=timer,
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
-                place=self.parallel.place_batch,
-                fuse_head=self.fuse_head,
             )
         with timer.phase("communication"):
             loss = self._all_reduce_sum(local_loss) / max(global_targets, 1)
+            totals = self._all_reduce_metrics(local_metrics)
         with timer.phase("optimizer"):
             self.precision.unscale_(self.optimizer)
             grad_norm = self.parallel.clip_grad_norm(self.model, self.config.train.grad_clip)
@@ -255,27 +257,23 @@ class Trainer:
         self.tokens_seen += tokens
 
         record = self._ledger_record(step, batch, loss, grad_norm, lr, tokens, global_targets)
+        record.update(self.objective.ledger_fields(totals, global_targets))
         if not finite:
             record["skipped"] = True
         due = self._checkpoint_due(step)
-        if self._param_hash_due(step, due):
+        if self.recorder.param_hash_due(step, due, self.config.train.max_steps):
             with timer.phase("checkpoint"):
                 record["param_hash"] = self.parallel.param_hash(self.model)
-        if self.replay is not None:
-            self._compare(step, record)
-            if step == self.replay.step and self.replay.dump is not None:
-                self.replay.dump.write(batch, record)
-        else:
-            self.ledger.append(record)
-            if due:
-                with timer.phase("checkpoint"):
-                    self.save_checkpoint(step, reason="interval")
+        self.recorder.record(step, record, batch)
+        if due:
+            with timer.phase("checkpoint"):
+                self.save_checkpoint(step, reason="interval")
         times = guards.end_step(step)
-        self.tracker.log(step, self._metrics(record, times, batch))
+        self.tracker.log(step, self._metrics(record, times, batch, totals, global_targets))
         return record
 
     def _ledger_record(self, step, batch, loss, grad_norm, lr, tokens, targets) -> dict[str, Any]:
-        rows = [(i, sequence_digest(row)) for i, row in zip(batch.sequence_index, batch.input_ids)]
+        rows = batch.row_digests()
         gathered = self.dist.all_gather_object((rows, self.data.state_dict()))
         # Tensor-parallel peers hold the same rows: key by global row index.
         all_rows = sorted({i: d for rank_rows, _ in gathered for i, d in rank_rows}.items())
@@ -306,32 +304,11 @@ class Trainer:
             hint="inspect the batch with `python -m data inspect`, or set runtime.on_nonfinite=skip",
         )
 
-    def _compare(self, step: int, record: dict[str, Any]) -> None:
-        expected = self.replay.recorded.get(step)
-        if expected is None:
-            raise DeterminismError(f"the run's ledger has no line for step {step}", step=step)
-        field_name = ledger_lib.first_mismatch(expected, record)
-        if field_name is not None:
-            raise DeterminismError(
-                f"{field_name} differs: recorded {expected.get(field_name)!r}, replayed {record.get(field_name)!r}",
-                step=step,
-                field=field_name,
-                rank="all" if self.dist.world_size > 1 else 0,
-                hint="compare meta.json environments; see docs/determinism.md",
-            )
-        self.log.info("replay step %d matches the ledger", step)
-
     # ------------------------------------------------------------------ checkpoints
-
-    def _param_hash_due(self, step: int, checkpoint_due: bool) -> bool:
-        """Checkpoint steps and the last step; a replay hashes where the recorded line did."""
-        if self.replay is not None:
-            return "param_hash" in self.replay.recorded.get(step, {})
-        return checkpoint_due or step == self.config.train.max_steps
 
     def _checkpoint_due(self, step: int) -> bool:
         interval = self.config.checkpoint.interval
-        return self.replay is None and interval > 0 and step % interval == 0
+        return self.recorder.records and interval > 0 and step % interval == 0
 
     def save_checkpoint(self, step: int, *, reason: str) -> None:
         with self.guards.paused():
@@ -339,8 +316,11 @@ class Trainer:
                 step,
                 model=self.model,
                 optimizer=self.optimizer,
-                trainer_state=self.trainer_state(),
-                data_state=self._global_data_state,
+                states={
+                    TRAINER_PART: self.trainer_state(),
+                    DATA_PART: self._global_data_state,
+                    OBJECTIVE_PART: {**self.objective.state_dict(), "frozen": self.objective.frozen_identity()},
+                },
             )
         if self.dist.is_main:
             self.events.emit("checkpoint_saved", step=step, path=str(path), reason=reason)
@@ -355,6 +335,20 @@ class Trainer:
             "strategy": self.config.parallel.strategy,
             "guards": self.guards.state_dict(),
         }
+
+    def _load_objective_state(self, state: dict[str, Any] | None, path: Path) -> None:
+        """The objective's state and the identity of its frozen models, as the checkpoint has them.
+        A checkpoint from before objectives existed has none: it was pretraining."""
+        if state is None:
+            if self.objective.name != "causal_lm":
+                raise CheckpointError(
+                    f"the checkpoint has no objective state, this run trains {self.objective.name!r}",
+                    path=str(path), hint="resume with the run's objective.kind",
+                )
+            return
+        state = dict(state)
+        check_frozen(self.objective.frozen_identity(), state.pop("frozen", {}))
+        self.objective.load_state_dict(state)
 
     def _on_corrupt_checkpoint(self, step: int, path: Path, reason: str) -> None:
         self.events.emit("checkpoint_corrupt", step=step, path=str(path), reason=reason)
@@ -372,14 +366,14 @@ class Trainer:
         with torch.no_grad(), self.eval_data_factory() as eval_data:
             for _ in range(self.config.train.eval_batches):
                 try:
-                    batch = next(eval_data)
+                    batch = self.objective.prepare(next(eval_data))
                 except StopIteration:
                     break
                 for micro in batch.micro_batches(self.config.train.micro_batch_size):
                     with self.precision.autocast():
-                        logits = model_logits(self.model, micro, self.parallel.place_batch)
-                    total[0] += self.loss_fn(logits, micro).double().to(total.device)
-                    total[1] += self.loss_fn.num_targets(micro)
+                        out = self.objective.loss(self.model, micro)
+                    total[0] += out.sum.double().to(total.device)
+                    total[1] += out.count
         self.model.train()
         self.dist.all_reduce(total)
         eval_loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
@@ -404,17 +398,29 @@ class Trainer:
         t = torch.tensor([value], dtype=torch.float64, device=self._reduce_device)
         return float(self.dist.all_reduce(t)[0])
 
-    def _metrics(self, record: dict[str, Any], times: dict[str, float], batch) -> dict[str, float]:
+    def _all_reduce_metrics(self, local: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The objective's metric sums over micro-batches and ranks (one all-reduce)."""
+        if not local:
+            return {}
+        names = sorted(local)
+        stacked = torch.stack([local[n].reshape(()).to(torch.float32) for n in names])
+        summed = self._all_reduce_sum(stacked) if self.dist.is_distributed else stacked
+        return dict(zip(names, summed.tolist()))
+
+    def _metrics(self, record: dict[str, Any], times: dict[str, float], batch, totals: dict[str, float],
+                 count: int) -> dict[str, float]:
         step_time = max(sum(times.values()), 1e-9)
         local_tokens = batch.input_ids.numel()
-        metrics = {
+        metrics = {f"objective/{name}": value / max(count, 1) for name, value in totals.items()}
+        metrics.update({
             "loss": record["loss"],
             "grad_norm": record["grad_norm"],
             "lr": record["lr"],
             "step_time": step_time,
             "tokens_per_s": local_tokens / step_time,
             "tokens": float(local_tokens),
-        }
+        })
+        metrics.update({k: float(v) for k, v in record.items() if k in ("trained_tokens",)})
         metrics.update({f"time_{k}": v for k, v in times.items()})
         metrics.update(self.guards.memory())
         return metrics

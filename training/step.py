@@ -23,7 +23,7 @@ def forward_backward(
     model: nn.Module,
     micro_batches: list,
     *,
-    loss_fn: Loss,
+    objective,
     precision: Precision,
     global_targets: int,
     dp_size: int,
@@ -31,32 +31,28 @@ def forward_backward(
     no_sync: Callable[[nn.Module], contextlib.AbstractContextManager],
     timer=None,
     poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    place: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    fuse_head: bool = False,
-) -> torch.Tensor:
-    """Accumulate gradients over ``micro_batches``; returns this rank's summed loss (fp32).
-
-    ``place`` moves a batch tensor to ``device`` (``ParallelPlan.place_batch``: under
-    xla_spmd it also marks the tensor as split over the mesh); default: a plain copy.
-    ``fuse_head``: compute the loss with ``loss_fn.head_loss`` inside the model's forward.
-    """
-    if place is None:
-        place = lambda tensor: tensor.to(device, non_blocking=True)  # noqa: E731
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Accumulate gradients over ``micro_batches`` with ``objective.loss`` (training/objectives);
+    returns this rank's summed loss (fp32) and summed metrics, both on ``device``."""
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
+    metrics: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
     for i, micro in enumerate(micro_batches):
         # Gradient all-reduce only once, on the last micro-batch.
         sync = contextlib.nullcontext() if i == last else no_sync(model)
         with sync:
             with _phase(timer, "forward"), precision.autocast():
-                loss_sum = model_loss(model, micro, loss_fn, place, fuse_head=fuse_head)
+                out = objective.loss(model, micro)
+                loss_sum = out.sum
                 if poison is not None:
                     loss_sum = poison(loss_sum)
             with _phase(timer, "backward"):
                 scaled = loss_sum * (dp_size / global_targets)
                 precision.scale(scaled).backward()
         local_sum += loss_sum.detach()
-    return local_sum
+        for name, value in out.metrics.items():
+            metrics[name] = metrics[name] + value.detach().float() if name in metrics else value.detach().float()
+    return local_sum, metrics
 
 
 def model_loss(model: nn.Module, batch, loss_fn: Loss, place, *, fuse_head: bool) -> torch.Tensor:

@@ -58,7 +58,7 @@ from core.config import Config
 from core.exceptions import ConfigError
 from core.logging import get_logger
 from distributed.topology import Topology
-from training.builders import ParallelPlan
+from training.plan import ParallelPlan
 
 # torch_xla defaults this to 1 (warnings), which prints a GSPMD deprecation notice for every
 # compiled graph; errors still show. Read when torch_xla loads, so set before the import;

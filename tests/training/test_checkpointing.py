@@ -133,8 +133,8 @@ def save(mgr: CheckpointManager, step: int, model, opt, **extra) -> Path:
         step,
         model=model,
         optimizer=opt,
-        trainer_state={"step": step, "loss": 0.1 + step / 3, "nested": {"b": [1, 2.5, None]}},
-        data_state={"streams": [{"epoch": 0, "offset": 17 * step}], "z_first": True},
+        states={"trainer": {"step": step, "loss": 0.1 + step / 3, "nested": {"b": [1, 2.5, None]}},
+                 "data": {"streams": [{"epoch": 0, "offset": 17 * step}], "z_first": True}},
         **extra,
     )
 
@@ -247,9 +247,9 @@ def test_json_states_must_survive_a_round_trip_and_fail_before_writing(tmp_path)
     model, opt = build(seed=0)
     mgr = manager(tmp_path)
     with pytest.raises(CheckpointError, match=r"trainer_state\.pos is a tuple"):
-        mgr.save(1, model=model, optimizer=opt, trainer_state={"pos": (1, 2)}, data_state={})
+        mgr.save(1, model=model, optimizer=opt, states={"trainer": {"pos": (1, 2)}, "data": {}})
     with pytest.raises(CheckpointError, match="non-string key"):
-        mgr.save(1, model=model, optimizer=opt, trainer_state={}, data_state={"streams": {0: 1}})
+        mgr.save(1, model=model, optimizer=opt, states={"trainer": {}, "data": {"streams": {0: 1}}})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -462,7 +462,7 @@ _KILL_LOOP = textwrap.dedent(
         step += 1
         with torch.no_grad():
             model[0].weight.add_(1.0)
-        mgr.save(step, model=model, optimizer=opt, trainer_state={"step": step}, data_state={})
+        mgr.save(step, model=model, optimizer=opt, states={"trainer": {"step": step}, "data": {}})
         print(step, flush=True)
     """
 )

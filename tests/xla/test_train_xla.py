@@ -151,7 +151,7 @@ def test_checkpoint_round_trip_keeps_optimizer_state_sharded(tmp_path):
     model, plan, optimizer = build(0)
     train_step(model, plan, optimizer)
     manager = CheckpointManager(config.checkpoint, checkpoint_dir=tmp_path, dist=dist)
-    path = manager.save(1, model=model, optimizer=optimizer, trainer_state={"version": 1}, data_state={"version": 1})
+    path = manager.save(1, model=model, optimizer=optimizer, states={"trainer": {"version": 1}, "data": {"version": 1}})
     manager.wait()
     saved_hash = plan.param_hash(model)
     expected = train_step(model, plan, optimizer)

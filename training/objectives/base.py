@@ -1,0 +1,107 @@
+"""The objective seam: what a training method plugs into the one training loop.
+
+The loop (training/loop.py) owns everything every method shares: data, the accumulation
+over micro-batches, gradient clipping, the non-finite guard, the update, the ledger,
+checkpoints, resume and replay. An ``Objective`` owns what differs between methods:
+
+1. ``setup(context)``: build what the method needs besides the trained model (a frozen
+   reference or teacher model, a sampler), once, before the first step or restore.
+2. ``prepare(batch)``: per global batch, without gradients, compute what the loss needs
+   beyond the batch (reference log-probs, teacher outputs, rollouts) and return the batch
+   with those as ``Batch.extras``; they then travel to the device with the batch and enter
+   its hash.
+3. ``num_targets(batch)``: how many units the loss of this rank's batch averages over
+   (tokens, pairs, sequences). The loop sums it over ranks; the step divides every
+   micro-batch's loss sum by that global count, so accumulation and world size do not
+   change the math.
+4. ``loss(model, micro)``: the loss over one micro-batch as ``LossOutput(sum, count,
+   metrics)``: the *sum* of per-unit losses, its count, and metric sums, all summed over
+   micro-batches and ranks by the loop.
+5. ``ledger_fields(totals, count)``: the method's extra ledger fields from those sums.
+6. ``state_dict()`` / ``load_state_dict()``: the method's own checkpointable state (a JSON
+   part of the checkpoint, ``objective_state.json``), plus ``frozen_identity()``: the path and
+   sha256 of every frozen model, recorded in the checkpoint instead of the weights and
+   verified on resume.
+
+docs/architecture.md walks through adding a method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from core.config import Config
+from core.distributed_context import DistributedContext
+from core.exceptions import CheckpointError
+
+OBJECTIVE_STATE_VERSION = 1
+
+
+@dataclass
+class LossOutput:
+    """One micro-batch's loss: a sum over ``count`` units, and metric sums (fp32 tensors)."""
+
+    sum: torch.Tensor
+    count: int
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class ObjectiveContext:
+    """What an objective may use to build its parts and compute its loss."""
+
+    config: Config
+    dist: DistributedContext
+    parallel: Any  # training.plan.ParallelPlan
+    place: Callable[[torch.Tensor], torch.Tensor]
+    """Moves a host tensor of the batch to the step's device (``ParallelPlan.place_batch``)."""
+    fuse_head: bool = False
+    """The output projection may be fused into the loss (``CausalLMLoss.head_loss``)."""
+
+
+class Objective(Protocol):
+    """A training method (see the module docstring for the call order)."""
+
+    name: str
+
+    def setup(self, model: nn.Module, context: ObjectiveContext) -> None: ...
+
+    def prepare(self, batch) -> Any: ...
+
+    def num_targets(self, batch) -> int: ...
+
+    def loss(self, model: nn.Module, micro) -> LossOutput: ...
+
+    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def frozen_identity(self) -> dict[str, dict[str, str]]: ...
+
+
+def check_state(name: str, state: dict[str, Any]) -> None:
+    """Refuse an objective state written by another method or version (CheckpointError)."""
+    if state.get("objective") != name or state.get("version") != OBJECTIVE_STATE_VERSION:
+        raise CheckpointError(
+            f"the checkpoint's objective state is for {state.get('objective')!r} "
+            f"(version {state.get('version')}), this run trains {name!r} (version {OBJECTIVE_STATE_VERSION})",
+            hint="resume with the run's objective.kind",
+        )
+
+
+def check_frozen(expected: dict[str, dict[str, str]], saved: dict[str, dict[str, str]]) -> None:
+    """A frozen model (reference, teacher, base) must be the one the checkpoint was made with."""
+    for role in sorted(set(expected) | set(saved)):
+        now, then = expected.get(role), saved.get(role)
+        if now != then:
+            raise CheckpointError(
+                f"the frozen {role} model differs from the checkpoint's: "
+                f"checkpoint {then or 'none'}, now {now or 'none'}",
+                hint="resume with the frozen model the run started with (same path and weights)",
+            )
