@@ -6,12 +6,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import models
+import models.qwen.model
 from core import config as config_lib
 from core.config import LoRAConfig, ModelConfig
 from core.exceptions import ConfigError
@@ -33,6 +35,7 @@ from tests.distributed.dist_harness import run_on_ranks
 from tests.models.conftest import VOCAB
 
 TOLERANCE = 1e-5
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LORA = LoRAConfig(rank=4, alpha=8.0)
 # Every NF4 weight needs a multiple of 64 x 256 elements: 128 x 128 projections, kv = q width.
 NF4_SHAPE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=4)
@@ -326,6 +329,26 @@ def test_adapter_that_does_not_fit_the_base_is_refused(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_peft_adapter(source, tmp_path / "adapter")
     assert ADAPTER_WEIGHTS in info.value.message
+
+
+@pytest.mark.parametrize("name", ["tiny-lora", "qwen2.5-0.5b-lora", "qwen3-1.7b-lora", "qwen3-1.7b-qlora"])
+def test_lora_presets_load(name):
+    loaded = config_lib.load(CONFIGS / f"{name}.yaml")
+    assert loaded.model.lora.rank > 0 and set(loaded.model.lora.targets) == set(config_lib.LORA_TARGETS)
+    assert loaded.model.quantize_base == ("nf4" if "qlora" in name else "none")
+
+
+def test_adapters_of_qwen3_1_7b_at_rank_16_have_the_expected_size():
+    config = config_lib.load(CONFIGS / "qwen3-1.7b.yaml").model
+    with torch.device("meta"):  # the real shape, no memory
+        model = models.qwen.model.QwenForCausalLM(config)
+    trainable = apply_lora(model, LoRAConfig(rank=16, alpha=32.0), seed=0)
+    hidden, mlp, q, kv = 2048, 6144, 16 * 128, 8 * 128
+    per_block = 16 * sum(i + o for i, o in [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden),
+                                            (hidden, mlp), (hidden, mlp), (mlp, hidden)])
+    params = dict(model.named_parameters())
+    assert sum(params[n].numel() for n in trainable) == 28 * per_block == 17_432_576  # ~70 MB in fp32
+    assert all(not p.requires_grad for n, p in params.items() if ".lora_" not in n)
 
 
 # --------------------------------------------------------------------------- NF4 (QLoRA)
