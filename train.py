@@ -12,6 +12,7 @@ import sys
 
 from core.distributed_context import DistributedContext
 from training import session
+from training.export import record_init_source
 from training.builders import build_data, build_guards, build_model, build_tracker, close_all
 from training.guards import Guards
 from training.loop import Trainer
@@ -41,6 +42,8 @@ def _fit(args, config, run, events, dist: DistributedContext, parts: list):
     FSDP's hooks do while the model lives), so ``close_all`` can end the group, and join
     its worker threads, while the interpreter is still whole."""
     model, parallel = build_model(config, dist)
+    if dist.is_main and args.mode != "replay":
+        record_init_source(config, run.paths)  # the init_from dir's config and tokenizer, for export
     data, eval_data = build_data(config, parallel)
     parts.append(data)
     tracker = build_tracker(config, run, dist, model, replaying=args.mode == "replay")

@@ -104,7 +104,6 @@ class ModelConfig:
     """Frozen base linears in 4-bit NF4 (QLoRA; torchao), dequantized per matmul; needs model.lora.rank > 0."""
 
 
-
 @dataclass(frozen=True)
 class SourceConfig:
     path: str = ""
@@ -389,9 +388,22 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
+    _tokenizer_from_init(raw)
     config = from_dict(raw)
     validate(config)
     return config
+
+
+def _tokenizer_from_init(raw: dict[str, Any]) -> None:
+    """A model fine-tuned ``model.init_from`` a Hugging Face directory uses that directory's
+    tokenizer (and so its chat template) unless ``data.tokenizer`` is set: the resolved config
+    then names the directory, so the run records what it used."""
+    model, data = raw.get("model"), raw.get("data")
+    init_from = model.get("init_from") if isinstance(model, dict) else None
+    if not isinstance(init_from, str) or (isinstance(data, dict) and "tokenizer" in data):
+        return
+    if (Path(init_from) / "tokenizer.json").is_file():
+        raw.setdefault("data", {})["tokenizer"] = init_from
 
 
 def from_dict(raw: dict[str, Any]) -> Config:

@@ -88,7 +88,28 @@ def _prepare(args) -> int:
         print(f"  skipped {len(manifest['skipped_not_utf8'])} file(s) that are not UTF-8")
     if not args.input:
         print("\nconfig section for these shards:\n" + recommended_data_section(out))
+        _prepare_tasks(Path(out).parent / TASKS_DIR, force=args.force)  # beside the stdlib shards
     return 0
+
+
+TASKS_DIR = "tasks"
+TASKS_SPEC = {"seed": 0, "train_n": 20000, "eval_n": 500}
+"""The embedded post-training data (data/tasks.py): chat SFT, prompt/completion, preference, RL prompts."""
+
+
+def _prepare_tasks(out: Path, *, force: bool) -> None:
+    """Write the task datasets once; the stamp records the spec they were made with."""
+    import json
+
+    from data.tasks import write_task_datasets
+
+    stamp = out / ".complete"
+    if not force and stamp.is_file() and json.loads(stamp.read_text()) == TASKS_SPEC:
+        print(f"up to date: {out}")
+        return
+    counts = write_task_datasets(out, **TASKS_SPEC)
+    stamp.write_text(json.dumps(TASKS_SPEC))
+    print(f"wrote: {out} ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))})")
 
 
 def _prepare_tokenizer(args) -> int:

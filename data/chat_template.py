@@ -293,7 +293,7 @@ class ChatEncoder:
 
     def check(self) -> None:
         """Refuse a template that renders no assistant span (a ConfigError naming the file)."""
-        probe = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+        probe = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."}]
         try:
             rendered = self.template.render_spans(probe, 1, "assistant")
         except RecordError as exc:

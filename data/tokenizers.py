@@ -75,6 +75,19 @@ class ByteTokenizer:
             chars = np.repeat(np.arange(len(text), dtype=np.int64), [len(c.encode("utf-8")) for c in text])
         return ids, np.stack([chars, chars + 1], axis=1)
 
+    def hf_tokenizer_json(self) -> str:
+        """The same tokenizer as a Hugging Face ``tokenizer.json`` (for exported models): a
+        byte-level BPE without merges whose vocabulary maps each byte's character to the byte's
+        value, and the specials as added tokens with their ids."""
+        from tokenizers import AddedToken, Tokenizer as HFTokenizerObject, decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in enumerate(_byte_characters())}
+        tok = HFTokenizerObject(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in self.SPECIALS])
+        return tok.to_str()
+
     def decode(self, ids: list[int]) -> str:
         out: list[str] = []
         run = bytearray()
@@ -89,6 +102,20 @@ class ByteTokenizer:
             out.append(self.SPECIALS[special] if 0 <= special < len(self.SPECIALS) else f"<|{i}|>")
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+
+def _byte_characters() -> list[str]:
+    """The byte-level BPE alphabet: the character standing for each byte 0..255 (printable
+    Latin-1 bytes stand for themselves, the others for code points from 256 up, in order)."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
 
 
 class HFTokenizer:

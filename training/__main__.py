@@ -1,0 +1,69 @@
+"""``python -m training {export, generate}``: the training layer's command line.
+
+    python -m training export --run RUN_ID [--step S] --to DIR [--dtype fp32|bf16|fp16] [--root runs]
+
+``--run`` takes a run ID (under ``--root``) or a run directory. Errors print one line and exit
+with the code of their type (2 usage/config, 4 checkpoint); see core/exceptions.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from core.exceptions import LockstepError, UsageError, exit_code_for
+from core.layout import RunPaths
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "export":
+            return _export(args)
+        raise UsageError(f"unknown command {args.command!r}")
+    except LockstepError as exc:
+        print(str(exc), file=sys.stderr)
+        return exit_code_for(exc)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m training", description="Lockstep training tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export", help="write a Hugging Face directory from a checkpoint")
+    p.add_argument("--run", required=True, help="run ID (under --root) or run directory")
+    p.add_argument("--root", default="runs", help="where run directories live (default: runs)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--to", required=True, type=Path, help="output directory")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weights' dtype (default: as trained, fp32 master weights)")
+    return parser
+
+
+def resolve_run(run: str, root: str) -> RunPaths:
+    """A run directory given as a path, or a run ID under ``root``."""
+    from training.resume import find_run
+
+    path = Path(run)
+    if (path / "config.yaml").is_file():
+        return RunPaths(path)
+    return find_run(root, run)
+
+
+def _export(args) -> int:
+    from training.export import export
+
+    paths = resolve_run(args.run, args.root)
+    if args.to.exists() and any(args.to.iterdir()) and not (args.to / "config.json").is_file():
+        raise UsageError(f"{args.to} exists and is not a model directory", hint="pick an empty or new directory")
+    checkpoint = export(paths, args.to, step=args.step, dtype=DTYPES.get(args.dtype))
+    print(f"exported {checkpoint} -> {args.to}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
