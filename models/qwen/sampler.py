@@ -7,7 +7,8 @@
 position, derived on the host from its ``SampleKey`` (seed, purpose, step, prompt index,
 sample index) with a counter-based 64-bit hash, and nothing else: no generator state is
 shared between rows or calls. A token is drawn by inverting the CDF of the (tempered,
-filtered) next-token distribution at that uniform. The model runs every forward at one
+filtered) next-token distribution at that uniform, summed exactly in integers (probabilities
+in units of 2^-32). The model runs every forward at one
 static shape, ``max_batch`` rows (a call with fewer prompts is padded with dummy rows) and
 prompts fed in chunks of ``prefill_chunk`` positions into a cache of fixed size, so the
 arithmetic a row goes through does not depend on which prompts share its batch, how many
@@ -150,6 +151,14 @@ class Sample:
     """'stop' (a stop token was generated) or 'length' (max_new_tokens or the context ran out)."""
 
 
+# Probabilities become integers in units of 2^-32 before the CDF is summed: integer sums are
+# exact and so independent of the summation order, and torch.cumsum of a floating-point CUDA
+# tensor has no deterministic implementation (it raises under use_deterministic_algorithms).
+# A token less likely than 2^-32 (2.3e-10) is never drawn.
+_PROB_BITS = 32
+_UNIFORM_BITS = 24  # counter_uniforms' resolution: k / 2^24
+
+
 def sample_next(
     logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,37 +174,42 @@ def sample_next(
         tokens = logits.argmax(dim=-1)
     else:
         probs = F.softmax(logits / params.temperature, dim=-1)
-        tokens = _filtered_draw(probs, uniforms, params) if params.filtered else _draw(probs, uniforms)
+        steps = (uniforms.to(torch.float64) * 2**_UNIFORM_BITS).to(torch.int64)  # exact: u = k / 2^24
+        if params.filtered:
+            tokens = _filtered_draw(probs, steps, params)
+        else:
+            tokens = _draw(_fixed_point(probs), steps)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF in vocabulary order; never a zero-probability token."""
-    cdf = probs.cumsum(dim=-1)  # (B, vocab)
-    target = (uniforms * cdf[:, -1]).unsqueeze(-1)  # (B, 1), below the total
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-    # Rounding can land exactly on the total; fall back to the mode rather than a p=0 token.
-    chosen = probs.gather(-1, tokens[:, None]).squeeze(-1)
-    return torch.where(chosen > 0, tokens, probs.argmax(dim=-1))
+def _fixed_point(probs: torch.Tensor) -> torch.Tensor:
+    return (probs.to(torch.float64) * 2**_PROB_BITS).to(torch.int64)  # floor, >= 0
 
 
-def _filtered_draw(probs: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _draw(weights: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF of integer weights (B, n) at k / 2^24: the first index whose CDF exceeds k * total / 2^24.
+
+    The target is below the total, so the index exists, and its weight is positive.
+    """
+    cdf = weights.cumsum(dim=-1)  # (B, n) int64, exact
+    target = (steps * cdf[:, -1]) >> _UNIFORM_BITS  # k < 2^24, total <= 2^32 * (1 + eps): no overflow
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+
+
+def _filtered_draw(probs: torch.Tensor, steps: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B, vocab)
-    rank = torch.arange(probs.shape[-1], device=probs.device)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    weights = _fixed_point(sorted_probs)
+    keep = torch.ones_like(weights, dtype=torch.bool)
     if params.top_k > 0:
-        keep &= rank < params.top_k
+        keep &= torch.arange(probs.shape[-1], device=probs.device) < params.top_k
     if params.top_p < 1:
-        keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs) < params.top_p  # mass before it
+        before = weights.cumsum(dim=-1) - weights  # mass of the more likely tokens, exact
+        keep &= before.to(torch.float64) < params.top_p * weights.sum(dim=-1, keepdim=True).to(torch.float64)
     if params.min_p > 0:
         keep &= sorted_probs >= params.min_p * sorted_probs[:, :1]
     # Every condition keeps the most likely token and is monotone in rank: the kept tokens
-    # are a prefix of the sorted order, of length kept.
-    kept = keep.sum(dim=-1)  # (B,)
-    cdf = (sorted_probs * keep).cumsum(dim=-1)
-    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
-    position = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    position = torch.minimum(position, kept - 1)
+    # are a prefix of the sorted order, and only they carry weight.
+    position = _draw(weights * keep, steps)
     return order.gather(-1, position[:, None]).squeeze(-1)
 
 
@@ -300,7 +314,8 @@ class Sampler:
         self._prefill(prompts, lengths)
 
         streams = np.array([k.stream() for k in keys] + [0] * (batch - rows), dtype=np.uint64)
-        uniforms = torch.from_numpy(counter_uniforms(streams, steps)).to(device)  # (B, steps)
+        # (steps, B): row t is contiguous, so the compiled step sees the same strides whatever `steps` is.
+        uniforms = torch.from_numpy(counter_uniforms(streams, steps).T.copy()).to(device)
         last = torch.tensor([p[-1] for p in prompts] + [0] * (batch - rows), device=device)
         start = torch.tensor([n - 1 for n in lengths], device=device)  # position of the last prompt token
         budget = torch.tensor(budgets + [0] * (batch - rows), device=device)
@@ -314,7 +329,7 @@ class Sampler:
         for t in range(steps):
             # A finished row keeps stepping (static shapes) at a clamped position; its output is ignored.
             positions = (start + t).clamp(max=self.cache.slots - 1)[:, None]  # (B, 1)
-            next_token, logprob = decode(token, positions, uniforms[:, t])
+            next_token, logprob = decode(token, positions, uniforms[t])
             out_tokens[:, t] = next_token
             out_logprobs[:, t] = logprob
             token = next_token[:, None].clone()  # the graph's output buffer is reused by its next replay
@@ -340,8 +355,11 @@ class Sampler:
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""
-        if params in self._decode_steps:
-            return self._decode_steps[params]
+        # Keyed by what the step computes with, so max_new_tokens or stop tokens never recompile it.
+        rule = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+        if rule in self._decode_steps:
+            return self._decode_steps[rule]
+        params = rule
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
             logits = self.model.forward_cached(tokens, positions, self.cache)
@@ -357,7 +375,7 @@ class Sampler:
                 step = graphed
             else:
                 step = compiled
-        self._decode_steps[params] = step
+        self._decode_steps[rule] = step
         return step
 
 
