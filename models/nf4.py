@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.config import ModelConfig
 from core.exceptions import ConfigError
+from models.qwen.dims import resolve_dims
 
 BLOCK_SIZE = 64
 """Weights per absmax scale."""
@@ -82,6 +84,38 @@ class NF4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
+
+
+def check_nf4_layout(config: ModelConfig, *, shards: int = 1) -> None:
+    """ConfigError (key ``model.quantize_base``) naming the first block linear that NF4 cannot hold.
+
+    Every weight must fill whole scale blocks (a multiple of 64 x 256 elements), and under
+    FSDP2 with ``shards`` data-parallel shards each weight's scale blocks must split evenly
+    (torchao shards an NF4 weight by its blocks). Needs only the config, so it can run
+    before any process group exists (with ``init_from``: on the config read from config.json).
+    """
+    dims = resolve_dims(config)
+    block = BLOCK_SIZE * SCALER_BLOCK_SIZE
+    shapes = {
+        "self_attn.q_proj": (dims.q_width, dims.hidden_size),
+        "self_attn.k_proj": (dims.kv_width, dims.hidden_size),
+        "self_attn.v_proj": (dims.kv_width, dims.hidden_size),
+        "self_attn.o_proj": (dims.hidden_size, dims.q_width),
+        "mlp.gate_proj": (dims.intermediate_size, dims.hidden_size),
+        "mlp.up_proj": (dims.intermediate_size, dims.hidden_size),
+        "mlp.down_proj": (dims.hidden_size, dims.intermediate_size),
+    }
+    for name, (rows, columns) in shapes.items():
+        if (rows * columns) % (block * shards):
+            where = f" over {shards} FSDP shards" if shards > 1 and (rows * columns) % block == 0 else ""
+            raise ConfigError(
+                f"layers.*.{name} has {rows} x {columns} weights, which NF4 cannot split into whole blocks of "
+                f"{block}{where} (64-weight blocks, scales in blocks of 256)",
+                key="model.quantize_base",
+                hint="use model.quantize_base=none, or another data-parallel size / strategy (ddp replicates)"
+                if where
+                else "use model.quantize_base=none for this shape",
+            )
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:

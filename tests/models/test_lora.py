@@ -39,6 +39,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LORA = LoRAConfig(rank=4, alpha=8.0)
 # Every NF4 weight needs a multiple of 64 x 256 elements: 128 x 128 projections, kv = q width.
 NF4_SHAPE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=4)
+# Under FSDP2 each NF4 weight is sharded by its 16384-weight blocks: at least 2 per weight.
+NF4_FSDP_SHAPE = {**NF4_SHAPE, "hidden_size": 256, "intermediate_size": 512}
 
 
 def _config(arch: str = "qwen3", **overrides) -> ModelConfig:
@@ -386,11 +388,22 @@ def test_nf4_quantization_is_deterministic_and_close_to_its_reference():
 
 
 def test_nf4_needs_block_aligned_weights():
-    from models.nf4 import quantize_base
+    from models.nf4 import check_nf4_layout, quantize_base
 
     with pytest.raises(ConfigError) as info:
         quantize_base(_model())
     assert info.value.context["key"] == "model.quantize_base" and "layers.0.self_attn.q_proj" in info.value.message
+    # Before any process group: the shape alone, and how many FSDP shards split each weight.
+    check_nf4_layout(ModelConfig(**NF4_SHAPE))
+    with pytest.raises(ConfigError, match="over 2 FSDP shards") as info:
+        check_nf4_layout(ModelConfig(**NF4_SHAPE), shards=2)  # 128 x 128: one scale block
+    assert info.value.context["key"] == "model.quantize_base"
+    check_nf4_layout(ModelConfig(**NF4_FSDP_SHAPE), shards=2)
+    qwen25 = config_lib.load(CONFIGS / "qwen2.5-0.5b-lora.yaml").model
+    check_nf4_layout(qwen25)
+    with pytest.raises(ConfigError, match="896 x 896"):
+        check_nf4_layout(qwen25, shards=2)
+    check_nf4_layout(config_lib.load(CONFIGS / "qwen3-1.7b-qlora.yaml").model, shards=8)
 
 
 # --------------------------------------------------------------------------- several ranks
@@ -464,6 +477,32 @@ def _tp_run() -> dict:
         return {"logits": logits.detach(), "grads": grads}
 
 
+def _qlora_model() -> torch.nn.Module:
+    from models.nf4 import quantize_base
+
+    model = models.build(ModelConfig(**NF4_FSDP_SHAPE), generator=torch.Generator().manual_seed(0))
+    apply_lora(model, LORA, seed=3)
+    _randomize_b(model)
+    quantize_base(model)
+    return model
+
+
+def _qlora_fsdp_run() -> dict:
+    """An NF4 base under FSDP2 (torchao shards the NF4 weights): full adapter gradients."""
+    from core.distributed_context import DistributedContext
+    from distributed import build_mesh, parallelize, unwrap
+    from distributed.params import full_tensor
+    from tests.distributed.scenarios import cpu_parallel
+
+    parallel = cpu_parallel(strategy="fsdp")
+    with DistributedContext.from_env(parallel) as dist:
+        model = parallelize(_qlora_model(), parallel, dist, build_mesh(parallel, dist))
+        inputs, labels = _batch()
+        rows = slice(2 * dist.rank, 2 * dist.rank + 2)
+        _loss(model, inputs[rows], labels[rows]).backward()
+        return {n: full_tensor(p.grad).clone() for n, p in unwrap(model).named_parameters() if p.grad is not None}
+
+
 @pytest.fixture(scope="module")
 def single_process_adapters():
     model = _model()
@@ -484,7 +523,7 @@ def _two_rank_runs() -> dict:
     from tests.distributed.scenarios import cpu_parallel
 
     with DistributedContext.from_env(cpu_parallel(strategy="ddp")):  # one group serves every run
-        return {"ddp": _adapter_run("ddp"), "fsdp": _adapter_run("fsdp"), "tp": _tp_run()}
+        return {"ddp": _adapter_run("ddp"), "fsdp": _adapter_run("fsdp"), "tp": _tp_run(), "qlora": _qlora_fsdp_run()}
 
 
 @pytest.fixture(scope="module")
@@ -515,3 +554,13 @@ def test_tensor_parallel_adapters_match_one_process(two_ranks):
         for name, param in model.named_parameters():
             if ".lora_" in name:
                 assert _max_diff(result["grads"][name], param.grad) <= 1e-6, name
+
+
+def test_qlora_under_fsdp_matches_one_process(two_ranks):
+    model = _qlora_model()
+    _loss(model, *_batch()).backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert len(expected) == 2 * 7 * 2  # adapters only: the NF4 base gets no gradient
+    for grads in (r["qlora"] for r in two_ranks):
+        assert grads.keys() == expected.keys()
+        assert max(_max_diff(grads[n], g) for n, g in expected.items()) <= 1e-6
