@@ -83,6 +83,14 @@ def train(cwd: Path, args: list[str], *, nproc: int = 2, timeout: float = 300) -
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
+def run_module(cwd: Path, args: list[str], *, timeout: float = 300) -> Result:
+    """``python -m <args>`` (e.g. ``["training", "export", ...]``) in ``cwd`` with the suite's env."""
+    proc = subprocess.run(
+        [PYTHON, "-m", *args], cwd=cwd, env=env(cwd), capture_output=True, text=True, timeout=timeout
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
 def start(cwd: Path, args: list[str], *, nproc: int = 2) -> subprocess.Popen:
     """Start a job in its own process group, so the whole job can be SIGKILLed at once."""
     return subprocess.Popen(

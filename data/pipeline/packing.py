@@ -161,7 +161,8 @@ class WholeDocPacker:
     document does not fit, so the state after a row is simply "read from the first document
     of the next row" (``skip`` is always 0). A document longer than ``seq_len`` (with its
     separator) is truncated to ``seq_len`` tokens or dropped (``data.overlong``); both are
-    counted. The separator after a document is a target iff the document's last token is.
+    counted, and a truncated chat document whose kept part trains no token is dropped (and
+    counted as dropped). The separator after a document is a target iff its last token is.
     """
 
     def __init__(self, stream: int, state: StreamState, *, seq_len: int, eos_id: int, pad_id: int,
@@ -224,8 +225,12 @@ class WholeDocPacker:
                     self.dropped += 1
                     self._consumed(doc)
                     continue
-                self.truncated += 1
                 piece, piece_mask = piece[:T], piece_mask[:T]
+                if doc.mask is not None and not piece_mask[1:].any():  # nothing left to train
+                    self.dropped += 1
+                    self._consumed(doc)
+                    continue
+                self.truncated += 1
             if self._fill + len(piece) > T:
                 out.append(self._close_row())
             self._spans.append(DocSpan(self._names[doc.source], doc.shard, doc.record,
