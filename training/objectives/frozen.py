@@ -1,0 +1,113 @@
+"""Frozen models an objective needs besides the trained one: a reference or a teacher.
+
+A frozen model is built once, in ``Objective.setup``, from a *source*:
+
+- ``init``: the trained model's starting weights (``model.init_from``, else the seeded
+  initialization of ``model.*``), rebuilt the same way the trained model was;
+- a local Hugging Face directory (``config.json`` + safetensors);
+- ``run:RUN_ID`` or ``run:RUN_ID@STEP`` (under ``run.root``), or ``run:RUN_DIR[@STEP]``: the model of
+  a Lockstep checkpoint (the newest, or that step), verified against its manifest.
+
+It is spread like the trained model: fully sharded under ``fsdp`` (no optimizer, no
+gradients), a plain replica on the rank's device otherwise. It is never saved: checkpoints
+record its identity, ``{"path": source, "sha256": <param_hash of its weights>}``, and a resume
+refuses a frozen model whose identity differs (training/objectives/base.py ``check_frozen``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import models
+from core import seeding
+from core.config import Config
+from core.distributed_context import DistributedContext
+from core.exceptions import ConfigError
+from distributed import param_hash, parallelize
+from distributed.topology import build_mesh
+from models.hf_config import model_config_from_hf
+
+RUN_PREFIX = "run:"
+
+
+@dataclass
+class FrozenModel:
+    role: str
+    """What it is for: reference, teacher."""
+    module: nn.Module
+    identity: dict[str, str]
+    """{"path": its source, "sha256": the hash of its weights}."""
+    vocab_size: int
+
+
+def build_frozen(config: Config, source: str, *, role: str, dist: DistributedContext, key: str) -> FrozenModel:
+    """The frozen model ``source`` names (module docstring); ``key`` is the config key, for errors."""
+    model_config = _model_config(config, source, key=key)
+    if source.startswith(RUN_PREFIX):
+        from training.export import checkpoint_dir, load_checkpoint_model
+
+        run, step = _run_source(config, source, key=key)
+        model = load_checkpoint_model(run.config, checkpoint_dir(run.paths, step))
+    else:  # the same seeded initialization (or init_from weights) as the trained model's
+        model = models.build(model_config, generator=seeding.generator(config.train.seed, "model_init"))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.eval()
+    if config.parallel.strategy == "fsdp":
+        topology = build_mesh(config.parallel, dist)
+        frozen_parallel = dataclasses.replace(config.parallel, compile=False, activation_checkpointing="none")
+        model = parallelize(model, frozen_parallel, dist, topology)
+    else:
+        model = model.to(dist.device)
+    identity = {"path": source if source != "init" else f"init:{config.model.init_from or 'seed'}",
+                "sha256": param_hash(model)}
+    return FrozenModel(role=role, module=model, identity=identity, vocab_size=model_config.vocab_size)
+
+
+def _model_config(config: Config, source: str, *, key: str):
+    if source == "init":
+        return config.model
+    if source.startswith(RUN_PREFIX):
+        run, _ = _run_source(config, source, key=key)
+        model = run.config.model
+        if model.init_from is not None:
+            model = model_config_from_hf(model.init_from, base=model)
+        return dataclasses.replace(model, init_from=None)
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}={source!r} is neither 'init', 'run:RUN_ID[@STEP]' nor a Hugging Face directory",
+                          key=key, file=str(path / "config.json"),
+                          hint="point it at a directory with config.json and safetensors weights")
+    return dataclasses.replace(model_config_from_hf(path, base=config.model), init_from=str(path))
+
+
+@dataclass
+class _Run:
+    paths: object  # core.layout.RunPaths
+    config: Config
+
+
+def _run_source(config: Config, source: str, *, key: str) -> tuple[_Run, int | None]:
+    from core import config as config_lib
+    from core.layout import RunPaths
+    from training.resume import find_run
+
+    spec = source[len(RUN_PREFIX):]
+    name, _, step = spec.partition("@")
+    if step and not step.isdigit():
+        raise ConfigError(f"{key}={source!r}: the step after @ must be a number", key=key)
+    path = Path(name)
+    paths = RunPaths(path) if (path / "config.yaml").is_file() else find_run(config.run.root, name)
+    return _Run(paths, config_lib.load(paths.config)), (int(step) if step else None)
+
+
+def frozen_logits(frozen: FrozenModel, batch, place) -> torch.Tensor:
+    """The frozen model's logits for a (host) batch, without gradients."""
+    with torch.no_grad():
+        return frozen.module(place(batch.input_ids), position_ids=place(batch.position_ids),
+                             document_ids=place(batch.document_ids))
