@@ -8,6 +8,7 @@ turns any error into the one line on stderr, the traceback in the rank's log and
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import tempfile
@@ -28,6 +29,8 @@ from models.qwen.dims import resolve_dims
 from runtime.faults import parse_faults
 from runtime.signals import StartupSignals, exit_with_launcher
 from runtime.watchdog import configure_nccl_diagnostics
+from runtime import relaunch
+from training import ledger as ledger_lib
 from training import replay as replay_lib
 from training import resume as resume_lib
 
@@ -73,7 +76,23 @@ def parse_args(argv: list[str] | None = None) -> Args:
         raise UsageError("--replay needs --step S with S >= 1", hint="e.g. --replay RUN_ID --step 7")
     if (ns.step is not None or ns.dump) and not ns.replay:
         raise UsageError("--step and --dump are only valid with --replay")
-    return Args(ns.config, ns.resume, ns.replay, ns.step, ns.dump, tuple(ns.overrides))
+    return continue_after_restart(Args(ns.config, ns.resume, ns.replay, ns.step, ns.dump, tuple(ns.overrides)))
+
+
+def continue_after_restart(args: Args) -> Args:
+    """A launcher's restart of a ``--config`` job continues the run its first attempt created
+    (``runtime.relaunch``): the same command becomes ``--resume RUN_ID`` with the same
+    overrides, minus the injected faults the earlier attempt already reached."""
+    if args.mode != "train":
+        return args
+    config = config_lib.load(args.config, args.overrides)
+    run_id = relaunch.launched_run(config.run.root)
+    if run_id is None:
+        return args
+    recorded = ledger_lib.read(resume_lib.find_run(config.run.root, run_id).ledger)
+    faults = relaunch.faults_not_yet_reached(config.runtime.faults, recorded[-1]["step"] if recorded else 0)
+    overrides = (*args.overrides, f"runtime.faults={json.dumps(faults)}")
+    return Args(config=None, resume=run_id, replay=None, step=None, dump=None, overrides=overrides)
 
 
 def resolve_config(args: Args) -> Config:
@@ -154,6 +173,8 @@ def check_model_fits(config: Config, device, info: ProcessInfo) -> None:
 def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunContext, EventLog]:
     if args.mode == "train":
         run = RunContext.create(config, dist)
+        if dist.is_main:
+            relaunch.record_launch(config.run.root, run.run_id)  # a restart of this job continues it
     else:
         run = RunContext.open_existing(
             config.run.root, args.resume or args.replay, dist, lock=args.mode == "resume"
