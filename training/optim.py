@@ -30,6 +30,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from core.config import TrainConfig
 from training.optimizers.lion import Lion
@@ -136,7 +137,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 @contextlib.contextmanager
-def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def evaluation_weights(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
     """Evaluate with the weights the optimizer means for evaluation, then train on exactly
     the weights it trained on before.
 
@@ -144,12 +145,25 @@ def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     training runs at the interpolation ``y``): they are swapped in for the block and the
     training weights are put back bit for bit, so an evaluation never changes the run's
     ledger or a kill/resume around it. For every other optimizer this does nothing.
+
+    Under FSDP2 the swap happens in the sharded parameters, so every unit is resharded on
+    the way in and out: a unit that keeps its gathered parameters after a forward (the
+    root and the last unit, ``reshard_after_forward=False``) would otherwise run the next
+    forward on stale gathered weights (``x`` after the evaluation).
     """
     if not isinstance(optimizer, ScheduleFreeAdamW):
         yield
         return
+    _reshard(model)
     optimizer.eval()
     try:
         yield
     finally:
+        _reshard(model)
         optimizer.train()
+
+
+def _reshard(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

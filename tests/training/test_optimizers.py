@@ -179,7 +179,7 @@ def test_schedule_free_follows_the_papers_sequences():
         torch.testing.assert_close(w.detach().double(), y_next, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(opt.state[w]["z"].double(), z, rtol=1e-5, atol=1e-6)
     y_bits = w.detach().clone()
-    with evaluation_weights(opt):
+    with evaluation_weights(opt, nn.Module()):
         torch.testing.assert_close(w.detach().double(), x, rtol=1e-5, atol=1e-6)
         with pytest.raises(RuntimeError, match="eval mode"):
             opt.step()
@@ -189,7 +189,7 @@ def test_schedule_free_follows_the_papers_sequences():
 def test_evaluation_weights_leave_other_optimizers_alone():
     w = nn.Parameter(torch.ones(3))
     opt = Lion([w], lr=0.1)
-    with evaluation_weights(opt):
+    with evaluation_weights(opt, nn.Module()):
         assert torch.equal(w.detach(), torch.ones(3))
 
 
@@ -233,6 +233,9 @@ class _Mixed(nn.Module):
         self.down = nn.Linear(9, 5)
         self.scale = nn.Parameter(torch.ones(5))
 
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(self.embed(ids))) * self.scale
+
 
 def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     config = TrainConfig(optimizer=name, schedule="constant", lr=0.01, muon_adjust_lr="original")
@@ -257,7 +260,8 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 single = _Mixed()
                 sharded = _Mixed()
                 sharded.load_state_dict(single.state_dict())
-                fully_shard(sharded, mesh=mesh)
+                # Kept gathered after forward, like the root unit in distributed/fsdp.py.
+                fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
                 opts = _optimizer(name, single), _optimizer(name, sharded)
                 for step in range(3):
                     for i, ((_, a), (_, b)) in enumerate(zip(single.named_parameters(), sharded.named_parameters())):
@@ -265,6 +269,16 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                         b.grad = distribute_tensor(a.grad, mesh, b.placements)
                     for opt in opts:
                         opt.step()
+                ids = torch.arange(8).reshape(2, 4)
+                with torch.no_grad():
+                    with evaluation_weights(opts[1], sharded):  # schedule-free: x in, y back
+                        evaluated = sharded(ids)
+                    after = sharded(ids)  # must run on y again, not on x still gathered
+                    expected = single(ids)
+                result[f"{name}/forward_after_eval"] = {"out": {"equal": torch.equal(after, expected),
+                                                                "max_diff": float((after - expected).abs().max())}}
+                result[f"{name}/eval_differs"] = bool(not torch.equal(evaluated, expected))
+                sharded.reshard()  # the forwards left it gathered
                 full = {n: p.full_tensor() for n, p in sharded.named_parameters()}
                 assert all(isinstance(p, DTensor) for p in sharded.parameters())
                 result[name] = {
@@ -281,10 +295,14 @@ def test_fsdp_updates_equal_one_process(tmp_path):
     """Muon gathers each matrix before Newton-Schulz; the others are elementwise. All four
     give the single-process parameters on 2 FSDP2 ranks (within fp32 tolerance; bitwise here)."""
     for ranks_result in launch.spawn_json_ranks(_fsdp_worker, tmp_path, timeout=180):
+        flags = {k: ranks_result.pop(k) for k in list(ranks_result) if k.endswith("/eval_differs")}
+        assert flags == {f"{n}/eval_differs": n == "schedule_free_adamw" for n in ("muon", "adamw", "lion", "schedule_free_adamw")}
         for name, params in ranks_result.items():
             for param, check in params.items():
                 assert check["max_diff"] <= 1e-6, (name, param, check)
         assert all(c["equal"] for c in ranks_result["muon"].values()), ranks_result["muon"]
+        # After an evaluation on x, training forwards run on y again, bit for bit.
+        assert ranks_result["schedule_free_adamw/forward_after_eval"]["out"]["equal"]
 
 
 # --------------------------------------------------------------------------- kill/resume
