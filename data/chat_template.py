@@ -278,6 +278,8 @@ class ChatEncoder:
         self.loss_on = loss_on
 
     def encode(self, record: Any) -> tuple[np.ndarray, np.ndarray]:
+        if self.kind == "prompt":
+            return self._encode_prompt(record)
         messages, first_completion = messages_of(record, self.kind)
         if self.kind == "prompt_completion" and isinstance(record.get("prompt"), str) \
                 and isinstance(record.get("completion"), str):
@@ -290,6 +292,26 @@ class ChatEncoder:
             rendered = self.template.render_spans(messages, first_completion, self.loss_on)
         ids, offsets = self.tokenizer.encode_offsets(rendered.text)
         return ids, token_mask(offsets, rendered.spans)
+
+    def _encode_prompt(self, record: Any) -> tuple[np.ndarray, np.ndarray]:
+        """A GRPO prompt record ``{"prompt", "answer"}``: the prompt rendered with the template and
+        ``add_generation_prompt`` (a string prompt is one user message), then the answer's tokens,
+        which the mask marks; the objective splits them again (training/objectives/grpo.py)."""
+        if not isinstance(record, dict):
+            raise RecordError(f"record is a {type(record).__name__}, not a JSON object")
+        prompt, answer = record.get("prompt"), record.get("answer")
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise RecordError("'prompt' is empty")
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = _check_messages(prompt, "prompt")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+            raise RecordError(f"prompt record needs a non-empty 'answer' (string or number), got {answer!r}")
+        prompt_ids = self.tokenizer.encode_array(self.template.render(messages, add_generation_prompt=True))
+        answer_ids = self.tokenizer.encode_array(str(answer))
+        mask = np.concatenate([np.zeros(len(prompt_ids), dtype=bool), np.ones(len(answer_ids), dtype=bool)])
+        return np.concatenate([prompt_ids, answer_ids]).astype(np.int32), mask
 
     def check(self) -> None:
         """Refuse a template that renders no assistant span (a ConfigError naming the file)."""

@@ -17,9 +17,13 @@ of 1.0 means the same thing in every run:
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
+from dataclasses import dataclass
 from typing import Callable
+
+from core.exceptions import ConfigError, DataError
 
 _WHITESPACE = re.compile(r"\s+")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?![\d,])|\d+)(?:\.\d+)?")
@@ -69,3 +73,84 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
     "numeric_tolerance": numeric_tolerance,
 }
 """Answer checkers by the name a record's ``"reward"`` field uses (format_regex needs a pattern)."""
+
+
+# ---------------------------------------------------------------------- configured rewards
+
+
+class RewardError(DataError):
+    """A reward function raised or returned a non-finite value (objective.grpo.on_reward_error=error): exit 3."""
+
+    skippable = False
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One configured reward: ``fn(completion, answer, prompt=...) -> float``, with its weight."""
+
+    name: str
+    weight: float
+    fn: Callable[..., float]
+
+
+def resolve_reward(name: str, *, weight: float, pattern: str = "", tol: float = 0.0,
+                   key: str = "objective.grpo.rewards") -> RewardFunction:
+    """A built-in reward by name, or a user function ``package.module:function`` (imported now).
+
+    Every reward is called as ``fn(completion, answer, prompt=prompt)``; a user function must
+    accept that and return a finite float (docs/post_training.md, GRPO). An unknown name or a
+    path that does not import is a ConfigError naming the key.
+    """
+    if name == "exact_answer":
+        return RewardFunction(name, weight, lambda completion, answer, prompt: exact_answer(completion, answer))
+    if name == "numeric_tolerance":
+        return RewardFunction(name, weight,
+                              lambda completion, answer, prompt: numeric_tolerance(completion, answer, tol))
+    if name == "format_regex":
+        if not pattern:
+            raise ConfigError("format_regex needs a pattern", key=f"{key}.pattern")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"format_regex pattern {pattern!r} does not compile: {exc}", key=f"{key}.pattern") from None
+        return RewardFunction(name, weight, lambda completion, answer, prompt: format_regex(completion, pattern))
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"unknown reward {name!r}", key=f"{key}.name",
+            hint="use exact_answer, numeric_tolerance, format_regex, or a function as 'package.module:function'",
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"reward function {name!r}: module {module_name!r} does not import ({exc})",
+                          key=f"{key}.name", hint="check the module path; it must be importable from the run's directory") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"reward function {name!r}: module {module_name!r} has no function {attr!r}",
+                          key=f"{key}.name", hint="name a callable fn(completion, answer, prompt=...) -> float")
+    return RewardFunction(name, weight, lambda completion, answer, prompt: fn(completion, answer, prompt=prompt))
+
+
+def score(rewards: list[RewardFunction], completion: str, answer: str, prompt: str, *,
+          where: str, on_error: str) -> tuple[float, int]:
+    """The weighted sum of the rewards of one completion, and how many failed.
+
+    A reward that raises or returns a non-finite value or a non-number is a RewardError naming
+    the function and ``where`` (the sample), or, with ``on_error="zero"``, counts as 0 and is counted.
+    """
+    total, failures = 0.0, 0
+    for reward in rewards:
+        try:
+            value = reward.fn(completion, answer, prompt)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"returned {value!r}, not a finite number")
+        except Exception as exc:  # a user function may raise anything: named, then stopped or counted
+            if on_error != "zero":
+                raise RewardError(f"reward function {reward.name!r} failed on {where}: {exc}", reward=reward.name,
+                                  sample=where, hint="fix the function, or set objective.grpo.on_reward_error=zero "
+                                                     "to score such samples 0 and count them") from exc
+            failures += 1
+            continue
+        total += reward.weight * float(value)
+    return total, failures

@@ -1,0 +1,102 @@
+"""``python -m training generate`` (training/generate.py) on a tiny Hugging Face directory with the
+byte tokenizer and the ChatML template, as ``python -m training export`` writes them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import models
+from core import seeding
+from core.config import ModelConfig
+from data.chat_template import CHATML_TEMPLATE
+from data.tokenizers import ByteTokenizer
+from models.hf_weights import load_pretrained, save_pretrained
+from training.__main__ import main
+
+CONFIG = ModelConfig(
+    arch="qwen3", vocab_size=512, hidden_size=48, intermediate_size=80, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, attention="sdpa", max_position_embeddings=96,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-hf")
+    model = models.build(CONFIG, generator=seeding.generator(3, "model_init"))
+    save_pretrained(model, path)
+    (path / "tokenizer.json").write_text(ByteTokenizer().hf_tokenizer_json())
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|pad|>",
+        "chat_template": CHATML_TEMPLATE}))
+    return path
+
+
+def generate(model_dir, tmp_path, *args) -> tuple[int, list[dict]]:
+    out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}.jsonl"
+    code = main(["generate", "--from", str(model_dir), "--device", "cpu", "--out", str(out), *args])
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if out.is_file() else []
+    return code, lines
+
+
+def test_greedy_equals_argmax_decoding(model_dir, tmp_path):
+    code, [record] = generate(model_dir, tmp_path, "--prompt", "Hello", "--no-chat", "--temperature", "0",
+                              "--max-new-tokens", "12")
+    assert code == 0 and record["prompt"] == "Hello" and record["prompt_index"] == 0
+    model = load_pretrained(model_dir).eval()
+    ids = list(b"Hello")
+    expected = []
+    with torch.no_grad():
+        for _ in range(12):
+            token = int(model(torch.tensor([ids]))[0, -1].argmax())
+            expected.append(token)
+            ids.append(token)
+            if token == ByteTokenizer.eos_id:
+                break
+    assert record["token_ids"] == expected
+    assert len(record["logprobs"]) == len(expected) and all(lp <= 0 for lp in record["logprobs"])
+    assert record["finish_reason"] == ("stop" if expected[-1] == ByteTokenizer.eos_id else "length")
+
+
+def test_prompts_file_chat_template_and_keyed_samples(model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 2?"}) + "\n\n" + json.dumps({"messages": messages}) + "\n")
+    code, records = generate(model_dir, tmp_path, "--prompts", str(prompts), "--samples", "2", "--seed", "5",
+                             "--max-new-tokens", "8", "--temperature", "1.0")
+    assert code == 0
+    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    # the directory has a chat template: text prompts are rendered as a user turn by default
+    assert records[0]["prompt"] == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert records[2]["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert records[0]["token_ids"] != records[1]["token_ids"]  # two keys, two samples
+    # a sample depends on its key only, not on the other prompts of the file
+    code, [alone] = generate(model_dir, tmp_path, "--prompt", "What is 2 + 2?", "--seed", "5",
+                             "--max-new-tokens", "8", "--temperature", "1.0")
+    assert alone["token_ids"] == records[0]["token_ids"] and alone["logprobs"] == records[0]["logprobs"]
+    code, [raw] = generate(model_dir, tmp_path, "--prompt", "What is 2 + 2?", "--no-chat", "--max-new-tokens", "2")
+    assert raw["prompt"] == "What is 2 + 2?"
+
+
+@pytest.mark.parametrize("args, exit_code", [
+    (["--max-new-tokens", "4"], 2),  # neither --prompt nor --prompts
+    (["--prompt", "", "--max-new-tokens", "4"], 3),  # empty prompt
+    (["--prompt", "x" * 120, "--no-chat", "--max-new-tokens", "4"], 3),  # longer than the context (96)
+    (["--prompt", "Hi", "--temperature", "-1"], 2),
+    (["--prompt", "Hi", "--step", "3"], 2),  # --step names a run's checkpoint
+])
+def test_bad_input_is_a_typed_error(model_dir, tmp_path, capsys, args, exit_code):
+    code, records = generate(model_dir, tmp_path, *args)
+    assert (code, records) == (exit_code, [])
+    assert capsys.readouterr().err.strip()
+
+
+def test_bad_prompts_file_line_and_unknown_source(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ok"}) + "\n" + "{not json\n")
+    code, _ = generate(model_dir, tmp_path, "--prompts", str(prompts))
+    assert code == 3 and "bad.jsonl line 2" in capsys.readouterr().err
+    code = main(["generate", "--from", "no-such-run", "--root", str(tmp_path), "--prompt", "Hi"])
+    assert code in (2, 4) and "no-such-run" in capsys.readouterr().err

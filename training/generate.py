@@ -1,0 +1,194 @@
+"""``python -m training generate``: sample from a run's checkpoint or a Hugging Face directory.
+
+    python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
+        [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--samples N] [--seed S]
+        [--chat | --no-chat] [--out FILE.jsonl] [--root runs]
+
+- ``--from``: a run directory (it holds ``config.yaml``), a Hugging Face directory (``config.json``
+  and safetensors), else a run ID under ``--root``. A run gives the weights of its newest
+  checkpoint (or ``--step``), verified against the manifest, and its tokenizer and chat
+  template (``data.tokenizer``, ``data.chat_template``); a Hugging Face directory gives its own.
+- **Chat template.** A prompt given as messages (``{"prompt": [...]}`` or ``{"messages": [...]}``
+  in a prompts file) is always rendered with the template and ``add_generation_prompt``. A text
+  prompt is rendered as one user message with ``--chat``, sent as raw text with ``--no-chat``,
+  and by default: rendered for runs whose ``objective.kind`` is not ``causal_lm`` (they were
+  fine-tuned on chat data) and for Hugging Face directories whose ``tokenizer_config.json``
+  has a ``chat_template``; raw otherwise.
+- **Randomness.** Sample ``j`` of prompt ``i`` (its line number in the file; 0 for ``--prompt``)
+  uses ``SampleKey(seed, "generate", 0, i, j)``: it does not depend on the other prompts, the
+  batch or the order (models/qwen/sampler.py). ``--temperature 0`` is greedy.
+- **Stopping.** A sample ends at the tokenizer's EOS, or at the template's end-of-turn marker
+  (a single token such as Qwen's ``<|im_end|>``; a marker of several tokens, as with the byte
+  tokenizer, is cut on the host: the tokens after it are dropped).
+- **Output.** One JSON line per sample (stdout, or ``--out``): ``prompt_index``,
+  ``sample_index``, ``prompt`` (the text fed to the model), ``completion`` (decoded, without
+  stop tokens and end-of-turn marker), ``token_ids``, ``logprobs`` (the model's untempered
+  log-probs of the generated tokens), ``finish_reason`` (``stop`` | ``length``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from core.exceptions import ConfigError, UsageError
+from data.chat_template import ChatTemplate
+from data.tokenizers import build_tokenizer
+from models.generation import Prompt, context_length, read_prompts, sample_prompts, sample_record
+from models.qwen.sampler import Sample, Sampler, SamplingParams
+
+PURPOSE = "generate"
+
+
+@dataclass
+class Source:
+    """What sampling needs from ``--from``."""
+
+    model: torch.nn.Module
+    tokenizer_spec: str
+    chat_template: Optional[str]
+    """A template file overriding the tokenizer's (a run's data.chat_template)."""
+    chat_by_default: bool
+    label: str
+
+
+def load_source(spec: str, *, root: str, step: Optional[int], device: torch.device) -> Source:
+    """The model, tokenizer and template ``--from`` names (module docstring)."""
+    path = Path(spec)
+    if (path / "config.json").is_file() and not (path / "config.yaml").is_file():
+        if step is not None:
+            raise UsageError("--step applies to runs, not to a Hugging Face directory", hint="drop --step")
+        from models.hf_weights import load_pretrained
+
+        model = load_pretrained(path, device=device)
+        config_file = path / "tokenizer_config.json"
+        has_template = config_file.is_file() and bool(json.loads(config_file.read_text()).get("chat_template"))
+        return Source(model, str(path), None, has_template, str(path))
+    from core import config as config_lib
+    from training.__main__ import resolve_run
+    from training.export import checkpoint_dir, load_checkpoint_model
+
+    paths = resolve_run(spec, root)
+    config = config_lib.load(paths.config)
+    checkpoint = checkpoint_dir(paths, step)
+    model = load_checkpoint_model(config, checkpoint).to(device)
+    return Source(model, config.data.tokenizer, config.data.chat_template, config.objective.kind != "causal_lm",
+                  str(checkpoint))
+
+
+def run_generate(args) -> int:
+    """The ``generate`` subcommand (arguments: training/__main__.py)."""
+    if (args.prompt is None) == (args.prompts is None):
+        raise UsageError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+    if args.samples < 1:
+        raise UsageError(f"--samples must be >= 1, got {args.samples}")
+    prompts = [Prompt(index=0, text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
+    if args.prompt is not None and not args.prompt:
+        from core.exceptions import DataError
+
+        raise DataError("--prompt is empty", hint="give the text to continue")
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    source = load_source(args.from_, root=args.root, step=args.step, device=device)
+    model = source.model.eval()
+    tokenizer = build_tokenizer(source.tokenizer_spec)
+    template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template)
+    chat = source.chat_by_default if args.chat is None else args.chat
+    texts = [_prompt_text(p, template, chat) for p in prompts]
+    ids = [list(tokenizer.encode_array(text)) for text in texts]
+    stop_ids, marker = stop_tokens(tokenizer, template)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids)
+    limit = model.config.max_position_embeddings
+    sampler = Sampler(model, max_batch=args.batch,
+                      max_len=context_length([len(i) for i in ids], args.max_new_tokens, limit=limit))
+    samples = sample_prompts(sampler, ids, [p.index for p in prompts], params, seed=args.seed, purpose=PURPOSE,
+                             samples_per_prompt=args.samples)
+    by_index = {p.index: text for p, text in zip(prompts, texts)}
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    try:
+        for prompt_index, sample_index, sample in samples:
+            sample, completion = cut_at_marker(sample, tokenizer, marker, stop_ids)
+            record = {"prompt": by_index[prompt_index],
+                      **sample_record(prompt_index, sample_index, sample, completion=completion)}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+def _prompt_text(prompt: Prompt, template: ChatTemplate, chat: bool) -> str:
+    if prompt.messages is not None:
+        return template.render(list(prompt.messages), add_generation_prompt=True)
+    if chat:
+        return template.render([{"role": "user", "content": prompt.text}], add_generation_prompt=True)
+    return prompt.text
+
+
+def stop_tokens(tokenizer, template: ChatTemplate) -> tuple[tuple[int, ...], Optional[str]]:
+    """(stop token ids, end-of-turn marker of several tokens or None): EOS, and the template's
+    end-of-turn marker where it is one token."""
+    ids = [tokenizer.eos_id]
+    marker = template.end_of_turn
+    if marker:
+        encoded = [int(t) for t in tokenizer.encode_array(marker)]
+        if len(encoded) == 1:
+            ids.append(encoded[0])
+            marker = None
+    return tuple(dict.fromkeys(ids)), marker
+
+
+def cut_at_marker(sample: Sample, tokenizer, marker: Optional[str], stop_ids) -> tuple[Sample, str]:
+    """The sample up to the end of its first end-of-turn marker (a string of several tokens),
+    and its text without stop tokens and marker."""
+    tokens = list(sample.tokens)
+    if marker and marker in tokenizer.decode(tokens):
+        lo, hi = 1, len(tokens)  # the shortest prefix whose text holds the marker
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if marker in tokenizer.decode(tokens[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        sample = Sample(tokens=tokens[:lo], logprobs=sample.logprobs[:lo], finish_reason="stop")
+        tokens = sample.tokens
+    text = tokenizer.decode([t for t in tokens if t not in stop_ids])
+    if marker:
+        text = text.split(marker)[0]
+    return sample, text
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--from", dest="from_", required=True, help="run ID (under --root), run directory or HF directory")
+    p.add_argument("--root", default="runs", help="where run directories live (default: runs)")
+    p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="one text prompt (prompt index 0)")
+    src.add_argument("--prompts", type=Path, default=None, help="JSONL file, one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=8, help="rows per forward (a sample's bits depend on it)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="render text prompts with the chat template")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send text prompts as they are")
+    p.add_argument("--out", type=Path, default=None, help="output JSONL (default: stdout)")
+
+
+def check_sampling(args) -> None:
+    """Sampling settings are checked by SamplingParams (ConfigError naming the setting)."""
+    try:
+        SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       max_new_tokens=args.max_new_tokens)
+    except ConfigError as exc:
+        raise UsageError(exc.message, hint="see python -m training generate --help") from None

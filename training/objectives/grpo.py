@@ -1,0 +1,289 @@
+"""``grpo``: group relative policy optimization on prompts with checkable answers.
+
+Per step (one loop step = one optimizer step):
+
+1. ``prepare`` (no gradients) takes this rank's prompt rows of the global batch (data record kind
+   ``prompt``: one prompt per row, its answer's tokens marked by ``target_mask``; data/chat_template.py),
+   samples ``group_size`` completions of each with the current weights
+   (models/qwen/sampler.py, keys ``(train.seed, "grpo", step, global prompt row, sample index)``,
+   so a rollout depends on neither the world size nor the batch layout), scores them with the
+   configured rewards (training/objectives/rewards.py), normalizes advantages per group and,
+   when ``kl_coef > 0``, computes the frozen reference's log-probs. It returns a *new* Batch:
+   one row per completion (prompt + completion, padded to ``data.seq_len``; labels on the
+   completion tokens only), global row ``prompt row * group_size + sample index``, with extras
+   ``advantages`` (B,), ``old_logps`` (B, T) (the sampler's log-probs, aligned with labels) and
+   ``ref_logps`` (B, T).
+2. ``loss`` is the clipped surrogate with the k3 KL penalty (training/objectives/grpo_loss.py has
+   every formula), summed per ``loss_norm`` over completions or tokens; the loop divides by the
+   global count.
+3. ``ledger_fields`` gathers every rank's rollout digests and rewards (all ranks call it at the
+   same point; the gather is keyed by global row, so the result is world-size independent):
+   ``rollout_hash`` (sha256 over the per-completion sha256 of the generated token ids, in
+   global row order), ``reward_mean``, ``reward_std`` (population), ``reward_zero_var_groups``
+   (fraction of groups whose rewards are all equal), ``completion_len_mean``,
+   ``logprob_parity`` (max |sampler log-prob - trainer log-prob| over the sampled tokens) and
+   ``reward_errors`` (rewards scored 0 under ``on_reward_error=zero``).
+
+One update per rollout batch (``inner_updates=1``): the ratio's denominator is the sampler's own
+log-probs, so the ratio is 1 up to kernel differences and clipping guards only against those;
+several updates per rollout would need the rollout batch kept across loop steps
+(docs/post_training.md). Resume needs no rollout state: the prompts come from the data state
+and the randomness from the step, so a resumed step regenerates the same rollouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from core.config import Config
+from core.exceptions import DataError
+from data.batch import IGNORE_INDEX, Batch
+from data.chat_template import ChatTemplate
+from data.tokenizers import build_tokenizer
+from models.qwen.sampler import Sample, Sampler, SamplingParams, generation_model
+from models.generation import sample_prompts
+from training.generate import cut_at_marker, stop_tokens
+from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state
+from training.objectives.grpo_loss import (
+    SurrogateSettings,
+    group_advantages,
+    per_token_loss,
+    reduce_loss,
+    reduce_metric,
+)
+from training.objectives.rewards import resolve_reward, score
+from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
+
+PURPOSE = "grpo"
+
+
+class GRPOObjective:
+    name = "grpo"
+
+    def __init__(self, config: Config) -> None:
+        g = config.objective.grpo
+        self.config, self.g = config, g
+        self.rewards = self.check_config(config)
+        self.tokenizer = build_tokenizer(config.data.tokenizer)
+        template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
+        # EOS and a one-token end-of-turn marker stop a sample; a marker of several tokens is cut on the host.
+        self.stop_ids, self.end_marker = stop_tokens(self.tokenizer, template)
+        self.settings = SurrogateSettings(clip_low=g.clip_eps_low, clip_high=g.clip_eps_high, kl_coef=g.kl_coef,
+                                          importance=g.importance, loss_norm=g.loss_norm)
+        self.params = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                     max_new_tokens=g.max_new_tokens, stop_token_ids=self.stop_ids)
+        # Every forward of the sampler runs this many rows (its static shape): a constant of the
+        # config, not of the world size, so rollouts do not depend on how rows are spread.
+        self.rollout_rows = g.group_size * config.train.global_batch_size // config.data.num_streams
+        self.reference = None
+        self._context: ObjectiveContext | None = None
+        self._model: nn.Module | None = None
+        self._sampler: Sampler | None = None
+        self._local: dict[str, Any] = {}
+        self._parity: list[torch.Tensor] = []
+        self._timings: dict[str, float] = {}
+        self.fuse_head = False
+
+    def last_timings(self) -> dict[str, float]:
+        """Seconds of the last prepare's rollouts and reference pass, and the tokens generated
+        (benchmarks/grpo_step.py; not in the ledger: times are not deterministic)."""
+        return dict(self._timings)
+
+    @staticmethod
+    def check_config(config: Config) -> list:
+        """The configured rewards, resolved: an unknown name or a function path that does not
+        import is a ConfigError naming objective.grpo.rewards[i].name."""
+        return [resolve_reward(r.name, weight=r.weight, pattern=r.pattern, tol=r.tol,
+                               key=f"objective.grpo.rewards[{i}]")
+                for i, r in enumerate(config.objective.grpo.rewards)]
+
+    # ------------------------------------------------------------------ seam
+
+    def setup(self, model: nn.Module, context: ObjectiveContext) -> None:
+        from training.objectives.frozen import build_frozen
+
+        self._context, self._model = context, model
+        self.fuse_head = context.fuse_head and self.config.train.loss_chunk_tokens > 0
+        if self.g.kl_coef > 0:
+            self.reference = build_frozen(self.config, self.g.reference, role="reference", dist=context.dist,
+                                          key="objective.grpo.reference")
+
+    def prepare(self, batch: Batch) -> Batch:
+        prompts = [self._prompt_of(batch, r) for r in range(len(batch.sequence_index))]
+        samples = self._rollouts([p[1] for p in prompts], [p[0] for p in prompts], batch.step)
+        rows, rewards, failures = [], [], 0
+        G = self.g.group_size
+        for (index, prompt_ids, answer, prompt_text), group in zip(prompts, samples):
+            group_rewards = []
+            for s, sample in enumerate(group):
+                tokens, text = self._completion(sample)
+                value, failed = score(self.rewards, text, answer, prompt_text, on_error=self.g.on_reward_error,
+                                      where=f"step {batch.step}, prompt row {index}, sample {s}")
+                failures += failed
+                group_rewards.append(value)
+                rows.append((index * G + s, prompt_ids, tokens, sample.logprobs[: len(tokens)]))
+            rewards.append(group_rewards)
+        advantages = group_advantages(np.array(rewards).reshape(len(prompts), G), eps=self.g.std_eps).reshape(-1)
+        out = self._rollout_batch(batch, rows, advantages)
+        if self.reference is not None:
+            out = out.with_extras(ref_logps=self._reference_logps(out))
+        self._local = {
+            "rows": [(index, hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest(), reward, len(tokens))
+                     for (index, _, tokens, _), reward in zip(rows, np.array(rewards).reshape(-1).tolist())],
+            "failures": failures,
+        }
+        self._parity = []
+        return out
+
+    def num_targets(self, batch: Batch) -> int:
+        if self.g.loss_norm == "sequence":
+            return int(batch.input_ids.shape[0])
+        return batch.num_target_tokens()
+
+    def loss(self, model: nn.Module, micro: Batch) -> LossOutput:
+        count = self.num_targets(micro)  # host labels: no device sync
+        placed = micro.placed(self._context.place)
+        mask = placed.labels != IGNORE_INDEX
+        logps = self._token_logps(model, placed, fuse=self.fuse_head).float()
+        old = placed.extras["old_logps"]
+        per_token, terms = per_token_loss(logps, old, placed.extras.get("ref_logps"), placed.extras["advantages"],
+                                          mask, self.settings)
+        total, _ = reduce_loss(per_token, mask, self.g.loss_norm)
+        with torch.no_grad():
+            self._parity.append(((logps.detach() - old).abs() * mask).max())
+            norm = self.g.loss_norm
+            metrics = {"clip_fraction": reduce_metric(terms["clipped"], mask, norm),
+                       "entropy": reduce_metric(-logps.detach() * mask, mask, norm)}
+            if "kl" in terms:
+                metrics["kl"] = reduce_metric(terms["kl"].detach(), mask, norm)
+        return LossOutput(total, count, metrics)
+
+    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
+        parity = max((float(p) for p in self._parity), default=0.0)
+        gathered = self._context.dist.all_gather_object({**self._local, "parity": parity})
+        # Tensor-parallel peers hold the same rows: key by global row.
+        rows = sorted({row[0]: row for part in gathered for row in part["rows"]}.values())
+        digest = hashlib.sha256(b"".join(bytes.fromhex(row[1]) for row in rows)).hexdigest()
+        rewards = np.array([row[2] for row in rows], dtype=np.float64)
+        groups = rewards.reshape(-1, self.g.group_size)
+        return {
+            "rollout_hash": digest,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "reward_zero_var_groups": float((groups.max(axis=1) == groups.min(axis=1)).mean()),
+            "completion_len_mean": float(np.mean([row[3] for row in rows])),
+            "logprob_parity": max(part["parity"] for part in gathered),
+            "reward_errors": int(sum(part["failures"] for part in gathered)) // max(1, self._tp_copies(gathered)),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        # Nothing else to keep: the prompts come from the data state, the sampling keys from the
+        # step, and one update per rollout batch leaves no rollout buffer between steps.
+        return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(self.name, state)
+
+    def frozen_identity(self) -> dict[str, dict[str, str]]:
+        return {"reference": self.reference.identity} if self.reference is not None else {}
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _prompt_of(self, batch: Batch, r: int) -> tuple[int, list[int], str, str]:
+        """(global row, prompt ids, answer text, prompt text) of prompt row ``r``."""
+        span = batch.provenance[r][0]
+        ids = batch.input_ids[r, span.start:span.end].tolist()
+        mask = batch.extras["target_mask"][r, span.start:span.end].tolist()
+        prompt = [t for t, m in zip(ids, mask) if not m]
+        answer = [t for t, m in zip(ids[:-1], mask[:-1]) if m]  # the last token is the separator
+        if not prompt:
+            raise DataError("prompt record renders to no prompt token", file=span.shard, record=span.record,
+                            step=batch.step)
+        return (batch.sequence_index[r], prompt, self.tokenizer.decode(answer), self.tokenizer.decode(prompt))
+
+    def _rollouts(self, prompt_ids: list[list[int]], indices: list[int], step: int) -> list[list[Sample]]:
+        model = self._model
+        was_training = model.training
+        model.eval()
+        try:
+            dtype = torch.bfloat16 if (self.config.parallel.precision == "bf16"
+                                       and self._context.parallel.device.type == "cuda") else None
+            started = time.perf_counter()
+            plain = generation_model(model, dtype=dtype)  # a collective for sharded models: every rank
+            if self._sampler is None:
+                self._sampler = Sampler(plain, max_batch=self.rollout_rows, max_len=self.config.data.seq_len)
+            elif self._sampler.model is not plain:  # a fresh copy: into the sampler's model, whose
+                with torch.no_grad():               # compiled decode step (and CUDA graph) stays valid
+                    for kept, fresh in zip(self._sampler.model.parameters(), plain.parameters()):
+                        kept.copy_(fresh)
+                del plain
+            flat = sample_prompts(self._sampler, prompt_ids, indices, self.params, seed=self.config.train.seed,
+                                  purpose=PURPOSE, step=step, samples_per_prompt=self.g.group_size)
+        finally:
+            model.train(was_training)
+        self._timings["rollout_s"] = time.perf_counter() - started
+        self._timings["rollout_tokens"] = sum(len(sample.tokens) for _, _, sample in flat)
+        G = self.g.group_size
+        return [[sample for _, _, sample in flat[p * G:(p + 1) * G]] for p in range(len(prompt_ids))]
+
+    def _completion(self, sample: Sample) -> tuple[list[int], str]:
+        """The tokens trained on (cut after a several-token end-of-turn marker) and the completion
+        text the rewards see (without stop tokens and the marker): as ``python -m training generate``."""
+        sample, text = cut_at_marker(sample, self.tokenizer, self.end_marker, self.stop_ids)
+        return list(sample.tokens), text
+
+    def _rollout_batch(self, batch: Batch, rows: list, advantages: np.ndarray) -> Batch:
+        """One row per completion: prompt + completion, padded; labels on the completion only."""
+        width, pad = self.config.data.seq_len, getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)
+        n = len(rows)
+        input_ids = torch.full((n, width), pad, dtype=torch.int64)
+        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.int64)
+        document_ids = torch.ones((n, width), dtype=torch.int64)
+        old_logps = torch.zeros((n, width), dtype=torch.float32)
+        for i, (_, prompt, tokens, logprobs) in enumerate(rows):
+            p, c = len(prompt), len(tokens)
+            input_ids[i, :p + c] = torch.tensor(prompt + tokens)
+            document_ids[i, :p + c] = 0
+            labels[i, p - 1:p + c - 1] = torch.tensor(tokens)
+            old_logps[i, p - 1:p + c - 1] = torch.tensor(logprobs, dtype=torch.float32)
+        G = self.g.group_size
+        return Batch(
+            step=batch.step, input_ids=input_ids, labels=labels,
+            position_ids=torch.arange(width).expand(n, width).clone(), document_ids=document_ids,
+            sequence_index=[index for index, *_ in rows],
+            provenance=[batch.provenance[i // G] for i in range(n)],
+            state=batch.state,
+            extras={"advantages": torch.tensor(advantages, dtype=torch.float32), "old_logps": old_logps},
+        )
+
+    def _reference_logps(self, batch: Batch) -> torch.Tensor:
+        started = time.perf_counter()
+        place = self._context.place
+        fuse = self.config.parallel.tp == 1 and self.config.train.loss_chunk_tokens > 0
+        parts = [self._token_logps(self.reference.module, micro.placed(place), fuse=fuse).float().cpu()
+                 for micro in batch.micro_batches(self.config.train.micro_batch_size)]
+        self._timings["reference_s"] = time.perf_counter() - started
+        return torch.cat(parts)
+
+    def _token_logps(self, module: nn.Module, placed: Batch, *, fuse: bool) -> torch.Tensor:
+        """(B, T) log-probs of the labels, 0 where there is none."""
+        kwargs = {"position_ids": placed.position_ids, "document_ids": placed.document_ids}
+        if fuse:
+            chunk = self.config.train.loss_chunk_tokens
+            return module(placed.input_ids, **kwargs,
+                          head=lambda hidden, weight: linear_token_logps(hidden, weight, placed.labels,
+                                                                         chunk_tokens=chunk))
+        return token_logps_from_logits(module(placed.input_ids, **kwargs), placed.labels)
+
+    @staticmethod
+    def _tp_copies(gathered: list[dict]) -> int:
+        """How many ranks hold each row (tensor-parallel peers repeat them)."""
+        total = sum(len(part["rows"]) for part in gathered)
+        unique = len({row[0] for part in gathered for row in part["rows"]})
+        return max(1, total // max(1, unique))

@@ -1,0 +1,89 @@
+"""GRPO's formulas, as pure functions of tensors (training/objectives/grpo.py drives them).
+
+Notation: a prompt's group holds ``G`` completions ``o_1..o_G`` with scores ``r_i``; completion
+``i`` has ``|o_i|`` tokens, ``logp_{i,t}`` under the policy being trained, ``old_{i,t}`` under the
+policy that sampled it (the sampler's log-probs) and ``ref_{i,t}`` under the frozen reference.
+
+- **Advantage** (group-normalized, one per completion):
+  ``A_i = (r_i - mean(r)) / (std(r) + eps)`` with ``std`` the *population* standard deviation
+  (``sqrt(mean((r - mean(r))^2))``, no Bessel correction) and ``eps`` = objective.grpo.std_eps.
+  A group whose rewards are all equal has ``A = 0``: it teaches nothing.
+- **Ratio**: ``token``: ``rho_{i,t} = exp(logp_{i,t} - old_{i,t})``; ``sequence`` (GSPO):
+  ``s_i = exp(mean_t(logp_{i,t} - old_{i,t}))``, one length-normalized ratio per completion,
+  used for each of its tokens.
+- **Per-token loss**: ``l_{i,t} = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta k3_{i,t}``,
+  ``k3_{i,t} = exp(ref - logp) - (ref - logp) - 1`` (>= 0, an unbiased estimate of
+  KL(policy || reference) per sampled token), ``beta`` = objective.grpo.kl_coef.
+- **Normalization** (objective.grpo.loss_norm): ``sequence``: ``L = (1/N) sum_i (1/|o_i|) sum_t l_{i,t}``
+  over the N completions of the global batch (GRPO as published: long and short completions
+  weigh the same); ``token``: ``L = (1 / sum_i |o_i|) sum_i sum_t l_{i,t}`` (DAPO / Dr. GRPO: each
+  token weighs the same, so long completions are not under-weighted). The functions here return
+  the *sum* and the loop divides by the global count (completions or tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def group_advantages(rewards: np.ndarray, *, eps: float) -> np.ndarray:
+    """rewards (P, G) -> advantages (P, G), float64: ``(r - mean) / (std + eps)`` per row (population std)."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    mean = rewards.mean(axis=1, keepdims=True)
+    std = np.sqrt(((rewards - mean) ** 2).mean(axis=1, keepdims=True))
+    return (rewards - mean) / (std + eps)
+
+
+@dataclass(frozen=True)
+class SurrogateSettings:
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    importance: str  # token | sequence
+    loss_norm: str  # sequence | token
+
+
+def per_token_loss(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
+                   mask: torch.Tensor, s: SurrogateSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """logps, old, ref, mask (B, T); advantages (B,) -> per-token loss (B, T) (0 off the mask) and
+    per-token terms for metrics: ``clipped`` (the clipped branch was taken), ``kl`` (k3)."""
+    mask_f = mask.to(logps.dtype)
+    delta = (logps - old) * mask_f
+    if s.importance == "sequence":
+        lengths = mask_f.sum(dim=1).clamp_min(1.0)
+        log_ratio = (delta.sum(dim=1) / lengths)[:, None].expand_as(logps)  # (B, T), one value per row
+    else:
+        log_ratio = delta
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logps.dtype)[:, None]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - s.clip_low, 1.0 + s.clip_high) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    loss = -surrogate
+    terms = {"clipped": (clipped < unclipped).to(logps.dtype) * mask_f}
+    if ref is not None and s.kl_coef > 0:
+        diff = (ref - logps) * mask_f
+        k3 = torch.exp(diff) - diff - 1.0
+        loss = loss + s.kl_coef * k3
+        terms["kl"] = k3 * mask_f
+    return loss * mask_f, terms
+
+
+def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_norm: str) -> tuple[torch.Tensor, int]:
+    """The loss *sum* over this micro-batch and its count: per-completion means summed (``sequence``)
+    or token losses summed (``token``); the loop divides by the global count."""
+    if loss_norm == "sequence":
+        lengths = mask.sum(dim=1).clamp_min(1).to(per_token.dtype)
+        return (per_token.sum(dim=1) / lengths).sum(), int(mask.shape[0])
+    return per_token.sum(), int(mask.sum())
+
+
+def reduce_metric(values: torch.Tensor, mask: torch.Tensor, loss_norm: str) -> torch.Tensor:
+    """A per-token metric summed the way the loss is, so that sum / count is its mean over the same units."""
+    if loss_norm == "sequence":
+        lengths = mask.sum(dim=1).clamp_min(1).to(values.dtype)
+        return (values.sum(dim=1) / lengths).sum()
+    return values.sum()
