@@ -232,12 +232,10 @@ def _locate(text: str, content: str, cursor: int) -> tuple[int, int]:
 
 
 def _tokenizer_dir(spec: str) -> Optional[Path]:
-    if spec == "byte":
-        return None
-    path = Path(spec)
-    if path.is_file():
-        path = path.parent
-    return path if path.is_dir() else None
+    from data.tokenizers import tokenizer_directory
+
+    path = tokenizer_directory(spec)
+    return path if path is not None and path.is_dir() else None
 
 
 def _special_tokens(directory: Path) -> dict[str, str]:

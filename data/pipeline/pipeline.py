@@ -43,8 +43,13 @@ from data.pipeline.queues import BoundedQueue, Closed, ReorderBuffer, SequenceBu
 from data.pipeline.stages import Stage
 from data.state import StreamState, select_streams, state_dict
 
-CHUNK_DOCS = 32
-"""Most documents per chunk (the unit of hand-off between threads and processes)."""
+CHUNK_DOCS = 256
+"""Most documents per chunk (the unit of hand-off between threads and processes); CHUNK_BYTES
+usually ends a chunk of long documents first, while short ones (chat records of a few hundred
+bytes) need many per chunk, or the per-chunk hand-off costs the trainer's process more GIL
+time than the work is worth."""
+IN_FLIGHT_CHUNKS = 4
+"""A chunk takes at most 1/IN_FLIGHT_CHUNKS of data.max_in_flight, so several are in flight."""
 CHUNK_BYTES = 256 * 1024
 """A chunk stops growing once it holds this many raw bytes."""
 READ_AHEAD_SEQUENCES = 64
@@ -248,7 +253,7 @@ class DataPipeline:
     # ------------------------------------------------------------------ thread bodies
 
     def _run_source(self, emit: Callable[[Chunk], None]) -> None:
-        chunk_docs = min(CHUNK_DOCS, self._plan.config.max_in_flight)
+        chunk_docs = max(1, min(CHUNK_DOCS, self._plan.config.max_in_flight // IN_FLIGHT_CHUNKS))
         clock = self._busy["source"]
         while True:
             stream = self._budget.next_stream()
