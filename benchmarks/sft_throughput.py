@@ -73,6 +73,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--packing-batches", type=int, default=8)
+    p.add_argument("--sft-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra overrides of the SFT run (e.g. data.workers=4)")
     p.add_argument("--out", default="bench_out/sft_throughput.json")
     args = p.parse_args()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +84,9 @@ def main() -> int:
     print(f"[sft] packing: {json.dumps(report['packing'])}", flush=True)
     report["pretrain"] = throughput(args, "pretrain", [])
     report["sft"] = throughput(args, "sft", [
-        "objective.kind=sft", f"data.sources=[{{path: {SFT_SOURCE}, record: chat}}]", "data.loss_on=assistant"])
+        "objective.kind=sft", f"data.sources=[{{path: {SFT_SOURCE}, record: chat}}]", "data.loss_on=assistant",
+        # Chat records are a few hundred bytes: many documents in flight (configs/tiny-sft.yaml).
+        "data.max_in_flight=4096", *args.sft_override])
     pre, sft = report["pretrain"].get("tokens_per_s"), report["sft"].get("tokens_per_s")
     if pre and sft:
         report["sft_over_pretrain"] = sft / pre
