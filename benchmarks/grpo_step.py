@@ -58,7 +58,6 @@ def run(args) -> dict:
     import models
     from core import seeding
     from core.config import load
-    from core.distributed_context import DistributedContext
     from data.batch import IGNORE_INDEX
     from data.pipeline.pipeline import build
     from data.tasks import make_task, rl_record

@@ -128,3 +128,17 @@ def test_bad_prompt_records_are_data_errors_naming_the_record(e2e_workdir):
             "objective.grpo.kl_coef=0"]), nproc=1)
         assert result.returncode == 3, result.stderr
         assert "record=2" in result.stderr and f"{label}.jsonl" in result.stderr, result.stderr
+
+
+def test_generate_from_the_run_samples_its_checkpoint(e2e_workdir, reference, tmp_path):
+    out = tmp_path / "samples.jsonl"
+    args = ["training", "generate", "--from", str(reference), "--step", "4", "--prompt", "What is 2 + 3?",
+            "--temperature", "0", "--max-new-tokens", "6", "--device", "cpu", "--out", str(out)]
+    result = launch.run_module(e2e_workdir, args)
+    assert result.returncode == 0, result.stderr
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    # a GRPO run was trained on chat-rendered prompts: text prompts are rendered the same way
+    assert record["prompt"] == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    assert 1 <= len(record["token_ids"]) <= 6
+    result = launch.run_module(e2e_workdir, args[:5] + ["99"] + args[6:])
+    assert result.returncode == 2 and "no checkpoint at step 99" in result.stderr
