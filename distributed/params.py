@@ -98,6 +98,15 @@ _K = (-7046029254386353131, -4658895280553007687, -7723592293110705685, 16095879
 _CHUNK = 1 << 24
 
 
+def _is_packed(tensor: torch.Tensor) -> bool:
+    """A wrapper tensor subclass that packs its values (a quantized weight): its bits cannot
+    be viewed as one plain tensor, and their layout may depend on how it was sharded and
+    gathered, so it is hashed by the plain values it dequantizes to."""
+    if type(tensor) in (torch.Tensor, nn.Parameter) or isinstance(tensor, DTensor):
+        return False
+    return hasattr(tensor, "__tensor_flatten__")
+
+
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """Two position-weighted sums of a tensor's bit patterns, int64 (2,), on its device.
 
@@ -108,6 +117,8 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     independent weightings make structured collisions vanishingly unlikely. Not a
     cryptographic hash: it detects divergence, it does not resist tampering.
     """
+    if _is_packed(tensor):  # a quantized subclass (torchao's NF4): the values it stands for
+        return fingerprint(torch.ops.aten._to_copy(tensor, dtype=tensor.dtype))
     flat = tensor.detach().contiguous().reshape(-1)
     words = flat.view(_INT_OF_WIDTH[flat.element_size()])
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)

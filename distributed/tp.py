@@ -41,10 +41,24 @@ HEAD_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
 def block_plan(block: nn.Module) -> dict[str, object]:
-    """The parallelize_module plan of one block (paths relative to the block)."""
-    plan: dict[str, object] = {path: ColwiseParallel() for path in COLWISE}
-    plan.update({path: RowwiseParallel() for path in ROWWISE})
+    """The parallelize_module plan of one block (paths relative to the block).
+
+    A projection wrapped by another module (a LoRA adapter, models/lora.py) is sharded
+    through its parts: the wrapper's ``tp_plan(style)`` maps each part's relative path to
+    the style it takes; parts it does not name stay replicated.
+    """
+    plan: dict[str, object] = {}
+    styles = {**{path: "colwise" for path in COLWISE}, **{path: "rowwise" for path in ROWWISE}}
+    for path, style in styles.items():
+        module = block.get_submodule(path)
+        if hasattr(module, "tp_plan"):
+            plan.update({f"{path}.{part}": STYLES[s]() for part, s in module.tp_plan(style).items()})
+        else:
+            plan[path] = STYLES[style]()
     for path in HEAD_NORMS:
         norm = _optional_submodule(block, path)
         if norm is not None and any(True for _ in norm.parameters()):
@@ -73,13 +87,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard every block's projections over ``tp_mesh`` in place."""
     check_divisible(model, tp_mesh.size())
     for block in transformer_blocks(model):
+        frozen = {name for name, param in block.named_parameters() if not param.requires_grad}
         parallelize_module(block, tp_mesh, block_plan(block))
+        # SequenceParallel re-creates the parameters it replicates as trainable ones: a frozen
+        # parameter (a LoRA run's q/k norms) would otherwise get gradients and updates.
+        for name, param in block.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
 
 
-def _linear(block: nn.Module, path: str, index: int) -> nn.Linear:
+def _linear(block: nn.Module, path: str, index: int) -> nn.Module:
+    """The projection at ``path``: an nn.Linear or a wrapper of one (in_features, out_features)."""
     module = block.get_submodule(path)
-    if not isinstance(module, nn.Linear):
-        raise TypeError(f"layers.{index}.{path} is {type(module).__name__}, expected nn.Linear")
+    if not isinstance(module, nn.Linear) and not (
+        hasattr(module, "in_features") and hasattr(module, "out_features")
+    ):
+        raise TypeError(f"layers.{index}.{path} is {type(module).__name__}, expected a linear layer")
     return module
 
 

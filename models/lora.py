@@ -62,7 +62,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from core.config import LORA_TARGETS, LoRAConfig
+from core.config import LORA_TARGETS, LoRAConfig, ModelConfig
 from core.exceptions import ConfigError
 from core.seeding import derive_seed
 from models.hf_weights import from_hf_key, load_pretrained, to_hf_key
@@ -240,6 +240,26 @@ def set_dropout_key(model: nn.Module, *, seed: int, step: int, rank: int, micro_
     """Key every adapter's dropout for the next forward (see the module docstring)."""
     for module in lora_modules(model):
         module.set_dropout_key(seed, step, rank, micro_batch)
+
+
+def add_adapters(model: nn.Module, config: ModelConfig, *, seed: int, load_init: bool = True) -> dict[str, str]:
+    """A run's LoRA model from its plain model (base weights loaded), in place; the base's identity.
+
+    In this order: the identity of the base (``{"path": model.init_from or "init:seed",
+    "sha256": base_identity}``, computed once, before anything trains; equal to
+    ``base_identity`` of the init_from directory), ``apply_lora``, the adapters of
+    ``model.lora.init_from`` (unless ``load_init`` is false: a checkpoint overwrites them
+    anyway), then the NF4 base (``model.quantize_base``). Call before parallelize.
+    """
+    identity = {"path": config.init_from or "init:seed", "sha256": base_identity(model)}
+    apply_lora(model, config.lora, seed=seed)
+    if load_init and config.lora.init_from is not None:
+        load_peft_adapter(model, config.lora.init_from)
+    if config.quantize_base == "nf4":
+        from models.nf4 import quantize_base
+
+        quantize_base(model)
+    return identity
 
 
 # --------------------------------------------------------------------------- merge

@@ -21,7 +21,6 @@ from distributed.activation_checkpoint import apply_activation_checkpointing
 from models.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    LoRALinear,
     adapter_state_dict,
     apply_lora,
     base_identity,
@@ -406,6 +405,47 @@ def test_nf4_needs_block_aligned_weights():
     check_nf4_layout(config_lib.load(CONFIGS / "qwen3-1.7b-qlora.yaml").model, shards=8)
 
 
+def test_add_adapters_identifies_the_base_then_loads_init_from_then_quantizes(tmp_path):
+    from models.lora import add_adapters
+    from models.nf4 import NF4Linear
+
+    trained = models.build(ModelConfig(**NF4_SHAPE), generator=torch.Generator().manual_seed(0))
+    apply_lora(trained, LORA, seed=3)
+    _randomize_b(trained)
+    save_peft_adapter(trained, tmp_path / "adapter", None)
+    models.save_pretrained(models.build(ModelConfig(**NF4_SHAPE), generator=torch.Generator().manual_seed(0)),
+                           tmp_path / "base")
+    config = ModelConfig(**NF4_SHAPE, init_from=str(tmp_path / "base"), quantize_base="nf4",
+                         lora=dataclasses.replace(LORA, init_from=str(tmp_path / "adapter")))
+    model = models.build(config)
+    identity = add_adapters(model, config, seed=11)  # another seed: the adapters come from init_from
+    assert identity == {"path": str(tmp_path / "base"), "sha256": base_identity(tmp_path / "base")}
+    loaded = dict(model.named_parameters())
+    for name, param in trained.named_parameters():
+        if ".lora_" in name:
+            assert torch.equal(loaded[name], param), name
+    assert all(isinstance(m.base_layer, NF4Linear) for m in lora_modules(model))
+    fresh = models.build(config)
+    add_adapters(fresh, config, seed=11, load_init=False)
+    assert not torch.equal(fresh.layers[0].self_attn.q_proj.lora_A.weight,
+                           model.layers[0].self_attn.q_proj.lora_A.weight)
+
+
+def test_param_hash_of_an_nf4_base_is_repeatable_and_sees_the_base():
+    """The ledger's param_hash covers NF4 weights through their packed parts."""
+    from distributed import param_hash
+    from models.lora import add_adapters
+
+    config = ModelConfig(**NF4_SHAPE, lora=LORA, quantize_base="nf4")
+
+    def qlora(seed: int) -> torch.nn.Module:
+        model = models.build(config, generator=torch.Generator().manual_seed(seed))
+        add_adapters(model, config, seed=3)
+        return model
+
+    assert param_hash(qlora(0)) == param_hash(qlora(0)) != param_hash(qlora(1))
+
+
 # --------------------------------------------------------------------------- several ranks
 
 
@@ -443,38 +483,28 @@ def _adapter_run(strategy: str) -> dict:
 
 
 def _tp_run() -> dict:
-    """TP=2 over the adapters' parts (LoRALinear.tp_plan): logits and full adapter gradients."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
+    """TP=2 through distributed/tp.py (wrapped projections sharded by LoRALinear.tp_plan):
+    logits and full adapter gradients."""
     from core.distributed_context import DistributedContext
     from distributed import build_mesh
     from distributed.params import full_tensor
-    from distributed.tp import block_plan
+    from distributed.tp import apply_tensor_parallel
     from tests.distributed.scenarios import cpu_parallel
 
-    styles = {ColwiseParallel: "colwise", RowwiseParallel: "rowwise"}
     parallel = cpu_parallel(strategy="fsdp", tp=2)
     with DistributedContext.from_env(parallel) as dist:
         model = _model()
         apply_lora(model, LORA, seed=3)
         _randomize_b(model)
-        tp_mesh = build_mesh(parallel, dist).tp_mesh
-        for block in model.layers:
-            plan = {}
-            for path, style in block_plan(block).items():
-                module = block.get_submodule(path)
-                if isinstance(module, LoRALinear):
-                    parts = module.tp_plan(styles[type(style)])
-                    plan.update({f"{path}.{part}": {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[s]()
-                                 for part, s in parts.items()})
-                else:
-                    plan[path] = style
-            parallelize_module(block, tp_mesh, plan)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        apply_tensor_parallel(model, build_mesh(parallel, dist).tp_mesh)
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable  # q/k norms stay frozen
+        sharded = {n for n, p in model.named_parameters() if hasattr(p, "placements")}
         inputs, labels = _batch()
         logits = model(inputs)
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if ".lora_" in n}
-        return {"logits": logits.detach(), "grads": grads}
+        return {"logits": logits.detach(), "grads": grads, "sharded": sharded}
 
 
 def _qlora_model() -> torch.nn.Module:
@@ -490,7 +520,7 @@ def _qlora_model() -> torch.nn.Module:
 def _qlora_fsdp_run() -> dict:
     """An NF4 base under FSDP2 (torchao shards the NF4 weights): full adapter gradients."""
     from core.distributed_context import DistributedContext
-    from distributed import build_mesh, parallelize, unwrap
+    from distributed import build_mesh, param_hash, parallelize, unwrap
     from distributed.params import full_tensor
     from tests.distributed.scenarios import cpu_parallel
 
@@ -500,7 +530,8 @@ def _qlora_fsdp_run() -> dict:
         inputs, labels = _batch()
         rows = slice(2 * dist.rank, 2 * dist.rank + 2)
         _loss(model, inputs[rows], labels[rows]).backward()
-        return {n: full_tensor(p.grad).clone() for n, p in unwrap(model).named_parameters() if p.grad is not None}
+        grads = {n: full_tensor(p.grad).clone() for n, p in unwrap(model).named_parameters() if p.grad is not None}
+        return {"grads": grads, "param_hash": param_hash(model)}  # the ledger's hash gathers NF4 shards
 
 
 @pytest.fixture(scope="module")
@@ -543,6 +574,13 @@ def test_adapters_under_two_ranks_match_one_process(two_ranks, single_process_ad
 
 
 def test_tensor_parallel_adapters_match_one_process(two_ranks):
+    # colwise: base_layer and lora_B sharded on the output; rowwise: base_layer and lora_A on the input
+    sharded = two_ranks[0]["tp"]["sharded"]
+    assert "layers.0.self_attn.q_proj.lora_B.weight" in sharded
+    assert "layers.0.self_attn.q_proj.lora_A.weight" not in sharded
+    assert "layers.0.mlp.down_proj.lora_A.weight" in sharded
+    assert "layers.0.mlp.down_proj.lora_B.weight" not in sharded
+    assert "layers.0.mlp.down_proj.base_layer.weight" in sharded
     model = _model()
     apply_lora(model, LORA, seed=3)
     _randomize_b(model)
@@ -561,6 +599,11 @@ def test_qlora_under_fsdp_matches_one_process(two_ranks):
     _loss(model, *_batch()).backward()
     expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert len(expected) == 2 * 7 * 2  # adapters only: the NF4 base gets no gradient
-    for grads in (r["qlora"] for r in two_ranks):
+    from distributed import param_hash
+
+    plain_hash = param_hash(model)
+    for result in (r["qlora"] for r in two_ranks):
+        grads = result["grads"]
+        assert result["param_hash"] == plain_hash
         assert grads.keys() == expected.keys()
         assert max(_max_diff(grads[n], g) for n, g in expected.items()) <= 1e-6
