@@ -79,6 +79,7 @@ from core.config import CheckpointConfig
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
 from core.logging import get_logger
+from distributed.params import canonical_named_parameters
 from training.checkpoint_state import (
     OPTIM_KEY,
     DeviceSnapshot,
@@ -158,7 +159,26 @@ _FREE_SPACE_MARGIN = 1.05
 _SLOW_WAIT_WARN_S = 1.0
 
 
-_STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+# Frozen parameters (a LoRA run's base) are not saved: the run identifies them instead
+# (path + sha256, verified on resume). Loading then leaves them out of the request, so the
+# model's own load_state_dict must not ask for them (strict=False); DCP still refuses a
+# requested tensor the checkpoint lacks, and check_nothing_left_behind one it has in excess.
+_LOAD_OPTIONS_WITH_FROZEN = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True,
+                                             strict=False)
+
+
+def _load_options(model: nn.Module) -> StateDictOptions:
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return _LOAD_OPTIONS_WITH_FROZEN if frozen else _STATE_DICT_OPTIONS
+
+
+def _without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The model state without frozen parameters under *any* of their names: ignore_frozen_params
+    drops each parameter under one name only, and would keep a tied alias (the output head
+    tied to a frozen embedding: the whole vocabulary matrix in every LoRA checkpoint)."""
+    frozen = {name for name, param in canonical_named_parameters(model) if not param.requires_grad}
+    return {key: value for key, value in state.items() if key not in frozen} if frozen else state
 _FAILURES = (Exception, dcp.CheckpointException)  # DCP's own error derives from BaseException
 
 T = TypeVar("T")
@@ -377,9 +397,9 @@ class CheckpointManager:
         has_optim = has_optimizer_state(optimizer)
         if has_optim:
             msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
-            state = {MODEL_KEY: msd, OPTIM_KEY: osd}
+            state = {MODEL_KEY: _without_frozen(model, msd), OPTIM_KEY: osd}
         else:  # get_state_dict would initialize the optimizer by stepping it
-            state = {MODEL_KEY: get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
+            state = {MODEL_KEY: _without_frozen(model, get_model_state_dict(model, options=_STATE_DICT_OPTIONS))}
         self._check_free_space(step, tensor_bytes(state) + sum(len(b) for b in rank_files.values()))
         staged = self._copy_for_background(state) if self.config.async_save else state
         return _StagedSave(step=step, state=staged, has_optimizer_state=has_optim, rank_files=rank_files)
@@ -639,9 +659,9 @@ class CheckpointManager:
             add_optimizer_placeholders(optimizer, saved)
             msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
             drop_state_absent_from_checkpoint(optimizer, osd, set(saved))
-            request = {MODEL_KEY: msd, OPTIM_KEY: osd}
+            request = {MODEL_KEY: _without_frozen(model, msd), OPTIM_KEY: osd}
         else:
-            request = {MODEL_KEY: get_model_state_dict(model, options=_STATE_DICT_OPTIONS)}
+            request = {MODEL_KEY: _without_frozen(model, get_model_state_dict(model, options=_STATE_DICT_OPTIONS))}
         check_nothing_left_behind({k for k in saved if k.split(".", 1)[0] in request}, request)
         dcp.load(request, storage_reader=reader, process_group=group, no_dist=group is None)
         if with_optimizer:
@@ -650,10 +670,10 @@ class CheckpointManager:
                 optimizer,
                 model_state_dict=request[MODEL_KEY],
                 optim_state_dict=request[OPTIM_KEY],
-                options=_STATE_DICT_OPTIONS,
+                options=_load_options(model),
             )
         else:
-            set_model_state_dict(model, request[MODEL_KEY], options=_STATE_DICT_OPTIONS)
+            set_model_state_dict(model, request[MODEL_KEY], options=_load_options(model))
             if optimizer is not None:  # saved before its first step: fresh state
                 optimizer.state.clear()
 
