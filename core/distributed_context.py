@@ -157,6 +157,14 @@ class DistributedContext:
         kwargs: dict[str, Any] = {"backend": self.backend, "timeout": self.timeout}
         if self.device.type == "cuda":
             kwargs["device_id"] = self.device
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store across worker restarts: without a prefix per
+            # attempt, a restarted worker would read the previous attempt's peer addresses.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=self.timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            kwargs.update(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=self.rank,
+                          world_size=self.world_size)
         dist.init_process_group(**kwargs)
         self._owns_group = True
         # Object collectives go over gloo so they never stage pickles through GPU memory.
