@@ -47,6 +47,7 @@ from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDS
 
 from core.config import ParallelConfig
 from core.exceptions import ConfigError
+from distributed.safe_dcp import SafeFileSystemReader
 
 MESH_AXIS = "fsdp"
 
@@ -117,7 +118,8 @@ def load_checkpoint(state_dict: dict[str, Any], path: str | os.PathLike) -> None
     Loading is in place, so optimizer state must exist first: on a fresh optimizer call
     ``prime_optimizer(optimizer)`` (a zero-gradient step) before taking its state_dict.
     """
-    dcp.load(state_dict, checkpoint_id=Path(path), planner=SPMDLoadPlanner(), no_dist=True)
+    # The restricted metadata reader: loading a checkpoint never runs code (docs/checkpoints.md).
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(Path(path)), planner=SPMDLoadPlanner(), no_dist=True)
     sync()
 
 

@@ -95,7 +95,7 @@ from training.checkpoint_state import (
     restore_rng_state,
     tensor_bytes,
 )
-from training.safe_dcp import SafeFileSystemReader
+from distributed.safe_dcp import SafeFileSystemReader
 from training.checkpoint_manifest import (
     DATA_PART,
     DCP_DIR,

@@ -8,7 +8,7 @@ logits as Lockstep's model from that checkpoint.
 Any checkpoint loads here, whatever strategy or world size saved it: the model's tensors are
 stored under canonical parameter names by torch.distributed.checkpoint, which reassembles
 full tensors on load (one process, no process group). The checkpoint is verified against its
-manifest first, and its metadata is read with the restricted unpickler (training/safe_dcp.py).
+manifest first, and its metadata is read with the restricted unpickler (distributed/safe_dcp.py).
 
 Architecture fields: a run that started ``model.init_from`` a Hugging Face directory exports
 that directory's own ``config.json`` (copied into the run dir when the run started,
@@ -39,7 +39,7 @@ from data.tokenizers import ByteTokenizer, build_tokenizer
 from models.hf_config import config_path, model_config_from_hf
 from models.hf_weights import save_pretrained
 from training.checkpoint_manifest import DCP_DIR, verify_checkpoint
-from training.safe_dcp import SafeFileSystemReader
+from distributed.safe_dcp import SafeFileSystemReader
 
 MODEL_KEY = "model"
 INIT_SOURCE_DIR = "init_from"

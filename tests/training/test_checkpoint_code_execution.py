@@ -1,5 +1,5 @@
 """A checkpoint is data, never code: DCP's pickled ``.metadata`` and its pickled non-tensor
-values are loaded through an allowlist (training/safe_dcp.py), so a crafted checkpoint whose
+values are loaded through an allowlist (distributed/safe_dcp.py), so a crafted checkpoint whose
 manifest hashes were recomputed is refused with exit 4 on ``--resume`` and ``--replay`` and
 runs nothing. Real checkpoints of a model and AdamW under none, DDP and FSDP2 still load.
 """
@@ -19,7 +19,7 @@ from core.exceptions import CheckpointError
 from tests import launch
 from tests.e2e_config import e2e_args
 from training.checkpoint_manifest import CheckpointManifest, hash_file, read_manifest
-from training.safe_dcp import SafeFileSystemReader, load_metadata
+from distributed.safe_dcp import SafeFileSystemReader, load_metadata
 
 
 class _Payload:
