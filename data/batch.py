@@ -114,11 +114,16 @@ class Batch:
         sequence_index: list[int],
         state: dict,
         masks: list[np.ndarray] | None = None,
+        *,
+        roles: list[np.ndarray] | None = None,
     ) -> "Batch":
         """Build the tensors from packed rows and their document spans (spans cover each row).
 
         ``masks``: per row, which tokens are training targets (chat data); a position whose
-        next token is not a target gets no label, and the masks travel as ``target_mask``."""
+        next token is not a target gets no label, and the masks travel as ``target_mask``.
+        ``roles``: per row, preference roles (1 chosen, 2 rejected, 0 neither); they travel as
+        ``pair_role`` (B, T) int8 with ``pair_index`` (B, T) int64, the pair's number within its
+        row (-1 outside pairs): a pair is a chosen span and the rejected span after it."""
         input_ids = np.stack(tokens).astype(np.int64)  # (B, T)
         rows, width = input_ids.shape
         starts = np.array([r * width + sp.start for r, row in enumerate(spans) for sp in row], dtype=np.int64)
@@ -140,6 +145,13 @@ class Batch:
             labels[:-1][~target[1:]] = IGNORE_INDEX
             extras["target_mask"] = torch.from_numpy(target.reshape(rows, width))
         labels = labels.reshape(rows, width)
+        if roles is not None:
+            role = np.stack(roles).astype(np.int8)  # (B, T)
+            starts_pair = (role == 1) & (position_ids == 0)  # each chosen span opens a pair
+            pair_index = np.cumsum(starts_pair, axis=1) - 1
+            pair_index[role == 0] = -1
+            extras["pair_role"] = torch.from_numpy(role)
+            extras["pair_index"] = torch.from_numpy(pair_index.astype(np.int64))
         return cls(
             step=step,
             input_ids=torch.from_numpy(input_ids),

@@ -18,7 +18,7 @@ class BatchAssembler:
         self._compat = compat
 
     def assemble(self, step: int, sequences: dict[int, list[PackedSequence]]) -> Batch:
-        tokens, spans, index, masks = [], [], [], []
+        tokens, spans, index, masks, roles = [], [], [], [], []
         states: dict[int, StreamState] = {}
         for s in self.owned:
             rows = sequences[s]
@@ -26,11 +26,16 @@ class BatchAssembler:
             for j, seq in enumerate(rows):
                 tokens.append(seq.tokens)
                 masks.append(seq.mask)
+                roles.append(seq.roles)
                 spans.append(seq.spans)
                 index.append(s * self.rows_per_stream + j)
             states[s] = rows[-1].state
         has_masks = any(m is not None for m in masks)
         if has_masks:
             masks = [m if m is not None else np.ones(len(t), dtype=bool) for m, t in zip(masks, tokens)]
+        if any(r is not None for r in roles):  # preference pairs (data/preference.py)
+            roles = [r if r is not None else np.zeros(len(t), dtype=np.int8) for r, t in zip(roles, tokens)]
+        else:
+            roles = None
         return Batch.from_rows(step, tokens, spans, index, state_dict(states, self._compat),
-                               masks if has_masks else None)
+                               masks if has_masks else None, roles=roles)

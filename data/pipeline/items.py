@@ -47,6 +47,8 @@ class Doc:
     """True for failures that on_bad_record=skip must not hide (bugs, dead workers)."""
     mask: Optional[np.ndarray] = None
     """Chat records: (len(tokens),) bool, True where a token is a training target (data.loss_on)."""
+    parts: Optional[int] = None
+    """Preference pairs: the tokens are chosen + rejected; this is where the rejected one starts."""
 
 
 @dataclass(slots=True)

@@ -63,7 +63,8 @@ class Source:
         return self._shard_format[unit.shard].read(unit, record, seek)
 
 
-RECORD_COLUMNS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+RECORD_COLUMNS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"),
+                  "preference": ("prompt", "chosen", "rejected")}
 """The Parquet columns each structured record kind reads (a row becomes one dict)."""
 
 

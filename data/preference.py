@@ -1,0 +1,88 @@
+"""Preference records -> one pair of documents: prompt + chosen, then prompt + rejected.
+
+A record ``{"prompt": ..., "chosen": ..., "rejected": ...}`` holds strings or message lists.
+A string prompt is one user message; a string response is one assistant message; a list is
+taken as messages (``data/chat_template.py`` checks them). Each side is rendered with the
+chat template, as SFT renders a conversation, and only the response carries loss (its
+content and end-of-turn marker: ``data.loss_on=completion`` on that conversation).
+
+The encoded pair is one pipeline document: the chosen ids followed by the rejected ids, with
+``parts`` saying where the rejected ones start. The whole-document packer lays the two out as
+two adjacent documents of one row (data/pipeline/packing.py ``WholeDocPacker``), so a pair
+never straddles micro-batches or ranks, whatever the world size.
+
+Bad records (``RecordError``: an error naming file and record, or skipped and counted under
+``data.on_bad_record=skip``): a missing field, an empty response, and a pair whose chosen and
+rejected responses render to the same tokens (a pair that cannot prefer anything).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from data.chat_template import ChatTemplate, RecordError, _check_messages, token_mask
+
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+def pair_messages(record: Any) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen, rejected) message lists of a preference record; RecordError if malformed."""
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a {type(record).__name__}, not a JSON object")
+    missing = [key for key in FIELDS if key not in record]
+    if missing:
+        raise RecordError(f"preference record has no {', '.join(map(repr, missing))} "
+                          f"(keys: {', '.join(list(record)[:8])})")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise RecordError("'prompt' is empty")
+        prompt = [{"role": "user", "content": prompt}]
+    else:
+        prompt = _check_messages(prompt, "prompt")
+    responses = []
+    for key in ("chosen", "rejected"):
+        value = record[key]
+        if isinstance(value, str):
+            if not value.strip():
+                raise RecordError(f"{key!r} is empty: nothing to compare")
+            value = [{"role": "assistant", "content": value}]
+        else:
+            value = _check_messages(value, key)
+        responses.append(value)
+    return prompt, responses[0], responses[1]
+
+
+class PreferenceEncoder:
+    """Record -> (int32 ids of chosen then rejected, bool target mask, where rejected starts)."""
+
+    kind = "preference"
+
+    def __init__(self, template: ChatTemplate, tokenizer) -> None:
+        self.template = template
+        self.tokenizer = tokenizer
+
+    def encode(self, record: Any) -> tuple[np.ndarray, np.ndarray, int]:
+        prompt, chosen, rejected = pair_messages(record)
+        sides = [self._side(prompt, response) for response in (chosen, rejected)]
+        (c_ids, c_mask), (r_ids, r_mask) = sides
+        if np.array_equal(c_ids, r_ids) and np.array_equal(c_mask, r_mask):
+            raise RecordError("'chosen' and 'rejected' are identical: the pair prefers nothing")
+        ids = np.concatenate([c_ids, r_ids]).astype(np.int32)
+        return ids, np.concatenate([c_mask, r_mask]), len(c_ids)
+
+    def check(self) -> None:
+        """Refuse a template that renders no assistant span (as chat sources do)."""
+        from data.chat_template import ChatEncoder
+
+        ChatEncoder(self.template, self.tokenizer, kind="chat", loss_on="completion").check()
+
+    def _side(self, prompt: list[dict], response: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        rendered = self.template.render_spans(prompt + response, len(prompt), "completion")
+        ids, offsets = self.tokenizer.encode_offsets(rendered.text)
+        mask = token_mask(offsets, rendered.spans)
+        if not mask.any():
+            raise RecordError("a response of the pair holds no token to train")
+        return np.asarray(ids, dtype=np.int32), mask
