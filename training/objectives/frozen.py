@@ -111,3 +111,23 @@ def frozen_logits(frozen: FrozenModel, batch, place) -> torch.Tensor:
     with torch.no_grad():
         return frozen.module(place(batch.input_ids), position_ids=place(batch.position_ids),
                              document_ids=place(batch.document_ids))
+
+
+def frozen_model_config(config: Config, source: str, *, key: str):
+    """The model config a frozen ``source`` would be built with (no weights are read)."""
+    return _model_config(config, source, key=key)
+
+
+def frozen_tokenizer(config: Config, source: str, *, key: str) -> str | None:
+    """The ``data.tokenizer`` a ``run:`` source was trained with (None for other sources)."""
+    if not source.startswith(RUN_PREFIX):
+        return None
+    run, _ = _run_source(config, source, key=key)
+    return run.config.data.tokenizer
+
+
+def output_weight(module: nn.Module) -> torch.Tensor:
+    """A frozen model's full output weight (V, d), gathered once where it is sharded (fsdp)."""
+    weight = module.lm_head.weight.detach()
+    full = getattr(weight, "full_tensor", None)
+    return full() if full is not None else weight

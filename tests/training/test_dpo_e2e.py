@@ -1,0 +1,146 @@
+"""DPO keeps every guarantee of the loop, end to end on CPU ranks (tests/configs/e2e-dpo.yaml):
+
+- SIGKILL of the 2-rank job at random moments, then resume, ends with a ledger identical to an
+  uninterrupted run's (``pairs``, ``rewards_margin`` and ``accuracy`` included);
+- replay of a step before and after a checkpoint verifies;
+- 2 ranks -> resume on 1 rank keeps the batch hashes (pair roles and reference log-probs are in them);
+- accumulation 8x1 vs 2x4 on one rank: the same loss (the mean over the global batch's pairs);
+- cached reference log-probs give the very same ledger as the online reference, the cache is
+  what the second run reads, and a cache made for another configuration is refused (exit 4);
+- the eval event reports the preference metrics (accuracy, margins) on held-out pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+
+import pytest
+
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+DPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-dpo.yaml"
+
+
+def dpo_args(*, max_steps: int = STEPS, name: str = "dpo", overrides=()) -> list[str]:
+    return ["--config", str(DPO_CONFIG), f"run.name={name}", f"train.max_steps={max_steps}", *overrides]
+
+
+def _run_dir(workdir, result):
+    return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(e2e_workdir):
+    result = launch.train(e2e_workdir, dpo_args(overrides=["train.eval_interval=8", "train.eval_batches=2"]),
+                          nproc=2)
+    assert result.returncode == 0, result.stderr
+    return _run_dir(e2e_workdir, result)
+
+
+def test_dpo_ledger_records_pairs_margins_and_accuracy(reference):
+    lines = launch.ledger(reference)
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    assert lines[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # policy == reference: log 2
+    assert lines[0]["rewards_margin"] == 0.0 and lines[0]["accuracy"] == 0.0
+    for line in lines:
+        assert line["pairs"] == line["target_tokens"] > 0
+        assert 0.0 <= line["accuracy"] <= 1.0
+    assert any(line["rewards_margin"] != 0.0 for line in lines[1:])
+    evals = [e for e in launch.events(reference) if e["event"] == "eval"]
+    assert evals and {"accuracies", "margins", "chosen_rewards"} <= set(evals[-1]["metrics"])
+
+
+def test_dpo_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):
+    rng = random.Random(7)
+    args = dpo_args(name="dpo-killed", overrides=["train.eval_interval=8", "train.eval_batches=2"])
+    job = launch.start(e2e_workdir, args)
+    assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob("dpo-killed-*")), timeout=120)
+    run_dir = next((e2e_workdir / "runs").glob("dpo-killed-*"))
+    kills = 0
+    while kills < 2:
+        target = len(launch.ledger(run_dir)) + rng.randint(1, 3)
+        launch.wait_for(lambda: len(launch.ledger(run_dir)) >= target or job.poll() is not None, timeout=120)
+        time.sleep(rng.uniform(0.0, 0.2))
+        if job.poll() is not None:
+            break
+        launch.kill_job(job)
+        kills += 1
+        job = launch.start(e2e_workdir, ["--resume", run_dir.name])
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err
+    assert kills >= 1
+    assert launch.ledger(run_dir) == launch.ledger(reference)
+
+
+def test_dpo_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, reference):
+    for step in (3, 6):  # checkpoints every 4 steps
+        result = launch.train(e2e_workdir, ["--replay", reference.name, "--step", str(step)], nproc=2)
+        assert result.returncode == 0, result.stderr
+        assert "match" in result.stdout
+
+
+def test_dpo_resume_on_one_rank_keeps_the_batch_hashes(e2e_workdir, reference):
+    copy = reference.parent / (reference.name + "-one-rank")
+    shutil.copytree(reference, copy)
+    ckpts = copy / "checkpoints"
+    for path in ckpts.glob("step_*"):
+        if int(path.name.split("_")[1]) > 4:
+            shutil.rmtree(path)
+    (ckpts / "LATEST").write_text("step_00000004")
+    resumed = launch.train(e2e_workdir, ["--resume", copy.name], nproc=1)
+    assert resumed.returncode == 0, resumed.stderr
+    ref, got = launch.ledger(reference), launch.ledger(copy)
+    assert [r["batch_hash"] for r in got] == [r["batch_hash"] for r in ref]
+    assert [r["pairs"] for r in got] == [r["pairs"] for r in ref]
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_dpo_accumulation_does_not_change_the_loss(e2e_workdir):
+    runs = [launch.train(e2e_workdir, dpo_args(max_steps=2, name=f"dpo-acc{m}",
+                                               overrides=[f"train.micro_batch_size={m}", "parallel.strategy=none"]),
+                         nproc=1) for m in (1, 4)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
+    a, b = (launch.ledger(_run_dir(e2e_workdir, r)) for r in runs)
+    assert [r["batch_hash"] for r in a] == [r["batch_hash"] for r in b]
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["rewards_margin"] == pytest.approx(y["rewards_margin"], rel=1e-4, abs=1e-7)
+
+
+def test_dpo_cached_reference_is_bitwise_the_online_one_and_a_stale_cache_is_refused(e2e_workdir, tmp_path):
+    cache = tmp_path / "refcache"
+    common = ["parallel.strategy=none"]
+    online = launch.train(e2e_workdir, dpo_args(max_steps=3, name="dpo-online", overrides=common), nproc=1)
+    cached_args = [*common, "objective.dpo.cache_reference=true", f"objective.dpo.cache_dir={cache}"]
+    filling = launch.train(e2e_workdir, dpo_args(max_steps=3, name="dpo-fill", overrides=cached_args), nproc=1)
+    assert online.returncode == 0 and filling.returncode == 0, online.stderr + filling.stderr
+    files = sorted(cache.glob("entries-*.jsonl"))
+    assert files
+    stored = {p: p.read_bytes() for p in files}
+    reading = launch.train(e2e_workdir, dpo_args(max_steps=3, name="dpo-read", overrides=cached_args), nproc=1)
+    assert reading.returncode == 0, reading.stderr
+    assert {p: p.read_bytes() for p in sorted(cache.glob("entries-*.jsonl"))} == stored  # nothing recomputed
+    runs = [launch.ledger(_run_dir(e2e_workdir, r)) for r in (online, filling, reading)]
+    assert runs[0] == runs[1] == runs[2]
+
+    # The second run really reads the cache: a changed entry changes its ledger.
+    path = files[0]
+    lines = path.read_text().splitlines()
+    key, chosen, rejected = json.loads(lines[1])
+    lines[1] = json.dumps([key, (float.fromhex(chosen) - 1.0).hex(), rejected])
+    path.write_text("\n".join(lines) + "\n")
+    tampered = launch.train(e2e_workdir, dpo_args(max_steps=3, name="dpo-tampered", overrides=cached_args), nproc=1)
+    assert tampered.returncode == 0, tampered.stderr
+    assert launch.ledger(_run_dir(e2e_workdir, tampered)) != runs[0]
+
+    stale = launch.train(e2e_workdir, dpo_args(max_steps=1, name="dpo-stale",
+                                               overrides=[*cached_args, "data.seq_len=192"]), nproc=1)
+    assert stale.returncode == 4, stale.stderr
+    assert "reference cache" in stale.stderr and "fingerprint" in stale.stderr
