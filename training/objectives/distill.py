@@ -1,0 +1,138 @@
+"""``distill``: knowledge distillation from a frozen teacher, mixed with the hard-label loss.
+
+The teacher (``objective.distill.teacher``: a Hugging Face directory or ``run:RUN_ID[@STEP]``)
+is built by frozen.py, spread like the student (sharded under fsdp), and may be larger; it must
+share the student's tokenizer: a different vocabulary size is a ConfigError naming both.
+
+Per micro-batch, the teacher runs under no_grad and returns its final hidden states (through
+the model's ``head`` hook, no logits); the student's forward hands its hidden states and output
+weight to ``distill_loss_sum`` (distill_loss.py), which projects both chunk by chunk over the
+tokens and never holds full-vocabulary logits of the micro-batch. The loss covers the
+batch's target tokens (labels that are not IGNORE_INDEX: every token for text, the trained
+turns for chat data), as ``(1 - alpha) T² D + alpha CE`` summed, divided by the global
+batch's target tokens. Evaluation reports the student's hard-label cross entropy as the
+loss (comparable with the same student trained without a teacher), and the divergence and
+CE per token as metrics. The teacher's outputs are not batch extras: they are (B, T, d)
+activations, recomputed by the deterministic teacher on replay, and the teacher's identity
+(path + weights hash) is in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.config import Config
+from core.exceptions import ConfigError
+from data.batch import IGNORE_INDEX
+from models.hf_config import model_config_from_hf
+from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state
+from training.objectives.distill_loss import distill_loss_from_logits, distill_loss_sum
+from training.objectives.frozen import (FrozenModel, build_frozen, frozen_model_config, frozen_tokenizer,
+                                        output_weight)
+
+KEY = "objective.distill.teacher"
+
+
+class DistillObjective:
+    name = "distill"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.settings = config.objective.distill
+        self.teacher: FrozenModel | None = None
+        self._teacher_weight: torch.Tensor | None = None
+        self._context: ObjectiveContext | None = None
+        self.fuse_head = False
+
+    @staticmethod
+    def check_config(config: Config) -> None:
+        """The teacher must share the student's vocabulary (and, for a run, its tokenizer)."""
+        teacher = frozen_model_config(config, config.objective.distill.teacher, key=KEY)
+        _check_vocab(student_vocab(config), teacher.vocab_size, config.objective.distill.teacher)
+        tokenizer = frozen_tokenizer(config, config.objective.distill.teacher, key=KEY)
+        if tokenizer is not None and tokenizer != config.data.tokenizer:
+            raise ConfigError(
+                f"the teacher run was trained with data.tokenizer={tokenizer!r}, the student uses "
+                f"{config.data.tokenizer!r}", key=KEY, hint="distill between models of the same tokenizer")
+
+    def setup(self, model: nn.Module, context: ObjectiveContext) -> None:
+        self._context = context
+        self.check_config(self.config)
+        self.teacher = build_frozen(self.config, self.settings.teacher, role="teacher", dist=context.dist, key=KEY)
+        _check_vocab(student_vocab(self.config), self.teacher.vocab_size, self.settings.teacher)
+        self.fuse_head = context.fuse_head
+        if self.fuse_head:  # gathered once: the teacher never changes
+            weight = output_weight(self.teacher.module)
+            self._teacher_weight = weight.to(self._compute_dtype() or weight.dtype)
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        precision = self.config.parallel.precision
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def prepare(self, batch):
+        return batch
+
+    def num_targets(self, batch) -> int:
+        return batch.num_target_tokens()
+
+    def loss(self, model: nn.Module, micro) -> LossOutput:
+        count = self.num_targets(micro)
+        placed = micro.placed(self._context.place)
+        inputs = dict(position_ids=placed.position_ids, document_ids=placed.document_ids)
+        mask = placed.labels != IGNORE_INDEX
+        s = self.settings
+        options = dict(kind=s.loss, temperature=s.temperature, alpha=s.alpha, beta=s.beta)
+        labels = placed.labels  # also with alpha = 0: the CE is reported (and is the eval loss)
+        if not self.fuse_head:
+            with torch.no_grad():
+                teacher_logits = self.teacher.module(placed.input_ids, **inputs)
+            total, _, stats = distill_loss_from_logits(model(placed.input_ids, **inputs), teacher_logits,
+                                                       labels, mask, **options)
+        else:
+            with torch.no_grad():
+                teacher_hidden = self.teacher.module(placed.input_ids, head=lambda hidden, weight: hidden, **inputs)
+            teacher_hidden = teacher_hidden.to(self._teacher_weight.dtype)
+
+            def head(hidden, weight):
+                device = hidden.device.type
+                dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+                return distill_loss_sum(hidden, weight, teacher_hidden, self._teacher_weight, labels, mask,
+                                        chunk_tokens=s.chunk_tokens, compute_dtype=dtype, **options)
+
+            total, _, stats = model(placed.input_ids, head=head, **inputs)
+        metrics = {"divergence": stats.divergence_sum.float(), "ce": stats.ce_sum.float()}
+        if not model.training:  # evaluation: the hard-label CE, comparable with a run without teacher
+            return LossOutput(stats.ce_sum.detach(), count, metrics)
+        return LossOutput(total, count, metrics)
+
+    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
+        return {"trained_tokens": count}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(self.name, state)
+
+    def frozen_identity(self) -> dict[str, dict[str, str]]:
+        return {"teacher": self.teacher.identity} if self.teacher is not None else {}
+
+
+def student_vocab(config: Config) -> int:
+    model = config.model
+    if model.init_from is not None:
+        model = model_config_from_hf(model.init_from, base=dataclasses.replace(model))
+    return model.vocab_size
+
+
+def _check_vocab(student: int, teacher: int, source: str) -> None:
+    if student != teacher:
+        raise ConfigError(
+            f"the teacher's vocabulary has {teacher} tokens, the student's {student}: distillation compares "
+            "next-token distributions token by token and needs the same tokenizer",
+            key=KEY, file=source, hint="pick a teacher trained with the student's tokenizer",
+        )
