@@ -236,9 +236,12 @@ class Sampler:
         compile: Optional[bool] = None,
         cuda_graphs: Optional[bool] = None,
     ) -> None:
-        if not isinstance(model, QwenForCausalLM):
+        from torch.distributed.tensor import DTensor
+
+        # FSDP2 keeps the class (a subclass of it), so the parameters tell a sharded model apart.
+        if not isinstance(model, QwenForCausalLM) or isinstance(model.embed_tokens.weight, DTensor):
             raise ConfigError(
-                f"Sampler needs a plain QwenForCausalLM, got {type(model).__name__}",
+                f"Sampler needs a plain, unsharded QwenForCausalLM, got {type(model).__name__}",
                 hint="pass models.qwen.sampler.generation_model(model) for a wrapped or sharded model",
             )
         for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):

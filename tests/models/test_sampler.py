@@ -222,7 +222,7 @@ def test_generation_model_of_a_plain_model_is_the_model_and_a_conversion_is_a_co
     assert half is not model and half.embed_tokens.weight.dtype == torch.bfloat16
     assert half.lm_head.weight is half.embed_tokens.weight  # tied again
     assert torch.equal(half.layers[1].mlp.up_proj.weight, model.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
-    with pytest.raises(ConfigError, match="plain QwenForCausalLM"):
+    with pytest.raises(ConfigError, match="plain, unsharded QwenForCausalLM"):
         Sampler(compiled, max_batch=2, max_len=8)
 
 
@@ -241,6 +241,8 @@ def _sharded_generation(parallel_overrides: dict) -> list:
     with DistributedContext.from_env(parallel) as dist:
         model = models.build(QWEN3, generator=torch.Generator().manual_seed(5))
         model = parallelize(model, parallel, dist, build_mesh(parallel, dist))
+        with pytest.raises(ConfigError, match="plain, unsharded"):
+            Sampler(model, max_batch=4, max_len=24)
         local = generation_model(model)
         mine = [i for i in range(len(_RANK_PROMPTS)) if i % dist.world_size == dist.rank]
         prompts = _prompts(_RANK_PROMPTS, seed=8)
@@ -250,9 +252,15 @@ def _sharded_generation(parallel_overrides: dict) -> list:
 
 
 def _two_rank_generation() -> dict:
+    from core.distributed_context import DistributedContext
+    from tests.distributed.scenarios import cpu_parallel
+
     torch.set_num_threads(1)
-    return {name: _sharded_generation(overrides) for name, overrides in
-            (("ddp", {"strategy": "ddp"}), ("fsdp", {"strategy": "fsdp"}), ("fsdp_tp", {"strategy": "fsdp", "tp": 2}))}
+    # One process group serves every strategy: a second init_process_group on the same
+    # port after a destroyed one can hang in the store's rendezvous.
+    with DistributedContext.from_env(cpu_parallel(strategy="ddp")):
+        return {name: _sharded_generation(overrides) for name, overrides in
+                (("ddp", {"strategy": "ddp"}), ("fsdp", {"strategy": "fsdp"}), ("fsdp_tp", {"strategy": "fsdp", "tp": 2}))}
 
 
 def test_samples_of_a_sharded_model_on_two_ranks_equal_one_process(model):
