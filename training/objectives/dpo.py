@@ -107,18 +107,24 @@ class DPOObjective:
 
     # ------------------------------------------------------------------ setup
 
-    def setup(self, model: nn.Module, context: ObjectiveContext) -> None:
-        self._context = context
-        self.fuse_head = context.fuse_head and self.chunk_tokens > 0
-        if self.settings.loss in REFERENCE_FREE:
-            return
-        if self.settings.reference == "adapter_off":
+    @staticmethod
+    def check_config(config: Config) -> None:
+        """Refused before any run dir exists (exit 2)."""
+        s = config.objective.dpo
+        if s.loss not in REFERENCE_FREE and s.reference == "adapter_off":
             raise ConfigError(
                 "objective.dpo.reference=adapter_off is not available yet: the LoRA layers offer no way to "
                 "switch the adapters off during a forward",
                 key="objective.dpo.reference",
                 hint="use reference: init: LoRA adapters start at zero, so the frozen initial model is the base",
             )
+
+    def setup(self, model: nn.Module, context: ObjectiveContext) -> None:
+        self._context = context
+        self.fuse_head = context.fuse_head and self.chunk_tokens > 0
+        if self.settings.loss in REFERENCE_FREE:
+            return
+        self.check_config(self.config)
         self.reference = build_frozen(self.config, self.settings.reference, role="reference", dist=context.dist,
                                       key="objective.dpo.reference")
         if self.settings.cache_reference:
