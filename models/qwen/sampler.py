@@ -364,20 +364,25 @@ class Sampler:
             return self._decode_steps[rule]
         params = rule
 
-        def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
-            logits = self.model.forward_cached(tokens, positions, self.cache)
-            return sample_next(logits, uniforms, params)
+        def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self.model.forward_cached(tokens, positions, self.cache)  # (B, 1, vocab)
 
         if self.compile:
+            # Only the model's decode forward is compiled (and replayed as a CUDA graph): the
+            # sampling rule's exact int64 prefix sums over the vocabulary run eagerly, a few
+            # kernels per step (torch 2.11's Inductor failed to generate code for them).
             mode = "reduce-overhead" if self.cuda_graphs else "default"
-            compiled = torch.compile(step, mode=mode, fullgraph=True, dynamic=False)
+            compiled = torch.compile(forward, mode=mode, fullgraph=True, dynamic=False)
             if self.cuda_graphs:
-                def graphed(*args):
+                def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
                     torch.compiler.cudagraph_mark_step_begin()
-                    return compiled(*args)
-                step = graphed
+                    return compiled(tokens, positions)
             else:
-                step = compiled
+                forward = compiled
+
+        def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
+            return sample_next(forward(tokens, positions), uniforms, params)
+
         self._decode_steps[rule] = step
         return step
 
