@@ -99,8 +99,12 @@ def run_preset(shape: str, args) -> dict:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    cache_dir = Path(tempfile.mkdtemp(prefix="post-training-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix="post-training-bench-"))
+    cache_dir = tmp / "reference_cache"
+    pairs = tmp / "pairs.jsonl"  # only named by the cache's fingerprint: the batches are synthetic
+    pairs.write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
     config = load(ROOT / "configs" / f"{shape}.yaml", [
+        f"data.sources=[{{path: {pairs}, record: preference}}]", "data.tokenizer=byte",
         "data.eval_source=null", f"data.seq_len={args.seq}", "data.num_streams=1",
         f"train.global_batch_size={args.rows}", "train.micro_batch_size=1", "train.loss_chunk_tokens=4096",
         f"parallel.precision={'bf16' if cuda else 'fp32'}", "parallel.strategy=none", "parallel.compile=false",
@@ -111,13 +115,13 @@ def run_preset(shape: str, args) -> dict:
     batches = synthetic_batches(config, args.warmup + args.steps, args.rows, args.seq)
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init")).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
-    results = {}
+    results, shared = {}, {}
     for case in args.cases.split(","):
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        objective = make_objective(case, config, model, device)
+        objective = make_objective(case, config, model, device, shared)
         if case == "dpo_cached":  # fill the cache once, untimed
             with torch.no_grad():
                 for batch in batches:
@@ -139,7 +143,10 @@ def run_preset(shape: str, args) -> dict:
             "targets": {"dpo_online": 1.6, "dpo_cached": 1.15, "distill": 1.5}}
 
 
-def make_objective(case: str, config, model, device):
+def make_objective(case: str, config, model, device, shared: dict):
+    """The case's objective, set up as ``setup`` does, with one frozen copy of the initial
+    weights built once per preset (after the sft case, so sft's peak memory excludes it) and
+    used as the DPO reference and the distillation teacher."""
     import dataclasses
 
     import torch
@@ -156,18 +163,23 @@ def make_objective(case: str, config, model, device):
                                place=lambda t: t.to(device, non_blocking=True), fuse_head=True)
     if case == "sft":
         objective = CausalLMObjective(config)
-    elif case in ("dpo_online", "dpo_cached"):
+        objective.setup(model, context)
+        return objective
+    if "frozen" not in shared:
+        shared["frozen"] = build_frozen(config, "init", role="reference", dist=dist, key="objective.dpo.reference")
+    frozen = shared["frozen"]
+    if case in ("dpo_online", "dpo_cached"):
         dpo = dataclasses.replace(config.objective.dpo, cache_reference=case == "dpo_cached")
         objective = DPOObjective(dataclasses.replace(config, objective=dataclasses.replace(config.objective, dpo=dpo)))
-    else:  # the teacher is the seeded init: a same-size model (a benchmark-only source)
-        objective = DistillObjective(config)
-        objective._context = context
-        objective.fuse_head = True
-        objective.teacher = build_frozen(config, "init", role="teacher", dist=dist, key="objective.distill.teacher")
-        weight = objective.teacher.module.lm_head.weight.detach()
-        objective._teacher_weight = weight.to(torch.bfloat16 if device.type == "cuda" else weight.dtype)
+        objective._context, objective.fuse_head, objective.reference = context, True, frozen
+        if dpo.cache_reference:
+            objective.cache = objective._open_cache(context)
         return objective
-    objective.setup(model, context)
+    # The teacher is the seeded init: a same-size model (a benchmark-only source).
+    objective = DistillObjective(config)
+    objective._context, objective.fuse_head, objective.teacher = context, True, frozen
+    weight = frozen.module.lm_head.weight.detach()
+    objective._teacher_weight = weight.to(torch.bfloat16 if device.type == "cuda" else weight.dtype)
     return objective
 
 
