@@ -28,6 +28,9 @@ class ParallelPlan:
     strategy: str
     device: torch.device
     fsdp_applied: bool = False
+    base_identity: dict[str, str] | None = None
+    """LoRA runs: the frozen base's ``{"path", "sha256"}`` (models.lora.add_adapters), taken on
+    the plain model before training; checkpoints record it and a resume verifies it."""
 
     @property
     def dp_size(self) -> int:

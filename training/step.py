@@ -31,15 +31,19 @@ def forward_backward(
     no_sync: Callable[[nn.Module], contextlib.AbstractContextManager],
     timer=None,
     poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    before_forward: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate gradients over ``micro_batches`` with ``objective.loss`` (training/objectives);
-    returns this rank's summed loss (fp32) and summed metrics, both on ``device``."""
+    returns this rank's summed loss (fp32) and summed metrics, both on ``device``.
+    ``before_forward(i)`` runs before micro-batch ``i``'s forward (LoRA dropout keys)."""
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
     metrics: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
     for i, micro in enumerate(micro_batches):
         # Gradient all-reduce only once, on the last micro-batch.
         sync = contextlib.nullcontext() if i == last else no_sync(model)
+        if before_forward is not None:
+            before_forward(i)
         with sync:
             with _phase(timer, "forward"), precision.autocast():
                 out = objective.loss(model, micro)
