@@ -3,7 +3,7 @@
     python benchmarks/sft_throughput.py --shape qwen2.5-0.5b --seq 2048 --out bench_out/sft.json
     python benchmarks/sft_throughput.py --shape tiny --seq 256 --device cpu --steps 3 --warmup 1   # smoke
 
-1. Packing: the embedded chat tasks (``datasets/tasks/sft/train.jsonl``, written by
+1. Packing: the embedded chat tasks (``datasets/tasks/sft/train``, written by
    ``python -m data prepare``) through the real pipeline with the preset's tokenizer at
    ``--seq``: non-padding tokens / all tokens, and trained tokens / all tokens.
 2. Throughput: two runs of ``benchmarks/train_throughput.py`` on one GPU, the same preset,
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SFT_SOURCE = "datasets/tasks/sft/train.jsonl"
+SFT_SOURCE = "datasets/tasks/sft/train"
 
 
 def packing(preset: str, seq: int, batches: int) -> dict:

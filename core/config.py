@@ -118,8 +118,8 @@ class SourceConfig:
     """Name used in provenance and metrics; defaults to the path."""
     text_unit: Literal["file", "line"] = "file"
     """Text format: each file is one document, or each non-blank line is one."""
-    record: Literal["text", "chat", "prompt_completion"] = "text"
-    """Record kind: text (text_column), chat ({"messages": [...]}) or prompt_completion ({"prompt", "completion"})."""
+    record: Literal["text", "chat", "prompt_completion", "prompt", "preference"] = "text"
+    """Record kind: text (text_column), chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"}), prompt ({"prompt", "answer"}: GRPO prompts) or preference ({"prompt", "chosen", "rejected"}: DPO pairs)."""
 
 
 @dataclass(frozen=True)
@@ -225,9 +225,99 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class RewardConfig:
+    name: str = "exact_answer"
+    """A built-in reward (exact_answer, numeric_tolerance, format_regex) or a user function 'package.module:function' (docs/post_training.md)."""
+    weight: float = 1.0
+    """Weight of this reward in the sum that scores a completion."""
+    pattern: str = ""
+    """format_regex: the pattern the whole stripped completion must match."""
+    tol: float = 0.0
+    """numeric_tolerance: largest absolute difference from the answer that still passes."""
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    group_size: int = 4
+    """Completions sampled per prompt; advantages are normalized within each prompt's group."""
+    max_new_tokens: int = 32
+    """Generated tokens per completion at most (fewer where data.seq_len ends first)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (> 0)."""
+    top_p: float = 1.0
+    """Nucleus filter of the rollouts (1 keeps all tokens)."""
+    top_k: int = 0
+    """Top-k filter of the rollouts (0 keeps all tokens)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the frozen reference; 0 builds no reference."""
+    clip_eps_low: float = 0.2
+    """The ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]."""
+    clip_eps_high: float = 0.2
+    """Upper clip range (DAPO's clip-higher when larger than clip_eps_low)."""
+    importance: Literal["token", "sequence"] = "token"
+    """token: per-token ratios (GRPO); sequence: one length-normalized ratio per completion (GSPO)."""
+    loss_norm: Literal["sequence", "token"] = "sequence"
+    """sequence: mean over each completion's tokens, then over completions; token: mean over all completion tokens of the batch."""
+    std_eps: float = 1.0e-4
+    """Added to the group's reward standard deviation before dividing (advantage = (r - mean) / (std + eps))."""
+    reference: str = "init"
+    """Frozen reference for the KL term: init, a Hugging Face directory, or run:RUN_ID[@STEP]."""
+    rewards: tuple[RewardConfig, ...] = (RewardConfig(),)
+    """Rewards summed with their weights into a completion's score."""
+    on_reward_error: Literal["error", "zero"] = "error"
+    """A reward function that raises or returns a non-finite value: stop with a typed error, or score 0 and count it."""
+    inner_updates: int = 1
+    """Optimizer updates per rollout batch; only 1 (docs/post_training.md says why)."""
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
+    """sigmoid (DPO), ipo, simpo (reference-free, length-normalized) or orpo (reference-free, odds ratio + NLL)."""
+    beta: float = 0.1
+    """Inverse temperature of the implicit reward (sigmoid, simpo) or IPO's tau; > 0."""
+    label_smoothing: float = 0.0
+    """sigmoid: assumed probability that a preference label is flipped (conservative DPO), in [0, 0.5)."""
+    gamma: float = 0.5
+    """simpo: target reward margin (the loss is -log sigmoid(beta * (mean logp_c - mean logp_r) - gamma))."""
+    lam: float = 0.1
+    """orpo: weight of the odds-ratio term added to the chosen completion's mean NLL."""
+    ipo_length_normalized: bool = True
+    """ipo: divide each log-prob by its completion's token count before the squared loss."""
+    reference: str = "init"
+    """Frozen reference of sigmoid/ipo: init, adapter_off (LoRA base), a Hugging Face directory, or run:RUN_ID[@STEP]."""
+    cache_reference: bool = False
+    """Store each pair's reference log-probs once (with a fingerprint) and reuse them instead of running the reference."""
+    cache_dir: Optional[str] = None
+    """Where the reference cache lives (default: reference_cache/ in the run dir); a different fingerprint is refused."""
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    teacher: str = ""
+    """Frozen teacher: a Hugging Face directory or run:RUN_ID[@STEP]; same tokenizer and vocabulary as the student."""
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    """Divergence between teacher and student next-token distributions (docs/post_training.md)."""
+    temperature: float = 1.0
+    """Softmax temperature of both distributions (the divergence is scaled by T^2)."""
+    alpha: float = 0.0
+    """Weight of the hard-label cross entropy: loss = (1 - alpha) T^2 D + alpha CE."""
+    beta: float = 0.5
+    """jsd: the teacher's weight in the mixture (0 is forward KL, 1 reverse KL)."""
+    chunk_tokens: int = 4096
+    """Tokens per chunk of the fused projection + divergence (never full-batch vocabulary logits)."""
+
+
+@dataclass(frozen=True)
 class ObjectiveConfig:
-    kind: Literal["causal_lm", "sft"] = "causal_lm"
-    """Training objective: causal_lm (pretraining) or sft (supervised fine-tuning on chat data); docs/architecture.md."""
+    kind: Literal["causal_lm", "sft", "grpo", "dpo", "distill"] = "causal_lm"
+    """Training objective: causal_lm (pretraining), sft (supervised fine-tuning on chat data) or grpo (reinforcement learning on prompts with checkable answers); docs/architecture.md."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """objective.kind=grpo: rollouts, rewards, clipping and KL (docs/post_training.md)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """objective.kind=dpo: preference loss, its constants and the reference (docs/post_training.md)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """objective.kind=distill: teacher, divergence, temperature and hard-label weight (docs/post_training.md)."""
 
 
 @dataclass(frozen=True)
@@ -630,8 +720,94 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _validate_optimizer(t)
     _validate_float8(p)
     _validate_lora(config)
+    _validate_grpo(config)
+    _validate_dpo(config)
+    _validate_distill(config)
     if world_size is not None:
         validate_world(config, world_size)
+
+
+def _validate_dpo(config: Config) -> None:
+    """objective.dpo.* (docs/post_training.md, DPO): constants, reference and preference sources."""
+    o, key = config.objective.dpo, "objective.dpo"
+    if config.objective.kind != "dpo":
+        return
+    checks = (
+        ("beta", math.isfinite(o.beta) and o.beta > 0, "> 0"),
+        ("label_smoothing", 0 <= o.label_smoothing < 0.5, "in [0, 0.5)"),
+        ("gamma", math.isfinite(o.gamma), "finite"),
+        ("lam", math.isfinite(o.lam) and o.lam >= 0, ">= 0"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
+    if o.reference == "adapter_off" and config.model.lora.rank <= 0:
+        raise ConfigError(f"{key}.reference=adapter_off needs LoRA adapters (model.lora.rank > 0)",
+                          key=f"{key}.reference", hint="use reference: init, or set model.lora.rank")
+    if o.cache_reference and o.loss in ("simpo", "orpo"):
+        raise ConfigError(f"{key}.cache_reference: {o.loss} is reference-free, there is nothing to cache",
+                          key=f"{key}.cache_reference")
+    sources = list(config.data.sources) + ([config.data.eval_source] if config.data.eval_source else [])
+    if not config.data.sources or any(s.record != "preference" for s in sources):
+        raise ConfigError("objective.kind=dpo needs preference sources only (data.sources[i].record: preference)",
+                          key="data.sources", hint='records {"prompt", "chosen", "rejected"}; e.g. datasets/tasks/pref')
+
+
+def _validate_distill(config: Config) -> None:
+    """objective.distill.* (docs/post_training.md, distillation)."""
+    o, key = config.objective.distill, "objective.distill"
+    if config.objective.kind != "distill":
+        return
+    if not o.teacher or o.teacher in ("init", "adapter_off"):
+        raise ConfigError(f"{key}.teacher must name a Hugging Face directory or run:RUN_ID[@STEP], got {o.teacher!r}",
+                          key=f"{key}.teacher", hint="e.g. teacher: run:tiny-teacher-20260101-000000-abcd1234")
+    checks = (
+        ("temperature", math.isfinite(o.temperature) and o.temperature > 0, "> 0"),
+        ("alpha", 0 <= o.alpha <= 1, "in [0, 1]"),
+        ("beta", 0 <= o.beta <= 1, "in [0, 1]"),
+        ("chunk_tokens", o.chunk_tokens >= 1, ">= 1"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
+    if any(s.record == "preference" or s.record == "prompt" for s in config.data.sources):
+        raise ConfigError("objective.kind=distill trains on text, chat or prompt_completion sources",
+                          key="data.sources")
+
+
+def _validate_grpo(config: Config) -> None:
+    """objective.grpo.* (docs/post_training.md, GRPO); reward function paths are resolved by the objective."""
+    g, key = config.objective.grpo, "objective.grpo"
+    if config.objective.kind != "grpo":
+        return
+    checks = (
+        ("group_size", g.group_size >= 2, ">= 2 (advantages compare completions of one prompt)"),
+        ("max_new_tokens", g.max_new_tokens >= 1, ">= 1"),
+        ("temperature", math.isfinite(g.temperature) and g.temperature > 0, "> 0 (greedy groups have no variance)"),
+        ("top_p", 0 < g.top_p <= 1, "in (0, 1]"),
+        ("top_k", g.top_k >= 0, ">= 0"),
+        ("kl_coef", math.isfinite(g.kl_coef) and g.kl_coef >= 0, ">= 0"),
+        ("clip_eps_low", 0 <= g.clip_eps_low < 1, "in [0, 1)"),
+        ("clip_eps_high", math.isfinite(g.clip_eps_high) and g.clip_eps_high >= 0, ">= 0"),
+        ("std_eps", math.isfinite(g.std_eps) and g.std_eps > 0, "> 0"),
+        ("rewards", len(g.rewards) >= 1, "a list of at least one reward"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(g, name)!r}", key=f"{key}.{name}")
+    if g.inner_updates != 1:
+        raise ConfigError(
+            f"{key}.inner_updates={g.inner_updates}: only 1 update per rollout batch is supported",
+            key=f"{key}.inner_updates",
+            hint="one loop step is one optimizer step; docs/post_training.md (GRPO) explains the choice",
+        )
+    for i, reward in enumerate(g.rewards):
+        if not (math.isfinite(reward.weight)):
+            raise ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight")
+    if not any(s.record == "prompt" for s in config.data.sources) or any(
+            s.record != "prompt" for s in config.data.sources):
+        raise ConfigError("objective.kind=grpo needs prompt sources only (data.sources[i].record: prompt)",
+                          key="data.sources", hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl')
 
 
 def _validate_lora(config: Config) -> None:
@@ -677,6 +853,13 @@ def _validate_lora(config: Config) -> None:
             "model.lora is not supported with parallel.strategy=xla_spmd",
             key="parallel.strategy",
             hint="use none, ddp or fsdp for adapter training",
+        )
+    if p.float8 != "none":
+        raise ConfigError(
+            f"model.lora with parallel.float8={p.float8} is not supported: FP8 would convert the frozen base "
+            "and the rank-sized adapter matmuls, a combination that is untested",
+            key="parallel.float8",
+            hint="set parallel.float8=none for adapter training",
         )
     if quantize == "nf4" and p.tp > 1:
         raise ConfigError(

@@ -93,7 +93,7 @@ def _prepare(args) -> int:
 
 
 TASKS_DIR = "tasks"
-TASKS_SPEC = {"seed": 0, "train_n": 20000, "eval_n": 500}
+TASKS_SPEC = {"seed": 0, "train_n": 20000, "eval_n": 512, "shards": 16}
 """The embedded post-training data (data/tasks.py): chat SFT, prompt/completion, preference, RL prompts."""
 
 
@@ -109,7 +109,7 @@ def _prepare_tasks(out: Path, *, force: bool) -> None:
         return
     counts = write_task_datasets(out, **TASKS_SPEC)
     stamp.write_text(json.dumps(TASKS_SPEC))
-    print(f"wrote: {out} ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))})")
+    print(f"wrote: {out} ({sum(counts.values())} records in {len(counts)} files)")
 
 
 def _prepare_tokenizer(args) -> int:

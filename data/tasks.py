@@ -236,12 +236,18 @@ def rl_record(task: Task) -> dict:
     return {"prompt": task.prompt, "answer": task.answer, "task": task.family, "reward": task.reward}
 
 
-def write_task_datasets(root: Path, *, seed: int, train_n: int, eval_n: int) -> dict[str, int]:
+def write_task_datasets(root: Path, *, seed: int, train_n: int, eval_n: int, shards: int = 1) -> dict[str, int]:
     """Write ``{sft,completion,pref,rl}/{train,eval}.jsonl`` under ``root``; returns records per file.
 
+    With ``shards > 1`` each split is a directory of ``shards`` files instead,
+    ``{name}/{split}/part-NNN.jsonl``, record ``i`` in part ``i % shards``: a plain JSONL file is
+    one unit of the pipeline, and a source with fewer units than ``data.num_streams`` repeats
+    them, so every stream would read the same records (docs/data.md, "Streams").
     The bytes depend only on the arguments. Each file is written to a temporary name and
     renamed into place, so a reader never sees a half-written file.
     """
+    if shards < 1:
+        raise DataError(f"shards must be >= 1, got {shards}")
     root = Path(root)
     counts: dict[str, int] = {}
     for split, tasks in split_tasks(seed, train_n, eval_n).items():
@@ -252,9 +258,14 @@ def write_task_datasets(root: Path, *, seed: int, train_n: int, eval_n: int) -> 
             "rl": [rl_record(task) for task in tasks],
         }
         for name, records in datasets.items():
-            path = root / name / f"{split}.jsonl"
-            _write_jsonl(path, records)
-            counts[f"{name}/{split}.jsonl"] = len(records)
+            if shards == 1:
+                _write_jsonl(root / name / f"{split}.jsonl", records)
+                counts[f"{name}/{split}.jsonl"] = len(records)
+                continue
+            for k in range(shards):
+                part = f"{name}/{split}/part-{k:03d}.jsonl"
+                _write_jsonl(root / part, records[k::shards])
+                counts[part] = len(records[k::shards])
     return counts
 
 

@@ -1,6 +1,11 @@
 """``python -m training {export, generate}``: the training layer's command line.
 
     python -m training export --run RUN_ID [--step S] --to DIR [--dtype fp32|bf16|fp16] [--root runs]
+                              [--adapter | --merge]      (LoRA runs: PEFT adapter dir, or merged model)
+
+    python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
+                                [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--out FILE.jsonl]
+                                (training/generate.py)
 
 ``--run`` takes a run ID (under ``--root``) or a run directory. Errors print one line and exit
 with the code of their type (2 usage/config, 4 checkpoint); see core/exceptions.py.
@@ -25,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "generate":
+            from training.generate import check_sampling, run_generate
+
+            check_sampling(args)
+            return run_generate(args)
         raise UsageError(f"unknown command {args.command!r}")
     except LockstepError as exc:
         print(str(exc), file=sys.stderr)
@@ -41,6 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, type=Path, help="output directory")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights' dtype (default: as trained, fp32 master weights)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--adapter", action="store_true",
+                      help="LoRA runs: write the PEFT adapter directory (adapter_model.safetensors, adapter_config.json)")
+    form.add_argument("--merge", action="store_true",
+                      help="LoRA runs: write the full model with the adapters merged (the default for LoRA runs)")
+    g = sub.add_parser("generate", help="sample from a checkpoint or a Hugging Face directory")
+    from training.generate import add_arguments
+
+    add_arguments(g)
     return parser
 
 
@@ -58,11 +77,21 @@ def _export(args) -> int:
     from training.export import export
 
     paths = resolve_run(args.run, args.root)
-    if args.to.exists() and any(args.to.iterdir()) and not (args.to / "config.json").is_file():
+    marker = "adapter_config.json" if args.adapter else "config.json"
+    if args.to.exists() and any(args.to.iterdir()) and not (args.to / marker).is_file():
         raise UsageError(f"{args.to} exists and is not a model directory", hint="pick an empty or new directory")
-    checkpoint = export(paths, args.to, step=args.step, dtype=DTYPES.get(args.dtype))
+    if args.merge and not _trains_adapters(paths):
+        raise UsageError(f"run {paths.root.name} trained no adapters (model.lora.rank is 0): nothing to merge",
+                         hint="export it without --merge")
+    checkpoint = export(paths, args.to, step=args.step, dtype=DTYPES.get(args.dtype), adapter=args.adapter)
     print(f"exported {checkpoint} -> {args.to}")
     return 0
+
+
+def _trains_adapters(paths: RunPaths) -> bool:
+    from core import config as config_lib
+
+    return config_lib.load(paths.config).model.lora.rank > 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from distributed.fsdp import is_fully_sharded
 from distributed.topology import build_mesh
 from experiments.tracking import MetricsTracker
 from models.flops import flops_per_token
+from models.lora import add_adapters
 from training import determinism, ledger as ledger_lib
 from training.guards import Guards
 from training.plan import ParallelPlan
@@ -33,6 +34,9 @@ from training.plan import ParallelPlan
 def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, ParallelPlan]:
     determinism.configure(config.determinism, dist.device)
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
+    base_identity = None
+    if config.model.lora.rank > 0:  # adapters on the plain model, before parallelize (models/lora.py)
+        base_identity = add_adapters(model, config.model, seed=config.train.seed)
     topology = build_mesh(config.parallel, dist)
     if config.parallel.strategy == "xla_spmd":
         from training import xla  # needs torch_xla, which only the XLA interpreter has
@@ -45,11 +49,13 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
             strategy=config.parallel.strategy,
             device=dist.device,
             fsdp_applied=is_fully_sharded(model),
+            base_identity=base_identity,
         )
     get_logger().info(
-        "model: %s, %.2fM parameters, strategy %s, dp %d x tp %d",
+        "model: %s, %.2fM parameters (%.2fM trained), strategy %s, dp %d x tp %d",
         config.model.arch,
         sum(p.numel() for p in model.parameters()) / 1e6,
+        sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6,
         config.parallel.strategy,
         topology.dp_size,
         topology.tp_size,
@@ -95,8 +101,8 @@ def build_guards(config: Config, run: RunContext, dist: DistributedContext, even
     return Guards(
         config,
         dist=dist,
-        diagnostics_dir=run.paths.diagnostics,
-        trace_dir=run.paths.artifacts / "traces",
+        diagnostics_dir=run.diagnostics_dir,  # a replay's own directory, never the replayed run's
+        trace_dir=run.output_dir / "artifacts" / "traces",
         providers={
             "data_pipeline": data.stats,
             "last_ledger_line": last_ledger_line,

@@ -36,11 +36,12 @@ from core.logging import EventLog, get_logger
 from core.run_context import RunContext
 from data.hashing import batch_hash, state_hash
 from data.state import merge_states
+from models.lora import set_dropout_key
 from training.checkpointing import CheckpointManager, restore_rng_state
 from training.guards import Guards
 from training.objectives import Objective, ObjectiveContext, build_objective
 from training.objectives.base import check_frozen
-from training.optim import build_optimizer, set_lr
+from training.optim import build_optimizer, evaluation_weights, set_lr
 from training.precision import Precision
 from training.recorder import LedgerWriter, ReplayComparator, ReplaySpec, StepRecorder
 from training.schedule import lr_at
@@ -158,6 +159,8 @@ class Trainer:
         finally:
             self.guards.close()
         result.seconds = time.perf_counter() - started
+        skipped = self._all_reduce_sum(float(self.data.stats().get("bad_records_skipped", 0)))
+        result.extra["bad_records_skipped"] = int(skipped)
         if not self.recorder.records:
             result.status = "replayed"
         return result
@@ -235,6 +238,7 @@ class Trainer:
                 device=self.device,
                 no_sync=self.parallel.no_sync,
                 timer=timer,
+                before_forward=self._dropout_keys(step),
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
             )
         with timer.phase("communication"):
@@ -271,6 +275,13 @@ class Trainer:
         times = guards.end_step(step)
         self.tracker.log(step, self._metrics(record, times, batch, totals, global_targets))
         return record
+
+    def _dropout_keys(self, step: int) -> Callable[[int], None] | None:
+        """LoRA dropout: key each micro-batch's masks by (seed, step, data-parallel rank, micro-batch)."""
+        if self.config.model.lora.rank == 0 or self.config.model.lora.dropout == 0.0:
+            return None
+        seed, rank = self.config.train.seed, self.parallel.dp_rank
+        return lambda micro: set_dropout_key(self.model, seed=seed, step=step, rank=rank, micro_batch=micro)
 
     def _ledger_record(self, step, batch, loss, grad_norm, lr, tokens, targets) -> dict[str, Any]:
         rows = batch.row_digests()
@@ -319,7 +330,7 @@ class Trainer:
                 states={
                     TRAINER_PART: self.trainer_state(),
                     DATA_PART: self._global_data_state,
-                    OBJECTIVE_PART: {**self.objective.state_dict(), "frozen": self.objective.frozen_identity()},
+                    OBJECTIVE_PART: {**self.objective.state_dict(), "frozen": self.frozen_identity()},
                 },
             )
         if self.dist.is_main:
@@ -336,6 +347,11 @@ class Trainer:
             "guards": self.guards.state_dict(),
         }
 
+    def frozen_identity(self) -> dict[str, dict[str, str]]:
+        """Path and sha256 of every frozen model: the objective's, and a LoRA run's base."""
+        base = self.parallel.base_identity
+        return {**self.objective.frozen_identity(), **({"base": base} if base is not None else {})}
+
     def _load_objective_state(self, state: dict[str, Any] | None, path: Path) -> None:
         """The objective's state and the identity of its frozen models, as the checkpoint has them.
         A checkpoint from before objectives existed has none: it was pretraining."""
@@ -347,7 +363,7 @@ class Trainer:
                 )
             return
         state = dict(state)
-        check_frozen(self.objective.frozen_identity(), state.pop("frozen", {}))
+        check_frozen(self.frozen_identity(), state.pop("frozen", {}))
         self.objective.load_state_dict(state)
 
     def _on_corrupt_checkpoint(self, step: int, path: Path, reason: str) -> None:
@@ -363,7 +379,9 @@ class Trainer:
         self.guards.heartbeat(step, "eval")
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self._reduce_device)
-        with torch.no_grad(), self.eval_data_factory() as eval_data:
+        sums: dict[str, torch.Tensor] = {}  # the objective's metric sums (e.g. DPO accuracy)
+        # Schedule-free optimizers evaluate their averaged weights (training/optim.py).
+        with torch.no_grad(), evaluation_weights(self.optimizer, self.model), self.eval_data_factory() as eval_data:
             for _ in range(self.config.train.eval_batches):
                 try:
                     batch = self.objective.prepare(next(eval_data))
@@ -374,11 +392,19 @@ class Trainer:
                         out = self.objective.loss(self.model, micro)
                     total[0] += out.sum.double().to(total.device)
                     total[1] += out.count
+                    for name, value in out.metrics.items():
+                        sums[name] = sums.get(name, 0) + value.detach().double().to(total.device)
         self.model.train()
         self.dist.all_reduce(total)
+        total /= self.parallel.tp_size  # tensor-parallel peers evaluated the same rows
         eval_loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
+        names = sorted(sums)  # every rank's objective reports the same metric names
+        metric_sums = self.dist.all_reduce(torch.stack([sums[n] for n in names])) / self.parallel.tp_size \
+            if names else None
+        means = {n: float(v) / max(float(total[1]), 1.0) for n, v in zip(names, metric_sums)} if names else {}
         if self.dist.is_main:
-            self.events.emit("eval", step=step, loss=eval_loss, tokens=int(total[1]))
+            self.events.emit("eval", step=step, loss=eval_loss, tokens=int(total[1]),
+                             **({"metrics": means} if means else {}))
         self.log.info("eval step %d: loss %.4f over %d tokens", step, eval_loss, int(total[1]))
 
     # ------------------------------------------------------------------ helpers
@@ -388,15 +414,19 @@ class Trainer:
         return self.device if self.dist.backend == "nccl" else torch.device("cpu")
 
     def _all_reduce_sum(self, value):
+        """The sum of a per-replica value over the data-parallel replicas. Tensor-parallel peers
+        hold the same rows and compute the same value, so the sum over all ranks counts each
+        replica tp times."""
         if isinstance(value, torch.Tensor) and not self.dist.is_distributed:
             # Nothing to reduce. The value stays where it is: reading a lazy XLA loss here
             # would run the forward as a graph of its own before the step's graph.
             return value.detach().float()
+        tp = self.parallel.tp_size
         if isinstance(value, torch.Tensor):
             t = value.detach().to(self._reduce_device, torch.float32).clone()
-            return self.dist.all_reduce(t)
+            return self.dist.all_reduce(t) / tp if tp > 1 else self.dist.all_reduce(t)
         t = torch.tensor([value], dtype=torch.float64, device=self._reduce_device)
-        return float(self.dist.all_reduce(t)[0])
+        return float(self.dist.all_reduce(t)[0]) / tp
 
     def _all_reduce_metrics(self, local: dict[str, torch.Tensor]) -> dict[str, float]:
         """The objective's metric sums over micro-batches and ranks (one all-reduce)."""
@@ -421,6 +451,7 @@ class Trainer:
             "tokens": float(local_tokens),
         })
         metrics.update({k: float(v) for k, v in record.items() if k in ("trained_tokens",)})
+        metrics["data/bad_records_skipped"] = float(self.data.stats().get("bad_records_skipped", 0))
         metrics.update({f"time_{k}": v for k, v in times.items()})
         metrics.update(self.guards.memory())
         return metrics

@@ -33,6 +33,7 @@ from runtime import relaunch
 from training import ledger as ledger_lib
 from training import replay as replay_lib
 from training import resume as resume_lib
+from training.objectives import check_objective_config
 
 
 # --------------------------------------------------------------------------- command line
@@ -111,10 +112,18 @@ def resolve_config(args: Args) -> Config:
     model = model if model.init_from is None else model_config_from_hf(model.init_from, base=model)
     dims = resolve_dims(model)
     check_vocab_covers_tokenizer(dims.vocab_size, config.data.tokenizer)
+    check_chat_data(config.data)  # a template that renders no assistant span: exit 2, naming its file
+    if config.model.quantize_base == "nf4":  # every base linear must split into whole NF4 blocks
+        from models.nf4 import check_nf4_layout
+
+        world = ProcessInfo.from_env().world_size
+        shards = world // (config.parallel.tp * config.parallel.dp_replicate)  # FSDP shards a weight over these
+        check_nf4_layout(model, shards=shards if config.parallel.strategy == "fsdp" else 1)
     if config.parallel.strategy == "xla_spmd":
         from training.xla import check_config  # imports without torch_xla; says if it is missing
 
         check_config(config)
+    check_objective_config(config)  # e.g. GRPO's reward functions import: exit 2, no run dir yet
     return config
 
 
@@ -133,6 +142,13 @@ def prepare_process(config: Config) -> None:
         configure_nccl_diagnostics(Path(config.run.root) / "_nccl_traces", config.runtime.watchdog_timeout_s)
 
 
+def check_chat_data(data) -> None:
+    """Chat sources: the template must render an assistant span the tokenizer can mark."""
+    from data.pipeline.plan import check_chat_config
+
+    check_chat_config(data)
+
+
 def check_vocab_covers_tokenizer(vocab_size: int, tokenizer: str) -> None:
     """A tokenizer id >= model.vocab_size would only fail inside the embedding (IndexError)."""
     from data.tokenizers import build_tokenizer
@@ -142,6 +158,7 @@ def check_vocab_covers_tokenizer(vocab_size: int, tokenizer: str) -> None:
         raise ConfigError(
             f"model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary ({needed} ids, data.tokenizer={tokenizer})",
             key="model.vocab_size",
+            file=None if tokenizer == "byte" else str(tokenizer),
             hint=f"set model.vocab_size >= {needed}",
         )
 

@@ -32,6 +32,8 @@ class PackedSequence:
     """The stream's state after this sequence (kept for the last sequence of each batch only)."""
     mask: np.ndarray | None = None
     """(seq_len,) bool training targets (whole-document packing only; None: every token)."""
+    roles: np.ndarray | None = None
+    """(seq_len,) int8 preference roles: 1 chosen, 2 rejected, 0 neither (None: a row without pairs)."""
 
 
 @dataclass(slots=True)
@@ -166,7 +168,8 @@ class WholeDocPacker:
     """
 
     def __init__(self, stream: int, state: StreamState, *, seq_len: int, eos_id: int, pad_id: int,
-                 source_names: list[str], skip_bad: bool, overlong: str, state_every: int = 1) -> None:
+                 source_names: list[str], skip_bad: bool, overlong: str, state_every: int = 1,
+                 one_per_row: bool = False) -> None:
         if state.skip:
             raise DataError(
                 f"stream {stream}: the data state was saved with data.packing=split (skip={state.skip})",
@@ -180,6 +183,7 @@ class WholeDocPacker:
         self._skip_bad = skip_bad
         self._overlong = overlong
         self._state_every = state_every
+        self._one_per_row = one_per_row  # prompt records: a row is one prompt (never cut: a bad record)
         self._positions = list(state.positions)
         self._docs = state.docs
         self._next = state.docs
@@ -187,6 +191,7 @@ class WholeDocPacker:
         self._tokens: list[np.ndarray] = []
         self._masks: list[np.ndarray] = []
         self._spans: list[DocSpan] = []
+        self._roles: list[np.ndarray] = []  # preference rows only (data/preference.py)
         self._fill = 0
         self.failed = False
         self.bad_records = 0
@@ -217,9 +222,24 @@ class WholeDocPacker:
             if len(content) == 0:
                 self._consumed(doc)
                 continue
+            if doc.parts is not None:  # a preference pair: two documents, one unit
+                out.extend(self._accept_pair(doc))
+                continue
             mask = doc.mask if doc.mask is not None else np.ones(len(content), dtype=bool)
             piece = np.concatenate([content, self._eos])
             piece_mask = np.concatenate([mask, mask[-1:]])
+            if len(piece) > T and self._one_per_row:
+                doc.error = (f"prompt record has {len(content)} tokens with its answer, more than "
+                             f"data.seq_len={T} - 1 (the context of its rollouts)")
+                doc.hint = "shorten the prompt, raise data.seq_len, or set data.on_bad_record=skip"
+                if not self._skip_bad:
+                    self.failed = True
+                    out.append(StreamFailure(DataError(
+                        doc.error, file=doc.shard, record=doc.record, stream=self.stream, hint=doc.hint)))
+                    return out
+                self.bad_records += 1
+                self._consumed(doc)
+                continue
             if len(piece) > T:
                 if self._overlong == "drop":
                     self.dropped += 1
@@ -239,8 +259,40 @@ class WholeDocPacker:
             self._masks.append(piece_mask)
             self._fill += len(piece)
             self._consumed(doc)
-            if self._fill == T:
+            if self._fill == T or self._one_per_row:
                 out.append(self._close_row())
+        return out
+
+    def _accept_pair(self, doc: Doc) -> list[PackedSequence]:
+        """Pack a preference pair (``doc.parts``: chosen length) as two adjacent documents of one row.
+
+        The pair is one unit: it is never split across rows, and a pair longer than a row (with
+        both separators) is dropped and counted, whatever ``data.overlong`` says (truncating would
+        cut the responses the loss compares)."""
+        T, out = self._seq_len, []
+        cut = int(doc.parts)
+        pieces = [(doc.payload[:cut], doc.mask[:cut], 1), (doc.payload[cut:], doc.mask[cut:], 2)]
+        if sum(len(ids) + 1 for ids, _, _ in pieces) > T:
+            self.dropped += 1
+            self._consumed(doc)
+            return out
+        if self._fill + len(doc.payload) + 2 > T:
+            out.append(self._close_row())
+        laid = sum(len(r) for r in self._roles)  # other documents of the row have no role
+        self._roles.append(np.zeros(self._fill - laid, dtype=np.int8))
+        offset = 0
+        for ids, mask, role in pieces:
+            piece = np.concatenate([ids, self._eos])
+            self._spans.append(DocSpan(self._names[doc.source], doc.shard, doc.record,
+                                       self._fill, self._fill + len(piece), offset))
+            self._tokens.append(piece)
+            self._masks.append(np.concatenate([mask, mask[-1:]]))
+            self._roles.append(np.full(len(piece), role, dtype=np.int8))
+            self._fill += len(piece)
+            offset += len(ids)
+        self._consumed(doc)
+        if self._fill == T:
+            out.append(self._close_row())
         return out
 
     def _consumed(self, doc: Doc) -> None:
@@ -259,7 +311,11 @@ class WholeDocPacker:
         state = None
         if self._sequences % self._state_every == 0:
             state = StreamState(tuple(self._positions), self._docs, 0, self._sequences)
+        roles = None
+        if self._roles:
+            self._roles.append(np.zeros(T - sum(len(r) for r in self._roles), dtype=np.int8))
+            roles = np.concatenate(self._roles)
         row = PackedSequence(np.concatenate(self._tokens).astype(np.int32, copy=False), self._spans, state,
-                             np.concatenate(self._masks))
-        self._tokens, self._masks, self._spans, self._fill = [], [], [], 0
+                             np.concatenate(self._masks), roles)
+        self._tokens, self._masks, self._spans, self._fill, self._roles = [], [], [], 0, []
         return row

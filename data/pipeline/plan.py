@@ -13,6 +13,7 @@ from core.config import DataConfig
 from core.exceptions import ConfigError, DataError
 from data.pipeline.batching import BatchAssembler
 from data.chat_template import ChatEncoder, ChatTemplate
+from data.preference import PreferenceEncoder
 from data.pipeline.packing import StreamPacker, WholeDocPacker
 from data.pipeline.reading import StreamReader
 from data.pipeline.augment import AugmentStage
@@ -61,7 +62,8 @@ class DataPlan:
                                   pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id),
                                   source_names=[s.name for s in self.sources],
                                   skip_bad=self.config.on_bad_record == "skip", overlong=self.config.overlong,
-                                  state_every=self.rows_per_stream)
+                                  state_every=self.rows_per_stream,
+                                  one_per_row=any(s.config.record == "prompt" for s in self.sources))
         return StreamPacker(stream, state, seq_len=self.seq_len, eos_id=self.tokenizer.eos_id,
                             source_names=[s.name for s in self.sources],
                             skip_bad=self.config.on_bad_record == "skip",
@@ -157,7 +159,24 @@ def chat_encoders(config: DataConfig, sources: list[Source], tokenizer: Tokenize
         if s.config.record == "text":
             encoders.append(None)
             continue
+        if s.config.record == "preference":
+            encoders.append(PreferenceEncoder(template, tokenizer))
+            continue
         encoder = ChatEncoder(template, tokenizer, kind=s.config.record, loss_on=config.loss_on)
         encoders.append(encoder)
     next(e for e in encoders if e is not None).check()
     return encoders
+
+
+def check_chat_config(config: DataConfig) -> None:
+    """The checks of ``chat_encoders`` without opening any source: for train.py to run them
+    before any process group or run dir exists (ConfigError, exit 2)."""
+    kinds = [s.record for s in config.sources] + ([config.eval_source.record] if config.eval_source else [])
+    if all(kind == "text" for kind in kinds):
+        return
+    if config.packing == "split":
+        raise ConfigError("chat and prompt_completion records need data.packing=whole (or auto)",
+                          key="data.packing", hint="a conversation cut across rows would lose its prompt")
+    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template)
+    kind = next(k for k in kinds if k != "text")
+    ChatEncoder(template, build_tokenizer(config.tokenizer), kind=kind, loss_on=config.loss_on).check()

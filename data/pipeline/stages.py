@@ -70,10 +70,10 @@ class DecodeStage:
 
     def _decode(self, doc: Doc) -> str | dict:
         payload = doc.payload
-        if self.records[doc.source] != "text":  # a structured record: the tokenize stage renders it
-            if isinstance(payload, dict):
-                return payload
-            return self._object(_utf8(payload))
+        if self.records[doc.source] != "text":
+            # A structured record: the tokenize stage parses and renders it, in its workers
+            # (JSON parsing and pickling a dict here cost the trainer's process GIL time).
+            return payload
         if doc.codec == "json":
             return self._field(_utf8(payload), self.text_columns[doc.source])
         if isinstance(payload, str):
@@ -137,9 +137,12 @@ class TokenizeStage:
         return each_doc(self.name, chunk, self._encode)
 
     def _encode(self, doc: Doc) -> np.ndarray:
-        if isinstance(doc.payload, dict):
+        if self.chat and self.chat[doc.source] is not None:
+            payload = doc.payload
+            doc.payload = payload if isinstance(payload, dict) else DecodeStage._object(_utf8(payload))
             try:
-                ids, doc.mask = self.chat[doc.source].encode(doc.payload)
+                ids, doc.mask, *parts = self.chat[doc.source].encode(doc.payload)
+                doc.parts = parts[0] if parts else None  # preference pairs (data/preference.py)
             except RecordError as exc:
                 raise BadRecord(str(exc)) from None
             return ids

@@ -278,6 +278,13 @@ def test_bad_lora_config_is_a_config_error_naming_the_key(overrides, key):
     assert info.value.context["key"] == key
 
 
+def test_lora_with_float8_is_a_config_error():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(None, ["model.lora.rank=8", "parallel.float8=tensorwise", "parallel.device=cuda",
+                               "parallel.precision=bf16"])
+    assert info.value.context["key"] == "parallel.float8" and "model.lora" in info.value.message
+
+
 def test_lora_off_by_default_and_valid_settings_load():
     assert config_lib.load(None).model.lora.rank == 0
     loaded = config_lib.load(None, ["model.lora.rank=8", "model.lora.targets=[q_proj, v_proj]"])

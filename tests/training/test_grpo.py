@@ -138,7 +138,7 @@ def test_reward_exceptions_name_the_function_and_sample_or_count_as_zero():
 
 def test_grpo_config_is_validated():
     base = {"objective": {"kind": "grpo"},
-            "data": {"sources": [{"path": "datasets/tasks/rl/train.jsonl", "record": "prompt"}]}}
+            "data": {"sources": [{"path": "datasets/tasks/rl/train", "record": "prompt"}]}}
     config_lib.validate(config_lib.from_dict(base))
     bad = [({"group_size": 1}, "group_size"), ({"temperature": 0.0}, "temperature"),
            ({"inner_updates": 2}, "inner_updates"), ({"rewards": []}, "rewards")]

@@ -5,12 +5,26 @@ from __future__ import annotations
 from core.config import Config
 from training.objectives.base import LossOutput, Objective, ObjectiveContext
 from training.objectives.causal_lm import CausalLMObjective
+from training.objectives.distill import DistillObjective
+from training.objectives.dpo import DPOObjective
+from training.objectives.grpo import GRPOObjective
 from training.objectives.sft import SFTObjective
 
 OBJECTIVES = {
     CausalLMObjective.name: CausalLMObjective,
     SFTObjective.name: SFTObjective,
+    DPOObjective.name: DPOObjective,
+    DistillObjective.name: DistillObjective,
+    GRPOObjective.name: GRPOObjective,
 }
+
+
+def check_objective_config(config: Config) -> None:
+    """What only the objective can check in a config, before any process group or run dir exists
+    (a ConfigError, exit 2): an objective class may define ``check_config(config)``."""
+    check = getattr(OBJECTIVES[config.objective.kind], "check_config", None)
+    if check is not None:
+        check(config)
 
 
 def build_objective(config: Config) -> Objective:
@@ -18,4 +32,4 @@ def build_objective(config: Config) -> Objective:
     return OBJECTIVES[config.objective.kind](config)
 
 
-__all__ = ["LossOutput", "Objective", "ObjectiveContext", "build_objective", "OBJECTIVES"]
+__all__ = ["LossOutput", "Objective", "ObjectiveContext", "build_objective", "check_objective_config", "OBJECTIVES"]
