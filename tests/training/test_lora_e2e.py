@@ -1,0 +1,200 @@
+"""LoRA keeps every guarantee end to end on 2 CPU ranks, with a frozen base that is identified,
+never saved:
+
+- only the adapters train: the ledger's whole-model param_hash at the last step equals the
+  hash of the *untouched* base directory plus the checkpoint's adapters, and lora_B left zero;
+- a checkpoint holds only adapter tensors (model and optimizer) and the base's path + sha256;
+- SIGKILL at random moments, then resume, ends with a ledger identical line for line (adapter
+  dropout on: its masks are keyed, not drawn from a saved RNG);
+- replay of a step before and after a checkpoint verifies;
+- one rank (fused loss) and two ranks under FSDP2 x TP=2 with activation checkpointing see
+  the same batches and losses;
+- a resume whose base directory changed is refused with exit 4, naming both hashes;
+- an NF4 base that FSDP cannot split is a config error before any process group;
+- ``export --adapter`` gives peft + transformers, ``export --merge`` gives transformers, our
+  logits within 1e-5 (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+
+import pytest
+
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+LORA_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-lora.yaml"
+
+
+def lora_args(base, *, max_steps: int = STEPS, name: str = "lora", overrides=()) -> list[str]:
+    return ["--config", str(LORA_CONFIG), f"run.name={name}", f"train.max_steps={max_steps}",
+            f"model.init_from={base}", *overrides]
+
+
+def _run_dir(workdir, result):
+    return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
+
+
+def write_base(path, *, seed: int = 7, nudge: float = 0.0):
+    """A Hugging Face directory of the e2e model shape, from a seeded init (optionally nudged)."""
+    import torch
+
+    import models
+    from core import config as config_lib
+
+    model = models.build(config_lib.load(LORA_CONFIG).model, generator=torch.Generator().manual_seed(seed))
+    if nudge:
+        with torch.no_grad():
+            model.layers[0].mlp.up_proj.weight[0, 0] += nudge
+    models.save_pretrained(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_dir(e2e_workdir):
+    return write_base(e2e_workdir / "lora-base")
+
+
+@pytest.fixture(scope="module")
+def reference(e2e_workdir, base_dir):
+    result = launch.train(e2e_workdir, lora_args(base_dir), nproc=2)
+    assert result.returncode == 0, result.stderr
+    return _run_dir(e2e_workdir, result)
+
+
+def _checkpoint(run_dir, step: int):
+    from core import config as config_lib
+    from core.layout import RunPaths
+    from training.export import checkpoint_dir
+
+    paths = RunPaths(run_dir)
+    return config_lib.load(paths.config), checkpoint_dir(paths, step)
+
+
+def test_only_the_adapters_train_and_the_base_is_identified_not_saved(reference, base_dir):
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from distributed import param_hash
+    from models.lora import base_identity, is_adapter_name
+    from training.export import load_checkpoint_model
+
+    lines = launch.ledger(reference)
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    config, path = _checkpoint(reference, STEPS)
+    # The base in the training process after 8 steps of AdamW with weight decay is still the
+    # directory's: the whole-model hash it wrote equals untouched base + checkpointed adapters.
+    model = load_checkpoint_model(config, path)
+    assert param_hash(model) == lines[-1]["param_hash"]
+    assert all(p.abs().max() > 0 for n, p in model.named_parameters() if ".lora_B." in n)  # B starts at 0
+    frozen = json.loads((path / "objective_state.json").read_text())["frozen"]
+    assert frozen == {"base": {"path": str(base_dir), "sha256": base_identity(base_dir)}}
+    # Only adapter tensors are stored: no base weight, not even the head tied to the embedding.
+    saved = FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    tensors = [k for k, v in saved.items() if hasattr(v, "size") and not k.startswith("optim.param_groups")]
+    assert tensors and all(is_adapter_name(k) for k in tensors), [k for k in tensors if not is_adapter_name(k)]
+    adapters = sum(p.numel() for n, p in model.named_parameters() if is_adapter_name(n))
+    stored = sum(torch.Size(saved[k].size).numel() for k in tensors if saved[k].size)
+    assert stored == 3 * adapters  # weights + AdamW's two moments
+
+
+def test_lora_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference, base_dir):
+    rng = random.Random(7)
+    job = launch.start(e2e_workdir, lora_args(base_dir, name="lora-killed"))
+    assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob("lora-killed-*")), timeout=120)
+    run_dir = next((e2e_workdir / "runs").glob("lora-killed-*"))
+    kills = 0
+    while kills < 2:
+        target = len(launch.ledger(run_dir)) + rng.randint(1, 3)
+        launch.wait_for(lambda: len(launch.ledger(run_dir)) >= target or job.poll() is not None, timeout=120)
+        time.sleep(rng.uniform(0.0, 0.2))
+        if job.poll() is not None:
+            break
+        launch.kill_job(job)
+        kills += 1
+        job = launch.start(e2e_workdir, ["--resume", run_dir.name])
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err
+    assert kills >= 1
+    assert launch.ledger(run_dir) == launch.ledger(reference)
+
+
+def test_lora_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, reference):
+    for step in (3, 6):  # checkpoints every 4 steps
+        result = launch.train(e2e_workdir, ["--replay", reference.name, "--step", str(step)], nproc=2)
+        assert result.returncode == 0, result.stderr
+        assert "match" in result.stdout
+
+
+def test_strategies_agree_and_a_changed_base_is_refused(e2e_workdir, tmp_path):
+    from models.lora import base_identity
+
+    base = write_base(tmp_path / "base")
+    no_dropout = ["model.lora.dropout=0.0"]  # masks depend on the data-parallel layout
+    one = launch.train(e2e_workdir, lora_args(base, max_steps=2, name="lora-one",
+                                              overrides=[*no_dropout, "parallel.strategy=none"]), nproc=1)
+    assert one.returncode == 0, one.stderr
+    tp = launch.train(e2e_workdir, lora_args(base, max_steps=2, name="lora-fsdp-tp", overrides=[
+        *no_dropout, "parallel.strategy=fsdp", "parallel.tp=2", "parallel.activation_checkpointing=full"]), nproc=2)
+    assert tp.returncode == 0, tp.stderr
+    a, b = launch.ledger(_run_dir(e2e_workdir, one)), launch.ledger(_run_dir(e2e_workdir, tp))
+    assert [r["batch_hash"] for r in a] == [r["batch_hash"] for r in b]
+    for x, y in zip(a, b):
+        assert x["target_tokens"] == y["target_tokens"]  # tensor-parallel peers' rows count once
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)  # frozen norms stay frozen under TP
+    assert b[-1]["loss"] != b[0]["loss"]
+
+    before = base_identity(base)
+    write_base(base, nudge=1e-3)  # same path, other weights
+    after = base_identity(base)
+    resumed = launch.train(e2e_workdir, ["--resume", one.run_id, "train.max_steps=3"], nproc=1)
+    assert resumed.exit_code == 4, resumed.stderr
+    assert "frozen base" in resumed.stderr and before in resumed.stderr and after in resumed.stderr
+
+
+def test_an_nf4_base_that_fsdp_cannot_split_is_a_config_error_before_any_process_group(monkeypatch):
+    from core.exceptions import ConfigError
+    from training import session
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # 64 x 64 projections: not even one whole 16,384-weight NF4 block.
+    args = session.Args(config=str(LORA_CONFIG), resume=None, replay=None, step=None, dump=None,
+                        overrides=("model.quantize_base=nf4", "parallel.strategy=fsdp"))
+    with pytest.raises(ConfigError) as info:
+        session.resolve_config(args)
+    assert info.value.context["key"] == "model.quantize_base" and "16384" in info.value.message
+
+
+def test_export_adapter_loads_in_peft_and_merge_in_transformers(e2e_workdir, reference, base_dir, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from training.export import load_checkpoint_model
+
+    config, path = _checkpoint(reference, None)
+    ours = load_checkpoint_model(config, path).eval()
+    ids = torch.randint(0, 258, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(ids)
+
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    for flag, out in (("--adapter", adapter), ("--merge", merged)):
+        result = launch.run_module(e2e_workdir, ["training", "export", "--run", reference.name, "--to", str(out), flag])
+        assert result.returncode == 0, result.stderr
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
+    assert not (adapter / "model.safetensors").exists()
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    full = transformers.AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (with_adapter(input_ids=ids).logits - expected).abs().max().item() <= 1e-5
+        assert (full(ids).logits - expected).abs().max().item() <= 1e-5
