@@ -1,0 +1,73 @@
+"""``python -m training export`` from checkpoints of other strategies and of init_from runs.
+
+- a 2-rank FSDP checkpoint exports to a directory that transformers loads with the same
+  logits (fp32, within 1e-5) as Lockstep's model from that checkpoint;
+- a run started ``model.init_from`` a Hugging Face directory exports that directory's own
+  config.json (fields Lockstep does not model survive), with the tokenizer it was loaded with.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from core import config as config_lib
+from core.layout import RunPaths
+from tests import launch
+from tests.e2e_config import e2e_args
+from training.export import checkpoint_dir, load_checkpoint_model
+
+pytestmark = pytest.mark.slow
+
+
+def _run_dir(workdir, result):
+    return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
+
+
+def _logits_parity(run_dir, out):
+    transformers = pytest.importorskip("transformers")
+    paths = RunPaths(run_dir)
+    ours = load_checkpoint_model(config_lib.load(paths.config), checkpoint_dir(paths, None)).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(0, 258, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return (ours(ids) - theirs(ids).logits).abs().max().item()
+
+
+def test_fsdp_checkpoint_exports_with_logit_parity(e2e_workdir, tmp_path):
+    result = launch.train(e2e_workdir, e2e_args(max_steps=2, name="fsdp-export",
+                                                overrides=["parallel.strategy=fsdp"]), nproc=2)
+    assert result.returncode == 0, result.stderr
+    run_dir = _run_dir(e2e_workdir, result)
+    out = tmp_path / "hf"
+    exported = launch.run_module(e2e_workdir, ["training", "export", "--run", run_dir.name, "--to", str(out)])
+    assert exported.returncode == 0, exported.stderr
+    assert _logits_parity(run_dir, out) <= 1e-5
+
+
+def test_an_init_from_run_exports_the_source_architecture_fields(e2e_workdir, tmp_path):
+    base = launch.train(e2e_workdir, e2e_args(max_steps=1, name="init-base", overrides=["parallel.strategy=none"]),
+                        nproc=1)
+    assert base.returncode == 0, base.stderr
+    source = tmp_path / "source"
+    first = launch.run_module(e2e_workdir, ["training", "export", "--run", _run_dir(e2e_workdir, base).name,
+                                            "--to", str(source)])
+    assert first.returncode == 0, first.stderr
+    raw = json.loads((source / "config.json").read_text())
+    raw.update({"bos_token_id": 256, "eos_token_id": 256, "use_sliding_window": False, "max_window_layers": 2})
+    (source / "config.json").write_text(json.dumps(raw))
+    sft = launch.train(e2e_workdir, ["--config", str(launch.ROOT / "tests" / "configs" / "e2e-sft.yaml"),
+                                     "run.name=init-sft", "train.max_steps=2", "parallel.strategy=none",
+                                     f"model.init_from={source}"], nproc=1)
+    assert sft.returncode == 0, sft.stderr
+    run_dir = _run_dir(e2e_workdir, sft)
+    out = tmp_path / "again"
+    second = launch.run_module(e2e_workdir, ["training", "export", "--run", run_dir.name, "--to", str(out)])
+    assert second.returncode == 0, second.stderr
+    exported = json.loads((out / "config.json").read_text())
+    assert {k: v for k, v in exported.items() if k != "torch_dtype"} == \
+        {k: v for k, v in raw.items() if k != "torch_dtype"}
+    assert (out / "tokenizer.json").is_file() and "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
+    assert _logits_parity(run_dir, out) <= 1e-5
