@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import random
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,3 +159,52 @@ def spawn_json_ranks(target, out_dir: Path, *, world: int = 2, timeout: float = 
     errors = [f.read_text() for f in Path(out_dir).glob("*_error.txt")]
     assert codes == [0] * world, errors
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def kill_and_resume(cwd: Path, args: list[str], *, name: str, seed: int, kills: int = 2,
+                    steps: tuple[int, int] = (1, 3), delay_s: float = 0.2, wait_s: float = 120,
+                    finish_s: float = 300) -> Path:
+    """Start ``args`` (whose run.name is ``name``) on 2 ranks, SIGKILL the whole job at random
+    moments ``kills`` times (``steps`` steps after each (re)start, then up to ``delay_s`` later:
+    mid-step, mid-rollout or mid-checkpoint), resume it by run ID each time, and return its run dir
+    once the last attempt has finished (exit 0, at least one kill landed). Tied to the run's
+    progress, not to the clock: a short run can finish within any fixed window."""
+    rng = random.Random(seed)
+    job = start(cwd, args)
+    assert wait_for(lambda: list((cwd / "runs").glob(f"{name}-*")), timeout=120)
+    run_dir = next((cwd / "runs").glob(f"{name}-*"))
+    done = 0
+    while done < kills:
+        target = len(ledger(run_dir)) + rng.randint(*steps)
+        wait_for(lambda: len(ledger(run_dir)) >= target or job.poll() is not None, timeout=wait_s)
+        time.sleep(rng.uniform(0.0, delay_s))
+        if job.poll() is not None:
+            break
+        kill_job(job)
+        done += 1
+        job = start(cwd, ["--resume", run_dir.name])
+    _, err = job.communicate(timeout=finish_s)
+    assert job.returncode == 0, err
+    assert done >= 1
+    return run_dir
+
+
+def cut_back_copy(run_dir: Path, step: int, suffix: str = "-cut") -> Path:
+    """A copy of ``run_dir`` as if it had died right after its checkpoint ``step``."""
+    copy = run_dir.parent / (run_dir.name + suffix)
+    shutil.copytree(run_dir, copy)
+    checkpoints = copy / "checkpoints"
+    for path in checkpoints.glob("step_*"):
+        if int(path.name.split("_")[1]) > step:
+            shutil.rmtree(path)
+    (checkpoints / "LATEST").write_text(f"step_{step:08d}")
+    return copy
+
+
+def replay_verifies(cwd: Path, run_dir: Path, steps: tuple[int, ...] = (3, 6), *, nproc: int = 2) -> None:
+    """``--replay`` each step of ``run_dir`` (by default one before and one after a checkpoint
+    every 4 steps) and assert that it matched the ledger."""
+    for step in steps:
+        result = train(cwd, ["--replay", run_dir.name, "--step", str(step)], nproc=nproc)
+        assert result.returncode == 0, result.stderr
+        assert "match" in result.stdout

@@ -12,9 +12,6 @@
 from __future__ import annotations
 
 import json
-import random
-import shutil
-import time
 
 import pytest
 
@@ -67,23 +64,7 @@ def test_distill_ledger_and_teacher_identity(reference, teacher):
 
 
 def test_distill_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, teacher, reference):
-    rng = random.Random(11)
-    job = launch.start(e2e_workdir, distill_args(teacher, name="distill-killed"))
-    assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob("distill-killed-*")), timeout=120)
-    run_dir = next((e2e_workdir / "runs").glob("distill-killed-*"))
-    kills = 0
-    while kills < 2:
-        target = len(launch.ledger(run_dir)) + rng.randint(1, 3)
-        launch.wait_for(lambda: len(launch.ledger(run_dir)) >= target or job.poll() is not None, timeout=120)
-        time.sleep(rng.uniform(0.0, 0.2))
-        if job.poll() is not None:
-            break
-        launch.kill_job(job)
-        kills += 1
-        job = launch.start(e2e_workdir, ["--resume", run_dir.name])
-    _, err = job.communicate(timeout=300)
-    assert job.returncode == 0, err
-    assert kills >= 1
+    run_dir = launch.kill_and_resume(e2e_workdir, distill_args(teacher, name="distill-killed"), name="distill-killed", seed=11)
     assert launch.ledger(run_dir) == launch.ledger(reference)
 
 
@@ -95,13 +76,7 @@ def test_distill_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, refe
 
 
 def test_distill_resume_on_one_rank_keeps_the_batch_hashes(e2e_workdir, reference):
-    copy = reference.parent / (reference.name + "-one-rank")
-    shutil.copytree(reference, copy)
-    ckpts = copy / "checkpoints"
-    for path in ckpts.glob("step_*"):
-        if int(path.name.split("_")[1]) > 4:
-            shutil.rmtree(path)
-    (ckpts / "LATEST").write_text("step_00000004")
+    copy = launch.cut_back_copy(reference, 4, "-one-rank")  # as if it had died after step 4
     resumed = launch.train(e2e_workdir, ["--resume", copy.name], nproc=1)
     assert resumed.returncode == 0, resumed.stderr
     ref, got = launch.ledger(reference), launch.ledger(copy)

@@ -13,9 +13,6 @@
 from __future__ import annotations
 
 import json
-import random
-import shutil
-import time
 
 import pytest
 
@@ -57,42 +54,17 @@ def test_dpo_ledger_records_pairs_margins_and_accuracy(reference):
 
 
 def test_dpo_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):
-    rng = random.Random(7)
     args = dpo_args(name="dpo-killed", overrides=["train.eval_interval=8", "train.eval_batches=2"])
-    job = launch.start(e2e_workdir, args)
-    assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob("dpo-killed-*")), timeout=120)
-    run_dir = next((e2e_workdir / "runs").glob("dpo-killed-*"))
-    kills = 0
-    while kills < 2:
-        target = len(launch.ledger(run_dir)) + rng.randint(1, 3)
-        launch.wait_for(lambda: len(launch.ledger(run_dir)) >= target or job.poll() is not None, timeout=120)
-        time.sleep(rng.uniform(0.0, 0.2))
-        if job.poll() is not None:
-            break
-        launch.kill_job(job)
-        kills += 1
-        job = launch.start(e2e_workdir, ["--resume", run_dir.name])
-    _, err = job.communicate(timeout=300)
-    assert job.returncode == 0, err
-    assert kills >= 1
+    run_dir = launch.kill_and_resume(e2e_workdir, args, name="dpo-killed", seed=7)
     assert launch.ledger(run_dir) == launch.ledger(reference)
 
 
 def test_dpo_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, reference):
-    for step in (3, 6):  # checkpoints every 4 steps
-        result = launch.train(e2e_workdir, ["--replay", reference.name, "--step", str(step)], nproc=2)
-        assert result.returncode == 0, result.stderr
-        assert "match" in result.stdout
+    launch.replay_verifies(e2e_workdir, reference)  # steps 3 and 6: checkpoints every 4 steps
 
 
 def test_dpo_resume_on_one_rank_keeps_the_batch_hashes(e2e_workdir, reference):
-    copy = reference.parent / (reference.name + "-one-rank")
-    shutil.copytree(reference, copy)
-    ckpts = copy / "checkpoints"
-    for path in ckpts.glob("step_*"):
-        if int(path.name.split("_")[1]) > 4:
-            shutil.rmtree(path)
-    (ckpts / "LATEST").write_text("step_00000004")
+    copy = launch.cut_back_copy(reference, 4, "-one-rank")  # as if it had died after step 4
     resumed = launch.train(e2e_workdir, ["--resume", copy.name], nproc=1)
     assert resumed.returncode == 0, resumed.stderr
     ref, got = launch.ledger(reference), launch.ledger(copy)

@@ -18,9 +18,6 @@ never saved:
 from __future__ import annotations
 
 import json
-import random
-import shutil
-import time
 
 import pytest
 
@@ -106,31 +103,12 @@ def test_only_the_adapters_train_and_the_base_is_identified_not_saved(reference,
 
 
 def test_lora_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference, base_dir):
-    rng = random.Random(7)
-    job = launch.start(e2e_workdir, lora_args(base_dir, name="lora-killed"))
-    assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob("lora-killed-*")), timeout=120)
-    run_dir = next((e2e_workdir / "runs").glob("lora-killed-*"))
-    kills = 0
-    while kills < 2:
-        target = len(launch.ledger(run_dir)) + rng.randint(1, 3)
-        launch.wait_for(lambda: len(launch.ledger(run_dir)) >= target or job.poll() is not None, timeout=120)
-        time.sleep(rng.uniform(0.0, 0.2))
-        if job.poll() is not None:
-            break
-        launch.kill_job(job)
-        kills += 1
-        job = launch.start(e2e_workdir, ["--resume", run_dir.name])
-    _, err = job.communicate(timeout=300)
-    assert job.returncode == 0, err
-    assert kills >= 1
+    run_dir = launch.kill_and_resume(e2e_workdir, lora_args(base_dir, name="lora-killed"), name="lora-killed", seed=7)
     assert launch.ledger(run_dir) == launch.ledger(reference)
 
 
 def test_lora_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, reference):
-    for step in (3, 6):  # checkpoints every 4 steps
-        result = launch.train(e2e_workdir, ["--replay", reference.name, "--step", str(step)], nproc=2)
-        assert result.returncode == 0, result.stderr
-        assert "match" in result.stdout
+    launch.replay_verifies(e2e_workdir, reference)  # steps 3 and 6: checkpoints every 4 steps
 
 
 def test_strategies_agree_and_a_changed_base_is_refused(e2e_workdir, tmp_path):
