@@ -122,3 +122,28 @@ def test_inspect_from_a_run_starts_at_its_checkpoint_and_agrees(tmp_path, capsys
     assert main(["inspect", "--config", config_path, "--step", "2", "--run", str(run)]) == 0
     assert "walking from batch 1" in capsys.readouterr().err
     assert main(["inspect", "--config", config_path, "--step", "2", "--run", str(tmp_path / "nope")]) == 2
+
+
+def test_inspect_shows_which_tokens_of_each_conversation_are_trained(tmp_path, capsys):
+    from data.tasks import write_task_datasets
+
+    write_task_datasets(tmp_path / "tasks", seed=0, train_n=64, eval_n=0)
+    config_path = tmp_path / "chat.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "data": {"sources": [{"path": str(tmp_path / "tasks" / "sft" / "train.jsonl"), "record": "chat"}],
+                 "seq_len": 256, "num_streams": 2},
+        "train": {"global_batch_size": 2},
+    }))
+    assert main(["inspect", "--config", str(config_path), "--step", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    records = [json.loads(line) for line in (tmp_path / "tasks" / "sft" / "train.jsonl").read_text().splitlines()]
+    for row in report["sequences"]:
+        for span in row["provenance"]:
+            if span["source"] == "<padding>":
+                assert span["trained_tokens"] == 0
+                continue
+            answers = [m["content"] for m in records[span["record"]]["messages"] if m["role"] == "assistant"]
+            # Only the assistant turns (each with its end-of-turn marker) are trained.
+            assert span["trained_text"] == " | ".join(a + "<|im_end|>" for a in answers)
+    assert main(["inspect", "--config", str(config_path), "--step", "1"]) == 0
+    assert "trained:" in capsys.readouterr().out
