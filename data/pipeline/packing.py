@@ -210,13 +210,10 @@ class WholeDocPacker:
                 raise RuntimeError(f"stream {self.stream}: document {doc.counter} arrived, expected {self._next}")
             self._next += 1
             if doc.error is not None:
-                if not self._skip_bad or doc.fatal:
-                    self.failed = True
-                    out.append(StreamFailure(DataError(
-                        doc.error, file=doc.shard, record=doc.record, stream=self.stream, hint=doc.hint)))
+                failure = self._reject(doc)
+                if failure is not None:
+                    out.append(failure)
                     return out
-                self.bad_records += 1
-                self._consumed(doc)
                 continue
             content: np.ndarray = doc.payload
             if len(content) == 0:
@@ -232,13 +229,10 @@ class WholeDocPacker:
                 doc.error = (f"prompt record has {len(content)} tokens with its answer, more than "
                              f"data.seq_len={T} - 1 (the context of its rollouts)")
                 doc.hint = "shorten the prompt, raise data.seq_len, or set data.on_bad_record=skip"
-                if not self._skip_bad:
-                    self.failed = True
-                    out.append(StreamFailure(DataError(
-                        doc.error, file=doc.shard, record=doc.record, stream=self.stream, hint=doc.hint)))
+                failure = self._reject(doc)
+                if failure is not None:
+                    out.append(failure)
                     return out
-                self.bad_records += 1
-                self._consumed(doc)
                 continue
             if len(piece) > T:
                 if self._overlong == "drop":
@@ -294,6 +288,17 @@ class WholeDocPacker:
         if self._fill == T:
             out.append(self._close_row())
         return out
+
+    def _reject(self, doc: Doc) -> StreamFailure | None:
+        """A bad document ends the stream (``on_bad_record: error``, or a fatal failure), or is
+        skipped and counted (``skip``): returns the failure, or None when skipped."""
+        if not self._skip_bad or doc.fatal:
+            self.failed = True
+            return StreamFailure(DataError(doc.error, file=doc.shard, record=doc.record, stream=self.stream,
+                                           hint=doc.hint))
+        self.bad_records += 1
+        self._consumed(doc)
+        return None
 
     def _consumed(self, doc: Doc) -> None:
         self._positions[doc.source] = doc.after
