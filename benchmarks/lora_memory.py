@@ -16,8 +16,10 @@ activation checkpointing (both as distributed/parallelize.py applies them).
 Cases:
 - ``full``: every parameter trains;
 - ``lora``: adapters of rank ``--rank`` on every linear of every block (models/lora.py), the
-  fp32 base frozen (no gradients, no optimizer state for it);
-- ``lora_bf16_base``: the same with the frozen base stored in bf16 (half the base bytes);
+  base frozen (no gradients, no optimizer state for it) and its linears stored in bf16, as
+  the loop stores them under ``parallel.precision=bf16`` (models.lora.store_base_as: bit-identical
+  to an fp32 base under bf16 autocast);
+- ``lora_fp32_base``: the same with the frozen linears kept in fp32 (twice the base bytes);
 - ``qlora``: the same adapters on an NF4 base (models/nf4.py): only embeddings, norms and
   the head stay in fp32.
 
@@ -43,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CASES = ("full", "lora", "lora_bf16_base", "qlora")
+CASES = ("full", "lora", "lora_fp32_base", "qlora")
 
 
 def run_case(args: argparse.Namespace) -> dict:
@@ -54,7 +56,7 @@ def run_case(args: argparse.Namespace) -> dict:
     from core.config import LoRAConfig
     from distributed.activation_checkpoint import apply_activation_checkpointing
     from distributed.compile import apply_compile
-    from models.lora import apply_lora, save_peft_adapter
+    from models.lora import apply_lora, save_peft_adapter, store_base_as
     from models.nf4 import quantize_base
     from training import determinism
     from training.linear_cross_entropy import linear_cross_entropy
@@ -66,10 +68,8 @@ def run_case(args: argparse.Namespace) -> dict:
     model = models.build(config.model, generator=torch.Generator().manual_seed(0), device="cpu")
     if args.case != "full":
         apply_lora(model, LoRAConfig(rank=args.rank, alpha=2.0 * args.rank), seed=0)
-        if args.case == "lora_bf16_base":
-            for name, param in model.named_parameters():
-                if ".base_layer." in name:
-                    param.data = param.data.to(torch.bfloat16)
+        if args.case == "lora":
+            store_base_as(model, torch.bfloat16)
     model.to(device)  # quantize on the device: torchao's NF4 packing is much faster there
     if args.case == "qlora":
         quantize_base(model)

@@ -107,13 +107,15 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
-        update = self.lora_B(self.lora_A(self._dropout(x).to(self.lora_A.weight.dtype)))
+        if self.dropout != 0.0 and self.training:  # tested here, so dropout 0 costs compile no graph break
+            x = self._dropout(x)
+        if x.dtype != self.lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.lora_A.weight.dtype)  # (autocast casts by itself, and a copy here would be saved)
+        update = self.lora_B(self.lora_A(x))
         return (result + update * self.scaling).to(result.dtype)
 
     @torch.compiler.disable
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dropout == 0.0 or not self.training:
-            return x
         if self._dropout_key is None:
             raise RuntimeError(
                 f"{self.name}: model.lora.dropout > 0 needs models.lora.set_dropout_key before each training forward"
@@ -242,7 +244,9 @@ def set_dropout_key(model: nn.Module, *, seed: int, step: int, rank: int, micro_
         module.set_dropout_key(seed, step, rank, micro_batch)
 
 
-def add_adapters(model: nn.Module, config: ModelConfig, *, seed: int, load_init: bool = True) -> dict[str, str]:
+def add_adapters(
+    model: nn.Module, config: ModelConfig, *, seed: int, load_init: bool = True, base_dtype: torch.dtype | None = None
+) -> dict[str, str]:
     """A run's LoRA model from its plain model (base weights loaded), in place; the base's identity.
 
     In this order: the identity of the base (``{"path": model.init_from or "init:seed",
@@ -259,7 +263,27 @@ def add_adapters(model: nn.Module, config: ModelConfig, *, seed: int, load_init:
         from models.nf4 import quantize_base
 
         quantize_base(model)
+    elif base_dtype is not None:
+        store_base_as(model, base_dtype)
     return identity
+
+
+@torch.no_grad()
+def store_base_as(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep every wrapped linear's frozen ``base_layer`` (weight and bias) in ``dtype``.
+
+    Under ``parallel.precision=bf16`` the loop calls this with bf16: a frozen base weight is
+    only ever read by a matmul, which bf16 autocast or FSDP's bf16 policy feeds the weight
+    rounded to bf16 anyway, by the same round-to-nearest-even. Storing it rounded gives
+    bit-identical forwards and gradients and halves the base's bytes; it also drops the
+    per-step fp32 -> bf16 copy of every base weight. Norms, embeddings and the head keep
+    their dtype (they are not read only by a matmul). Call after ``base_identity``.
+    """
+    for module in lora_modules(model):
+        for name, param in module.base_layer.named_parameters(recurse=False):
+            if param.requires_grad:
+                raise ValueError(f"{module.name}.base_layer.{name} is trainable: only a frozen base can be stored as {dtype}")
+            param.data = param.data.to(dtype)
 
 
 # --------------------------------------------------------------------------- merge

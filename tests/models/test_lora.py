@@ -29,6 +29,7 @@ from models.lora import (
     merge_lora,
     save_peft_adapter,
     set_dropout_key,
+    store_base_as,
 )
 from tests.distributed.dist_harness import run_on_ranks
 from tests.models.conftest import VOCAB
@@ -117,6 +118,32 @@ def test_step_zero_computes_the_base_model():
         apply_lora(model, LORA, seed=0)
         after = model(inputs)
     assert torch.equal(before, after)
+
+
+def test_a_bf16_stored_base_changes_no_bit_under_bf16_autocast():
+    """models.lora.store_base_as: what the loop does under parallel.precision=bf16."""
+    fp32_base = _model()
+    apply_lora(fp32_base, LORA, seed=0)
+    _randomize_b(fp32_base)
+    bf16_base = copy.deepcopy(fp32_base)
+    store_base_as(bf16_base, torch.bfloat16)
+    assert all(m.base_layer.weight.dtype == torch.bfloat16 for m in lora_modules(bf16_base))
+    assert bf16_base.norm.weight.dtype == torch.float32  # only what a matmul alone reads
+    inputs, labels = _batch()
+    losses, grads = [], []
+    for model in (fp32_base, bf16_base):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, inputs, labels)
+        loss.backward()
+        losses.append(loss)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert torch.equal(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+    with pytest.raises(ValueError, match="trainable"):
+        model = _model()
+        apply_lora(model, LORA, seed=0)
+        lora_modules(model)[0].base_layer.weight.requires_grad_(True)
+        store_base_as(model, torch.bfloat16)
 
 
 def test_only_adapters_and_named_extra_modules_train():
