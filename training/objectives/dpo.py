@@ -147,6 +147,7 @@ class DPOObjective:
             "seq_len": d.seq_len,
             "precision": self.config.parallel.precision,
             "device": context.dist.device.type,
+            "compiled": self.config.parallel.compile,  # a compiled reference rounds differently
         }
         print_ = fingerprint(parts)
         directory = Path(self.settings.cache_dir) if self.settings.cache_dir else (

@@ -9,7 +9,8 @@ A frozen model is built once, in ``Objective.setup``, from a *source*:
   a Lockstep checkpoint (the newest, or that step), verified against its manifest.
 
 It is spread like the trained model: fully sharded under ``fsdp`` (no optimizer, no
-gradients), a plain replica on the rank's device otherwise. It is never saved: checkpoints
+gradients), a plain replica on the rank's device otherwise; with ``parallel.compile`` its
+blocks are compiled as the trained model's are. It is never saved: checkpoints
 record its identity, ``{"path": source, "sha256": <param_hash of its weights>}``, and a resume
 refuses a frozen model whose identity differs (training/objectives/base.py ``check_frozen``).
 """
@@ -29,6 +30,7 @@ from core.config import Config
 from core.distributed_context import DistributedContext
 from core.exceptions import ConfigError
 from distributed import param_hash, parallelize
+from distributed.compile import apply_compile
 from distributed.topology import build_mesh
 from models.hf_config import model_config_from_hf
 
@@ -60,10 +62,12 @@ def build_frozen(config: Config, source: str, *, role: str, dist: DistributedCon
     model.eval()
     if config.parallel.strategy == "fsdp":
         topology = build_mesh(config.parallel, dist)
-        frozen_parallel = dataclasses.replace(config.parallel, compile=False, activation_checkpointing="none")
+        frozen_parallel = dataclasses.replace(config.parallel, activation_checkpointing="none")
         model = parallelize(model, frozen_parallel, dist, topology)
     else:
         model = model.to(dist.device)
+        if config.parallel.compile:  # its forward costs the host as much as the policy's
+            apply_compile(model)
     identity = {"path": source if source != "init" else f"init:{config.model.init_from or 'seed'}",
                 "sha256": param_hash(model)}
     return FrozenModel(role=role, module=model, identity=identity, vocab_size=model_config.vocab_size)

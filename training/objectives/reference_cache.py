@@ -5,7 +5,8 @@ as the fp32 values the online path computes, keyed by the pair's provenance
 ``source|shard|record``. The cache is a directory of append-only JSON-lines files, one per
 writer (``entries-rank<R>-of<W>.jsonl``); the first line of each holds the *fingerprint* of
 everything the values depend on: the reference weights' hash, the data sources, the
-tokenizer, the chat template, ``data.seq_len``, the compute precision and the device type.
+tokenizer, the chat template, ``data.seq_len``, the compute precision, the device type and
+whether the reference is compiled (``parallel.compile``).
 Opening a cache whose files carry another fingerprint is refused (``CheckpointError``, exit
 4): the stored values would belong to another reference or other tokens.
 
