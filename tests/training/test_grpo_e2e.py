@@ -5,6 +5,9 @@
   ``rollout_hash`` and the reward statistics included;
 - replay of a step regenerates its rollouts and verifies (rollout_hash, then the update);
 - 2 ranks -> 1 rank samples the same first step (keys are per global prompt row, not per rank);
+- the held-out evaluation (greedy completions, reward mean and exact-answer accuracy in the
+  ``eval`` event) is the same on 1 and 2 ranks and equals the rewards of ``python -m training
+  generate --temperature 0`` on the same prompts;
 - bad inputs are typed errors: an unknown reward function (exit 2, before any run dir), a
   reward function that raises (exit 3, naming the function and the sample), a prompt longer
   than the context (exit 3, naming the record).
@@ -76,6 +79,51 @@ def test_grpo_rollouts_do_not_depend_on_the_world_size(e2e_workdir, reference):
     two = launch.ledger(reference)[0]
     for field in ("rollout_hash", "reward_mean", "reward_std", "reward_zero_var_groups", "batch_hash"):
         assert one[field] == two[field], field
+
+
+def completion_chars(completion: str, answer: str, *, prompt: str) -> float:
+    """A reward that differs between completions of an untrained model (their exact answers are all wrong)."""
+    return float(len(completion))
+
+
+EVAL_PROMPTS = ["What is 2 + 3?", "Reverse the word 'cat'.", "How many letters are in 'moon'?", "What is 9 * 4?"]
+
+
+def test_grpo_eval_is_world_size_independent_and_equals_generate(e2e_workdir, tmp_path):
+    # lr 0: step 1 leaves the weights as they were, so both world sizes evaluate the same weights
+    # (after a real update they would differ by the order of the gradient reduction).
+    held_out = tmp_path / "held-out"
+    held_out.mkdir()
+    answers = ["5", "tac", "4", "36"]
+    for k, (prompt, answer) in enumerate(zip(EVAL_PROMPTS, answers)):  # one record per stream
+        (held_out / f"part-{k:03d}.jsonl").write_text(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
+    overrides = [f"data.eval_source={{path: {held_out}, record: prompt}}", "train.eval_interval=1",
+                 "train.eval_batches=1", "train.lr=0", "objective.grpo.kl_coef=0",
+                 f'objective.grpo.rewards=[{{name: exact_answer}}, {{name: "{__name__}:completion_chars", weight: 0.5}}]']
+    evals = {}
+    for nproc in (1, 2):
+        result = launch.train(e2e_workdir, grpo_args(max_steps=1, name=f"grpo-eval-{nproc}", overrides=overrides),
+                              nproc=nproc, timeout=600)
+        assert result.returncode == 0, result.stderr
+        run_dir = _run_dir(e2e_workdir, result)
+        [event] = [e for e in launch.events(run_dir) if e.get("event") == "eval"]
+        evals[nproc] = {k: event[k] for k in ("step", "loss", "tokens", "metrics")}
+    assert evals[1] == evals[2]
+    assert evals[2]["tokens"] == len(EVAL_PROMPTS)  # one unit per prompt
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in EVAL_PROMPTS))
+    out = tmp_path / "greedy.jsonl"
+    result = launch.run_module(e2e_workdir, ["training", "generate", "--from", str(run_dir), "--prompts", str(prompts),
+                                             "--temperature", "0", "--max-new-tokens", "6", "--device", "cpu",
+                                             "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    completions = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    exact = [float(c.strip() == a) for c, a in zip(completions, answers)]
+    rewards = [e + 0.5 * len(c) for e, c in zip(exact, completions)]
+    metrics = evals[2]["metrics"]
+    assert metrics["accuracy"] == pytest.approx(sum(exact) / len(exact), abs=1e-9)
+    assert metrics["reward_mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
+    assert evals[2]["loss"] == pytest.approx(-metrics["reward_mean"], abs=1e-6)
 
 
 def test_unknown_reward_function_is_a_config_error_before_any_run_dir(e2e_workdir):

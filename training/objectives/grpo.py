@@ -29,6 +29,16 @@ log-probs, so the ratio is 1 up to kernel differences and clipping guards only a
 several updates per rollout would need the rollout batch kept across loop steps
 (docs/post_training.md). Resume needs no rollout state: the prompts come from the data state
 and the randomness from the step, so a resumed step regenerates the same rollouts.
+
+**Evaluation.** The loop evaluates (``Trainer.maybe_evaluate``: ``train.eval_batches`` global
+batches of ``data.eval_source``) with the model in eval mode, through the same ``prepare`` and
+``loss``. In eval mode ``prepare`` decodes each held-out prompt once, *greedily*
+(temperature 0: no randomness, and the sampler's static shape makes a completion independent
+of the world size), scores the completion with the configured rewards and with
+``exact_answer``, and returns the prompt rows with extras ``eval_reward`` and ``eval_exact``;
+``loss`` then returns, per prompt, minus the reward as the loss and the metric sums
+``reward_mean`` and ``accuracy`` (1 where the completion gets the full exact_answer reward).
+The loop sums them over micro-batches and ranks and divides by the number of prompts.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ import torch
 from torch import nn
 
 from core.config import Config
-from core.exceptions import DataError
+from core.exceptions import ConfigError, DataError
 from data.batch import IGNORE_INDEX, Batch
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
@@ -57,10 +67,11 @@ from training.objectives.grpo_loss import (
     reduce_loss,
     reduce_metric,
 )
-from training.objectives.rewards import resolve_reward, score
+from training.objectives.rewards import exact_answer, resolve_reward, score
 from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
 
 PURPOSE = "grpo"
+EVAL_PURPOSE = "grpo-eval"
 
 
 class GRPOObjective:
@@ -78,6 +89,8 @@ class GRPOObjective:
                                           importance=g.importance, loss_norm=g.loss_norm)
         self.params = SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                      max_new_tokens=g.max_new_tokens, stop_token_ids=self.stop_ids)
+        self.eval_params = SamplingParams(temperature=0.0, max_new_tokens=g.max_new_tokens,
+                                          stop_token_ids=self.stop_ids)
         # Every forward of the sampler runs this many rows (its static shape): a constant of the
         # config, not of the world size, so rollouts do not depend on how rows are spread.
         self.rollout_rows = g.group_size * config.train.global_batch_size // config.data.num_streams
@@ -98,7 +111,14 @@ class GRPOObjective:
     @staticmethod
     def check_config(config: Config) -> list:
         """The configured rewards, resolved: an unknown name or a function path that does not
-        import is a ConfigError naming objective.grpo.rewards[i].name."""
+        import is a ConfigError naming objective.grpo.rewards[i].name. A held-out source must hold
+        prompt records too (its prompts are decoded and scored, not trained on)."""
+        held_out = config.data.eval_source
+        if held_out is not None and held_out.record != "prompt":
+            raise ConfigError(
+                f"objective.kind=grpo evaluates prompt records, data.eval_source is record: {held_out.record}",
+                key="data.eval_source.record",
+                hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval, or data.eval_source=null')
         return [resolve_reward(r.name, weight=r.weight, pattern=r.pattern, tol=r.tol,
                                key=f"objective.grpo.rewards[{i}]")
                 for i, r in enumerate(config.objective.grpo.rewards)]
@@ -115,6 +135,8 @@ class GRPOObjective:
                                           key="objective.grpo.reference")
 
     def prepare(self, batch: Batch) -> Batch:
+        if not self._model.training:  # the loop evaluates in eval mode (module docstring)
+            return self._evaluation_batch(batch)
         prompts = [self._prompt_of(batch, r) for r in range(len(batch.sequence_index))]
         samples = self._rollouts([p[1] for p in prompts], [p[0] for p in prompts], batch.step)
         rows, rewards, failures = [], [], 0
@@ -147,6 +169,10 @@ class GRPOObjective:
         return batch.num_target_tokens()
 
     def loss(self, model: nn.Module, micro: Batch) -> LossOutput:
+        if "eval_reward" in micro.extras:  # an evaluation batch: scored in prepare, one unit per prompt
+            reward, exact = micro.extras["eval_reward"], micro.extras["eval_exact"]
+            return LossOutput(-reward.sum(), int(reward.shape[0]),
+                              {"reward_mean": reward.sum(), "accuracy": exact.sum()})
         count = self.num_targets(micro)  # host labels: no device sync
         placed = micro.placed(self._context.place)
         mask = placed.labels != IGNORE_INDEX
@@ -208,13 +234,22 @@ class GRPOObjective:
         return (batch.sequence_index[r], prompt, self.tokenizer.decode(answer), self.tokenizer.decode(prompt))
 
     def _rollouts(self, prompt_ids: list[list[int]], indices: list[int], step: int) -> list[list[Sample]]:
+        started = time.perf_counter()
+        G = self.g.group_size
+        flat = self._generate(prompt_ids, indices, self.params, purpose=PURPOSE, step=step, samples=G)
+        self._timings["rollout_s"] = time.perf_counter() - started
+        self._timings["rollout_tokens"] = sum(len(sample.tokens) for sample in flat)
+        return [flat[p * G:(p + 1) * G] for p in range(len(prompt_ids))]
+
+    def _generate(self, prompt_ids: list[list[int]], indices: list[int], params: SamplingParams, *,
+                  purpose: str, step: int, samples: int) -> list[Sample]:
+        """``samples`` completions of each prompt with the current weights, prompt-major."""
         model = self._model
         was_training = model.training
         model.eval()
         try:
             dtype = torch.bfloat16 if (self.config.parallel.precision == "bf16"
                                        and self._context.parallel.device.type == "cuda") else None
-            started = time.perf_counter()
             plain = generation_model(model, dtype=dtype)  # a collective for sharded models: every rank
             if self._sampler is None:
                 self._sampler = Sampler(plain, max_batch=self.rollout_rows, max_len=self.config.data.seq_len)
@@ -223,14 +258,27 @@ class GRPOObjective:
                     for kept, fresh in zip(self._sampler.model.parameters(), plain.parameters()):
                         kept.copy_(fresh)
                 del plain
-            flat = sample_prompts(self._sampler, prompt_ids, indices, self.params, seed=self.config.train.seed,
-                                  purpose=PURPOSE, step=step, samples_per_prompt=self.g.group_size)
+            flat = sample_prompts(self._sampler, prompt_ids, indices, params, seed=self.config.train.seed,
+                                  purpose=purpose, step=step, samples_per_prompt=samples)
         finally:
             model.train(was_training)
-        self._timings["rollout_s"] = time.perf_counter() - started
-        self._timings["rollout_tokens"] = sum(len(sample.tokens) for _, _, sample in flat)
-        G = self.g.group_size
-        return [[sample for _, _, sample in flat[p * G:(p + 1) * G]] for p in range(len(prompt_ids))]
+        return [sample for _, _, sample in flat]
+
+    def _evaluation_batch(self, batch: Batch) -> Batch:
+        """The held-out prompt rows with the greedy completion's reward and exact-answer score
+        (extras ``eval_reward``, ``eval_exact``, (B,) float32); no training state is touched."""
+        prompts = [self._prompt_of(batch, r) for r in range(len(batch.sequence_index))]
+        samples = self._generate([p[1] for p in prompts], [p[0] for p in prompts], self.eval_params,
+                                 purpose=EVAL_PURPOSE, step=batch.step, samples=1)
+        rewards, exact = [], []
+        for (index, _, answer, prompt_text), sample in zip(prompts, samples):
+            _, text = self._completion(sample)
+            value, _ = score(self.rewards, text, answer, prompt_text, on_error=self.g.on_reward_error,
+                             where=f"evaluation batch {batch.step}, prompt row {index}")
+            rewards.append(value)
+            exact.append(exact_answer(text, answer))
+        return batch.with_extras(eval_reward=torch.tensor(rewards, dtype=torch.float32),
+                                 eval_exact=torch.tensor(exact, dtype=torch.float32))
 
     def _completion(self, sample: Sample) -> tuple[list[int], str]:
         """The tokens trained on (cut after a several-token end-of-turn marker) and the completion
