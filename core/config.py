@@ -285,7 +285,7 @@ class DPOConfig:
     ipo_length_normalized: bool = True
     """ipo: divide each log-prob by its completion's token count before the squared loss."""
     reference: str = "init"
-    """Frozen reference of sigmoid/ipo: init, adapter_off (LoRA base), a Hugging Face directory, or run:RUN_ID[@STEP]."""
+    """Frozen reference of sigmoid/ipo: init, adapter_off (the LoRA policy with its adapters off: no second model), a Hugging Face directory, or run:RUN_ID[@STEP]."""
     cache_reference: bool = False
     """Store each pair's reference log-probs once (with a fingerprint) and reuse them instead of running the reference."""
     cache_dir: Optional[str] = None
@@ -744,6 +744,12 @@ def _validate_dpo(config: Config) -> None:
     if o.reference == "adapter_off" and config.model.lora.rank <= 0:
         raise ConfigError(f"{key}.reference=adapter_off needs LoRA adapters (model.lora.rank > 0)",
                           key=f"{key}.reference", hint="use reference: init, or set model.lora.rank")
+    if o.reference == "adapter_off" and config.model.lora.modules_to_save:
+        raise ConfigError(
+            f"{key}.reference=adapter_off with model.lora.modules_to_save {list(config.model.lora.modules_to_save)}: "
+            "switching the adapters off would keep those modules' trained weights, so the reference would not be the base",
+            key=f"{key}.reference", hint="use reference: init (a frozen copy of the whole starting model), "
+            "or train adapters only (model.lora.modules_to_save: [])")
     if o.cache_reference and o.loss in ("simpo", "orpo"):
         raise ConfigError(f"{key}.cache_reference: {o.loss} is reference-free, there is nothing to cache",
                           key=f"{key}.cache_reference")

@@ -41,6 +41,18 @@ rowwise shards ``base_layer`` and ``lora_A`` on the input features (their partia
 are all-reduced) and keeps ``lora_B`` replicated. Every adapter gradient is then complete
 on every rank.
 
+Adapters off. Inside ``with adapters_disabled(model):`` every ``LoRALinear`` returns its
+``base_layer``'s output alone (no dropout draw, no update, no cast): the wrapped model then
+computes the frozen base bit for bit, with no second copy of it (DPO's ``reference:
+adapter_off``). The switch is a plain attribute of each wrapper, so it reaches them through
+DDP, FSDP2 (which shards in place), tensor parallelism and checkpoint wrappers, and per-block
+``torch.compile`` guards on it: the first forward in the other state compiles a second graph,
+and neither graph is ever used for the other state. Activation checkpointing recomputes a
+block in backward, after the ``with`` block has ended, so a forward that records a graph must
+have its backward inside the ``with`` too; a forward under ``torch.no_grad()`` (the DPO
+reference) saves nothing and is never recomputed. ``modules_to_save`` are not restored: they
+stay as trained (PEFT would use its kept original copies).
+
 Base identity. ``base_identity`` is the sha256 over every non-adapter parameter, keyed by
 canonical name in sorted order, each contributing its name, dtype, shape and raw bytes (an
 NF4 weight: its packed tensors). Compute it on the plain model before training (a
@@ -49,13 +61,14 @@ NF4 weight: its packed tensors). Compute it on the plain model before training (
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -90,6 +103,8 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha, self.dropout = rank, alpha, dropout
         self.scaling = alpha / rank
         self._dropout_key: int | None = None
+        self.adapter_disabled = False
+        """True inside ``adapters_disabled``: the forward is the base layer's alone."""
 
     @torch.no_grad()
     def reset_adapters(self, seed: int) -> None:
@@ -107,6 +122,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
+        if self.adapter_disabled:  # a module attribute: compiled graphs guard on it
+            return result
         if self.dropout != 0.0 and self.training:  # tested here, so dropout 0 costs compile no graph break
             x = self._dropout(x)
         if x.dtype != self.lora_A.weight.dtype and not torch.is_autocast_enabled(x.device.type):
@@ -242,6 +259,28 @@ def set_dropout_key(model: nn.Module, *, seed: int, step: int, rank: int, micro_
     """Key every adapter's dropout for the next forward (see the module docstring)."""
     for module in lora_modules(model):
         module.set_dropout_key(seed, step, rank, micro_batch)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` (plain or wrapped by any strategy) as its frozen base: every adapter off.
+
+    The base output is bit-identical to the unwrapped base model's (see the module
+    docstring for compile and activation checkpointing). ``modules_to_save`` keep their
+    trained weights. A model without adapters is a ValueError; a nested use restores the
+    outer state.
+    """
+    wrapped = lora_modules(model)
+    if not wrapped:
+        raise ValueError("adapters_disabled needs a model with LoRA adapters (apply_lora first)")
+    before = [module.adapter_disabled for module in wrapped]
+    for module in wrapped:
+        module.adapter_disabled = True
+    try:
+        yield
+    finally:
+        for module, state in zip(wrapped, before):
+            module.adapter_disabled = state
 
 
 def add_adapters(

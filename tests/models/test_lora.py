@@ -22,6 +22,7 @@ from models.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     adapter_state_dict,
+    adapters_disabled,
     apply_lora,
     base_identity,
     load_peft_adapter,
@@ -282,6 +283,66 @@ def test_dropout_masks_are_keyed_and_survive_recomputation():
     assert all(torch.equal(a, b) for a, b in zip(grads(model), with_recompute))
 
 
+# --------------------------------------------------------------------------- adapters off
+
+
+def test_adapters_off_compute_the_base_bit_for_bit_and_come_back_on():
+    base = _model()
+    model = copy.deepcopy(base)
+    apply_lora(model, dataclasses.replace(LORA, dropout=0.1), seed=3)  # no dropout key: a draw would raise
+    _randomize_b(model)
+    inputs, _ = _batch()
+    with torch.no_grad():
+        want_base, want_on = base(inputs), model.eval()(inputs)
+        model.train()
+        with adapters_disabled(model):
+            with adapters_disabled(model):
+                nested = model(inputs)
+            off = model(inputs)  # the inner block restored the outer state: still off
+        model.eval()
+        on = model(inputs)
+    assert torch.equal(nested, want_base) and torch.equal(off, want_base)
+    assert torch.equal(on, want_on) and not torch.equal(on, want_base)
+    assert not any(m.adapter_disabled for m in lora_modules(model))
+    with pytest.raises(ValueError, match="apply_lora"):
+        with adapters_disabled(base):
+            pass
+
+
+def test_adapters_off_under_compile_and_activation_checkpointing():
+    """Compiled blocks guard on the switch (no graph of one state serves the other), and a
+    checkpointed block recomputed in backward after a no_grad adapters-off forward recomputes
+    with the adapters on, as its forward ran. The "eager" backend keeps eager numerics, so the
+    comparisons are bitwise; dynamo's guards are the same for every backend."""
+    base = _model(num_layers=1)
+    eager = copy.deepcopy(base)
+    apply_lora(eager, LORA, seed=3)
+    _randomize_b(eager)
+    model = copy.deepcopy(eager)
+    apply_activation_checkpointing(model, "full")
+    for block in model.layers:
+        block.compile(backend="eager")
+    inputs, labels = _batch()
+    with torch.no_grad():
+        want_base = base(inputs)
+    _loss(eager, inputs, labels).backward()
+    want_grads = {n: p.grad for n, p in eager.named_parameters() if p.requires_grad}
+    torch._dynamo.reset()
+    try:
+        for _ in range(2):
+            loss = _loss(model, inputs, labels)  # a graph is recorded with the adapters on ...
+            with torch.no_grad(), adapters_disabled(model):
+                off = model(inputs)  # ... then the reference forward, adapters off ...
+            loss.backward()  # ... then the recomputation, adapters on again
+            assert torch.equal(off, want_base)
+            for name, param in model.named_parameters():
+                if param.requires_grad:
+                    assert torch.equal(param.grad, want_grads[name.replace("._checkpoint_wrapped_module", "")]), name
+                    param.grad = None
+    finally:
+        torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -513,7 +574,9 @@ def _adapter_run(strategy: str) -> dict:
             _loss(model, inputs[rows], labels[rows]).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return {"initial": initial, "trained": adapters(), "identity": identity}
+        with torch.no_grad(), adapters_disabled(model):  # the switch reaches through the wrappers
+            off = model(_batch()[0])
+        return {"initial": initial, "trained": adapters(), "identity": identity, "off": off}
 
 
 def _tp_run() -> dict:
@@ -538,7 +601,9 @@ def _tp_run() -> dict:
         logits = model(inputs)
         F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
         grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if ".lora_" in n}
-        return {"logits": logits.detach(), "grads": grads, "sharded": sharded}
+        with torch.no_grad(), adapters_disabled(model):
+            off = model(inputs)
+        return {"logits": logits.detach(), "grads": grads, "sharded": sharded, "off": off}
 
 
 def _qlora_model() -> torch.nn.Module:
@@ -626,6 +691,16 @@ def test_tensor_parallel_adapters_match_one_process(two_ranks):
         for name, param in model.named_parameters():
             if ".lora_" in name:
                 assert _max_diff(result["grads"][name], param.grad) <= 1e-6, name
+
+
+def test_adapters_off_give_the_base_under_ddp_fsdp_and_tp(two_ranks):
+    with torch.no_grad():
+        base = _model()(_batch()[0])
+    for result in two_ranks:
+        assert torch.equal(result["ddp"]["off"], base)  # a full replica
+        assert torch.equal(result["fsdp"]["off"], base)  # the same weights, gathered
+        assert _max_diff(result["tp"]["off"], base) <= TOLERANCE  # sharded matmuls, then a sum
+        assert _max_diff(result["tp"]["logits"], base) > 1e-3  # the adapters were on before
 
 
 def test_qlora_under_fsdp_matches_one_process(two_ranks):

@@ -7,7 +7,10 @@
 - accumulation 8x1 vs 2x4 on one rank: the same loss (the mean over the global batch's pairs);
 - cached reference log-probs give the very same ledger as the online reference, the cache is
   what the second run reads, and a cache made for another configuration is refused (exit 4);
-- the eval event reports the preference metrics (accuracy, margins) on held-out pairs.
+- the eval event reports the preference metrics (accuracy, margins) on held-out pairs;
+- LoRA with ``reference: adapter_off`` (the policy with its adapters off, under FSDP2 with
+  activation checkpointing and adapter dropout): SIGKILL/resume gives the same ledger, replay
+  verifies, and checkpoints record the LoRA base's identity as the reference's.
 """
 
 from __future__ import annotations
@@ -116,3 +119,20 @@ def test_dpo_cached_reference_is_bitwise_the_online_one_and_a_stale_cache_is_ref
                                                overrides=[*cached_args, "data.seq_len=192"]), nproc=1)
     assert stale.returncode == 4, stale.stderr
     assert "reference cache" in stale.stderr and "fingerprint" in stale.stderr
+
+
+def test_dpo_lora_adapter_off_reference_resumes_identically_and_replays(e2e_workdir):
+    overrides = ["model.lora.rank=4", "model.lora.alpha=8.0", "model.lora.dropout=0.1", "train.lr=1.0e-2",
+                 "objective.dpo.reference=adapter_off", "parallel.strategy=fsdp",
+                 "parallel.activation_checkpointing=full"]
+    whole = launch.train(e2e_workdir, dpo_args(max_steps=6, name="dpo-lora", overrides=overrides), nproc=2)
+    assert whole.returncode == 0, whole.stderr
+    expected = launch.ledger(_run_dir(e2e_workdir, whole))
+    assert expected[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # B = 0: the policy is its base
+    assert any(line["rewards_margin"] != 0.0 for line in expected[1:])  # ... and then moves away from it
+    args = dpo_args(max_steps=6, name="dpo-lora-killed", overrides=overrides)
+    run_dir = launch.kill_and_resume(e2e_workdir, args, name="dpo-lora-killed", seed=11, kills=1)
+    assert launch.ledger(run_dir) == expected
+    launch.replay_verifies(e2e_workdir, run_dir, steps=(6,))  # from the checkpoint of step 4
+    frozen = json.loads((run_dir / "checkpoints" / "step_00000004" / "objective_state.json").read_text())["frozen"]
+    assert frozen["reference"] == frozen["base"] and frozen["base"]["path"] == "init:seed"

@@ -5,6 +5,7 @@ agree; cached-style ``ref_logps`` extras hold each sequence's sum at its first t
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,11 +15,13 @@ import torch
 import models
 from core import seeding
 from core.config import load
+from core.exceptions import CheckpointError, ConfigError
 from data.batch import Batch, DocSpan
 from training.objectives.base import ObjectiveContext
-from training.objectives.dpo import DPOObjective
+from training.objectives.dpo import DPOObjective, pair_layout
 
 T = 32
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _batch():
@@ -102,3 +105,68 @@ def test_reference_free_losses_build_no_reference():
     assert "ref_logps" not in batch.extras
     out = objective.loss(model, batch)
     assert out.count == 3 and torch.isfinite(out.sum)
+
+
+# --------------------------------------------------------------------------- reference: adapter_off
+
+LORA_OVERRIDES = ["model.lora.rank=4", "model.lora.alpha=8.0"]
+
+
+def _lora_objective(reference: str, *, seed: int = 0, overrides=()):
+    """A LoRA policy (non-zero B: it has moved away from its base) and a DPO objective on it."""
+    from models.lora import add_adapters, lora_modules
+
+    config = load(CONFIGS / "e2e-dpo.yaml", [  # its preference sources: the cache's fingerprint reads them
+                         "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
+                         "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16", "parallel.strategy=none",
+                         "objective.dpo.beta=0.5", "train.loss_chunk_tokens=7", "train.micro_batch_size=2",
+                         f"train.seed={seed}", f"objective.dpo.reference={reference}", *LORA_OVERRIDES, *overrides])
+    model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
+    identity = add_adapters(model, config.model, seed=config.train.seed)
+    with torch.no_grad():
+        for i, module in enumerate(lora_modules(model)):
+            module.lora_B.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(i))
+    dist = SimpleNamespace(rank=0, world_size=1, is_distributed=False, device=torch.device("cpu"), backend="gloo")
+    objective = DPOObjective(config)
+    objective.setup(model, ObjectiveContext(config=config, dist=dist, place=lambda t: t, fuse_head=True,
+                                            parallel=SimpleNamespace(device=dist.device, base_identity=identity)))
+    return objective, model, identity
+
+
+def test_adapter_off_reference_is_the_separately_built_base_bit_for_bit():
+    off, policy, identity = _lora_objective("adapter_off")
+    init, _, _ = _lora_objective("init")  # a second, plain model from the same seeded init
+    assert off.reference.module is policy  # no second copy
+    assert off.frozen_identity() == {"reference": identity}
+    batch = _batch()
+    expected = init._reference_sums(batch)
+    assert off._reference_sums(batch) == expected  # floats from fp32: bit for bit
+    assert torch.equal(off.prepare(batch).extras["ref_logps"], init.prepare(batch).extras["ref_logps"])
+    with torch.no_grad():
+        assert off._pair_sums(policy, batch, pair_layout(batch)).tolist() != expected  # the adapters matter
+    out = off.loss(policy, off.prepare(batch))
+    assert out.count == 3 and float(out.metrics["margins"]) != 0.0
+
+
+def test_adapter_off_reference_cache_is_fingerprinted_by_the_base(tmp_path):
+    cache = ["objective.dpo.cache_reference=true", f"objective.dpo.cache_dir={tmp_path}"]
+    online, _, _ = _lora_objective("adapter_off")
+    filling, _, _ = _lora_objective("adapter_off", overrides=cache)
+    batch = _batch()
+    assert filling.prepare(batch).extras["ref_logps"].equal(online.prepare(batch).extras["ref_logps"])
+    reading, _, _ = _lora_objective("adapter_off", overrides=cache)
+    assert torch.equal(reading.prepare(batch).extras["ref_logps"], online.prepare(batch).extras["ref_logps"])
+    assert reading.cache.hits == 1 and reading.cache.misses == 0
+    with pytest.raises(CheckpointError, match="fingerprint"):  # another base (seed): another reference
+        _lora_objective("adapter_off", seed=1, overrides=cache)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ([], "model.lora.rank"),
+    ([*LORA_OVERRIDES, "model.lora.modules_to_save=[norm]"], "model.lora.modules_to_save"),
+])
+def test_adapter_off_without_adapters_or_with_modules_to_save_is_a_config_error(overrides, named):
+    with pytest.raises(ConfigError) as info:
+        load(CONFIGS / "e2e-dpo.yaml", ["objective.dpo.reference=adapter_off", *overrides])
+    assert info.value.context["key"] == "objective.dpo.reference"
+    assert named in str(info.value)

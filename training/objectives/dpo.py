@@ -11,7 +11,9 @@ Reference (``sigmoid``, ``ipo``): a frozen model (frozen.py) run in ``prepare`` 
 Its per-pair sums travel as the ``ref_logps`` extra, (B, T) fp32: each sequence's sum sits at
 the position of its first target token, zeros elsewhere, so the extra has the row's shape
 whatever the number of pairs (the batch hash stays world-size independent) and records what
-the reference gave. With ``cache_reference`` the sums are stored once per pair
+the reference gave. ``adapter_off`` (LoRA runs) is the policy itself with every adapter off
+(models.lora.adapters_disabled): the frozen base, no second copy, identified by the base's
+identity. With ``cache_reference`` the sums are stored once per pair
 (reference_cache.py) and read back as the same fp32 bits, so cached and online runs have
 identical ledgers. ``simpo`` and ``orpo`` are reference-free.
 
@@ -31,15 +33,15 @@ import torch
 from torch import nn
 
 from core.config import Config
-from core.exceptions import ConfigError
 from data.batch import IGNORE_INDEX
 from training.objectives import preference_loss
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state
-from training.objectives.frozen import FrozenModel, build_frozen
+from training.objectives.frozen import FrozenModel, adapter_off_reference, build_frozen
 from training.objectives.preference_loss import SequenceLogps
 from training.objectives.reference_cache import ReferenceCache, fingerprint
 from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
 
+KEY = "objective.dpo.reference"
 REFERENCE_FREE = ("simpo", "orpo")
 METRICS = ("chosen_rewards", "rejected_rewards", "margins", "accuracies",
            "policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
@@ -107,26 +109,17 @@ class DPOObjective:
 
     # ------------------------------------------------------------------ setup
 
-    @staticmethod
-    def check_config(config: Config) -> None:
-        """Refused before any run dir exists (exit 2)."""
-        s = config.objective.dpo
-        if s.loss not in REFERENCE_FREE and s.reference == "adapter_off":
-            raise ConfigError(
-                "objective.dpo.reference=adapter_off is not available yet: the LoRA layers offer no way to "
-                "switch the adapters off during a forward",
-                key="objective.dpo.reference",
-                hint="use reference: init: LoRA adapters start at zero, so the frozen initial model is the base",
-            )
-
     def setup(self, model: nn.Module, context: ObjectiveContext) -> None:
         self._context = context
         self.fuse_head = context.fuse_head and self.chunk_tokens > 0
         if self.settings.loss in REFERENCE_FREE:
             return
-        self.check_config(self.config)
-        self.reference = build_frozen(self.config, self.settings.reference, role="reference", dist=context.dist,
-                                      key="objective.dpo.reference")
+        if self.settings.reference == "adapter_off":  # the policy itself, adapters off (LoRA)
+            self.reference = adapter_off_reference(model, self.config, dist=context.dist,
+                                                   base_identity=context.parallel.base_identity, key=KEY)
+        else:
+            self.reference = build_frozen(self.config, self.settings.reference, role="reference", dist=context.dist,
+                                          key=KEY)
         if self.settings.cache_reference:
             self.cache = self._open_cache(context)
 
@@ -175,10 +168,10 @@ class DPOObjective:
         return batch.with_extras(ref_logps=ref)
 
     def _must_run(self, missing: bool) -> bool:
-        """Whether this rank runs the reference. A sharded (fsdp) reference's forward is collective:
-        every rank runs it when any rank misses a cached pair."""
+        """Whether this rank runs the reference. A sharded (fsdp, or tensor-parallel adapter_off)
+        reference's forward is collective: every rank runs it when any rank misses a cached pair."""
         dist = self._context.dist
-        if not (dist.is_distributed and self.config.parallel.strategy == "fsdp"):
+        if not self.reference.collective:
             return missing
         flag = torch.tensor([1.0 if missing else 0.0], device=self._context.parallel.device
                             if dist.backend == "nccl" else torch.device("cpu"))
@@ -190,7 +183,7 @@ class DPOObjective:
         module = self.reference.module
         for micro in batch.micro_batches(self.config.train.micro_batch_size):
             layout = pair_layout(micro)
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), self._autocast(), self.reference.context():
                 sums = self._pair_sums(module, micro, layout)  # (N, 2)
             out.extend((float(c), float(r)) for c, r in sums.float().cpu().tolist())
         return out

@@ -18,8 +18,10 @@ refuses a frozen model whose identity differs (training/objectives/base.py ``che
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -29,10 +31,11 @@ from core import seeding
 from core.config import Config
 from core.distributed_context import DistributedContext
 from core.exceptions import ConfigError
-from distributed import param_hash, parallelize
+from distributed import param_hash, parallelize, unwrap
 from distributed.compile import apply_compile
 from distributed.topology import build_mesh
 from models.hf_config import model_config_from_hf
+from models.lora import adapters_disabled
 
 RUN_PREFIX = "run:"
 
@@ -45,6 +48,10 @@ class FrozenModel:
     identity: dict[str, str]
     """{"path": its source, "sha256": the hash of its weights}."""
     vocab_size: int
+    collective: bool = False
+    """Its forward is collective (sharded weights): every rank must run it when any rank does."""
+    context: Callable[[], ContextManager] = field(default=contextlib.nullcontext)
+    """Entered around each of its forwards (``adapter_off``: the adapters switched off)."""
 
 
 def build_frozen(config: Config, source: str, *, role: str, dist: DistributedContext, key: str) -> FrozenModel:
@@ -70,7 +77,28 @@ def build_frozen(config: Config, source: str, *, role: str, dist: DistributedCon
             apply_compile(model)
     identity = {"path": source if source != "init" else f"init:{config.model.init_from or 'seed'}",
                 "sha256": param_hash(model)}
-    return FrozenModel(role=role, module=model, identity=identity, vocab_size=model_config.vocab_size)
+    return FrozenModel(role=role, module=model, identity=identity, vocab_size=model_config.vocab_size,
+                       collective=dist.is_distributed and config.parallel.strategy == "fsdp")
+
+
+def adapter_off_reference(model: nn.Module, config: Config, *, dist: DistributedContext,
+                          base_identity: dict[str, str] | None, key: str) -> FrozenModel:
+    """The trained LoRA model with its adapters off, as a frozen reference: no second copy.
+
+    ``model`` is the trained model as the strategy wrapped it. DDP's wrapper is skipped (its
+    forward prepares a gradient sync that a no_grad forward does not need); FSDP2 and tensor
+    parallelism shard the model itself, so its forward stays collective there. Run it inside
+    ``context()`` (under no_grad: activation checkpointing then recomputes nothing).
+    ``modules_to_save`` would keep their trained weights, which core/config.py refuses.
+    """
+    if base_identity is None:
+        raise ConfigError(f"{key}=adapter_off needs LoRA adapters (model.lora.rank > 0)", key=key,
+                          hint="set model.lora.rank, or use reference: init")
+    inner = unwrap(model)
+    collective = dist.is_distributed and (config.parallel.strategy == "fsdp" or config.parallel.tp > 1)
+    return FrozenModel(role="reference", module=inner, identity=dict(base_identity),
+                       vocab_size=inner.config.vocab_size, collective=collective,
+                       context=lambda: adapters_disabled(inner))
 
 
 def _model_config(config: Config, source: str, *, key: str):
