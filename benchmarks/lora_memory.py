@@ -1,4 +1,4 @@
-"""Peak memory and throughput of full fine-tuning vs LoRA vs QLoRA on one GPU.
+"""Peak memory and throughput of full fine-tuning vs LoRA vs QLoRA (and vs FP8 linears) on one GPU.
 
     python benchmarks/lora_memory.py --config configs/qwen3-1.7b.yaml --seq-len 2048 \
         --micro-batch 1 --rank 16 --steps 10 --warmup 3 --out bench_out/lora_memory.json
@@ -21,7 +21,13 @@ Cases:
   to an fp32 base under bf16 autocast);
 - ``lora_fp32_base``: the same with the frozen linears kept in fp32 (twice the base bytes);
 - ``qlora``: the same adapters on an NF4 base (models/nf4.py): only embeddings, norms and
-  the head stay in fp32.
+  the head stay in fp32;
+- ``fp8_tensorwise`` / ``fp8_rowwise`` (not in the default list): full fine-tuning with the
+  blocks' linears in FP8 (``parallel.float8``, distributed/float8.py), converted before
+  compile as distributed/parallelize.py does.
+
+``--profile``: one extra step under torch.profiler per case; its ten longest GPU kernel names
+(total ms) and the step's GPU-busy vs wall time go into the case's JSON (``profile``).
 
 Reported per case: parameter bytes resident after setup, peak allocated memory over the
 training steps (``torch.cuda.max_memory_allocated``, which includes the resident weights),
@@ -35,6 +41,7 @@ The JSON goes to ``--out``; a table is printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -46,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CASES = ("full", "lora", "lora_fp32_base", "qlora")
+ADAPTER_CASES = ("lora", "lora_fp32_base", "qlora")
 
 
 def run_case(args: argparse.Namespace) -> dict:
@@ -66,13 +74,19 @@ def run_case(args: argparse.Namespace) -> dict:
     determinism.configure(config.determinism, device)
     cuda = device.type == "cuda"
     model = models.build(config.model, generator=torch.Generator().manual_seed(0), device="cpu")
-    if args.case != "full":
+    if args.case in ADAPTER_CASES:
         apply_lora(model, LoRAConfig(rank=args.rank, alpha=2.0 * args.rank), seed=0)
         if args.case == "lora":
             store_base_as(model, torch.bfloat16)
     model.to(device)  # quantize on the device: torchao's NF4 packing is much faster there
     if args.case == "qlora":
         quantize_base(model)
+    if args.case.startswith("fp8_"):
+        from distributed.float8 import apply_float8, require_float8
+
+        parallel = dataclasses.replace(config.parallel, float8=args.case.removeprefix("fp8_"))
+        require_float8(parallel, device)
+        apply_float8(model, parallel, fsdp=False)
     if args.activation_checkpointing != "none":
         apply_activation_checkpointing(model, args.activation_checkpointing)
     if args.compile:
@@ -90,10 +104,10 @@ def run_case(args: argparse.Namespace) -> dict:
     vocab, seq, micro = config.model.vocab_size, args.seq_len, args.micro_batch
     tokens = torch.randint(0, vocab, (args.warmup + args.steps, micro, seq + 1), generator=generator)
     times = []
-    for step in range(args.warmup + args.steps):
-        inputs = tokens[step, :, :-1].to(device)
-        labels = tokens[step, :, 1:].to(device)
-        start = time.perf_counter()
+
+    def step(index: int) -> torch.Tensor:
+        inputs = tokens[index, :, :-1].to(device)
+        labels = tokens[index, :, 1:].to(device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
             loss = model(
                 inputs,
@@ -107,6 +121,11 @@ def run_case(args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
+        return loss
+
+    for index in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        loss = step(index)
         times.append(time.perf_counter() - start)
     steady = times[args.warmup:]
     result = {
@@ -120,7 +139,16 @@ def run_case(args: argparse.Namespace) -> dict:
         "trainable_params": sum(p.numel() for p in trainable),
         "final_loss": float(loss),
     }
-    if args.case != "full":
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        result["dynamo"] = {"graph_breaks": sum(counters["graph_break"].values()),
+                            "break_reasons": [r[:200] for r in list(counters["graph_break"])[:5]],
+                            "unique_graphs": counters["stats"]["unique_graphs"],
+                            "calls_captured": counters["stats"]["calls_captured"]}
+    if args.profile:
+        result["profile"] = profile_step(lambda: step(0), cuda)
+    if args.case in ADAPTER_CASES:
         state_bytes = sum(
             t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
         )
@@ -131,6 +159,29 @@ def run_case(args: argparse.Namespace) -> dict:
             result["adapter_save_s"] = time.perf_counter() - start
             result["adapter_dir_bytes"] = sum(f.stat().st_size for f in Path(directory).iterdir())
     return result
+
+
+def profile_step(step, cuda: bool) -> dict:
+    """One step under torch.profiler: wall ms, GPU-busy ms (sum of kernel times) and the ten
+    kernels with the most total time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+    wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    totals: dict[str, float] = {}
+    for event in kernels:
+        totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3
+    top = sorted(totals.items(), key=lambda item: -item[1])[:10]
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
+    return {"wall_ms": wall * 1e3, "kernel_ms": sum(totals.values()), "kernels": len(kernels),
+            "top": [{"name": name[:120], "ms": round(ms, 3)} for name, ms in top],
+            "host_top": [{"name": a.key[:120], "self_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count}
+                         for a in host]}
 
 
 def table(results: list[dict]) -> str:
@@ -168,6 +219,7 @@ def main() -> int:
     parser.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "selective"))
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (as parallel.compile)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true", help="profile one extra step per case (JSON 'profile')")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in a child process
@@ -182,7 +234,8 @@ def main() -> int:
             "--config", args.config, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--activation-checkpointing", args.activation_checkpointing, "--device", args.device, "--case", case,
-        ] + (["--compile"] if args.compile else []) + [f"--set={item}" for item in args.set]
+        ] + (["--compile"] if args.compile else []) + (["--profile"] if args.profile else []) + [
+            f"--set={item}" for item in args.set]
         proc = subprocess.run([sys.executable, __file__, *child], cwd=ROOT, capture_output=True, text=True)
         if proc.returncode == 0:
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -8,7 +8,9 @@ and in one process, the cases run on the same synthetic batches: ``--rows`` rows
 tokens, each row one preference pair (prompt + chosen, prompt + rejected: two documents of
 ``seq/2`` tokens, the second half of each a response that carries the loss), one row per
 micro-batch, fp32 master weights, bf16 autocast on CUDA, the fused chunked output projection,
-AdamW. The objectives are the ones the loop runs (training/objectives), driven as the loop
+AdamW, and the preset's ``parallel.compile`` (``--no-compile`` turns it off): with it, the
+blocks of the trained model and of the frozen reference/teacher are compiled, as the loop
+compiles them. The objectives are the ones the loop runs (training/objectives), driven as the loop
 drives them: ``prepare`` under no_grad, then ``loss`` and backward per micro-batch, then the
 optimizer step; a step's time includes ``prepare``.
 
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-compile", action="store_true", help="eager blocks whatever the preset says")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     report = {"benchmark": "post_training", "seq_len": args.seq, "rows": args.rows, "steps": args.steps,
@@ -103,17 +106,23 @@ def run_preset(shape: str, args) -> dict:
     cache_dir = tmp / "reference_cache"
     pairs = tmp / "pairs.jsonl"  # only named by the cache's fingerprint: the batches are synthetic
     pairs.write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
+    preset = load(ROOT / "configs" / f"{shape}.yaml")
+    compiled = preset.parallel.compile and not args.no_compile
     config = load(ROOT / "configs" / f"{shape}.yaml", [
         f"data.sources=[{{path: {pairs}, record: preference}}]", "data.tokenizer=byte",
         "data.eval_source=null", f"data.seq_len={args.seq}", "data.num_streams=1",
         f"train.global_batch_size={args.rows}", "train.micro_batch_size=1", "train.loss_chunk_tokens=4096",
-        f"parallel.precision={'bf16' if cuda else 'fp32'}", "parallel.strategy=none", "parallel.compile=false",
+        f"parallel.precision={'bf16' if cuda else 'fp32'}", "parallel.strategy=none", f"parallel.compile={str(compiled).lower()}",
         "model.init_from=null", "objective.dpo.loss=sigmoid", "objective.dpo.reference=init",
         f"objective.dpo.cache_dir={cache_dir}", "objective.distill.teacher=init",
         "objective.distill.loss=forward_kl", "objective.distill.alpha=0.5",
     ])
     batches = synthetic_batches(config, args.warmup + args.steps, args.rows, args.seq)
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init")).to(device)
+    if compiled:
+        from distributed.compile import apply_compile
+
+        apply_compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
     results, shared = {}, {}
     for case in args.cases.split(","):
@@ -139,7 +148,7 @@ def run_preset(shape: str, args) -> dict:
         if "sft" in results:
             result["ratio_to_sft"] = result["step_s"] / results["sft"]["step_s"]
     del model, optimizer
-    return {"shape": shape, "cases": results,
+    return {"shape": shape, "compiled": compiled, "cases": results,
             "targets": {"dpo_online": 1.6, "dpo_cached": 1.15, "distill": 1.5}}
 
 

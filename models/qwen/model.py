@@ -178,9 +178,10 @@ class QwenForCausalLM(nn.Module):
         if self.dims.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def attention_mask(self, document_ids: torch.Tensor | None, device: torch.device) -> AttentionMask:
+    def attention_mask(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> AttentionMask:
         """The mask every block receives for this batch (built once per forward)."""
-        return build_attention_mask(document_ids, select_kernel(self.config.attention, device))
+        kernel = select_kernel(self.config.attention, device)
+        return build_attention_mask(document_ids, kernel, seq_len=seq_len, device=device)
 
     def rotary_table(self, position_ids: torch.Tensor) -> RotaryTable:
         """The RoPE angles every block receives for this batch (built once per forward)."""
@@ -208,7 +209,7 @@ class QwenForCausalLM(nn.Module):
                 raise ValueError(f"{name} must be (B, T)={batch, seq_len}, got {tuple(ids.shape)}")
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)  # (1, T)
-        mask = self.attention_mask(document_ids, input_ids.device)
+        mask = self.attention_mask(document_ids, seq_len, input_ids.device)
         rope = self.rotary_table(position_ids)
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
         for block in self.layers:

@@ -133,4 +133,7 @@ def test_flex_on_cpu_matches_sdpa():
     with torch.no_grad():
         expected = sdpa(ids, position_ids=position_ids, document_ids=document_ids)
         got = flex(ids, position_ids=position_ids, document_ids=document_ids)
+        # Without document_ids: plain causal SDPA vs flex's cached causal BlockMask.
+        causal_expected, causal_got = sdpa(ids), flex(ids)
     assert (expected - got).abs().max().item() <= 1e-5
+    assert (causal_expected - causal_got).abs().max().item() <= 1e-5

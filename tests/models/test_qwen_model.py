@@ -130,7 +130,7 @@ def test_blocks_are_callable_one_by_one():
     with torch.no_grad():
         expected = model(ids, position_ids=position_ids, document_ids=document_ids)
         hidden = model.embed_tokens(ids)
-        mask = model.attention_mask(document_ids, ids.device)
+        mask = model.attention_mask(document_ids, ids.shape[1], ids.device)
         rope = model.rotary_table(position_ids)
         for block in model.layers:
             hidden = block(hidden, rope, mask)
