@@ -147,7 +147,8 @@ def test_eval_leaves_training_state_alone(tmp_path):
 
 def test_a_non_prompt_eval_source_is_a_config_error(tmp_path):
     _write_eval(tmp_path / "eval", ["7"] * len(PROMPTS))
-    config = _config(tmp_path / "eval", [f"data.eval_source={{path: {tmp_path / 'eval'}, record: chat}}"])
+    chat = f"data.eval_source={{path: {tmp_path / 'eval'}, record: chat}}"
     with pytest.raises(ConfigError) as error:
-        GRPOObjective.check_config(config)
+        GRPOObjective.check_config(_config(tmp_path / "eval", [chat, "train.eval_interval=5"]))
     assert "data.eval_source.record" in str(error.value)
+    GRPOObjective.check_config(_config(tmp_path / "eval", [chat, "train.eval_interval=0"]))  # never read: no error

@@ -111,10 +111,11 @@ class GRPOObjective:
     @staticmethod
     def check_config(config: Config) -> list:
         """The configured rewards, resolved: an unknown name or a function path that does not
-        import is a ConfigError naming objective.grpo.rewards[i].name. A held-out source must hold
-        prompt records too (its prompts are decoded and scored, not trained on)."""
+        import is a ConfigError naming objective.grpo.rewards[i].name. A held-out source that is
+        evaluated (train.eval_interval > 0) must hold prompt records too (its prompts are decoded
+        and scored, not trained on)."""
         held_out = config.data.eval_source
-        if held_out is not None and held_out.record != "prompt":
+        if held_out is not None and config.train.eval_interval > 0 and held_out.record != "prompt":
             raise ConfigError(
                 f"objective.kind=grpo evaluates prompt records, data.eval_source is record: {held_out.record}",
                 key="data.eval_source.record",
