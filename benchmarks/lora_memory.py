@@ -9,7 +9,8 @@ Every case runs in its own process (so one case's allocator state cannot lower o
 another's peak) on the same shape, sequence length and micro-batch, from the same seeded
 random init (no checkpoint download is needed), in the way the training loop runs one GPU:
 ``parallel.strategy=none``, fp32 parameters with bf16 autocast, the fused chunked output
-projection + loss (training/linear_cross_entropy.py), AdamW over the trainable parameters,
+projection + loss (training/linear_cross_entropy.py), AdamW over the trainable parameters
+(fused on CUDA, as training/optim.py),
 the config's attention kernel and determinism mode, optional per-block compile and
 activation checkpointing (both as distributed/parallelize.py applies them).
 
@@ -92,7 +93,7 @@ def run_case(args: argparse.Namespace) -> dict:
     if args.compile:
         apply_compile(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, foreach=True)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, **({"fused": True} if cuda else {"foreach": True}))
     if cuda:
         torch.cuda.synchronize()
         resident = torch.cuda.memory_allocated()

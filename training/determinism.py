@@ -44,3 +44,36 @@ def configure(config: DeterminismConfig, device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(not bitwise)
         torch.backends.cuda.enable_mem_efficient_sdp(True)
         torch.backends.cuda.enable_math_sdp(True)
+        if bitwise:
+            settle_cublas_workspace_config(device)
+
+
+WORKSPACE_CONFIG = ":4096:8"
+# Compute capabilities (major) whose torch default cuBLAS workspace is 32 MiB, the size
+# WORKSPACE_CONFIG asks for (8 buffers of 4096 KiB): Hopper and Blackwell.
+DEFAULT_WORKSPACE_IS_CONFIG = (9, 10, 12)
+
+
+def settle_cublas_workspace_config(device: torch.device) -> bool:
+    """Stop torch re-parsing ``CUBLAS_WORKSPACE_CONFIG`` on every matmul, where that is free.
+
+    torch checks once per process, on its first cuBLAS call, that the variable holds a
+    deterministic setting (the answer is cached), but it re-reads and regex-parses the variable
+    for the workspace size on every cuBLAS call. Measured on an H200 (torch 2.11,
+    benchmarks/matmul_host_cost.py), that raises the host cost of a small bf16 matmul from
+    12.8 to 49 us and of an FP8 ``_scaled_mm`` from 26 to 139 us: LoRA's small matmuls and
+    FP8 became host-bound in bitwise mode. Where the default size equals what the variable
+    asks for (compute capability 9, 10, 12), this runs one matmul (so the check has seen
+    the variable) and then removes it: the workspace size and so the kernels are unchanged.
+    Elsewhere, or with another value the user set, it does nothing. Returns whether it removed it.
+    """
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != WORKSPACE_CONFIG:
+        return False
+    if torch.cuda.get_device_capability(device)[0] not in DEFAULT_WORKSPACE_IS_CONFIG:
+        return False
+    probe = torch.ones(8, 8, device=device)
+    torch.mm(probe, probe)
+    torch.cuda.synchronize(device)
+    del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    return True
+

@@ -216,3 +216,29 @@ def test_nccl_two_ranks_one_hung_both_dump_and_exit_6(tmp_path):
     trace = pickle.loads((diag / "rank0_flight_recorder_nccl.pkl").read_bytes())
     states = [e["state"] for e in trace["entries"] if "all_reduce" in e["profiling_name"]]
     assert states[-1] != "completed", states  # the step-2 all-reduce never finished
+
+
+def test_bitwise_mode_stops_cublas_reparsing_its_workspace_variable():
+    # training.determinism.settle_cublas_workspace_config, in a fresh process (the variable
+    # must be set before CUDA starts, and torch caches its check once per process).
+    code = textwrap.dedent(
+        """
+        import os, torch
+        from core.config import DeterminismConfig
+        from training import determinism
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        determinism.configure(DeterminismConfig(mode="bitwise"), torch.device("cuda", 0))
+        major = torch.cuda.get_device_capability(0)[0]
+        removed = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        assert removed == (major in determinism.DEFAULT_WORKSPACE_IS_CONFIG), (major, removed)
+        a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(a @ a, a @ a)  # cuBLAS still runs under deterministic algorithms
+        try:  # an op without a deterministic CUDA kernel is still refused
+            torch.histc(torch.rand(100, device="cuda"), bins=10)
+            raise AssertionError("histc ran under deterministic algorithms")
+        except RuntimeError as exc:
+            assert "deterministic" in str(exc), exc
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
