@@ -22,7 +22,7 @@ optimizer step; a step's time includes ``prepare``.
 - ``distill``: forward KL (alpha 0.5) from a same-size teacher (the seeded initial weights).
 
 Targets (docs/performance.md): dpo_online <= 1.6x sft, dpo_cached <= 1.15x, distill <= 1.5x.
-Reported: mean step seconds over the timed steps, tokens/s, ratio to sft, peak memory per case
+Reported: the median step seconds over the timed steps, tokens/s, ratio to sft, peak memory per case
 (``torch.cuda.max_memory_allocated``, reset before each case; it includes model, optimizer
 state and the frozen model of the case). JSON to ``--out``.
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -136,10 +137,9 @@ def run_preset(shape: str, args) -> dict:
                 for batch in batches:
                     objective.prepare(batch)
         times = [train_step(objective, model, optimizer, batch, device) for batch in batches]
-        timed = times[args.warmup:]
-        mean = sum(timed) / len(timed)
+        median = statistics.median(times[args.warmup:])  # the host-bound small presets are noisy
         results[case] = {
-            "step_s": mean, "tokens_per_s": args.rows * args.seq / mean,
+            "step_s": median, "tokens_per_s": args.rows * args.seq / median,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "step_times_s": times,
         }

@@ -50,8 +50,8 @@ def configure(config: DeterminismConfig, device: torch.device) -> None:
 
 WORKSPACE_CONFIG = ":4096:8"
 # Compute capabilities (major) whose torch default cuBLAS workspace is 32 MiB, the size
-# WORKSPACE_CONFIG asks for (8 buffers of 4096 KiB): Hopper and Blackwell.
-DEFAULT_WORKSPACE_IS_CONFIG = (9, 10, 12)
+# WORKSPACE_CONFIG asks for (8 buffers of 4096 KiB) in every torch from 2.11 on: Hopper.
+DEFAULT_WORKSPACE_IS_CONFIG = (9,)
 
 
 def settle_cublas_workspace_config(device: torch.device) -> bool:
@@ -63,7 +63,7 @@ def settle_cublas_workspace_config(device: torch.device) -> bool:
     benchmarks/matmul_host_cost.py), that raises the host cost of a small bf16 matmul from
     12.8 to 49 us and of an FP8 ``_scaled_mm`` from 26 to 139 us: LoRA's small matmuls and
     FP8 became host-bound in bitwise mode. Where the default size equals what the variable
-    asks for (compute capability 9, 10, 12), this runs one matmul (so the check has seen
+    asks for (compute capability 9), this runs one matmul (so the check has seen
     the variable) and then removes it: the workspace size and so the kernels are unchanged.
     Elsewhere, or with another value the user set, it does nothing. Returns whether it removed it.
     """

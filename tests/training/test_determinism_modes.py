@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.utils.deterministic
@@ -45,3 +47,15 @@ def test_fast_allows_nondeterministic_kernels_and_tf32():
     assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.utils.deterministic.fill_uninitialized_memory
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark
+
+
+def test_the_cublas_workspace_variable_stays_where_dropping_it_would_change_the_workspace(monkeypatch):
+    # settle_cublas_workspace_config removes the variable only when it holds ":4096:8" and
+    # the GPU's default workspace is that size (Hopper); the removal itself runs in
+    # tests/runtime/test_cuda.py on a GPU.
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own choice: kept
+    assert not determinism.settle_cublas_workspace_config(torch.device("cuda", 0))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # Ampere: smaller default
+    assert not determinism.settle_cublas_workspace_config(torch.device("cuda", 0))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
