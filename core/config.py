@@ -267,7 +267,7 @@ class GRPOConfig:
     on_reward_error: Literal["error", "zero"] = "error"
     """A reward function that raises or returns a non-finite value: stop with a typed error, or score 0 and count it."""
     inner_updates: int = 1
-    """Optimizer updates per rollout batch; only 1 (docs/post_training.md says why)."""
+    """Optimizer updates per rollout batch, within one loop step (the step's ledger line lists each one's loss)."""
 
 
 @dataclass(frozen=True)
@@ -801,11 +801,11 @@ def _validate_grpo(config: Config) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(g, name)!r}", key=f"{key}.{name}")
-    if g.inner_updates != 1:
+    if not 1 <= g.inner_updates <= 64:
         raise ConfigError(
-            f"{key}.inner_updates={g.inner_updates}: only 1 update per rollout batch is supported",
+            f"{key}.inner_updates must be in 1..64, got {g.inner_updates}",
             key=f"{key}.inner_updates",
-            hint="one loop step is one optimizer step; docs/post_training.md (GRPO) explains the choice",
+            hint="the optimizer updates made on each rollout batch; 1 is GRPO as published",
         )
     for i, reward in enumerate(g.rewards):
         if not (math.isfinite(reward.weight)):

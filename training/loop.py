@@ -21,6 +21,7 @@ models, verified on resume).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,8 +227,41 @@ class Trainer:
         set_lr(self.optimizer, lr)
         local_targets = self.objective.num_targets(batch)
         global_targets = int(self._all_reduce_sum(float(local_targets)))
+        # Most objectives make one update per batch; GRPO with inner_updates > 1 makes several
+        # on the same rollouts. The step's loss, grad_norm and metrics are the first update's
+        # (taken on the rollout policy); later updates' losses and norms go into the ledger.
+        updates = [self._update(step, batch, global_targets, first=u == 0)
+                   for u in range(self.objective.updates_per_batch)]
+        loss, grad_norm, totals, _ = updates[0]
+        finite = all(u[3] for u in updates)
+        self.step = step
+        tokens = batch.input_ids.numel() * self.parallel.dp_size
+        self.tokens_seen += tokens
+
+        record = self._ledger_record(step, batch, loss, grad_norm, lr, tokens, global_targets)
+        if len(updates) > 1:
+            record["inner_losses"] = [u[0] for u in updates]
+            record["inner_grad_norms"] = [u[1] for u in updates]
+        record.update(self.objective.ledger_fields(totals, global_targets))
+        if not finite:
+            record["skipped"] = True
+        due = self._checkpoint_due(step)
+        if self.recorder.param_hash_due(step, due, self.config.train.max_steps):
+            with timer.phase("checkpoint"):
+                record["param_hash"] = self.parallel.param_hash(self.model)
+        self.recorder.record(step, record, batch)
+        if due:
+            with timer.phase("checkpoint"):
+                self.save_checkpoint(step, reason="interval")
+        times = guards.end_step(step)
+        self.tracker.log(step, self._metrics(record, times, batch, totals, global_targets))
+        return record
+
+    def _update(self, step: int, batch, global_targets: int, *, first: bool) -> tuple[float, float, dict, bool]:
+        """Forward, backward and one optimizer update on the prepared batch: (loss, grad_norm, metric totals, finite)."""
+        guards, timer = self.guards, self.guards.timer
         micro = batch.micro_batches(self.config.train.micro_batch_size)
-        with self.recorder.instrument(self.model, step):
+        with self.recorder.instrument(self.model, step) if first else contextlib.nullcontext():
             local_loss, local_metrics = forward_backward(
                 self.model,
                 micro,
@@ -256,25 +290,7 @@ class Trainer:
             self.parallel.sync()
             if not finite:
                 self._handle_nonfinite(step, batch, loss, grad_norm)
-        self.step = step
-        tokens = batch.input_ids.numel() * self.parallel.dp_size
-        self.tokens_seen += tokens
-
-        record = self._ledger_record(step, batch, loss, grad_norm, lr, tokens, global_targets)
-        record.update(self.objective.ledger_fields(totals, global_targets))
-        if not finite:
-            record["skipped"] = True
-        due = self._checkpoint_due(step)
-        if self.recorder.param_hash_due(step, due, self.config.train.max_steps):
-            with timer.phase("checkpoint"):
-                record["param_hash"] = self.parallel.param_hash(self.model)
-        self.recorder.record(step, record, batch)
-        if due:
-            with timer.phase("checkpoint"):
-                self.save_checkpoint(step, reason="interval")
-        times = guards.end_step(step)
-        self.tracker.log(step, self._metrics(record, times, batch, totals, global_targets))
-        return record
+        return loss, grad_norm, totals, finite
 
     def _dropout_keys(self, step: int) -> Callable[[int], None] | None:
         """LoRA dropout: key each micro-batch's masks by (seed, step, data-parallel rank, micro-batch)."""

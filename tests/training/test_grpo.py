@@ -141,7 +141,8 @@ def test_grpo_config_is_validated():
             "data": {"sources": [{"path": "datasets/tasks/rl/train", "record": "prompt"}]}}
     config_lib.validate(config_lib.from_dict(base))
     bad = [({"group_size": 1}, "group_size"), ({"temperature": 0.0}, "temperature"),
-           ({"inner_updates": 2}, "inner_updates"), ({"rewards": []}, "rewards")]
+           ({"inner_updates": 0}, "inner_updates"), ({"rewards": []}, "rewards")]
+    config_lib.validate(config_lib.from_dict({**base, "objective": {"kind": "grpo", "grpo": {"inner_updates": 4}}}))
     for grpo, key in bad:
         raw = {**base, "objective": {"kind": "grpo", "grpo": grpo}}
         with pytest.raises(ConfigError) as info:

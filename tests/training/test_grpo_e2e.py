@@ -3,7 +3,8 @@
 - SIGKILL of the whole job at random moments (rollouts included: they are most of a step),
   then resume by run ID, ends with a ledger identical line for line to an uninterrupted run's,
   ``rollout_hash`` and the reward statistics included;
-- replay of a step regenerates its rollouts and verifies (rollout_hash, then the update);
+- replay of a step regenerates its rollouts and verifies (rollout_hash, then the updates: the
+  config makes two per rollout batch, ``inner_updates: 2``);
 - 2 ranks -> 1 rank samples the same first step (keys are per global prompt row, not per rank);
 - the held-out evaluation (greedy completions, reward mean and exact-answer accuracy in the
   ``eval`` event) is the same on 1 and 2 ranks and equals the rewards of ``python -m training
@@ -53,6 +54,10 @@ def test_grpo_ledger_has_rollouts_and_rewards(reference):
         assert line["logprob_parity"] < 1e-4  # the same kernels on the CPU: float rounding only
     # the format reward varies on these completions: some groups have something to learn
     assert any(line["reward_std"] > 0 and line["loss"] != 0.0 for line in lines)
+    # inner_updates: 2: the first update's loss is the step's; the second sees a moved policy
+    assert all(len(line["inner_losses"]) == 2 == len(line["inner_grad_norms"]) for line in lines)
+    assert all(line["inner_losses"][0] == line["loss"] for line in lines)
+    assert any(line["inner_losses"][1] != line["loss"] for line in lines)
 
 
 def test_grpo_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):

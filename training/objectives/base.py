@@ -16,7 +16,9 @@ checkpoints, resume and replay. An ``Objective`` owns what differs between metho
    change the math.
 4. ``loss(model, micro)``: the loss over one micro-batch as ``LossOutput(sum, count,
    metrics)``: the *sum* of per-unit losses, its count, and metric sums, all summed over
-   micro-batches and ranks by the loop.
+   micro-batches and ranks by the loop. The loop runs steps 4's micro-batches, backward and
+   one optimizer update ``updates_per_batch`` times on the same prepared batch (1 for every
+   method but GRPO with ``inner_updates``).
 5. ``ledger_fields(totals, count)``: the method's extra ledger fields from those sums.
 6. ``state_dict()`` / ``load_state_dict()``: the method's own checkpointable state (a JSON
    part of the checkpoint, ``objective_state.json``), plus ``frozen_identity()``: the path and
@@ -67,6 +69,8 @@ class Objective(Protocol):
     """A training method (see the module docstring for the call order)."""
 
     name: str
+    updates_per_batch: int
+    """Optimizer updates the loop makes on one prepared batch (1 but for GRPO's inner_updates)."""
 
     def setup(self, model: nn.Module, context: ObjectiveContext) -> None: ...
 

@@ -39,6 +39,7 @@ KEY = "objective.distill.teacher"
 
 class DistillObjective:
     name = "distill"
+    updates_per_batch = 1
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -97,6 +97,7 @@ def count_pairs(batch) -> int:
 
 class DPOObjective:
     name = "dpo"
+    updates_per_batch = 1
 
     def __init__(self, config: Config) -> None:
         self.config = config

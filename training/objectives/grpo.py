@@ -24,11 +24,12 @@ Per step (one loop step = one optimizer step):
    ``logprob_parity`` (max |sampler log-prob - trainer log-prob| over the sampled tokens) and
    ``reward_errors`` (rewards scored 0 under ``on_reward_error=zero``).
 
-One update per rollout batch (``inner_updates=1``): the ratio's denominator is the sampler's own
-log-probs, so the ratio is 1 up to kernel differences and clipping guards only against those;
-several updates per rollout would need the rollout batch kept across loop steps
-(docs/post_training.md). Resume needs no rollout state: the prompts come from the data state
-and the randomness from the step, so a resumed step regenerates the same rollouts.
+``inner_updates`` optimizer updates per rollout batch, all inside one loop step
+(``updates_per_batch``): the ratio's denominator is the sampler's own log-probs, so on the
+first update the ratio is 1 up to kernel differences, and on later ones it measures how far the
+policy has moved since the rollouts, which the clipping bounds. Checkpoints fall between steps,
+never between the updates of one, so resume needs no rollout buffer: the prompts come from the
+data state and the randomness from the step, so a resumed step regenerates the same rollouts.
 
 **Evaluation.** The loop evaluates (``Trainer.maybe_evaluate``: ``train.eval_batches`` global
 batches of ``data.eval_source``) with the model in eval mode, through the same ``prepare`` and
@@ -80,6 +81,7 @@ class GRPOObjective:
     def __init__(self, config: Config) -> None:
         g = config.objective.grpo
         self.config, self.g = config, g
+        self.updates_per_batch = g.inner_updates
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
@@ -192,7 +194,10 @@ class GRPOObjective:
         return LossOutput(total, count, metrics)
 
     def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
-        parity = max((float(p) for p in self._parity), default=0.0)
+        # The first update's micro-batches (each update runs the same ones, in order): later
+        # updates measure how far the policy moved, not sampler/trainer parity.
+        first = self._parity[: len(self._parity) // self.updates_per_batch]
+        parity = max((float(p) for p in first), default=0.0)
         gathered = self._context.dist.all_gather_object({**self._local, "parity": parity})
         # Tensor-parallel peers hold the same rows: key by global row.
         rows = sorted({row[0]: row for part in gathered for row in part["rows"]}.values())
