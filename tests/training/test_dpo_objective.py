@@ -149,7 +149,11 @@ def test_adapter_off_reference_is_the_separately_built_base_bit_for_bit():
 
 
 def test_adapter_off_reference_cache_is_fingerprinted_by_the_base(tmp_path):
-    cache = ["objective.dpo.cache_reference=true", f"objective.dpo.cache_dir={tmp_path}"]
+    # The fingerprint reads the data sources: a file of our own (the batch itself is synthetic).
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "2+2?", "chosen": "4", "rejected": "5"}\n')
+    cache = ["objective.dpo.cache_reference=true", f"objective.dpo.cache_dir={tmp_path / 'cache'}",
+             f"data.sources=[{{path: {pairs}, record: preference}}]", "data.eval_source=null"]
     online, _, _ = _lora_objective("adapter_off")
     filling, _, _ = _lora_objective("adapter_off", overrides=cache)
     batch = _batch()
