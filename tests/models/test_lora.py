@@ -650,8 +650,13 @@ def single_process_adapters():
 
 def _two_rank_runs() -> dict:
     from core.distributed_context import DistributedContext
+    from models.nf4 import _torchao_nf4
     from tests.distributed.scenarios import cpu_parallel
 
+    # torchao registers its ops when first imported; do that before gloo's threads exist. In
+    # full-suite runs rank 1 crashed (SIGSEGV/SIGABRT) right after a late import, after the
+    # DDP, FSDP and TP runs; never when this file ran alone.
+    _torchao_nf4()
     with DistributedContext.from_env(cpu_parallel(strategy="ddp")):  # one group serves every run
         return {"ddp": _adapter_run("ddp"), "fsdp": _adapter_run("fsdp"), "tp": _tp_run(), "qlora": _qlora_fsdp_run()}
 
