@@ -328,6 +328,8 @@ class ParallelConfig:
     """Compute precision: fp32, bf16 autocast/mixed precision, fp16 with a gradient scaler."""
     compile: bool = False
     """torch.compile each transformer block."""
+    compile_mode: Literal["default", "reduce-overhead"] = "default"
+    """With compile: reduce-overhead replays each compiled block as a CUDA graph (one launch instead of one per kernel: for steps the host cannot issue fast enough); CUDA, strategies none and ddp."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: none, full (every block) or selective (every other)."""
     dp_replicate: int = 1
@@ -386,6 +388,8 @@ class RuntimeConfig:
     """Refuse (instead of warn) a resume or replay whose software/hardware environment differs."""
     record_memory_history: bool = False
     """Record CUDA allocation history with stacks, saved in the memory snapshot on out-of-memory."""
+    sync_step_end: bool = False
+    """Wait for the GPU at every step end, so each step's time holds its own device work (debugging); off, the host prepares the next step while the update runs."""
 
 
 @dataclass(frozen=True)
@@ -454,6 +458,7 @@ RESUMABLE_KEYS = (
     "data.process_pool",
     "parallel.strategy",
     "parallel.compile",
+    "parallel.compile_mode",
     "parallel.activation_checkpointing",
     "parallel.reshard_after_forward",
     "parallel.fsdp_unit_blocks",
@@ -716,6 +721,20 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"parallel.fsdp_unit_blocks must be >= 1, got {p.fsdp_unit_blocks}",
             key="parallel.fsdp_unit_blocks",
             hint="1 shards every transformer block on its own",
+        )
+    if p.compile_mode != "default" and (not p.compile or p.device == "cpu" or p.strategy in ("fsdp", "xla_spmd")):
+        raise ConfigError(
+            f"parallel.compile_mode={p.compile_mode} needs parallel.compile=true on CUDA with strategy none or "
+            f"ddp (got compile={p.compile}, device={p.device}, strategy={p.strategy})",
+            key="parallel.compile_mode",
+            hint="CUDA graphs need fixed parameter addresses; FSDP gathers its parameters anew every step",
+        )
+    if p.compile_mode != "default" and config.objective.kind == "grpo":
+        raise ConfigError(
+            "parallel.compile_mode=reduce-overhead does not suit objective.kind=grpo: its rollouts run the "
+            "policy's blocks at a new length every decoding step, and each length would capture new CUDA graphs",
+            key="parallel.compile_mode",
+            hint="use parallel.compile_mode=default with GRPO",
         )
     _validate_optimizer(t)
     _validate_float8(p)

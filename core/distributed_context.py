@@ -200,6 +200,26 @@ class DistributedContext:
                 dist.all_reduce(tensor, op=ops[op])
         return tensor
 
+    def host_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of a CPU ``tensor`` over gloo; returns it.
+
+        For values the host needs at once (target counts, the metric table): a device
+        collective would queue behind the GPU's work, and reading its result would make the
+        host wait for that work too, so the GPU would idle while the host prepares the next
+        step.
+        """
+        if self.is_distributed:
+            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            dist.all_reduce(tensor, op=ops["sum" if op == "avg" else op], group=self._object_group)
+            if op == "avg":
+                tensor /= self.world_size
+        return tensor
+
+    @property
+    def host(self) -> "HostCollective":
+        """This context's collectives on CPU tensors (``host_all_reduce``)."""
+        return HostCollective(self)
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.is_distributed:
             return obj
@@ -243,3 +263,26 @@ class DistributedContext:
 def launcher_env() -> dict[str, str]:
     """The launcher's variables, recorded in meta.json."""
     return {k: os.environ[k] for k in LAUNCHER_ENV if k in os.environ}
+
+
+@dataclass(frozen=True)
+class HostCollective:
+    """The rank facts and an ``all_reduce`` over CPU tensors (gloo): the interface of
+    ``experiments.tracking.Collective`` with ``device`` cpu."""
+
+    context: DistributedContext
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self.context.host_all_reduce(tensor, op)

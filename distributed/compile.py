@@ -14,6 +14,10 @@ from torch import nn
 from distributed.model_structure import transformer_blocks
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, mode: str = "default") -> None:
+    """Compile every block in place; ``mode="reduce-overhead"`` also captures each compiled
+    block's forward and backward as CUDA graphs (torch's cudagraph trees), so the host
+    launches a block with one call instead of one per kernel. The loop then marks each step's
+    start (``torch.compiler.cudagraph_mark_step_begin``)."""
     for block in transformer_blocks(model):
-        block.compile()
+        block.compile(mode=None if mode == "default" else mode)

@@ -51,7 +51,7 @@ def parallelize(
     #    checkpoint logic too; before FSDP/DDP, so their communication hooks stay between
     #    the compiled blocks instead of being traced into them.
     if parallel.compile:
-        apply_compile(model)
+        apply_compile(model, parallel.compile_mode)
 
     # 4. Data parallelism last: fully_shard registers its hooks on the final block objects
     #    (the wrappers above), and DDP must wrap the finished model to see every parameter.

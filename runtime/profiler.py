@@ -6,12 +6,15 @@ time is exclusive (a phase opened inside another pauses the outer one). It tells
 listeners (the watchdog, the stall detector) whenever a phase starts, which doubles as
 the progress heartbeat.
 
-Timing semantics on CUDA ("synchronize at step end"): phases are timed on the host, and
-kernels run asynchronously, so a phase's host time is when its work was *issued*; device
-work still queued when the step ends is waited for in ``end_step`` and reported as
-``device_sync``. Per-phase numbers are therefore approximate on GPU while the step total
-is exact. ``sync_each_phase=True`` synchronizes at every phase boundary for exact phase
-times at the cost of throughput (debugging only).
+Timing semantics on CUDA: phases are timed on the host, and kernels run asynchronously, so
+a phase's host time is when its work was *issued*. By default ``end_step`` does not wait for
+the device: the loop reads the step's loss once, after the backward, so the host runs at most
+the optimizer update ahead of the GPU, and the mean of the step times is the device's rate
+while each step's own time may be off by that overlap. ``sync_step_end=True`` waits for the
+device at every step end and reports the wait as ``device_sync``: each step total is then
+exact, at the cost of the GPU idling while the host prepares the next step (on small steps
+that is most of the difference between one GPU and several). ``sync_each_phase=True``
+synchronizes at every phase boundary for exact phase times (debugging only).
 
 ``ProfilerWindow`` records ``runtime.profile_steps`` steps from
 ``runtime.profile_start_step`` with torch.profiler and writes a chrome trace (open in
@@ -52,12 +55,14 @@ class StepTimer:
         listeners: Sequence[PhaseListener] = (),
         clock: Callable[[], float] = time.perf_counter,
         sync_each_phase: bool = False,
+        sync_step_end: bool = False,
         annotate: bool = True,
     ) -> None:
         self._device = torch.device(device)
         self._listeners = tuple(listeners)
         self._clock = clock
         self._sync_each_phase = sync_each_phase
+        self._sync_step_end = sync_step_end or sync_each_phase
         self._annotate = annotate
         self._step: int | None = None
         self._step_start = 0.0
@@ -105,7 +110,8 @@ class StepTimer:
                 self._stack[-1][1] = now
 
     def end_step(self) -> dict[str, float]:
-        """Seconds per phase for the step, plus ``device_sync`` and ``other``.
+        """Seconds per phase for the step, plus ``device_sync`` (0.0 unless the timer waits for
+        the device at step end) and ``other``.
 
         Every phase in ``PHASES`` is present (0.0 if not entered); ``other`` is step time
         outside any phase. The values add up to the step's wall time, so
@@ -116,7 +122,8 @@ class StepTimer:
         if self._stack:
             raise RuntimeError(f"end_step() inside open phase {self._stack[-1][0]!r}")
         before_sync = self._clock()
-        self._synchronize()
+        if self._sync_step_end:
+            self._synchronize()
         end = self._clock()
         out = {name: 0.0 for name in PHASES}
         out.update(self._totals)

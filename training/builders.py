@@ -86,7 +86,7 @@ def build_tracker(config: Config, run: RunContext, dist: DistributedContext, mod
     fpt = flops_per_token(unwrap(model).config, config.data.seq_len, include_embedding_head=False)
     return MetricsTracker(
         config.metrics,
-        dist=dist,
+        dist=dist.host,  # the metric table is host numbers: never wait for the GPU to reduce it
         run_dir=run.run_dir if not replaying else None,
         total_steps=config.train.max_steps,
         flops_per_token=fpt,

@@ -47,7 +47,8 @@ class Guards:
             device=dist.device,
         )
         # Every phase start is a heartbeat, so the watchdog knows the phase a rank hangs in.
-        self.timer = StepTimer(device=dist.device, listeners=[self.watchdog, self.stall])
+        self.timer = StepTimer(device=dist.device, listeners=[self.watchdog, self.stall],
+                               sync_step_end=config.runtime.sync_step_end)
         self.faults = FaultInjector(
             parse_faults(config.runtime.faults),
             rank=dist.rank,

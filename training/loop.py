@@ -272,12 +272,12 @@ class Trainer:
                 device=self.device,
                 no_sync=self.parallel.no_sync,
                 timer=timer,
-                before_forward=self._dropout_keys(step),
+                before_forward=self._before_forward(step),
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
             )
         with timer.phase("communication"):
             loss = self._all_reduce_sum(local_loss) / max(global_targets, 1)
-            totals = self._all_reduce_metrics(local_metrics)
+            names, summed = self._all_reduce_metrics(local_metrics)
         with timer.phase("optimizer"):
             self.precision.unscale_(self.optimizer)
             grad_norm = self.parallel.clip_grad_norm(self.model, self.config.train.grad_clip)
@@ -285,12 +285,29 @@ class Trainer:
             # before loss and norm are read, and the update at the second sync; both are no-ops
             # for the torch strategies (training/xla.py explains the two cuts).
             self.parallel.sync()
-            finite, loss, grad_norm = apply_update(self.optimizer, self.precision, guards.nonfinite, loss, grad_norm)
+            finite, loss, grad_norm, values = apply_update(self.optimizer, self.precision, guards.nonfinite, loss,
+                                                           grad_norm, extra=summed)
+            totals = dict(zip(names, values))
             self.optimizer.zero_grad(set_to_none=True)
             self.parallel.sync()
             if not finite:
                 self._handle_nonfinite(step, batch, loss, grad_norm)
         return loss, grad_norm, totals, finite
+
+    def _before_forward(self, step: int) -> Callable[[int], None] | None:
+        """What runs before each micro-batch's forward: LoRA dropout keys, and with CUDA-graphed
+        blocks the mark of a new iteration (the graphs' outputs of the last micro-batch, whose
+        backward has run, may then be overwritten)."""
+        keys = self._dropout_keys(step)
+        if self.config.parallel.compile_mode != "reduce-overhead":
+            return keys
+
+        def before(micro: int) -> None:
+            torch.compiler.cudagraph_mark_step_begin()
+            if keys is not None:
+                keys(micro)
+
+        return before
 
     def _dropout_keys(self, step: int) -> Callable[[int], None] | None:
         """LoRA dropout: key each micro-batch's masks by (seed, step, data-parallel rank, micro-batch)."""
@@ -441,17 +458,19 @@ class Trainer:
         if isinstance(value, torch.Tensor):
             t = value.detach().to(self._reduce_device, torch.float32).clone()
             return self.dist.all_reduce(t) / tp if tp > 1 else self.dist.all_reduce(t)
-        t = torch.tensor([value], dtype=torch.float64, device=self._reduce_device)
-        return float(self.dist.all_reduce(t)[0]) / tp
+        # A host number is reduced on the host (gloo): a device collective would make the
+        # host wait for the GPU's queue before it could go on.
+        t = torch.tensor([value], dtype=torch.float64)
+        return float(self.dist.host_all_reduce(t)[0]) / tp
 
-    def _all_reduce_metrics(self, local: dict[str, torch.Tensor]) -> dict[str, float]:
-        """The objective's metric sums over micro-batches and ranks (one all-reduce)."""
+    def _all_reduce_metrics(self, local: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
+        """The objective's metric sums over micro-batches and ranks (one all-reduce), as names
+        and a device vector that ``apply_update`` reads back with the loss."""
         if not local:
-            return {}
+            return [], None
         names = sorted(local)
         stacked = torch.stack([local[n].reshape(()).to(torch.float32) for n in names])
-        summed = self._all_reduce_sum(stacked) if self.dist.is_distributed else stacked
-        return dict(zip(names, summed.tolist()))
+        return names, self._all_reduce_sum(stacked) if self.dist.is_distributed else stacked
 
     def _metrics(self, record: dict[str, Any], times: dict[str, float], batch, totals: dict[str, float],
                  count: int) -> dict[str, float]:

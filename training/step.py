@@ -85,11 +85,13 @@ def _phase(timer, name: str):
 
 
 def apply_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, loss: torch.Tensor,
-                 grad_norm: torch.Tensor) -> tuple[bool, float, float]:
+                 grad_norm: torch.Tensor, *, extra: torch.Tensor | None = None
+                 ) -> tuple[bool, float, float, list[float]]:
     """Step the optimizer unless a rank's loss or gradient norm is not finite.
 
-    Returns ``(finite, loss, grad_norm)`` as host values; ``guard`` is the run's
-    ``NonFiniteGuard`` (it agrees across ranks and counts skips).
+    Returns ``(finite, loss, grad_norm, extra)`` as host values (``extra``: the values of the
+    optional 1-D ``extra`` tensor, e.g. the objective's metric sums, read in the same copy);
+    ``guard`` is the run's ``NonFiniteGuard`` (it agrees across ranks and counts skips).
 
     With a fused optimizer and no gradient scaler (bf16 and fp32 on CUDA), the decision
     stays on the device: the agreed flags set ``optimizer.found_inf``, whose fused kernel then
@@ -101,8 +103,11 @@ def apply_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, 
     if precision.scaler is None and all(group.get("fused") for group in optimizer.param_groups):
         flags = guard.flags(loss, grad_norm)
         optimizer.found_inf = (flags.sum() > 0).to(torch.float32)
-        values = torch.cat([loss.detach().reshape(1).float().to(flags.device),
-                            grad_norm.detach().reshape(1).float().to(flags.device), flags])
+        parts = [loss.detach().reshape(1).float().to(flags.device),
+                 grad_norm.detach().reshape(1).float().to(flags.device), flags]
+        if extra is not None:
+            parts.append(extra.detach().reshape(-1).float().to(flags.device))
+        values = torch.cat(parts)
         host = values.to("cpu", non_blocking=True)  # pinned when it comes from a GPU
         ready = torch.cuda.Event() if values.is_cuda else None
         if ready is not None:
@@ -111,8 +116,9 @@ def apply_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, 
         if ready is not None:
             ready.synchronize()  # the copy, not the update
         read = host.tolist()
-        return guard.resolve(read[2:]), read[0], read[1]
+        n_flags = flags.numel()
+        return guard.resolve(read[2:2 + n_flags]), read[0], read[1], read[2 + n_flags:]
     finite = guard.check(loss, grad_norm)
     if finite:
         precision.step(optimizer)
-    return finite, float(loss), float(grad_norm)
+    return finite, float(loss), float(grad_norm), [] if extra is None else extra.detach().float().cpu().tolist()

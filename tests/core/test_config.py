@@ -67,6 +67,27 @@ def test_fsdp_unit_blocks_must_be_positive():
     assert config_lib.load(TINY, ["parallel.fsdp_unit_blocks=4"]).parallel.fsdp_unit_blocks == 4
 
 
+@pytest.mark.parametrize("overrides, named", [
+    (["parallel.compile=false"], "compile=False"),
+    (["parallel.compile=true", "parallel.device=cpu"], "device=cpu"),
+    (["parallel.compile=true", "parallel.device=cuda", "parallel.strategy=fsdp"], "strategy=fsdp"),
+])
+def test_cuda_graph_compile_mode_is_refused_where_it_cannot_work(overrides, named):
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY, ["parallel.compile_mode=reduce-overhead", *overrides])
+    assert info.value.context["key"] == "parallel.compile_mode" and named in str(info.value)
+    ok = config_lib.load(TINY, ["parallel.compile_mode=reduce-overhead", "parallel.compile=true",
+                                "parallel.device=cuda", "parallel.strategy=ddp"])
+    assert ok.parallel.compile_mode == "reduce-overhead"
+
+
+def test_cuda_graph_compile_mode_is_refused_for_grpo():
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY.parent / "tiny-grpo.yaml",
+                        ["parallel.compile_mode=reduce-overhead", "parallel.compile=true", "parallel.device=cuda"])
+    assert info.value.context["key"] == "parallel.compile_mode" and "grpo" in str(info.value)
+
+
 def test_batch_divisibility_checked_against_world():
     with pytest.raises(ConfigError) as info:  # 20 is not divisible by 8 streams
         config_lib.load(TINY, ["train.global_batch_size=20", "data.num_streams=8"])

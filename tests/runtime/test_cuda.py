@@ -59,9 +59,17 @@ def test_oom_snapshot_writes_the_allocator_snapshot_with_history(tmp_path):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def test_step_timer_waits_for_the_device_at_step_end():
+def test_step_timer_waits_for_the_device_at_step_end_only_when_asked():
     torch.cuda.synchronize()
-    timer = StepTimer(device=DEVICE)
+    ahead = StepTimer(device=DEVICE)  # the loop's default: the host runs on into the next step
+    ahead.start_step(1)
+    with ahead.phase("forward"):
+        _gpu_busy(0.3)
+    out = ahead.end_step()
+    assert out["forward"] < 0.1 and out["device_sync"] == 0.0
+    torch.cuda.synchronize()
+
+    timer = StepTimer(device=DEVICE, sync_step_end=True)
     timer.start_step(1)
     with timer.phase("forward"):
         _gpu_busy(0.3)

@@ -50,7 +50,7 @@ def test_on_device_skip_matches_reading_the_flags_first():
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             if fused_path:
-                finite, loss_value, norm_value = apply_update(opt, precision, g, loss.detach(), norm)
+                finite, loss_value, norm_value, _ = apply_update(opt, precision, g, loss.detach(), norm)
             else:
                 finite = g.check(loss, norm)
                 if finite:
@@ -69,3 +69,18 @@ def test_on_device_skip_matches_reading_the_flags_first():
         sa, sb = optimizer.state[p], ref_optimizer.state[q]
         assert torch.equal(sa["step"], sb["step"]) and sa["step"].item() == 4
         assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+
+
+def test_extra_values_are_read_with_the_loss_on_both_paths():
+    for fused in (True, False):
+        model, _, guard, precision = _setup()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        loss = _losses(model, 1)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        extra = torch.tensor([1.5, -2.0, 7.25])
+        finite, loss_value, norm_value, values = apply_update(optimizer, precision, guard, loss.detach(), norm,
+                                                              extra=extra)
+        assert finite and values == [1.5, -2.0, 7.25]
+        assert loss_value == float(loss.detach()) and norm_value == float(norm)
+        assert apply_update(optimizer, precision, guard, loss.detach(), norm)[3] == []
