@@ -176,3 +176,23 @@ def test_export_adapter_loads_in_peft_and_merge_in_transformers(e2e_workdir, ref
     with torch.no_grad():
         assert (with_adapter(input_ids=ids).logits - expected).abs().max().item() <= 1e-5
         assert (full(ids).logits - expected).abs().max().item() <= 1e-5
+
+
+def test_a_run_started_from_an_exported_adapter_holds_exactly_those_adapters(e2e_workdir, reference, base_dir,
+                                                                             tmp_path):
+    """``model.lora.init_from``: the adapter that ``export --adapter`` wrote (PEFT format) starts
+    a new run on the same base. At lr 0 the new run's whole-model hash after one step equals the
+    source run's last one: the same base and bit for bit the same adapters."""
+    adapter = tmp_path / "adapter"
+    result = launch.run_module(e2e_workdir, ["training", "export", "--run", reference.name, "--to", str(adapter),
+                                             "--adapter"])
+    assert result.returncode == 0, result.stderr
+    source = launch.ledger(reference)[-1]
+    result = launch.train(e2e_workdir, lora_args(base_dir, max_steps=1, name="lora-init-from", overrides=[
+        f"model.lora.init_from={adapter}", "train.lr=0", "checkpoint.interval=0"]), nproc=1)
+    assert result.returncode == 0, result.stderr
+    started = launch.ledger(_run_dir(e2e_workdir, result))
+    assert len(started) == 1 and started[0]["param_hash"] == source["param_hash"]
+    # The exported adapter fits the model it came from, and it lowered the loss there: the
+    # new run's first loss is below the source run's first (both on batch 1 of the same data).
+    assert started[0]["loss"] < launch.ledger(reference)[0]["loss"]
