@@ -6,7 +6,6 @@ import dataclasses
 import json
 import time
 
-import psutil
 import pytest
 
 from core.config import AugmentConfig, DataConfig, SourceConfig
@@ -17,6 +16,7 @@ from data.pipeline.pipeline import read_ahead_tokens
 from data.pipeline.plan import make_plan
 from data.pipeline.serial import iterate_serial
 from data.state import merge_states
+from tests.data.children import worker_children
 from tests.data.corpus import (data_threads, doc_text, global_hashes, mixture_config,
                                train_local_tokenizer, write_jsonl, write_zst)
 
@@ -66,8 +66,8 @@ def test_worker_processes_give_the_same_batches_and_are_reaped(corpus, tmp_path)
     with build(config, seed=7, global_batch_size=G, rank=0, world_size=1) as pipe:
         assert [_hash(next(pipe)) for _ in range(12)] == expected
         assert pipe.stats()["worker_processes"] == 2
-        assert len(psutil.Process().children()) >= 2
-    assert psutil.Process().children() == []
+        assert len(worker_children()) >= 2
+    assert worker_children() == []
 
 
 def test_mixture_draws_from_both_sources_and_records_provenance(corpus):
@@ -207,4 +207,4 @@ def test_a_failure_in_a_worker_reaches_next_with_file_and_record(corpus, tmp_pat
         _run(config, 50)
     assert "lone surrogate" in err.value.message
     assert err.value.context["file"] == str(bad) and err.value.context["record"] == 5
-    assert data_threads() == before and psutil.Process().children() == []
+    assert data_threads() == before and worker_children() == []

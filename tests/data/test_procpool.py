@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 
-import psutil
 import pytest
 
 from core.exceptions import DataError
@@ -13,6 +12,7 @@ from data.pipeline.items import Chunk, Doc
 from data.pipeline.procpool import ProcessPool
 from data.pipeline.stages import DecodeStage
 from data.state import Position
+from tests.data.children import worker_children
 
 
 def _chunk(text: bytes) -> Chunk:
@@ -23,10 +23,10 @@ def test_a_child_applies_the_stage_and_close_reaps_it():
     pool = ProcessPool(2, {"decode": DecodeStage(["text"])})
     try:
         assert pool.run("decode", _chunk(b'{"text": "hi"}')).docs[0].payload == "hi"
-        assert {c.pid for c in psutil.Process().children()} == set(pool.pids())
+        assert {c.pid for c in worker_children()} == set(pool.pids())
     finally:
         pool.close()
-    assert psutil.Process().children() == []
+    assert worker_children() == []
 
 
 def test_a_dead_child_is_a_data_error_not_a_hang():
@@ -37,4 +37,4 @@ def test_a_dead_child_is_a_data_error_not_a_hang():
             pool.run("decode", _chunk(b'{"text": "hi"}'))
     finally:
         pool.close()
-    assert psutil.Process().children() == []
+    assert worker_children() == []
