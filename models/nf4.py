@@ -20,6 +20,8 @@ torchao is imported on first use only: models that do not quantize never load it
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import torch
@@ -37,6 +39,11 @@ SCALER_BLOCK_SIZE = 256
 
 def _torchao_nf4() -> Any:
     """torchao's NF4 module (its path moved in torchao 0.15; both layouts are accepted)."""
+    if not torch.cuda.is_available():
+        # torchao's only native libraries are CUDA kernels (cutlass sm90a, mxfp8): without CUDA
+        # their loads fail, and on CPU test machines a process crashed now and then right after
+        # those failed loads (glibc: "malloc(): unaligned tcache chunk"). NF4 needs neither.
+        os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:

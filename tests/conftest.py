@@ -7,7 +7,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import os  # noqa: E402
 import subprocess  # noqa: E402
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # torchao (imported by the NF4 and FP8 tests, and by peft) only ships CUDA kernels as
+    # native libraries; their failed loads preceded rare heap-corruption crashes of spawned
+    # ranks here. Children inherit the variable. models/nf4.py does the same for users.
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 import pytest  # noqa: E402
 
