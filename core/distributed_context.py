@@ -191,14 +191,7 @@ class DistributedContext:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of ``tensor`` (sum, max, min, avg); returns it."""
-        if self.is_distributed:
-            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-            if op == "avg":
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-                tensor /= self.world_size
-            else:
-                dist.all_reduce(tensor, op=ops[op])
-        return tensor
+        return self._all_reduce(tensor, op, group=None)
 
     def host_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of a CPU ``tensor`` over gloo; returns it.
@@ -208,9 +201,13 @@ class DistributedContext:
         host wait for that work too, so the GPU would idle while the host prepares the next
         step.
         """
+        return self._all_reduce(tensor, op, group=self._object_group)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, group: Any) -> torch.Tensor:
         if self.is_distributed:
-            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-            dist.all_reduce(tensor, op=ops["sum" if op == "avg" else op], group=self._object_group)
+            ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                   "min": dist.ReduceOp.MIN}
+            dist.all_reduce(tensor, op=ops[op], group=group)
             if op == "avg":
                 tensor /= self.world_size
         return tensor
