@@ -15,6 +15,17 @@ The forward dequantizes the weight to the input's dtype for each matmul (torchao
 ``linear_nf4``), so the NF4 bytes are all that stays resident; the backward needs only
 the input gradient (the weight is frozen) and dequantizes again.
 
+Under torch.compile (per-block compile, distributed/compile.py) the dequantization is
+traced into the block's graph as ordinary ops, and AOTAutograd's min-cut partitioner kept
+its output, a full-width weight, for the backward's matmul: a compiled QLoRA block saved as
+many weight bytes as a LoRA block with a bf16 base. So while compiling, the forward runs
+``linear_nf4`` inside a non-reentrant ``torch.utils.checkpoint``: the partitioner must
+recompute what the region computes, and saves only those of its inputs the backward needs,
+the NF4 bytes (resident anyway; the input is not needed, the weight being frozen). Inside a
+checkpointed block the region nests in the block's checkpoint. The backward then
+dequantizes again, as the eager one does. Eager forwards call ``linear_nf4`` directly,
+which saves the NF4 weight itself (tests/models/test_nf4_memory.py).
+
 torchao is imported on first use only: models that do not quantize never load it.
 """
 
@@ -26,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from core.config import ModelConfig
 from core.exceptions import ConfigError
@@ -82,7 +94,14 @@ class NF4Linear(nn.Module):
         return cls(quantized, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _torchao_nf4().linear_nf4(x, self.weight)
+        linear_nf4 = _torchao_nf4().linear_nf4
+        if torch.compiler.is_compiling():
+            # Traced, the dequantization is an ordinary op of the block's graph, and the
+            # partitioner would keep its output (the full-width weight) for the backward's
+            # matmul; checkpointed, it must recompute it there from the NF4 bytes instead.
+            out = checkpoint(linear_nf4, x, self.weight, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = linear_nf4(x, self.weight)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
