@@ -242,6 +242,10 @@ class GRPOConfig:
     """Completions sampled per prompt; advantages are normalized within each prompt's group."""
     max_new_tokens: int = 32
     """Generated tokens per completion at most (fewer where data.seq_len ends first)."""
+    eval_samples: int = 0
+    """Held-out evaluation: completions sampled per prompt for sampled pass@1 (metrics.sampled_accuracy); 0: greedy only."""
+    eval_temperature: float = 1.0
+    """Held-out evaluation: temperature of the eval_samples completions (> 0; used only when eval_samples > 0)."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts (> 0)."""
     top_p: float = 1.0
@@ -449,6 +453,8 @@ RESUMABLE_KEYS = (
     "train.max_steps",
     "train.eval_interval",
     "train.eval_batches",
+    "objective.grpo.eval_samples",
+    "objective.grpo.eval_temperature",
     "checkpoint.",
     "runtime.",
     "metrics.",
@@ -808,6 +814,8 @@ def _validate_grpo(config: Config) -> None:
     checks = (
         ("group_size", g.group_size >= 2, ">= 2 (advantages compare completions of one prompt)"),
         ("max_new_tokens", g.max_new_tokens >= 1, ">= 1"),
+        ("eval_samples", g.eval_samples >= 0, ">= 0 (0: greedy evaluation only)"),
+        ("eval_temperature", math.isfinite(g.eval_temperature) and g.eval_temperature > 0, "> 0"),
         ("temperature", math.isfinite(g.temperature) and g.temperature > 0, "> 0 (greedy groups have no variance)"),
         ("top_p", 0 < g.top_p <= 1, "in (0, 1]"),
         ("top_k", g.top_k >= 0, ">= 0"),

@@ -39,6 +39,13 @@ of the world size), scores the completion with the configured rewards and with
 ``exact_answer``, and returns the prompt rows with extras ``eval_reward`` and ``eval_exact``;
 ``loss`` then returns, per prompt, minus the reward as the loss and the metric sums
 ``reward_mean`` and ``accuracy`` (1 where the completion gets the full exact_answer reward).
+With ``eval_samples = k > 0`` it also samples k completions per prompt at ``eval_temperature``
+(the rollouts' top-k/top-p), sample ``j`` of held-out prompt ``i`` (its index in the evaluation:
+``(eval batch - 1) * global_batch_size + row``) keyed ``(train.seed, "grpo-eval", 0, i, j)``:
+the same streams at every evaluation, so equal weights score equal numbers and evaluations
+at different steps share their random numbers. Their per-prompt means (extras
+``eval_sampled_reward``, ``eval_sampled_exact``) add the sums ``sampled_reward_mean`` and
+``sampled_accuracy`` (pass@1 estimated from k samples).
 The loop sums them over micro-batches and ranks and divides by the number of prompts.
 """
 
@@ -93,6 +100,8 @@ class GRPOObjective:
                                      max_new_tokens=g.max_new_tokens, stop_token_ids=self.stop_ids)
         self.eval_params = SamplingParams(temperature=0.0, max_new_tokens=g.max_new_tokens,
                                           stop_token_ids=self.stop_ids)
+        self.eval_sampled_params = SamplingParams(temperature=g.eval_temperature, top_p=g.top_p, top_k=g.top_k,
+                                                  max_new_tokens=g.max_new_tokens, stop_token_ids=self.stop_ids)
         # Every forward of the sampler runs this many rows (its static shape): a constant of the
         # config, not of the world size, so rollouts do not depend on how rows are spread.
         self.rollout_rows = g.group_size * config.train.global_batch_size // config.data.num_streams
@@ -174,8 +183,11 @@ class GRPOObjective:
     def loss(self, model: nn.Module, micro: Batch) -> LossOutput:
         if "eval_reward" in micro.extras:  # an evaluation batch: scored in prepare, one unit per prompt
             reward, exact = micro.extras["eval_reward"], micro.extras["eval_exact"]
-            return LossOutput(-reward.sum(), int(reward.shape[0]),
-                              {"reward_mean": reward.sum(), "accuracy": exact.sum()})
+            metrics = {"reward_mean": reward.sum(), "accuracy": exact.sum()}
+            if "eval_sampled_reward" in micro.extras:  # per-prompt means over the eval_samples completions
+                metrics["sampled_reward_mean"] = micro.extras["eval_sampled_reward"].sum()
+                metrics["sampled_accuracy"] = micro.extras["eval_sampled_exact"].sum()
+            return LossOutput(-reward.sum(), int(reward.shape[0]), metrics)
         count = self.num_targets(micro)  # host labels: no device sync
         placed = micro.placed(self._context.place)
         mask = placed.labels != IGNORE_INDEX
@@ -272,19 +284,38 @@ class GRPOObjective:
 
     def _evaluation_batch(self, batch: Batch) -> Batch:
         """The held-out prompt rows with the greedy completion's reward and exact-answer score
-        (extras ``eval_reward``, ``eval_exact``, (B,) float32); no training state is touched."""
+        (extras ``eval_reward``, ``eval_exact``, (B,) float32) and, with ``eval_samples > 0``, the
+        means over the sampled completions (``eval_sampled_reward``, ``eval_sampled_exact``);
+        no training state is touched."""
         prompts = [self._prompt_of(batch, r) for r in range(len(batch.sequence_index))]
-        samples = self._generate([p[1] for p in prompts], [p[0] for p in prompts], self.eval_params,
-                                 purpose=EVAL_PURPOSE, step=batch.step, samples=1)
-        rewards, exact = [], []
-        for (index, _, answer, prompt_text), sample in zip(prompts, samples):
-            _, text = self._completion(sample)
-            value, _ = score(self.rewards, text, answer, prompt_text, on_error=self.g.on_reward_error,
-                             where=f"evaluation batch {batch.step}, prompt row {index}")
-            rewards.append(value)
-            exact.append(exact_answer(text, answer))
-        return batch.with_extras(eval_reward=torch.tensor(rewards, dtype=torch.float32),
-                                 eval_exact=torch.tensor(exact, dtype=torch.float32))
+        # A prompt's index in the evaluation (eval batches count from 1, rows within the global
+        # batch): the same for every world size and at every evaluation.
+        held_out = [(batch.step - 1) * self.config.train.global_batch_size + p[0] for p in prompts]
+        greedy = self._evaluation_scores(batch, prompts, held_out, self.eval_params, samples=1)
+        extras = {"eval_reward": greedy[0], "eval_exact": greedy[1]}
+        if self.g.eval_samples > 0:
+            sampled = self._evaluation_scores(batch, prompts, held_out, self.eval_sampled_params,
+                                              samples=self.g.eval_samples)
+            extras.update(eval_sampled_reward=sampled[0], eval_sampled_exact=sampled[1])
+        return batch.with_extras(**extras)
+
+    def _evaluation_scores(self, batch: Batch, prompts: list, held_out: list[int], params: SamplingParams, *,
+                           samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per prompt, the mean configured reward and the mean exact-answer score of ``samples``
+        completions; sample ``j`` of held-out prompt ``i`` is keyed ``(seed, EVAL_PURPOSE, 0, i, j)``
+        (greedy decoding draws nothing from its key)."""
+        flat = self._generate([p[1] for p in prompts], held_out, params, purpose=EVAL_PURPOSE, step=0,
+                              samples=samples)
+        rewards = np.zeros((len(prompts), samples), dtype=np.float64)
+        exact = np.zeros((len(prompts), samples), dtype=np.float64)
+        for p, (index, _, answer, prompt_text) in enumerate(prompts):
+            for s in range(samples):
+                _, text = self._completion(flat[p * samples + s])
+                rewards[p, s], _ = score(self.rewards, text, answer, prompt_text, on_error=self.g.on_reward_error,
+                                         where=f"evaluation batch {batch.step}, prompt row {index}, sample {s}")
+                exact[p, s] = exact_answer(text, answer)
+        return (torch.tensor(rewards.mean(axis=1), dtype=torch.float32),
+                torch.tensor(exact.mean(axis=1), dtype=torch.float32))
 
     def _completion(self, sample: Sample) -> tuple[list[int], str]:
         """The tokens trained on (cut after a several-token end-of-turn marker) and the completion
