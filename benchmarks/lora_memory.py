@@ -149,6 +149,8 @@ def run_case(args: argparse.Namespace) -> dict:
                             "calls_captured": counters["stats"]["calls_captured"]}
     if args.profile:
         result["profile"] = profile_step(lambda: step(0), cuda)
+    if args.memory_peak and cuda:
+        result["memory_peak"] = peak_breakdown(lambda: step(0))
     if args.case in ADAPTER_CASES:
         state_bytes = sum(
             t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
@@ -183,6 +185,45 @@ def profile_step(step, cuda: bool) -> dict:
             "top": [{"name": name[:120], "ms": round(ms, 3)} for name, ms in top],
             "host_top": [{"name": a.key[:120], "self_ms": round(a.self_cpu_time_total / 1e3, 3), "calls": a.count}
                          for a in host]}
+
+
+def peak_breakdown(step, top: int = 12) -> dict:
+    """One step with the allocator's history recorded: the allocations alive at the step's
+    peak, grouped by where they were made (the innermost frame in this repository and the
+    innermost frame of all, so compiled graphs show as their generated file), largest first."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=1_000_000)
+    try:
+        step()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, tuple[int, list]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, list]] = {}
+    for trace in snapshot["device_traces"]:
+        for event in trace:
+            if event["action"] == "alloc":
+                live[event["addr"]] = (event["size"], event.get("frames", []))
+                total += event["size"]
+                if total > peak:
+                    peak, at_peak = total, dict(live)
+            elif event["action"] == "free_completed" and event["addr"] in live:
+                total -= live.pop(event["addr"])[0]
+    root = str(ROOT)
+    groups: dict[str, list[int]] = {}
+    for size, frames in at_peak.values():
+        ours = next((f for f in frames if f["filename"].startswith(root)), None)
+        inner = frames[0] if frames else None
+        where = lambda f: "?" if f is None else f"{Path(f['filename']).name}:{f['line']} {f['name']}"  # noqa: E731
+        key = f"{where(ours)} <- {where(inner)}"
+        entry = groups.setdefault(key, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(groups.items(), key=lambda item: -item[1][0])[:top]
+    return {"peak_bytes_in_step": peak, "allocations_at_peak": len(at_peak),
+            "groups": [{"where": key, "bytes": b, "count": n} for key, (b, n) in ranked]}
 
 
 def table(results: list[dict]) -> str:
@@ -221,6 +262,8 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (as parallel.compile)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", action="store_true", help="profile one extra step per case (JSON 'profile')")
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="record one extra step's allocations: what is alive at its peak, by origin (JSON 'memory_peak')")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in a child process
@@ -235,7 +278,8 @@ def main() -> int:
             "--config", args.config, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--activation-checkpointing", args.activation_checkpointing, "--device", args.device, "--case", case,
-        ] + (["--compile"] if args.compile else []) + (["--profile"] if args.profile else []) + [
+        ] + (["--compile"] if args.compile else []) + (["--profile"] if args.profile else []) + (
+            ["--memory-peak"] if args.memory_peak else []) + [
             f"--set={item}" for item in args.set]
         proc = subprocess.run([sys.executable, __file__, *child], cwd=ROOT, capture_output=True, text=True)
         if proc.returncode == 0:

@@ -197,9 +197,9 @@ def parquet_source() -> str:
     return str((DATASET_DIR / "train").relative_to(ROOT)) + "/*.parquet"
 
 
-def train_command(case: Case, overrides: list[str], config_path: str) -> list[str]:
+def train_command(case: Case, overrides: list[str], config_path: str, launcher_args: list[str] = ()) -> list[str]:
     return [
-        PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
+        PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}", *launcher_args,
         "train.py", "--config", config_path, *overrides,
     ]
 
@@ -498,7 +498,7 @@ def run_case(
 ) -> dict[str, Any]:
     config_path, _ = hfb.preset_args(case.shape)
     overrides = case_overrides(case, args, env, run_root)
-    cmd = train_command(case, overrides, config_path)
+    cmd = train_command(case, overrides, config_path, args.launcher_arg)
     result: dict[str, Any] = {"kind": "lockstep", "case": case.name, **asdict(case),
                               "strategy": strategy_for(case.gpus, args), "command": shlex.join(cmd)}
     if args.device == "cuda" and case.gpus > env.get("gpu_count", 0):
@@ -674,6 +674,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-modes", type=csv_list(str), default=["eager", "compile"])
     p.add_argument("--timeout", type=float, default=480, help="seconds per case")
     p.add_argument("--budget", type=float, default=0, help="total seconds; cases that would not fit are skipped")
+    p.add_argument("--launcher-arg", action="append", default=[], metavar="ARG",
+                   help="extra torchrun argument for every case (repeatable), e.g. --launcher-arg=--numa-binding=node")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the per-GPU dense bf16 peak")
     p.add_argument("--run-root", help="where the runs go (default: a temporary directory)")
     p.add_argument("--keep-runs", action="store_true", help="keep the run directories")
