@@ -15,29 +15,40 @@ The forward dequantizes the weight to the input's dtype for each matmul (torchao
 ``linear_nf4``), so the NF4 bytes are all that stays resident; the backward needs only
 the input gradient (the weight is frozen) and dequantizes again.
 
-Under torch.compile (per-block compile, distributed/compile.py) the dequantization is
-traced into the block's graph as ordinary ops, and AOTAutograd's min-cut partitioner kept
-its output, a full-width weight, for the backward's matmul: a compiled QLoRA block saved as
-many weight bytes as a LoRA block with a bf16 base. So while compiling, the forward runs
-``linear_nf4`` inside a non-reentrant ``torch.utils.checkpoint``: the partitioner must
-recompute what the region computes, and saves only those of its inputs the backward needs,
-the NF4 bytes (resident anyway; the input is not needed, the weight being frozen). Inside a
-checkpointed block the region nests in the block's checkpoint. The backward then
-dequantizes again, as the eager one does. Eager forwards call ``linear_nf4`` directly,
-which saves the NF4 weight itself (tests/models/test_nf4_memory.py).
+Under torch.compile (per-block compile, distributed/compile.py) the NF4 linear runs as one
+custom op, ``lockstep::nf4_linear``, that AOTAutograd does not look into. Traced as torchao's
+tensor subclass, the dequantization and matmul became ordinary ops of the block's graph: the
+min-cut partitioner kept every dequantized weight for the backward's matmul, and on torch
+2.11 the block's activation checkpoint did not reach those ops either, so a checkpointed
+QLoRA block still saved every NF4 linear's weight and matmul outputs (Qwen3-1.7B on an H200:
+13.68 GiB peak against LoRA's 10.62; a nested checkpoint around ``linear_nf4``, tried before,
+changed nothing there). The op takes the NF4Tensor's plain inner tensors, runs torchao's own
+eager code on an NF4Tensor rebuilt from them (``weight.to(x.dtype)``, ``F.linear``, then the
+bias as the eager forward adds it), and its backward, ``lockstep::nf4_linear_input_grad``,
+computes ``grad @ weight.to(grad.dtype)`` as torchao's ``LinearNF4.backward`` does. It saves
+only the NF4 bytes (resident anyway): never the input, never a weight. So compiled outputs and
+input gradients equal eager's bit for bit (inductor fuses nothing into the op), a checkpointed
+block recomputes the op like any other, and no graph breaks (``fullgraph`` works, as do
+``no_grad`` and ``inference_mode`` forwards). Autocast does not reach into a custom op, so
+the input is cast to autocast's dtype before it, as autocast casts eager's ``F.linear``.
+Eager forwards call ``linear_nf4`` directly, which saves the NF4 weight itself. A weight the
+op cannot take apart (a DTensor: FSDP2 gathers NF4 weights before the forward, so only a
+sharded forward would see one) or a bias that trains keeps ``linear_nf4`` under compile too
+(tests/models/test_nf4_memory.py).
 
 torchao is imported on first use only: models that do not quantize never load it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.nn import functional as F
 
 from core.config import ModelConfig
 from core.exceptions import ConfigError
@@ -94,14 +105,9 @@ class NF4Linear(nn.Module):
         return cls(quantized, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear_nf4 = _torchao_nf4().linear_nf4
-        if torch.compiler.is_compiling():
-            # Traced, the dequantization is an ordinary op of the block's graph, and the
-            # partitioner would keep its output (the full-width weight) for the backward's
-            # matmul; checkpointed, it must recompute it there from the NF4 bytes instead.
-            out = checkpoint(linear_nf4, x, self.weight, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out = linear_nf4(x, self.weight)
+        if torch.compiler.is_compiling() and _compiled_path(self.weight, self.bias):
+            return _compiled_linear_nf4(x, self.weight, self.bias)  # see "Under torch.compile" above
+        out = _torchao_nf4().linear_nf4(x, self.weight)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -110,6 +116,108 @@ class NF4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
+
+
+# --------------------------------------------------------------------------- compiled path
+#
+# Two custom ops that AOTAutograd cannot look into: the compiled graph holds one node per NF4
+# linear (and one per input gradient), which runs torchao's own eager code on an NF4Tensor
+# rebuilt from its parts. The parts are plain tensors, so no tensor subclass is desugared
+# inside a compiled block and the block's activation-checkpoint tags reach these nodes.
+
+
+def _compiled_path(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """True for an NF4Tensor the custom ops can take apart (a sharded DTensor is not one) and
+    a frozen bias (the ops give no bias gradient)."""
+    return (
+        is_nf4(weight) and weight.dim() == 2 and weight.is_contiguous()
+        and (bias is None or not bias.requires_grad)
+    )
+
+
+def _compiled_linear_nf4(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear_nf4(x, weight) + bias.to(out.dtype)`` as one opaque op."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point() and x.dtype != torch.float64:
+        # Autocast does not reach into a custom op: cast as it casts linear_nf4's F.linear in
+        # eager (the weight follows x's dtype there and here).
+        x = x.to(torch.get_autocast_dtype(device_type))
+    return torch.ops.lockstep.nf4_linear(x, *_nf4_parts(weight), bias)
+
+
+def _nf4_parts(weight: torch.Tensor) -> tuple:
+    """The NF4Tensor's inner tensors and metadata, in the ops' argument order."""
+    return (
+        weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean, weight.nf4,
+        weight.block_size, weight.scaler_block_size, list(weight.shape), weight.dtype,
+    )
+
+
+def _dequantize(
+    quantized_data: torch.Tensor, quantized_scalers: torch.Tensor, quantization_factor: torch.Tensor,
+    scaler_mean: torch.Tensor, nf4: torch.Tensor, block_size: int, scaler_block_size: int, shape: list[int],
+    weight_dtype: torch.dtype, dtype: torch.dtype,
+) -> torch.Tensor:
+    """``weight.to(dtype)`` of the contiguous NF4Tensor with these parts: torchao's own code."""
+    nf4_tensor = _torchao_nf4()
+    meta = nf4_tensor.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, weight_dtype, quantized_data.device, False)
+    weight = nf4_tensor.NF4Tensor(
+        meta, block_size, math.prod(shape) // block_size, scaler_block_size,
+        quantized_scalers, quantization_factor, scaler_mean, quantized_data, nf4,
+    )
+    return weight.to(dtype)
+
+
+@torch.library.custom_op("lockstep::nf4_linear", mutates_args=())
+def _nf4_linear(
+    x: torch.Tensor, quantized_data: torch.Tensor, quantized_scalers: torch.Tensor,
+    quantization_factor: torch.Tensor, scaler_mean: torch.Tensor, nf4: torch.Tensor, block_size: int,
+    scaler_block_size: int, shape: list[int], weight_dtype: torch.dtype, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """torchao's ``LinearNF4.forward`` (``F.linear(x, weight.to(x.dtype))``), then NF4Linear's bias."""
+    weight = _dequantize(quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4,
+                         block_size, scaler_block_size, shape, weight_dtype, x.dtype)
+    out = F.linear(x, weight)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+@_nf4_linear.register_fake
+def _(x, quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4, block_size,
+      scaler_block_size, shape, weight_dtype, bias):
+    return x.new_empty(*x.shape[:-1], shape[0])
+
+
+@torch.library.custom_op("lockstep::nf4_linear_input_grad", mutates_args=())
+def _nf4_linear_input_grad(
+    grad: torch.Tensor, quantized_data: torch.Tensor, quantized_scalers: torch.Tensor,
+    quantization_factor: torch.Tensor, scaler_mean: torch.Tensor, nf4: torch.Tensor, block_size: int,
+    scaler_block_size: int, shape: list[int], weight_dtype: torch.dtype,
+) -> torch.Tensor:
+    """torchao's ``LinearNF4.backward``: ``grad @ weight.to(grad.dtype)``."""
+    weight = _dequantize(quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4,
+                         block_size, scaler_block_size, shape, weight_dtype, grad.dtype)
+    return grad @ weight
+
+
+@_nf4_linear_input_grad.register_fake
+def _(grad, quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4, block_size,
+      scaler_block_size, shape, weight_dtype):
+    return grad.new_empty(*grad.shape[:-1], shape[1])
+
+
+def _save_nf4_parts(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Saved for backward: the NF4 parts (resident anyway), never the input or a weight."""
+    _, *tensors, block_size, scaler_block_size, shape, weight_dtype, _ = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.nf4_layout = (block_size, scaler_block_size, shape, weight_dtype)
+
+
+def _nf4_linear_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    input_grad = torch.ops.lockstep.nf4_linear_input_grad(grad, *ctx.saved_tensors, *ctx.nf4_layout)
+    return (input_grad,) + (None,) * 10  # the weight and the bias are frozen
+
+
+_nf4_linear.register_autograd(_nf4_linear_backward, setup_context=_save_nf4_parts)
 
 
 def check_nf4_layout(config: ModelConfig, *, shards: int = 1) -> None:
