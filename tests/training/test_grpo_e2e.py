@@ -6,7 +6,8 @@
 - replay of a step regenerates its rollouts and verifies (rollout_hash, then the updates: the
   config makes two per rollout batch, ``inner_updates: 2``);
 - 2 ranks -> 1 rank samples the same first step (keys are per global prompt row, not per rank);
-- the held-out evaluation (greedy completions, reward mean and exact-answer accuracy in the
+- the held-out evaluation (greedy completions, reward mean and exact-answer accuracy, and the
+  sampled pass@1 of ``eval_samples`` completions per prompt, in the
   ``eval`` event) is the same on 1 and 2 ranks and equals the rewards of ``python -m training
   generate --temperature 0`` on the same prompts;
 - bad inputs are typed errors: an unknown reward function (exit 2, before any run dir), a
@@ -103,7 +104,7 @@ def test_grpo_eval_is_world_size_independent_and_equals_generate(e2e_workdir, tm
     for k, (prompt, answer) in enumerate(zip(EVAL_PROMPTS, answers)):  # one record per stream
         (held_out / f"part-{k:03d}.jsonl").write_text(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
     overrides = [f"data.eval_source={{path: {held_out}, record: prompt}}", "train.eval_interval=1",
-                 "train.eval_batches=1", "train.lr=0", "objective.grpo.kl_coef=0",
+                 "train.eval_batches=1", "train.lr=0", "objective.grpo.kl_coef=0", "objective.grpo.eval_samples=3",
                  f'objective.grpo.rewards=[{{name: exact_answer}}, {{name: "{__name__}:completion_chars", weight: 0.5}}]']
     evals = {}
     for nproc in (1, 2):
@@ -113,7 +114,8 @@ def test_grpo_eval_is_world_size_independent_and_equals_generate(e2e_workdir, tm
         run_dir = _run_dir(e2e_workdir, result)
         [event] = [e for e in launch.events(run_dir) if e.get("event") == "eval"]
         evals[nproc] = {k: event[k] for k in ("step", "loss", "tokens", "metrics")}
-    assert evals[1] == evals[2]
+    assert evals[1] == evals[2]  # greedy and sampled metrics alike: the sampled draws are keyed per prompt
+    assert {"sampled_accuracy", "sampled_reward_mean"} <= set(evals[2]["metrics"])
     assert evals[2]["tokens"] == len(EVAL_PROMPTS)  # one unit per prompt
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in EVAL_PROMPTS))
