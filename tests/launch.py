@@ -157,7 +157,9 @@ def spawn_json_ranks(target, out_dir: Path, *, world: int = 2, timeout: float = 
     port = free_port()
     codes = spawn_ranks(target, lambda r: (r, world, port, str(out_dir)), world=world, timeout=timeout)
     errors = [f.read_text() for f in Path(out_dir).glob("*_error.txt")]
-    assert codes == [0] * world, errors
+    written = [(Path(out_dir) / f"rank{r}.json").is_file() for r in range(world)]
+    # A rank that died from a signal (negative code) after writing its JSON failed in teardown.
+    assert codes == [0] * world, {"exit_codes": codes, "json_written": written, "tracebacks": errors}
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
