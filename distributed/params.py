@@ -98,7 +98,7 @@ _K = (-7046029254386353131, -4658895280553007687, -7723592293110705685, 16095879
 _CHUNK = 1 << 24
 
 
-def _is_packed(tensor: torch.Tensor) -> bool:
+def is_packed(tensor: torch.Tensor) -> bool:
     """A wrapper tensor subclass that packs its values (a quantized weight): its bits cannot
     be viewed as one plain tensor, and their layout may depend on how it was sharded and
     gathered, so it is hashed by the plain values it dequantizes to."""
@@ -117,7 +117,7 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     independent weightings make structured collisions vanishingly unlikely. Not a
     cryptographic hash: it detects divergence, it does not resist tampering.
     """
-    if _is_packed(tensor):  # a quantized subclass (torchao's NF4): the values it stands for
+    if is_packed(tensor):  # a quantized subclass (torchao's NF4): the values it stands for
         return fingerprint(torch.ops.aten._to_copy(tensor, dtype=tensor.dtype))
     flat = tensor.detach().contiguous().reshape(-1)
     words = flat.view(_INT_OF_WIDTH[flat.element_size()])
