@@ -352,6 +352,10 @@ class ParallelConfig:
     """Collective timeout in seconds."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; auto picks cuda when available. Local rank i takes cuda:i; more ranks per node than visible GPUs is an error (exit 2)."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Data-parallel gradient reduction (ddp, fsdp): fp32, or bf16 (half the bytes on the wire; each rank's gradient is divided by the data-parallel size and rounded to bf16 before the sum, then stored back in the gradient's dtype). Needs precision=bf16."""
+    ddp_bucket_mb: float = 25.0
+    """DDP: gradient bucket size in MiB. Each bucket is one all-reduce, started as soon as its gradients are ready: larger buckets mean fewer, larger collectives and less overlap with the backward."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 linears via torchao (CUDA sm89+ only; master weights stay fp32): none, tensorwise or rowwise scaling. See docs/parallelism.md."""
 
@@ -727,6 +731,19 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"parallel.fsdp_unit_blocks must be >= 1, got {p.fsdp_unit_blocks}",
             key="parallel.fsdp_unit_blocks",
             hint="1 shards every transformer block on its own",
+        )
+    if p.reduce_dtype != "fp32" and (p.precision != "bf16" or p.strategy not in ("ddp", "fsdp")):
+        raise ConfigError(
+            f"parallel.reduce_dtype={p.reduce_dtype} needs parallel.precision=bf16 and strategy ddp or fsdp "
+            f"(got precision={p.precision}, strategy={p.strategy})",
+            key="parallel.reduce_dtype",
+            hint="set parallel.reduce_dtype=fp32, or train in bf16 with data parallelism",
+        )
+    if not math.isfinite(p.ddp_bucket_mb) or p.ddp_bucket_mb <= 0:
+        raise ConfigError(
+            f"parallel.ddp_bucket_mb must be a finite number > 0, got {p.ddp_bucket_mb}",
+            key="parallel.ddp_bucket_mb",
+            hint="25 is DDP's default",
         )
     if p.compile_mode != "default" and (not p.compile or p.device == "cpu" or p.strategy in ("fsdp", "xla_spmd")):
         raise ConfigError(

@@ -26,7 +26,8 @@ from distributed.model_structure import has_tied_embeddings, transformer_blocks
 
 def mixed_precision_policy(parallel: ParallelConfig) -> MixedPrecisionPolicy:
     if parallel.precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        reduce_dtype = torch.bfloat16 if parallel.reduce_dtype == "bf16" else torch.float32
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     return MixedPrecisionPolicy()
 
 

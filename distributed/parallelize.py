@@ -59,5 +59,5 @@ def parallelize(
         if parallel.strategy == "fsdp":
             apply_fsdp(model, topology.dp_mesh, parallel, dist.device)
         elif parallel.strategy == "ddp" and topology.dp_size > 1:
-            return apply_ddp(model, topology.dp_mesh, dist.device)
+            return apply_ddp(model, topology.dp_mesh, dist.device, parallel)
     return model

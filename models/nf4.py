@@ -22,12 +22,14 @@ min-cut partitioner kept every dequantized weight for the backward's matmul, and
 2.11 the block's activation checkpoint did not reach those ops either, so a checkpointed
 QLoRA block still saved every NF4 linear's weight and matmul outputs (Qwen3-1.7B on an H200:
 13.68 GiB peak against LoRA's 10.62; a nested checkpoint around ``linear_nf4``, tried before,
-changed nothing there). The op takes the NF4Tensor's plain inner tensors, runs torchao's own
-eager code on an NF4Tensor rebuilt from them (``weight.to(x.dtype)``, ``F.linear``, then the
-bias as the eager forward adds it), and its backward, ``lockstep::nf4_linear_input_grad``,
-computes ``grad @ weight.to(grad.dtype)`` as torchao's ``LinearNF4.backward`` does. It saves
-only the NF4 bytes (resident anyway): never the input, never a weight. So compiled outputs and
-input gradients equal eager's bit for bit (inductor fuses nothing into the op), a checkpointed
+changed nothing there). The op takes the NF4Tensor's plain inner tensors, dequantizes them
+with torchao's formula on plain tensors (``_dequantize_eager``: bit for bit torchao's
+``weight.to(x.dtype)``, tested; compiled into one kernel on CUDA, since the dozen eager
+launches per linear made QLoRA 4-5x slower there), then ``F.linear`` and the bias as the
+eager forward adds it; its backward, ``lockstep::nf4_linear_input_grad``, computes
+``grad @ weight.to(grad.dtype)`` as torchao's ``LinearNF4.backward`` does. It saves only the
+NF4 bytes (resident anyway): never the input, never a weight. So compiled outputs and input
+gradients equal eager's bit for bit (inductor fuses nothing into the op), a checkpointed
 block recomputes the op like any other, and no graph breaks (``fullgraph`` works, as do
 ``no_grad`` and ``inference_mode`` forwards). Autocast does not reach into a custom op, so
 the input is cast to autocast's dtype before it, as autocast casts eager's ``F.linear``.
@@ -153,19 +155,49 @@ def _nf4_parts(weight: torch.Tensor) -> tuple:
     )
 
 
-def _dequantize(
+def _dequantize_eager(
     quantized_data: torch.Tensor, quantized_scalers: torch.Tensor, quantization_factor: torch.Tensor,
     scaler_mean: torch.Tensor, nf4: torch.Tensor, block_size: int, scaler_block_size: int, shape: list[int],
     weight_dtype: torch.dtype, dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``weight.to(dtype)`` of the contiguous NF4Tensor with these parts: torchao's own code."""
-    nf4_tensor = _torchao_nf4()
-    meta = nf4_tensor.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, weight_dtype, quantized_data.device, False)
-    weight = nf4_tensor.NF4Tensor(
-        meta, block_size, math.prod(shape) // block_size, scaler_block_size,
-        quantized_scalers, quantization_factor, scaler_mean, quantized_data, nf4,
-    )
+    """``weight.to(dtype)`` of the contiguous NF4Tensor with these parts, on plain tensors.
+
+    The same operations in the same order as torchao's ``NF4Tensor.get_original_weight``
+    (unpack two 4-bit codes per byte, look them up in the NF4 table, multiply by the block's
+    scale, which is the int8 scale divided by its block's factor, cast to the weight's dtype,
+    plus the mean; interleave), so the values are bit for bit torchao's (tested against it),
+    without going through the subclass's Python dispatch for each of those ops."""
+    codes_high = nf4[(quantized_data >> 4).to(torch.long)]
+    codes_low = nf4[(quantized_data & 0b1111).to(torch.long)]
+    scalers = quantized_scalers.view(-1, scaler_block_size) / quantization_factor.unsqueeze(-1)
+    scalers = scalers.flatten().to(weight_dtype) + scaler_mean
+    repeated = scalers.unsqueeze(-1).expand(scalers.size(0), block_size // 2).flatten()
+    weight = torch.stack([codes_high * repeated, codes_low * repeated], dim=-1).reshape(shape)
     return weight.to(dtype)
+
+
+_compiled_dequantizer_cache: list = []
+
+
+def compiled_dequantizer() -> Any:
+    """``_dequantize_eager`` under torch.compile, built once. ``emulate_precision_casts`` makes
+    inductor round at every cast as eager does, so its values are eager's bit for bit (tested
+    on CPU; on the GPU ``benchmarks/lora_memory.py`` records the check as
+    ``nf4_dequantize_bitwise``). Dynamic shapes: one graph for every projection's shape."""
+    if not _compiled_dequantizer_cache:
+        _compiled_dequantizer_cache.append(torch.compile(
+            _dequantize_eager, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        ))
+    return _compiled_dequantizer_cache[0]
+
+
+def _dequantize(*parts: Any) -> torch.Tensor:
+    """``_dequantize_eager``; compiled on CUDA: one fused kernel instead of about a dozen
+    launches per linear per pass (with eager dequantization QLoRA at micro-batch 1 ran at a
+    fifth of LoRA's speed on an H200)."""
+    if parts[0].device.type == "cuda":
+        return compiled_dequantizer()(*parts)
+    return _dequantize_eager(*parts)
 
 
 @torch.library.custom_op("lockstep::nf4_linear", mutates_args=())

@@ -60,6 +60,21 @@ def test_missing_file():
     assert "does-not-exist.yaml" in str(info.value)
 
 
+@pytest.mark.parametrize(("overrides", "key", "says"), [
+    (["parallel.reduce_dtype=bf16"], "parallel.reduce_dtype", "precision=fp32"),  # tiny trains in fp32
+    (["parallel.reduce_dtype=bf16", "parallel.precision=bf16", "parallel.strategy=none"], "parallel.reduce_dtype",
+     "strategy=none"),
+    (["parallel.ddp_bucket_mb=0"], "parallel.ddp_bucket_mb", "got 0"),
+    (["parallel.ddp_bucket_mb=-1"], "parallel.ddp_bucket_mb", "got -1"),
+])
+def test_gradient_reduction_keys_are_checked(overrides, key, says):
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY, overrides)
+    assert info.value.context["key"] == key and says in str(info.value)
+    loaded = config_lib.load(TINY, ["parallel.reduce_dtype=bf16", "parallel.precision=bf16", "parallel.ddp_bucket_mb=100"])
+    assert (loaded.parallel.reduce_dtype, loaded.parallel.ddp_bucket_mb) == ("bf16", 100.0)
+
+
 def test_fsdp_unit_blocks_must_be_positive():
     with pytest.raises(ConfigError) as info:
         config_lib.load(TINY, ["parallel.fsdp_unit_blocks=0"])

@@ -158,3 +158,23 @@ def test_a_compiled_nf4_linear_computes_eagers_outputs_and_input_grads_bit_for_b
     assert torch.equal(out, want_out) and torch.equal(grad, want_grad)
     assert torch.equal(no_grad, want_out) and torch.equal(inference, want_out)
     assert saved == []  # neither the input nor a dequantized weight: the NF4 bytes only (resident)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_dequantization_is_torchaos_bit_for_bit_eager_and_compiled(weight_dtype):
+    """The custom ops dequantize on plain tensors (models.nf4._dequantize_eager, compiled on
+    CUDA), not through torchao's subclass: the values must still be torchao's own."""
+    from models.nf4 import _dequantize_eager, _nf4_parts, compiled_dequantizer
+
+    linear = torch.nn.Linear(256, 128, bias=False, dtype=weight_dtype)
+    with torch.no_grad():
+        linear.weight.normal_(generator=torch.Generator().manual_seed(4))
+    weight = NF4Linear.from_linear(linear, name="linear").weight
+    torch._dynamo.reset()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            want = weight.to(dtype)  # torchao's NF4Tensor.get_original_weight, then the cast
+            assert torch.equal(_dequantize_eager(*_nf4_parts(weight), dtype), want)
+            assert torch.equal(compiled_dequantizer()(*_nf4_parts(weight), dtype), want)
+    finally:
+        torch._dynamo.reset()
