@@ -169,6 +169,8 @@ def run_case(args: argparse.Namespace) -> dict:
 def nf4_dequantize_bitwise(model: torch.nn.Module) -> bool:
     """Whether the compiled dequantization the QLoRA ops run on CUDA (models/nf4.py) gives
     torchao's own values, bit for bit, for the NF4 weights of the first block, to bf16 and fp32."""
+    import torch
+
     from models.nf4 import _nf4_parts, compiled_dequantizer, is_nf4
 
     weights = [p for n, p in model.named_parameters() if n.startswith("layers.0.") and is_nf4(p)]
