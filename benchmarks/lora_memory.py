@@ -151,8 +151,6 @@ def run_case(args: argparse.Namespace) -> dict:
         result["profile"] = profile_step(lambda: step(0), cuda)
     if args.memory_peak and cuda:
         result["memory_peak"] = peak_breakdown(lambda: step(0))
-    if args.case == "qlora":
-        result["nf4_dequantize_bitwise"] = nf4_dequantize_bitwise(model)
     if args.case in ADAPTER_CASES:
         state_bytes = sum(
             t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
@@ -164,20 +162,6 @@ def run_case(args: argparse.Namespace) -> dict:
             result["adapter_save_s"] = time.perf_counter() - start
             result["adapter_dir_bytes"] = sum(f.stat().st_size for f in Path(directory).iterdir())
     return result
-
-
-def nf4_dequantize_bitwise(model: torch.nn.Module) -> bool:
-    """Whether the compiled dequantization the QLoRA ops run on CUDA (models/nf4.py) gives
-    torchao's own values, bit for bit, for the NF4 weights of the first block, to bf16 and fp32."""
-    import torch
-
-    from models.nf4 import _nf4_parts, compiled_dequantizer, is_nf4
-
-    weights = [p for n, p in model.named_parameters() if n.startswith("layers.0.") and is_nf4(p)]
-    return bool(weights) and all(
-        torch.equal(compiled_dequantizer()(*_nf4_parts(w), dtype), w.to(dtype))
-        for w in weights for dtype in (torch.bfloat16, torch.float32)
-    )
 
 
 def profile_step(step, cuda: bool) -> dict:

@@ -74,7 +74,8 @@ def resolved_train_keys(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     from core import config as config_lib
 
-    config = config_lib.load(ROOT / "configs" / f"{args.preset}.yaml", [o for o in args.override if o.startswith("train.")])
+    # Every override: the preset's keys are validated together (e.g. batch vs data.num_streams).
+    config = config_lib.load(ROOT / "configs" / f"{args.preset}.yaml", list(args.override))
     return {"lr": config.train.lr, "weight_decay": config.train.weight_decay}
 
 

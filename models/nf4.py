@@ -15,35 +15,30 @@ The forward dequantizes the weight to the input's dtype for each matmul (torchao
 ``linear_nf4``), so the NF4 bytes are all that stays resident; the backward needs only
 the input gradient (the weight is frozen) and dequantizes again.
 
-Under torch.compile (per-block compile, distributed/compile.py) the NF4 linear runs as one
-custom op, ``lockstep::nf4_linear``, that AOTAutograd does not look into. Traced as torchao's
-tensor subclass, the dequantization and matmul became ordinary ops of the block's graph: the
-min-cut partitioner kept every dequantized weight for the backward's matmul, and on torch
-2.11 the block's activation checkpoint did not reach those ops either, so a checkpointed
-QLoRA block still saved every NF4 linear's weight and matmul outputs (Qwen3-1.7B on an H200:
-13.68 GiB peak against LoRA's 10.62; a nested checkpoint around ``linear_nf4``, tried before,
-changed nothing there). The op takes the NF4Tensor's plain inner tensors, dequantizes them
-with torchao's formula on plain tensors (``_dequantize_eager``: bit for bit torchao's
-``weight.to(x.dtype)``, tested; compiled into one kernel on CUDA, since the dozen eager
-launches per linear made QLoRA 4-5x slower there), then ``F.linear`` and the bias as the
-eager forward adds it; its backward, ``lockstep::nf4_linear_input_grad``, computes
-``grad @ weight.to(grad.dtype)`` as torchao's ``LinearNF4.backward`` does. It saves only the
-NF4 bytes (resident anyway): never the input, never a weight. So compiled outputs and input
-gradients equal eager's bit for bit (inductor fuses nothing into the op), a checkpointed
-block recomputes the op like any other, and no graph breaks (``fullgraph`` works, as do
-``no_grad`` and ``inference_mode`` forwards). Autocast does not reach into a custom op, so
-the input is cast to autocast's dtype before it, as autocast casts eager's ``F.linear``.
-Eager forwards call ``linear_nf4`` directly, which saves the NF4 weight itself. A weight the
-op cannot take apart (a DTensor: FSDP2 gathers NF4 weights before the forward, so only a
-sharded forward would see one) or a bias that trains keeps ``linear_nf4`` under compile too
-(tests/models/test_nf4_memory.py).
+Under torch.compile (per-block compile, distributed/compile.py) the NF4 linear reads the
+NF4Tensor's plain inner tensors and dequantizes them with torchao's formula on plain tensors
+(``dequantize_parts``: bit for bit torchao's ``weight.to(dtype)`` in eager, tested), inside a
+nested non-reentrant checkpoint, then ``F.linear``. Inductor fuses the dequantization into
+one kernel, and the checkpoint makes AOTAutograd recompute the weight for the backward
+instead of saving it. History, each measured on Qwen3-1.7B on an H200 with block
+checkpointing: traced as torchao's tensor subclass, the ops desugared from it lost the
+block's recompute tags on torch 2.11, so every checkpointed block kept its NF4 linears'
+weights and matmul outputs (13.68 GiB peak against LoRA's 10.62); an opaque custom op
+running torchao's eager code fixed the memory (8.67 GiB) but its dozen launches per linear
+per pass made a step 4.6x slower than LoRA's, and compiling the dequantization inside the op
+still 2.4x. On plain tensors the tags reach every op (tests/models/test_nf4_memory.py counts
+the bytes a compiled block saves, with and without block checkpointing). Compiled values are
+not eager's bit for bit (inductor fuses the dequantization; a compiled run is bitwise with
+itself, across kill/resume and replay, as every compiled run is). Eager forwards call
+``linear_nf4`` directly, which saves the NF4 weight itself. A weight that is not a whole
+NF4Tensor (a DTensor: FSDP2 gathers NF4 weights before the forward, so only a sharded
+forward would see one) keeps ``linear_nf4`` under compile too.
 
 torchao is imported on first use only: models that do not quantize never load it.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 from typing import Any
@@ -51,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from core.config import ModelConfig
 from core.exceptions import ConfigError
@@ -107,7 +103,7 @@ class NF4Linear(nn.Module):
         return cls(quantized, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and _compiled_path(self.weight, self.bias):
+        if torch.compiler.is_compiling() and _compiled_path(self.weight):
             return _compiled_linear_nf4(x, self.weight, self.bias)  # see "Under torch.compile" above
         out = _torchao_nf4().linear_nf4(x, self.weight)
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -121,52 +117,45 @@ class NF4Linear(nn.Module):
 
 
 # --------------------------------------------------------------------------- compiled path
-#
-# Two custom ops that AOTAutograd cannot look into: the compiled graph holds one node per NF4
-# linear (and one per input gradient), which runs torchao's own eager code on an NF4Tensor
-# rebuilt from its parts. The parts are plain tensors, so no tensor subclass is desugared
-# inside a compiled block and the block's activation-checkpoint tags reach these nodes.
 
 
-def _compiled_path(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """True for an NF4Tensor the custom ops can take apart (a sharded DTensor is not one) and
-    a frozen bias (the ops give no bias gradient)."""
-    return (
-        is_nf4(weight) and weight.dim() == 2 and weight.is_contiguous()
-        and (bias is None or not bias.requires_grad)
-    )
+def _compiled_path(weight: torch.Tensor) -> bool:
+    """True for an NF4Tensor whose parts the compiled forward can read (not a sharded DTensor)."""
+    return is_nf4(weight) and weight.dim() == 2 and weight.is_contiguous()
 
 
 def _compiled_linear_nf4(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``linear_nf4(x, weight) + bias.to(out.dtype)`` as one opaque op."""
+    """``linear_nf4(x, weight) + bias.to(out.dtype)`` on the weight's plain parts, the weight
+    dequantized to the dtype the matmul runs in (autocast's, else x's) and recomputed for the
+    backward, never saved."""
     device_type = x.device.type
+    dtype = x.dtype
     if torch.is_autocast_enabled(device_type) and x.is_floating_point() and x.dtype != torch.float64:
-        # Autocast does not reach into a custom op: cast as it casts linear_nf4's F.linear in
-        # eager (the weight follows x's dtype there and here).
-        x = x.to(torch.get_autocast_dtype(device_type))
-    return torch.ops.lockstep.nf4_linear(x, *_nf4_parts(weight), bias)
+        dtype = torch.get_autocast_dtype(device_type)
+    dequantized = checkpoint(dequantize_parts, *_nf4_parts(weight), dtype, use_reentrant=False)
+    out = F.linear(x, dequantized)
+    return out if bias is None else out + bias.to(out.dtype)
 
 
 def _nf4_parts(weight: torch.Tensor) -> tuple:
-    """The NF4Tensor's inner tensors and metadata, in the ops' argument order."""
+    """The NF4Tensor's inner tensors and layout, in ``dequantize_parts``' argument order."""
     return (
         weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean, weight.nf4,
         weight.block_size, weight.scaler_block_size, list(weight.shape), weight.dtype,
     )
 
 
-def _dequantize_eager(
+def dequantize_parts(
     quantized_data: torch.Tensor, quantized_scalers: torch.Tensor, quantization_factor: torch.Tensor,
     scaler_mean: torch.Tensor, nf4: torch.Tensor, block_size: int, scaler_block_size: int, shape: list[int],
     weight_dtype: torch.dtype, dtype: torch.dtype,
 ) -> torch.Tensor:
     """``weight.to(dtype)`` of the contiguous NF4Tensor with these parts, on plain tensors.
 
-    The same operations in the same order as torchao's ``NF4Tensor.get_original_weight``
-    (unpack two 4-bit codes per byte, look them up in the NF4 table, multiply by the block's
-    scale, which is the int8 scale divided by its block's factor, cast to the weight's dtype,
-    plus the mean; interleave), so the values are bit for bit torchao's (tested against it),
-    without going through the subclass's Python dispatch for each of those ops."""
+    The operations of torchao's ``NF4Tensor.get_original_weight`` in its order: unpack two
+    4-bit codes per byte, look them up in the NF4 table, multiply by the block's scale (the
+    int8 scale divided by its block's factor, cast to the weight's dtype, plus the mean),
+    interleave; then the cast."""
     codes_high = nf4[(quantized_data >> 4).to(torch.long)]
     codes_low = nf4[(quantized_data & 0b1111).to(torch.long)]
     scalers = quantized_scalers.view(-1, scaler_block_size) / quantization_factor.unsqueeze(-1)
@@ -174,82 +163,6 @@ def _dequantize_eager(
     repeated = scalers.unsqueeze(-1).expand(scalers.size(0), block_size // 2).flatten()
     weight = torch.stack([codes_high * repeated, codes_low * repeated], dim=-1).reshape(shape)
     return weight.to(dtype)
-
-
-_compiled_dequantizer_cache: list = []
-
-
-def compiled_dequantizer() -> Any:
-    """``_dequantize_eager`` under torch.compile, built once. ``emulate_precision_casts`` makes
-    inductor round at every cast as eager does, so its values are eager's bit for bit (tested
-    on CPU; on the GPU ``benchmarks/lora_memory.py`` records the check as
-    ``nf4_dequantize_bitwise``). Dynamic shapes: one graph for every projection's shape."""
-    if not _compiled_dequantizer_cache:
-        _compiled_dequantizer_cache.append(torch.compile(
-            _dequantize_eager, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
-        ))
-    return _compiled_dequantizer_cache[0]
-
-
-def _dequantize(*parts: Any) -> torch.Tensor:
-    """``_dequantize_eager``; compiled on CUDA: one fused kernel instead of about a dozen
-    launches per linear per pass (with eager dequantization QLoRA at micro-batch 1 ran at a
-    fifth of LoRA's speed on an H200)."""
-    if parts[0].device.type == "cuda":
-        return compiled_dequantizer()(*parts)
-    return _dequantize_eager(*parts)
-
-
-@torch.library.custom_op("lockstep::nf4_linear", mutates_args=())
-def _nf4_linear(
-    x: torch.Tensor, quantized_data: torch.Tensor, quantized_scalers: torch.Tensor,
-    quantization_factor: torch.Tensor, scaler_mean: torch.Tensor, nf4: torch.Tensor, block_size: int,
-    scaler_block_size: int, shape: list[int], weight_dtype: torch.dtype, bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """torchao's ``LinearNF4.forward`` (``F.linear(x, weight.to(x.dtype))``), then NF4Linear's bias."""
-    weight = _dequantize(quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4,
-                         block_size, scaler_block_size, shape, weight_dtype, x.dtype)
-    out = F.linear(x, weight)
-    return out if bias is None else out + bias.to(out.dtype)
-
-
-@_nf4_linear.register_fake
-def _(x, quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4, block_size,
-      scaler_block_size, shape, weight_dtype, bias):
-    return x.new_empty(*x.shape[:-1], shape[0])
-
-
-@torch.library.custom_op("lockstep::nf4_linear_input_grad", mutates_args=())
-def _nf4_linear_input_grad(
-    grad: torch.Tensor, quantized_data: torch.Tensor, quantized_scalers: torch.Tensor,
-    quantization_factor: torch.Tensor, scaler_mean: torch.Tensor, nf4: torch.Tensor, block_size: int,
-    scaler_block_size: int, shape: list[int], weight_dtype: torch.dtype,
-) -> torch.Tensor:
-    """torchao's ``LinearNF4.backward``: ``grad @ weight.to(grad.dtype)``."""
-    weight = _dequantize(quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4,
-                         block_size, scaler_block_size, shape, weight_dtype, grad.dtype)
-    return grad @ weight
-
-
-@_nf4_linear_input_grad.register_fake
-def _(grad, quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4, block_size,
-      scaler_block_size, shape, weight_dtype):
-    return grad.new_empty(*grad.shape[:-1], shape[1])
-
-
-def _save_nf4_parts(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    """Saved for backward: the NF4 parts (resident anyway), never the input or a weight."""
-    _, *tensors, block_size, scaler_block_size, shape, weight_dtype, _ = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.nf4_layout = (block_size, scaler_block_size, shape, weight_dtype)
-
-
-def _nf4_linear_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    input_grad = torch.ops.lockstep.nf4_linear_input_grad(grad, *ctx.saved_tensors, *ctx.nf4_layout)
-    return (input_grad,) + (None,) * 10  # the weight and the bias are frozen
-
-
-_nf4_linear.register_autograd(_nf4_linear_backward, setup_context=_save_nf4_parts)
 
 
 def check_nf4_layout(config: ModelConfig, *, shards: int = 1) -> None:

@@ -6,15 +6,17 @@ kept the dequantized weight of every linear for the backward's matmul, and under
 the block's activation checkpoint did not reach those ops either: a checkpointed block saved
 the dequantized weights and the matmul outputs of every NF4 linear (CPU, this block: 383,936
 bytes instead of 15,744; an H200 run of Qwen3-1.7B peaked at 13.68 GiB instead of ~8.7). The
-NF4 linear now compiles as one opaque custom op. These tests count the bytes a block saves
-for backward during its forward (``saved_tensors_hooks`` sees a compiled graph's
-``save_for_backward`` too), with and without block-level activation checkpointing, and check
-that a compiled NF4 linear computes eager's outputs and input gradients bit for bit.
+compiled NF4 linear now dequantizes the NF4Tensor's plain parts inside a nested checkpoint.
+These tests count the bytes a block saves for backward during its forward
+(``saved_tensors_hooks`` sees a compiled graph's ``save_for_backward`` too), with and without
+block-level activation checkpointing, check that a compiled NF4 linear saves no weight and
+computes eager's outputs and input gradients (to rounding), and that the plain-tensor
+dequantization is torchao's bit for bit.
 
 The blocks compile with the ``aot_eager_decomp_partition`` backend: the same AOTAutograd
 tracing, decompositions and min-cut partitioner as inductor, without inductor's (slow on
-CPU) code generation, so what is saved is what inductor's graphs save. The bitwise test uses
-inductor itself: its fused kernels are what could round differently.
+CPU) code generation, so what is saved is what inductor's graphs save. The linear test uses
+inductor itself.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def test_a_compiled_nf4_block_saves_no_more_than_eager(activation_checkpointing)
 
 
 @pytest.mark.parametrize(("weight_dtype", "autocast"), [(torch.bfloat16, False), (torch.float32, True)])
-def test_a_compiled_nf4_linear_computes_eagers_outputs_and_input_grads_bit_for_bit(weight_dtype, autocast):
+def test_a_compiled_nf4_linear_saves_no_weight_and_computes_eagers_values(weight_dtype, autocast):
     linear = torch.nn.Linear(256, 128, dtype=weight_dtype)  # with a bias, as Qwen2's q/k/v
     with torch.no_grad():
         linear.weight.normal_(generator=torch.Generator().manual_seed(0))
@@ -155,26 +157,29 @@ def test_a_compiled_nf4_linear_computes_eagers_outputs_and_input_grads_bit_for_b
     finally:
         torch._dynamo.reset()
     assert out.dtype == (torch.bfloat16 if autocast else weight_dtype) and grad.dtype == weight_dtype
-    assert torch.equal(out, want_out) and torch.equal(grad, want_grad)
-    assert torch.equal(no_grad, want_out) and torch.equal(inference, want_out)
-    assert saved == []  # neither the input nor a dequantized weight: the NF4 bytes only (resident)
+    # Inductor fuses the dequantization, so the values agree to the matmul dtype's rounding: a
+    # bf16 ulp of the largest outputs (sums of 256 products), or fp32 noise.
+    for got, want in ((out, want_out), (grad, want_grad)):
+        low = torch.bfloat16 in (got.dtype, weight_dtype)
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=2e-2 if low else 1e-5, atol=(1e-2 if low else 1e-6) * scale)
+    assert torch.equal(no_grad, out) and torch.equal(inference, out)
+    # Nothing beyond the resident NF4 bytes: with the weight frozen the backward needs no input,
+    # and it recomputes the dequantized weight instead of keeping it.
+    assert saved == []
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_the_ops_dequantization_is_torchaos_bit_for_bit_eager_and_compiled(weight_dtype):
-    """The custom ops dequantize on plain tensors (models.nf4._dequantize_eager, compiled on
-    CUDA), not through torchao's subclass: the values must still be torchao's own."""
-    from models.nf4 import _dequantize_eager, _nf4_parts, compiled_dequantizer
+def test_the_plain_tensor_dequantization_is_torchaos_bit_for_bit(weight_dtype):
+    """The compiled path dequantizes the NF4Tensor's parts on plain tensors
+    (models.nf4.dequantize_parts), not through torchao's subclass: in eager its values must
+    be torchao's own."""
+    from models.nf4 import _nf4_parts, dequantize_parts
 
     linear = torch.nn.Linear(256, 128, bias=False, dtype=weight_dtype)
     with torch.no_grad():
         linear.weight.normal_(generator=torch.Generator().manual_seed(4))
     weight = NF4Linear.from_linear(linear, name="linear").weight
-    torch._dynamo.reset()
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            want = weight.to(dtype)  # torchao's NF4Tensor.get_original_weight, then the cast
-            assert torch.equal(_dequantize_eager(*_nf4_parts(weight), dtype), want)
-            assert torch.equal(compiled_dequantizer()(*_nf4_parts(weight), dtype), want)
-    finally:
-        torch._dynamo.reset()
+    for dtype in (torch.float32, torch.bfloat16):
+        want = weight.to(dtype)  # torchao's NF4Tensor.get_original_weight, then the cast
+        assert torch.equal(dequantize_parts(*_nf4_parts(weight), dtype), want)
