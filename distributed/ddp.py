@@ -44,8 +44,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, paral
 
 
 def bf16_reduce_hook(group, bucket):  # no annotations: DDP checks them, and this module's are strings
-    """All-reduce one ``dist.GradBucket`` of ``group`` in bf16; returns the future of the bucket: each rank's gradients divided by the group size,
-    rounded to bf16, summed, and written back into the bucket in its own dtype.
+    """All-reduce one ``dist.GradBucket`` of ``group`` in bf16 and return the bucket's future:
+    each rank's gradients divided by the group size, rounded to bf16, summed, and written back
+    into the bucket in its own dtype.
 
     The arithmetic of torch's ``bf16_compress_hook``, which DDP refuses on gloo: gloo sums bf16
     too, so the same hook runs in the CPU tests. Deterministic as the fp32 reduction is: the
