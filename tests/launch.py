@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
@@ -201,6 +203,22 @@ def cut_back_copy(run_dir: Path, step: int, suffix: str = "-cut") -> Path:
             shutil.rmtree(path)
     (checkpoints / "LATEST").write_text(f"step_{step:08d}")
     return copy
+
+
+def one_rank_resume_keeps_the_batches(cwd: Path, reference: Path, *, step: int = 4,
+                                      same: tuple[str, ...] = ()) -> list[dict]:
+    """Resume a copy of the 2-rank run ``reference``, cut back to its checkpoint ``step``, on one
+    rank, and assert that it saw the same batches (``batch_hash`` and the ledger keys ``same``)
+    and losses within fp32 noise of the reduction order. Returns the resumed copy's ledger."""
+    copy = cut_back_copy(reference, step, "-one-rank")
+    resumed = train(cwd, ["--resume", copy.name], nproc=1)
+    assert resumed.returncode == 0, resumed.stderr
+    ref, got = ledger(reference), ledger(copy)
+    for key in ("batch_hash", *same):
+        assert [r[key] for r in got] == [r[key] for r in ref], key
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+    return got
 
 
 def replay_verifies(cwd: Path, run_dir: Path, steps: tuple[int, ...] = (3, 6), *, nproc: int = 2) -> None:
