@@ -91,7 +91,8 @@ def run_case(args: argparse.Namespace) -> dict:
     if args.activation_checkpointing != "none":
         apply_activation_checkpointing(model, args.activation_checkpointing)
     if args.compile:
-        apply_compile(model)
+        apply_compile(model, args.compile_mode)
+    graphs = args.compile and args.compile_mode == "reduce-overhead"
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, **({"fused": True} if cuda else {"foreach": True}))
     if cuda:
@@ -109,6 +110,8 @@ def run_case(args: argparse.Namespace) -> dict:
     def step(index: int) -> torch.Tensor:
         inputs = tokens[index, :, :-1].to(device)
         labels = tokens[index, :, 1:].to(device)
+        if graphs:  # as the loop does before each micro-batch (training/loop.py)
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
             loss = model(
                 inputs,
@@ -260,6 +263,8 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--activation-checkpointing", default="none", choices=("none", "full", "selective"))
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (as parallel.compile)")
+    parser.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead"),
+                        help="with --compile, as parallel.compile_mode: reduce-overhead replays each block as CUDA graphs")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", action="store_true", help="profile one extra step per case (JSON 'profile')")
     parser.add_argument("--memory-peak", action="store_true",
@@ -278,7 +283,7 @@ def main() -> int:
             "--config", args.config, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--activation-checkpointing", args.activation_checkpointing, "--device", args.device, "--case", case,
-        ] + (["--compile"] if args.compile else []) + (["--profile"] if args.profile else []) + (
+        ] + (["--compile", "--compile-mode", args.compile_mode] if args.compile else []) + (["--profile"] if args.profile else []) + (
             ["--memory-peak"] if args.memory_peak else []) + [
             f"--set={item}" for item in args.set]
         proc = subprocess.run([sys.executable, __file__, *child], cwd=ROOT, capture_output=True, text=True)

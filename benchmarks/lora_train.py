@@ -12,7 +12,9 @@ flex attention (its CPU backward is missing), nor NF4 bases in a run. This runs
    equal the first one line for line (bitwise, dropout masks included).
 
 Cases: ``lora`` (adapters of rank 16 with dropout 0.1, per-block compile, flex attention) and
-``qlora`` (the same adapters without dropout on an NF4 base, flex attention, no compile).
+``qlora`` (the same adapters without dropout on an NF4 base, flex attention, no compile), and
+``qlora_compiled`` (``qlora`` with per-block compile: the NF4 dequantization fused into the
+compiled blocks, models/nf4.py; not in the default list).
 Reported per case: exit codes, whether the ledgers are equal, tokens/s of the uninterrupted
 run (its summary line), wall seconds, and the bytes of the last checkpoint's tensors (the
 adapters and their AdamW state; the base is identified, not saved).
@@ -38,6 +40,8 @@ CASES = {
     "lora": ["model.lora.rank=16", "model.lora.alpha=32", "model.lora.dropout=0.1",
              "parallel.compile=true", "model.attention=flex"],
     "qlora": ["model.lora.rank=16", "model.lora.alpha=32", "model.quantize_base=nf4", "model.attention=flex"],
+    "qlora_compiled": ["model.lora.rank=16", "model.lora.alpha=32", "model.quantize_base=nf4", "model.attention=flex",
+                       "parallel.compile=true"],
 }
 
 
@@ -101,7 +105,7 @@ def run_case(name: str, overrides: list[str], steps: int, root: Path, timeout: f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default="lora,qlora", help=f"comma-separated, of {','.join(CASES)}")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per train.py process")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "lora_train.json")

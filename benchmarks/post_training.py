@@ -6,9 +6,9 @@
 Per preset (``configs/<shape>.yaml``: the architecture with its seeded random init, no download)
 and in one process, the cases run on the same synthetic batches: ``--rows`` rows of ``--seq``
 tokens, each row one preference pair (prompt + chosen, prompt + rejected: two documents of
-``seq/2`` tokens, the second half of each a response that carries the loss), one row per
-micro-batch, fp32 master weights, bf16 autocast on CUDA, the fused chunked output projection,
-AdamW, and the preset's ``parallel.compile`` (``--no-compile`` turns it off): with it, the
+``seq/2`` tokens, the second half of each a response that carries the loss), ``--micro-batch``
+rows per forward/backward (default 1), fp32 master weights, bf16 autocast on CUDA, the fused
+chunked output projection, AdamW, and the preset's ``parallel.compile`` (``--no-compile`` turns it off): with it, the
 blocks of the trained model and of the frozen reference/teacher are compiled, as the loop
 compiles them. The objectives are the ones the loop runs (training/objectives), driven as the loop
 drives them: ``prepare`` under no_grad, then ``loss`` and backward per micro-batch, then the
@@ -52,12 +52,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="rows (pairs) per step")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=1,
+                        help="rows per forward/backward (the step accumulates over rows / micro-batch of them)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-compile", action="store_true", help="eager blocks whatever the preset says")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.micro_batch <= 0 or args.rows % args.micro_batch:
+        parser.error(f"--micro-batch must divide --rows ({args.rows}), got {args.micro_batch}")
     report = {"benchmark": "post_training", "seq_len": args.seq, "rows": args.rows, "steps": args.steps,
+              "micro_batch": args.micro_batch,
               "presets": [run_preset(shape, args) for shape in args.shapes.split(",")]}
     import torch
 
@@ -112,7 +117,7 @@ def run_preset(shape: str, args) -> dict:
     config = load(ROOT / "configs" / f"{shape}.yaml", [
         f"data.sources=[{{path: {pairs}, record: preference}}]", "data.tokenizer=byte",
         "data.eval_source=null", f"data.seq_len={args.seq}", "data.num_streams=1",
-        f"train.global_batch_size={args.rows}", "train.micro_batch_size=1", "train.loss_chunk_tokens=4096",
+        f"train.global_batch_size={args.rows}", f"train.micro_batch_size={args.micro_batch}", "train.loss_chunk_tokens=4096",
         f"parallel.precision={'bf16' if cuda else 'fp32'}", "parallel.strategy=none", f"parallel.compile={str(compiled).lower()}",
         "model.init_from=null", "objective.dpo.loss=sigmoid", "objective.dpo.reference=init",
         f"objective.dpo.cache_dir={cache_dir}", "objective.distill.teacher=init",
@@ -136,7 +141,7 @@ def run_preset(shape: str, args) -> dict:
             with torch.no_grad():
                 for batch in batches:
                     objective.prepare(batch)
-        times = [train_step(objective, model, optimizer, batch, device) for batch in batches]
+        times = [train_step(objective, model, optimizer, batch, device, args.micro_batch) for batch in batches]
         median = statistics.median(times[args.warmup:])  # the host-bound small presets are noisy
         results[case] = {
             "step_s": median, "tokens_per_s": args.rows * args.seq / median,
@@ -192,7 +197,7 @@ def make_objective(case: str, config, model, device, shared: dict):
     return objective
 
 
-def train_step(objective, model, optimizer, batch, device) -> float:
+def train_step(objective, model, optimizer, batch, device, micro_batch: int) -> float:
     import torch
 
     cuda = device.type == "cuda"
@@ -202,7 +207,7 @@ def train_step(objective, model, optimizer, batch, device) -> float:
     with torch.no_grad():
         batch = objective.prepare(batch)
     count = max(objective.num_targets(batch), 1)
-    for micro in batch.micro_batches(1):
+    for micro in batch.micro_batches(micro_batch):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             out = objective.loss(model, micro)
         (out.sum / count).backward()
