@@ -102,7 +102,8 @@ class DistillObjective:
                 device = hidden.device.type
                 dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
                 return distill_loss_sum(hidden, weight, teacher_hidden, self._teacher_weight, labels, mask,
-                                        chunk_tokens=s.chunk_tokens, compute_dtype=dtype, **options)
+                                        chunk_tokens=s.chunk_tokens, compute_dtype=dtype,
+                                        compiled=self.config.parallel.compile, **options)
 
             total, _, stats = model(placed.input_ids, head=head, **inputs)
         metrics = {"divergence": stats.divergence_sum.float(), "ce": stats.ce_sum.float()}

@@ -34,11 +34,15 @@ forward KL ``q - p``; reverse KL ``q ⊙ (r - Σ q r)`` with ``r = log q - log p
 ``(1 - β) q ⊙ (r - Σ q r)`` with ``r = log q - log m`` (the teacher-side terms cancel
 because ``β p + (1 - β) q = m``).
 
-The teacher is never differentiated; logits are assumed finite.
+The teacher is never differentiated; logits are assumed finite. ``compiled`` (CUDA only, as
+training/linear_cross_entropy.py) runs each chunk's work after the two matmuls as compiled
+kernels: eager, it is a dozen vocabulary-sized fp32 passes per chunk, more time than the
+matmuls on a small model.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -74,6 +78,7 @@ def distill_loss_sum(
     beta: float = 0.5,
     chunk_tokens: int = 4096,
     compute_dtype: torch.dtype | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, DistillMetrics]:
     """(loss sum, trained-token count, metrics) from hidden states, chunk by chunk over tokens.
 
@@ -81,7 +86,8 @@ def distill_loss_sum(
     (V, d_t), labels and mask (...). The student's matmuls run in ``compute_dtype`` (default:
     the hidden states' dtype; under autocast pass the autocast dtype), the teacher's in its
     hidden states' dtype; everything after the matmuls is fp32. Gradients reach
-    ``student_hidden`` and ``student_weight`` only.
+    ``student_hidden`` and ``student_weight`` only. ``compiled``: the per-chunk work through
+    torch.compile (CUDA only; rounds differently from eager, deterministically).
     """
     kind, beta = _resolve(kind, temperature, alpha, beta)
     d = student_hidden.shape[-1]
@@ -89,7 +95,7 @@ def distill_loss_sum(
     t_hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach()
     mask = mask.reshape(-1).to(hidden.device, torch.bool)
     labels = _checked_labels(labels, mask, alpha, hidden.device)
-    options = (kind, float(temperature), float(alpha), float(beta))
+    options = (kind, float(temperature), float(alpha), float(beta), compiled and hidden.device.type == "cuda")
     loss, divergence, ce = _FusedDistill.apply(
         hidden, student_weight, t_hidden, teacher_weight.detach(), labels, mask,
         max(1, int(chunk_tokens)), options, compute_dtype or student_hidden.dtype,
@@ -189,6 +195,19 @@ def _token_losses(z, t, labels, mask, kind, temperature, alpha, beta, *, with_gr
     return loss, divergence, ce, grad
 
 
+def _chunk_losses(z, t, labels, mask, kind, temperature, alpha, beta, with_grad):
+    """``_token_losses`` of one chunk's raw logits (compute dtype) in fp32, its gradient in ``z``'s dtype."""
+    loss, div, ce, grad = _token_losses(_at_least_fp32(z), _at_least_fp32(t), labels, mask, kind, temperature,
+                                        alpha, beta, with_grad=with_grad)
+    return loss, div, ce, None if grad is None else grad.to(z.dtype)
+
+
+@functools.cache
+def _chunk_kernel(compiled: bool):
+    """The chunk function; compiled, a few reduction and pointwise kernels instead of dozens of passes."""
+    return torch.compile(_chunk_losses, dynamic=False) if compiled else _chunk_losses
+
+
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """fp32 for half precision inputs; fp32 and fp64 stay as they are."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
@@ -197,7 +216,7 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 class _FusedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, t_hidden, t_weight, labels, mask, chunk_tokens, options, dtype):
-        kind, temperature, alpha, beta = options
+        kind, temperature, alpha, beta, compiled = options
         h = hidden.detach().to(dtype)
         w = weight.detach().to(dtype)
         tw = t_weight.to(t_hidden.dtype)
@@ -207,18 +226,17 @@ class _FusedDistill(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=per_token_dtype, device=h.device) if need_w else None
         n = h.shape[0]
         per_token = torch.empty(3, n, dtype=per_token_dtype, device=h.device)  # loss, D, CE
+        chunk_losses = _chunk_kernel(compiled)
         for start in range(0, n, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            z = _at_least_fp32(h[rows] @ w.t())  # (chunk, V)
-            t = _at_least_fp32(t_hidden[rows] @ tw.t())  # (chunk, V)
             chunk_labels = None if labels is None else labels[rows]
-            loss, div, ce, grad = _token_losses(
-                z, t, chunk_labels, mask[rows], kind, temperature, alpha, beta, with_grad=need_h or need_w
-            )
+            loss, div, ce, grad = chunk_losses(
+                h[rows] @ w.t(), t_hidden[rows] @ tw.t(), chunk_labels, mask[rows], kind, temperature, alpha, beta,
+                need_h or need_w,
+            )  # the logits (chunk, V) in the compute dtypes; the gradient in the student's
             per_token[0, rows], per_token[1, rows], per_token[2, rows] = loss, div, ce
             if grad is None:
                 continue
-            grad = grad.to(dtype)
             if need_h:
                 torch.mm(grad, w, out=grad_h[rows])
             if need_w:

@@ -205,7 +205,7 @@ class DPOObjective:
             device = hidden.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             return linear_token_logps(hidden, weight, placed.labels, chunk_tokens=self.chunk_tokens,
-                                      compute_dtype=dtype)
+                                      compute_dtype=dtype, compiled=self.config.parallel.compile)
 
         return model(placed.input_ids, head=head, **kwargs)
 

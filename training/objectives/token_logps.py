@@ -12,9 +12,14 @@ is alive at a time, in both passes; the price is a second matmul per chunk.
 
 Matmuls run in the compute dtype (fp32 accumulation), everything after them in fp32; the
 weight gradient is accumulated chunk after chunk in fp32, so results are deterministic.
+``compiled`` (CUDA only, as training/linear_cross_entropy.py) runs each chunk's pointwise and
+reduction work after the matmul as compiled kernels: eager, the backward alone makes five
+vocabulary-sized fp32 passes per chunk, which cost as much as the matmuls on a small model.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,17 +34,21 @@ def linear_token_logps(
     chunk_tokens: int,
     temperature: float = 1.0,
     compute_dtype: torch.dtype | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """``log softmax(hidden @ weight.T / temperature)[label]`` per token, 0 where the label is IGNORE_INDEX.
 
     hidden (..., d), weight (V, d), labels (...) -> fp32 (or fp64 for fp64 inputs) tensor of
-    labels' shape. Differentiable with respect to ``hidden`` and ``weight``.
+    labels' shape. Differentiable with respect to ``hidden`` and ``weight``. ``compiled``:
+    the per-chunk work after the matmuls through torch.compile (CUDA only; rounds differently
+    from eager, deterministically).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logps = _LinearTokenLogps.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
         max(1, int(chunk_tokens)), float(temperature), compute_dtype or hidden.dtype,
+        compiled and hidden.device.type == "cuda",
     )
     return logps.reshape(labels.shape)
 
@@ -53,15 +62,40 @@ def token_logps_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, tempe
     return picked * valid
 
 
-def _chunk_logits(h_c: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = h_c @ w.t()  # (chunk, V) in the compute dtype
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Raw logits (chunk, V) in the compute dtype -> fp32 (fp64 stays), divided by the temperature."""
     z = z if z.dtype in (torch.float32, torch.float64) else z.float()
     return z if temperature == 1.0 else z / temperature
 
 
+def _logps_chunk(z: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of the targets, log-partition) of one chunk's raw logits (chunk, V)."""
+    x = _scaled(z, temperature)
+    lse = torch.logsumexp(x, dim=-1)
+    return (x.gather(1, target.unsqueeze(1)).squeeze(1) - lse) * valid, lse
+
+
+def _grad_chunk(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
+                temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """d(Σ scale · logp)/d(raw logits) of one chunk, in the compute dtype (``scale`` holds the
+    upstream gradient, zero for ignored tokens, divided by the temperature)."""
+    softmax = torch.exp(_scaled(z, temperature) - lse.unsqueeze(1))
+    one_hot = torch.arange(softmax.shape[1], device=softmax.device) == target.unsqueeze(1)
+    return ((one_hot.to(softmax.dtype) - softmax) * scale.unsqueeze(1)).to(dtype)
+
+
+@functools.cache
+def _kernels(compiled: bool):
+    """The chunk functions; compiled, each is a reduction and a pointwise kernel."""
+    if not compiled:
+        return _logps_chunk, _grad_chunk
+    return torch.compile(_logps_chunk, dynamic=False), torch.compile(_grad_chunk, dynamic=False)
+
+
 class _LinearTokenLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, temperature, dtype):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, temperature, dtype, compiled):
         h = hidden.detach().to(dtype)
         w = weight.detach().to(dtype)
         out_dtype = torch.promote_types(dtype, torch.float32)
@@ -70,13 +104,12 @@ class _LinearTokenLogps(torch.autograd.Function):
         lse = torch.empty(n, dtype=out_dtype, device=h.device)
         valid = labels != IGNORE_INDEX
         target = labels.clamp_min(0)
+        logps_chunk, _ = _kernels(compiled)
         for start in range(0, n, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            z = _chunk_logits(h[rows], w, temperature)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            logps[rows] = (z.gather(1, target[rows].unsqueeze(1)).squeeze(1) - lse[rows]) * valid[rows]
+            logps[rows], lse[rows] = logps_chunk(h[rows] @ w.t(), target[rows], valid[rows], temperature)
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_tokens, ctx.temperature, ctx.dtype = chunk_tokens, temperature, dtype
+        ctx.chunk_tokens, ctx.temperature, ctx.dtype, ctx.compiled = chunk_tokens, temperature, dtype, compiled
         return logps
 
     @staticmethod
@@ -88,18 +121,17 @@ class _LinearTokenLogps(torch.autograd.Function):
         w = weight.detach().to(dtype)
         # d logp / d z, times the upstream gradient, is zero for ignored tokens.
         scale = (grad_out.to(lse.dtype) * (labels != IGNORE_INDEX)) / temperature
-        target = labels.clamp_min(0).unsqueeze(1)
+        target = labels.clamp_min(0)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=h.device) if need_w else None
+        _, grad_chunk = _kernels(ctx.compiled)
         for start in range(0, h.shape[0], step):
             rows = slice(start, start + step)
-            softmax = torch.exp(_chunk_logits(h[rows], w, temperature) - lse[rows].unsqueeze(1))
-            one_hot = torch.arange(softmax.shape[1], device=softmax.device) == target[rows]
-            grad_z = ((one_hot.to(softmax.dtype) - softmax) * scale[rows].unsqueeze(1)).to(dtype)
+            grad_z = grad_chunk(h[rows] @ w.t(), lse[rows], target[rows], scale[rows], temperature, dtype)
             if need_h:
                 torch.mm(grad_z, w, out=grad_h[rows])
             if need_w:
                 grad_w += grad_z.t() @ h[rows]
         dh = grad_h.to(hidden.dtype) if need_h else None
         dw = grad_w.to(weight.dtype) if need_w else None
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
