@@ -8,9 +8,9 @@
 
 from __future__ import annotations
 
-import sys
 
 from core.distributed_context import DistributedContext
+from runtime.fast_exit import exit_process
 from training import session
 from training.export import record_init_source
 from training.builders import build_data, build_guards, build_model, build_tracker, close_all
@@ -67,4 +67,4 @@ def _fit(args, config, run, events, dist: DistributedContext, parts: list):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -21,6 +21,7 @@ import torch
 
 from core.exceptions import LockstepError, UsageError, exit_code_for
 from core.layout import RunPaths
+from runtime.fast_exit import exit_process
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -95,4 +96,4 @@ def _trains_adapters(paths: RunPaths) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

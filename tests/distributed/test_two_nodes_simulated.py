@@ -23,7 +23,7 @@ from tests.e2e_config import e2e_args
 pytestmark = pytest.mark.slow
 
 STEPS = 8
-WATCHDOG_S = 10
+WATCHDOG_S = 5
 OVERRIDES = [f"runtime.watchdog_timeout_s={WATCHDOG_S}", "checkpoint.interval=2"]
 
 

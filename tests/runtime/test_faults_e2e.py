@@ -42,7 +42,7 @@ def test_hang_is_caught_by_the_watchdog(e2e_workdir):
     started = time.monotonic()
     result = launch.train(
         e2e_workdir,
-        e2e_args(max_steps=STEPS, name="hang", overrides=["runtime.faults=[hang@5:1]", "runtime.watchdog_timeout_s=10"]),
+        e2e_args(max_steps=STEPS, name="hang", overrides=["runtime.faults=[hang@5:1]", "runtime.watchdog_timeout_s=5"]),
         nproc=2,
         timeout=120,
     )
