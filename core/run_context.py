@@ -9,6 +9,7 @@ same directory is refused.
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import json
 import os
 import platform
@@ -285,11 +286,15 @@ def versions() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
     }
-    for name in ("pyarrow", "zstandard", "yaml", "tokenizers", "safetensors", "numpy", "transformers", "torch_xla"):
+    # From the installed packages' metadata: importing transformers or torch_xla only to read
+    # a version string would cost every run most of a second.
+    packages = {"pyarrow": "pyarrow", "zstandard": "zstandard", "yaml": "PyYAML", "tokenizers": "tokenizers",
+                "safetensors": "safetensors", "numpy": "numpy", "transformers": "transformers",
+                "torch_xla": "torch_xla"}
+    for name, distribution in packages.items():
         try:
-            module = __import__(name)
-            out[name] = getattr(module, "__version__", "unknown")
-        except ImportError:
+            out[name] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
             out[name] = None
     return out
 

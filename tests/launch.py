@@ -138,7 +138,7 @@ def spawn_ranks(target, args_for_rank, *, world: int = 2, timeout: float = 90) -
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args_for_rank(rank)) for rank in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(target, args_for_rank(rank))) for rank in range(world)]
     for p in procs:
         p.start()
     try:
@@ -150,6 +150,24 @@ def spawn_ranks(target, args_for_rank, *, world: int = 2, timeout: float = 90) -
                 p.kill()
                 p.join()
     return [p.exitcode for p in procs]
+
+
+def _rank_main(target, args) -> None:
+    """A spawned rank: ``target(*args)``, then the process group ended and the process left
+    without the interpreter's teardown, as train.py leaves (runtime/fast_exit.py). Left to
+    interpreter shutdown, a gloo thread still holding a tensor can abort a rank that succeeded
+    ("terminate called without an active exception", exit -6). An exception exits 1 as usual."""
+    import gc
+
+    import torch.distributed as dist
+
+    from runtime.fast_exit import exit_process
+
+    target(*args)
+    gc.collect()  # modules holding the group (DDP's reducer, FSDP's hooks) first
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    exit_process(0)
 
 
 def spawn_json_ranks(target, out_dir: Path, *, world: int = 2, timeout: float = 90) -> list[dict]:
