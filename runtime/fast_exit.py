@@ -6,8 +6,9 @@ torch loaded, which takes a second of CPU per process (measured: 0.7 s after a b
 test that launches one. ``exit_process`` runs the ``atexit`` handlers (logging's flush,
 multiprocessing's and weakref finalizers, torch's own) and flushes the standard streams, as
 a normal exit does, and then leaves with ``os._exit``. Where a non-daemon thread is still
-alive (a normal exit would wait for it) it does not cut the process short: it falls back
-to ``sys.exit``.
+alive (a normal exit would wait for it), or a profiler or tracer watches the process
+(``python -m cProfile train.py`` writes its profile after the script returns; coverage and
+debuggers trace), it does not cut the process short: it falls back to ``sys.exit``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import threading
 def exit_process(code: int) -> None:
     """Leave the process with ``code``: fast when nothing is left to wait for (module docstring)."""
     code = int(code or 0)
-    if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
+    waited_for = any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate())
+    if waited_for or sys.getprofile() is not None or sys.gettrace() is not None:
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -64,7 +64,7 @@ def command(nproc: int, args: list[str]) -> list[str]:
         PYTHON, "-m", "torch.distributed.run",
         f"--nproc_per_node={nproc}", "--nnodes=1",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        "--max_restarts=0", "--monitor_interval=0.5",
+        "--max_restarts=0", "--monitor_interval=0.1",
         str(ROOT / "train.py"), *args,
     ]
 

@@ -32,7 +32,7 @@ def _node_command(port: int, rdzv_id: str, args: list[str]) -> list[str]:
         launch.PYTHON, "-m", "torch.distributed.run",
         "--nnodes=2", "--nproc_per_node=1",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rdzv_id}",
-        "--max_restarts=0", "--monitor_interval=0.5",
+        "--max_restarts=0", "--monitor_interval=0.1",
         str(launch.ROOT / "train.py"), *args,
     ]
 
