@@ -1,8 +1,9 @@
 """Files that describe how a run was made, under ``run_dir/artifacts``.
 
 ``config.yaml`` (a copy of the resolved config), ``git.diff`` and ``git-untracked.txt``
-(the uncommitted state of the source tree), ``pip-freeze.txt`` (installed packages), and
-the folders for profiler traces and plots. Collecting an artifact never fails the run: an
+(the uncommitted state of the source tree), ``pip-freeze.txt`` (installed packages, in
+``pip freeze``'s format, read from the interpreter's package metadata: running pip costs
+every run half a second of CPU), and the folders for profiler traces and plots. Collecting an artifact never fails the run: an
 external command that is missing, fails or times out is recorded in ``artifacts.json``
 with its error, and the run goes on. Call on rank 0 only.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -74,16 +74,10 @@ class ArtifactStore:
             self._write("git-untracked.txt", untracked.stdout)
         return ArtifactResult("git_diff", str(path), True)
 
-    def save_pip_freeze(self, *, python: str = sys.executable, timeout_s: float = 60.0) -> ArtifactResult:
-        """``pip freeze``; if pip is missing or fails, the installed distributions instead."""
-        result = self._run([python, "-m", "pip", "freeze", "--all"], timeout_s)
-        if not isinstance(result, str):
-            path = self._write("pip-freeze.txt", result.stdout)
-            return ArtifactResult("pip_freeze", str(path), True)
-        listing = "\n".join(sorted(installed_distributions()))
-        header = f"# pip freeze failed ({result}); installed distributions of this interpreter:\n"
-        path = self._write("pip-freeze.txt", header + listing + "\n")
-        return ArtifactResult("pip_freeze", str(path), False, result)
+    def save_pip_freeze(self, *, paths: Sequence[str] | None = None) -> ArtifactResult:
+        """The installed distributions as ``pip freeze --all`` lists them (``freeze_lines``)."""
+        path = self._write("pip-freeze.txt", "\n".join(freeze_lines(paths)) + "\n")
+        return ArtifactResult("pip_freeze", str(path), True)
 
     def collect(self, config: Config, *, repo_root: Path) -> list[ArtifactResult]:
         """Config copy, git diff and pip freeze; writes and returns the index."""
@@ -122,11 +116,24 @@ class ArtifactStore:
         return proc
 
 
-def installed_distributions() -> list[str]:
-    """``name==version`` of every distribution importlib.metadata can see."""
-    out = set()
-    for dist in importlib.metadata.distributions():
+def freeze_lines(paths: Sequence[str] | None = None) -> list[str]:
+    """One line per distribution on ``paths`` (default ``sys.path``), sorted by name, as
+    ``pip freeze --all`` writes them: ``name==version``; ``name @ url`` for one installed
+    from a URL or a local path, ``-e url`` for an editable one (its ``direct_url.json``)."""
+    lines = {}
+    for dist in importlib.metadata.distributions(**({"path": list(paths)} if paths is not None else {})):
         name = dist.metadata["Name"]
-        if name:
-            out.add(f"{name}=={dist.version}")
-    return list(out)
+        if not name or name.lower() in lines:
+            continue  # an earlier path entry shadows it, as for the import system
+        line = f"{name}=={dist.version}"
+        try:
+            direct = json.loads(dist.read_text("direct_url.json") or "null")
+        except ValueError:
+            direct = None
+        if isinstance(direct, dict) and direct.get("url"):
+            editable = bool(direct.get("dir_info", {}).get("editable"))
+            vcs = direct.get("vcs_info")
+            url = f"{vcs['vcs']}+{direct['url']}@{vcs.get('commit_id', '')}" if isinstance(vcs, dict) else direct["url"]
+            line = f"-e {url}" if editable else f"{name} @ {url}"
+        lines[name.lower()] = line
+    return [lines[key] for key in sorted(lines)]
