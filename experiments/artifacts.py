@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import site
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -117,11 +119,11 @@ class ArtifactStore:
 
 
 def freeze_lines(paths: Sequence[str] | None = None) -> list[str]:
-    """One line per distribution on ``paths`` (default ``sys.path``), sorted by name, as
-    ``pip freeze --all`` writes them: ``name==version``; ``name @ url`` for one installed
-    from a URL or a local path, ``-e url`` for an editable one (its ``direct_url.json``)."""
+    """One line per distribution on ``paths`` (default ``interpreter_paths()``), sorted by
+    name, as ``pip freeze --all`` writes them: ``name==version``; ``name @ url`` for one
+    installed from a URL or a local path, ``-e url`` for an editable one (its ``direct_url.json``)."""
     lines = {}
-    for dist in importlib.metadata.distributions(**({"path": list(paths)} if paths is not None else {})):
+    for dist in importlib.metadata.distributions(path=list(interpreter_paths() if paths is None else paths)):
         name = dist.metadata["Name"]
         if not name or name.lower() in lines:
             continue  # an earlier path entry shadows it, as for the import system
@@ -137,3 +139,14 @@ def freeze_lines(paths: Sequence[str] | None = None) -> list[str]:
             line = f"-e {url}" if editable else f"{name} @ {url}"
         lines[name.lower()] = line
     return [lines[key] for key in sorted(lines)]
+
+
+def interpreter_paths() -> list[str]:
+    """Where a fresh interpreter, and so ``pip freeze``, looks for installed packages:
+    ``PYTHONPATH`` and the site directories. Not this process's ``sys.path``: a package
+    imported along the way may have added its vendored copies to it (setuptools does)."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths += site.getsitepackages()
+    if site.ENABLE_USER_SITE:
+        paths.append(site.getusersitepackages())
+    return paths
