@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-
 from core.distributed_context import DistributedContext
 from runtime.fast_exit import exit_process
 from training import session

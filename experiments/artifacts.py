@@ -3,9 +3,9 @@
 ``config.yaml`` (a copy of the resolved config), ``git.diff`` and ``git-untracked.txt``
 (the uncommitted state of the source tree), ``pip-freeze.txt`` (installed packages, in
 ``pip freeze``'s format, read from the interpreter's package metadata: running pip costs
-every run half a second of CPU), and the folders for profiler traces and plots. Collecting an artifact never fails the run: an
-external command that is missing, fails or times out is recorded in ``artifacts.json``
-with its error, and the run goes on. Call on rank 0 only.
+every run half a second of CPU), and the folders for profiler traces and plots. Collecting
+an artifact never fails the run: a git command that is missing, fails or times out is
+recorded in ``artifacts.json`` with its error, and the run goes on. Call on rank 0 only.
 """
 
 from __future__ import annotations
