@@ -430,6 +430,7 @@ def summarize_run(run_dir: Path, *, warmup: int, gpus: int, peak: float | None, 
         tokens_per_s_from_step_times=(tokens / sum(step_max)) if all(step_max) else None,
         step_time_s=(sum(step_max) / len(step_max)) if all(step_max) else None,
         step_time_median_s=statistics.median(step_max) if all(step_max) else None,
+        step_times_s=[round(t, 5) for t in step_max] if all(step_max) else None,
         tracker_mfu=_mean([r.get("mfu") for r in steady]),
     )
     out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / gpus if out["tokens_per_s"] else None

@@ -356,6 +356,8 @@ class ParallelConfig:
     """Data-parallel gradient reduction (ddp, fsdp): fp32, or bf16 (half the bytes on the wire; each rank's gradient is divided by the data-parallel size and rounded to bf16 before the sum, then stored back in the gradient's dtype). Needs precision=bf16."""
     ddp_bucket_mb: float = 25.0
     """DDP: gradient bucket size in MiB. Each bucket is one all-reduce, started as soon as its gradients are ready: larger buckets mean fewer, larger collectives and less overlap with the backward."""
+    ddp_overlap: bool = True
+    """DDP: start each bucket's all-reduce while the backward still runs (true), or reduce all buckets back to back after it (false: the collectives do not share the GPU with the backward's kernels; see docs/parallelism.md)."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 linears via torchao (CUDA sm89+ only; master weights stay fp32): none, tensorwise or rowwise scaling. See docs/parallelism.md."""
 
@@ -396,6 +398,8 @@ class RuntimeConfig:
     """Refuse (instead of warn) a resume or replay whose software/hardware environment differs."""
     record_memory_history: bool = False
     """Record CUDA allocation history with stacks, saved in the memory snapshot on out-of-memory."""
+    gc_interval: int = 50
+    """Steps between Python garbage collections, run at the same step on every rank with automatic collection off (a full one every 10th); 0 leaves Python's automatic collection on. See runtime/collection.py."""
     sync_step_end: bool = False
     """Wait for the GPU at every step end, so each step's time holds its own device work (debugging); off, the host prepares the next step while the update runs."""
 
@@ -745,6 +749,12 @@ def validate(config: Config, world_size: int | None = None) -> None:
             key="parallel.ddp_bucket_mb",
             hint="25 is DDP's default",
         )
+    if not p.ddp_overlap and p.strategy != "ddp":
+        raise ConfigError(
+            f"parallel.ddp_overlap=false applies to strategy ddp only (got strategy={p.strategy})",
+            key="parallel.ddp_overlap",
+            hint="remove parallel.ddp_overlap, or set parallel.strategy=ddp",
+        )
     if p.compile_mode != "default" and (not p.compile or p.device == "cpu" or p.strategy in ("fsdp", "xla_spmd")):
         raise ConfigError(
             f"parallel.compile_mode={p.compile_mode} needs parallel.compile=true on CUDA with strategy none or "
@@ -1022,6 +1032,12 @@ def _validate_numbers(config: Config) -> None:
     if not math.isfinite(t.min_lr_ratio) or not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}", key="train.min_lr_ratio")
     _positive("model.vocab_size", config.model.vocab_size)
+    if config.runtime.gc_interval < 0:
+        raise ConfigError(
+            f"runtime.gc_interval must be >= 0, got {config.runtime.gc_interval}",
+            key="runtime.gc_interval",
+            hint="0 leaves Python's automatic garbage collection on",
+        )
 
 
 def _positive(key: str, value: int) -> None:

@@ -11,6 +11,13 @@ its coalesced broadcast flattens plain storages, and an NF4 weight has none of i
 bytes live in inner tensors), so on two ranks the broadcast scrambled the base that every
 rank had quantized identically (tests/training/test_qlora_e2e.py). They are frozen, so DDP
 has no gradient of theirs to reduce either.
+
+``parallel.ddp_overlap=false`` holds every bucket until the backward has produced the last
+one, then reduces them all back to back (``AfterBackwardReduce``). Overlapped (the default),
+each bucket's all-reduce starts as soon as its gradients are ready and runs beside the rest of
+the backward; on a GPU busy with CUDA-graphed blocks the two compete for the SMs and NCCL's
+kernels ran six times slower than alone (docs/performance.md). Deferred, the collectives have
+the GPU to themselves, at the cost of the overlap.
 """
 
 from __future__ import annotations
@@ -38,7 +45,10 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, paral
         gradient_as_bucket_view=True,
         bucket_cap_mb=parallel.ddp_bucket_mb,
     )
-    if parallel.reduce_dtype == "bf16":
+    if not parallel.ddp_overlap:
+        ddp.register_comm_hook(AfterBackwardReduce(ddp.process_group, bf16=parallel.reduce_dtype == "bf16"),
+                               AfterBackwardReduce.hook)
+    elif parallel.reduce_dtype == "bf16":
         ddp.register_comm_hook(ddp.process_group, bf16_reduce_hook)
     return ddp
 
@@ -60,3 +70,49 @@ def bf16_reduce_hook(group, bucket):  # no annotations: DDP checks them, and thi
         return buffer
 
     return reduced.then(store)
+
+
+class AfterBackwardReduce:
+    """DDP communication hook state that reduces every bucket once the last one is ready.
+
+    DDP calls the hook for buckets 0, 1, ... in order as they fill, and expects each call to
+    return a future of the bucket's reduced values. For every bucket but the last, the hook
+    divides it by the group size (as DDP's own reduction does) and returns its buffer in an
+    already completed future: nothing reads the gradients before DDP's end of backward. The
+    last bucket's call launches the all-reduces of all buckets in bucket order on the process
+    group's stream and makes the current stream wait for them, so the optimizer reads reduced
+    gradients. Bucket 0 opens every backward and drops whatever an earlier backward that
+    failed half-way left held, so nothing stale is reduced.
+
+    The same collectives on the same buffers as overlapped reduction, so fp32 results are
+    identical to it; ``bf16=True`` applies ``bf16_reduce_hook``'s arithmetic to each bucket.
+    """
+
+    def __init__(self, group, *, bf16: bool) -> None:
+        self.group = group
+        self.bf16 = bf16
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def hook(state, bucket):  # no annotations: DDP checks them, and this module's are strings
+        buffer = bucket.buffer()
+        size = state.group.size()
+        wire = buffer.to(torch.bfloat16).div_(size) if state.bf16 else buffer.div_(size)
+        if bucket.index() == 0:
+            state._held.clear()
+        state._held[bucket.index()] = (buffer, wire)
+        if bucket.is_last():
+            state._reduce_held()
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    def _reduce_held(self) -> None:
+        held = [self._held[index] for index in sorted(self._held)]
+        self._held.clear()
+        works = [dist.all_reduce(wire, group=self.group, async_op=True) for _, wire in held]
+        for work in works:
+            work.wait()  # NCCL: the current stream waits, the host does not; gloo: the host waits
+        if self.bf16:
+            for buffer, wire in held:
+                buffer.copy_(wire)

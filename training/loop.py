@@ -38,6 +38,7 @@ from core.run_context import RunContext
 from data.hashing import batch_hash, state_hash
 from data.state import merge_states
 from models.lora import set_dropout_key
+from runtime.collection import CollectionSchedule
 from training.checkpointing import CheckpointManager, restore_rng_state
 from training.guards import Guards
 from training.objectives import Objective, ObjectiveContext, build_objective
@@ -136,9 +137,12 @@ class Trainer:
         result = FitResult(status="finished", first_step=first_step, last_step=first_step - 1)
         started = time.perf_counter()
         self.guards.start()
+        collection = CollectionSchedule(self.config.runtime.gc_interval)
+        collection.start()
         try:
             for step in range(first_step, last_step + 1):
                 record = self.train_one_step(step)
+                collection.after_step(step)
                 result.last_step = step
                 result.tokens += record["tokens"]
                 if result.first_loss is None:
@@ -158,6 +162,7 @@ class Trainer:
                         self.save_checkpoint(last_step, reason="end")
             self.checkpoints.wait()
         finally:
+            collection.stop()
             self.guards.close()
         result.seconds = time.perf_counter() - started
         skipped = self._all_reduce_sum(float(self.data.stats().get("bad_records_skipped", 0)))

@@ -4,6 +4,8 @@
 summed, and written back in fp32. The result must be exactly that arithmetic on the two
 ranks' local gradients (each rank recomputes both without DDP), whatever the bucket size
 (``parallel.ddp_bucket_mb``, tiny here: several buckets). fp32 (the default) gives the mean.
+``parallel.ddp_overlap=false`` reduces the same buckets after the backward: fp32 gradients
+identical to the overlapped reduction's, bf16 the same documented arithmetic.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         base = ParallelConfig(device="cpu", backend="gloo", timeout_s=60, precision="bf16", ddp_bucket_mb=0.004)
         with DistributedContext.from_env(base):
             mesh = init_device_mesh("cpu", (world,))
-            for reduce_dtype in ("fp32", "bf16"):
-                parallel = ParallelConfig(**{**base.__dict__, "reduce_dtype": reduce_dtype})
+            overlapped: list[torch.Tensor] = []
+            for reduce_dtype, overlap in (("fp32", True), ("bf16", True), ("fp32", False), ("bf16", False)):
+                parallel = ParallelConfig(**{**base.__dict__, "reduce_dtype": reduce_dtype, "ddp_overlap": overlap})
+                name = reduce_dtype if overlap else f"{reduce_dtype}/after_backward"
                 ddp = apply_ddp(_model(), mesh, torch.device("cpu"), parallel)
                 for _ in range(3):  # DDP rebuilds its buckets by ddp_bucket_mb after the first iterations
                     ddp.zero_grad(set_to_none=False)
@@ -67,17 +71,21 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     else:
                         want = sum(g[i] for g in local) / world
                         checks.append(bool(torch.allclose(param.grad, want, rtol=1e-6, atol=1e-7)))
+                        if overlap:
+                            overlapped.append(param.grad.clone())
+                        else:
+                            checks.append(torch.equal(param.grad, overlapped[i]))
                     checks.append(param.grad.dtype == torch.float32)
-                result[reduce_dtype] = checks
-                result[f"{reduce_dtype}/buckets"] = len(ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+                result[name] = checks
+                result[f"{name}/buckets"] = len(ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     except BaseException:
         Path(out_dir, f"rank{rank}_error.txt").write_text(traceback.format_exc())
         raise
 
 
-def test_bf16_reduction_is_the_documented_arithmetic_over_several_buckets(tmp_path):
+def test_reduction_options_are_the_documented_arithmetic_over_several_buckets(tmp_path):
     for result in launch.spawn_json_ranks(_worker, tmp_path, timeout=120):
-        assert result["fp32"] and all(result["fp32"]), result
-        assert result["bf16"] and all(result["bf16"]), result
-        assert result["bf16/buckets"] > 1  # the small ddp_bucket_mb took effect
+        for name in ("fp32", "bf16", "fp32/after_backward", "bf16/after_backward"):
+            assert result[name] and all(result[name]), (name, result)
+            assert result[f"{name}/buckets"] > 1, name  # the small ddp_bucket_mb took effect

@@ -1,6 +1,7 @@
 """Lockstep's central promise, end to end on CPU with 2 ranks (gloo, torchrun):
 
-- the same config twice gives identical ledgers and parameter hashes;
+- the same config twice gives identical ledgers and parameter hashes; so does DDP's reduction
+  after the backward (``parallel.ddp_overlap=false``) with collections every 2 steps;
 - the whole job SIGKILLed at random moments (also mid-checkpoint), then resumed, possibly
   several times, ends with a ledger identical to the uninterrupted run's, line for line;
 - 2 ranks -> resume on 1 rank: the same batch_hash sequence, loss within float tolerance;
@@ -58,6 +59,13 @@ def test_same_config_twice_is_bitwise_identical(e2e_workdir, reference):
     again = launch.train(e2e_workdir, e2e_args(max_steps=STEPS), nproc=2)
     assert again.returncode == 0, again.stderr
     assert launch.ledger(_run_dir(e2e_workdir, again)) == launch.ledger(reference)
+
+
+def test_reduction_after_backward_and_scheduled_collection_change_nothing(e2e_workdir, reference):
+    overrides = ["parallel.ddp_overlap=false", "runtime.gc_interval=2"]
+    deferred = launch.train(e2e_workdir, e2e_args(max_steps=STEPS, name="deferred", overrides=overrides), nproc=2)
+    assert deferred.returncode == 0, deferred.stderr
+    assert launch.ledger(_run_dir(e2e_workdir, deferred)) == launch.ledger(reference)
 
 
 def test_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):
