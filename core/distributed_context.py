@@ -232,16 +232,17 @@ class DistributedContext:
         return out
 
     def any_true(self, flag: bool) -> bool:
-        """True on every rank if any rank passes True (one small collective)."""
+        """True on every rank if any rank passes True (one small collective over gloo).
+
+        The loop asks at every step's end. A device collective there would make the host wait
+        for the GPU's whole queue (the update it just enqueued) before it could prepare the
+        next step, leaving the GPU idle while it does; on four GPUs that wait cost more than
+        the gradient all-reduce (docs/performance.md)."""
         if not self.is_distributed:
             return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self._collective_device)
-        self.all_reduce(t, op="max")
+        t = torch.tensor([1.0 if flag else 0.0])
+        self.host_all_reduce(t, op="max")
         return bool(t.item() > 0)
-
-    @property
-    def _collective_device(self) -> torch.device:
-        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def describe(self) -> dict[str, Any]:
         return {

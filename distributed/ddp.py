@@ -12,6 +12,14 @@ bytes live in inner tensors), so on two ranks the broadcast scrambled the base t
 rank had quantized identically (tests/training/test_qlora_e2e.py). They are frozen, so DDP
 has no gradient of theirs to reduce either.
 
+Dynamo's DDPOptimizer is turned off (``torch._dynamo.config.optimize_ddp``). It splits every
+graph compiled inside DDP's forward at gradient-bucket boundaries, so that buckets can be
+reduced while the rest of a whole-model graph's backward runs. Lockstep compiles one block at
+a time (distributed/compile.py), and DDP's hooks already run between the blocks' backward
+graphs; the splits only cut each block into more graphs, each one more launch (and, with
+``compile_mode=reduce-overhead``, one more CUDA graph), which made the 4-GPU forward
+host-bound (docs/performance.md).
+
 ``parallel.ddp_overlap=false`` holds every bucket until the backward has produced the last
 one, then reduces them all back to back (``AfterBackwardReduce``). Overlapped (the default),
 each bucket's all-reduce starts as soon as its gradients are ready and runs beside the rest of
@@ -35,6 +43,7 @@ from distributed.params import is_packed
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, parallel: ParallelConfig) -> nn.Module:
     """Wrap ``model`` (already on ``device``); returns the DDP module. ``parallel.ddp_bucket_mb``
     sizes the gradient buckets; ``parallel.reduce_dtype=bf16`` reduces them in bf16."""
+    torch._dynamo.config.optimize_ddp = False  # see the module docstring
     packed = [name for name, param in model.named_parameters() if is_packed(param)]
     if packed:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, packed)
