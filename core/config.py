@@ -399,7 +399,7 @@ class RuntimeConfig:
     record_memory_history: bool = False
     """Record CUDA allocation history with stacks, saved in the memory snapshot on out-of-memory."""
     gc_interval: int = 50
-    """Steps between Python garbage collections, run at the same step on every rank with automatic collection off (a full one every 10th); 0 leaves Python's automatic collection on. See runtime/collection.py."""
+    """Python garbage collection at the same steps on every rank, automatic collection off: the youngest generation after every step, the young ones every gc_interval steps, all every 10th time; 0 leaves Python's automatic collection on. See runtime/collection.py."""
     sync_step_end: bool = False
     """Wait for the GPU at every step end, so each step's time holds its own device work (debugging); off, the host prepares the next step while the update runs."""
 
