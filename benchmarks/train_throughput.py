@@ -618,6 +618,46 @@ def comparison_table(results: list[dict[str, Any]]) -> str:
     return "1-GPU tokens/s, same card:\n\n" + "\n".join(lines)
 
 
+def scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-GPU scaling of every several-GPU run against the 1-GPU run of the same shape, seq,
+    micro-batch (per GPU), mode and compile setting: its tokens/s per GPU over the 1-GPU
+    tokens/s, and the same from the median step times (each GPU does the same work per step,
+    so the ratio of step times is the ratio of per-GPU throughput, without the few slow steps
+    that move the mean). Merged reports (``--report``) pair runs of different invocations by
+    that key alone; compare only runs of one host."""
+    def key(r: dict[str, Any]) -> tuple:
+        return r.get("shape"), r.get("seq"), r.get("micro_batch"), r.get("mode"), r.get("compile")
+
+    ok = [r for r in results if r.get("kind") == "lockstep" and r.get("status") == "ok" and r.get("tokens_per_s")]
+    single = {key(r): r for r in ok if r.get("gpus") == 1}
+    rows = []
+    for r in ok:
+        base = single.get(key(r))
+        if r.get("gpus", 1) <= 1 or base is None:
+            continue
+        by_median = None
+        if r.get("step_time_median_s") and base.get("step_time_median_s"):
+            by_median = base["step_time_median_s"] / r["step_time_median_s"]
+        rows.append({"case": r["case"], "one_gpu_case": base["case"], "gpus": r["gpus"],
+                     "strategy": r.get("strategy"), "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
+                     "one_gpu_tokens_per_s": base["tokens_per_s"],
+                     "scaling": r["tokens_per_s_per_gpu"] / base["tokens_per_s"],
+                     "scaling_by_median_step": by_median})
+    return rows
+
+
+def scaling_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    lines = ["| run | strategy | tokens/s/GPU | 1-GPU tokens/s | per-GPU scaling | by median step |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['case']} | {row['strategy']} | {fmt(row['tokens_per_s_per_gpu'], ',.0f')} | "
+                     f"{fmt(row['one_gpu_tokens_per_s'], ',.0f')} | {fmt(row['scaling'], '.1%')} | "
+                     f"{fmt(row['scaling_by_median_step'], '.1%')} |")
+    return "Per-GPU scaling against the 1-GPU run of the same shape, seq, micro-batch and mode:\n\n" + "\n".join(lines)
+
+
 def print_report(payload: dict[str, Any]) -> None:
     env = payload.get("env", {})
     print(f"\nGPU: {', '.join(env.get('gpu_names', [])) or 'none'}; torch {env.get('torch')}; "
@@ -629,6 +669,9 @@ def print_report(payload: dict[str, Any]) -> None:
     comparison = comparison_table(payload["results"])
     if comparison:
         print("\n" + comparison)
+    scaling = scaling_table(scaling_rows(payload["results"]))
+    if scaling:
+        print("\n" + scaling)
     print(flush=True)
 
 
@@ -738,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fmt(result.get('tokens_per_s'), ',.0f')} tokens/s", flush=True)
     finally:
         payload["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+        payload["scaling"] = scaling_rows(payload["results"])
         hfb.write_json(args.out, payload)
         if not args.keep_runs and not args.run_root:
             shutil.rmtree(run_root, ignore_errors=True)

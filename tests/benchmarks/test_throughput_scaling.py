@@ -1,0 +1,44 @@
+"""benchmarks/train_throughput.py's per-GPU scaling table: every several-GPU run against the
+1-GPU run of the same shape, seq, micro-batch and mode, from the mean throughput and from
+the median step time. Checked on recorded four-H200 results (docs/bench) and on made-up
+results for the pairing rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.benchmarks.test_harness import ROOT, _module
+
+BENCH = ROOT / "docs" / "bench"
+
+
+def test_recorded_four_gpu_results_give_the_documented_scaling(capsys):
+    tt = _module("train_throughput")
+    files = [BENCH / f"2026-11-27d-4xh200-call3-tp-{name}.json" for name in ("05-g1", "05-g4-b100", "17-g1", "17-g4-b100")]
+    assert tt.main(["--report", *map(str, files)]) == 0
+    printed = capsys.readouterr().out
+    assert "| qwen2.5-0.5b-s2048-b2-g4-fast | ddp | 63,751 | 84,874 | 75.1% | 75.4% |" in printed
+    assert "| qwen3-1.7b-s2048-b2-g4-fast | ddp | 30,126 | 36,048 | 83.6% | 84.6% |" in printed
+
+
+def _result(gpus: int, tokens_per_s: float, median: float, **extra) -> dict:
+    base = dict(kind="lockstep", status="ok", case=f"x-g{gpus}", shape="x", seq=2048, micro_batch=2, mode="fast",
+                compile="preset", gpus=gpus, strategy="ddp" if gpus > 1 else "none", tokens_per_s=tokens_per_s,
+                tokens_per_s_per_gpu=tokens_per_s / gpus, step_time_median_s=median)
+    return {**base, **extra}
+
+
+def test_runs_pair_only_with_the_same_shape_seq_micro_batch_and_mode():
+    tt = _module("train_throughput")
+    one = _result(1, 100.0, 0.040)
+    rows = tt.scaling_rows([
+        one,
+        _result(4, 320.0, 0.050),
+        _result(4, 999.0, 0.010, micro_batch=8),  # no 1-GPU run at micro-batch 8
+        _result(4, 999.0, 0.010, mode="bitwise"),
+        _result(4, 999.0, 0.010, status="failed"),
+        {"kind": "hf", "status": "ok", "gpus": 4, "tokens_per_s": 1.0},
+    ])
+    assert len(rows) == 1
+    assert rows[0]["scaling"] == pytest.approx(0.8) and rows[0]["scaling_by_median_step"] == pytest.approx(0.8)
+    assert rows[0]["one_gpu_case"] == one["case"]
