@@ -402,6 +402,8 @@ class RuntimeConfig:
     """Python garbage collection at the same steps on every rank, automatic collection off: the youngest generation after every step, the young ones every gc_interval steps, all every 10th time; 0 leaves Python's automatic collection on. See runtime/collection.py."""
     sync_step_end: bool = False
     """Wait for the GPU at every step end, so each step's time holds its own device work (debugging); off, the host prepares the next step while the update runs."""
+    deferred_settle: bool = True
+    """Read each step's loss, gradient norm and non-finite flags, and write its ledger line and metrics, during the next step, after that step's backward is issued, so the host never waits for the GPU between steps; checkpoint, parameter-hash, evaluation and last steps settle at once. false: every step settles before the next begins. The ledger is the same either way."""
 
 
 @dataclass(frozen=True)

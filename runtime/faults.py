@@ -41,6 +41,7 @@ from core.exceptions import ConfigError
 
 FAULT_KINDS = ("hang", "nan", "crash", "sigterm", "slow_data")
 STEPLESS_KINDS = ("slow_data",)
+STEP_START_KINDS = ("crash", "sigterm", "hang")  # fired by FaultInjector.before_step
 CONFIG_KEY = "runtime.faults"
 CRASH_EXIT_CODE = 1
 

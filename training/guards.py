@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from core.config import Config
 from core.distributed_context import DistributedContext
-from runtime.faults import FaultInjector, parse_faults
+from runtime.faults import STEP_START_KINDS, FaultInjector, parse_faults
 from runtime.health import NonFiniteGuard, StallDetector, dump_provenance
 from runtime.memory import memory_metrics
 from runtime.profiler import ProfilerWindow, StepTimer
@@ -49,8 +49,12 @@ class Guards:
         # Every phase start is a heartbeat, so the watchdog knows the phase a rank hangs in.
         self.timer = StepTimer(device=dist.device, listeners=[self.watchdog, self.stall],
                                sync_step_end=config.runtime.sync_step_end)
+        faults = parse_faults(config.runtime.faults)
+        # Steps where some rank's injected fault ends or stops the run at the step's start,
+        # the same on every rank (the loop settles the step before on all of them first).
+        self.fault_steps = frozenset(f.step for f in faults if f.kind in STEP_START_KINDS)
         self.faults = FaultInjector(
-            parse_faults(config.runtime.faults),
+            faults,
             rank=dist.rank,
             slow_data_s=config.runtime.fault_slow_data_s,
             flush=_flush_logs,

@@ -5,10 +5,17 @@
 1. take the next batch (the data state *after* it travels with it),
 2. forward/backward over micro-batches, loss normalized by the global target tokens,
 3. all-reduce the loss, clip gradients, agree across ranks that everything is finite,
-4. update (or skip, under ``runtime.on_nonfinite: skip``),
-5. gather the batch and data-state hashes, write the ledger line (rank 0),
-6. checkpoint when due (the ledger line is already on disk, so a checkpoint never exists
-   without its line), log metrics, evaluate when due, stop if any rank was signalled.
+4. enqueue the update (a non-finite step's update is skipped on the device),
+5. gather the batch and data-state hashes,
+6. settle: read loss, norm and flags back, write the ledger line (rank 0), checkpoint when
+   due (the ledger line is already on disk, so a checkpoint never exists without its line),
+   log metrics; then evaluate when due, stop if any rank was signalled.
+
+Step 6 of a step normally runs inside the next step, between its backward and its update
+(``runtime.deferred_settle``): the GPU has finished the step by then, so the host never waits
+for it between steps, and a non-finite step still stops the run before another update.
+Checkpoint, parameter-hash, evaluation and last steps, and a step before a stop, settle at
+once. The ledger is the same either way.
 
 What differs between training methods lives in the run's objective (training/objectives:
 the frozen models it needs, a no-grad preparation of each batch, the loss over a micro-batch,
@@ -47,7 +54,7 @@ from training.optim import build_optimizer, evaluation_weights, set_lr
 from training.precision import Precision
 from training.recorder import LedgerWriter, ReplayComparator, ReplaySpec, StepRecorder
 from training.schedule import lr_at
-from training.step import apply_update, forward_backward
+from training.step import UpdateValues, enqueue_update, forward_backward
 
 TRAINER_STATE_VERSION = 1
 TRAINER_PART, DATA_PART, OBJECTIVE_PART = "trainer", "data", "objective"
@@ -67,6 +74,25 @@ class FitResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Step:
+    """A step whose work is issued: what its ledger line, checkpoint and metrics need."""
+
+    step: int
+    batch: Any
+    lr: float
+    tokens: int
+    targets: int
+    updates: list[UpdateValues]  # the step's updates' values, read when it settles
+    metric_names: list[str]  # the objective's metric sums among the first update's values
+    hashes: dict[str, str]  # batch_hash and data_state_hash
+    checkpoint_due: bool = False
+    hash_due: bool = False
+    times: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    record: dict[str, Any] = field(default_factory=dict)  # the ledger line, once settled
+    totals: dict[str, float] = field(default_factory=dict)  # the objective's metric sums
 
 
 class Trainer:
@@ -127,6 +153,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self._global_data_state: dict[str, Any] | None = None
+        self._on_settled: Callable[[_Step], None] = lambda step: None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,19 +166,26 @@ class Trainer:
         self.guards.start()
         collection = CollectionSchedule(self.config.runtime.gc_interval)
         collection.start()
+        pending: _Step | None = None  # issued, its values not read yet (runtime.deferred_settle)
+
+        def settled(step: _Step) -> None:
+            record = step.record
+            result.tokens += record["tokens"]
+            if result.first_loss is None:
+                result.first_loss = record["loss"]
+            result.last_loss = record["loss"]
+
+        self._on_settled = settled
         try:
             for step in range(first_step, last_step + 1):
-                record = self.train_one_step(step)
+                pending = self._run_step(step, previous=pending, last_step=last_step)
                 collection.after_step(step)
                 result.last_step = step
-                result.tokens += record["tokens"]
-                if result.first_loss is None:
-                    result.first_loss = record["loss"]
-                result.last_loss = record["loss"]
                 if not self.recorder.records:
                     continue
                 self.maybe_evaluate(step)
                 if step < last_step and self.guards.should_stop(self.dist):
+                    pending = self._settle_late(pending)
                     self.save_checkpoint(step, reason="signal")
                     self.events.emit("stopped", step=step, signal=self.guards.stop_reason())
                     result.status = "stopped"
@@ -209,7 +243,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_one_step(self, step: int) -> dict[str, Any]:
+    def _run_step(self, step: int, *, previous: _Step | None, last_step: int) -> _Step | None:
+        """Run step ``step``: its batch, forward, backward and update, and its ledger line,
+        checkpoint and metrics, or leave those to the next step (returned; see ``_settle``).
+
+        ``previous``, a step whose values are not read yet, is settled after this step's
+        backward is issued and before its update: by then the GPU has long finished it, so the
+        host never waits for the GPU between steps, and a non-finite step stops the run before
+        the next update. A step settles at once where something needs its parameters or all of
+        its lines: checkpoint and parameter-hash steps, evaluation steps, the last step, and
+        every step under ``runtime.deferred_settle: false`` or of an objective whose ledger
+        fields cannot wait (``Objective.settles_late``: GRPO's).
+        """
         guards, timer = self.guards, self.guards.timer
         guards.begin_step(step)
         with timer.phase("data_wait"):
@@ -224,6 +269,10 @@ class Trainer:
                 rank=self.dist.rank,
                 hint="the data state in the checkpoint does not match the trainer state",
             )
+        if previous is not None and step in guards.fault_steps:
+            # An injected fault at a step's start finds every earlier step in the ledger, as
+            # the relaunch after it expects (runtime/relaunch.py).
+            previous = self._settle_late(previous)
         guards.faults.before_step(step)
         with timer.phase("prepare"), torch.no_grad():
             batch = self.objective.prepare(batch)  # frozen models' outputs, rollouts: as batch extras
@@ -235,35 +284,77 @@ class Trainer:
         # Most objectives make one update per batch; GRPO with inner_updates > 1 makes several
         # on the same rollouts. The step's loss, grad_norm and metrics are the first update's
         # (taken on the rollout policy); later updates' losses and norms go into the ledger.
-        updates = [self._update(step, batch, global_targets, first=u == 0)
+        updates = [self._update(step, batch, global_targets, first=u == 0, previous=previous if u == 0 else None)
                    for u in range(self.objective.updates_per_batch)]
-        loss, grad_norm, totals, _ = updates[0]
-        finite = all(u[3] for u in updates)
         self.step = step
         tokens = batch.input_ids.numel() * self.parallel.dp_size
         self.tokens_seen += tokens
+        current = _Step(step=step, batch=batch, lr=lr, tokens=tokens, targets=global_targets,
+                        updates=[values for values, _ in updates], metric_names=updates[0][1],
+                        hashes=self._ledger_hashes(batch))
+        current.checkpoint_due = self._checkpoint_due(step)
+        current.hash_due = self.recorder.param_hash_due(step, current.checkpoint_due, self.config.train.max_steps)
+        settle_now = (not (self.config.runtime.deferred_settle and self.objective.settles_late)
+                      or current.checkpoint_due or current.hash_due or step == last_step
+                      or self._evaluation_due(step))
+        if settle_now:
+            self._settle(current)
+        current.times = guards.end_step(step)
+        if not settle_now:
+            return current
+        self._log(current)
+        return None
 
-        record = self._ledger_record(step, batch, loss, grad_norm, lr, tokens, global_targets)
-        if len(updates) > 1:
-            record["inner_losses"] = [u[0] for u in updates]
-            record["inner_grad_norms"] = [u[1] for u in updates]
-        record.update(self.objective.ledger_fields(totals, global_targets))
-        if not finite:
+    def _settle(self, done: _Step) -> None:
+        """Read a step's values and write its ledger line (and its checkpoint when due); a
+        non-finite step stops the run here under ``runtime.on_nonfinite: abort``."""
+        timer = self.guards.timer
+        reads = [u.read() for u in done.updates]
+        for finite, loss, grad_norm, _ in reads:
+            if not finite:
+                self._handle_nonfinite(done.step, done.batch, loss, grad_norm)
+        finite, loss, grad_norm, values = reads[0]
+        totals = dict(zip(done.metric_names, values))
+        record = {
+            "step": done.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": done.lr,
+            "tokens": done.tokens,
+            "target_tokens": done.targets,
+            **done.hashes,
+        }
+        if len(reads) > 1:
+            record["inner_losses"] = [r[1] for r in reads]
+            record["inner_grad_norms"] = [r[2] for r in reads]
+        record.update(self.objective.ledger_fields(totals, done.targets))
+        if not all(r[0] for r in reads):
             record["skipped"] = True
-        due = self._checkpoint_due(step)
-        if self.recorder.param_hash_due(step, due, self.config.train.max_steps):
+        if done.hash_due:
             with timer.phase("checkpoint"):
                 record["param_hash"] = self.parallel.param_hash(self.model)
-        self.recorder.record(step, record, batch)
-        if due:
+        self.recorder.record(done.step, record, done.batch)
+        done.record, done.totals = record, totals
+        if done.checkpoint_due:
             with timer.phase("checkpoint"):
-                self.save_checkpoint(step, reason="interval")
-        times = guards.end_step(step)
-        self.tracker.log(step, self._metrics(record, times, batch, totals, global_targets))
-        return record
+                self.save_checkpoint(done.step, reason="interval")
+        self._on_settled(done)
 
-    def _update(self, step: int, batch, global_targets: int, *, first: bool) -> tuple[float, float, dict, bool]:
-        """Forward, backward and one optimizer update on the prepared batch: (loss, grad_norm, metric totals, finite)."""
+    def _settle_late(self, pending: _Step | None) -> None:
+        """Settle and log a step left for the next one, when there will be none (a stop)."""
+        if pending is not None:
+            self._settle(pending)
+            self._log(pending)
+        return None
+
+    def _log(self, done: _Step) -> None:
+        self.tracker.log(done.step, self._metrics(done.record, done.times, done.batch, done.totals, done.targets))
+
+    def _update(self, step: int, batch, global_targets: int, *, first: bool,
+                previous: _Step | None) -> tuple[UpdateValues, list[str]]:
+        """Forward, backward and one optimizer update on the prepared batch, with ``previous``
+        settled between the backward and the update. Returns the update's values (not read
+        yet) and the names of the objective's metric sums among them."""
         guards, timer = self.guards, self.guards.timer
         micro = batch.micro_batches(self.config.train.micro_batch_size)
         with self.recorder.instrument(self.model, step) if first else contextlib.nullcontext():
@@ -283,6 +374,10 @@ class Trainer:
         with timer.phase("communication"):
             loss = self._all_reduce_sum(local_loss) / max(global_targets, 1)
             names, summed = self._all_reduce_metrics(local_metrics)
+        if previous is not None:
+            with timer.phase("settle"):
+                self._settle(previous)
+                self._log(previous)
         with timer.phase("optimizer"):
             self.precision.unscale_(self.optimizer)
             grad_norm = self.parallel.clip_grad_norm(self.model, self.config.train.grad_clip)
@@ -290,14 +385,10 @@ class Trainer:
             # before loss and norm are read, and the update at the second sync; both are no-ops
             # for the torch strategies (training/xla.py explains the two cuts).
             self.parallel.sync()
-            finite, loss, grad_norm, values = apply_update(self.optimizer, self.precision, guards.nonfinite, loss,
-                                                           grad_norm, extra=summed)
-            totals = dict(zip(names, values))
+            values = enqueue_update(self.optimizer, self.precision, guards.nonfinite, loss, grad_norm, extra=summed)
             self.optimizer.zero_grad(set_to_none=True)
             self.parallel.sync()
-            if not finite:
-                self._handle_nonfinite(step, batch, loss, grad_norm)
-        return loss, grad_norm, totals, finite
+        return values, names
 
     def _before_forward(self, step: int) -> Callable[[int], None] | None:
         """What runs before each micro-batch's forward: LoRA dropout keys, and with CUDA-graphed
@@ -321,19 +412,15 @@ class Trainer:
         seed, rank = self.config.train.seed, self.parallel.dp_rank
         return lambda micro: set_dropout_key(self.model, seed=seed, step=step, rank=rank, micro_batch=micro)
 
-    def _ledger_record(self, step, batch, loss, grad_norm, lr, tokens, targets) -> dict[str, Any]:
+    def _ledger_hashes(self, batch) -> dict[str, str]:
+        """The ledger's batch and data-state hashes, over every rank's rows and the merged data
+        state after this batch (taken before the next batch is drawn)."""
         rows = batch.row_digests()
         gathered = self.dist.all_gather_object((rows, self.data.state_dict()))
         # Tensor-parallel peers hold the same rows: key by global row index.
         all_rows = sorted({i: d for rank_rows, _ in gathered for i, d in rank_rows}.items())
         self._global_data_state = merge_states([state for _, state in gathered])
         return {
-            "step": step,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": tokens,
-            "target_tokens": targets,
             "batch_hash": batch_hash([d for _, d in all_rows]),
             "data_state_hash": state_hash(self._global_data_state),
         }
@@ -410,9 +497,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    def maybe_evaluate(self, step: int) -> None:
+    def _evaluation_due(self, step: int) -> bool:
         every = self.config.train.eval_interval
-        if every <= 0 or step % every or self.eval_data_factory is None:
+        return every > 0 and step % every == 0 and self.eval_data_factory is not None
+
+    def maybe_evaluate(self, step: int) -> None:
+        if not self._evaluation_due(step):
             return
         self.guards.heartbeat(step, "eval")
         self.model.eval()

@@ -84,21 +84,54 @@ def _phase(timer, name: str):
     return timer.phase(name) if timer is not None else contextlib.nullcontext()
 
 
+class UpdateValues:
+    """An enqueued update's loss, gradient norm, agreed non-finite flags and extra values,
+    read back on the host once, when first asked for (``read``).
+
+    On a GPU the copy is queued before the update; ``read`` waits for the copy, not for the
+    update, and resolves the flags with the run's guard (which counts skips) exactly once.
+    """
+
+    def __init__(self, guard, *, host: torch.Tensor | None = None, ready=None, n_flags: int = 0,
+                 values: tuple[bool, float, float, list[float]] | None = None) -> None:
+        self._guard, self._host, self._ready, self._n_flags = guard, host, ready, n_flags
+        self._values = values
+
+    def read(self) -> tuple[bool, float, float, list[float]]:
+        """``(finite, loss, grad_norm, extra)`` as host values."""
+        if self._values is None:
+            if self._ready is not None:
+                self._ready.synchronize()  # the copy, not the update
+            read = self._host.tolist()
+            n = self._n_flags
+            self._values = (self._guard.resolve(read[2:2 + n]), read[0], read[1], read[2 + n:])
+            self._host = self._ready = None
+        return self._values
+
+
 def apply_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, loss: torch.Tensor,
                  grad_norm: torch.Tensor, *, extra: torch.Tensor | None = None
                  ) -> tuple[bool, float, float, list[float]]:
+    """``enqueue_update`` and read its values at once."""
+    return enqueue_update(optimizer, precision, guard, loss, grad_norm, extra=extra).read()
+
+
+def enqueue_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, loss: torch.Tensor,
+                   grad_norm: torch.Tensor, *, extra: torch.Tensor | None = None) -> UpdateValues:
     """Step the optimizer unless a rank's loss or gradient norm is not finite.
 
-    Returns ``(finite, loss, grad_norm, extra)`` as host values (``extra``: the values of the
-    optional 1-D ``extra`` tensor, e.g. the objective's metric sums, read in the same copy);
-    ``guard`` is the run's ``NonFiniteGuard`` (it agrees across ranks and counts skips).
+    Returns the update's ``UpdateValues``: ``(finite, loss, grad_norm, extra)`` as host values
+    (``extra``: the values of the optional 1-D ``extra`` tensor, e.g. the objective's metric
+    sums, read in the same copy); ``guard`` is the run's ``NonFiniteGuard`` (it agrees across
+    ranks and counts skips).
 
     With a fused optimizer and no gradient scaler (bf16 and fp32 on CUDA), the decision
     stays on the device: the agreed flags set ``optimizer.found_inf``, whose fused kernel then
     leaves parameters, moments and step counts untouched, so the update is enqueued right
-    behind the backward and the host reads loss, norm and flags once while the update runs.
-    A run without the ``found_inf`` path reads the flags first and steps only if all are
-    finite. Both give bit-identical results (tests/training/test_update.py).
+    behind the backward, and the host reads loss, norm and flags in one copy whenever it asks
+    (the loop asks during the next step, docs/architecture.md). A run without the
+    ``found_inf`` path reads the flags first and steps only if all are finite. Both give
+    bit-identical results (tests/training/test_update.py).
     """
     if precision.scaler is None and all(group.get("fused") for group in optimizer.param_groups):
         flags = guard.flags(loss, grad_norm)
@@ -113,12 +146,9 @@ def apply_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, 
         if ready is not None:
             ready.record()
         precision.step(optimizer)
-        if ready is not None:
-            ready.synchronize()  # the copy, not the update
-        read = host.tolist()
-        n_flags = flags.numel()
-        return guard.resolve(read[2:2 + n_flags]), read[0], read[1], read[2 + n_flags:]
+        return UpdateValues(guard, host=host, ready=ready, n_flags=flags.numel())
     finite = guard.check(loss, grad_norm)
     if finite:
         precision.step(optimizer)
-    return finite, float(loss), float(grad_norm), [] if extra is None else extra.detach().float().cpu().tolist()
+    extra_values = [] if extra is None else extra.detach().float().cpu().tolist()
+    return UpdateValues(guard, values=(finite, float(loss), float(grad_norm), extra_values))

@@ -1,7 +1,8 @@
 """Lockstep's central promise, end to end on CPU with 2 ranks (gloo, torchrun):
 
 - the same config twice gives identical ledgers and parameter hashes; so does DDP's reduction
-  after the backward (``parallel.ddp_overlap=false``) with collections every 2 steps;
+  after the backward (``parallel.ddp_overlap=false``) with collections every 2 steps, and
+  settling every step before the next (``runtime.deferred_settle=false``);
 - the whole job SIGKILLed at random moments (also mid-checkpoint), then resumed, possibly
   several times, ends with a ledger identical to the uninterrupted run's, line for line;
 - 2 ranks -> resume on 1 rank: the same batch_hash sequence, loss within float tolerance;
@@ -66,6 +67,19 @@ def test_reduction_after_backward_and_scheduled_collection_change_nothing(e2e_wo
     deferred = launch.train(e2e_workdir, e2e_args(max_steps=STEPS, name="deferred", overrides=overrides), nproc=2)
     assert deferred.returncode == 0, deferred.stderr
     assert launch.ledger(_run_dir(e2e_workdir, deferred)) == launch.ledger(reference)
+
+
+def test_settling_each_step_before_the_next_changes_nothing(e2e_workdir, reference):
+    # By default a step's values are read, and its ledger line and metrics written, during
+    # the next step (runtime.deferred_settle); settling every step at once gives the same run.
+    overrides = ["runtime.deferred_settle=false"]
+    at_once = launch.train(e2e_workdir, e2e_args(max_steps=STEPS, name="at-once", overrides=overrides), nproc=2)
+    assert at_once.returncode == 0, at_once.stderr
+    run_dir = _run_dir(e2e_workdir, at_once)
+    assert launch.ledger(run_dir) == launch.ledger(reference)
+    for directory in (run_dir, reference):
+        steps = [json.loads(line)["step"] for line in (directory / "metrics.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, STEPS + 1))
 
 
 def test_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):

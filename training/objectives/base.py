@@ -71,6 +71,9 @@ class Objective(Protocol):
     name: str
     updates_per_batch: int
     """Optimizer updates the loop makes on one prepared batch (1 but for GRPO's inner_updates)."""
+    settles_late: bool
+    """Whether a step's ``ledger_fields`` may be asked for after the next step's ``prepare``
+    (``runtime.deferred_settle``); false where they read state that ``prepare`` replaces."""
 
     def setup(self, model: nn.Module, context: ObjectiveContext) -> None: ...
 

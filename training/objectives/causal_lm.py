@@ -21,6 +21,7 @@ from training.step import model_loss
 class CausalLMObjective:
     name = "causal_lm"
     updates_per_batch = 1
+    settles_late = True
 
     def __init__(self, config: Config) -> None:
         self.loss_fn = CausalLMLoss(chunk_tokens=config.train.loss_chunk_tokens, compiled=config.parallel.compile)

@@ -40,6 +40,7 @@ KEY = "objective.distill.teacher"
 class DistillObjective:
     name = "distill"
     updates_per_batch = 1
+    settles_late = True
 
     def __init__(self, config: Config) -> None:
         self.config = config

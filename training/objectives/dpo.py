@@ -98,6 +98,7 @@ def count_pairs(batch) -> int:
 class DPOObjective:
     name = "dpo"
     updates_per_batch = 1
+    settles_late = True
 
     def __init__(self, config: Config) -> None:
         self.config = config

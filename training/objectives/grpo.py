@@ -89,6 +89,9 @@ class GRPOObjective:
         g = config.objective.grpo
         self.config, self.g = config, g
         self.updates_per_batch = g.inner_updates
+        # ledger_fields reads the rollouts of the last prepare (and generation waits for the
+        # GPU anyway): every step settles before the next one's rollouts.
+        self.settles_late = False
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
