@@ -1,4 +1,4 @@
-"""training.step.apply_update: the on-device skip equals reading the flags first."""
+"""training.step.apply_update and enqueue_update: the on-device skip equals reading the flags first, and a value read late counts its skip once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from core.config import ParallelConfig
 from core.distributed_context import DistributedContext
 from runtime.health import NonFiniteGuard
 from training.precision import Precision
-from training.step import apply_update
+from training.step import apply_update, enqueue_update
 
 
 def _guard() -> NonFiniteGuard:
@@ -84,3 +84,21 @@ def test_extra_values_are_read_with_the_loss_on_both_paths():
         assert finite and values == [1.5, -2.0, 7.25]
         assert loss_value == float(loss.detach()) and norm_value == float(norm)
         assert apply_update(optimizer, precision, guard, loss.detach(), norm)[3] == []
+
+
+def test_values_read_after_the_next_update_count_a_skip_once():
+    # The loop reads a step's values during the next step (runtime.deferred_settle): the
+    # skip is decided on the device at once, and counted once however often it is read.
+    model, optimizer, guard, precision = _setup()
+    pending = []
+    for step in range(3):
+        loss = _losses(model, step)  # step 0 is non-finite
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        pending.append(enqueue_update(optimizer, precision, guard, loss.detach(), norm))
+        optimizer.zero_grad(set_to_none=True)
+    assert guard.skipped == 0  # nothing read yet
+    reads = [values.read() for values in pending]
+    assert [finite for finite, *_ in reads] == [False, True, True]
+    assert pending[0].read() is reads[0] and guard.skipped == 1
+    assert optimizer.state[next(model.parameters())]["step"].item() == 2  # the skipped update left no trace
