@@ -1,4 +1,5 @@
-"""training.step.apply_update and enqueue_update: the on-device skip equals reading the flags first, and a value read late counts its skip once."""
+"""training.step.apply_update and enqueue_update: the on-device skip equals reading the flags
+first, and values read late count their skip once."""
 
 from __future__ import annotations
 
