@@ -341,7 +341,8 @@ class Trainer:
         self._on_settled(done)
 
     def _settle_late(self, pending: _Step | None) -> None:
-        """Settle and log a step left for the next one, when there will be none (a stop)."""
+        """Settle and log a step left for the next one ahead of its usual place: before a stop's
+        checkpoint, or before an injected step-start fault."""
         if pending is not None:
             self._settle(pending)
             self._log(pending)
