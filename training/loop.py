@@ -561,7 +561,7 @@ class Trainer:
 
     def _all_reduce_metrics(self, local: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
         """The objective's metric sums over micro-batches and ranks (one all-reduce), as names
-        and a device vector that ``apply_update`` reads back with the loss."""
+        and a device vector that ``enqueue_update`` reads back with the loss."""
         if not local:
             return [], None
         names = sorted(local)

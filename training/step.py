@@ -109,13 +109,6 @@ class UpdateValues:
         return self._values
 
 
-def apply_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, *, extra: torch.Tensor | None = None
-                 ) -> tuple[bool, float, float, list[float]]:
-    """``enqueue_update`` and read its values at once."""
-    return enqueue_update(optimizer, precision, guard, loss, grad_norm, extra=extra).read()
-
-
 def enqueue_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, loss: torch.Tensor,
                    grad_norm: torch.Tensor, *, extra: torch.Tensor | None = None) -> UpdateValues:
     """Step the optimizer unless a rank's loss or gradient norm is not finite.

@@ -1,5 +1,5 @@
-"""training.step.apply_update and enqueue_update: the on-device skip equals reading the flags
-first, and values read late count their skip once."""
+"""training.step.enqueue_update: the on-device skip equals reading the flags first, and values
+read late count their skip once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from core.config import ParallelConfig
 from core.distributed_context import DistributedContext
 from runtime.health import NonFiniteGuard
 from training.precision import Precision
-from training.step import apply_update, enqueue_update
+from training.step import enqueue_update
 
 
 def _guard() -> NonFiniteGuard:
@@ -51,7 +51,7 @@ def test_on_device_skip_matches_reading_the_flags_first():
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             if fused_path:
-                finite, loss_value, norm_value, _ = apply_update(opt, precision, g, loss.detach(), norm)
+                finite, loss_value, norm_value, _ = enqueue_update(opt, precision, g, loss.detach(), norm).read()
             else:
                 finite = g.check(loss, norm)
                 if finite:
@@ -80,11 +80,11 @@ def test_extra_values_are_read_with_the_loss_on_both_paths():
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         extra = torch.tensor([1.5, -2.0, 7.25])
-        finite, loss_value, norm_value, values = apply_update(optimizer, precision, guard, loss.detach(), norm,
-                                                              extra=extra)
+        finite, loss_value, norm_value, values = enqueue_update(optimizer, precision, guard, loss.detach(), norm,
+                                                                extra=extra).read()
         assert finite and values == [1.5, -2.0, 7.25]
         assert loss_value == float(loss.detach()) and norm_value == float(norm)
-        assert apply_update(optimizer, precision, guard, loss.detach(), norm)[3] == []
+        assert enqueue_update(optimizer, precision, guard, loss.detach(), norm).read()[3] == []
 
 
 def test_values_read_after_the_next_update_count_a_skip_once():
