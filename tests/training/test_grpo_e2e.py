@@ -5,7 +5,9 @@
   ``rollout_hash`` and the reward statistics included;
 - replay of a step regenerates its rollouts and verifies (rollout_hash, then the updates: the
   config makes two per rollout batch, ``inner_updates: 2``);
-- 2 ranks -> 1 rank samples the same first step (keys are per global prompt row, not per rank);
+- 2 ranks -> 1 rank samples the same first step (keys are per global prompt row, not per rank),
+  and a 2-rank run resumed on 1 rank consumes the same prompts and samples the same rollouts
+  at the first step after its checkpoint;
 - the held-out evaluation (greedy completions, reward mean and exact-answer accuracy, and the
   sampled pass@1 of ``eval_samples`` completions per prompt, in the
   ``eval`` event) is the same on 1 and 2 ranks and equals the rewards of ``python -m training
@@ -72,6 +74,22 @@ def test_grpo_replay_regenerates_the_rollouts(e2e_workdir, reference):
     result = launch.train(e2e_workdir, ["--replay", reference.name, "--step", "3"], nproc=2, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "match" in result.stdout
+
+
+def test_grpo_resume_on_one_rank_keeps_the_data_and_the_next_rollouts(e2e_workdir, reference):
+    # Cut back to the step-2 checkpoint and resume on one rank: every step consumes the same
+    # prompts (data_state_hash), and step 3 samples from the checkpoint's weights, so its
+    # rollouts and its whole batch are the same too. Later steps sample from weights the two
+    # world sizes reduced in a different order (equal up to rounding).
+    copy = launch.cut_back_copy(reference, 2, "-one-rank")
+    resumed = launch.train(e2e_workdir, ["--resume", copy.name], nproc=1, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    ref, got = launch.ledger(reference), launch.ledger(copy)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["data_state_hash"] for r in got] == [r["data_state_hash"] for r in ref]
+    for field in ("rollout_hash", "batch_hash", "reward_mean"):
+        assert got[2][field] == ref[2][field], field
+    assert got[2]["loss"] == pytest.approx(ref[2]["loss"], rel=1e-4, abs=1e-5)
 
 
 def test_grpo_rollouts_do_not_depend_on_the_world_size(e2e_workdir, reference):
