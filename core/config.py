@@ -358,6 +358,8 @@ class ParallelConfig:
     """DDP: gradient bucket size in MiB. Each bucket is one all-reduce, started as soon as its gradients are ready: larger buckets mean fewer, larger collectives and less overlap with the backward."""
     ddp_overlap: bool = True
     """DDP: start each bucket's all-reduce while the backward still runs (true), or reduce all buckets back to back after it (false: the collectives do not share the GPU with the backward's kernels; see docs/parallelism.md)."""
+    backward_sm_carveout: int = 0
+    """CUDA data parallelism (ddp, fsdp) on several ranks: the backward's cuBLAS matmuls leave this many SMs to the gradient reduction's NCCL kernels running beside them (0: every SM; no effect on one rank). Changes the numbers, deterministically; see docs/parallelism.md."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 linears via torchao (CUDA sm89+ only; master weights stay fp32): none, tensorwise or rowwise scaling. See docs/parallelism.md."""
 
@@ -750,6 +752,12 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"parallel.ddp_bucket_mb must be a finite number > 0, got {p.ddp_bucket_mb}",
             key="parallel.ddp_bucket_mb",
             hint="25 is DDP's default",
+        )
+    if not 0 <= p.backward_sm_carveout <= 128:
+        raise ConfigError(
+            f"parallel.backward_sm_carveout must be between 0 and 128 SMs, got {p.backward_sm_carveout}",
+            key="parallel.backward_sm_carveout",
+            hint="0 turns it off; NCCL's kernels hold about 16-32 SMs of a Hopper card",
         )
     if not p.ddp_overlap and p.strategy != "ddp":
         raise ConfigError(

@@ -45,12 +45,14 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
         model, plan = xla.setup(model, config, topology)
     else:
         model = parallelize(model, config.parallel, dist, topology)
+        reduces_beside_backward = topology.mesh is not None and config.parallel.strategy in ("ddp", "fsdp")
         plan = ParallelPlan(
             topology=topology,
             strategy=config.parallel.strategy,
             device=dist.device,
             fsdp_applied=is_fully_sharded(model),
             base_identity=base_identity,
+            backward_sm_carveout=config.parallel.backward_sm_carveout if reduces_beside_backward else 0,
         )
     get_logger().info(
         "model: %s, %.2fM parameters (%.2fM trained), strategy %s, dp %d x tp %d",

@@ -370,6 +370,7 @@ class Trainer:
                 no_sync=self.parallel.no_sync,
                 timer=timer,
                 before_forward=self._before_forward(step),
+                backward_context=self.parallel.backward_context,
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
             )
         with timer.phase("communication"):

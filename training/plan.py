@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from distributed import clip_grad_norm_, no_sync, param_hash
+from distributed.overlap import matmul_carveout
 from distributed.topology import Topology
 
 
@@ -31,6 +32,9 @@ class ParallelPlan:
     base_identity: dict[str, str] | None = None
     """LoRA runs: the frozen base's ``{"path", "sha256"}`` (models.lora.add_adapters), taken on
     the plain model before training; checkpoints record it and a resume verifies it."""
+    backward_sm_carveout: int = 0
+    """SMs the backward's matmuls leave to the gradient reduction beside them
+    (``parallel.backward_sm_carveout`` where gradients are reduced across ranks, else 0)."""
 
     @property
     def dp_size(self) -> int:
@@ -49,6 +53,10 @@ class ParallelPlan:
 
     def no_sync(self, model: nn.Module):
         return no_sync(model)  # skip gradient sync on accumulation micro-batches (DDP and FSDP)
+
+    def backward_context(self):
+        """The context the backward runs in (distributed/overlap.py)."""
+        return matmul_carveout(self.backward_sm_carveout)
 
     def param_hash(self, model: nn.Module) -> str:
         return param_hash(model)

@@ -32,10 +32,12 @@ def forward_backward(
     timer=None,
     poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
     before_forward: Callable[[int], None] | None = None,
+    backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate gradients over ``micro_batches`` with ``objective.loss`` (training/objectives);
     returns this rank's summed loss (fp32) and summed metrics, both on ``device``.
-    ``before_forward(i)`` runs before micro-batch ``i``'s forward (LoRA dropout keys)."""
+    ``before_forward(i)`` runs before micro-batch ``i``'s forward (LoRA dropout keys); each
+    backward runs inside ``backward_context()`` (distributed/overlap.py)."""
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
     metrics: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
@@ -50,7 +52,7 @@ def forward_backward(
                 loss_sum = out.sum
                 if poison is not None:
                     loss_sum = poison(loss_sum)
-            with _phase(timer, "backward"):
+            with _phase(timer, "backward"), backward_context():
                 scaled = loss_sum * (dp_size / global_targets)
                 precision.scale(scaled).backward()
         local_sum += loss_sum.detach()
