@@ -13,8 +13,8 @@ from distributed.activation_checkpoint import apply_activation_checkpointing
 from distributed.compile import apply_compile
 from distributed.ddp import apply_ddp
 from distributed.float8 import apply_float8, require_float8
-from distributed.overlap import check_carveout
 from distributed.fsdp import apply_fsdp
+from distributed.overlap import check_carveout
 from distributed.topology import Topology
 from distributed.tp import apply_tensor_parallel
 

@@ -45,7 +45,7 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
         model, plan = xla.setup(model, config, topology)
     else:
         model = parallelize(model, config.parallel, dist, topology)
-        reduces_beside_backward = topology.mesh is not None and config.parallel.strategy in ("ddp", "fsdp")
+        reduces_beside_backward = topology.dp_size > 1 and config.parallel.strategy in ("ddp", "fsdp")
         plan = ParallelPlan(
             topology=topology,
             strategy=config.parallel.strategy,

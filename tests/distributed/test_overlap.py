@@ -8,6 +8,8 @@ import torch
 
 from core.exceptions import ConfigError
 from distributed.overlap import check_carveout, matmul_carveout
+from tests import launch
+from tests.e2e_config import e2e_args
 from training.plan import ParallelPlan
 
 
@@ -27,3 +29,12 @@ def test_no_carveout_leaves_the_matmul_settings_alone():
     plan = ParallelPlan(topology=None, strategy="none", device=torch.device("cpu"))
     with plan.backward_context():
         assert torch._C._get_sm_carveout_experimental() == carveout
+
+
+def test_a_carveout_on_cpu_ranks_exits_2_naming_the_key(e2e_workdir):
+    """Through the entry point: two gloo ranks with DDP, where no SM can be reserved."""
+    result = launch.train(e2e_workdir, e2e_args(max_steps=1, name="carveout", overrides=[
+        "parallel.strategy=ddp", "parallel.backward_sm_carveout=8"]), nproc=2)
+    assert result.exit_code == 2, result.stderr
+    assert "parallel.backward_sm_carveout=8" in result.stderr and "trains on cpu" in result.stderr
+    assert not list((e2e_workdir / "runs").glob("carveout-*/checkpoints/LATEST"))
