@@ -14,7 +14,6 @@ from distributed.compile import apply_compile
 from distributed.ddp import apply_ddp
 from distributed.float8 import apply_float8, require_float8
 from distributed.fsdp import apply_fsdp
-from distributed.overlap import check_carveout
 from distributed.topology import Topology
 from distributed.tp import apply_tensor_parallel
 
@@ -57,8 +56,6 @@ def parallelize(
     # 4. Data parallelism last: fully_shard registers its hooks on the final block objects
     #    (the wrappers above), and DDP must wrap the finished model to see every parameter.
     if topology.mesh is not None:
-        if parallel.strategy in ("ddp", "fsdp"):
-            check_carveout(parallel.backward_sm_carveout, dist.device)
         if parallel.strategy == "fsdp":
             apply_fsdp(model, topology.dp_mesh, parallel, dist.device)
         elif parallel.strategy == "ddp" and topology.dp_size > 1:

@@ -22,6 +22,7 @@ from core.run_context import RunContext
 from data.pipeline import build as build_pipeline
 from distributed import parallelize, unwrap
 from distributed.fsdp import is_fully_sharded
+from distributed.overlap import check_carveout
 from distributed.topology import build_mesh
 from experiments.tracking import MetricsTracker
 from models.flops import flops_per_token
@@ -46,13 +47,15 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
     else:
         model = parallelize(model, config.parallel, dist, topology)
         reduces_beside_backward = topology.dp_size > 1 and config.parallel.strategy in ("ddp", "fsdp")
+        carveout = config.parallel.backward_sm_carveout if reduces_beside_backward else 0
+        check_carveout(carveout, dist.device)
         plan = ParallelPlan(
             topology=topology,
             strategy=config.parallel.strategy,
             device=dist.device,
             fsdp_applied=is_fully_sharded(model),
             base_identity=base_identity,
-            backward_sm_carveout=config.parallel.backward_sm_carveout if reduces_beside_backward else 0,
+            backward_sm_carveout=carveout,
         )
     get_logger().info(
         "model: %s, %.2fM parameters (%.2fM trained), strategy %s, dp %d x tp %d",

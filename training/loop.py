@@ -313,7 +313,7 @@ class Trainer:
         for finite, loss, grad_norm, _ in reads:
             if not finite:
                 self._handle_nonfinite(done.step, done.batch, loss, grad_norm)
-        finite, loss, grad_norm, values = reads[0]
+        _, loss, grad_norm, values = reads[0]
         totals = dict(zip(done.metric_names, values))
         record = {
             "step": done.step,
