@@ -358,8 +358,6 @@ class ParallelConfig:
     """DDP: gradient bucket size in MiB. Each bucket is one all-reduce, started as soon as its gradients are ready: larger buckets mean fewer, larger collectives and less overlap with the backward."""
     ddp_overlap: bool = True
     """DDP: start each bucket's all-reduce while the backward still runs (true), or reduce all buckets back to back after it (false: the collectives do not share the GPU with the backward's kernels; see docs/parallelism.md)."""
-    ddp_embedding_grad: Literal["allreduce", "gather"] = "allreduce"
-    """DDP: how the input embedding's gradient, complete only at the backward's end, reaches every rank: allreduce (the whole matrix, like any parameter) or gather (the looked-up rows and their token ids, all-gathered and summed on every rank; with a tied head, the head's gradient is then reduced during the backward). gather sends fewer bytes while ranks x tokens per step stays below about twice the vocabulary; changes the numbers, deterministically. See docs/parallelism.md."""
     backward_sm_carveout: int = 0
     """CUDA data parallelism (ddp, fsdp) on several ranks: the backward's cuBLAS matmuls leave this many SMs to the gradient reduction's NCCL kernels running beside them (0: every SM; no effect on one rank). Changes the numbers, deterministically; see docs/parallelism.md."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
@@ -754,13 +752,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"parallel.ddp_bucket_mb must be a finite number > 0, got {p.ddp_bucket_mb}",
             key="parallel.ddp_bucket_mb",
             hint="25 is DDP's default",
-        )
-    if p.ddp_embedding_grad != "allreduce" and (p.strategy != "ddp" or p.tp != 1):
-        raise ConfigError(
-            f"parallel.ddp_embedding_grad={p.ddp_embedding_grad} needs parallel.strategy=ddp without tensor "
-            f"parallelism (got strategy={p.strategy}, tp={p.tp})",
-            key="parallel.ddp_embedding_grad",
-            hint="set parallel.ddp_embedding_grad=allreduce",
         )
     if not 0 <= p.backward_sm_carveout <= 128:
         raise ConfigError(

@@ -37,22 +37,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from core.config import ParallelConfig
-from distributed.embedding_grad import install as install_gathered_embedding, tied_to_output
 from distributed.params import is_packed
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, parallel: ParallelConfig) -> nn.Module:
     """Wrap ``model`` (already on ``device``); returns the DDP module. ``parallel.ddp_bucket_mb``
-    sizes the gradient buckets; ``parallel.reduce_dtype=bf16`` reduces them in bf16;
-    ``parallel.ddp_embedding_grad=gather`` gathers the input embedding's gradient rows
-    (distributed/embedding_grad.py) instead."""
+    sizes the gradient buckets; ``parallel.reduce_dtype=bf16`` reduces them in bf16."""
     torch._dynamo.config.optimize_ddp = False  # see the module docstring
     packed = [name for name, param in model.named_parameters() if is_packed(param)]
-    if parallel.ddp_embedding_grad == "gather":
-        tied = tied_to_output(model)
-        if install_gathered_embedding(model, dp_mesh.get_group()) is not None and not tied:
-            packed.append("embed_tokens.weight")  # reduced by the gather alone
-    if packed:  # left out of DDP: see the module docstring and distributed/embedding_grad.py
+    if packed:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, packed)
     ddp = DistributedDataParallel(
         model,

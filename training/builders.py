@@ -22,7 +22,6 @@ from core.run_context import RunContext
 from data.pipeline import build as build_pipeline
 from distributed import parallelize, unwrap
 from distributed.fsdp import is_fully_sharded
-from distributed.embedding_grad import gathered_embedding
 from distributed.overlap import check_carveout
 from distributed.topology import build_mesh
 from experiments.tracking import MetricsTracker
@@ -57,7 +56,6 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
             fsdp_applied=is_fully_sharded(model),
             base_identity=base_identity,
             backward_sm_carveout=carveout,
-            gathered_embedding=gathered_embedding(model),
         )
     get_logger().info(
         "model: %s, %.2fM parameters (%.2fM trained), strategy %s, dp %d x tp %d",

@@ -371,7 +371,6 @@ class Trainer:
                 timer=timer,
                 before_forward=self._before_forward(step),
                 backward_context=self.parallel.backward_context,
-                after_backward=self.parallel.after_backward,
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
             )
         with timer.phase("communication"):

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from distributed import clip_grad_norm_, no_sync, param_hash
-from distributed.embedding_grad import GatheredEmbedding
 from distributed.overlap import matmul_carveout
 from distributed.topology import Topology
 
@@ -36,8 +35,6 @@ class ParallelPlan:
     backward_sm_carveout: int = 0
     """SMs the backward's matmuls leave to the gradient reduction beside them
     (``parallel.backward_sm_carveout`` where gradients are reduced across ranks, else 0)."""
-    gathered_embedding: GatheredEmbedding | None = None
-    """The input embedding whose gradient rows are gathered (``parallel.ddp_embedding_grad``)."""
 
     @property
     def dp_size(self) -> int:
@@ -60,11 +57,6 @@ class ParallelPlan:
     def backward_context(self):
         """The context the backward runs in (distributed/overlap.py)."""
         return matmul_carveout(self.backward_sm_carveout)
-
-    def after_backward(self, last: bool) -> None:
-        """After each micro-batch's backward (``last``: the step's final one, which reduces)."""
-        if self.gathered_embedding is not None:
-            self.gathered_embedding.finish(last)
 
     def param_hash(self, model: nn.Module) -> str:
         return param_hash(model)

@@ -33,13 +33,11 @@ def forward_backward(
     poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
     before_forward: Callable[[int], None] | None = None,
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    after_backward: Callable[[bool], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate gradients over ``micro_batches`` with ``objective.loss`` (training/objectives);
     returns this rank's summed loss (fp32) and summed metrics, both on ``device``.
     ``before_forward(i)`` runs before micro-batch ``i``'s forward (LoRA dropout keys); each
-    backward runs inside ``backward_context()`` (distributed/overlap.py) and is followed by
-    ``after_backward(is_last_micro_batch)`` (distributed/embedding_grad.py)."""
+    backward runs inside ``backward_context()`` (distributed/overlap.py)."""
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
     metrics: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
@@ -57,8 +55,6 @@ def forward_backward(
             with _phase(timer, "backward"), backward_context():
                 scaled = loss_sum * (dp_size / global_targets)
                 precision.scale(scaled).backward()
-                if after_backward is not None:
-                    after_backward(i == last)
         local_sum += loss_sum.detach()
         for name, value in out.metrics.items():
             metrics[name] = metrics[name] + value.detach().float() if name in metrics else value.detach().float()

@@ -70,9 +70,6 @@ def test_missing_file():
     (["runtime.gc_interval=-1"], "runtime.gc_interval", "got -1"),
     (["parallel.backward_sm_carveout=-1"], "parallel.backward_sm_carveout", "got -1"),
     (["parallel.backward_sm_carveout=200"], "parallel.backward_sm_carveout", "got 200"),
-    (["parallel.ddp_embedding_grad=gather", "parallel.strategy=fsdp"], "parallel.ddp_embedding_grad", "strategy=fsdp"),
-    (["parallel.ddp_embedding_grad=gather", "parallel.strategy=ddp", "parallel.tp=2"], "parallel.ddp_embedding_grad",
-     "tp=2"),
 ])
 def test_reduction_and_collection_keys_are_checked(overrides, key, says):
     with pytest.raises(ConfigError) as info:
@@ -80,11 +77,10 @@ def test_reduction_and_collection_keys_are_checked(overrides, key, says):
     assert info.value.context["key"] == key and says in str(info.value)
     loaded = config_lib.load(TINY, ["parallel.reduce_dtype=bf16", "parallel.precision=bf16", "parallel.ddp_bucket_mb=100",
                                     "parallel.ddp_overlap=false", "runtime.gc_interval=0",
-                                    "parallel.backward_sm_carveout=16", "parallel.strategy=ddp",
-                                    "parallel.ddp_embedding_grad=gather"])
+                                    "parallel.backward_sm_carveout=16"])
     assert (loaded.parallel.reduce_dtype, loaded.parallel.ddp_bucket_mb) == ("bf16", 100.0)
     assert (loaded.parallel.ddp_overlap, loaded.runtime.gc_interval) == (False, 0)
-    assert loaded.parallel.backward_sm_carveout == 16 and loaded.parallel.ddp_embedding_grad == "gather"
+    assert loaded.parallel.backward_sm_carveout == 16
 
 
 def test_fsdp_unit_blocks_must_be_positive():
