@@ -13,6 +13,9 @@ Kinds:
   the other ranks then block in their next collective and time out too).
 - ``crash``: hard death with exit code 1 after flushing logs, like a lost node: no event,
   no checkpoint, no cleanup.
+- ``crash_checkpoint``: the same death in the middle of step STEP's checkpoint save, once the
+  rank has written its model/optimizer shards and before the checkpoint is published (a
+  node lost mid-save: the save must not become ``LATEST``, and the other ranks must stop).
 - ``sigterm``: the process sends SIGTERM to itself (a preemption notice): the stop
   handlers see a real signal.
 - ``nan``: the loss of the step is replaced by NaN (keeping the autograd graph, so the
@@ -39,7 +42,7 @@ from typing import Any, Callable, Sequence
 
 from core.exceptions import ConfigError
 
-FAULT_KINDS = ("hang", "nan", "crash", "sigterm", "slow_data")
+FAULT_KINDS = ("hang", "nan", "crash", "crash_checkpoint", "sigterm", "slow_data")
 STEPLESS_KINDS = ("slow_data",)
 STEP_START_KINDS = ("crash", "sigterm", "hang")  # fired by FaultInjector.before_step
 CONFIG_KEY = "runtime.faults"
@@ -158,11 +161,19 @@ class FaultInjector:
 
     def maybe_crash(self, step: int) -> None:
         if self._take("crash", step):
-            self._announce(f"crash at step {step} (exit {CRASH_EXIT_CODE}, no cleanup)")
-            if self._flush is not None:
-                self._flush()
-            _flush_stdio()
-            self._exit(CRASH_EXIT_CODE)
+            self._die(f"crash at step {step}")
+
+    def maybe_crash_in_checkpoint(self, step: int) -> None:
+        """Called by the checkpoint save of ``step`` once this rank's shards are written."""
+        if self._take("crash_checkpoint", step):
+            self._die(f"crash inside the checkpoint save of step {step}")
+
+    def _die(self, what: str) -> None:
+        self._announce(f"{what} (exit {CRASH_EXIT_CODE}, no cleanup)")
+        if self._flush is not None:
+            self._flush()
+        _flush_stdio()
+        self._exit(CRASH_EXIT_CODE)
 
     def maybe_sigterm(self, step: int) -> None:
         if self._take("sigterm", step):

@@ -329,12 +329,15 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         states: Mapping[str, dict],
         extra_files: dict[str, bytes] | None = None,
+        after_shards: Callable[[], None] | None = None,
     ) -> Path:
         """Write checkpoint ``step``; returns its final path (durable after ``wait()`` if async).
 
         The checkpoint is a dict of named parts: ``model`` and ``optimizer`` (tensors, through
         DCP) and the JSON ``states`` by name (``trainer`` and ``data`` always; ``objective``
-        and others as the run has them), each in ``<name>_state.json``."""
+        and others as the run has them), each in ``<name>_state.json``. ``after_shards`` runs
+        on every rank once its shards are written, before anything is published (the
+        ``crash_checkpoint`` fault, runtime/faults.py)."""
         if self.read_only:
             raise CheckpointError("this checkpoint manager is read-only (replay) and does not save", step=step)
         self._wait_for_previous(step)
@@ -345,11 +348,12 @@ class CheckpointManager:
         self._verified.discard(final)
         if self.config.async_save:
             self._thread = threading.Thread(
-                target=self._run_in_background, args=(staged, tmp, final), name=f"checkpoint-step-{step}"
+                target=self._run_in_background, args=(staged, tmp, final, after_shards),
+                name=f"checkpoint-step-{step}",
             )
             self._thread.start()
         else:
-            self._write_and_publish(staged, tmp, final)
+            self._write_and_publish(staged, tmp, final, after_shards)
         self._latest_step = step
         return final
 
@@ -473,12 +477,13 @@ class CheckpointManager:
         (self.checkpoint_dir / name).mkdir()
         return name
 
-    def _run_in_background(self, staged: _StagedSave, tmp: Path, final: Path) -> None:
+    def _run_in_background(self, staged: _StagedSave, tmp: Path, final: Path,
+                           after_shards: Callable[[], None] | None) -> None:
         try:
             # Every rank joins, whatever it staged, so the checkpoint group's collectives stay
             # paired; a failed copy fails the save on every rank before DCP's collectives.
             self._group.everywhere(lambda: self._move_to_host(staged), "copying the checkpoint to host memory")
-            self._write_and_publish(staged, tmp, final)
+            self._write_and_publish(staged, tmp, final, after_shards)
         except BaseException as exc:  # surfaces at the next wait()/save()
             self._background_error = exc
 
@@ -487,7 +492,8 @@ class CheckpointManager:
         if isinstance(staged.state, DeviceSnapshot):
             staged.state = staged.state.to_host(self._snapshot_buffers)
 
-    def _write_and_publish(self, staged: _StagedSave, tmp: Path, final: Path) -> None:
+    def _write_and_publish(self, staged: _StagedSave, tmp: Path, final: Path,
+                           after_shards: Callable[[], None] | None = None) -> None:
         group = self._group
         try:
             dcp.save(
@@ -500,6 +506,8 @@ class CheckpointManager:
             raise CheckpointError(
                 f"writing model/optimizer shards failed: {exc}", step=staged.step, path=str(tmp)
             ) from exc
+        if after_shards is not None:
+            after_shards()
         group.everywhere(lambda: self._write_rank_files(tmp, staged.rank_files), "writing checkpoint files")
         names = group.on_main(lambda: list_files(tmp), "listing checkpoint files")
         mine = names[group.rank :: group.world_size]

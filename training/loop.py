@@ -459,6 +459,7 @@ class Trainer:
                     DATA_PART: self._global_data_state,
                     OBJECTIVE_PART: {**self.objective.state_dict(), "frozen": self.frozen_identity()},
                 },
+                after_shards=lambda: self.guards.faults.maybe_crash_in_checkpoint(step),
             )
         if self.dist.is_main:
             self.events.emit("checkpoint_saved", step=step, path=str(path), reason=reason)

@@ -4,7 +4,9 @@ localhost, one rank each), the mechanism of docs/parallelism.md's Slurm example:
 - the ledger equals the single-node 2-rank run's;
 - killing one node makes the other node's rank exit within the watchdog timeout, with
   diagnostics (no hang);
-- starting both nodes again with --resume continues to the identical ledger.
+- starting both nodes again with --resume continues to the identical ledger;
+- a node lost inside a checkpoint save (``crash_checkpoint``) stops the other node's rank
+  within the watchdog timeout, publishes nothing, and the resumed run matches too.
 """
 
 from __future__ import annotations
@@ -116,5 +118,37 @@ def test_two_nodes_match_one_node_and_survive_a_lost_node(e2e_workdir):
 
     run_id = run_dir.name
     resumed = _finish(_start_nodes(e2e_workdir, ["--resume", run_id], "resumed"))
+    assert [code for code, _, _ in resumed] == [0, 0], resumed
+    assert launch.ledger(run_dir) == expected
+
+
+def test_a_node_lost_inside_a_checkpoint_save_stops_the_other_and_publishes_nothing(e2e_workdir):
+    """Node 1's rank dies inside the step-4 save, after writing its shards (``crash_checkpoint``):
+    node 0's rank, paused in the same save, must stop within the watchdog timeout with
+    diagnostics; ``LATEST`` stays at step 2; both nodes resumed finish the run to the ledger of
+    an uninterrupted single-node run."""
+    single = launch.train(e2e_workdir, e2e_args(max_steps=STEPS, name="onenode-save", overrides=OVERRIDES), nproc=2)
+    assert single.returncode == 0, single.stderr
+    expected = launch.ledger(e2e_workdir / single.run_dir)
+
+    lost = [*OVERRIDES, "runtime.faults=[crash_checkpoint@4:1]"]
+    nodes = _start_nodes(e2e_workdir, e2e_args(max_steps=STEPS, name="lostsave", overrides=lost), "lostsave")
+    try:
+        nodes[1].wait(timeout=300)
+        lost_at = time.monotonic()
+        nodes[0].wait(timeout=WATCHDOG_S + 60)
+        assert time.monotonic() - lost_at < WATCHDOG_S + 30, "the surviving node outlived the watchdog timeout"
+    finally:
+        results = _finish(nodes, timeout=30)
+    assert all(code != 0 for code, _, _ in results), results
+    assert "crash inside the checkpoint save of step 4" in results[1][2]
+    run_dir = next((e2e_workdir / "runs").glob("lostsave-*"))
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "LATEST").read_text().strip() == "step_00000002"
+    assert not (checkpoints / "step_00000004").exists()
+    diagnostics = [p.name for p in (run_dir / "diagnostics").iterdir()]
+    assert any(name.startswith("rank0_") for name in diagnostics), diagnostics
+
+    resumed = _finish(_start_nodes(e2e_workdir, ["--resume", run_dir.name, "runtime.faults=[]"], "resumed-save"))
     assert [code for code, _, _ in resumed] == [0, 0], resumed
     assert launch.ledger(run_dir) == expected

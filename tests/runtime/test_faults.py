@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("hang@5:1", ("hang", 5, 1)),
         ("nan@3", ("nan", 3, None)),
         ("crash@7:0", ("crash", 7, 0)),
+        ("crash_checkpoint@4:1", ("crash_checkpoint", 4, 1)),
         ("sigterm@6", ("sigterm", 6, None)),
         ("slow_data@2", ("slow_data", 2, None)),
         ("slow_data", ("slow_data", None, None)),
@@ -132,6 +133,21 @@ def test_crash_flushes_then_dies_with_exit_1():
     assert proc.stdout.split("\n")[:3] == ["step 5", "step 6", "flushed"]
     assert "survived" not in proc.stdout
     assert "crash at step 7" in proc.stderr
+
+
+def test_crash_checkpoint_dies_only_inside_its_steps_save():
+    died = []
+    inj = FaultInjector(parse_faults(["crash_checkpoint@4:1"]), rank=1, exit_fn=died.append)
+    for step in range(2, 7):
+        inj.before_step(step)  # not a step-start fault
+        assert not died
+    inj.maybe_crash_in_checkpoint(2)
+    assert not died
+    inj.maybe_crash_in_checkpoint(4)
+    assert died == [1]
+    other_rank = FaultInjector(parse_faults(["crash_checkpoint@4:1"]), rank=0, exit_fn=died.append)
+    other_rank.maybe_crash_in_checkpoint(4)
+    assert died == [1]
 
 
 def test_fault_spec_applies():
