@@ -501,7 +501,8 @@ def run_case(
     overrides = case_overrides(case, args, env, run_root)
     cmd = train_command(case, overrides, config_path, args.launcher_arg)
     result: dict[str, Any] = {"kind": "lockstep", "case": case.name, **asdict(case),
-                              "strategy": strategy_for(case.gpus, args), "command": shlex.join(cmd)}
+                              "strategy": strategy_for(case.gpus, args), "overrides": list(args.override),
+                              "command": shlex.join(cmd)}
     if args.device == "cuda" and case.gpus > env.get("gpu_count", 0):
         return {**result, "status": "skipped", "error": f"needs {case.gpus} GPUs, found {env.get('gpu_count', 0)}"}
     timeout = budget.timeout(args.timeout)
@@ -639,7 +640,8 @@ def scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r.get("step_time_median_s") and base.get("step_time_median_s"):
             by_median = base["step_time_median_s"] / r["step_time_median_s"]
         rows.append({"case": r["case"], "one_gpu_case": base["case"], "gpus": r["gpus"],
-                     "strategy": r.get("strategy"), "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
+                     "strategy": r.get("strategy"), "overrides": r.get("overrides", []),
+                     "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
                      "one_gpu_tokens_per_s": base["tokens_per_s"],
                      "scaling": r["tokens_per_s_per_gpu"] / base["tokens_per_s"],
                      "scaling_by_median_step": by_median})
@@ -649,10 +651,11 @@ def scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def scaling_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
-    lines = ["| run | strategy | tokens/s/GPU | 1-GPU tokens/s | per-GPU scaling | by median step |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| run | strategy | overrides | tokens/s/GPU | 1-GPU tokens/s | per-GPU scaling | by median step |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['case']} | {row['strategy']} | {fmt(row['tokens_per_s_per_gpu'], ',.0f')} | "
+        overrides = " ".join(f"`{o}`" for o in row.get("overrides", [])) or "-"
+        lines.append(f"| {row['case']} | {row['strategy']} | {overrides} | {fmt(row['tokens_per_s_per_gpu'], ',.0f')} | "
                      f"{fmt(row['one_gpu_tokens_per_s'], ',.0f')} | {fmt(row['scaling'], '.1%')} | "
                      f"{fmt(row['scaling_by_median_step'], '.1%')} |")
     return "Per-GPU scaling against the 1-GPU run of the same shape, seq, micro-batch and mode:\n\n" + "\n".join(lines)
@@ -681,7 +684,15 @@ def merge_reports(paths: list[str]) -> dict[str, Any]:
     if len(envs) > 1:
         print(f"[bench] warning: the reports come from different GPUs: {sorted(envs)}", file=sys.stderr)
     return {"env": payloads[0].get("env", {}), "merged_from": paths,
-            "results": [r for p in payloads for r in p.get("results", [])]}
+            "results": [_with_overrides(r, p) for p in payloads for r in p.get("results", [])]}
+
+
+def _with_overrides(result: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    """A result with its invocation's ``--override`` list (results written before the field
+    existed take it from the payload's settings), so merged rows say how they differ."""
+    if "overrides" in result:
+        return result
+    return {**result, "overrides": list(payload.get("settings", {}).get("override") or [])}
 
 
 # --------------------------------------------------------------------------- main

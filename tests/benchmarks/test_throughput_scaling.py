@@ -17,8 +17,22 @@ def test_recorded_four_gpu_results_give_the_documented_scaling(capsys):
     files = [BENCH / f"2026-11-27d-4xh200-call3-tp-{name}.json" for name in ("05-g1", "05-g4-b100", "17-g1", "17-g4-b100")]
     assert tt.main(["--report", *map(str, files)]) == 0
     printed = capsys.readouterr().out
-    assert "| qwen2.5-0.5b-s2048-b2-g4-fast | ddp | 63,751 | 84,874 | 75.1% | 75.4% |" in printed
-    assert "| qwen3-1.7b-s2048-b2-g4-fast | ddp | 30,126 | 36,048 | 83.6% | 84.6% |" in printed
+    settings = "`parallel.compile_mode=reduce-overhead` `parallel.ddp_bucket_mb=100`"
+    assert f"| qwen2.5-0.5b-s2048-b2-g4-fast | ddp | {settings} | 63,751 | 84,874 | 75.1% | 75.4% |" in printed
+    assert f"| qwen3-1.7b-s2048-b2-g4-fast | ddp | {settings} | 30,126 | 36,048 | 83.6% | 84.6% |" in printed
+
+
+def test_merged_runs_of_one_case_say_which_settings_they_ran_with(capsys):
+    """Several invocations of the same case (here Qwen2.5-0.5B at 16,384 tokens per GPU with
+    FSDP, three settings) merge into rows told apart by their overrides."""
+    tt = _module("train_throughput")
+    names = ("tp-05-mb8-g1", "tp-05-mb8-fsdp-z2", "tp-05-mb8-fsdp-z2-u8", "tp-05-mb8-fsdp-z2-bf16")
+    assert tt.main(["--report", *(str(BENCH / f"2026-11-27g-4xh200-call3-{n}.json") for n in names)]) == 0
+    printed = capsys.readouterr().out
+    z2 = "`parallel.reshard_after_forward=false`"
+    assert f"| fsdp | {z2} | 111,741 | 118,519 | 94.3% | 95.6% |" in printed
+    assert f"| fsdp | {z2} `parallel.fsdp_unit_blocks=8` | 113,172 | 118,519 | 95.5% | 96.0% |" in printed
+    assert f"| fsdp | {z2} `parallel.reduce_dtype=bf16` | 110,544 | 118,519 | 93.3% | 94.0% |" in printed
 
 
 def _result(gpus: int, tokens_per_s: float, median: float, **extra) -> dict:
