@@ -9,7 +9,9 @@
 - accumulation 4x1 vs 1x4: loss within float tolerance;
 - replay before and after a resume point matches; a tampered ledger makes replay exit 5;
 - a truncated or bit-flipped checkpoint is detected, reported, and the previous one used;
-- an incompatible resume exits 4 with the diff.
+- an incompatible resume exits 4 with the diff;
+- FSDP as the Qwen presets run it (gathered parameters kept until the backward, several
+  blocks per unit) is identical across SIGKILL and resume too.
 """
 
 from __future__ import annotations
@@ -204,3 +206,19 @@ def test_evaluation_on_the_held_out_source(e2e_workdir):
     assert [e["step"] for e in evals] == [2, 4]
     assert all(0 < e["loss"] < 10 and e["tokens"] > 0 for e in evals)
     assert evals[1]["loss"] < evals[0]["loss"]
+
+
+def test_fsdp_as_the_qwen_presets_run_it_resumes_and_replays_identically(e2e_workdir):
+    """FSDP keeping gathered parameters until the backward, several blocks per unit (the
+    Qwen presets' settings): SIGKILLed at random moments and resumed, it ends with the
+    uninterrupted run's ledger, and a replayed step matches."""
+    overrides = ["parallel.strategy=fsdp", "parallel.reshard_after_forward=false", "parallel.fsdp_unit_blocks=2",
+                 "model.num_layers=4"]
+    reference = launch.train(e2e_workdir, e2e_args(max_steps=8, name="fsdp-z2", overrides=overrides), nproc=2)
+    assert reference.returncode == 0, reference.stderr
+    expected = launch.ledger(_run_dir(e2e_workdir, reference))
+    assert len(expected) == 8
+    run_dir = launch.kill_and_resume(e2e_workdir, e2e_args(max_steps=8, name="fsdp-z2-killed", overrides=overrides),
+                                     name="fsdp-z2-killed", seed=5)
+    assert launch.ledger(run_dir) == expected
+    launch.replay_verifies(e2e_workdir, run_dir, steps=(5,))
