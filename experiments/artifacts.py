@@ -13,8 +13,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import site
 import subprocess
+import urllib.parse
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -119,9 +122,9 @@ class ArtifactStore:
 
 
 def freeze_lines(paths: Sequence[str] | None = None) -> list[str]:
-    """One line per distribution on ``paths`` (default ``interpreter_paths()``), sorted by
-    name, as ``pip freeze --all`` writes them: ``name==version``; ``name @ url`` for one
-    installed from a URL or a local path, ``-e url`` for an editable one (its ``direct_url.json``)."""
+    """The distributions on ``paths`` (default ``interpreter_paths()``), sorted by name, as
+    ``pip freeze --all`` writes them: ``name==version``; ``name @ url`` for one installed from
+    a URL or a local path (its ``direct_url.json``); an editable one as ``editable_lines``."""
     lines = {}
     for dist in importlib.metadata.distributions(path=list(interpreter_paths() if paths is None else paths)):
         name = dist.metadata["Name"]
@@ -133,12 +136,85 @@ def freeze_lines(paths: Sequence[str] | None = None) -> list[str]:
         except ValueError:
             direct = None
         if isinstance(direct, dict) and direct.get("url"):
-            editable = bool(direct.get("dir_info", {}).get("editable"))
             vcs = direct.get("vcs_info")
-            url = f"{vcs['vcs']}+{direct['url']}@{vcs.get('commit_id', '')}" if isinstance(vcs, dict) else direct["url"]
-            line = f"-e {url}" if editable else f"{name} @ {url}"
+            if direct.get("dir_info", {}).get("editable") and direct["url"].startswith("file:"):
+                line = "\n".join(editable_lines(name, dist.version, url_to_path(direct["url"])))
+            elif isinstance(vcs, dict):
+                line = f"{name} @ {vcs['vcs']}+{direct['url']}@{vcs.get('commit_id', '')}"
+            else:
+                line = f"{name} @ {direct['url']}"
         lines[name.lower()] = line
-    return [lines[key] for key in sorted(lines)]
+    return [line for key in sorted(lines) for line in lines[key].split("\n")]
+
+
+def editable_lines(name: str, version: str, location: str) -> list[str]:
+    """``pip freeze``'s lines for a project installed editable from ``location``.
+
+    In a git checkout with a remote: ``-e git+<remote>@<commit>#egg=<name>`` (the ``origin``
+    remote if there is one, else the first; ``&subdirectory=`` where the project lies below
+    the repository's root), which reinstalls that commit. Otherwise a comment saying why, then
+    ``-e <location>``. Other version control systems (pip also knows hg, svn, bzr) count as
+    none here."""
+    location = os.path.normcase(os.path.abspath(location))
+    display = f"{name}=={version}"
+    try:
+        import git
+
+        repo = git.Repo(location, search_parent_directories=True)
+        remotes = repo.git.config("--get-regexp", r"remote\..*\.url").splitlines()
+    except ImportError:
+        return [f"# Editable install with no version control ({display})", f"-e {location}"]
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return [f"# Editable install with no version control ({display})", f"-e {location}"]
+    except git.GitCommandError:  # exit 1: no remote configured
+        return [f"# Editable Git install with no remote ({display})", f"-e {location}"]
+    except git.GitCommandNotFound:
+        return [f"# Editable install with no version control ({display})", f"-e {location}"]
+    remote = next((r for r in remotes if r.startswith("remote.origin.url ")), remotes[0]).split(" ")[1].strip()
+    url = _git_remote_as_url(remote)
+    if url is None:
+        return [f"# Editable Git install ({display}) with either a deleted local remote or invalid URI:",
+                f"# '{remote}'", f"-e {location}"]
+    if not url.lower().startswith("git:"):
+        url = f"git+{url}"
+    try:
+        commit = repo.head.commit.hexsha
+    except ValueError:  # no commit yet
+        return [f"-e {location}"]
+    requirement = f"-e {url}@{commit}#egg={name.replace('-', '_')}"
+    subdirectory = _project_subdirectory(location, repo.working_tree_dir)
+    return [requirement + (f"&subdirectory={subdirectory}" if subdirectory else "")]
+
+
+_SCP_REMOTE = re.compile(r"^(\w+@)?([^/:]+):(\w[^:]*)$")  # user@host:path, git's shorthand for ssh
+
+
+def _git_remote_as_url(remote: str) -> str | None:
+    """A git remote as a URL pip accepts: URLs as they are, a local (bare) repository as a
+    file URL, ``user@host:path`` as ``ssh://user@host/path``; None for anything else."""
+    if re.match(r"\w+://", remote):
+        return remote
+    if os.path.exists(remote):
+        return Path(remote).resolve().as_uri()
+    scp = _SCP_REMOTE.match(remote)
+    return scp.expand(r"ssh://\1\2/\3") if scp else None
+
+
+def _project_subdirectory(location: str, repo_root: str) -> str | None:
+    """The project's root (the nearest directory up from ``location`` with a pyproject.toml or
+    setup.py) relative to the repository's root; None at the root or when there is none."""
+    here = location
+    while not (os.path.isfile(os.path.join(here, "pyproject.toml")) or os.path.isfile(os.path.join(here, "setup.py"))):
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+    return None if os.path.samefile(here, repo_root) else os.path.relpath(here, repo_root)
+
+
+def url_to_path(url: str) -> str:
+    """The local path of a ``file:`` URL."""
+    return urllib.request.url2pathname(urllib.parse.urlparse(url).path)
 
 
 def interpreter_paths() -> list[str]:

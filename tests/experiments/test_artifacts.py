@@ -1,6 +1,7 @@
 """experiments/artifacts.py: config copy, git diff, pip freeze, and failures recorded not raised."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_pip_freeze_equals_pips_own_listing(tmp_path):
 
 
 def _dist_info(root, name: str, version: str, direct_url: dict | None = None) -> None:
-    info = root / f"{name}-{version}.dist-info"
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"  # as installers name it
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     if direct_url is not None:
@@ -72,7 +73,8 @@ def test_pip_freeze_lines_name_urls_editables_and_the_first_of_shadowed_copies(t
     assert freeze_lines([str(first), str(second)]) == [
         "fromgit @ git+https://example.org/r.git@abc123",
         "Local_Wheel @ file:///wheels/local_wheel-2.0.whl",
-        "-e file:///src/mine",
+        "# Editable install with no version control (mine==0.1)",  # /src/mine is no git checkout
+        "-e /src/mine",
         "plain==1.0",
     ]
 
@@ -90,3 +92,47 @@ def test_collect_writes_an_index_of_every_artifact(tmp_path):
     assert "torch==" in (tmp_path / "artifacts" / "pip-freeze.txt").read_text()
     store = ArtifactStore(tmp_path)
     assert store.trace_dir.is_dir() and store.plots_path.name == "plots.png"
+
+
+def _git(cwd, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def _project(root, *, remote: str | None = None, subdir: str = "") -> str:
+    """A git repository holding a Python project (in ``subdir``), committed once."""
+    project = root / subdir if subdir else root
+    project.mkdir(parents=True)
+    (project / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-q", "-m", "one")
+    if remote is not None:
+        _git(root, "remote", "add", "origin", remote)
+    return project.as_uri()
+
+
+def test_editable_installs_freeze_as_pip_freezes_them(tmp_path):
+    """Editable installs from a git checkout with a remote (https, scp-style ssh, the project in
+    a subdirectory), from one without a remote, and from a plain directory: the same lines as
+    ``pip freeze --all --path``, which reinstall the checkout's commit where there is one."""
+    site_dir = tmp_path / "site"
+    projects = {
+        "from-https": _project(tmp_path / "a", remote="https://example.org/a.git"),
+        "from_ssh": _project(tmp_path / "b", remote="git@example.org:team/b.git"),
+        "in-subdir": _project(tmp_path / "c", remote="https://example.org/c.git", subdir="python/pkg"),
+        "no-remote": _project(tmp_path / "d"),
+    }
+    plain = tmp_path / "e"
+    plain.mkdir()
+    projects["no-vcs"] = plain.as_uri()
+    for name, url in projects.items():
+        _dist_info(site_dir, name, "1.0", {"url": url, "dir_info": {"editable": True}})
+    ours = freeze_lines([str(site_dir)])
+    pip = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all", "--path", str(site_dir)],
+                         capture_output=True, text=True, check=True)
+    assert ours == pip.stdout.splitlines()
+    assert any(line.startswith("-e git+ssh://git@example.org/team/b.git@") and line.endswith("#egg=from_ssh")
+               for line in ours), ours
+    assert any(line.endswith("#egg=in_subdir&subdirectory=python/pkg") for line in ours), ours
