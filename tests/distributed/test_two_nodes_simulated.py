@@ -85,10 +85,15 @@ def _checkpoint_saved(run_dir: Path, step: int) -> bool:
         return False
 
 
-def test_two_nodes_match_one_node_and_survive_a_lost_node(e2e_workdir):
+@pytest.fixture(scope="module")
+def expected(e2e_workdir) -> list[dict]:
+    """The ledger of the same run on one node (2 ranks), uninterrupted."""
     single = launch.train(e2e_workdir, e2e_args(max_steps=STEPS, name="onenode", overrides=OVERRIDES), nproc=2)
     assert single.returncode == 0, single.stderr
-    expected = launch.ledger(e2e_workdir / single.run_dir)
+    return launch.ledger(e2e_workdir / single.run_dir)
+
+
+def test_two_nodes_match_one_node_and_survive_a_lost_node(e2e_workdir, expected):
 
     results = _finish(_start_nodes(e2e_workdir, e2e_args(max_steps=STEPS, name="twonodes", overrides=OVERRIDES), "twonodes"))
     assert [code for code, _, _ in results] == [0, 0], results
@@ -122,15 +127,11 @@ def test_two_nodes_match_one_node_and_survive_a_lost_node(e2e_workdir):
     assert launch.ledger(run_dir) == expected
 
 
-def test_a_node_lost_inside_a_checkpoint_save_stops_the_other_and_publishes_nothing(e2e_workdir):
+def test_a_node_lost_inside_a_checkpoint_save_stops_the_other_and_publishes_nothing(e2e_workdir, expected):
     """Node 1's rank dies inside the step-4 save, after writing its shards (``crash_checkpoint``):
     node 0's rank, paused in the same save, must stop within the watchdog timeout with
     diagnostics; ``LATEST`` stays at step 2; both nodes resumed finish the run to the ledger of
     an uninterrupted single-node run."""
-    single = launch.train(e2e_workdir, e2e_args(max_steps=STEPS, name="onenode-save", overrides=OVERRIDES), nproc=2)
-    assert single.returncode == 0, single.stderr
-    expected = launch.ledger(e2e_workdir / single.run_dir)
-
     lost = [*OVERRIDES, "runtime.faults=[crash_checkpoint@4:1]"]
     nodes = _start_nodes(e2e_workdir, e2e_args(max_steps=STEPS, name="lostsave", overrides=lost), "lostsave")
     try:
