@@ -162,14 +162,12 @@ def editable_lines(name: str, version: str, location: str) -> list[str]:
 
         repo = git.Repo(location, search_parent_directories=True)
         remotes = repo.git.config("--get-regexp", r"remote\..*\.url").splitlines()
-    except ImportError:
+    except ImportError:  # no git executable
         return [f"# Editable install with no version control ({display})", f"-e {location}"]
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError, git.GitCommandNotFound):
         return [f"# Editable install with no version control ({display})", f"-e {location}"]
     except git.GitCommandError:  # exit 1: no remote configured
         return [f"# Editable Git install with no remote ({display})", f"-e {location}"]
-    except git.GitCommandNotFound:
-        return [f"# Editable install with no version control ({display})", f"-e {location}"]
     remote = next((r for r in remotes if r.startswith("remote.origin.url ")), remotes[0]).split(" ")[1].strip()
     url = _git_remote_as_url(remote)
     if url is None:
