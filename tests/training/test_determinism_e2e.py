@@ -211,7 +211,8 @@ def test_evaluation_on_the_held_out_source(e2e_workdir):
 def test_fsdp_as_the_qwen_presets_run_it_resumes_and_replays_identically(e2e_workdir):
     """FSDP keeping gathered parameters until the backward, several blocks per unit (the
     Qwen presets' settings): SIGKILLed at random moments and resumed, it ends with the
-    uninterrupted run's ledger, and a replayed step matches."""
+    uninterrupted run's ledger, a replayed step matches, and its step-4 checkpoint resumed
+    on one rank keeps the batches."""
     overrides = ["parallel.strategy=fsdp", "parallel.reshard_after_forward=false", "parallel.fsdp_unit_blocks=2",
                  "model.num_layers=4"]
     reference = launch.train(e2e_workdir, e2e_args(max_steps=8, name="fsdp-z2", overrides=overrides), nproc=2)
@@ -222,3 +223,4 @@ def test_fsdp_as_the_qwen_presets_run_it_resumes_and_replays_identically(e2e_wor
                                      name="fsdp-z2-killed", seed=5)
     assert launch.ledger(run_dir) == expected
     launch.replay_verifies(e2e_workdir, run_dir, steps=(5,))
+    launch.one_rank_resume_keeps_the_batches(e2e_workdir, _run_dir(e2e_workdir, reference), step=4)
