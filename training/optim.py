@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from core.config import TrainConfig
 from training.optimizers.lion import Lion
+from training.optimizers.local_shards import LocalShardAdamW
 from training.optimizers.muon import Muon
 from training.optimizers.schedule_free import ScheduleFreeAdamW
 
@@ -128,7 +129,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device)
         kwargs["fused"] = True  # one kernel for all parameters; deterministic
     else:
         kwargs["foreach"] = True
-    return torch.optim.AdamW(groups, **kwargs)
+    return LocalShardAdamW(groups, **kwargs)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -23,6 +23,7 @@ from tests import launch
 from tests.e2e_config import e2e_args
 from training.optim import build_optimizer, evaluation_weights, param_groups, parameter_roles
 from training.optimizers.lion import Lion
+from training.optimizers.local_shards import LocalShardAdamW
 from training.optimizers.muon import Muon, newton_schulz, orthogonalize
 from training.optimizers.schedule_free import ScheduleFreeAdamW
 
@@ -69,7 +70,7 @@ def test_frozen_parameters_are_in_no_group():
 
 
 @pytest.mark.parametrize(
-    "name, cls", [("adamw", torch.optim.AdamW), ("muon", Muon), ("lion", Lion), ("schedule_free_adamw", ScheduleFreeAdamW)]
+    "name, cls", [("adamw", LocalShardAdamW), ("muon", Muon), ("lion", Lion), ("schedule_free_adamw", ScheduleFreeAdamW)]
 )
 def test_build_optimizer_by_name(name, cls):
     config = TrainConfig(optimizer=name, schedule="constant")
@@ -260,15 +261,25 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 single = _Mixed()
                 sharded = _Mixed()
                 sharded.load_state_dict(single.state_dict())
+                # The same update dispatched through DTensor (no on_local_shards).
+                dispatched = _Mixed()
+                dispatched.load_state_dict(single.state_dict())
                 # Kept gathered after forward, like the root unit in distributed/fsdp.py.
                 fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+                fully_shard(dispatched, mesh=mesh, reshard_after_forward=False)
                 opts = _optimizer(name, single), _optimizer(name, sharded)
+                via_dtensor = _optimizer(name, dispatched)
+                via_dtensor.step_on_local_shards = False
                 for step in range(3):
-                    for i, ((_, a), (_, b)) in enumerate(zip(single.named_parameters(), sharded.named_parameters())):
+                    params = zip(single.named_parameters(), sharded.named_parameters(), dispatched.parameters())
+                    for i, ((_, a), (_, b), c) in enumerate(params):
                         a.grad = _seeded(a.shape, 1000 * step + i)
                         b.grad = distribute_tensor(a.grad, mesh, b.placements)
+                        c.grad = distribute_tensor(a.grad, mesh, c.placements)
                     for opt in opts:
                         opt.step()
+                    via_dtensor.step()
+                result[f"{name}/local_vs_dtensor"] = _same_update(opts[1], via_dtensor, sharded, dispatched)
                 ids = torch.arange(8).reshape(2, 4)
                 with torch.no_grad():
                     with evaluation_weights(opts[1], sharded):  # schedule-free: x in, y back
@@ -291,11 +302,39 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         raise
 
 
+def _same_update(local: torch.optim.Optimizer, dispatched: torch.optim.Optimizer, a: nn.Module, b: nn.Module) -> dict:
+    """Parameters and state of two sharded runs: bitwise equal, and the state of ``local``
+    still DTensors split like their parameters (what checkpoints save)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {"params_equal": all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), b.parameters()))}
+    states_equal, layout_kept = True, True
+    for p, q in zip(a.parameters(), b.parameters()):
+        mine, theirs = local.state[p], dispatched.state[q]
+        states_equal &= sorted(mine) == sorted(theirs)
+        for key, value in mine.items():
+            other = theirs[key]
+            if isinstance(other, DTensor):
+                layout_kept &= isinstance(value, DTensor) and value.placements == p.placements and value.shape == p.shape
+                states_equal &= isinstance(value, DTensor) and torch.equal(value.to_local(), other.to_local())
+            else:
+                layout_kept &= not isinstance(value, DTensor)
+                states_equal &= bool(torch.equal(torch.as_tensor(value), torch.as_tensor(other)))
+    out["state_equal"], out["state_layout_kept"] = bool(states_equal), bool(layout_kept)
+    owners = {id(p) for p in a.parameters()}
+    out["no_local_keys_left"] = all(id(k) in owners for k in local.state)
+    return out
+
+
 def test_fsdp_updates_equal_one_process(tmp_path):
     """Muon gathers each matrix before Newton-Schulz; the others are elementwise. All four
     give the single-process parameters on 2 FSDP2 ranks (within fp32 tolerance; bitwise here)."""
     for ranks_result in launch.spawn_json_ranks(_fsdp_worker, tmp_path, timeout=180):
         flags = {k: ranks_result.pop(k) for k in list(ranks_result) if k.endswith("/eval_differs")}
+        # Stepping on local shards (on_local_shards) is the DTensor-dispatched update, bit for
+        # bit, and leaves the state as DTensors keyed by the parameters.
+        same = {k: ranks_result.pop(k) for k in list(ranks_result) if k.endswith("/local_vs_dtensor")}
+        assert all(all(check.values()) for check in same.values()), same
         assert flags == {f"{n}/eval_differs": n == "schedule_free_adamw" for n in ("muon", "adamw", "lion", "schedule_free_adamw")}
         for name, params in ranks_result.items():
             for param, check in params.items():

@@ -9,12 +9,14 @@ Per parameter, with momentum ``m`` (``exp_avg``):
 Every coordinate moves by exactly ``lr`` (the sign), so Lion wants a learning rate several
 times smaller than AdamW's and a weight decay as many times larger (the paper: 3-10x).
 One moment instead of AdamW's two. All operations are elementwise, so FSDP shards update
-independently and exactly.
+independently and exactly, on their local tensors (``on_local_shards``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from training.optimizers.local_shards import on_local_shards
 
 
 class Lion(torch.optim.Optimizer):
@@ -34,6 +36,7 @@ class Lion(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    @on_local_shards
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

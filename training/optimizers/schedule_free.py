@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from training.optimizers.local_shards import on_local_shards
+
 _STASH = "train_weights"  # an attribute, not state: a copy of y while in eval mode
 
 
@@ -97,6 +99,7 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
             p.copy_(y)
         self._stash = None
 
+    @on_local_shards
     @torch.no_grad()
     def step(self, closure=None):
         if not self.training:
