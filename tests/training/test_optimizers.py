@@ -347,26 +347,31 @@ def test_fsdp_updates_equal_one_process(tmp_path):
 # --------------------------------------------------------------------------- kill/resume
 
 KILL_CASES = {
-    # optimizer: (strategy, extra overrides)
-    "muon": ("fsdp", []),
-    "lion": ("ddp", ["train.lr=3e-4", "train.weight_decay=0.3"]),
-    "schedule_free_adamw": ("fsdp", ["train.schedule=constant"]),
+    # case: (optimizer, strategy, extra overrides). Under fsdp the elementwise optimizers
+    # step on their local shards (training/optimizers/local_shards.py).
+    "muon": ("muon", "fsdp", []),
+    "lion-ddp": ("lion", "ddp", ["train.lr=3e-4", "train.weight_decay=0.3"]),
+    "lion-fsdp": ("lion", "fsdp", ["train.lr=3e-4", "train.weight_decay=0.3"]),
+    "schedule_free_adamw": ("schedule_free_adamw", "fsdp", ["train.schedule=constant"]),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", sorted(KILL_CASES))
-def test_sigkill_and_resume_gives_the_uninterrupted_ledger(e2e_workdir, optimizer):
-    strategy, extra = KILL_CASES[optimizer]
+@pytest.mark.parametrize("case", sorted(KILL_CASES))
+def test_sigkill_and_resume_gives_the_uninterrupted_ledger(e2e_workdir, case):
+    """SIGKILL + resume ends in the uninterrupted ledger; a step after the resume replays to
+    a match; the reference's step-4 checkpoint resumed on one rank keeps the batches."""
+    optimizer, strategy, extra = KILL_CASES[case]
     overrides = [f"train.optimizer={optimizer}", f"parallel.strategy={strategy}", "checkpoint.interval=2", *extra]
-    reference = launch.train(e2e_workdir, e2e_args(max_steps=6, name=f"ref-{optimizer}", overrides=overrides))
+    reference = launch.train(e2e_workdir, e2e_args(max_steps=6, name=f"ref-{case}", overrides=overrides))
     assert reference.returncode == 0, reference.stderr
-    expected = launch.ledger(e2e_workdir / reference.run_dir if not reference.run_dir.is_absolute() else reference.run_dir)
+    reference_dir = e2e_workdir / reference.run_dir if not reference.run_dir.is_absolute() else reference.run_dir
+    expected = launch.ledger(reference_dir)
     assert len(expected) == 6 and expected[-1]["loss"] < expected[0]["loss"]
 
     # Step 5 waits for its data long enough to be SIGKILLed there, after the step-4 line
     # (the step-4 checkpoint may be complete or torn: both must resume to the same ledger).
-    name = f"killed-{optimizer}"
+    name = f"killed-{case}"
     stalled = [*overrides, "runtime.faults=[slow_data@5]", "runtime.fault_slow_data_s=30"]
     job = launch.start(e2e_workdir, e2e_args(max_steps=6, name=name, overrides=stalled))
     assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob(f"{name}-*")), timeout=120)
@@ -379,3 +384,5 @@ def test_sigkill_and_resume_gives_the_uninterrupted_ledger(e2e_workdir, optimize
     resumed = launch.train(e2e_workdir, ["--resume", run_dir.name, "runtime.faults=[]"])
     assert resumed.returncode == 0, resumed.stderr
     assert launch.ledger(run_dir) == expected
+    launch.replay_verifies(e2e_workdir, run_dir, steps=(5,))
+    launch.one_rank_resume_keeps_the_batches(e2e_workdir, reference_dir, step=4)
