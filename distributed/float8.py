@@ -7,6 +7,35 @@ weights stay ordinary fp32 parameters (the master weights), under the same names
 optimizer, checkpoints and exports do not change and a checkpoint loads with FP8 off.
 With FSDP and ``tensorwise`` scaling the all-gather sends the weights in FP8 too.
 
+FP8 all-gather scales, once per forward: to all-gather a weight in FP8, every rank must cast
+its shard with the same scale, which comes from the amax of the whole weight. By default
+torchao computes it inside each weight's ``fsdp_pre_all_gather``: a local amax and one small
+all-reduce per weight, for every all-gather (about 200 a step for a 28-layer model, and as
+many again where the backward gathers a block anew). ``precompute_scales_each_forward``
+instead registers ``PrecomputeFloat8Scales`` as a forward pre-hook of the model, which calls
+torchao's ``precompute_float8_dynamic_scale_for_fsdp``: the amaxes of all FP8 weights in one
+``_foreach_norm(inf)``, one all-reduce, and the scales stored on each weight's local shard,
+where ``fsdp_pre_all_gather`` uses them instead, in the forward and in the backward's
+gathers alike. The numbers are the same as the per-weight path's (the amax clamped at
+torchao's EPS, the division in float64, the scale in fp32; only a weight whose amax is below
+EPS, 1e-12, could differ, as that clamp is done in fp32 rather than float64).
+
+A stored scale is stale once the weights change (optimizer step, checkpoint load, resume),
+and a stale one casts the weight with a wrong scale, silently. So the hook recomputes the
+scales at every forward of the model, from the weights as they are when that forward
+begins: no call after the optimizer step to forget, and it holds for resume, evaluation and
+gradient accumulation alike.
+
+The hook is registered after ``fully_shard``, in front of FSDP's own root pre-forward hook:
+FSDP casts each block's shards to FP8 on its all-gather streams, which wait for the current
+stream once per forward, in that root hook, so scales computed before it are written before
+any cast reads them. Calling a block without the model's forward skips the hook and uses the
+previous forward's scales, and ``FSDPModule.set_post_optim_event`` (FSDP's streams then wait
+on that event, not on the current stream) would race with it; the project does neither. With
+``parallel.cpu_offload`` the hook is not registered: FSDP copies each shard to the GPU before
+``fsdp_pre_all_gather``, the copy does not keep the stored scale, and torchao's per-weight
+path runs anyway.
+
 Which linears: all of the transformer blocks' projections whose two dimensions are multiples
 of 16 (``torch._scaled_mm``'s requirement), never the output head (``lm_head``: its
 logits feed the loss and are the most precision-sensitive matmul, and a large vocabulary
@@ -14,13 +43,14 @@ is rarely a multiple of 16 after sharding). ``float8_module_filter`` is that rul
 
 Needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, L40, H100,
 H200, B200) and torchao; ``require_float8`` says so as a ConfigError (exit 2). The
-conversion cannot run on the CPU test machine; its module selection is tested there
-with torchao's emulation.
+conversion cannot run on the CPU test machine; its module selection, and the FP8
+all-gather under FSDP2 over gloo, are tested there with torchao's emulation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -80,9 +110,85 @@ def apply_float8(model: nn.Module, parallel: ParallelConfig, *, fsdp: bool, emul
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(parallel.float8)
-    config = dataclasses.replace(
-        config, enable_fsdp_float8_all_gather=fsdp and parallel.float8 == "tensorwise", emulate=emulate
-    )
+    config = dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp and gathers_in_float8(parallel), emulate=emulate)
     converted = [name for name, module in model.named_modules() if float8_module_filter(module, name)]
     convert_to_float8_training(model, module_filter_fn=float8_module_filter, config=config)
     return converted
+
+
+def gathers_in_float8(parallel: ParallelConfig) -> bool:
+    """FSDP all-gathers the FP8 linears' weights in FP8 (tensorwise scaling; rowwise gathers bf16)."""
+    return parallel.float8 == "tensorwise"
+
+
+def precompute_scales_each_forward(model: nn.Module, parallel: ParallelConfig) -> bool:
+    """After ``fully_shard``: register ``PrecomputeFloat8Scales`` on ``model``, ahead of FSDP's
+    root hook, where weights are all-gathered in FP8 (see the module docstring). Returns
+    whether it did."""
+    if not gathers_in_float8(parallel) or parallel.cpu_offload:
+        return False
+    from torchao.float8.float8_linear import Float8Linear
+
+    if not any(isinstance(module, Float8Linear) for module in model.modules()):
+        return False
+    model.register_forward_pre_hook(PrecomputeFloat8Scales(), prepend=True)
+    return True
+
+
+class PrecomputeFloat8Scales:
+    """Forward pre-hook of the model: the FP8 all-gather scales of all its sharded FP8 weights,
+    from their current values, in one all-reduce (a collective: every rank runs the forward).
+
+    The arithmetic of torchao's ``precompute_float8_dynamic_scale_for_fsdp``, on the plain
+    local shards: torchao's version runs ``_foreach_norm``, ``stack`` and ``clamp`` through
+    DTensor's dispatch, which cost the host about 10 ms a step for Qwen3-1.7B's 196 FP8 weights
+    (docs/performance.md), while FSDP with FP8 is bound by the host. Weights whose layouts
+    differ, or a rank holding an empty shard, take torchao's version.
+
+    Weights that are not sharded DTensors at that moment (a unit left unsharded by an
+    evaluation forward) are skipped: they are not gathered before their next sharded forward,
+    which computes their scales again.
+    """
+
+    def __init__(self) -> None:
+        self._linears: list[nn.Module] | None = None  # the model's Float8Linear modules, found once
+        self._checked: list[int] = []  # ids of the weights whose common layout was last checked
+        self._local_path = False
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed.tensor import DTensor, Shard
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_utils import EPS
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+        if self._linears is None:
+            self._linears = [m for m in module.modules() if isinstance(m, Float8Linear)]
+        weights = [
+            m.weight
+            for m in self._linears
+            if isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+        ]
+        if not weights:
+            return
+        if [id(w) for w in weights] != self._checked:  # FSDP keeps its sharded parameters: once per model
+            layout = (weights[0].device_mesh, weights[0].placements)
+            self._local_path = len({w._local_tensor._dtype for w in weights}) == 1 and all(
+                (w.device_mesh, w.placements) == layout and w._local_tensor._tensor.numel() > 0 for w in weights
+            )
+            self._checked = [id(w) for w in weights]
+        if not self._local_path:
+            precompute_float8_dynamic_scale_for_fsdp(module)
+            return
+        mesh, placements = weights[0].device_mesh, weights[0].placements
+        amax = torch.stack(torch._foreach_norm([w._local_tensor._tensor for w in weights], ord=math.inf))
+        for dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):  # the max over the shards of that mesh dimension
+                amax = funcol.all_reduce(amax, "max", mesh.get_group(dim)).wait()
+        # As torchao: clamp in the weights' dtype, divide in float64, keep the scale in fp32.
+        scales = (torch.finfo(weights[0]._local_tensor._dtype).max / torch.clamp(amax, EPS).to(torch.float64)).to(
+            torch.float32
+        )
+        for weight, scale in zip(weights, scales.unbind()):
+            weight._local_tensor._precomputed_scale = scale

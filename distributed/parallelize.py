@@ -12,7 +12,7 @@ from core.distributed_context import DistributedContext
 from distributed.activation_checkpoint import apply_activation_checkpointing
 from distributed.compile import apply_compile
 from distributed.ddp import apply_ddp
-from distributed.float8 import apply_float8, require_float8
+from distributed.float8 import apply_float8, precompute_scales_each_forward, require_float8
 from distributed.fsdp import apply_fsdp
 from distributed.topology import Topology
 from distributed.tp import apply_tensor_parallel
@@ -58,6 +58,10 @@ def parallelize(
     if topology.mesh is not None:
         if parallel.strategy == "fsdp":
             apply_fsdp(model, topology.dp_mesh, parallel, dist.device)
+            # 5. FP8 all-gather scales in one all-reduce per forward, in front of the hook
+            #    fully_shard just registered on the root (distributed/float8.py says why).
+            if parallel.float8 != "none":
+                precompute_scales_each_forward(model, parallel)
         elif parallel.strategy == "ddp" and topology.dp_size > 1:
             return apply_ddp(model, topology.dp_mesh, dist.device, parallel)
     return model

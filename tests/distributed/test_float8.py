@@ -1,7 +1,9 @@
-"""distributed/float8.py: which linears go FP8, and the clear error where FP8 cannot run.
+"""distributed/float8.py: which linears go FP8, the clear error where FP8 cannot run, and
+the FP8 all-gather's scales computed once per forward.
 
 The FP8 matmuls themselves need a CUDA GPU of compute capability 8.9+ (benchmarks cover
-them there); here the conversion runs with torchao's CPU emulation."""
+them there); here the conversion runs with torchao's CPU emulation, and FSDP2's FP8
+all-gather runs on 2 spawned gloo ranks."""
 
 from __future__ import annotations
 
@@ -13,10 +15,20 @@ import torch
 import models
 from core.config import ModelConfig, ParallelConfig
 from core.exceptions import ConfigError
-from distributed.float8 import apply_float8, float8_module_filter, require_float8
+from distributed.float8 import (
+    PrecomputeFloat8Scales,
+    apply_float8,
+    float8_module_filter,
+    precompute_scales_each_forward,
+    require_float8,
+)
+from tests.distributed.dist_harness import run_on_ranks
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=1, num_heads=2, num_kv_heads=1,
                    head_dim=16, tie_embeddings=False)
+# Every block linear a multiple of 16, so the MLP converts too: 7 FP8 weights per block.
+SHARDED = replace(TINY, intermediate_size=48, num_layers=2)
+STEPS = 3
 
 
 def test_require_float8_names_the_key_and_what_to_do():
@@ -52,3 +64,99 @@ def test_filter_rule():
     assert not float8_module_filter(linear, "lm_head")
     assert not float8_module_filter(torch.nn.Linear(32, 40), "layers.0.mlp.up_proj")
     assert not float8_module_filter(torch.nn.LayerNorm(32), "norm")
+
+
+def test_scale_hook_only_where_weights_are_gathered_in_fp8():
+    pytest.importorskip("torchao.float8")
+
+    def hooked(parallel: ParallelConfig) -> bool:
+        model = models.build(TINY)
+        apply_float8(model, parallel, fsdp=True, emulate=True)
+        registered = precompute_scales_each_forward(model, parallel)
+        hooks = [hook for hook in model._forward_pre_hooks.values() if isinstance(hook, PrecomputeFloat8Scales)]
+        assert registered == bool(hooks)
+        return registered
+
+    tensorwise = ParallelConfig(float8="tensorwise", precision="bf16")
+    assert hooked(tensorwise)
+    assert not hooked(replace(tensorwise, float8="rowwise"))  # rowwise gathers in bf16
+    assert not hooked(replace(tensorwise, cpu_offload=True))  # the copy to the GPU drops the scale
+    assert not precompute_scales_each_forward(models.build(TINY), tensorwise)  # no FP8 linear
+
+
+def _all_reduces(comm) -> int:
+    return sum(n for op, n in comm.get_comm_counts().items() if "all_reduce" in str(op))
+
+
+def _fsdp_float8_runs() -> dict:
+    """On each of 2 ranks: STEPS AdamW steps of SHARDED under FSDP2 (distributed/fsdp.py's
+    layout) with FP8 all-gather, scales from the hook, from torchao's per-weight path, and
+    precomputed once only (stale after the first step). Per step: the forward's and the
+    backward's all-reduces, whether every stored scale equals torchao's per-weight scale of
+    the weights that forward began with (None if none is stored), and the loss."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_utils import tensor_to_scale
+    from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
+
+    from distributed.fsdp import apply_fsdp
+    from tests.distributed.scenarios import cpu_parallel
+
+    # torchao is imported above, before gloo's threads exist (see tests/models/test_lora.py).
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    parallel = cpu_parallel(strategy="fsdp", precision="bf16", float8="tensorwise")
+    tokens = torch.randint(0, SHARDED.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for mode in ("hook", "per_weight", "stale"):
+        model = models.build(SHARDED, generator=torch.Generator().manual_seed(0))
+        converted = apply_float8(model, parallel, fsdp=True, emulate=True)
+        apply_fsdp(model, mesh, parallel, torch.device("cpu"))  # block 0 is regathered in the backward
+        if mode == "hook":
+            assert precompute_scales_each_forward(model, parallel)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, all_reduces, scales_match, hook_first = [], [], [], []
+        for step in range(STEPS):
+            if mode == "stale" and step == 0:
+                precompute_float8_dynamic_scale_for_fsdp(model)
+            with CommDebugMode() as comm:
+                logits = model(tokens[:, :-1])
+            hook_first.append(isinstance(next(iter(model._forward_pre_hooks.values())), PrecomputeFloat8Scales))
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            with CommDebugMode() as backward_comm:
+                loss.backward()
+            all_reduces.append((_all_reduces(comm), _all_reduces(backward_comm)))
+            if mode == "hook":  # sharded again, and not yet stepped: the weights this forward began with
+                matches = []
+                for module in model.modules():
+                    if isinstance(module, Float8Linear):
+                        local = module.weight._local_tensor
+                        dynamic = tensor_to_scale(local._tensor, local._dtype, reduce_amax=True, device_mesh=mesh)
+                        scale = local._precomputed_scale
+                        matches.append(None if scale is None else torch.equal(scale, dynamic))
+                scales_match.append(matches)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        results[mode] = {"converted": len(converted), "losses": torch.stack(losses), "all_reduces": all_reduces,
+                         "scales_match": scales_match, "hook_first": hook_first}
+    return results
+
+
+def test_precomputed_scales_train_bitwise_like_the_per_weight_path():
+    pytest.importorskip("torchao.float8")
+    for ranks in run_on_ranks(_fsdp_float8_runs, 2):
+        hook, per_weight, stale = ranks["hook"], ranks["per_weight"], ranks["stale"]
+        assert hook["converted"] == 14
+        assert torch.equal(hook["losses"], per_weight["losses"])
+        assert hook["hook_first"] == [True] * STEPS  # ahead of FSDP's root hook
+        assert hook["scales_match"] == [[True] * 14] * STEPS
+        # (forward, backward) all-reduces: one per forward instead of one per FP8 weight, and
+        # none instead of block 0's 7 when the backward gathers it again.
+        assert hook["all_reduces"] == [(1, 0)] * STEPS
+        assert per_weight["all_reduces"] == [(14, 7)] * STEPS
+        # Scales kept past an optimizer step change the training: the comparison above would see it.
+        assert torch.equal(stale["losses"][0], hook["losses"][0])
+        assert not torch.equal(stale["losses"][1:], hook["losses"][1:])

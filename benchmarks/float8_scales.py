@@ -1,0 +1,124 @@
+"""FP8 all-gather scales under FSDP2 on GPUs: precomputed once per forward against torchao's
+per-weight path, bitwise.
+
+    torchrun --nproc-per-node 2 benchmarks/float8_scales.py --out bench_out/float8_scales.json
+
+On every rank: a small Qwen-shaped model (2 blocks, hidden 512) with FP8 tensorwise linears,
+sharded by ``distributed.fsdp.apply_fsdp`` over all ranks, trains 4 AdamW steps under bf16
+autocast twice, once with ``distributed.float8.PrecomputeFloat8Scales`` (what
+``parallelize`` registers) and once with torchao computing each weight's scale inside its
+all-gather. For each combination of ``reshard_after_forward`` and per-block compile, the
+losses must be bitwise equal, and every scale the hook stored must equal torchao's
+``tensor_to_scale`` of the weight the forward began with. Prints a table, writes JSON, and
+exits 1 if a check failed. Needs CUDA GPUs with FP8 tensor cores and torchao; without CUDA
+it runs on CPU ranks over gloo with torchao's FP8 emulation (the test suite does, without
+the compiled cases: ``--no-compile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import models  # noqa: E402
+from core.config import ModelConfig, ParallelConfig  # noqa: E402
+from distributed.compile import apply_compile  # noqa: E402
+from distributed.float8 import apply_float8, precompute_scales_each_forward  # noqa: E402
+from distributed.fsdp import apply_fsdp  # noqa: E402
+
+SHAPE = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
+                    num_kv_heads=2, head_dim=64, tie_embeddings=False)
+STEPS = 4
+
+
+def train(parallel: ParallelConfig, mesh, device: torch.device, *, compile_blocks: bool, hook: bool,
+          tokens: torch.Tensor) -> dict:
+    """STEPS steps; the losses, and how many stored scales differed from torchao's."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    model = models.build(SHAPE, generator=torch.Generator().manual_seed(0)).to(device)
+    apply_float8(model, parallel, fsdp=True, emulate=device.type != "cuda")
+    if compile_blocks:
+        apply_compile(model, "default")
+    apply_fsdp(model, mesh, parallel, device)
+    if hook and not precompute_scales_each_forward(model, parallel):
+        raise RuntimeError("precompute_scales_each_forward registered no hook")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, mismatched = [], 0
+    for _ in range(STEPS):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        if hook:  # sharded again and not yet stepped: the weights this forward began with
+            for module in model.modules():
+                if isinstance(module, Float8Linear):
+                    local = module.weight._local_tensor
+                    expected = tensor_to_scale(local._tensor, local._dtype, reduce_amax=True, device_mesh=mesh)
+                    stored = local._precomputed_scale
+                    mismatched += stored is None or not torch.equal(stored, expected)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "scales_mismatched": mismatched}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_out/float8_scales.json"))
+    parser.add_argument("--no-compile", action="store_true", help="only the cases without per-block compile")
+    args = parser.parse_args()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = int(os.environ["RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    tokens = torch.randint(0, SHAPE.vocab_size, (4, 129), generator=torch.Generator().manual_seed(1)).to(device)
+    cases = []
+    for reshard in (True, False):
+        for compile_blocks in (False,) if args.no_compile else (False, True):
+            parallel = ParallelConfig(strategy="fsdp", precision="bf16", float8="tensorwise",
+                                      reshard_after_forward=reshard)
+            hooked = train(parallel, mesh, device, compile_blocks=compile_blocks, hook=True, tokens=tokens)
+            per_weight = train(parallel, mesh, device, compile_blocks=compile_blocks, hook=False, tokens=tokens)
+            cases.append({
+                "reshard_after_forward": reshard, "compile": compile_blocks,
+                "losses_hook": hooked["losses"], "losses_per_weight": per_weight["losses"],
+                "losses_equal": hooked["losses"] == per_weight["losses"],
+                "scales_mismatched": hooked["scales_mismatched"],
+            })
+    ok = all(case["losses_equal"] and case["scales_mismatched"] == 0 for case in cases)
+    if rank == 0:
+        print("| reshard_after_forward | compile | losses (hook) | losses bitwise equal | scales not equal |")
+        print("|---|---|---|---|---|")
+        for case in cases:
+            losses = ", ".join(f"{value:.6f}" for value in case["losses_hook"])
+            print(f"| {case['reshard_after_forward']} | {case['compile']} | {losses} | "
+                  f"{case['losses_equal']} | {case['scales_mismatched']} |")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (FP8 emulated)"
+        result = {"ranks": dist.get_world_size(), "device": name, "torch": torch.__version__,
+                  "cases": cases, "ok": ok}
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"{'ok' if ok else 'FAILED'}; wrote {args.out}")
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
