@@ -143,7 +143,9 @@ class PrecomputeFloat8Scales:
     local shards: torchao's version runs ``_foreach_norm``, ``stack`` and ``clamp`` through
     DTensor's dispatch, which cost the host about 10 ms a step for Qwen3-1.7B's 196 FP8 weights
     (docs/performance.md), while FSDP with FP8 is bound by the host. Weights whose layouts
-    differ, or a rank holding an empty shard, take torchao's version.
+    differ take torchao's version (on every rank alike: the choice depends only on the
+    model). A rank whose shard of a weight is empty (fewer rows than ranks) counts its
+    amax as 0 (``shard_amax``), which the max over the shards ignores.
 
     Weights that are not sharded DTensors at that moment (a unit left unsharded by an
     evaluation forward) are skipped: they are not gathered before their next sharded forward,
@@ -175,14 +177,14 @@ class PrecomputeFloat8Scales:
         if [id(w) for w in weights] != self._checked:  # FSDP keeps its sharded parameters: once per model
             layout = (weights[0].device_mesh, weights[0].placements)
             self._local_path = len({w._local_tensor._dtype for w in weights}) == 1 and all(
-                (w.device_mesh, w.placements) == layout and w._local_tensor._tensor.numel() > 0 for w in weights
+                (w.device_mesh, w.placements) == layout for w in weights
             )
             self._checked = [id(w) for w in weights]
         if not self._local_path:
             precompute_float8_dynamic_scale_for_fsdp(module)
             return
         mesh, placements = weights[0].device_mesh, weights[0].placements
-        amax = torch.stack(torch._foreach_norm([w._local_tensor._tensor for w in weights], ord=math.inf))
+        amax = shard_amax([w._local_tensor._tensor for w in weights])
         for dim, placement in enumerate(placements):
             if isinstance(placement, Shard):  # the max over the shards of that mesh dimension
                 amax = funcol.all_reduce(amax, "max", mesh.get_group(dim)).wait()
@@ -192,3 +194,15 @@ class PrecomputeFloat8Scales:
         )
         for weight, scale in zip(weights, scales.unbind()):
             weight._local_tensor._precomputed_scale = scale
+
+
+def shard_amax(shards: list[torch.Tensor]) -> torch.Tensor:
+    """``max |x|`` of each shard, stacked; 0 for an empty shard (no inf-norm of an empty
+    tensor exists, and 0 is the identity of the max over non-negative amaxes)."""
+    if all(shard.numel() > 0 for shard in shards):
+        return torch.stack(torch._foreach_norm(shards, ord=math.inf))
+    amax = torch.zeros(len(shards), dtype=shards[0].dtype, device=shards[0].device)
+    held = [i for i, shard in enumerate(shards) if shard.numel() > 0]
+    if held:
+        amax[held] = torch.stack(torch._foreach_norm([shards[i] for i in held], ord=math.inf))
+    return amax

@@ -21,6 +21,7 @@ from distributed.float8 import (
     float8_module_filter,
     precompute_scales_each_forward,
     require_float8,
+    shard_amax,
 )
 from tests.distributed.dist_harness import run_on_ranks
 
@@ -82,6 +83,13 @@ def test_scale_hook_only_where_weights_are_gathered_in_fp8():
     assert not hooked(replace(tensorwise, float8="rowwise"))  # rowwise gathers in bf16
     assert not hooked(replace(tensorwise, cpu_offload=True))  # the copy to the GPU drops the scale
     assert not precompute_scales_each_forward(models.build(TINY), tensorwise)  # no FP8 linear
+
+
+def test_shard_amax_counts_an_empty_shard_as_zero():
+    shards = [torch.tensor([[1.0, -3.0]]), torch.empty(0, 2), torch.tensor([[-0.5, 0.25]])]
+    assert torch.equal(shard_amax(shards), torch.tensor([3.0, 0.0, 0.5]))
+    assert torch.equal(shard_amax([torch.empty(0, 4)]), torch.zeros(1))
+    assert torch.equal(shard_amax(shards[::2]), torch.tensor([3.0, 0.5]))
 
 
 def _all_reduces(comm) -> int:
