@@ -168,3 +168,66 @@ def test_precomputed_scales_train_bitwise_like_the_per_weight_path():
         # Scales kept past an optimizer step change the training: the comparison above would see it.
         assert torch.equal(stale["losses"][0], hook["losses"][0])
         assert not torch.equal(stale["losses"][1:], hook["losses"][1:])
+
+
+def _local_shard_optimizer_runs() -> dict:
+    """On each of 2 ranks: SHARDED with FP8 all-gather under FSDP2, 3 AdamW steps stepping on
+    the local shards (FP8 weights: the fp32 tensor inside torchao's wrapper) and 3 through
+    DTensor's dispatch; whether losses, parameters and state agree bit for bit, and whether
+    the state kept its DTensor layout."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+
+    from distributed.fsdp import apply_fsdp
+    from tests.distributed.scenarios import cpu_parallel
+    from training.optimizers.local_shards import LocalShardAdamW, _swappable
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    parallel = cpu_parallel(strategy="fsdp", precision="bf16", float8="tensorwise")
+    tokens = torch.randint(0, SHARDED.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for local in (True, False):
+        model = models.build(SHARDED, generator=torch.Generator().manual_seed(0))
+        apply_float8(model, parallel, fsdp=True, emulate=True)
+        apply_fsdp(model, mesh, parallel, torch.device("cpu"))
+        precompute_scales_each_forward(model, parallel)
+        optimizer = LocalShardAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        optimizer.step_on_local_shards = local
+        losses, swappable = [], []
+        for _ in range(STEPS):
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            swappable.append(all(_swappable(m.weight) for m in model.modules() if isinstance(m, Float8Linear)))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        params = [p.to_local() for p in model.parameters()]
+        params = [getattr(p, "_tensor", p) for p in params]  # FP8 weights: the fp32 tensor inside
+        state = [{k: v for k, v in optimizer.state[p].items()} for p in model.parameters()]
+        layout = all(isinstance(v, DTensor) and v.placements == p.placements
+                     for p in model.parameters() for k, v in optimizer.state[p].items() if k != "step")
+        runs[local] = {"losses": torch.stack(losses), "params": params, "state": state, "layout": layout,
+                       "fp8_swappable": swappable}
+    same_state = all(
+        sorted(a) == sorted(b) and all(torch.equal(getattr(a[k], "_local_tensor", a[k]), getattr(b[k], "_local_tensor", b[k]))
+                                       for k in a)
+        for a, b in zip(runs[True]["state"], runs[False]["state"])
+    )
+    return {
+        "losses_equal": torch.equal(runs[True]["losses"], runs[False]["losses"]),
+        "params_equal": all(torch.equal(a, b) for a, b in zip(runs[True]["params"], runs[False]["params"])),
+        "state_equal": same_state, "layout_kept": runs[True]["layout"],
+        "fp8_swappable": runs[True]["fp8_swappable"],
+    }
+
+
+def test_fp8_weights_step_on_their_local_shards_like_through_dtensor():
+    pytest.importorskip("torchao.float8")
+    for result in run_on_ranks(_local_shard_optimizer_runs, 2):
+        assert result["fp8_swappable"] == [True] * STEPS  # FP8 weights take the local path
+        assert result["losses_equal"] and result["params_equal"] and result["state_equal"], result
+        assert result["layout_kept"]

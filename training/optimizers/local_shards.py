@@ -16,12 +16,16 @@ Outside ``step`` nothing changes: ``optimizer.state`` holds DTensors keyed by th
 DTensor parameters, so checkpoints (DCP, any world size) save and load as before.
 State that a first step creates for a local shard is stored back as a DTensor with its
 parameter's mesh, placements, shape and stride, as DTensor's ``zeros_like`` would have.
+FP8 training's weights (torchao's wrapper around the fp32 shard, ``parallel.float8``) step
+on the fp32 tensor inside the wrapper: their state was plain DTensors through DTensor's
+dispatch too, and stays so (tests/distributed/test_float8.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Iterator
 
 import torch
@@ -56,7 +60,7 @@ def local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 if not _swappable(param):
                     locals_.append(param)
                     continue
-                local = param._local_tensor
+                local = _plain_local(param)
                 local.grad = None if param.grad is None else param.grad._local_tensor
                 before = dict(state[param]) if param in state else {}
                 if before:
@@ -77,15 +81,35 @@ def local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _swappable(param: torch.Tensor) -> bool:
-    """A DTensor parameter whose gradient is split the same way (no pending sums), of at
-    least one dimension (a 0-dim parameter's state could not be told from a step counter),
-    holding a plain tensor (FP8 training's weight wrappers keep the DTensor path)."""
-    if not isinstance(param, DTensor) or param.dim() == 0 or type(param._local_tensor) is not torch.Tensor:
+    """A DTensor parameter whose gradient is split the same way (no pending sums) into plain
+    local tensors, of at least one dimension (a 0-dim parameter's state could not be told
+    from a step counter), holding a plain tensor (``_plain_local``)."""
+    if not isinstance(param, DTensor) or param.dim() == 0 or _plain_local(param) is None:
         return False
     grad = param.grad
     if grad is None:
         return True
-    return isinstance(grad, DTensor) and grad.placements == param.placements and grad.device_mesh == param.device_mesh
+    return (
+        isinstance(grad, DTensor)
+        and type(grad._local_tensor) is torch.Tensor
+        and grad.placements == param.placements
+        and grad.device_mesh == param.device_mesh
+    )
+
+
+def _plain_local(param: DTensor) -> torch.Tensor | None:
+    """The plain tensor that holds ``param``'s local shard: the local tensor itself, or the
+    fp32 tensor inside torchao's FP8 weight wrapper (``parallel.float8`` under FSDP), which
+    the wrapper hands every op to, so an update of it is the wrapper's update. None for any
+    other tensor subclass, which keeps the DTensor path."""
+    local = param._local_tensor
+    if type(local) is torch.Tensor:
+        return local
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")  # imported wherever FP8 weights exist
+    if fsdp_utils is not None and isinstance(local, fsdp_utils.WeightWithDynamicFloat8CastTensor):
+        inner = local._tensor
+        return inner if type(inner) is torch.Tensor else None
+    return None
 
 
 def _local(value):
