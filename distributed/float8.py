@@ -12,11 +12,11 @@ its shard with the same scale, which comes from the amax of the whole weight. By
 torchao computes it inside each weight's ``fsdp_pre_all_gather``: a local amax and one small
 all-reduce per weight, for every all-gather (about 200 a step for a 28-layer model, and as
 many again where the backward gathers a block anew). ``precompute_scales_each_forward``
-instead registers ``PrecomputeFloat8Scales`` as a forward pre-hook of the model, which calls
-torchao's ``precompute_float8_dynamic_scale_for_fsdp``: the amaxes of all FP8 weights in one
-``_foreach_norm(inf)``, one all-reduce, and the scales stored on each weight's local shard,
-where ``fsdp_pre_all_gather`` uses them instead, in the forward and in the backward's
-gathers alike. The numbers are the same as the per-weight path's (the amax clamped at
+instead registers ``PrecomputeFloat8Scales`` as a forward pre-hook of the model, which does
+what torchao's ``precompute_float8_dynamic_scale_for_fsdp`` does, on the local shards: the
+amaxes of all FP8 weights in one ``_foreach_norm(inf)``, one all-reduce, and the scales
+stored on each weight's local shard, where ``fsdp_pre_all_gather`` uses them instead, in
+the forward and in the backward's gathers alike. The numbers are the same as the per-weight path's (the amax clamped at
 torchao's EPS, the division in float64, the scale in fp32; only a weight whose amax is below
 EPS, 1e-12, could differ, as that clamp is done in fp32 rather than float64).
 
@@ -137,15 +137,15 @@ def precompute_scales_each_forward(model: nn.Module, parallel: ParallelConfig) -
 
 class PrecomputeFloat8Scales:
     """Forward pre-hook of the model: the FP8 all-gather scales of all its sharded FP8 weights,
-    from their current values, in one all-reduce (a collective: every rank runs the forward).
+    from their current values, in one all-reduce per layout (a collective: every rank runs
+    the forward; FSDP gives all the weights one layout).
 
     The arithmetic of torchao's ``precompute_float8_dynamic_scale_for_fsdp``, on the plain
     local shards: torchao's version runs ``_foreach_norm``, ``stack`` and ``clamp`` through
     DTensor's dispatch, which cost the host about 10 ms a step for Qwen3-1.7B's 196 FP8 weights
-    (docs/performance.md), while FSDP with FP8 is bound by the host. Weights whose layouts
-    differ take torchao's version (on every rank alike: the choice depends only on the
-    model). A rank whose shard of a weight is empty (fewer rows than ranks) counts its
-    amax as 0 (``shard_amax``), which the max over the shards ignores.
+    (docs/performance.md), while FSDP with FP8 is bound by the host. A rank whose shard of a
+    weight is empty (fewer rows than ranks) counts its amax as 0 (``shard_amax``), which the
+    max over the shards ignores.
 
     Weights that are not sharded DTensors at that moment (a unit left unsharded by an
     evaluation forward) are skipped: they are not gathered before their next sharded forward,
@@ -154,46 +154,30 @@ class PrecomputeFloat8Scales:
 
     def __init__(self) -> None:
         self._linears: list[nn.Module] | None = None  # the model's Float8Linear modules, found once
-        self._checked: list[int] = []  # ids of the weights whose common layout was last checked
-        self._local_path = False
 
     def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
         import torch.distributed._functional_collectives as funcol
         from torch.distributed.tensor import DTensor, Shard
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         from torchao.float8.float8_linear import Float8Linear
         from torchao.float8.float8_utils import EPS
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
         if self._linears is None:
             self._linears = [m for m in module.modules() if isinstance(m, Float8Linear)]
-        weights = [
-            m.weight
-            for m in self._linears
-            if isinstance(m.weight, DTensor) and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
-        ]
-        if not weights:
-            return
-        if [id(w) for w in weights] != self._checked:  # FSDP keeps its sharded parameters: once per model
-            layout = (weights[0].device_mesh, weights[0].placements)
-            self._local_path = len({w._local_tensor._dtype for w in weights}) == 1 and all(
-                (w.device_mesh, w.placements) == layout for w in weights
-            )
-            self._checked = [id(w) for w in weights]
-        if not self._local_path:
-            precompute_float8_dynamic_scale_for_fsdp(module)
-            return
-        mesh, placements = weights[0].device_mesh, weights[0].placements
-        amax = shard_amax([w._local_tensor._tensor for w in weights])
-        for dim, placement in enumerate(placements):
-            if isinstance(placement, Shard):  # the max over the shards of that mesh dimension
-                amax = funcol.all_reduce(amax, "max", mesh.get_group(dim)).wait()
-        # As torchao: clamp in the weights' dtype, divide in float64, keep the scale in fp32.
-        scales = (torch.finfo(weights[0]._local_tensor._dtype).max / torch.clamp(amax, EPS).to(torch.float64)).to(
-            torch.float32
-        )
-        for weight, scale in zip(weights, scales.unbind()):
-            weight._local_tensor._precomputed_scale = scale
+        layouts: dict[tuple, list] = {}  # the same order on every rank: the modules'
+        for linear in self._linears:
+            weight = linear.weight
+            if isinstance(weight, DTensor) and isinstance(weight._local_tensor, WeightWithDynamicFloat8CastTensor):
+                layouts.setdefault((weight.device_mesh, weight.placements, weight._local_tensor._dtype), []).append(weight)
+        for (mesh, placements, float8_dtype), weights in layouts.items():
+            amax = shard_amax([weight._local_tensor._tensor for weight in weights])
+            for dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):  # the max over the shards of that mesh dimension
+                    amax = funcol.all_reduce(amax, "max", mesh.get_group(dim)).wait()
+            # As torchao: clamp in the weights' dtype, divide in float64, keep the scale in fp32.
+            scales = (torch.finfo(float8_dtype).max / torch.clamp(amax, EPS).to(torch.float64)).to(torch.float32)
+            for weight, scale in zip(weights, scales.unbind()):
+                weight._local_tensor._precomputed_scale = scale
 
 
 def shard_amax(shards: list[torch.Tensor]) -> torch.Tensor:
