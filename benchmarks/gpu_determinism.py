@@ -11,6 +11,9 @@ For every GPU count G (``parallel.strategy=none`` on one GPU, ``fsdp`` on severa
 2. ``kill_resume``: a third run is SIGKILLed (the whole torchrun job) at a random moment
    after its first checkpoint, then resumed with ``--resume RUN_ID``; its ledger must equal
    the first run's.
+3. ``replay``: ``--replay RUN_ID --step S`` of the first run, S the step after its last
+   checkpoint before the end; it restores that checkpoint, re-executes step S and exits 0
+   only if loss, grad_norm, batch and data-state hashes equal the ledger's (exit 5 if not).
 
 Across GPU counts the batch_hash and data_state_hash sequences must be equal (the data order
 does not depend on the world size) and the losses close (reduction order differs, so not
@@ -130,6 +133,21 @@ def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log:
     return out
 
 
+def replayed(gpus: int, run_dir: Path, args: argparse.Namespace, run_root: Path, log: Path) -> dict:
+    """Replay the step after the run's last checkpoint before its end (``--replay``): exit 0
+    means the re-executed step matched the ledger bit for bit."""
+    checkpointed = [s for s in range(args.interval, args.steps, args.interval)]
+    if not checkpointed:
+        return {"ok": False, "error": f"no checkpoint before step {args.steps} with interval {args.interval}"}
+    step = checkpointed[-1] + 1
+    code = finish(start(gpus, ["--replay", run_dir.name, "--step", str(step), f"run.root={run_root}"], log),
+                  args.timeout)
+    out = {"ok": code == 0, "step": step, "exit": code}
+    if code != 0:
+        out["log_tail"] = log.read_text(errors="replace")[-4000:]
+    return out
+
+
 def first_difference(a: list[dict], b: list[dict]) -> str | None:
     if len(a) != len(b):
         return f"{len(a)} lines vs {len(b)}"
@@ -151,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--seed", type=int, default=0, help="of the kill moment")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no-replay", action="store_true", help="skip the replay check")
     p.add_argument("--run-root", default="/tmp/lockstep-determinism")
     p.add_argument("--out", default="bench_out/gpu_determinism.json")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="only compare the ledgers of earlier results")
@@ -158,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         return compare(args.compare)
     rng = random.Random(args.seed)
-    results: dict = {"config": args.config, "seq": args.seq, "global_batch": args.global_batch,
+    results: dict = {"config": args.config, "overrides": args.override, "seq": args.seq, "global_batch": args.global_batch,
                      "steps": args.steps, "interval": args.interval, "cases": {}}
     reference: dict[int, list[dict]] = {}
     failed = False
@@ -183,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 diff = first_difference(a, ledger(Path(killed["run_dir"])))
                 killed.update(ok=diff is None, difference=diff)
             case["kill_resume"] = killed
+            if not args.no_replay:
+                case["replay"] = replayed(gpus, dir_a, args, run_root, log)
         results["cases"][f"{gpus}gpu"] = case
         failed |= not all(check.get("ok") for check in case.values())
         print(f"[determinism] {gpus} GPU(s): " + ", ".join(f"{k}: {'ok' if v.get('ok') else 'FAILED'}"
