@@ -99,7 +99,9 @@ def test_two_nodes_match_one_node_and_survive_a_lost_node(e2e_workdir, expected)
     assert [code for code, _, _ in results] == [0, 0], results
     assert launch.ledger(_run_dir(e2e_workdir, results)) == expected
 
-    slow = [*OVERRIDES, "runtime.faults=[slow_data]", "runtime.fault_slow_data_s=1.0"]  # time to lose a node mid-run
+    # Time to lose a node mid-run: the kill follows the step-4 checkpoint's event within tens of
+    # milliseconds, well inside step 5's 0.5 s data wait (the step-6 checkpoint is a second away).
+    slow = [*OVERRIDES, "runtime.faults=[slow_data]", "runtime.fault_slow_data_s=0.5"]
     nodes = _start_nodes(e2e_workdir, e2e_args(max_steps=STEPS, name="lostnode", overrides=slow), "lostnode")
     run_dir = None
     try:

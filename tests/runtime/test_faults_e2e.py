@@ -1,6 +1,6 @@
 """Runtime guards end to end, 2 ranks on CPU through torchrun, with injected faults:
 
-- hang@5:1 with a 10 s watchdog: the job ends well within a minute, non-zero, with the
+- hang@5:1 with a 5 s watchdog: the job ends well within a minute, non-zero, with the
   stacks of both ranks in diagnostics/ (the hung rank's shows where it hangs);
 - nan@3: exit 7 with the batch provenance dumped (abort); the run completes with the step
   marked (skip);
@@ -39,10 +39,14 @@ def _abs(workdir, path):
 
 
 def test_hang_is_caught_by_the_watchdog(e2e_workdir):
+    # Both ranks stop heartbeating within a few milliseconds of each other (rank 0 blocks in
+    # step 5's first collective), so both dump within a watchdog poll (0.5 s) of each other:
+    # a 3 s exit grace (default 10 s) keeps the hung rank alive until its peer has dumped.
     started = time.monotonic()
     result = launch.train(
         e2e_workdir,
-        e2e_args(max_steps=STEPS, name="hang", overrides=["runtime.faults=[hang@5:1]", "runtime.watchdog_timeout_s=5"]),
+        e2e_args(max_steps=STEPS, name="hang", overrides=["runtime.faults=[hang@5:1]", "runtime.watchdog_timeout_s=5",
+                                                          "runtime.watchdog_exit_grace_s=3"]),
         nproc=2,
         timeout=120,
     )

@@ -170,7 +170,9 @@ def _hang_worker(rank: int, world: int, port: int, run_dir: str) -> None:
         events = EventLog(Path(run_dir) / "events.jsonl", rank=rank)
         stall = StallDetector()
         watchdog = Watchdog(
-            RuntimeConfig(watchdog_timeout_s=1.0, watchdog_exit_grace_s=8.0),
+            # Both ranks stop heartbeating within milliseconds of each other and fire within a
+            # poll (0.1 s): 3 s of grace keep the hung rank up until its peer has dumped.
+            RuntimeConfig(watchdog_timeout_s=1.0, watchdog_exit_grace_s=3.0),
             rank=rank,
             diagnostics_dir=diag,
             providers={"stall": stall.summary, "pipeline": lambda: {"queue_depth": 4}},

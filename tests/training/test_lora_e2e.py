@@ -66,6 +66,16 @@ def reference(e2e_workdir, base_dir):
     return _run_dir(e2e_workdir, result)
 
 
+@pytest.fixture(scope="module")
+def exported_adapter(e2e_workdir, reference, tmp_path_factory):
+    """``export --adapter`` of the reference run (PEFT format), written once for the tests that read it."""
+    adapter = tmp_path_factory.mktemp("lora-export") / "adapter"
+    result = launch.run_module(e2e_workdir, ["training", "export", "--run", reference.name, "--to", str(adapter),
+                                             "--adapter"])
+    assert result.returncode == 0, result.stderr
+    return adapter
+
+
 def _checkpoint(run_dir, step: int):
     from core import config as config_lib
     from core.layout import RunPaths
@@ -166,7 +176,8 @@ def test_an_nf4_base_that_fsdp_cannot_split_is_a_config_error_before_any_process
     assert info.value.context["key"] == "model.quantize_base" and "16384" in info.value.message
 
 
-def test_export_adapter_loads_in_peft_and_merge_in_transformers(e2e_workdir, reference, base_dir, tmp_path):
+def test_export_adapter_loads_in_peft_and_merge_in_transformers(e2e_workdir, reference, base_dir, exported_adapter,
+                                                              tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
@@ -178,10 +189,10 @@ def test_export_adapter_loads_in_peft_and_merge_in_transformers(e2e_workdir, ref
     with torch.no_grad():
         expected = ours(ids)
 
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    for flag, out in (("--adapter", adapter), ("--merge", merged)):
-        result = launch.run_module(e2e_workdir, ["training", "export", "--run", reference.name, "--to", str(out), flag])
-        assert result.returncode == 0, result.stderr
+    adapter, merged = exported_adapter, tmp_path / "merged"
+    result = launch.run_module(e2e_workdir, ["training", "export", "--run", reference.name, "--to", str(merged),
+                                             "--merge"])
+    assert result.returncode == 0, result.stderr
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
     assert not (adapter / "model.safetensors").exists()
 
@@ -194,14 +205,11 @@ def test_export_adapter_loads_in_peft_and_merge_in_transformers(e2e_workdir, ref
 
 
 def test_a_run_started_from_an_exported_adapter_holds_exactly_those_adapters(e2e_workdir, reference, base_dir,
-                                                                             tmp_path):
+                                                                             exported_adapter):
     """``model.lora.init_from``: the adapter that ``export --adapter`` wrote (PEFT format) starts
     a new run on the same base. At lr 0 the new run's whole-model hash after one step equals the
     source run's last one: the same base and bit for bit the same adapters."""
-    adapter = tmp_path / "adapter"
-    result = launch.run_module(e2e_workdir, ["training", "export", "--run", reference.name, "--to", str(adapter),
-                                             "--adapter"])
-    assert result.returncode == 0, result.stderr
+    adapter = exported_adapter
     source = launch.ledger(reference)[-1]
     result = launch.train(e2e_workdir, lora_args(base_dir, max_steps=1, name="lora-init-from", overrides=[
         f"model.lora.init_from={adapter}", "train.lr=0", "checkpoint.interval=0"]), nproc=1)
