@@ -25,6 +25,11 @@ does: data wait, ledger, metric all-reduce). MFU in both conventions of models/f
 GPU. The data-wait fraction is the time the loop blocked in ``next(batch)`` over the step
 time. See benchmarks/README.md.
 
+Several-GPU runs of one setting on one host differ by several points of per-GPU scaling from
+run to run (docs/performance.md). ``--repeat N`` runs the whole case list N times, round the
+list, and adds a table of each case's scaling over its runs (median, lowest, highest), each
+against the median of its 1-GPU runs.
+
 After the cases, the transformers baseline (benchmarks/hf_baseline.py, eager and compiled)
 runs for each shape and seq on GPU 0 of the same machine, with the same micro-batch.
 
@@ -495,14 +500,14 @@ class Budget:
 
 
 def run_case(
-    case: Case, args: argparse.Namespace, env: dict[str, Any], run_root: Path, budget: Budget
+    case: Case, args: argparse.Namespace, env: dict[str, Any], run_root: Path, budget: Budget, repeat: int = 0
 ) -> dict[str, Any]:
     config_path, _ = hfb.preset_args(case.shape)
     overrides = case_overrides(case, args, env, run_root)
     cmd = train_command(case, overrides, config_path, args.launcher_arg)
     result: dict[str, Any] = {"kind": "lockstep", "case": case.name, **asdict(case),
                               "strategy": strategy_for(case.gpus, args), "overrides": list(args.override),
-                              "command": shlex.join(cmd)}
+                              "repeat": repeat, "command": shlex.join(cmd)}
     if args.device == "cuda" and case.gpus > env.get("gpu_count", 0):
         return {**result, "status": "skipped", "error": f"needs {case.gpus} GPUs, found {env.get('gpu_count', 0)}"}
     timeout = budget.timeout(args.timeout)
@@ -510,7 +515,8 @@ def run_case(
         return {**result, "status": "skipped", "error": "not started: --budget exhausted"}
     if args.dry_run:
         return {**result, "status": "dry-run"}
-    done = launch(cmd, timeout=timeout, log_path=args.log_dir / f"{case.name}.log")
+    log_name = case.name if args.repeat == 1 else f"{case.name}-r{repeat}"
+    done = launch(cmd, timeout=timeout, log_path=args.log_dir / f"{log_name}.log")
     run_dir = find_run_dir(done.stdout, run_root, f"bench-{case.name}")
     result["seconds"] = done.seconds
     if run_dir is not None:
@@ -630,22 +636,49 @@ def scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return r.get("shape"), r.get("seq"), r.get("micro_batch"), r.get("mode"), r.get("compile")
 
     ok = [r for r in results if r.get("kind") == "lockstep" and r.get("status") == "ok" and r.get("tokens_per_s")]
-    single = {key(r): r for r in ok if r.get("gpus") == 1}
+    singles: dict[tuple, list[dict[str, Any]]] = {}
+    for r in ok:
+        if r.get("gpus") == 1:
+            singles.setdefault(key(r), []).append(r)
     rows = []
     for r in ok:
-        base = single.get(key(r))
-        if r.get("gpus", 1) <= 1 or base is None:
+        runs = singles.get(key(r))
+        if r.get("gpus", 1) <= 1 or not runs:
             continue
+        # Repeated 1-GPU runs (--repeat): their medians, so no one run of them sets every row.
+        base_tokens = statistics.median(b["tokens_per_s"] for b in runs)
+        base_steps = [b["step_time_median_s"] for b in runs if b.get("step_time_median_s")]
         by_median = None
-        if r.get("step_time_median_s") and base.get("step_time_median_s"):
-            by_median = base["step_time_median_s"] / r["step_time_median_s"]
-        rows.append({"case": r["case"], "one_gpu_case": base["case"], "gpus": r["gpus"],
+        if r.get("step_time_median_s") and base_steps:
+            by_median = statistics.median(base_steps) / r["step_time_median_s"]
+        rows.append({"case": r["case"], "one_gpu_case": runs[0]["case"], "one_gpu_runs": len(runs),
+                     "gpus": r["gpus"], "repeat": r.get("repeat", 0),
                      "strategy": r.get("strategy"), "overrides": r.get("overrides", []),
                      "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
-                     "one_gpu_tokens_per_s": base["tokens_per_s"],
-                     "scaling": r["tokens_per_s_per_gpu"] / base["tokens_per_s"],
+                     "one_gpu_tokens_per_s": base_tokens,
+                     "scaling": r["tokens_per_s_per_gpu"] / base_tokens,
                      "scaling_by_median_step": by_median})
     return rows
+
+
+def repeat_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Scaling rows of one case and settings (repeats of one run, ``--repeat``, or the same run
+    in merged reports) grouped: how many, and the median, lowest and highest per-GPU scaling.
+    Several-GPU runs on one host differ by several points from run to run (docs/performance.md);
+    a setting is judged by its median over repeats, not by one run."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["case"], row["strategy"], tuple(row.get("overrides", []))), []).append(row)
+    summary = []
+    for (case, strategy, overrides), group in groups.items():
+        values = [row["scaling"] for row in group]
+        by_step = [row["scaling_by_median_step"] for row in group if row["scaling_by_median_step"] is not None]
+        summary.append({"case": case, "strategy": strategy, "overrides": list(overrides), "runs": len(group),
+                        "one_gpu_runs": group[0]["one_gpu_runs"],
+                        "scaling_median": statistics.median(values), "scaling_min": min(values),
+                        "scaling_max": max(values),
+                        "by_median_step_median": statistics.median(by_step) if by_step else None})
+    return summary
 
 
 def scaling_table(rows: list[dict[str, Any]]) -> str:
@@ -661,6 +694,20 @@ def scaling_table(rows: list[dict[str, Any]]) -> str:
     return "Per-GPU scaling against the 1-GPU run of the same shape, seq, micro-batch and mode:\n\n" + "\n".join(lines)
 
 
+def repeat_table(summary: list[dict[str, Any]]) -> str:
+    """The repeat summary, printed where some case ran more than once."""
+    if not any(row["runs"] > 1 or row["one_gpu_runs"] > 1 for row in summary):
+        return ""
+    lines = ["| run | strategy | overrides | runs (1-GPU runs) | per-GPU scaling: median | lowest | highest | "
+             "by median step: median |", "|---|---|---|---|---|---|---|---|"]
+    for row in summary:
+        overrides = " ".join(f"`{o}`" for o in row["overrides"]) or "-"
+        lines.append(f"| {row['case']} | {row['strategy']} | {overrides} | {row['runs']} ({row['one_gpu_runs']}) | "
+                     f"{fmt(row['scaling_median'], '.1%')} | {fmt(row['scaling_min'], '.1%')} | "
+                     f"{fmt(row['scaling_max'], '.1%')} | {fmt(row['by_median_step_median'], '.1%')} |")
+    return "Per-GPU scaling over repeated runs (against the median of the 1-GPU runs):\n\n" + "\n".join(lines)
+
+
 def print_report(payload: dict[str, Any]) -> None:
     env = payload.get("env", {})
     print(f"\nGPU: {', '.join(env.get('gpu_names', [])) or 'none'}; torch {env.get('torch')}; "
@@ -672,9 +719,13 @@ def print_report(payload: dict[str, Any]) -> None:
     comparison = comparison_table(payload["results"])
     if comparison:
         print("\n" + comparison)
-    scaling = scaling_table(scaling_rows(payload["results"]))
+    rows = scaling_rows(payload["results"])
+    scaling = scaling_table(rows)
     if scaling:
         print("\n" + scaling)
+    repeats = repeat_table(repeat_summary(rows))
+    if repeats:
+        print("\n" + repeats)
     print(flush=True)
 
 
@@ -717,6 +768,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per GPU, micro-batch = this // seq (instead of --micro-batch)")
     p.add_argument("--steps", type=int, default=20, help="measured steps after the warmup")
     p.add_argument("--warmup", type=int, default=5, help="steps not measured (compilation, allocator warmup)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every case this many times, round the case list; the scaling is also "
+                        "summarised over the repeats (median, lowest, highest)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--strategy", default="fsdp", choices=("fsdp", "ddp"), help="strategy on several GPUs")
     p.add_argument("--strategy-1gpu", default="none", choices=("none", "ddp", "fsdp"), help="strategy on one GPU")
@@ -743,6 +797,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad_baseline = set(args.baseline_modes) - {"eager", "compile"}
     if bad_modes or bad_compile or bad_baseline:
         p.error(f"unknown values: {sorted(bad_modes | bad_compile | bad_baseline)}")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step compiles)")
     args.baseline_modes = [m == "compile" for m in args.baseline_modes]
@@ -777,11 +833,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     cases = plan_cases(args)
     try:
-        for case in cases:
-            result = run_case(case, args, env, run_root, budget)
+        # Repeats go round the whole case list, so that a drift of the host over the
+        # invocation touches every case alike.
+        for repeat, case in ((r, c) for r in range(args.repeat) for c in cases):
+            result = run_case(case, args, env, run_root, budget, repeat)
             payload["results"].append(result)
             hfb.write_json(args.out, payload)
-            print(f"[bench] {case.name}: {result['status']} "
+            tag = f" (run {repeat + 1} of {args.repeat})" if args.repeat > 1 else ""
+            print(f"[bench] {case.name}{tag}: {result['status']} "
                   f"{fmt(result.get('tokens_per_s'), ',.0f')} tokens/s {result.get('error', '')}", flush=True)
         if args.baseline:
             for shape, seq, micro, compiled in baselines_wanted(cases, args):
@@ -793,6 +852,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         payload["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
         payload["scaling"] = scaling_rows(payload["results"])
+        payload["scaling_summary"] = repeat_summary(payload["scaling"])
         hfb.write_json(args.out, payload)
         if not args.keep_runs and not args.run_root:
             shutil.rmtree(run_root, ignore_errors=True)

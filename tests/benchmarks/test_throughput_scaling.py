@@ -56,3 +56,38 @@ def test_runs_pair_only_with_the_same_shape_seq_micro_batch_and_mode():
     assert len(rows) == 1
     assert rows[0]["scaling"] == pytest.approx(0.8) and rows[0]["scaling_by_median_step"] == pytest.approx(0.8)
     assert rows[0]["one_gpu_case"] == one["case"]
+
+
+def test_repeated_runs_scale_against_the_median_one_gpu_run_and_are_summarised():
+    """``--repeat``: every several-GPU run is compared with the median of the 1-GPU runs of its
+    key, and the runs of one case and settings are summarised by median, lowest and highest."""
+    tt = _module("train_throughput")
+    ones = [_result(1, tokens, median, repeat=i) for i, (tokens, median) in enumerate(
+        [(100.0, 0.040), (90.0, 0.044), (110.0, 0.036)])]
+    fours = [_result(4, tokens, 0.050, repeat=i) for i, tokens in enumerate([320.0, 360.0, 280.0])]
+    other = _result(4, 400.0, 0.040, overrides=["parallel.ddp_bucket_mb=100"])
+    rows = tt.scaling_rows([*ones, *fours, other])
+    assert [row["one_gpu_tokens_per_s"] for row in rows] == [100.0] * 4  # the median, not the last run
+    assert [row["scaling"] for row in rows] == pytest.approx([0.8, 0.9, 0.7, 1.0])
+    assert rows[0]["scaling_by_median_step"] == pytest.approx(0.040 / 0.050)
+    assert all(row["one_gpu_runs"] == 3 for row in rows)
+    summary = {tuple(row["overrides"]): row for row in tt.repeat_summary(rows)}
+    plain = summary[()]
+    assert (plain["runs"], plain["scaling_median"], plain["scaling_min"], plain["scaling_max"]) == \
+        (3, pytest.approx(0.8), pytest.approx(0.7), pytest.approx(0.9))
+    assert summary[("parallel.ddp_bucket_mb=100",)]["runs"] == 1
+    table = tt.repeat_table(tt.repeat_summary(rows))
+    assert "| x-g4 | ddp | - | 3 (3) | 80.0% | 70.0% | 90.0% | 80.0% |" in table
+    assert tt.repeat_table(tt.repeat_summary(tt.scaling_rows([ones[0], fours[0]]))) == ""  # nothing repeated
+
+
+def test_repeat_runs_the_case_list_round_and_rejects_zero(tmp_path, capsys):
+    tt = _module("train_throughput")
+    out = tmp_path / "tp.json"
+    assert tt.main(["--shapes", "tiny", "--seqs", "128", "--gpus", "1,2", "--modes", "fast", "--device", "cpu",
+                    "--no-baseline", "--repeat", "2", "--dry-run", "--out", str(out)]) == 0
+    import json
+    results = json.loads(out.read_text())["results"]
+    assert [(r["gpus"], r["repeat"]) for r in results] == [(1, 0), (2, 0), (1, 1), (2, 1)]
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--repeat", "0"])
