@@ -57,3 +57,23 @@ def test_preset_loads_through_core_config(name):
     # Shape keys must come from the preset; the kernel and init settings may come from tiny.yaml.
     for key in SHAPE_KEYS:
         assert getattr(loaded, key) == getattr(expected, key), key
+
+
+# FSDP settings of the presets, as measured on four H200s (docs/performance.md, 2026-11-27g and
+# 2026-11-28): full fine-tuning keeps the gathered parameters (ZeRO-2) in a few large units;
+# adapter training reshards after every block, one block gathered at a time, memory first.
+FSDP_SETTINGS = {
+    "qwen2.5-0.5b": dict(strategy="fsdp", reshard_after_forward=False, fsdp_unit_blocks=8),
+    "qwen3-1.7b": dict(strategy="fsdp", reshard_after_forward=False, fsdp_unit_blocks=14),
+    "qwen3-1.7b-lora": dict(strategy="fsdp", reshard_after_forward=True, fsdp_unit_blocks=1),
+    "qwen3-1.7b-qlora": dict(strategy="none", reshard_after_forward=True, fsdp_unit_blocks=1),  # one GPU
+}
+
+
+@pytest.mark.parametrize("name", sorted(FSDP_SETTINGS))
+def test_preset_fsdp_settings_are_the_measured_ones(name):
+    loaded = core_config.load(CONFIGS / f"{name}.yaml")
+    for key, value in FSDP_SETTINGS[name].items():
+        assert getattr(loaded.parallel, key) == value, key
+    # Whole units: every unit holds the same number of blocks.
+    assert loaded.model.num_layers % loaded.parallel.fsdp_unit_blocks == 0
