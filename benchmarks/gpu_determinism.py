@@ -14,6 +14,11 @@ For every GPU count G (``parallel.strategy=none`` on one GPU, ``fsdp`` on severa
 3. ``replay``: ``--replay RUN_ID --step S`` of the first run, S the step after its last
    checkpoint before the end; it restores that checkpoint, re-executes step S and exits 0
    only if loss, grad_norm, batch and data-state hashes equal the ledger's (exit 5 if not).
+4. ``resume_on_<G'>gpu`` (``--resume-on G'``): a copy of the first run, cut back to its first
+   checkpoint, resumed by run ID on G' GPUs (``parallel.strategy`` as for G'): the batch and
+   data-state hashes of every step must equal the first run's (the data order does not
+   depend on the world size); the largest relative loss gap is reported (reduction order
+   differs, so not bitwise).
 
 Across GPU counts the batch_hash and data_state_hash sequences must be equal (the data order
 does not depend on the world size) and the losses close (reduction order differs, so not
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,10 +83,13 @@ def command(gpus: int, train_args: list[str]) -> list[str]:
             str(ROOT / "train.py"), *train_args]
 
 
+WORKDIR = ROOT  # where the runs start (relative data paths resolve there): --workdir
+
+
 def start(gpus: int, train_args: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     handle = log.open("a")
-    return subprocess.Popen(command(gpus, train_args), cwd=ROOT, env=env, stdout=handle,
+    return subprocess.Popen(command(gpus, train_args), cwd=WORKDIR, env=env, stdout=handle,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -148,6 +157,34 @@ def replayed(gpus: int, run_dir: Path, args: argparse.Namespace, run_root: Path,
     return out
 
 
+def resumed_on_other_count(gpus: int, other: int, run_dir: Path, args: argparse.Namespace, run_root: Path,
+                           log: Path) -> dict:
+    """Resume a copy of ``run_dir`` (a ``gpus``-GPU run), cut back to its first checkpoint, on
+    ``other`` GPUs; its steps must see the same batches and data states."""
+    copy = run_dir.parent / f"{run_dir.name}-on{other}"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(run_dir, copy)
+    checkpoints = copy / "checkpoints"
+    for path in checkpoints.glob("step_*"):
+        if int(path.name.split("_")[1]) > args.interval:
+            shutil.rmtree(path)
+    (checkpoints / "LATEST").write_text(f"step_{args.interval:08d}")
+    # The micro-batch is not resumable: the same global batch in more or fewer micro-batches.
+    strategy = "none" if other == 1 else "fsdp"
+    code = finish(start(other, ["--resume", copy.name, f"run.root={run_root}", f"parallel.strategy={strategy}"], log),
+                  args.timeout)
+    out: dict = {"ok": False, "from_gpus": gpus, "resumed_at_step": args.interval, "exit": code}
+    if code != 0:
+        out["log_tail"] = log.read_text(errors="replace")[-4000:]
+        return out
+    ref, got = ledger(run_dir), ledger(copy)
+    same = len(ref) == len(got) and all(
+        a["batch_hash"] == b["batch_hash"] and a["data_state_hash"] == b["data_state_hash"] for a, b in zip(ref, got))
+    gap = max((abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12) for a, b in zip(ref, got)), default=None)
+    out.update(ok=same, same_batches=same, lines=len(got), max_rel_loss_diff=gap)
+    return out
+
+
 def first_difference(a: list[dict], b: list[dict]) -> str | None:
     if len(a) != len(b):
         return f"{len(a)} lines vs {len(b)}"
@@ -170,10 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="of the kill moment")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-replay", action="store_true", help="skip the replay check")
+    p.add_argument("--resume-on", type=int, default=0, metavar="G",
+                   help="also resume each run's first checkpoint on G GPUs (same batches expected)")
     p.add_argument("--run-root", default="/tmp/lockstep-determinism")
+    p.add_argument("--workdir", default=str(ROOT), help="the runs' working directory (default: the repository)")
     p.add_argument("--out", default="bench_out/gpu_determinism.json")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="only compare the ledgers of earlier results")
     args = p.parse_args(argv)
+    global WORKDIR
+    WORKDIR = Path(args.workdir).resolve()
     if args.compare:
         return compare(args.compare)
     rng = random.Random(args.seed)
@@ -204,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             case["kill_resume"] = killed
             if not args.no_replay:
                 case["replay"] = replayed(gpus, dir_a, args, run_root, log)
+            if args.resume_on and args.resume_on != gpus:
+                case[f"resume_on_{args.resume_on}gpu"] = resumed_on_other_count(gpus, args.resume_on, dir_a, args,
+                                                                                run_root, log)
         results["cases"][f"{gpus}gpu"] = case
         failed |= not all(check.get("ok") for check in case.values())
         print(f"[determinism] {gpus} GPU(s): " + ", ".join(f"{k}: {'ok' if v.get('ok') else 'FAILED'}"

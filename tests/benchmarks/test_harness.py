@@ -94,3 +94,25 @@ def test_determinism_kill_job_ends_every_rank(tmp_path):
     det.kill_job(proc)
     assert time.monotonic() - started < 10
     assert not [pid for pid in ranks if _alive(pid)]
+
+
+def test_determinism_benchmark_passes_its_checks_on_cpu_ranks(e2e_workdir, tmp_path):
+    """benchmarks/gpu_determinism.py end to end on 2 gloo ranks (the GPU runs' evidence comes
+    from this script): two fresh runs, SIGKILL and resume, replay, and the first checkpoint
+    resumed on one rank, all passing, with the JSON saying so."""
+    import json
+
+    out = tmp_path / "det.json"
+    config = ROOT / "tests" / "configs" / "e2e.yaml"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_determinism.py"), "--config", str(config), "--gpus", "2",
+         "--resume-on", "1", "--seq", "64", "--global-batch", "4", "--steps", "7", "--interval", "3",
+         "--workdir", str(e2e_workdir), "--run-root", str(tmp_path / "runs"), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    case = json.loads(out.read_text())["cases"]["2gpu"]
+    assert set(case) == {"repeat", "kill_resume", "replay", "resume_on_1gpu"}
+    assert all(check["ok"] for check in case.values()), case
+    assert case["repeat"]["lines"] == 7 and case["replay"]["step"] == 7
+    assert case["resume_on_1gpu"]["same_batches"] and case["resume_on_1gpu"]["lines"] == 7
