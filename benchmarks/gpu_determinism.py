@@ -178,11 +178,17 @@ def resumed_on_other_count(gpus: int, other: int, run_dir: Path, args: argparse.
         out["log_tail"] = log.read_text(errors="replace")[-4000:]
         return out
     ref, got = ledger(run_dir), ledger(copy)
-    same = len(ref) == len(got) and all(
-        a["batch_hash"] == b["batch_hash"] and a["data_state_hash"] == b["data_state_hash"] for a, b in zip(ref, got))
+    same = same_data(ref, got)
     gap = max((abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12) for a, b in zip(ref, got)), default=None)
     out.update(ok=same, same_batches=same, lines=len(got), max_rel_loss_diff=gap)
     return out
+
+
+def same_data(ref: list[dict], got: list[dict]) -> bool:
+    """Two ledgers of one run's steps saw the same batches and data states, step for step."""
+    return len(ref) == len(got) and all(
+        a["step"] == b["step"] and a["batch_hash"] == b["batch_hash"] and a["data_state_hash"] == b["data_state_hash"]
+        for a, b in zip(ref, got))
 
 
 def first_difference(a: list[dict], b: list[dict]) -> str | None:

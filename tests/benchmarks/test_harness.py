@@ -116,3 +116,12 @@ def test_determinism_benchmark_passes_its_checks_on_cpu_ranks(e2e_workdir, tmp_p
     assert all(check["ok"] for check in case.values()), case
     assert case["repeat"]["lines"] == 7 and case["replay"]["step"] == 7
     assert case["resume_on_1gpu"]["same_batches"] and case["resume_on_1gpu"]["lines"] == 7
+
+
+def test_determinism_benchmark_tells_other_batches_apart():
+    det = _module("gpu_determinism")
+    ref = [{"step": s, "batch_hash": f"b{s}", "data_state_hash": f"d{s}", "loss": 1.0} for s in (1, 2, 3)]
+    assert det.same_data(ref, [dict(r, loss=1.1) for r in ref])  # losses may differ across GPU counts
+    assert not det.same_data(ref, ref[:2])
+    assert not det.same_data(ref, [*ref[:2], dict(ref[2], batch_hash="other")])
+    assert not det.same_data(ref, [*ref[:2], dict(ref[2], data_state_hash="other")])
