@@ -145,7 +145,7 @@ def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log:
 def replayed(gpus: int, run_dir: Path, args: argparse.Namespace, run_root: Path, log: Path) -> dict:
     """Replay the step after the run's last checkpoint before its end (``--replay``): exit 0
     means the re-executed step matched the ledger bit for bit."""
-    checkpointed = [s for s in range(args.interval, args.steps, args.interval)]
+    checkpointed = list(range(args.interval, args.steps, args.interval))
     if not checkpointed:
         return {"ok": False, "error": f"no checkpoint before step {args.steps} with interval {args.interval}"}
     step = checkpointed[-1] + 1
@@ -179,8 +179,7 @@ def resumed_on_other_count(gpus: int, other: int, run_dir: Path, args: argparse.
         return out
     ref, got = ledger(run_dir), ledger(copy)
     same = same_data(ref, got)
-    gap = max((abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12) for a, b in zip(ref, got)), default=None)
-    out.update(ok=same, same_batches=same, lines=len(got), max_rel_loss_diff=gap)
+    out.update(ok=same, same_batches=same, lines=len(got), max_rel_loss_diff=max_rel_loss_gap(ref, got))
     return out
 
 
@@ -189,6 +188,11 @@ def same_data(ref: list[dict], got: list[dict]) -> bool:
     return len(ref) == len(got) and all(
         a["step"] == b["step"] and a["batch_hash"] == b["batch_hash"] and a["data_state_hash"] == b["data_state_hash"]
         for a, b in zip(ref, got))
+
+
+def max_rel_loss_gap(ref: list[dict], got: list[dict]) -> float | None:
+    """The largest relative loss difference of two ledgers' steps (None for no steps)."""
+    return max((abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12) for a, b in zip(ref, got)), default=None)
 
 
 def first_difference(a: list[dict], b: list[dict]) -> str | None:
@@ -278,10 +282,8 @@ def across_world_sizes(reference: dict[int, list[dict]]) -> dict:
         base = reference[counts[0]]
         for gpus in counts[1:]:
             other = reference[gpus]
-            same_data = [r["batch_hash"] for r in base] == [r["batch_hash"] for r in other] and \
-                [r["data_state_hash"] for r in base] == [r["data_state_hash"] for r in other]
-            rel = max(abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-12) for x, y in zip(base, other))
-            cross[f"{counts[0]}v{gpus}"] = {"same_batches": same_data, "max_rel_loss_diff": rel}
+            cross[f"{counts[0]}v{gpus}"] = {"same_batches": same_data(base, other),
+                                            "max_rel_loss_diff": max_rel_loss_gap(base, other)}
     return cross
 
 

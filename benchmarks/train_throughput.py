@@ -835,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Repeats go round the whole case list, so that a drift of the host over the
         # invocation touches every case alike.
-        for repeat, case in ((r, c) for r in range(args.repeat) for c in cases):
+        for repeat, case in itertools.product(range(args.repeat), cases):
             result = run_case(case, args, env, run_root, budget, repeat)
             payload["results"].append(result)
             hfb.write_json(args.out, payload)

@@ -125,3 +125,12 @@ def test_determinism_benchmark_tells_other_batches_apart():
     assert not det.same_data(ref, ref[:2])
     assert not det.same_data(ref, [*ref[:2], dict(ref[2], batch_hash="other")])
     assert not det.same_data(ref, [*ref[:2], dict(ref[2], data_state_hash="other")])
+
+
+def test_determinism_benchmark_compares_gpu_counts_by_their_batches():
+    det = _module("gpu_determinism")
+    one = [{"step": s, "batch_hash": f"b{s}", "data_state_hash": f"d{s}", "loss": 2.0} for s in (1, 2)]
+    two = [dict(r, loss=2.002) for r in one]
+    cross = det.across_world_sizes({1: one, 2: two})["1v2"]
+    assert cross["same_batches"] and cross["max_rel_loss_diff"] == pytest.approx(1e-3)
+    assert not det.across_world_sizes({1: one, 2: [two[0], dict(two[1], batch_hash="x")]})["1v2"]["same_batches"]
