@@ -58,9 +58,24 @@ def base_overrides(args: argparse.Namespace, run_root: Path) -> list[str]:
     ]
 
 
+FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_OPTIONS = {"backward_fast_accum": "parallel.float8_backward_fast_accum=true"}
+
+
+def fp8_case(mode: str) -> str:
+    """``--float8`` entry (``tensorwise``, ``rowwise+backward_fast_accum``, ...) -> case name."""
+    recipe, _, option = mode.partition("+")
+    if recipe not in FP8_RECIPES or (option and option not in FP8_OPTIONS):
+        options = ", ".join(f"+{o}" for o in FP8_OPTIONS)
+        raise ValueError(f"--float8 {mode!r}: expected one of {', '.join(FP8_RECIPES)}, optionally with {options}")
+    return f"adamw+fp8-{mode}"
+
+
 def case_overrides(name: str, args: argparse.Namespace, preset: dict) -> list[str]:
     if name.startswith("adamw+fp8-"):
-        return ["train.optimizer=adamw", f"parallel.float8={name.split('-', 1)[1]}", "parallel.precision=bf16"]
+        recipe, _, option = name.removeprefix("adamw+fp8-").partition("+")
+        out = ["train.optimizer=adamw", f"parallel.float8={recipe}", "parallel.precision=bf16"]
+        return out + ([FP8_OPTIONS[option]] if option else [])
     out = [f"train.optimizer={name}"]
     if name == "lion":
         out += [f"train.lr={preset['lr'] * args.lion_lr_scale}", f"train.weight_decay={preset['weight_decay'] / args.lion_lr_scale}"]
@@ -163,19 +178,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=1, help="ranks (1: parallel.strategy=none; more: fsdp)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    parser.add_argument("--float8", default="", help="comma list of tensorwise,rowwise: extra AdamW cases with FP8 (CUDA)")
+    parser.add_argument("--float8", default="", help="comma list of tensorwise,rowwise, each optionally +backward_fast_accum: "
+                        "extra AdamW cases with FP8 (CUDA)")
     parser.add_argument("--lion-lr-scale", type=float, default=0.3)
     parser.add_argument("--skip-steps", type=int, default=3, help="steps left out of the timing medians (warmup, compile)")
     parser.add_argument("--override", nargs="*", default=[], help="more key=value overrides for every case")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
     parser.add_argument("--out", default="bench_out/optimizers.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.fp8_cases = [fp8_case(mode) for mode in args.float8.split(",") if mode]
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cases = [c for c in args.optimizers.split(",") if c]
-    cases += [f"adamw+fp8-{mode}" for mode in args.float8.split(",") if mode]
+    cases += args.fp8_cases
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     preset = resolved_train_keys(args)

@@ -41,6 +41,11 @@ of 16 (``torch._scaled_mm``'s requirement), never the output head (``lm_head``: 
 logits feed the loss and are the most precision-sensitive matmul, and a large vocabulary
 is rarely a multiple of 16 after sharding). ``float8_module_filter`` is that rule.
 
+Accumulation: torchao's recipes run the forward's FP8 matmul with fast accumulation and the
+backward's two (input and weight gradients) with cuBLAS's more precise one;
+``parallel.float8_backward_fast_accum`` gives the backward's fast accumulation too
+(``backward_fast_accum``), faster and less precise (docs/parallelism.md).
+
 Needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, L40, H100,
 H200, B200) and torchao; ``require_float8`` says so as a ConfigError (exit 2). The
 conversion cannot run on the CPU test machine; its module selection, and the FP8
@@ -111,9 +116,23 @@ def apply_float8(model: nn.Module, parallel: ParallelConfig, *, fsdp: bool, emul
 
     config = Float8LinearConfig.from_recipe_name(parallel.float8)
     config = dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp and gathers_in_float8(parallel), emulate=emulate)
+    if parallel.float8_backward_fast_accum:
+        config = dataclasses.replace(config, **backward_fast_accum())
     converted = [name for name, module in model.named_modules() if float8_module_filter(module, name)]
     convert_to_float8_training(model, module_filter_fn=float8_module_filter, config=config)
     return converted
+
+
+def backward_fast_accum() -> dict:
+    """``Float8LinearConfig`` fields for ``parallel.float8_backward_fast_accum``: the input- and
+    weight-gradient matmuls with fast accumulation, as torchao's recipes already run the
+    forward's: the tensor cores keep the whole sum in their reduced-precision accumulator
+    instead of moving partial sums to fp32 along the way. Bitwise repeatable either way
+    (docs/performance.md, 2026-11-28b)."""
+    from torchao.float8.config import Float8GemmConfig
+
+    fast = Float8GemmConfig(use_fast_accum=True)
+    return {"gemm_config_grad_input": fast, "gemm_config_grad_weight": fast}
 
 
 def gathers_in_float8(parallel: ParallelConfig) -> bool:

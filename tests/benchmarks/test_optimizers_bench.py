@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from benchmarks import optimizers as bench
 
 
@@ -20,6 +22,18 @@ def test_each_case_changes_only_what_its_optimizer_needs():
     assert bench.case_overrides("adamw+fp8-rowwise", args, preset) == [
         "train.optimizer=adamw", "parallel.float8=rowwise", "parallel.precision=bf16"
     ]
+
+
+def test_fp8_cases_name_their_recipe_and_option():
+    args = _args(float8="tensorwise,tensorwise+backward_fast_accum")
+    assert args.fp8_cases == ["adamw+fp8-tensorwise", "adamw+fp8-tensorwise+backward_fast_accum"]
+    assert bench.case_overrides(args.fp8_cases[1], args, {}) == [
+        "train.optimizer=adamw", "parallel.float8=tensorwise", "parallel.precision=bf16",
+        "parallel.float8_backward_fast_accum=true",
+    ]
+    for bad in ("blockwise", "tensorwise+fast"):
+        with pytest.raises(SystemExit):
+            _args(float8=bad)
 
 
 def test_one_gpu_trains_without_fsdp_and_keeps_every_step():

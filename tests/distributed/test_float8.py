@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import models
-from core.config import ModelConfig, ParallelConfig
+from core.config import ModelConfig, ParallelConfig, load
 from core.exceptions import ConfigError
 from distributed.float8 import (
     PrecomputeFloat8Scales,
@@ -57,6 +57,32 @@ def test_eligible_linears_convert_and_keep_their_parameters():
     loss = model(ids, position_ids=torch.arange(16).expand(2, 16), document_ids=torch.zeros(2, 16, dtype=torch.long)).float().mean()
     loss.backward()
     assert model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_backward_fast_accum_reaches_every_fp8_matmul_config():
+    pytest.importorskip("torchao.float8")
+
+    def accumulation(parallel: ParallelConfig) -> set[tuple[bool, bool, bool]]:
+        model = models.build(TINY)
+        apply_float8(model, parallel, fsdp=False, emulate=True)
+        configs = [m.linear_mm_config for m in model.modules() if type(m).__name__ == "Float8Linear"]
+        assert configs
+        return {(c.output.use_fast_accum, c.grad_input.use_fast_accum, c.grad_weight.use_fast_accum) for c in configs}
+
+    for recipe in ("tensorwise", "rowwise"):
+        parallel = ParallelConfig(float8=recipe, precision="bf16")
+        assert accumulation(parallel) == {(True, False, False)}  # torchao's recipe: only the forward
+        assert accumulation(replace(parallel, float8_backward_fast_accum=True)) == {(True, True, True)}
+
+
+def test_backward_fast_accum_needs_fp8():
+    with pytest.raises(ConfigError) as err:
+        load(None, ["parallel.float8_backward_fast_accum=true", "parallel.device=cuda"])
+    assert err.value.context["key"] == "parallel.float8_backward_fast_accum"
+    assert "parallel.float8=tensorwise" in err.value.hint
+    loaded = load(None, ["parallel.float8=tensorwise", "parallel.float8_backward_fast_accum=true",
+                                    "parallel.device=cuda", "parallel.precision=bf16"])
+    assert loaded.parallel.float8_backward_fast_accum
 
 
 def test_filter_rule():
