@@ -47,7 +47,7 @@ def _fit(args, config, run, events, dist: DistributedContext, parts: list):
     parts.append(data)
     tracker = build_tracker(config, run, dist, model, replaying=args.mode == "replay")
     parts.append(tracker)
-    guards = build_guards(config, run, dist, events, data=data)
+    guards = build_guards(config, run, dist, events, data=data, replaying=args.mode == "replay")
     parts.append(guards)
     trainer = Trainer(
         config,

@@ -27,6 +27,13 @@ is executed for the first time in this process; a step re-executed in the same p
 does not fire it again. A resumed run is a new process: if it re-executes the fault's step
 (the step came after the last checkpoint) the fault fires again, unless the resume changes
 ``runtime.faults`` (all ``runtime.*`` keys are resumable).
+
+A replay (``train.py --replay``) keeps only the faults that are part of what a step computes:
+``nan`` (the recorded step's loss was NaN, and the replay must reproduce it, skipped or
+aborted as the run was). It drops the process-level kinds (``hang``, ``crash``,
+``crash_checkpoint``, ``sigterm``), which would stop the replay before it reaches the step
+it was asked to verify, and ``slow_data``, which only costs time (``for_replay``). The
+run's recorded config keeps them all, whatever a resume overrode.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from core.exceptions import ConfigError
 FAULT_KINDS = ("hang", "nan", "crash", "crash_checkpoint", "sigterm", "slow_data")
 STEPLESS_KINDS = ("slow_data",)
 STEP_START_KINDS = ("crash", "sigterm", "hang")  # fired by FaultInjector.before_step
+REPLAYED_KINDS = ("nan",)  # change what the step computes: a replay must fire them too
 CONFIG_KEY = "runtime.faults"
 CRASH_EXIT_CODE = 1
 
@@ -69,6 +77,11 @@ class FaultSpec:
 def parse_faults(entries: Sequence[str]) -> tuple[FaultSpec, ...]:
     """Parse every entry; a bad one raises ConfigError (exit 2) naming it and the key."""
     return tuple(parse_fault(entry, index=i) for i, entry in enumerate(entries))
+
+
+def for_replay(faults: Sequence[FaultSpec]) -> tuple[FaultSpec, ...]:
+    """The faults a replay fires: those of ``REPLAYED_KINDS`` (see the module docstring)."""
+    return tuple(f for f in faults if f.kind in REPLAYED_KINDS)
 
 
 def parse_fault(entry: str, *, index: int = 0) -> FaultSpec:

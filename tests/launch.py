@@ -245,8 +245,7 @@ def one_rank_resume_keeps_the_batches(cwd: Path, reference: Path, *, step: int =
 def replay_verifies(cwd: Path, run_dir: Path, steps: tuple[int, ...] = (3, 6), *, nproc: int = 2,
                     overrides: tuple[str, ...] = ()) -> None:
     """``--replay`` each step of ``run_dir`` (by default one before and one after a checkpoint
-    every 4 steps), with the resumable ``overrides`` (e.g. ``runtime.faults=[]``: a replay
-    re-executes the recorded config's injected faults), and assert that it matched the ledger."""
+    every 4 steps), with the resumable ``overrides``, and assert that it matched the ledger."""
     for step in steps:
         result = train(cwd, ["--replay", run_dir.name, "--step", str(step), *overrides], nproc=nproc)
         assert result.returncode == 0, result.stderr

@@ -99,7 +99,8 @@ def build_tracker(config: Config, run: RunContext, dist: DistributedContext, mod
     )
 
 
-def build_guards(config: Config, run: RunContext, dist: DistributedContext, events: EventLog, *, data) -> Guards:
+def build_guards(config: Config, run: RunContext, dist: DistributedContext, events: EventLog, *, data,
+                 replaying: bool = False) -> Guards:
     def last_ledger_line():
         lines = ledger_lib.read(run.paths.ledger)
         return lines[-1] if lines else None
@@ -115,6 +116,7 @@ def build_guards(config: Config, run: RunContext, dist: DistributedContext, even
             "recent_events": lambda: list(events.recent),
         },
         on_abort=lambda info: events.emit("watchdog_abort", **info),
+        replaying=replaying,
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from core.config import Config
 from core.distributed_context import DistributedContext
-from runtime.faults import STEP_START_KINDS, FaultInjector, parse_faults
+from runtime.faults import STEP_START_KINDS, FaultInjector, for_replay, parse_faults
 from runtime.health import NonFiniteGuard, StallDetector, dump_provenance
 from runtime.memory import memory_metrics
 from runtime.profiler import ProfilerWindow, StepTimer
@@ -34,6 +34,7 @@ class Guards:
         providers: dict[str, Callable[[], Any]],
         on_abort: Callable[[dict], None] | None,
         install_signals: bool = True,
+        replaying: bool = False,
     ) -> None:
         self.dist = dist
         self.diagnostics_dir = diagnostics_dir
@@ -50,6 +51,8 @@ class Guards:
         self.timer = StepTimer(device=dist.device, listeners=[self.watchdog, self.stall],
                                sync_step_end=config.runtime.sync_step_end)
         faults = parse_faults(config.runtime.faults)
+        if replaying:
+            faults = for_replay(faults)  # a replay fires only what the step computes (runtime/faults.py)
         # Steps where some rank's injected fault ends or stops the run at the step's start,
         # the same on every rank (the loop settles the step before on all of them first).
         self.fault_steps = frozenset(f.step for f in faults if f.kind in STEP_START_KINDS)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.exceptions import ConfigError, ExitCode
-from runtime.faults import FaultInjector, FaultSpec, parse_fault, parse_faults
+from runtime.faults import FaultInjector, FaultSpec, for_replay, parse_fault, parse_faults
 from runtime.signals import StopSignals
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +82,12 @@ def test_poison_loss_makes_loss_and_gradients_nan():
     assert torch.isnan(w.grad)
     assert inj.poison_loss(3, 1.0) == 1.0  # already fired in this process
     assert FaultInjector(parse_faults(["nan@3"]), rank=0).poison_loss(3, 1.0) != 1.0
+
+
+def test_a_replay_fires_only_the_faults_that_change_what_the_step_computes():
+    faults = parse_faults(["crash@4:1", "nan@3", "slow_data", "sigterm@2", "hang@5", "crash_checkpoint@6", "nan@7:0"])
+    assert [f.entry for f in for_replay(faults)] == ["nan@3", "nan@7:0"]
+    assert for_replay(parse_faults(["slow_data@5"])) == ()
 
 
 class _Hung(Exception):

@@ -3,9 +3,10 @@
 - hang@5:1 with a 5 s watchdog: the job ends well within a minute, non-zero, with the
   stacks of both ranks in diagnostics/ (the hung rank's shows where it hangs);
 - nan@3: exit 7 with the batch provenance dumped (abort); the run completes with the step
-  marked (skip);
+  marked (skip), and a replay of step 3 skips it again;
 - sigterm@6: exit 0 with a checkpoint, and --resume ends with the uninterrupted ledger;
-- crash@7:0: resume from the last checkpoint gives the uninterrupted ledger;
+- crash@7:0: resume from the last checkpoint gives the uninterrupted ledger, and a replay of
+  step 7 (the recorded config still holds the crash) verifies instead of dying;
 - `python -m experiments runs list` shows these runs with the right states; `runs plot`
   writes a PNG.
 """
@@ -83,6 +84,8 @@ def test_nan_skip_completes_and_marks_the_step(e2e_workdir):
     lines = launch.ledger(_abs(e2e_workdir, result.run_dir))
     assert len(lines) == 6
     assert lines[2].get("skipped") is True and not any(r.get("skipped") for r in lines[:2] + lines[3:])
+    # A replay keeps the nan fault (runtime/faults.py): step 3 is skipped again, as recorded.
+    launch.replay_verifies(e2e_workdir, _abs(e2e_workdir, result.run_dir), steps=(3,))
 
 
 def test_sigterm_checkpoints_and_resume_is_identical(e2e_workdir, reference):
@@ -107,6 +110,9 @@ def test_crash_then_resume_is_identical(e2e_workdir, reference):
     assert launch.ledger(run_dir) == launch.ledger(reference)
     metric_steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metric_steps == list(range(1, STEPS + 1))  # steps after the checkpoint were not kept twice
+    # The recorded config still holds crash@7:0; a replay drops process-level faults, so it
+    # verifies step 7 instead of dying there (runtime/faults.py).
+    launch.replay_verifies(e2e_workdir, run_dir, steps=(7,))
 
 
 def test_run_browser_lists_states_and_plots(e2e_workdir, reference, tmp_path):
