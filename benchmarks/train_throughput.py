@@ -71,12 +71,26 @@ DATASET_DIR = ROOT / "datasets" / "stdlib"
 STDERR_TAIL = 4000
 MIN_CASE_SECONDS = 45  # under --budget, do not start a case with less time than this left
 
+# The host's CPU too: several-GPU runs at small steps are bound by it, and the same run has
+# scaled 9 points apart on two hosts with the same GPUs (docs/performance.md, 2026-11-28b).
 ENV_PROBE = r"""
-import importlib.util, json, platform, socket
+import glob, importlib.util, json, os, platform, shutil, socket, subprocess
 import torch
 out = {"python": platform.python_version(), "host": socket.gethostname(), "torch": torch.__version__,
        "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0}
 out["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(out["gpu_count"])]
+try:
+    with open("/proc/cpuinfo") as f:
+        out["cpu_model"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), platform.processor())
+except OSError:
+    out["cpu_model"] = platform.processor()
+out["cpu_count"] = os.cpu_count()
+out["numa_nodes"] = len(glob.glob("/sys/devices/system/node/node[0-9]*"))
+out["load_avg_1m"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+if out["gpu_count"] and shutil.which("nvidia-smi"):
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=60)
+    out["gpu_driver"] = (smi.stdout.splitlines() or [None])[0] if smi.returncode == 0 else None
 for name in ("transformers", "zstandard", "pyarrow", "git"):
     out["has_" + name] = importlib.util.find_spec(name) is not None
 if out["has_transformers"]:
@@ -710,7 +724,8 @@ def repeat_table(summary: list[dict[str, Any]]) -> str:
 
 def print_report(payload: dict[str, Any]) -> None:
     env = payload.get("env", {})
-    print(f"\nGPU: {', '.join(env.get('gpu_names', [])) or 'none'}; torch {env.get('torch')}; "
+    print(f"\nGPU: {', '.join(env.get('gpu_names', [])) or 'none'} (driver {env.get('gpu_driver')}); "
+          f"CPU: {host_cpu(env)}; torch {env.get('torch')}; "
           f"transformers {env.get('transformers')}; peak: {env.get('peak_source')}\n")
     print(markdown_table(payload["results"]))
     for r in payload["results"]:
@@ -729,11 +744,22 @@ def print_report(payload: dict[str, Any]) -> None:
     print(flush=True)
 
 
+def host_cpu(env: dict[str, Any]) -> str:
+    """The probe's CPU in a few words (reports written before the probe asked say unknown)."""
+    if not env.get("cpu_model"):
+        return "unknown"
+    return f"{env['cpu_model']}, {env.get('cpu_count')} logical CPUs, {env.get('numa_nodes')} NUMA node(s)"
+
+
 def merge_reports(paths: list[str]) -> dict[str, Any]:
     payloads = [json.loads(Path(p).read_text()) for p in paths]
     envs = {json.dumps(p.get("env", {}).get("gpu_names")) for p in payloads}
     if len(envs) > 1:
         print(f"[bench] warning: the reports come from different GPUs: {sorted(envs)}", file=sys.stderr)
+    cpus = {host_cpu(p.get("env", {})) for p in payloads}
+    if len(cpus) > 1:
+        print(f"[bench] warning: the reports come from different host CPUs: {sorted(cpus)}; "
+              "several-GPU scaling depends on the host", file=sys.stderr)
     return {"env": payloads[0].get("env", {}), "merged_from": paths,
             "results": [_with_overrides(r, p) for p in payloads for r in p.get("results", [])]}
 

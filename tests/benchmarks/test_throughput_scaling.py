@@ -22,6 +22,26 @@ def test_recorded_four_gpu_results_give_the_documented_scaling(capsys):
     assert f"| qwen3-1.7b-s2048-b2-g4-fast | ddp | {settings} | 30,126 | 36,048 | 83.6% | 84.6% |" in printed
 
 
+def test_recorded_repeats_give_the_documented_median(capsys):
+    """2026-11-28b call 2: the 1-GPU run twice and the 4-GPU preset three times, two invocations
+    merged (Qwen3-1.7B at 4,096 tokens per GPU, docs/performance.md)."""
+    tt = _module("train_throughput")
+    names = ("tp-17-mb2-g1-graphs-x2", "tp-17-mb2-g4-fsdp-u14-x3")
+    assert tt.main(["--report", *(str(BENCH / f"2026-11-28b-4xh200-call2-{n}.json") for n in names)]) == 0
+    printed = capsys.readouterr().out
+    assert "| qwen3-1.7b-s2048-b2-g4-fast | fsdp | - | 3 (2) | 96.5% | 96.4% | 97.0% | 96.9% |" in printed
+    assert "CPU: unknown" in printed  # recorded before the probe asked for the host's CPU
+
+
+def test_the_environment_probe_names_the_host_cpu():
+    tt = _module("train_throughput")
+    env = tt.probe_environment()
+    assert "error" not in env, env
+    assert env["cpu_model"] and env["cpu_count"] >= 1 and env["numa_nodes"] >= 0
+    assert tt.host_cpu(env).startswith(env["cpu_model"])
+    assert tt.host_cpu({}) == "unknown"
+
+
 def test_merged_runs_of_one_case_say_which_settings_they_ran_with(capsys):
     """Several invocations of the same case (here Qwen2.5-0.5B at 16,384 tokens per GPU with
     FSDP, three settings) merge into rows told apart by their overrides."""
