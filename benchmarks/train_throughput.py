@@ -81,9 +81,10 @@ out = {"python": platform.python_version(), "host": socket.gethostname(), "torch
 out["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(out["gpu_count"])]
 try:
     with open("/proc/cpuinfo") as f:
-        out["cpu_model"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), platform.processor())
+        out["cpu_model"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
 except OSError:
-    out["cpu_model"] = platform.processor()
+    out["cpu_model"] = ""
+out["cpu_model"] = out["cpu_model"] or platform.processor() or platform.machine()
 out["cpu_count"] = os.cpu_count()
 out["numa_nodes"] = len(glob.glob("/sys/devices/system/node/node[0-9]*"))
 out["load_avg_1m"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
