@@ -46,6 +46,7 @@ PYTHON = sys.executable
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from train_throughput import kill_job as _end_job  # noqa: E402  (the benchmarks folder is not a package)
+from train_throughput import probe_environment  # noqa: E402
 
 
 def kill_job(proc: subprocess.Popen) -> None:
@@ -229,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         return compare(args.compare)
     rng = random.Random(args.seed)
-    results: dict = {"config": args.config, "overrides": args.override, "seq": args.seq, "global_batch": args.global_batch,
-                     "steps": args.steps, "interval": args.interval, "cases": {}}
+    # The evidence names its machine: GPUs, driver, torch, host CPU (train_throughput's probe).
+    results: dict = {"env": probe_environment(), "config": args.config, "overrides": args.override, "seq": args.seq,
+                     "global_batch": args.global_batch, "steps": args.steps, "interval": args.interval, "cases": {}}
     reference: dict[int, list[dict]] = {}
     failed = False
     for gpus in [int(g) for g in args.gpus.split(",")]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -111,7 +112,9 @@ def test_determinism_benchmark_passes_its_checks_on_cpu_ranks(e2e_workdir, tmp_p
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    case = json.loads(out.read_text())["cases"]["2gpu"]
+    results = json.loads(out.read_text())
+    assert results["env"]["torch"] == torch.__version__ and results["env"]["cpu_model"]  # which machine
+    case = results["cases"]["2gpu"]
     assert set(case) == {"repeat", "kill_resume", "replay", "resume_on_1gpu"}
     assert all(check["ok"] for check in case.values()), case
     assert case["repeat"]["lines"] == 7 and case["replay"]["step"] == 7
