@@ -81,7 +81,7 @@ def test_backward_fast_accum_needs_fp8():
     assert err.value.context["key"] == "parallel.float8_backward_fast_accum"
     assert "parallel.float8=tensorwise" in err.value.hint
     loaded = load(None, ["parallel.float8=tensorwise", "parallel.float8_backward_fast_accum=true",
-                                    "parallel.device=cuda", "parallel.precision=bf16"])
+                         "parallel.device=cuda", "parallel.precision=bf16"])
     assert loaded.parallel.float8_backward_fast_accum
 
 
