@@ -358,12 +358,14 @@ class ParallelConfig:
     """DDP: gradient bucket size in MiB. Each bucket is one all-reduce, started as soon as its gradients are ready: larger buckets mean fewer, larger collectives and less overlap with the backward."""
     ddp_overlap: bool = True
     """DDP: start each bucket's all-reduce while the backward still runs (true), or reduce all buckets back to back after it (false: the collectives do not share the GPU with the backward's kernels; see docs/parallelism.md)."""
+    ddp_embedding_grad: Literal["dense", "gathered"] = "dense"
+    """DDP with tied embeddings: the embedding lookup's gradient joins the output head's before the all-reduce (dense: the tied weight's bucket is ready only at the end of the backward, and its all-reduce is not overlapped), or each rank's looked-up rows are all-gathered after the backward and added to the reduced head gradient (gathered: the weight's bucket is reduced first, beside the whole backward). Needs strategy=ddp, model.tie_embeddings=true, a trained embedding and objective.kind causal_lm, sft or distill; see docs/parallelism.md."""
     backward_sm_carveout: int = 0
     """CUDA data parallelism (ddp, fsdp) on several ranks: the backward's cuBLAS matmuls leave this many SMs to the gradient reduction's NCCL kernels running beside them (0: every SM; no effect on one rank). Changes the numbers, deterministically; see docs/parallelism.md."""
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 linears via torchao (CUDA sm89+ only; master weights stay fp32): none, tensorwise or rowwise scaling. See docs/parallelism.md."""
     float8_backward_fast_accum: bool = False
-    """FP8: the backward's two matmuls (input and weight gradients) accumulate in the tensor cores' faster, less precise mode too, as the forward's always does (torchao's default keeps them precise). About 4% more tokens/s for Qwen3-1.7B on an H200; see docs/parallelism.md. Needs parallel.float8."""
+    """FP8: the backward's two matmuls (input and weight gradients) accumulate in the tensor cores' faster, less precise mode too, as the forward's always does (torchao's default keeps them precise). 2-4% more tokens/s for Qwen3-1.7B on an H200; see docs/parallelism.md. Needs parallel.float8."""
 
 
 @dataclass(frozen=True)
@@ -477,6 +479,7 @@ RESUMABLE_KEYS = (
     "data.max_in_flight",
     "data.process_pool",
     "parallel.strategy",
+    "parallel.ddp_embedding_grad",
     "parallel.compile",
     "parallel.compile_mode",
     "parallel.activation_checkpointing",
@@ -767,6 +770,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
             key="parallel.ddp_overlap",
             hint="remove parallel.ddp_overlap, or set parallel.strategy=ddp",
         )
+    if p.ddp_embedding_grad == "gathered":
+        _validate_gathered_embedding_grad(config)
     if p.compile_mode != "default" and (not p.compile or p.device == "cpu" or p.strategy in ("fsdp", "xla_spmd")):
         raise ConfigError(
             f"parallel.compile_mode={p.compile_mode} needs parallel.compile=true on CUDA with strategy none or "
@@ -988,6 +993,30 @@ def _validate_optimizer(t: TrainConfig) -> None:
             raise ConfigError(f"train.{key} must lie in [0, 1), got {value}", key=f"train.{key}")
     if t.optimizer == "schedule_free_adamw" and not 0.0 < t.beta1 < 1.0:
         raise ConfigError(f"train.beta1 must lie in (0, 1) for schedule_free_adamw, got {t.beta1}", key="train.beta1")
+
+
+GATHERED_EMBEDDING_OBJECTIVES = ("causal_lm", "sft", "distill")
+
+
+def _validate_gathered_embedding_grad(config: Config) -> None:
+    """parallel.ddp_embedding_grad=gathered (distributed/ddp.py, GatheredEmbeddingGrad). Under
+    strategies other than ddp it has no effect, so a DDP run's checkpoint resumes under them."""
+    key = "parallel.ddp_embedding_grad"
+    hint = "remove parallel.ddp_embedding_grad (dense is the default)"
+    if not config.model.tie_embeddings:
+        raise ConfigError(f"{key}=gathered applies to tied embeddings; model.tie_embeddings is false", key=key,
+                          hint=hint + ": an untied embedding's gradient has no head part to reduce early")
+    if config.model.lora.rank > 0:
+        raise ConfigError(f"{key}=gathered needs a trained embedding; with model.lora.rank > 0 it is frozen",
+                          key=key, hint=hint)
+    if config.objective.kind not in GATHERED_EMBEDDING_OBJECTIVES:
+        raise ConfigError(
+            f"{key}=gathered needs at most (rows per rank x data.seq_len) tokens a step per rank, which "
+            f"objective.kind={config.objective.kind} does not bound (it supports "
+            f"{', '.join(GATHERED_EMBEDDING_OBJECTIVES)})",
+            key=key,
+            hint=hint,
+        )
 
 
 def _validate_float8(p: ParallelConfig) -> None:

@@ -7,6 +7,7 @@ Its own module so that the builders (which make one) and ``training.xla`` (whose
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ class ParallelPlan:
     backward_sm_carveout: int = 0
     """SMs the backward's matmuls leave to the gradient reduction beside them
     (``parallel.backward_sm_carveout`` where gradients are reduced across ranks, else 0)."""
+    after_backward: Callable[[], None] | None = None
+    """Runs once after the step's last backward, before clipping: completes gradients that the
+    data-parallel wrapper did not reduce (``distributed.ddp.GatheredEmbeddingGrad``)."""
 
     @property
     def dp_size(self) -> int:
@@ -57,6 +61,11 @@ class ParallelPlan:
     def backward_context(self):
         """The context the backward runs in (distributed/overlap.py)."""
         return matmul_carveout(self.backward_sm_carveout)
+
+    def finish_backward(self) -> None:
+        """After the step's last backward: complete the gradients (``after_backward``)."""
+        if self.after_backward is not None:
+            self.after_backward()
 
     def param_hash(self, model: nn.Module) -> str:
         return param_hash(model)
