@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from core.config import ParallelConfig
+from core.exceptions import ConfigError
 from distributed.params import is_packed
 
 
@@ -184,10 +185,12 @@ class GatheredEmbeddingGrad:
         self._rows.clear()
         count, world = ids.numel(), self.group.size()
         if count > self.max_tokens:
-            raise RuntimeError(
+            raise ConfigError(
                 f"parallel.ddp_embedding_grad=gathered: this rank looked up {count} tokens in one step, more "
-                f"than the {self.max_tokens} its config allows (rows per rank x data.seq_len); "
-                "set parallel.ddp_embedding_grad=dense for this objective"
+                f"than the {self.max_tokens} its config allows (rows per rank x data.seq_len)",
+                key="parallel.ddp_embedding_grad",
+                rank=dist.get_rank(),
+                hint="set parallel.ddp_embedding_grad=dense for this objective",
             )
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)

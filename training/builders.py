@@ -33,6 +33,24 @@ from training.guards import Guards
 from training.plan import ParallelPlan
 
 
+def _gathered_embedding_grad(config: Config, model: nn.Module, topology):
+    """``parallel.ddp_embedding_grad=gathered`` where it applies: DDP over several ranks with a
+    whole, trained, tied embedding (distributed/ddp.py). Logs which way the rows travel."""
+    if config.parallel.ddp_embedding_grad != "gathered" or config.parallel.strategy != "ddp" or topology.dp_size == 1:
+        return None
+    rows_per_rank = config.train.global_batch_size // topology.dp_size
+    gathered = gather_embedding_grad(model, topology.dp_mesh.get_group(), max_tokens=rows_per_rank * config.data.seq_len)
+    if gathered is None:
+        get_logger().warning("parallel.ddp_embedding_grad=gathered has no effect: the embedding weight is not a whole, "
+                             "trained weight shared with the output head here (tensor parallel, frozen or untied)")
+        return None
+    how = ("is all-gathered as rows" if gathered.gathers
+           else "is summed and all-reduced dense, as gathering it would send more")
+    get_logger().info("parallel.ddp_embedding_grad=gathered: the embedding lookup's gradient %s (%.1f MB a step; the "
+                      "dense all-reduce: %.1f MB)", how, gathered.gathered_bytes / 1e6, gathered.dense_bytes / 1e6)
+    return gathered
+
+
 def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, ParallelPlan]:
     determinism.configure(config.determinism, dist.device)
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
@@ -50,17 +68,7 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
         reduces_beside_backward = topology.dp_size > 1 and config.parallel.strategy in ("ddp", "fsdp")
         carveout = config.parallel.backward_sm_carveout if reduces_beside_backward else 0
         check_carveout(carveout, dist.device)
-        gathered = None
-        if config.parallel.strategy == "ddp" and config.parallel.ddp_embedding_grad == "gathered" and topology.dp_size > 1:
-            rows_per_rank = config.train.global_batch_size // topology.dp_size
-            gathered = gather_embedding_grad(model, topology.dp_mesh.get_group(),
-                                             max_tokens=rows_per_rank * config.data.seq_len)
-            if gathered is not None:
-                get_logger().info(
-                    "parallel.ddp_embedding_grad=gathered: the embedding lookup's gradient %s (%.1f MB a step; "
-                    "the dense all-reduce: %.1f MB)", "is all-gathered as rows" if gathered.gathers else
-                    "is summed and all-reduced dense, as gathering it would send more", gathered.gathered_bytes / 1e6,
-                    gathered.dense_bytes / 1e6)
+        gathered = _gathered_embedding_grad(config, model, topology)
         plan = ParallelPlan(
             topology=topology,
             strategy=config.parallel.strategy,

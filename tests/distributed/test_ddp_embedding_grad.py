@@ -3,8 +3,8 @@
 On 2 spawned gloo ranks, a tied Qwen model under DDP: the gathered lookup rows (and, where
 gathering would send more, the dense fallback) give every parameter the gradient of DDP's own
 dense reduction, within fp32 rounding, over gradient accumulation; the tied weight's bucket is
-reduced first instead of last; a rank that looks up more tokens than its config allows gets an
-error naming the key. Through train.py: SIGKILL + resume gives the uninterrupted ledger, a
+reduced first instead of last; a rank that looks up more tokens than its config allows gets a
+ConfigError naming the key. Through train.py: SIGKILL + resume gives the uninterrupted ledger, a
 step replays, a one-rank resume keeps the batches, and the losses match the dense run's.
 """
 
@@ -103,7 +103,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             try:
                 _train(ddp, rank, gathered)
                 result["too_many_tokens"] = ""
-            except RuntimeError as exc:
+            except ConfigError as exc:
                 result["too_many_tokens"] = str(exc)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     except BaseException:
