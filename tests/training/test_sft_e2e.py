@@ -102,3 +102,23 @@ def test_sft_checkpoint_exports_with_transformers_logit_parity(e2e_workdir, refe
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# 2 ranks x 128 tokens x 65 values gathered, under the dense 512 x 64: the gathered path.
+SMALL_STEP = ["parallel.strategy=ddp", "data.seq_len=128", "train.global_batch_size=2", "train.micro_batch_size=1",
+              "data.num_streams=2"]
+
+
+def test_sft_gathered_embedding_grad_matches_dense(e2e_workdir):
+    """parallel.ddp_embedding_grad=gathered (docs/parallelism.md) on SFT's masked chat batches:
+    the same batches and losses as the dense reduction, within fp32 rounding."""
+    runs = {}
+    for how in ("dense", "gathered"):
+        result = launch.train(e2e_workdir, sft_args(max_steps=3, name=f"sft-embedding-{how}",
+                                                    overrides=[*SMALL_STEP, f"parallel.ddp_embedding_grad={how}"]))
+        assert result.returncode == 0, result.stderr
+        runs[how] = launch.ledger(_run_dir(e2e_workdir, result))
+    assert "is all-gathered as rows" in result.stdout + result.stderr
+    assert [r["batch_hash"] for r in runs["gathered"]] == [r["batch_hash"] for r in runs["dense"]]
+    for a, b in zip(runs["dense"], runs["gathered"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
