@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -250,3 +251,18 @@ def replay_verifies(cwd: Path, run_dir: Path, steps: tuple[int, ...] = (3, 6), *
         result = train(cwd, ["--replay", run_dir.name, "--step", str(step), *overrides], nproc=nproc)
         assert result.returncode == 0, result.stderr
         assert "match" in result.stdout
+
+
+def gathered_embedding_grad_matches_dense(cwd: Path, args_for: Callable[[str], list[str]], *, nproc: int = 2) -> None:
+    """Train ``args_for(how)`` with ``parallel.ddp_embedding_grad`` dense and gathered; assert the
+    gathered run took the all-gather path and that both saw the same batches, with losses
+    within fp32 rounding of each other."""
+    ledgers = {}
+    for how in ("dense", "gathered"):
+        result = train(cwd, args_for(how), nproc=nproc)
+        assert result.returncode == 0, result.stderr
+        ledgers[how] = ledger(result.run_dir if result.run_dir.is_absolute() else cwd / result.run_dir)
+    assert "is all-gathered as rows" in result.stdout + result.stderr
+    assert [r["batch_hash"] for r in ledgers["gathered"]] == [r["batch_hash"] for r in ledgers["dense"]]
+    for a, b in zip(ledgers["dense"], ledgers["gathered"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]

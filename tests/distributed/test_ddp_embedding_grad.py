@@ -11,10 +11,6 @@ step replays, a one-rank resume keeps the batches, and the losses match the dens
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +20,7 @@ from core.config import ModelConfig, ParallelConfig
 from core.config import load as load_config
 from core.exceptions import ConfigError
 from tests import launch
+from tests.distributed.dist_harness import run_on_ranks
 from tests.e2e_config import E2E_CONFIG, e2e_args
 
 TIED = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -48,71 +45,66 @@ def _train(ddp, rank: int, gathered) -> list[torch.Tensor]:
     return [p.grad.clone() for p in ddp.module.parameters()]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank))
-        torch.set_num_threads(1)
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker() -> dict:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.device_mesh import init_device_mesh
 
-        from core.distributed_context import DistributedContext
-        from distributed.ddp import apply_ddp, gather_embedding_grad
+    from core.distributed_context import DistributedContext
+    from distributed.ddp import apply_ddp, gather_embedding_grad
 
-        result = {}
-        parallel = ParallelConfig(device="cpu", backend="gloo", timeout_s=60, ddp_bucket_mb=0.004)
-        with DistributedContext.from_env(parallel):
-            mesh = init_device_mesh("cpu", (world,))
-            group = mesh.get_group()
+    result = {}
+    parallel = ParallelConfig(device="cpu", backend="gloo", timeout_s=60, ddp_bucket_mb=0.004)
+    with DistributedContext.from_env(parallel):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world,))
+        group = mesh.get_group()
 
-            def build():
-                torch.manual_seed(0)
-                return apply_ddp(models.build(TIED), mesh, torch.device("cpu"), parallel)
+        def build():
+            torch.manual_seed(0)
+            return apply_ddp(models.build(TIED), mesh, torch.device("cpu"), parallel)
 
-            def recorded():
-                """A DDP model whose hook notes the parameters of bucket 0 every backward."""
-                ddp, first_bucket = build(), []
+        def recorded():
+            """A DDP model whose hook notes the parameters of bucket 0 every backward."""
+            ddp, first_bucket = build(), []
 
-                def record(state, bucket):
-                    if bucket.index() == 0:
-                        first_bucket.append([id(p) for p in bucket.parameters()])
-                    return allreduce_hook(state, bucket)
+            def record(state, bucket):
+                if bucket.index() == 0:
+                    first_bucket.append([id(p) for p in bucket.parameters()])
+                return allreduce_hook(state, bucket)
 
-                ddp.register_comm_hook(group, record)
-                return ddp, first_bucket
+            ddp.register_comm_hook(group, record)
+            return ddp, first_bucket
 
+        ddp, first_bucket = recorded()
+        dense = _train(ddp, rank, None)
+        result["dense_weight_in_first_bucket"] = id(ddp.module.embed_tokens.weight) in first_bucket[-1]
+        # 2 ranks x 16 tokens x 33 values gathered < 64 x 32 dense; 64 tokens a rank would send more.
+        for name, max_tokens in (("gathered", 2 * TOKENS), ("dense_fallback", 4 * 2 * TOKENS)):
             ddp, first_bucket = recorded()
-            dense = _train(ddp, rank, None)
-            result["dense_weight_in_first_bucket"] = id(ddp.module.embed_tokens.weight) in first_bucket[-1]
-            # 2 ranks x 16 tokens x 33 values gathered < 64 x 32 dense; 64 tokens a rank would send more.
-            for name, max_tokens in (("gathered", 2 * TOKENS), ("dense_fallback", 4 * 2 * TOKENS)):
-                ddp, first_bucket = recorded()
-                gathered = gather_embedding_grad(ddp, group, max_tokens=max_tokens)
-                grads = _train(ddp, rank, gathered)
-                result[name] = {
-                    "gathers": gathered.gathers,
-                    "max_diff": max(float((a - b).abs().max()) for a, b in zip(grads, dense)),
-                    "scale": max(float(b.abs().max()) for b in dense),
-                    # After DDP rebuilds its buckets by readiness, the tied weight's comes first.
-                    "weight_in_first_bucket": id(ddp.module.embed_tokens.weight) in first_bucket[-1],
-                    "tied": ddp.module.lm_head.weight is ddp.module.embed_tokens.weight,
-                    "state_dict_keys": sorted(ddp.module.state_dict()) == sorted(build().module.state_dict()),
-                }
-            ddp = build()
-            gathered = gather_embedding_grad(ddp, group, max_tokens=TOKENS)  # one micro-batch's worth
-            try:
-                _train(ddp, rank, gathered)
-                result["too_many_tokens"] = ""
-            except ConfigError as exc:
-                result["too_many_tokens"] = str(exc)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        Path(out_dir, f"rank{rank}_error.txt").write_text(traceback.format_exc())
-        raise
+            gathered = gather_embedding_grad(ddp, group, max_tokens=max_tokens)
+            grads = _train(ddp, rank, gathered)
+            result[name] = {
+                "gathers": gathered.gathers,
+                "max_diff": max(float((a - b).abs().max()) for a, b in zip(grads, dense)),
+                "scale": max(float(b.abs().max()) for b in dense),
+                # After DDP rebuilds its buckets by readiness, the tied weight's comes first.
+                "weight_in_first_bucket": id(ddp.module.embed_tokens.weight) in first_bucket[-1],
+                "tied": ddp.module.lm_head.weight is ddp.module.embed_tokens.weight,
+                "state_dict_keys": sorted(ddp.module.state_dict()) == sorted(build().module.state_dict()),
+            }
+        ddp = build()
+        gathered = gather_embedding_grad(ddp, group, max_tokens=TOKENS)  # one micro-batch's worth
+        try:
+            _train(ddp, rank, gathered)
+            result["too_many_tokens"] = ""
+        except ConfigError as exc:
+            result["too_many_tokens"] = str(exc)
+    return result
 
 
-def test_gathered_rows_give_ddp_gradients_and_reduce_the_tied_bucket_first(tmp_path):
-    for result in launch.spawn_json_ranks(_worker, tmp_path, timeout=180):
+def test_gathered_rows_give_ddp_gradients_and_reduce_the_tied_bucket_first():
+    for result in run_on_ranks(_worker, 2):
         assert result["gathered"]["gathers"] and not result["dense_fallback"]["gathers"]
         for name in ("gathered", "dense_fallback"):
             check = result[name]

@@ -110,15 +110,6 @@ SMALL_STEP = ["parallel.strategy=ddp", "data.seq_len=128", "train.global_batch_s
 
 
 def test_sft_gathered_embedding_grad_matches_dense(e2e_workdir):
-    """parallel.ddp_embedding_grad=gathered (docs/parallelism.md) on SFT's masked chat batches:
-    the same batches and losses as the dense reduction, within fp32 rounding."""
-    runs = {}
-    for how in ("dense", "gathered"):
-        result = launch.train(e2e_workdir, sft_args(max_steps=3, name=f"sft-embedding-{how}",
-                                                    overrides=[*SMALL_STEP, f"parallel.ddp_embedding_grad={how}"]))
-        assert result.returncode == 0, result.stderr
-        runs[how] = launch.ledger(_run_dir(e2e_workdir, result))
-    assert "is all-gathered as rows" in result.stdout + result.stderr
-    assert [r["batch_hash"] for r in runs["gathered"]] == [r["batch_hash"] for r in runs["dense"]]
-    for a, b in zip(runs["dense"], runs["gathered"]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+    """parallel.ddp_embedding_grad=gathered (docs/parallelism.md) on SFT's masked chat batches."""
+    launch.gathered_embedding_grad_matches_dense(e2e_workdir, lambda how: sft_args(
+        max_steps=3, name=f"sft-embedding-{how}", overrides=[*SMALL_STEP, f"parallel.ddp_embedding_grad={how}"]))
