@@ -266,3 +266,19 @@ def gathered_embedding_grad_matches_dense(cwd: Path, args_for: Callable[[str], l
     assert [r["batch_hash"] for r in ledgers["gathered"]] == [r["batch_hash"] for r in ledgers["dense"]]
     for a, b in zip(ledgers["dense"], ledgers["gathered"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+
+
+def stall_kill_and_resume(cwd: Path, args: list[str], *, name: str) -> Path:
+    """Start ``args`` (run.name ``name``, 6 steps, a checkpoint at step 4) with step 5's data
+    stalled, SIGKILL the job there, after the step-4 line (the step-4 checkpoint may be complete
+    or torn), resume it by run ID without the fault, and return its run dir."""
+    job = start(cwd, [*args, "runtime.faults=[slow_data@5]", "runtime.fault_slow_data_s=30"])
+    assert wait_for(lambda: list((cwd / "runs").glob(f"{name}-*")), timeout=120)
+    run_dir = next((cwd / "runs").glob(f"{name}-*"))
+    assert wait_for(lambda: len(ledger(run_dir)) >= 4, timeout=120), job.stderr
+    assert job.poll() is None
+    kill_job(job)
+    assert len(ledger(run_dir)) == 4
+    resumed = train(cwd, ["--resume", run_dir.name, "runtime.faults=[]"])
+    assert resumed.returncode == 0, resumed.stderr
+    return run_dir

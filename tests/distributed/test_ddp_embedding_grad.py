@@ -158,16 +158,7 @@ def test_gathered_run_resumes_replays_and_matches_dense(e2e_workdir):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
 
     name = "gathered-killed"
-    stalled = [*GATHERED, "runtime.faults=[slow_data@5]", "runtime.fault_slow_data_s=30"]
-    job = launch.start(e2e_workdir, e2e_args(max_steps=6, name=name, overrides=stalled))
-    assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob(f"{name}-*")), timeout=120)
-    run_dir = next((e2e_workdir / "runs").glob(f"{name}-*"))
-    assert launch.wait_for(lambda: len(launch.ledger(run_dir)) >= 4, timeout=120)
-    assert job.poll() is None
-    launch.kill_job(job)
-    assert len(launch.ledger(run_dir)) == 4
-    resumed = launch.train(e2e_workdir, ["--resume", run_dir.name, "runtime.faults=[]"])
-    assert resumed.returncode == 0, resumed.stderr
+    run_dir = launch.stall_kill_and_resume(e2e_workdir, e2e_args(max_steps=6, name=name, overrides=GATHERED), name=name)
     assert launch.ledger(run_dir) == expected
     launch.replay_verifies(e2e_workdir, run_dir, steps=(5,))
     launch.one_rank_resume_keeps_the_batches(e2e_workdir, reference_dir, step=4)

@@ -372,17 +372,7 @@ def test_sigkill_and_resume_gives_the_uninterrupted_ledger(e2e_workdir, case):
     # Step 5 waits for its data long enough to be SIGKILLed there, after the step-4 line
     # (the step-4 checkpoint may be complete or torn: both must resume to the same ledger).
     name = f"killed-{case}"
-    stalled = [*overrides, "runtime.faults=[slow_data@5]", "runtime.fault_slow_data_s=30"]
-    job = launch.start(e2e_workdir, e2e_args(max_steps=6, name=name, overrides=stalled))
-    assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob(f"{name}-*")), timeout=120)
-    run_dir = next((e2e_workdir / "runs").glob(f"{name}-*"))
-    assert launch.wait_for(lambda: len(launch.ledger(run_dir)) >= 4, timeout=120), job.stderr
-    assert job.poll() is None
-    launch.kill_job(job)
-    assert len(launch.ledger(run_dir)) == 4
-
-    resumed = launch.train(e2e_workdir, ["--resume", run_dir.name, "runtime.faults=[]"])
-    assert resumed.returncode == 0, resumed.stderr
+    run_dir = launch.stall_kill_and_resume(e2e_workdir, e2e_args(max_steps=6, name=name, overrides=overrides), name=name)
     assert launch.ledger(run_dir) == expected
     # The run's config still holds slow_data@5, which a replay drops (runtime/faults.py).
     launch.replay_verifies(e2e_workdir, run_dir, steps=(5,))
