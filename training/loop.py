@@ -373,8 +373,8 @@ class Trainer:
                 backward_context=self.parallel.backward_context,
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
             )
-            self.parallel.finish_backward()
         with timer.phase("communication"):
+            self.parallel.finish_backward()
             loss = self._all_reduce_sum(local_loss) / max(global_targets, 1)
             names, summed = self._all_reduce_metrics(local_metrics)
         if previous is not None:
