@@ -4,8 +4,9 @@ On 2 spawned gloo ranks, a tied Qwen model under DDP: the gathered lookup rows (
 gathering would send more, the dense fallback) give every parameter the gradient of DDP's own
 dense reduction, within fp32 rounding, over gradient accumulation; the tied weight's bucket is
 reduced first instead of last; a rank that looks up more tokens than its config allows gets a
-ConfigError naming the key. Through train.py: SIGKILL + resume gives the uninterrupted ledger, a
-step replays, a one-rank resume keeps the batches, and the losses match the dense run's.
+ConfigError naming the key. Through train.py: SIGKILL (at step 5, and at random moments) +
+resume gives the uninterrupted ledger, a step replays, a one-rank resume keeps the batches, and
+the losses match the dense run's.
 """
 
 from __future__ import annotations
@@ -162,3 +163,8 @@ def test_gathered_run_resumes_replays_and_matches_dense(e2e_workdir):
     assert launch.ledger(run_dir) == expected
     launch.replay_verifies(e2e_workdir, run_dir, steps=(5,))
     launch.one_rank_resume_keeps_the_batches(e2e_workdir, reference_dir, step=4)
+    # And SIGKILL at random moments (mid-step, mid-gather, mid-checkpoint), resumed each time.
+    name = "gathered-random-kills"
+    run_dir = launch.kill_and_resume(e2e_workdir, e2e_args(max_steps=6, name=name, overrides=GATHERED), name=name,
+                                     seed=20)
+    assert launch.ledger(run_dir) == expected
