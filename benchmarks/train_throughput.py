@@ -25,6 +25,13 @@ does: data wait, ledger, metric all-reduce). MFU in both conventions of models/f
 GPU. The data-wait fraction is the time the loop blocked in ``next(batch)`` over the step
 time. See benchmarks/README.md.
 
+Variants: ``--variant NAME:KEY=VALUE`` (repeatable; a bare ``--variant NAME`` adds none) runs
+every case once per named set of extra overrides, e.g. bf16 against FP8, and ``--micro-batch
+16,24`` runs each micro-batch; the report then prints each variant's tokens/s per GPU with its
+ratio to the first variant, at every micro-batch and at each variant's fastest one (FP8 needs
+less memory and can run a larger micro-batch). With ``--repeat`` the variants alternate on the
+same GPUs, so a drift of the card or host touches them alike.
+
 Several-GPU runs of one setting on one host differ by several points of per-GPU scaling from
 run to run (docs/performance.md). ``--repeat N`` runs the whole case list N times, round the
 list, and adds a table of each case's scaling over its runs (median, lowest, highest), each
@@ -46,6 +53,7 @@ import datetime
 import itertools
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -112,11 +120,13 @@ class Case:
     mode: str  # determinism.mode: fast | bitwise
     micro_batch: int
     compile: str  # preset | on | off (parallel.compile)
+    variant: str = ""  # a --variant name ("" without variants)
 
     @property
     def name(self) -> str:
         compile_tag = "" if self.compile == "preset" else f"-compile_{self.compile}"
-        return f"{self.shape}-s{self.seq}-b{self.micro_batch}-g{self.gpus}-{self.mode}{compile_tag}"
+        variant_tag = f"-{self.variant}" if self.variant else ""
+        return f"{self.shape}-s{self.seq}-b{self.micro_batch}-g{self.gpus}-{self.mode}{compile_tag}{variant_tag}"
 
     @property
     def global_batch(self) -> int:
@@ -124,18 +134,41 @@ class Case:
 
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
+    """Every shape x seq x GPUs x mode x compile x micro-batch x variant, variants innermost
+    (so the variants of one case run one after the other)."""
     cases = []
     for shape, seq, gpus, mode, comp in itertools.product(
         args.shapes, args.seqs, args.gpus, args.modes, args.compile
     ):
         if args.micro_batch:
-            micro = args.micro_batch
+            micros = args.micro_batch
         elif args.tokens_per_micro_batch:
-            micro = max(1, args.tokens_per_micro_batch // seq)
+            micros = [max(1, args.tokens_per_micro_batch // seq)]
         else:
-            micro = hfb.default_micro_batch(shape, seq)
-        cases.append(Case(shape, seq, gpus, mode, micro, comp))
+            micros = [hfb.default_micro_batch(shape, seq)]
+        for micro, variant in itertools.product(micros, args.variants or [""]):
+            cases.append(Case(shape, seq, gpus, mode, micro, comp, variant))
     return cases
+
+
+VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,23}")
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """``--variant NAME[:KEY=VALUE]`` items -> {name: overrides}, in the order first named.
+    Raises ValueError naming the item that is not of that form."""
+    variants: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, override = spec.partition(":")
+        if not VARIANT_NAME.fullmatch(name):
+            raise ValueError(f"--variant {spec!r}: the name must match {VARIANT_NAME.pattern} "
+                             "(it goes into the run name)")
+        if sep and "=" not in override:
+            raise ValueError(f"--variant {spec!r}: after the name comes KEY=VALUE, e.g. fp8:parallel.float8=tensorwise")
+        variants.setdefault(name, [])
+        if sep:
+            variants[name].append(override)
+    return variants
 
 
 def strategy_for(gpus: int, args: argparse.Namespace) -> str:
@@ -177,7 +210,14 @@ def case_overrides(case: Case, args: argparse.Namespace, env: dict[str, Any], ru
     ]
     if case.compile != "preset":
         overrides.append(f"parallel.compile={'true' if case.compile == 'on' else 'false'}")
-    return merge_overrides(overrides, list(args.override))
+    return merge_overrides(overrides, extra_overrides(case, args))
+
+
+def extra_overrides(case: Case, args: argparse.Namespace) -> list[str]:
+    """The user's overrides of this case: every --override, then its variant's (which win).
+    Other benchmarks build cases with their own arguments, without variants."""
+    variants = getattr(args, "variant_overrides", {})
+    return merge_overrides(list(args.override), list(variants.get(case.variant, [])))
 
 
 def merge_overrides(base: list[str], later: list[str]) -> list[str]:
@@ -417,6 +457,7 @@ def summarize_run(run_dir: Path, *, warmup: int, gpus: int, peak: float | None, 
             "precision": config.parallel.precision,
             "compile": config.parallel.compile,
             "activation_checkpointing": config.parallel.activation_checkpointing,
+            "float8": config.parallel.float8,
             "attention": config.model.attention,
             "sdpa_backends": config.model.sdpa_backends,
             "num_streams": config.data.num_streams,
@@ -521,7 +562,7 @@ def run_case(
     overrides = case_overrides(case, args, env, run_root)
     cmd = train_command(case, overrides, config_path, args.launcher_arg)
     result: dict[str, Any] = {"kind": "lockstep", "case": case.name, **asdict(case),
-                              "strategy": strategy_for(case.gpus, args), "overrides": list(args.override),
+                              "strategy": strategy_for(case.gpus, args), "overrides": extra_overrides(case, args),
                               "repeat": repeat, "command": shlex.join(cmd)}
     if args.device == "cuda" and case.gpus > env.get("gpu_count", 0):
         return {**result, "status": "skipped", "error": f"needs {case.gpus} GPUs, found {env.get('gpu_count', 0)}"}
@@ -630,6 +671,8 @@ def comparison_table(results: list[dict[str, Any]]) -> str:
         label = f"lockstep {r['mode']}" if r["kind"] == "lockstep" else f"hf {r['mode']}"
         if r["kind"] == "lockstep" and r.get("compile") not in (None, "preset"):
             label += f" compile={r['compile']}"
+        if r["kind"] == "lockstep" and variant_label(r) != "base":
+            label += f" {variant_label(r)}"
         rows.setdefault(key, {})[label] = r.get("tokens_per_s")
     if not rows:
         return ""
@@ -640,15 +683,83 @@ def comparison_table(results: list[dict[str, Any]]) -> str:
     return "1-GPU tokens/s, same card:\n\n" + "\n".join(lines)
 
 
+def variant_label(result: dict[str, Any]) -> str:
+    """A result's variant: its --variant name, or (results without one, e.g. separate
+    invocations merged with --report) its overrides, or "base" where it has none."""
+    return result.get("variant") or " ".join(result.get("overrides") or []) or "base"
+
+
+def variant_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each variant's tokens/s per GPU (median over its repeats) next to the first variant's,
+    per shape, seq, GPUs, mode and compile setting: at every micro-batch both ran, and at
+    each one's fastest micro-batch. The first variant is the one of the first result (the
+    first --variant; in merged reports, the first file's). Rows only where two variants ran."""
+    ok = [r for r in results if r.get("kind") == "lockstep" and r.get("status") == "ok" and r.get("tokens_per_s_per_gpu")]
+    order: list[str] = []
+    for r in ok:
+        if variant_label(r) not in order:
+            order.append(variant_label(r))
+    if len(order) < 2:
+        return []
+    groups: dict[tuple, dict[str, dict[int, list[float]]]] = {}
+    for r in ok:
+        key = (r.get("shape"), r.get("seq"), r.get("gpus"), r.get("mode"), r.get("compile"))
+        runs = groups.setdefault(key, {}).setdefault(variant_label(r), {})
+        runs.setdefault(r.get("micro_batch"), []).append(r["tokens_per_s_per_gpu"])
+    rows = []
+    for (shape, seq, gpus, mode, compile_), by_variant in groups.items():
+        labels = [label for label in order if label in by_variant]
+        if len(labels) < 2:
+            continue
+        reference = labels[0]
+        medians = {label: {micro: statistics.median(v) for micro, v in by_variant[label].items()} for label in labels}
+        common = dict(shape=shape, seq=seq, gpus=gpus, mode=mode, compile=compile_, reference=reference)
+        for micro in sorted({m for label in labels for m in medians[label]}, key=lambda m: (m is None, m)):
+            base = medians[reference].get(micro)
+            for label in labels[1:]:
+                value = medians[label].get(micro)
+                if base and value:
+                    rows.append({**common, "variant": label, "micro_batch": micro, "reference_micro_batch": micro,
+                                 "runs": len(by_variant[label][micro]),
+                                 "reference_runs": len(by_variant[reference][micro]),
+                                 "tokens_per_s_per_gpu": value, "reference_tokens_per_s_per_gpu": base,
+                                 "ratio": value / base})
+        if any(len(medians[label]) > 1 for label in labels):
+            ref_micro, base = max(medians[reference].items(), key=lambda kv: kv[1])
+            for label in labels[1:]:
+                micro, value = max(medians[label].items(), key=lambda kv: kv[1])
+                rows.append({**common, "variant": label, "micro_batch": micro, "reference_micro_batch": ref_micro,
+                             "runs": len(by_variant[label][micro]), "reference_runs": len(by_variant[reference][ref_micro]),
+                             "tokens_per_s_per_gpu": value, "reference_tokens_per_s_per_gpu": base,
+                             "ratio": value / base, "fastest": True})
+    return rows
+
+
+def variant_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    lines = ["| shape | seq | GPUs | mode | variant | micro-batch (runs) | tokens/s/GPU | against | "
+             "its micro-batch (runs) | its tokens/s/GPU | ratio |", "|" + "---|" * 11]
+    for row in rows:
+        where = " (each at its fastest)" if row.get("fastest") else ""
+        lines.append(
+            f"| {row['shape']} | {row['seq']} | {row['gpus']} | {row['mode']} | {row['variant']} | "
+            f"{row['micro_batch']} ({row['runs']}){where} | {fmt(row['tokens_per_s_per_gpu'], ',.0f')} | "
+            f"{row['reference']} | {row['reference_micro_batch']} ({row['reference_runs']}) | "
+            f"{fmt(row['reference_tokens_per_s_per_gpu'], ',.0f')} | {fmt(row['ratio'], '.3f')}x |")
+    return ("Variants against the first (tokens/s per GPU, the median of each one's runs; compare "
+            "only runs of one card):\n\n" + "\n".join(lines))
+
+
 def scaling_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per-GPU scaling of every several-GPU run against the 1-GPU run of the same shape, seq,
     micro-batch (per GPU), mode and compile setting: its tokens/s per GPU over the 1-GPU
     tokens/s, and the same from the median step times (each GPU does the same work per step,
     so the ratio of step times is the ratio of per-GPU throughput, without the few slow steps
     that move the mean). Merged reports (``--report``) pair runs of different invocations by
-    that key alone; compare only runs of one host."""
+    that key (and the variant) alone; compare only runs of one host."""
     def key(r: dict[str, Any]) -> tuple:
-        return r.get("shape"), r.get("seq"), r.get("micro_batch"), r.get("mode"), r.get("compile")
+        return r.get("shape"), r.get("seq"), r.get("micro_batch"), r.get("mode"), r.get("compile"), r.get("variant", "")
 
     ok = [r for r in results if r.get("kind") == "lockstep" and r.get("status") == "ok" and r.get("tokens_per_s")]
     singles: dict[tuple, list[dict[str, Any]]] = {}
@@ -742,6 +853,9 @@ def print_report(payload: dict[str, Any]) -> None:
     repeats = repeat_table(repeat_summary(rows))
     if repeats:
         print("\n" + repeats)
+    variants = variant_table(variant_rows(payload["results"]))
+    if variants:
+        print("\n" + variants)
     print(flush=True)
 
 
@@ -790,7 +904,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", type=csv_list(str), default=["fast", "bitwise"], help="determinism.mode values")
     p.add_argument("--compile", type=csv_list(str), default=["preset"],
                    help="parallel.compile per case: preset (leave the preset's), on, off; e.g. off,on")
-    p.add_argument("--micro-batch", type=int, default=None, help="per GPU (default: per shape, see hf_baseline.py)")
+    p.add_argument("--micro-batch", type=csv_list(int), default=None,
+                   help="per GPU, one or a list, e.g. 16,24 (default: per shape, see hf_baseline.py)")
     p.add_argument("--tokens-per-micro-batch", type=int, default=None,
                    help="per GPU, micro-batch = this // seq (instead of --micro-batch)")
     p.add_argument("--steps", type=int, default=20, help="measured steps after the warmup")
@@ -805,6 +920,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="preset's sources, Parquet only, or auto (Parquet only without zstandard)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra train.py override for every case (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE]",
+                   help="run every case once per variant NAME, with its overrides (repeatable; the same NAME "
+                        "again adds an override); ratios are against the first, e.g. --variant bf16 "
+                        "--variant fp8:parallel.float8=tensorwise")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run benchmarks/hf_baseline.py for each shape/seq")
     p.add_argument("--baseline-modes", type=csv_list(str), default=["eager", "compile"])
@@ -826,6 +945,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown values: {sorted(bad_modes | bad_compile | bad_baseline)}")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    if args.micro_batch is not None and (not args.micro_batch or min(args.micro_batch) < 1):
+        p.error("--micro-batch must be one or more integers >= 1")
+    try:
+        args.variant_overrides = parse_variants(args.variant)
+    except ValueError as exc:
+        p.error(str(exc))
+    args.variants = list(args.variant_overrides)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step compiles)")
     args.baseline_modes = [m == "compile" for m in args.baseline_modes]
@@ -880,6 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
         payload["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
         payload["scaling"] = scaling_rows(payload["results"])
         payload["scaling_summary"] = repeat_summary(payload["scaling"])
+        payload["variants"] = variant_rows(payload["results"])
         hfb.write_json(args.out, payload)
         if not args.keep_runs and not args.run_root:
             shutil.rmtree(run_root, ignore_errors=True)

@@ -111,3 +111,81 @@ def test_repeat_runs_the_case_list_round_and_rejects_zero(tmp_path, capsys):
     assert [(r["gpus"], r["repeat"]) for r in results] == [(1, 0), (2, 0), (1, 1), (2, 1)]
     with pytest.raises(SystemExit):
         tt.parse_args(["--repeat", "0"])
+
+
+def test_recorded_fp8_runs_give_the_documented_ratios(capsys):
+    """2026-11-28d call 3, card 0: bf16 at micro-batch 16 and FP8 + fast accumulation at 16 and
+    24, three invocations merged; the variants are told apart by their overrides, the first
+    file's (bf16: none) is the reference (docs/performance.md)."""
+    tt = _module("train_throughput")
+    names = ("bf16-mb16", "fp8key-mb16", "fp8key-mb24")
+    assert tt.main(["--report", *(str(BENCH / f"2026-11-28d-4xh200-call3-g0-tp-17-{n}.json") for n in names)]) == 0
+    printed = capsys.readouterr().out
+    fp8 = "parallel.float8=tensorwise parallel.float8_backward_fast_accum=true"
+    assert f"| qwen3-1.7b | 2048 | 1 | fast | {fp8} | 16 (1) | 57,038 | base | 16 (1) | 46,753 | 1.220x |" in printed
+    assert (f"| qwen3-1.7b | 2048 | 1 | fast | {fp8} | 24 (1) (each at its fastest) | 58,229 | base | 16 (1) | "
+            "46,753 | 1.245x |") in printed
+
+
+def test_variant_ratios_use_medians_per_micro_batch_and_each_ones_fastest():
+    tt = _module("train_throughput")
+
+    def run(variant, micro, tokens, gpus=1, repeat=0):
+        return _result(gpus, tokens * gpus, 0.1, variant=variant, micro_batch=micro, repeat=repeat)
+
+    results = [
+        run("bf16", 16, 100.0), run("fp8", 16, 120.0), run("bf16", 24, 98.0), run("fp8", 24, 126.0),
+        run("bf16", 16, 104.0, repeat=1), run("fp8", 16, 118.0, repeat=1), run("bf16", 16, 90.0, repeat=2),
+        run("fp8", 16, 119.0, repeat=2),
+        run("fp8", 32, 500.0, gpus=4),  # another GPU count, with no bf16 run: no row
+        {**run("fp8", 16, 999.0), "status": "failed"},
+    ]
+    rows = tt.variant_rows(results)
+    assert [(r["micro_batch"], r["reference_micro_batch"], r.get("fastest", False)) for r in rows] == \
+        [(16, 16, False), (24, 24, False), (24, 16, True)]
+    at16, at24, fastest = rows
+    assert (at16["runs"], at16["reference_runs"]) == (3, 3)
+    assert at16["ratio"] == pytest.approx(119.0 / 100.0)  # the medians of three runs each
+    assert at24["ratio"] == pytest.approx(126.0 / 98.0)
+    assert fastest["ratio"] == pytest.approx(126.0 / 100.0)  # fp8 at 24 against bf16 at 16
+    assert all(r["reference"] == "bf16" and r["variant"] == "fp8" for r in rows)
+    table = tt.variant_table(rows)
+    assert "| x | 2048 | 1 | fast | fp8 | 24 (1) (each at its fastest) | 126 | bf16 | 16 (3) | 100 | 1.260x |" in table
+    assert tt.variant_rows([run("bf16", 16, 100.0), run("bf16", 24, 98.0)]) == []  # one variant: nothing to compare
+    plain, other = _result(1, 100.0, 0.1), _result(1, 110.0, 0.1, overrides=["parallel.float8=tensorwise"])
+    assert tt.variant_rows([plain, other])[0]["variant"] == "parallel.float8=tensorwise"  # no names: overrides
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--variant", "fp 8"], "the name must match"),
+    (["--variant", "fp8:parallel.float8"], "KEY=VALUE"),
+    (["--micro-batch", "0"], "--micro-batch"),
+])
+def test_bad_variants_and_micro_batches_are_refused(argv, named, capsys):
+    tt = _module("train_throughput")
+    with pytest.raises(SystemExit):
+        tt.parse_args(argv)
+    assert named in capsys.readouterr().err
+
+
+def test_variants_run_through_train_py_one_after_the_other(tmp_path):
+    """Two variants of one case on CPU: each run gets its own overrides (seen in the run's
+    resolved config), in the order given, and the JSON holds the ratio row."""
+    import json
+
+    tt = _module("train_throughput")
+    out = tmp_path / "tp.json"
+    assert tt.main(["--shapes", "tiny", "--seqs", "128", "--gpus", "1", "--modes", "fast", "--device", "cpu",
+                    "--no-baseline", "--steps", "2", "--warmup", "1", "--micro-batch", "2", "--variant", "plain",
+                    "--variant", "ckpt:parallel.activation_checkpointing=full", "--variant",
+                    "ckpt:train.grad_clip=0.5", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    plain, ckpt = payload["results"]
+    assert (plain["case"], ckpt["case"]) == ("tiny-s128-b2-g1-fast-plain", "tiny-s128-b2-g1-fast-ckpt")
+    assert plain["overrides"] == [] and ckpt["overrides"] == ["parallel.activation_checkpointing=full",
+                                                              "train.grad_clip=0.5"]
+    assert plain["resolved"]["activation_checkpointing"] == "none"
+    assert ckpt["resolved"]["activation_checkpointing"] == "full"
+    [row] = payload["variants"]
+    assert (row["variant"], row["reference"]) == ("ckpt", "plain")
+    assert row["ratio"] == pytest.approx(ckpt["tokens_per_s_per_gpu"] / plain["tokens_per_s_per_gpu"])
