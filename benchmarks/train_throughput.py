@@ -81,8 +81,10 @@ MIN_CASE_SECONDS = 45  # under --budget, do not start a case with less time than
 
 # The host's CPU too: several-GPU runs at small steps are bound by it, and the same run has
 # scaled 9 points apart on two hosts with the same GPUs (docs/performance.md, 2026-11-28b).
+# Hosts whose CPUs report the same model name are told apart by host_boot: a hash of the
+# machine id and the boot id (different on another machine, or after a reboot).
 ENV_PROBE = r"""
-import glob, importlib.util, json, os, platform, shutil, socket, subprocess
+import glob, hashlib, importlib.util, json, os, platform, shutil, socket, subprocess
 import torch
 out = {"python": platform.python_version(), "host": socket.gethostname(), "torch": torch.__version__,
        "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0}
@@ -96,6 +98,14 @@ out["cpu_model"] = out["cpu_model"] or platform.processor() or platform.machine(
 out["cpu_count"] = os.cpu_count()
 out["numa_nodes"] = len(glob.glob("/sys/devices/system/node/node[0-9]*"))
 out["load_avg_1m"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+ids = []
+for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+    try:
+        with open(path) as f:
+            ids.append(f.read().strip())
+    except OSError:
+        pass
+out["host_boot"] = hashlib.sha256("/".join(ids).encode()).hexdigest()[:12] if ids else None
 if out["gpu_count"] and shutil.which("nvidia-smi"):
     smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True, timeout=60)
@@ -875,6 +885,10 @@ def merge_reports(paths: list[str]) -> dict[str, Any]:
     if len(cpus) > 1:
         print(f"[bench] warning: the reports come from different host CPUs: {sorted(cpus)}; "
               "several-GPU scaling depends on the host", file=sys.stderr)
+    hosts = {p.get("env", {}).get("host_boot") for p in payloads} - {None}
+    if len(hosts) > 1:
+        print(f"[bench] warning: the reports come from {len(hosts)} hosts or boots (env.host_boot: "
+              f"{sorted(hosts)}); compare tokens/s only within one", file=sys.stderr)
     return {"env": payloads[0].get("env", {}), "merged_from": paths,
             "results": [_with_overrides(r, p) for p in payloads for r in p.get("results", [])]}
 

@@ -40,6 +40,26 @@ def test_the_environment_probe_names_the_host_cpu():
     assert env["cpu_model"] and env["cpu_count"] >= 1 and env["numa_nodes"] >= 0
     assert tt.host_cpu(env).startswith(env["cpu_model"])
     assert tt.host_cpu({}) == "unknown"
+    assert len(env["host_boot"]) == 12 and tt.probe_environment()["host_boot"] == env["host_boot"]
+
+
+def test_merged_reports_from_two_hosts_are_flagged(tmp_path, capsys):
+    """Hosts whose CPUs read alike (four-H200 hosts all say "Intel(R) Xeon(R) Processor") are
+    told apart by env.host_boot."""
+    import json
+
+    tt = _module("train_throughput")
+    env = {"gpu_names": ["NVIDIA H200"], "cpu_model": "Intel(R) Xeon(R) Processor", "cpu_count": 64, "numa_nodes": 1}
+    paths = []
+    for i, host in enumerate(["aaaaaaaaaaaa", "aaaaaaaaaaaa", "bbbbbbbbbbbb"]):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps({"env": {**env, "host_boot": host}, "results": [_result(1, 100.0 + i, 0.1)]}))
+        paths.append(str(path))
+    tt.merge_reports(paths[:2])
+    assert "hosts or boots" not in capsys.readouterr().err
+    tt.merge_reports(paths)
+    err = capsys.readouterr().err
+    assert "2 hosts or boots" in err and "bbbbbbbbbbbb" in err and "different host CPUs" not in err
 
 
 def test_merged_runs_of_one_case_say_which_settings_they_ran_with(capsys):
