@@ -1025,10 +1025,12 @@ def _validate_float8(p: ParallelConfig) -> None:
     """What the config alone rules out; the GPU and torchao are checked where the model is
     built (distributed.float8.require_float8)."""
     if p.float8_reuse_input_cast and p.float8 != "tensorwise":
+        why = ("there are no FP8 linears" if p.float8 == "none" else
+               "rowwise scales the input along one dimension in the forward and along the other for the weight "
+               "gradient, so the forward's cast cannot serve both")
         raise ConfigError(
             f"parallel.float8_reuse_input_cast=true needs one scale per input tensor (parallel.float8=tensorwise), "
-            f"got parallel.float8={p.float8}: rowwise scales the input along one dimension in the forward and "
-            "along the other for the weight gradient, so the forward's cast cannot serve both",
+            f"got parallel.float8={p.float8}: {why}",
             key="parallel.float8_reuse_input_cast",
             hint="set parallel.float8=tensorwise, or leave parallel.float8_reuse_input_cast=false",
         )
