@@ -723,25 +723,21 @@ def variant_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         reference = labels[0]
         medians = {label: {micro: statistics.median(v) for micro, v in by_variant[label].items()} for label in labels}
-        common = dict(shape=shape, seq=seq, gpus=gpus, mode=mode, compile=compile_, reference=reference)
+
+        def row(label: str, micro, ref_micro, **extra) -> dict[str, Any]:
+            value, base = medians[label][micro], medians[reference][ref_micro]
+            return {"shape": shape, "seq": seq, "gpus": gpus, "mode": mode, "compile": compile_,
+                    "reference": reference, "variant": label, "micro_batch": micro, "reference_micro_batch": ref_micro,
+                    "runs": len(by_variant[label][micro]), "reference_runs": len(by_variant[reference][ref_micro]),
+                    "tokens_per_s_per_gpu": value, "reference_tokens_per_s_per_gpu": base, "ratio": value / base,
+                    **extra}
+
         for micro in sorted({m for label in labels for m in medians[label]}, key=lambda m: (m is None, m)):
-            base = medians[reference].get(micro)
-            for label in labels[1:]:
-                value = medians[label].get(micro)
-                if base and value:
-                    rows.append({**common, "variant": label, "micro_batch": micro, "reference_micro_batch": micro,
-                                 "runs": len(by_variant[label][micro]),
-                                 "reference_runs": len(by_variant[reference][micro]),
-                                 "tokens_per_s_per_gpu": value, "reference_tokens_per_s_per_gpu": base,
-                                 "ratio": value / base})
+            rows.extend(row(label, micro, micro) for label in labels[1:]
+                        if medians[reference].get(micro) and medians[label].get(micro))
         if any(len(medians[label]) > 1 for label in labels):
-            ref_micro, base = max(medians[reference].items(), key=lambda kv: kv[1])
-            for label in labels[1:]:
-                micro, value = max(medians[label].items(), key=lambda kv: kv[1])
-                rows.append({**common, "variant": label, "micro_batch": micro, "reference_micro_batch": ref_micro,
-                             "runs": len(by_variant[label][micro]), "reference_runs": len(by_variant[reference][ref_micro]),
-                             "tokens_per_s_per_gpu": value, "reference_tokens_per_s_per_gpu": base,
-                             "ratio": value / base, "fastest": True})
+            fastest = {label: max(medians[label], key=medians[label].get) for label in labels}
+            rows.extend(row(label, fastest[label], fastest[reference], fastest=True) for label in labels[1:])
     return rows
 
 
