@@ -366,8 +366,6 @@ class ParallelConfig:
     """FP8 linears via torchao (CUDA sm89+ only; master weights stay fp32): none, tensorwise or rowwise scaling. See docs/parallelism.md."""
     float8_backward_fast_accum: bool = False
     """FP8: the backward's two matmuls (input and weight gradients) accumulate in the tensor cores' faster, less precise mode too, as the forward's always does (torchao's default keeps them precise). 2-4% more tokens/s for Qwen3-1.7B on an H200; see docs/parallelism.md. Needs parallel.float8."""
-    float8_reuse_input_cast: bool = False
-    """FP8 tensorwise: each FP8 linear's input is cast to FP8 once, in the forward, and the backward's weight-gradient matmul uses that cast; torchao's linear casts the input again in the backward, with another pass over it for its scale. The same scale and FP8 values; GPU speed not yet measured (docs/parallelism.md). Needs parallel.float8=tensorwise."""
 
 
 @dataclass(frozen=True)
@@ -1024,16 +1022,6 @@ def _validate_gathered_embedding_grad(config: Config) -> None:
 def _validate_float8(p: ParallelConfig) -> None:
     """What the config alone rules out; the GPU and torchao are checked where the model is
     built (distributed.float8.require_float8)."""
-    if p.float8_reuse_input_cast and p.float8 != "tensorwise":
-        why = ("there are no FP8 linears" if p.float8 == "none" else
-               "rowwise scales the input along one dimension in the forward and along the other for the weight "
-               "gradient, so the forward's cast cannot serve both")
-        raise ConfigError(
-            f"parallel.float8_reuse_input_cast=true needs one scale per input tensor (parallel.float8=tensorwise), "
-            f"got parallel.float8={p.float8}: {why}",
-            key="parallel.float8_reuse_input_cast",
-            hint="set parallel.float8=tensorwise, or leave parallel.float8_reuse_input_cast=false",
-        )
     if p.float8 == "none":
         if p.float8_backward_fast_accum:
             raise ConfigError(

@@ -49,15 +49,6 @@ backward's two (input and weight gradients) with cuBLAS's more precise one;
 ``parallel.float8_backward_fast_accum`` gives the backward's fast accumulation too
 (``backward_fast_accum``), faster and less precise (docs/parallelism.md).
 
-Input casts: torchao's linear casts its input to FP8 in the forward, then casts the saved
-high-precision input again in the backward for the weight gradient. For ``tensorwise`` the
-second cast has the same scale and the same FP8 values, but it costs another pass over the
-input for its amax; under torch.compile that pass reads the input's producers again (the
-backward's reshaped input is a different graph node from the forward's, so the two amaxes
-are not merged). ``parallel.float8_reuse_input_cast`` registers ``cast_input_once`` as a
-forward pre-hook of every FP8 linear. The hook casts the input before torchao's forward, which
-takes an input that is already FP8 as it is and saves it for the backward's weight gradient.
-
 Needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, L40, H100,
 H200, B200) and torchao; ``require_float8`` says so as a ConfigError (exit 2). The
 conversion cannot run on the CPU test machine; its module selection, and the FP8
@@ -132,39 +123,7 @@ def apply_float8(model: nn.Module, parallel: ParallelConfig, *, fsdp: bool, emul
         config = dataclasses.replace(config, **backward_fast_accum())
     converted = [name for name, module in model.named_modules() if float8_module_filter(module, name)]
     convert_to_float8_training(model, module_filter_fn=float8_module_filter, config=config)
-    reuse_input_casts(model, parallel)
     return converted
-
-
-def reuse_input_casts(model: nn.Module, parallel: ParallelConfig) -> int:
-    """Register ``cast_input_once`` on every FP8 linear of ``model`` where
-    ``parallel.float8_reuse_input_cast`` asks for it (tensorwise only, as the config checks);
-    returns how many. Before torch.compile, so the hooks are traced into the compiled blocks."""
-    if not parallel.float8_reuse_input_cast or parallel.float8 != "tensorwise":
-        return 0
-    from torchao.float8.float8_linear import Float8Linear
-
-    linears = [module for module in model.modules() if isinstance(module, Float8Linear)]
-    for linear in linears:
-        linear.register_forward_pre_hook(cast_input_once)
-    return len(linears)
-
-
-def cast_input_once(linear: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Forward pre-hook of a torchao ``Float8Linear``: its input, cast to FP8 with one scale
-    (tensorwise) as the linear would cast it. The linear's gradient flows straight through the
-    cast to the high-precision input, as it does through torchao's own."""
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole
-
-    (x,) = args
-    if torch.is_autocast_enabled("cuda"):  # what Float8Linear.forward does before its cast
-        x = x.to(torch.get_autocast_dtype("cuda"))
-    config = linear.config
-    fp8 = hp_tensor_to_float8_dynamic(x, config.cast_config_input.target_dtype, linear.linear_mm_config,
-                                      gemm_input_role=GemmInputRole.INPUT,
-                                      round_scales_to_power_of_2=config.round_scales_to_power_of_2)
-    return (fp8,)
 
 
 def backward_fast_accum() -> dict:

@@ -19,7 +19,6 @@ from distributed.float8 import (
     PrecomputeFloat8Scales,
     apply_float8,
     float8_module_filter,
-    cast_input_once,
     precompute_scales_each_forward,
     require_float8,
     shard_amax,
@@ -112,88 +111,6 @@ def test_scale_hook_only_where_weights_are_gathered_in_fp8():
     assert not precompute_scales_each_forward(models.build(TINY), tensorwise)  # no FP8 linear
 
 
-def _fp8_model(reuse: bool, recipe: str = "tensorwise") -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = models.build(SHARDED)
-    parallel = ParallelConfig(float8=recipe, precision="bf16", float8_reuse_input_cast=reuse)
-    apply_float8(model, parallel, fsdp=False, emulate=True)
-    return model
-
-
-def _loss(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    logits = model(ids, position_ids=torch.arange(16).expand(2, 16), document_ids=torch.zeros(2, 16, dtype=torch.long))
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
-
-
-def test_reused_input_casts_train_bitwise_like_torchaos_recast():
-    """parallel.float8_reuse_input_cast: the hook on every FP8 linear, and the same loss and
-    gradients, bit for bit, as torchao casting the input again in the backward (the same scale
-    from the same values)."""
-    pytest.importorskip("torchao.float8")
-    stock, reused = _fp8_model(reuse=False), _fp8_model(reuse=True)
-    hooked = [m for m in reused.modules() if cast_input_once in m._forward_pre_hooks.values()]
-    assert len(hooked) == 2 * 7  # every FP8 linear of the two blocks
-    assert not any(cast_input_once in m._forward_pre_hooks.values() for m in stock.modules())
-    assert not any(cast_input_once in m._forward_pre_hooks.values() for m in _fp8_model(True, "rowwise").modules())
-    for model in (stock, reused):
-        _loss(model).backward()
-    assert torch.equal(_loss(stock), _loss(reused))
-    grads = {name: p.grad for name, p in stock.named_parameters()}
-    for name, param in reused.named_parameters():
-        assert torch.equal(param.grad, grads[name]), name
-
-
-def test_reused_input_casts_take_amax_passes_out_of_the_compiled_backward():
-    """Under torch.compile (AOTAutograd with Inductor's min-cut partitioner, one graph, no
-    break): with the hook the block's backward takes one amax per FP8 linear, of its output
-    gradient (7), and no input's; torchao's takes the amax of inputs again too (3 of the
-    block's 4 distinct inputs here: the normed inputs, attention's output, the SwiGLU
-    product). The gradients do not change."""
-    pytest.importorskip("torchao.float8")
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    def backward_amaxes(reuse: bool) -> tuple[int, dict]:
-        graphs = {}
-
-        def backend(gm, inputs):
-            def keep(name):
-                def compiler(graph, _):
-                    graphs[name] = graph
-                    return graph.forward
-                return compiler
-            return aot_module_simplified(gm, inputs, fw_compiler=keep("fw"), bw_compiler=keep("bw"),
-                                         partition_fn=min_cut_rematerialization_partition)
-
-        torch._dynamo.reset()
-        model = _fp8_model(reuse)
-        block = model.layers[0]
-        block.compile(backend=backend, fullgraph=True)
-        _loss(model).backward()
-        amaxes = sum(1 for n in graphs["bw"].graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.max.default)
-        return amaxes, {name: p.grad for name, p in model.named_parameters()}
-
-    stock_amaxes, stock_grads = backward_amaxes(reuse=False)
-    reused_amaxes, reused_grads = backward_amaxes(reuse=True)
-    assert (stock_amaxes, reused_amaxes) == (10, 7)
-    for name, grad in reused_grads.items():
-        torch.testing.assert_close(grad, stock_grads[name], rtol=0, atol=0, msg=name)
-
-
-def test_reuse_input_cast_needs_tensorwise():
-    with pytest.raises(ConfigError) as err:
-        load(None, ["parallel.float8_reuse_input_cast=true", "parallel.float8=rowwise", "parallel.device=cuda",
-                    "parallel.precision=bf16"])
-    assert err.value.context["key"] == "parallel.float8_reuse_input_cast" and "rowwise" in str(err.value)
-    with pytest.raises(ConfigError) as err:
-        load(None, ["parallel.float8_reuse_input_cast=true", "parallel.device=cuda"])
-    assert err.value.context["key"] == "parallel.float8_reuse_input_cast" and "no FP8 linears" in str(err.value)
-    loaded = load(None, ["parallel.float8=tensorwise", "parallel.float8_reuse_input_cast=true",
-                         "parallel.device=cuda", "parallel.precision=bf16"])
-    assert loaded.parallel.float8_reuse_input_cast
-
-
 def test_shard_amax_counts_an_empty_shard_as_zero():
     shards = [torch.tensor([[1.0, -3.0]]), torch.empty(0, 2), torch.tensor([[-0.5, 0.25]])]
     assert torch.equal(shard_amax(shards), torch.tensor([3.0, 0.0, 0.5]))
@@ -208,8 +125,7 @@ def _all_reduces(comm) -> int:
 def _fsdp_float8_runs() -> dict:
     """On each of 2 ranks: STEPS AdamW steps of SHARDED under FSDP2 (distributed/fsdp.py's
     layout) with FP8 all-gather, scales from the hook, from torchao's per-weight path, and
-    precomputed once only (stale after the first step), and from the hook with the inputs'
-    FP8 casts reused by the backward. Per step: the forward's and the
+    precomputed once only (stale after the first step). Per step: the forward's and the
     backward's all-reduces, whether every stored scale equals torchao's per-weight scale of
     the weights that forward began with (None if none is stored), and the loss."""
     import torch.distributed as dist
@@ -228,12 +144,11 @@ def _fsdp_float8_runs() -> dict:
     parallel = cpu_parallel(strategy="fsdp", precision="bf16", float8="tensorwise")
     tokens = torch.randint(0, SHARDED.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     results = {}
-    for mode in ("hook", "per_weight", "stale", "reused_inputs"):
+    for mode in ("hook", "per_weight", "stale"):
         model = models.build(SHARDED, generator=torch.Generator().manual_seed(0))
-        reuse = mode == "reused_inputs"  # parallel.float8_reuse_input_cast beside the FP8 all-gather
-        converted = apply_float8(model, replace(parallel, float8_reuse_input_cast=reuse), fsdp=True, emulate=True)
+        converted = apply_float8(model, parallel, fsdp=True, emulate=True)
         apply_fsdp(model, mesh, parallel, torch.device("cpu"))  # block 0 is regathered in the backward
-        if mode in ("hook", "reused_inputs"):
+        if mode == "hook":
             assert precompute_scales_each_forward(model, parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, all_reduces, scales_match, hook_first = [], [], [], []
@@ -279,7 +194,6 @@ def test_precomputed_scales_train_bitwise_like_the_per_weight_path():
         # Scales kept past an optimizer step change the training: the comparison above would see it.
         assert torch.equal(stale["losses"][0], hook["losses"][0])
         assert not torch.equal(stale["losses"][1:], hook["losses"][1:])
-        assert torch.equal(ranks["reused_inputs"]["losses"], hook["losses"])
 
 
 def _local_shard_optimizer_runs() -> dict:
