@@ -80,3 +80,35 @@ def test_shapes_scaled_mm_cannot_take_are_refused(flag, capsys):
         fh.main(["--device", "cpu", flag, "100"])
     assert exit_info.value.code == 2
     assert f"{flag} must be a positive multiple of 16" in capsys.readouterr().err
+
+
+def test_the_static_logits_gradient_scale_fits_e5m2_and_rounds_like_the_dynamic_one():
+    """softmax - one_hot is within [-1, 1]: at 2**15 it stays below e5m2's 57,344 even for a
+    chunk whose logits are extreme, and it equals the fp32 gradient to e5m2's precision."""
+    fh = _load()
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(32, 64, generator=gen) * 30  # near one-hot softmaxes: gradients close to +-1
+    labels = torch.randint(0, 64, (32,), generator=gen)
+    labels[3] = -100  # ignored
+    loss, g8 = fh.cross_entropy_float8_grad(logits.to(torch.bfloat16), labels)
+    ref_loss, ref_grad = fh._cross_entropy_chunk(logits.to(torch.bfloat16).float(), labels)
+    assert g8.dtype == fh.E5M2 and torch.equal(loss, ref_loss)
+    grad = g8.float() / fh.LOGITS_GRAD_SCALE
+    assert g8.float().abs().max() <= fh.LOGITS_GRAD_SCALE < torch.finfo(fh.E5M2).max
+    assert torch.equal(grad[3], torch.zeros(64))
+    big = ref_grad.abs() > 2**-14  # above e5m2's subnormals at this scale
+    torch.testing.assert_close(grad[big], ref_grad[big], rtol=0.125, atol=0)
+
+
+def test_static_scale_run_matches_the_dynamic_runs_errors(tmp_path):
+    fh = _load()
+    errors = {}
+    for scale in ("dynamic", "static"):
+        out = tmp_path / f"{scale}.json"
+        fh.main(["--device", "cpu", "--tokens", "256", "--hidden", "64", "--vocab", "512", "--chunk", "128",
+                 "--warmup", "0", "--repeat", "1", "--logits-grad-scale", scale, "--out", str(out)])
+        result = json.loads(out.read_text())
+        assert result["logits_grad_scale"] == scale
+        errors[scale] = result["float8"]
+    for name in ("grad_hidden_rel_err", "grad_weight_rel_err"):
+        assert errors["static"][name] == pytest.approx(errors["dynamic"][name], rel=0.1), name
