@@ -73,6 +73,7 @@ def float8_head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     grad_h = torch.empty_like(hidden)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    static_inv = torch.full((), 1.0 / LOGITS_GRAD_SCALE, device=hidden.device)  # once: a copy per chunk would sync
     for start in range(0, hidden.shape[0], chunk):
         h8, h_inv = cast(hidden[start : start + chunk], E4M3)
         logits = torch._scaled_mm(h8, w8.t(), scale_a=h_inv, scale_b=w_inv, out_dtype=hidden.dtype, use_fast_accum=True)
@@ -81,7 +82,7 @@ def float8_head(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
             g8, g_inv = cast(grad_logits, E5M2)
         else:
             loss, g8 = static_ce(logits, labels[start : start + chunk])
-            g_inv = torch.tensor(1.0 / LOGITS_GRAD_SCALE, device=hidden.device)
+            g_inv = static_inv
         total += loss
         grad_h[start : start + chunk] = torch._scaled_mm(
             g8, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=hidden.dtype, use_fast_accum=backward_fast_accum)
