@@ -158,12 +158,14 @@ def _rank_main(target, args) -> None:
     without the interpreter's teardown, as train.py leaves (runtime/fast_exit.py). Left to
     interpreter shutdown, a gloo thread still holding a tensor can abort a rank that succeeded
     ("terminate called without an active exception", exit -6). An exception exits 1 as usual."""
+    import faulthandler
     import gc
 
     import torch.distributed as dist
 
     from runtime.fast_exit import exit_process
 
+    faulthandler.enable(all_threads=True)  # a native crash shows its Python stacks in the test's output
     target(*args)
     if dist.is_initialized():
         gc.collect()  # modules holding the group (DDP's reducer, FSDP's hooks) first

@@ -8,6 +8,7 @@ turns any error into the one line on stderr, the traceback in the rank's log and
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import sys
@@ -129,12 +130,16 @@ def resolve_config(args: Args) -> Config:
 
 def prepare_process(config: Config) -> None:
     """Process-wide settings read when the process group is created (NCCL flight recorder),
-    and a rank that outlives its launcher exits (``runtime.signals.exit_with_launcher``).
+    a rank that outlives its launcher exits (``runtime.signals.exit_with_launcher``), and a
+    fatal signal prints the Python stacks (``faulthandler``).
 
     The device is checked first: ranks that would share a GPU are a ConfigError (exit 2)
     before anything is written under ``run.root``."""
     exit_with_launcher()
     StartupSignals()  # a stop signal before the step loop is recorded, not a silent death
+    # A rank killed by its own native code (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints
+    # every thread's Python stack to stderr first; the launcher alone would report the signal.
+    faulthandler.enable(all_threads=True)
     info = ProcessInfo.from_env()
     device = select_device(config.parallel, info.local_rank, info.local_world_size)
     check_model_fits(config, device, info)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -37,6 +38,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a native crash shows its Python stacks in the test's output
     result = fn(*args)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     # The result is on disk. Skip interpreter teardown: gloo's C++ threads occasionally
