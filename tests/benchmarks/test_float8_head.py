@@ -4,27 +4,17 @@ torch._scaled_mm cannot take. On CPU (torch._scaled_mm runs there too)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("float8_head", ROOT / "benchmarks" / "float8_head.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import float8_head as fh
 
 
 def test_the_fp8_loop_is_the_matmuls_of_its_dequantized_operands():
     """With a loss whose gradient is a fixed G (loss = sum of logits), the loop's loss and
     gradients equal fp32 matmuls of the FP8 tensors times their inverse scales."""
-    fh = _load()
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
     weight = (torch.randn(48, 32, generator=gen) * 0.02).to(torch.bfloat16)
@@ -58,7 +48,6 @@ def test_the_fp8_loop_is_the_matmuls_of_its_dequantized_operands():
 
 
 def test_cpu_run_writes_json_and_fp8_rounds_more_than_bf16(tmp_path, capsys):
-    fh = _load()
     out = tmp_path / "head.json"
     assert fh.main(["--device", "cpu", "--tokens", "256", "--hidden", "64", "--vocab", "512", "--chunk", "128",
                     "--warmup", "1", "--repeat", "2", "--out", str(out)]) == 0
@@ -75,7 +64,6 @@ def test_cpu_run_writes_json_and_fp8_rounds_more_than_bf16(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag", ["--tokens", "--hidden", "--vocab", "--chunk"])
 def test_shapes_scaled_mm_cannot_take_are_refused(flag, capsys):
-    fh = _load()
     with pytest.raises(SystemExit) as exit_info:
         fh.main(["--device", "cpu", flag, "100"])
     assert exit_info.value.code == 2
@@ -85,7 +73,6 @@ def test_shapes_scaled_mm_cannot_take_are_refused(flag, capsys):
 def test_the_static_logits_gradient_scale_fits_e5m2_and_rounds_like_the_dynamic_one():
     """softmax - one_hot is within [-1, 1]: at 2**15 it stays below e5m2's 57,344 even for a
     chunk whose logits are extreme, and it equals the fp32 gradient to e5m2's precision."""
-    fh = _load()
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(32, 64, generator=gen) * 30  # near one-hot softmaxes: gradients close to +-1
     labels = torch.randint(0, 64, (32,), generator=gen)
@@ -101,7 +88,6 @@ def test_the_static_logits_gradient_scale_fits_e5m2_and_rounds_like_the_dynamic_
 
 
 def test_static_scale_run_matches_the_dynamic_runs_errors(tmp_path):
-    fh = _load()
     errors = {}
     for scale in ("dynamic", "static"):
         out = tmp_path / f"{scale}.json"
