@@ -39,9 +39,9 @@ path runs anyway.
 Which linears: all of the transformer blocks' projections whose two dimensions are multiples
 of 16 (``torch._scaled_mm``'s requirement), never the output head (``lm_head``: its
 logits feed the loss and are the most precision-sensitive matmul, and a large vocabulary
-is rarely a multiple of 16 after sharding; measured with ``benchmarks/float8_head.py``, an
-FP8 head would save Qwen3-1.7B 1.4-2.0% of a step for 2.7% error in its gradients, against
-0.2% in bf16; docs/performance.md, 2026-11-28e). ``float8_module_filter`` is that rule. torchao's
+is rarely a multiple of 16 after sharding). ``float8_module_filter`` is that rule. Measured
+with ``benchmarks/float8_head.py``, an FP8 head would save Qwen3-1.7B 1.4-2.0% of a step for
+2.7% error in its gradients, against 0.2% in bf16 (docs/performance.md, 2026-11-28e). torchao's
 shape rule (``_auto_filter_for_recipe``) would also keep narrow projections such as
 Qwen3-1.7B's k/v (2048 -> 1024) in bf16; measured, that is 3% slower on an H200, because
 they share their FP8 input with q_proj (docs/performance.md, 2026-11-28d).
