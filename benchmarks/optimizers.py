@@ -59,13 +59,14 @@ def base_overrides(args: argparse.Namespace, run_root: Path) -> list[str]:
 
 
 FP8_RECIPES = ("tensorwise", "rowwise")
-FP8_OPTIONS = {"backward_fast_accum": "parallel.float8_backward_fast_accum=true"}
+FP8_OPTIONS = {"backward_fast_accum": "parallel.float8_backward_fast_accum=true", "head": "parallel.float8_head=true"}
 
 
 def fp8_case(mode: str) -> str:
-    """``--float8`` entry (``tensorwise``, ``rowwise+backward_fast_accum``, ...) -> case name."""
-    recipe, _, option = mode.partition("+")
-    if recipe not in FP8_RECIPES or (option and option not in FP8_OPTIONS):
+    """``--float8`` entry (``tensorwise``, ``rowwise+backward_fast_accum``, ``tensorwise+backward_fast_accum+head``,
+    ...) -> case name."""
+    recipe, *options = mode.split("+")
+    if recipe not in FP8_RECIPES or any(o not in FP8_OPTIONS for o in options) or len(set(options)) < len(options):
         options = ", ".join(f"+{o}" for o in FP8_OPTIONS)
         raise ValueError(f"--float8 {mode!r}: expected one of {', '.join(FP8_RECIPES)}, optionally with {options}")
     return f"adamw+fp8-{mode}"
@@ -73,9 +74,9 @@ def fp8_case(mode: str) -> str:
 
 def case_overrides(name: str, args: argparse.Namespace, preset: dict) -> list[str]:
     if name.startswith("adamw+fp8-"):
-        recipe, _, option = name.removeprefix("adamw+fp8-").partition("+")
+        recipe, *options = name.removeprefix("adamw+fp8-").split("+")
         out = ["train.optimizer=adamw", f"parallel.float8={recipe}", "parallel.precision=bf16"]
-        return out + ([FP8_OPTIONS[option]] if option else [])
+        return out + [FP8_OPTIONS[option] for option in options]
     out = [f"train.optimizer={name}"]
     if name == "lion":
         out += [f"train.lr={preset['lr'] * args.lion_lr_scale}", f"train.weight_decay={preset['weight_decay'] / args.lion_lr_scale}"]
@@ -178,7 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=1, help="ranks (1: parallel.strategy=none; more: fsdp)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    parser.add_argument("--float8", default="", help="comma list of tensorwise,rowwise, each optionally +backward_fast_accum: "
+    parser.add_argument("--float8", default="", help="comma list of tensorwise,rowwise, each optionally +backward_fast_accum and/or +head: "
                         "extra AdamW cases with FP8 (CUDA)")
     parser.add_argument("--lion-lr-scale", type=float, default=0.3)
     parser.add_argument("--skip-steps", type=int, default=3, help="steps left out of the timing medians (warmup, compile)")

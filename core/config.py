@@ -366,6 +366,8 @@ class ParallelConfig:
     """FP8 linears via torchao (CUDA sm89+ only; master weights stay fp32): none, tensorwise or rowwise scaling. See docs/parallelism.md."""
     float8_backward_fast_accum: bool = False
     """FP8: the backward's two matmuls (input and weight gradients) accumulate in the tensor cores' faster, less precise mode too, as the forward's always does (torchao's default keeps them precise). 2-4% more tokens/s for Qwen3-1.7B on an H200; see docs/parallelism.md. Needs parallel.float8."""
+    float8_head: bool = False
+    """The output head in FP8, which parallel.float8 keeps in bf16 (the two keys are independent): its three matmuls (fused with the loss) in FP8 tensorwise, the logits' gradient in e5m2 at a fixed scale, the backward's accumulation always precise (parallel.float8_backward_fast_accum does not apply to it). 2.7% more tokens/s for Qwen3-1.7B on an H200, and its gradients round more (about 3% against fp32, 0.2% in bf16); see docs/parallelism.md. Needs CUDA sm89+ (or the CPU, where torch emulates FP8 matmuls: for tests), objective.kind causal_lm or sft, train.loss_chunk_tokens > 0, parallel.tp=1, and model.vocab_size and model.hidden_size multiples of 16."""
 
 
 @dataclass(frozen=True)
@@ -788,6 +790,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
         )
     _validate_optimizer(t)
     _validate_float8(p)
+    _validate_float8_head(config)
     _validate_lora(config)
     _validate_grpo(config)
     _validate_dpo(config)
@@ -1052,6 +1055,46 @@ def _validate_float8(p: ParallelConfig) -> None:
             key="parallel.float8",
             hint="use parallel.tp=1 (FSDP or DDP) with FP8",
         )
+
+
+def _validate_float8_head(config: Config) -> None:
+    """parallel.float8_head: the fused head of the next-token objectives in FP8 (on its own or
+    beside parallel.float8's block linears). The device is checked where the model is built
+    (distributed.float8.require_float8_head)."""
+    if not config.parallel.float8_head:
+        return
+    key = "parallel.float8_head"
+    p = config.parallel
+    if p.strategy == "xla_spmd" or p.tp > 1:
+        where = "parallel.strategy=xla_spmd" if p.strategy == "xla_spmd" else f"parallel.tp={p.tp}"
+        raise ConfigError(
+            f"parallel.float8_head=true needs the output weight whole inside the forward; {where} keeps it "
+            "sharded or lazy, and the head is not fused there",
+            key=key,
+            hint="use parallel.tp=1 with strategy none, ddp or fsdp, or leave parallel.float8_head=false",
+        )
+    if config.objective.kind not in ("causal_lm", "sft"):
+        raise ConfigError(
+            f"parallel.float8_head=true applies to the fused cross-entropy head of objective.kind causal_lm and sft; "
+            f"objective.kind={config.objective.kind} computes its head otherwise",
+            key=key,
+            hint="leave parallel.float8_head=false for this objective",
+        )
+    if config.train.loss_chunk_tokens == 0:
+        raise ConfigError(
+            "parallel.float8_head=true needs the fused head (train.loss_chunk_tokens > 0); "
+            "train.loss_chunk_tokens=0 computes the full logits through a bf16 lm_head",
+            key=key,
+            hint="set train.loss_chunk_tokens (default 8192), or leave parallel.float8_head=false",
+        )
+    for name in ("vocab_size", "hidden_size"):
+        value = getattr(config.model, name)
+        if value % 16:
+            raise ConfigError(
+                f"parallel.float8_head=true needs model.{name} to be a multiple of 16 (FP8 matmul shapes); got {value}",
+                key=f"model.{name}",
+                hint="leave parallel.float8_head=false for this model",
+            )
 
 
 RUN_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -102,6 +102,32 @@ def require_float8(parallel: ParallelConfig, device: torch.device) -> None:
         ) from exc
 
 
+def require_float8_head(parallel: ParallelConfig, device: torch.device) -> None:
+    """Raise a ConfigError naming ``parallel.float8_head`` unless ``torch._scaled_mm`` runs here:
+    a CUDA GPU of compute capability 8.9+, or the CPU (emulated, for tests)."""
+    if not parallel.float8_head:
+        return
+    hint = "leave parallel.float8_head=false, or train on CUDA GPUs of compute capability 8.9+"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(
+            f"parallel.float8_head=true needs compute capability >= 8.9 (FP8 matmuls); "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}",
+            key="parallel.float8_head",
+            hint=hint,
+        )
+    probe = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    try:
+        torch._scaled_mm(probe, probe.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as exc:
+        raise ConfigError(
+            f"parallel.float8_head=true: this torch ({torch.__version__}) cannot run FP8 matmuls on {device} ({exc})",
+            key="parallel.float8_head",
+            hint=hint,
+        ) from exc
+
+
 def float8_module_filter(module: nn.Module, fqn: str) -> bool:
     """True for the linears converted to FP8 (see the module docstring for the rule)."""
     if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] in SKIPPED_MODULES:

@@ -12,7 +12,7 @@ from core.distributed_context import DistributedContext
 from distributed.activation_checkpoint import apply_activation_checkpointing
 from distributed.compile import apply_compile
 from distributed.ddp import apply_ddp
-from distributed.float8 import apply_float8, precompute_scales_each_forward, require_float8
+from distributed.float8 import apply_float8, precompute_scales_each_forward, require_float8, require_float8_head
 from distributed.fsdp import apply_fsdp
 from distributed.topology import Topology
 from distributed.tp import apply_tensor_parallel
@@ -35,6 +35,7 @@ def parallelize(
     # 0. FP8 linears before anything wraps or shards them: torchao swaps nn.Linear modules
     #    in place (the same parameters), and FSDP below then all-gathers their weights in FP8.
     require_float8(parallel, dist.device)
+    require_float8_head(parallel, dist.device)
     apply_float8(model, parallel, fsdp=parallel.strategy == "fsdp" and topology.mesh is not None)
 
     # 1. Tensor parallelism first: it needs the raw nn.Linear modules at their plain paths,

@@ -36,12 +36,14 @@ class CausalLMLoss:
     """Next-token cross entropy, computed in fp32 over labels that are not IGNORE_INDEX.
 
     ``chunk_tokens > 0`` enables ``head_loss`` (the fused output projection) over chunks of
-    that many tokens; ``compiled`` compiles its per-chunk kernel on CUDA.
+    that many tokens; ``compiled`` compiles its per-chunk kernel on CUDA. ``float8`` runs the
+    head's matmuls in FP8 (``parallel.float8_head``).
     """
 
-    def __init__(self, *, chunk_tokens: int = 0, compiled: bool = False) -> None:
+    def __init__(self, *, chunk_tokens: int = 0, compiled: bool = False, float8: bool = False) -> None:
         self.chunk_tokens = chunk_tokens
         self.compiled = compiled
+        self.float8 = float8
 
     @property
     def fuses_head(self) -> bool:
@@ -67,6 +69,7 @@ class CausalLMLoss:
             chunk_tokens=self.chunk_tokens,
             compute_dtype=torch.get_autocast_dtype(device_type) if autocast else None,
             compiled=self.compiled,
+            float8=self.float8,
         )
 
     def num_targets(self, batch) -> int:

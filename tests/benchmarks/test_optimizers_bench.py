@@ -31,7 +31,10 @@ def test_fp8_cases_name_their_recipe_and_option():
         "train.optimizer=adamw", "parallel.float8=tensorwise", "parallel.precision=bf16",
         "parallel.float8_backward_fast_accum=true",
     ]
-    for bad in ("blockwise", "tensorwise+fast"):
+    assert bench.case_overrides(bench.fp8_case("tensorwise+backward_fast_accum+head"), args, {})[-2:] == [
+        "parallel.float8_backward_fast_accum=true", "parallel.float8_head=true",
+    ]
+    for bad in ("blockwise", "tensorwise+fast", "tensorwise+head+head"):
         with pytest.raises(SystemExit):
             _args(float8=bad)
 

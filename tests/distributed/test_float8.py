@@ -21,6 +21,7 @@ from distributed.float8 import (
     float8_module_filter,
     precompute_scales_each_forward,
     require_float8,
+    require_float8_head,
     shard_amax,
 )
 from tests.distributed.dist_harness import run_on_ranks
@@ -83,6 +84,46 @@ def test_backward_fast_accum_needs_fp8():
     loaded = load(None, ["parallel.float8=tensorwise", "parallel.float8_backward_fast_accum=true",
                          "parallel.device=cuda", "parallel.precision=bf16"])
     assert loaded.parallel.float8_backward_fast_accum
+
+
+FP8_GPU = ["parallel.float8=tensorwise", "parallel.device=cuda", "parallel.precision=bf16"]
+
+
+@pytest.mark.parametrize(
+    "overrides, key, says",
+    [
+        (["parallel.tp=2", "parallel.strategy=none"], "parallel.float8_head", "parallel.tp=2"),
+        (["parallel.strategy=xla_spmd"], "parallel.float8_head", "parallel.strategy=xla_spmd"),
+        (FP8_GPU + ["objective.kind=dpo"], "parallel.float8_head", "objective.kind=dpo"),
+        (FP8_GPU + ["train.loss_chunk_tokens=0"], "parallel.float8_head", "train.loss_chunk_tokens=0"),
+        (FP8_GPU + ["model.vocab_size=500"], "model.vocab_size", "a multiple of 16 (FP8 matmul shapes); got 500"),
+        (FP8_GPU + ["model.hidden_size=120", "model.head_dim=30", "model.num_heads=4"], "model.hidden_size", "got 120"),
+    ],
+)
+def test_float8_head_refusals_name_their_key(overrides, key, says):
+    with pytest.raises(ConfigError) as err:
+        load(None, overrides + ["parallel.float8_head=true"])
+    assert err.value.context["key"] == key
+    assert says in str(err.value) and err.value.hint
+
+
+def test_float8_head_stands_alone_and_runs_where_fp8_matmuls_run():
+    """Without parallel.float8 too, and on the CPU (torch emulates the FP8 matmuls: tests)."""
+    config = load(None, ["parallel.float8_head=true"])
+    assert config.parallel.float8_head and config.parallel.float8 == "none"
+    require_float8_head(config.parallel, torch.device("cpu"))
+    require_float8_head(ParallelConfig(), torch.device("meta"))  # off: nothing is checked
+
+
+def test_float8_head_reaches_the_fused_loss_of_causal_lm_and_sft():
+    from training.objectives.causal_lm import CausalLMObjective
+    from training.objectives.sft import SFTObjective
+
+    config = load(None, FP8_GPU + ["parallel.float8_head=true", "parallel.float8_backward_fast_accum=true",
+                                   "data.loss_on=all"])  # lets SFT take the default text source
+    for objective in (CausalLMObjective(config), SFTObjective(config)):
+        assert objective.loss_fn.float8 and objective.loss_fn.fuses_head
+    assert not CausalLMObjective(load(None, FP8_GPU)).loss_fn.float8
 
 
 def test_filter_rule():

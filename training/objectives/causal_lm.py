@@ -24,7 +24,8 @@ class CausalLMObjective:
     settles_late = True
 
     def __init__(self, config: Config) -> None:
-        self.loss_fn = CausalLMLoss(chunk_tokens=config.train.loss_chunk_tokens, compiled=config.parallel.compile)
+        self.loss_fn = CausalLMLoss(chunk_tokens=config.train.loss_chunk_tokens, compiled=config.parallel.compile,
+                                    float8=config.parallel.float8_head)
         self._context: ObjectiveContext | None = None
         self.fuse_head = False
 
