@@ -39,12 +39,13 @@ path runs anyway.
 Which linears: all of the transformer blocks' projections whose two dimensions are multiples
 of 16 (``torch._scaled_mm``'s requirement), never the output head (``lm_head``: its
 logits feed the loss and are the most precision-sensitive matmul, and a large vocabulary
-is rarely a multiple of 16 after sharding). ``float8_module_filter`` is that rule. Measured
-with ``benchmarks/float8_head.py``, an FP8 head would save Qwen3-1.7B 1.4-2.0% of a step for
-2.7% error in its gradients, against 0.2% in bf16 (docs/performance.md, 2026-11-28e). torchao's
-shape rule (``_auto_filter_for_recipe``) would also keep narrow projections such as
-Qwen3-1.7B's k/v (2048 -> 1024) in bf16; measured, that is 3% slower on an H200, because
-they share their FP8 input with q_proj (docs/performance.md, 2026-11-28d).
+is rarely a multiple of 16 after sharding). ``float8_module_filter`` is that rule. The head
+has its own key, ``parallel.float8_head``: the fused loss runs its matmuls in FP8 itself
+(training/linear_cross_entropy.py), 2.7% more tokens/s for Qwen3-1.7B on an H200, with its
+backward always precise (``require_float8_head`` checks the device; docs/performance.md,
+2026-11-28f). torchao's shape rule (``_auto_filter_for_recipe``) would also keep narrow
+projections such as Qwen3-1.7B's k/v (2048 -> 1024) in bf16; measured, that is 3% slower on
+an H200, because they share their FP8 input with q_proj (docs/performance.md, 2026-11-28d).
 
 Accumulation: torchao's recipes run the forward's FP8 matmul with fast accumulation and the
 backward's two (input and weight gradients) with cuBLAS's more precise one;
