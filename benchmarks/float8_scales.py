@@ -6,11 +6,15 @@ per-weight path, bitwise.
 On every rank: a small Qwen-shaped model (2 blocks, hidden 512) with FP8 tensorwise linears,
 sharded by ``distributed.fsdp.apply_fsdp`` over all ranks, trains 4 AdamW steps under bf16
 autocast twice, once with ``distributed.float8.PrecomputeFloat8Scales`` (what
-``parallelize`` registers) and once with torchao computing each weight's scale inside its
-all-gather. For each combination of ``reshard_after_forward`` and per-block compile, the
-losses must be bitwise equal, and every scale the hook stored must equal torchao's
-``tensor_to_scale`` of the weight the forward began with. Prints a table, writes JSON, and
-exits 1 if a check failed. Needs CUDA GPUs with FP8 tensor cores and torchao; without CUDA
+``parallelize`` registers: the scales, and the weights' FP8 casts, made once per forward)
+and once with torchao computing each weight's scale and cast inside its all-gather. For each
+combination of ``reshard_after_forward`` and per-block compile, the losses must be bitwise
+equal, and every scale the hook stored must equal torchao's ``tensor_to_scale`` of the
+weight the forward began with. It also times, on the host, what the all-gathers' inputs
+cost per FP8 weight: torchao's cast inside each weight's ``fsdp_pre_all_gather`` against
+the hook's batched casts (``precast_local_shards``) and the cached result each gather then
+returns (median of 20, the device synchronized around each). Prints a table, writes JSON,
+and exits 1 if a check failed. Needs CUDA GPUs with FP8 tensor cores and torchao; without CUDA
 it runs on CPU ranks over gloo with torchao's FP8 emulation (the test suite does, without
 the compiled cases: ``--no-compile``).
 """
@@ -32,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 from core.config import ModelConfig, ParallelConfig  # noqa: E402
 from distributed.compile import apply_compile  # noqa: E402
-from distributed.float8 import apply_float8, precompute_scales_each_forward  # noqa: E402
+from distributed.float8 import apply_float8, precast_local_shards, precompute_scales_each_forward  # noqa: E402
 from distributed.fsdp import apply_fsdp  # noqa: E402
 
 SHAPE = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
@@ -70,7 +74,46 @@ def train(parallel: ParallelConfig, mesh, device: torch.device, *, compile_block
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "scales_mismatched": mismatched}
+    result = {"losses": losses, "scales_mismatched": mismatched}
+    if hook:
+        result["gather_inputs_us_per_weight"] = time_gather_inputs(model, mesh, device)
+    return result
+
+
+def time_gather_inputs(model, mesh, device: torch.device, repeats: int = 20) -> dict:
+    """Host microseconds per FP8 weight to produce the all-gathers' inputs: torchao's
+    per-weight cast against the batched casts plus each gather's cached return."""
+    import time
+
+    from torchao.float8.float8_linear import Float8Linear
+
+    weights = [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
+    shards = [weight._local_tensor for weight in weights]
+
+    def torchao_casts():
+        for shard in shards:
+            type(shard).fsdp_pre_all_gather(shard, mesh)
+
+    def batched_casts():
+        precast_local_shards(weights, [shard._precomputed_scale for shard in shards], shards[0]._dtype)
+        for shard in shards:
+            shard.fsdp_pre_all_gather(mesh)
+
+    timings = {}
+    with torch.no_grad():
+        for name, fn in (("torchao", torchao_casts), ("batched", batched_casts)):
+            samples = []
+            for _ in range(repeats + 2):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                samples.append(time.perf_counter() - start)
+            samples = sorted(samples[2:])
+            timings[name] = samples[len(samples) // 2] / len(shards) * 1e6
+    return timings
 
 
 def main() -> int:
@@ -101,15 +144,18 @@ def main() -> int:
                 "losses_hook": hooked["losses"], "losses_per_weight": per_weight["losses"],
                 "losses_equal": hooked["losses"] == per_weight["losses"],
                 "scales_mismatched": hooked["scales_mismatched"],
+                "gather_inputs_us_per_weight": hooked["gather_inputs_us_per_weight"],
             })
     ok = all(case["losses_equal"] and case["scales_mismatched"] == 0 for case in cases)
     if rank == 0:
-        print("| reshard_after_forward | compile | losses (hook) | losses bitwise equal | scales not equal |")
-        print("|---|---|---|---|---|")
+        print("| reshard_after_forward | compile | losses (hook) | losses bitwise equal | scales not equal "
+              "| gather inputs, us per weight: torchao / batched |")
+        print("|---|---|---|---|---|---|")
         for case in cases:
             losses = ", ".join(f"{value:.6f}" for value in case["losses_hook"])
+            us = case["gather_inputs_us_per_weight"]
             print(f"| {case['reshard_after_forward']} | {case['compile']} | {losses} | "
-                  f"{case['losses_equal']} | {case['scales_mismatched']} |")
+                  f"{case['losses_equal']} | {case['scales_mismatched']} | {us['torchao']:.0f} / {us['batched']:.0f} |")
         args.out.parent.mkdir(parents=True, exist_ok=True)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (FP8 emulated)"
         result = {"ranks": dist.get_world_size(), "device": name, "torch": torch.__version__,

@@ -20,6 +20,15 @@ the forward and in the backward's gathers alike. The numbers are the same as the
 torchao's EPS, the division in float64, the scale in fp32; only a weight whose amax is below
 EPS, 1e-12, could differ, as that clamp is done in fp32 rather than float64).
 
+The same hook casts the shards to FP8 too, all of them in a few foreach kernels
+(``precast_local_shards``), and each shard's ``fsdp_pre_all_gather`` returns its cast
+instead of casting it again through torchao's per-weight autograd function, which costs the
+host about 150 us a weight while the GPU waits for the first unit's all-gather (14.7 ms a
+step for Qwen3-1.7B on four H200s, docs/performance.md, 2026-11-28g). The bytes gathered
+are the same. A cast is used only while the weight is the one it was cast from (the
+parameter's and the inner fp32 tensor's version counters, ``Float8Cast.current``): after an
+optimizer step or a checkpoint load, a gather outside the model's forward casts afresh.
+
 A stored scale is stale once the weights change (optimizer step, checkpoint load, resume),
 and a stale one casts the weight with a wrong scale, silently. So the hook recomputes the
 scales at every forward of the model, from the weights as they are when that forward
@@ -62,6 +71,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import weakref
 
 import torch
 from torch import nn
@@ -227,8 +238,84 @@ class PrecomputeFloat8Scales:
                     amax = funcol.all_reduce(amax, "max", mesh.get_group(dim)).wait()
             # As torchao: clamp in the weights' dtype, divide in float64, keep the scale in fp32.
             scales = (torch.finfo(float8_dtype).max / torch.clamp(amax, EPS).to(torch.float64)).to(torch.float32)
-            for weight, scale in zip(weights, scales.unbind()):
+            scales = scales.unbind()
+            for weight, scale in zip(weights, scales):
                 weight._local_tensor._precomputed_scale = scale
+            precast_local_shards(weights, scales, float8_dtype)
+
+
+PRECAST_CHUNK_ELEMENTS = 1 << 26  # fp32 elements scaled at once: bounds the temporary at 256 MiB
+
+
+def precast_local_shards(weights: list[torch.Tensor], scales: tuple[torch.Tensor, ...] | list[torch.Tensor],
+                         float8_dtype: torch.dtype) -> None:
+    """Cast the local shards of many sharded FP8 weights (DTensors holding torchao's
+    ``WeightWithDynamicFloat8CastTensor``) to FP8 with their all-gather ``scales``, in a few
+    foreach kernels, and have each shard's ``fsdp_pre_all_gather`` return its cast
+    (``_pre_all_gather_precast``).
+
+    The arithmetic is torchao's per-weight cast (``hp_tensor_and_scale_to_float8``): the
+    weight in fp32 times its scale, clamped to the FP8 range, converted, so the all-gathered
+    bytes are the same; what changes is the host's work. torchao casts each weight inside
+    FSDP's all-gather, through an autograd function and a tensor subclass, about 150 us of
+    host time a weight; the first FSDP unit's casts are issued while the GPU waits, 14.7 ms a
+    step for Qwen3-1.7B on four GPUs (docs/performance.md, 2026-11-28g). Shards are scaled in
+    chunks of at most ``PRECAST_CHUNK_ELEMENTS`` elements, so the fp32 temporary stays small;
+    the casts stay until the next forward replaces them (one byte per local element)."""
+    with torch.no_grad():  # as FSDP's all-gather runs torchao's cast
+        _precast(weights, scales, float8_dtype)
+
+
+def _precast(weights: list[torch.Tensor], scales, float8_dtype: torch.dtype) -> None:
+    max_value = torch.finfo(float8_dtype).max
+    start = 0
+    while start < len(weights):
+        end, elements = start, 0
+        while end < len(weights) and (end == start or elements + weights[end]._local_tensor.numel() <= PRECAST_CHUNK_ELEMENTS):
+            elements += weights[end]._local_tensor.numel()
+            end += 1
+        shards = [weight._local_tensor for weight in weights[start:end]]
+        hp = [shard._tensor if shard._tensor.dtype == torch.float32 else shard._tensor.float() for shard in shards]
+        scaled = torch._foreach_mul(hp, list(scales[start:end]))
+        torch._foreach_clamp_min_(scaled, -max_value)
+        torch._foreach_clamp_max_(scaled, max_value)
+        for weight, shard, scale, value in zip(weights[start:end], shards, scales[start:end], scaled):
+            shard._lockstep_float8_cast = Float8Cast(value.to(float8_dtype), scale, weakref.ref(weight), weight._version,
+                                                     shard._tensor, shard._tensor._version)
+            if "fsdp_pre_all_gather" not in shard.__dict__:
+                shard.fsdp_pre_all_gather = types.MethodType(_pre_all_gather_precast, shard)
+        start = end
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Cast:
+    """A local shard's FP8 cast and what it was cast from: the sharded parameter and the fp32
+    tensor inside the shard, each with its version counter at the cast. An optimizer step or a
+    checkpoint load writes one of them in place (through DTensor's dispatch, the parameter's
+    counter moves; stepping on the local shard, ``training/optimizers/local_shards.py``, the
+    inner tensor's), which makes the cast stale."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    weight: weakref.ref
+    weight_version: int
+    source: torch.Tensor
+    source_version: int
+
+    def current(self, shard: torch.Tensor) -> bool:
+        weight = self.weight()
+        return (weight is not None and weight._version == self.weight_version and weight._local_tensor is shard
+                and shard._tensor is self.source and self.source._version == self.source_version)
+
+
+def _pre_all_gather_precast(self, mesh):
+    """A local shard's ``fsdp_pre_all_gather`` (bound to it by ``precast_local_shards``): the
+    cast made in this forward's pre-hook, as torchao's would return it, while it is current
+    (``Float8Cast.current``); otherwise torchao's own cast."""
+    cast = self.__dict__.get("_lockstep_float8_cast")
+    if cast is not None and cast.current(self):
+        return (cast.data,), (cast.scale,)
+    return type(self).fsdp_pre_all_gather(self, mesh)
 
 
 def shard_amax(shards: list[torch.Tensor]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """benchmarks/float8_scales.py on 2 CPU ranks (torchrun, gloo, torchao's FP8 emulation): the
-precomputed FP8 all-gather scales train bitwise like torchao's per-weight path, and the
-script says so in its table and JSON."""
+precomputed FP8 all-gather scales and batched casts train bitwise like torchao's per-weight
+path, and the script says so in its table and JSON, with the host time of both casts."""
 
 from __future__ import annotations
 
@@ -32,4 +32,6 @@ def test_two_cpu_ranks_agree_bitwise(tmp_path):
     for case in record["cases"]:
         assert case["losses_hook"] == case["losses_per_weight"] and case["scales_mismatched"] == 0
         assert len(case["losses_hook"]) == 4 and case["losses_hook"][-1] < case["losses_hook"][0]
+        timings = case["gather_inputs_us_per_weight"]  # both measured (the CPU's numbers are the casts' compute)
+        assert sorted(timings) == ["batched", "torchao"] and all(value > 0 for value in timings.values())
     assert "| True | False |" in proc.stdout

@@ -193,6 +193,7 @@ def _fsdp_float8_runs() -> dict:
             assert precompute_scales_each_forward(model, parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, all_reduces, scales_match, hook_first = [], [], [], []
+        precast_used, precast_like_torchao, stale_skipped = [], [], []
         for step in range(STEPS):
             if mode == "stale" and step == 0:
                 precompute_float8_dynamic_scale_for_fsdp(model)
@@ -212,12 +213,41 @@ def _fsdp_float8_runs() -> dict:
                         scale = local._precomputed_scale
                         matches.append(None if scale is None else torch.equal(scale, dynamic))
                 scales_match.append(matches)
+                shards = [m.weight._local_tensor for m in model.modules() if isinstance(m, Float8Linear)]
+                gathered = [shard.fsdp_pre_all_gather(mesh) for shard in shards]
+                precast_used.append([inputs[0] is shard._lockstep_float8_cast.data
+                                     for shard, (inputs, _) in zip(shards, gathered)])
+                precast_like_torchao.append([_same_gather(mine, type(shard).fsdp_pre_all_gather(shard, mesh))
+                                             for shard, mine in zip(shards, gathered)])
             optimizer.step()
+            if mode == "hook":  # stepped: the casts are stale, and torchao's cast of the new weights is used
+                after = [shard.fsdp_pre_all_gather(mesh) for shard in shards]
+                stale_skipped.append([inputs[0] is not shard._lockstep_float8_cast.data
+                                      and _same_gather((inputs, metadata), type(shard).fsdp_pre_all_gather(shard, mesh))
+                                      for shard, (inputs, metadata) in zip(shards, after)])
             optimizer.zero_grad()
             losses.append(loss.detach())
+        load_makes_stale = None
+        if mode == "hook":  # a checkpoint load, as training/checkpointing.py does it, after a forward's casts
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+            model(tokens[:, :-1])
+            assert all(shard._lockstep_float8_cast.current(shard) for shard in shards)
+            set_model_state_dict(model, {k: v.detach().clone() for k, v in get_model_state_dict(model).items()})
+            load_makes_stale = [not shard._lockstep_float8_cast.current(shard) for shard in shards]
         results[mode] = {"converted": len(converted), "losses": torch.stack(losses), "all_reduces": all_reduces,
-                         "scales_match": scales_match, "hook_first": hook_first}
+                         "scales_match": scales_match, "hook_first": hook_first, "precast_used": precast_used,
+                         "precast_like_torchao": precast_like_torchao, "stale_skipped": stale_skipped,
+                         "load_makes_stale": load_makes_stale}
     return results
+
+
+def _same_gather(a, b) -> bool:
+    """Two ``fsdp_pre_all_gather`` results: the same FP8 bytes and the same scales."""
+    (inputs_a, meta_a), (inputs_b, meta_b) = a, b
+    return (len(inputs_a) == len(inputs_b) and all(x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                                   for x, y in zip(inputs_a, inputs_b))
+            and all(torch.equal(x, y) for x, y in zip(meta_a, meta_b)))
 
 
 def test_precomputed_scales_train_bitwise_like_the_per_weight_path():
@@ -228,6 +258,12 @@ def test_precomputed_scales_train_bitwise_like_the_per_weight_path():
         assert torch.equal(hook["losses"], per_weight["losses"])
         assert hook["hook_first"] == [True] * STEPS  # ahead of FSDP's root hook
         assert hook["scales_match"] == [[True] * 14] * STEPS
+        # The hook's batched casts are what the all-gathers send, byte for byte torchao's casts,
+        # and once an optimizer step changed the weights they are not used.
+        assert hook["precast_used"] == [[True] * 14] * STEPS
+        assert hook["precast_like_torchao"] == [[True] * 14] * STEPS
+        assert hook["stale_skipped"] == [[True] * 14] * STEPS
+        assert hook["load_makes_stale"] == [True] * 14
         # (forward, backward) all-reduces: one per forward instead of one per FP8 weight, and
         # none instead of block 0's 7 when the backward gathers it again.
         assert hook["all_reduces"] == [(1, 0)] * STEPS
@@ -263,13 +299,15 @@ def _local_shard_optimizer_runs() -> dict:
         precompute_scales_each_forward(model, parallel)
         optimizer = LocalShardAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         optimizer.step_on_local_shards = local
-        losses, swappable = [], []
+        losses, swappable, stale = [], [], []
         for _ in range(STEPS):
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             swappable.append(all(_swappable(m.weight) for m in model.modules() if isinstance(m, Float8Linear)))
+            shards = [m.weight._local_tensor for m in model.modules() if isinstance(m, Float8Linear)]
             optimizer.step()
+            stale.append([not shard._lockstep_float8_cast.current(shard) for shard in shards])
             optimizer.zero_grad()
             losses.append(loss.detach())
         params = [p.to_local() for p in model.parameters()]
@@ -278,7 +316,7 @@ def _local_shard_optimizer_runs() -> dict:
         layout = all(isinstance(v, DTensor) and v.placements == p.placements
                      for p in model.parameters() for k, v in optimizer.state[p].items() if k != "step")
         runs[local] = {"losses": torch.stack(losses), "params": params, "state": state, "layout": layout,
-                       "fp8_swappable": swappable}
+                       "fp8_swappable": swappable, "stale": stale}
     same_state = all(
         sorted(a) == sorted(b) and all(torch.equal(getattr(a[k], "_local_tensor", a[k]), getattr(b[k], "_local_tensor", b[k]))
                                        for k in a)
@@ -289,6 +327,8 @@ def _local_shard_optimizer_runs() -> dict:
         "params_equal": all(torch.equal(a, b) for a, b in zip(runs[True]["params"], runs[False]["params"])),
         "state_equal": same_state, "layout_kept": runs[True]["layout"],
         "fp8_swappable": runs[True]["fp8_swappable"],
+        # A step on the local shards (True) or through DTensor (False) makes the forward's FP8 casts stale.
+        "stale_after_step": {local: run["stale"] for local, run in runs.items()},
     }
 
 
@@ -298,3 +338,4 @@ def test_fp8_weights_step_on_their_local_shards_like_through_dtensor():
         assert result["fp8_swappable"] == [True] * STEPS  # FP8 weights take the local path
         assert result["losses_equal"] and result["params_equal"] and result["state_equal"], result
         assert result["layout_kept"]
+        assert result["stale_after_step"] == {True: [[True] * 14] * STEPS, False: [[True] * 14] * STEPS}
