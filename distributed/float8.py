@@ -20,14 +20,16 @@ the forward and in the backward's gathers alike. The numbers are the same as the
 torchao's EPS, the division in float64, the scale in fp32; only a weight whose amax is below
 EPS, 1e-12, could differ, as that clamp is done in fp32 rather than float64).
 
-The same hook casts the shards to FP8 too, all of them in a few foreach kernels
-(``precast_local_shards``), and each shard's ``fsdp_pre_all_gather`` returns its cast
-instead of casting it again through torchao's per-weight autograd function, which costs the
-host about 150 us a weight while the GPU waits for the first unit's all-gather (14.7 ms a
-step for Qwen3-1.7B on four H200s, docs/performance.md, 2026-11-28g). The bytes gathered
-are the same. A cast is used only while the weight is the one it was cast from (the
-parameter's and the inner fp32 tensor's version counters, ``Float8Cast.current``): after an
-optimizer step or a checkpoint load, a gather outside the model's forward casts afresh.
+The same hook casts the shards to FP8 too, all of them in a few kernels over one flat buffer
+(``precast_local_shards``), and each shard's first ``fsdp_pre_all_gather`` after it returns
+that cast instead of casting through torchao's per-weight autograd function and tensor
+subclass, three kernel launches and their Python a weight, issued while the GPU waits for the first
+unit's all-gather (14.7 ms a step for Qwen3-1.7B on four H200s under the profiler, which
+inflates such host costs; docs/performance.md, 2026-11-28g). The bytes gathered are the
+same. A cast is used once, by the forward's gather (a backward that gathers a block again
+casts it as torchao does, with the stored scale), and only while the weight is the one it
+was cast from (the parameter's and the inner fp32 tensor's version counters,
+``Float8Cast.current``).
 
 A stored scale is stale once the weights change (optimizer step, checkpoint load, resume),
 and a stale one casts the weight with a wrong scale, silently. So the hook recomputes the
@@ -244,24 +246,25 @@ class PrecomputeFloat8Scales:
             precast_local_shards(weights, scales, float8_dtype)
 
 
-PRECAST_CHUNK_ELEMENTS = 1 << 26  # fp32 elements scaled at once: bounds the temporary at 256 MiB
+PRECAST_CHUNK_ELEMENTS = 1 << 26  # elements cast at once: bounds the fp32 temporaries at 2 x 256 MiB
 
 
 def precast_local_shards(weights: list[torch.Tensor], scales: tuple[torch.Tensor, ...] | list[torch.Tensor],
                          float8_dtype: torch.dtype) -> None:
     """Cast the local shards of many sharded FP8 weights (DTensors holding torchao's
-    ``WeightWithDynamicFloat8CastTensor``) to FP8 with their all-gather ``scales``, in a few
-    foreach kernels, and have each shard's ``fsdp_pre_all_gather`` return its cast
-    (``_pre_all_gather_precast``).
+    ``WeightWithDynamicFloat8CastTensor``) to FP8 with their all-gather ``scales``, a few
+    kernels over one flat buffer for all of them, and have each shard's
+    ``fsdp_pre_all_gather`` return its cast (a view of that buffer; ``_pre_all_gather_precast``).
 
     The arithmetic is torchao's per-weight cast (``hp_tensor_and_scale_to_float8``): the
     weight in fp32 times its scale, clamped to the FP8 range, converted, so the all-gathered
     bytes are the same; what changes is the host's work. torchao casts each weight inside
-    FSDP's all-gather, through an autograd function and a tensor subclass, about 150 us of
-    host time a weight; the first FSDP unit's casts are issued while the GPU waits, 14.7 ms a
-    step for Qwen3-1.7B on four GPUs (docs/performance.md, 2026-11-28g). Shards are scaled in
-    chunks of at most ``PRECAST_CHUNK_ELEMENTS`` elements, so the fp32 temporary stays small;
-    the casts stay until the next forward replaces them (one byte per local element)."""
+    FSDP's all-gather, three kernels through an autograd function and a tensor subclass, and
+    the first FSDP unit's casts are issued while the GPU waits (docs/performance.md,
+    2026-11-28g); here a chunk of weights costs a handful of kernels. Shards are scaled in
+    chunks of at most ``PRECAST_CHUNK_ELEMENTS`` elements, so the fp32 temporaries stay small;
+    each cast is dropped by the gather that sends it, so the FP8 copies do not outlive the
+    forward's all-gathers."""
     with torch.no_grad():  # as FSDP's all-gather runs torchao's cast
         _precast(weights, scales, float8_dtype)
 
@@ -275,13 +278,16 @@ def _precast(weights: list[torch.Tensor], scales, float8_dtype: torch.dtype) -> 
             elements += weights[end]._local_tensor.numel()
             end += 1
         shards = [weight._local_tensor for weight in weights[start:end]]
-        hp = [shard._tensor if shard._tensor.dtype == torch.float32 else shard._tensor.float() for shard in shards]
-        scaled = torch._foreach_mul(hp, list(scales[start:end]))
-        torch._foreach_clamp_min_(scaled, -max_value)
-        torch._foreach_clamp_max_(scaled, max_value)
-        for weight, shard, scale, value in zip(weights[start:end], shards, scales[start:end], scaled):
-            shard._lockstep_float8_cast = Float8Cast(value.to(float8_dtype), scale, weakref.ref(weight), weight._version,
-                                                     shard._tensor, shard._tensor._version)
+        numels = [shard.numel() for shard in shards]
+        # One flat buffer, so the chunk costs a handful of kernels whatever its count of weights:
+        # the shards in fp32, each element times its weight's scale, clamped, converted.
+        flat = torch.cat([shard._tensor.reshape(-1) for shard in shards]).float()
+        flat.mul_(torch.cat([scale.expand(n) for scale, n in zip(scales[start:end], numels)]))
+        flat.clamp_(-max_value, max_value)
+        casts = flat.to(float8_dtype).split(numels)
+        for weight, shard, scale, cast in zip(weights[start:end], shards, scales[start:end], casts):
+            shard._lockstep_float8_cast = Float8Cast(cast.view(shard._tensor.shape), scale, weakref.ref(weight),
+                                                     weight._version, shard._tensor, shard._tensor._version)
             if "fsdp_pre_all_gather" not in shard.__dict__:
                 shard.fsdp_pre_all_gather = types.MethodType(_pre_all_gather_precast, shard)
         start = end
@@ -310,10 +316,17 @@ class Float8Cast:
 
 def _pre_all_gather_precast(self, mesh):
     """A local shard's ``fsdp_pre_all_gather`` (bound to it by ``precast_local_shards``): the
-    cast made in this forward's pre-hook, as torchao's would return it, while it is current
-    (``Float8Cast.current``); otherwise torchao's own cast."""
-    cast = self.__dict__.get("_lockstep_float8_cast")
+    cast made in this forward's pre-hook, as torchao's would return it, once and while it is
+    current (``Float8Cast.current``); otherwise torchao's own cast (a backward that gathers
+    the block again casts it anew, with the same scale, so the cast is not kept the whole step).
+
+    FSDP calls this on its all-gather copy-in stream and copies the result on that stream; the
+    cast was made on the current stream, so its memory is marked in use by the copy-in stream
+    (``record_stream``) before this drops it."""
+    cast = self.__dict__.pop("_lockstep_float8_cast", None)
     if cast is not None and cast.current(self):
+        if cast.data.is_cuda:
+            cast.data.record_stream(torch.cuda.current_stream(cast.data.device))
         return (cast.data,), (cast.scale,)
     return type(self).fsdp_pre_all_gather(self, mesh)
 

@@ -19,6 +19,7 @@ from distributed.float8 import (
     PrecomputeFloat8Scales,
     apply_float8,
     float8_module_filter,
+    precast_local_shards,
     precompute_scales_each_forward,
     require_float8,
     require_float8_head,
@@ -193,7 +194,7 @@ def _fsdp_float8_runs() -> dict:
             assert precompute_scales_each_forward(model, parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, all_reduces, scales_match, hook_first = [], [], [], []
-        precast_used, precast_like_torchao, stale_skipped = [], [], []
+        consumed, precast_used, precast_like_torchao, used_once, stale_skipped = [], [], [], [], []
         for step in range(STEPS):
             if mode == "stale" and step == 0:
                 precompute_float8_dynamic_scale_for_fsdp(model)
@@ -213,18 +214,27 @@ def _fsdp_float8_runs() -> dict:
                         scale = local._precomputed_scale
                         matches.append(None if scale is None else torch.equal(scale, dynamic))
                 scales_match.append(matches)
-                shards = [m.weight._local_tensor for m in model.modules() if isinstance(m, Float8Linear)]
+                weights = [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
+                shards = [weight._local_tensor for weight in weights]
+                consumed.append(["_lockstep_float8_cast" not in shard.__dict__ for shard in shards])
+                scales = [shard._precomputed_scale for shard in shards]
+                precast_local_shards(weights, scales, shards[0]._dtype)  # as the hook did
+                casts = [shard._lockstep_float8_cast.data for shard in shards]
                 gathered = [shard.fsdp_pre_all_gather(mesh) for shard in shards]
-                precast_used.append([inputs[0] is shard._lockstep_float8_cast.data
-                                     for shard, (inputs, _) in zip(shards, gathered)])
+                precast_used.append([inputs[0] is cast for cast, (inputs, _) in zip(casts, gathered)])
                 precast_like_torchao.append([_same_gather(mine, type(shard).fsdp_pre_all_gather(shard, mesh))
                                              for shard, mine in zip(shards, gathered)])
+                again = [shard.fsdp_pre_all_gather(mesh) for shard in shards]  # used once: torchao's cast now
+                used_once.append([inputs[0] is not cast and _same_gather((inputs, meta), mine)
+                                  for cast, (inputs, meta), mine in zip(casts, again, gathered)])
+                precast_local_shards(weights, scales, shards[0]._dtype)
+                casts = [shard._lockstep_float8_cast.data for shard in shards]
             optimizer.step()
             if mode == "hook":  # stepped: the casts are stale, and torchao's cast of the new weights is used
                 after = [shard.fsdp_pre_all_gather(mesh) for shard in shards]
-                stale_skipped.append([inputs[0] is not shard._lockstep_float8_cast.data
+                stale_skipped.append([inputs[0] is not cast
                                       and _same_gather((inputs, metadata), type(shard).fsdp_pre_all_gather(shard, mesh))
-                                      for shard, (inputs, metadata) in zip(shards, after)])
+                                      for cast, shard, (inputs, metadata) in zip(casts, shards, after)])
             optimizer.zero_grad()
             losses.append(loss.detach())
         load_makes_stale = None
@@ -232,12 +242,14 @@ def _fsdp_float8_runs() -> dict:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
             model(tokens[:, :-1])
+            precast_local_shards(weights, [shard._precomputed_scale for shard in shards], shards[0]._dtype)
             assert all(shard._lockstep_float8_cast.current(shard) for shard in shards)
             set_model_state_dict(model, {k: v.detach().clone() for k, v in get_model_state_dict(model).items()})
             load_makes_stale = [not shard._lockstep_float8_cast.current(shard) for shard in shards]
         results[mode] = {"converted": len(converted), "losses": torch.stack(losses), "all_reduces": all_reduces,
                          "scales_match": scales_match, "hook_first": hook_first, "precast_used": precast_used,
                          "precast_like_torchao": precast_like_torchao, "stale_skipped": stale_skipped,
+                         "consumed": consumed, "used_once": used_once,
                          "load_makes_stale": load_makes_stale}
     return results
 
@@ -258,9 +270,12 @@ def test_precomputed_scales_train_bitwise_like_the_per_weight_path():
         assert torch.equal(hook["losses"], per_weight["losses"])
         assert hook["hook_first"] == [True] * STEPS  # ahead of FSDP's root hook
         assert hook["scales_match"] == [[True] * 14] * STEPS
-        # The hook's batched casts are what the all-gathers send, byte for byte torchao's casts,
-        # and once an optimizer step changed the weights they are not used.
+        # The hook's batched casts are what the all-gathers send (the forward's gathers consumed
+        # every one), byte for byte torchao's casts, once each, and once an optimizer step
+        # changed the weights they are not used.
+        assert hook["consumed"] == [[True] * 14] * STEPS
         assert hook["precast_used"] == [[True] * 14] * STEPS
+        assert hook["used_once"] == [[True] * 14] * STEPS
         assert hook["precast_like_torchao"] == [[True] * 14] * STEPS
         assert hook["stale_skipped"] == [[True] * 14] * STEPS
         assert hook["load_makes_stale"] == [True] * 14
@@ -305,7 +320,9 @@ def _local_shard_optimizer_runs() -> dict:
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             swappable.append(all(_swappable(m.weight) for m in model.modules() if isinstance(m, Float8Linear)))
-            shards = [m.weight._local_tensor for m in model.modules() if isinstance(m, Float8Linear)]
+            weights = [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
+            shards = [weight._local_tensor for weight in weights]
+            precast_local_shards(weights, [shard._precomputed_scale for shard in shards], shards[0]._dtype)
             optimizer.step()
             stale.append([not shard._lockstep_float8_cast.current(shard) for shard in shards])
             optimizer.zero_grad()
