@@ -8,13 +8,19 @@
 
 from __future__ import annotations
 
-from core.distributed_context import DistributedContext
-from runtime.fast_exit import exit_process
-from training import session
-from training.export import record_init_source
-from training.builders import build_data, build_guards, build_model, build_tracker, close_all
-from training.guards import Guards
-from training.loop import Trainer
+from runtime.signals import exit_with_launcher
+
+# First, before the imports below load torch (seconds): under torchrun, a rank whose launcher
+# is killed meanwhile exits too instead of waiting on a dead rendezvous (runtime/signals.py).
+exit_with_launcher()
+
+from core.distributed_context import DistributedContext  # noqa: E402
+from runtime.fast_exit import exit_process  # noqa: E402
+from training import session  # noqa: E402
+from training.export import record_init_source  # noqa: E402
+from training.builders import build_data, build_guards, build_model, build_tracker, close_all  # noqa: E402
+from training.guards import Guards  # noqa: E402
+from training.loop import Trainer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,11 +164,18 @@ def exit_with_launcher(
     (code 1, no cleanup, as a kill would) once it changes; the resume then finds what a kill
     leaves: a stale lock and no half-written checkpoint published.
 
+    The launcher is the parent at the first call, so the first call must come before anything
+    slow: ``train.py`` makes it its first statement, ahead of the imports (seconds of torch),
+    and a launcher killed during them is still noticed. Later calls return the same thread.
+
     Returns the thread, or None when the process was not started by torchrun.
     """
+    global _launcher_watch
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
+    if _launcher_watch is not None and environ is None:
+        return _launcher_watch
     launcher = os.getppid()
     rank = env.get("RANK", "?")
 
@@ -183,4 +190,9 @@ def exit_with_launcher(
 
     thread = threading.Thread(target=watch, name="lockstep-launcher-watch", daemon=True)
     thread.start()
+    if environ is None:
+        _launcher_watch = thread
     return thread
+
+
+_launcher_watch: threading.Thread | None = None  # this process's watch, once started

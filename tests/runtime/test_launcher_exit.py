@@ -49,6 +49,29 @@ def test_ranks_exit_within_seconds_of_the_launcher_and_the_run_resumes(e2e_workd
     assert "locked" not in resumed.stderr
 
 
+def test_ranks_killed_while_still_importing_exit_too(e2e_workdir):
+    """The launcher SIGKILLed as soon as its ranks run Python, while they are still importing
+    torch: the watch (a thread) starts before those imports, as train.py's first statement,
+    so the ranks go too. (Before that, the interpreter's own start, tens of milliseconds, is
+    the one window in which a rank cannot yet tell its launcher.)"""
+    job = launch.start(e2e_workdir, e2e_args(max_steps=400, name="early-orphans"))
+    ranks: list[psutil.Process] = []
+    try:
+        launcher = psutil.Process(job.pid)
+        assert launch.wait_for(lambda: len(launcher.children(recursive=True)) == 2, timeout=60, interval=0.01)
+        ranks = launcher.children(recursive=True)
+        assert launch.wait_for(lambda: all(r.num_threads() >= 2 for r in ranks), timeout=30, interval=0.01)
+        launch.kill_job(job)
+        gone = launch.wait_for(lambda: not any(_alive(r) for r in ranks), timeout=15)
+        assert gone, f"ranks {[r.pid for r in ranks if _alive(r)]} outlived their launcher"
+        assert not list((e2e_workdir / "runs").glob("early-orphans-*/ledger.jsonl"))  # killed before any step
+    finally:
+        launch.kill_job(job)
+        for rank in ranks:
+            if _alive(rank):
+                rank.kill()
+
+
 def test_the_watch_calls_exit_when_the_parent_changes(monkeypatch):
     exits = []
     parents = iter([100, 100, 1])
