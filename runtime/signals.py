@@ -183,8 +183,11 @@ def exit_with_launcher(
         while True:
             time.sleep(poll_s)
             if os.getppid() != launcher:
-                sys.stderr.write(f"[rank {rank}] launcher (pid {launcher}) is gone; exiting without cleanup\n")
-                sys.stderr.flush()
+                try:
+                    sys.stderr.write(f"[rank {rank}] launcher (pid {launcher}) is gone; exiting without cleanup\n")
+                    sys.stderr.flush()
+                except (OSError, ValueError):  # stderr a pipe whose reader went with the launcher
+                    pass
                 exit_fn(1)
                 return
 

@@ -51,8 +51,9 @@ def test_ranks_exit_within_seconds_of_the_launcher_and_the_run_resumes(e2e_workd
 
 def test_ranks_killed_while_still_importing_exit_too(e2e_workdir):
     """The launcher SIGKILLed as soon as its ranks run Python, while they are still importing
-    torch: the watch (a thread) starts before those imports, as train.py's first statement,
-    so the ranks go too. (Before that, the interpreter's own start, tens of milliseconds, is
+    torch, and nobody reading their stdout and stderr any more (as when a harness drops the
+    killed job's pipes): the watch (a thread) starts before those imports, as train.py's first
+    statement, and exits the rank even though its farewell line cannot be written. (Before that, the interpreter's own start, tens of milliseconds, is
     the one window in which a rank cannot yet tell its launcher.)"""
     job = launch.start(e2e_workdir, e2e_args(max_steps=400, name="early-orphans"))
     ranks: list[psutil.Process] = []
@@ -62,6 +63,8 @@ def test_ranks_killed_while_still_importing_exit_too(e2e_workdir):
         ranks = launcher.children(recursive=True)
         assert launch.wait_for(lambda: all(r.num_threads() >= 2 for r in ranks), timeout=30, interval=0.01)
         launch.kill_job(job)
+        job.stdout.close()  # the ranks' stdout and stderr are pipes nobody reads now: a write fails
+        job.stderr.close()
         gone = launch.wait_for(lambda: not any(_alive(r) for r in ranks), timeout=15)
         assert gone, f"ranks {[r.pid for r in ranks if _alive(r)]} outlived their launcher"
         assert not list((e2e_workdir / "runs").glob("early-orphans-*/ledger.jsonl"))  # killed before any step
@@ -80,3 +83,20 @@ def test_the_watch_calls_exit_when_the_parent_changes(monkeypatch):
     thread.join(timeout=5)
     assert exits == [1]
     assert exit_with_launcher(environ={}) is None  # not under torchrun: nothing to watch
+
+
+def test_the_watch_exits_even_when_stderr_is_a_broken_pipe(monkeypatch):
+    class BrokenPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    exits = []
+    parents = iter([100, 1])
+    monkeypatch.setattr(os, "getppid", lambda: next(parents, 1))
+    monkeypatch.setattr("sys.stderr", BrokenPipe())
+    thread = exit_with_launcher(poll_s=0.01, exit_fn=exits.append, environ={"TORCHELASTIC_RUN_ID": "x", "RANK": "0"})
+    thread.join(timeout=5)
+    assert exits == [1]
