@@ -95,7 +95,7 @@ def time_gather_inputs(mesh, device: torch.device, repeats: int = 20) -> dict:
     apply_fsdp(model, mesh, parallel, device)
     precompute_scales_each_forward(model, parallel)
     with torch.autocast(device.type, dtype=torch.bfloat16):  # the hook stores every scale; sharded again after
-        model(torch.zeros(1, 8, dtype=torch.long, device=device)).float().sum().backward()
+        model(torch.zeros(1, 16, dtype=torch.long, device=device)).float().sum().backward()
     weights = [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
     shards = [weight._local_tensor for weight in weights]
 
