@@ -60,6 +60,25 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor()
 
 
+def dequantized_shards(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded packed tensor (torchao's NF4 under FSDP2) as a DTensor of the plain values
+    its local shard dequantizes to, so that gathering it moves plain tensors; anything else
+    unchanged.
+
+    Gathering the packed DTensor itself sends each of NF4's packed parts through a
+    functional collective, and on gloo its wait crashed the process now and then (SIGSEGV or
+    SIGABRT "malloc(): unaligned tcache chunk detected" in ``wait_tensor``, in one of seven
+    two-rank runs of ``tests/models/test_lora.py``'s QLoRA case). The values are the same bit
+    for bit: a shard holds whole quantization blocks (torchao's sharding requires it), the
+    block statistics that span shards are replicated, and dequantizing is elementwise.
+    """
+    if not isinstance(tensor, DTensor) or not is_packed(tensor.to_local()):
+        return tensor
+    local = tensor.to_local()
+    values = torch.ops.aten._to_copy(local, dtype=local.dtype)
+    return DTensor.from_local(values, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride())
+
+
 @torch.no_grad()
 def param_hash(model: nn.Module) -> str:
     """sha256 over all parameters, identical on every rank and for every strategy.
@@ -76,7 +95,7 @@ def param_hash(model: nn.Module) -> str:
     entries: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor]] = []
     for name, param in params:
         # Gathering is collective: every rank, in canonical order.
-        value = full_tensor(param.detach())
+        value = full_tensor(dequantized_shards(param.detach()))
         if value.device.type not in ("cpu", "cuda"):  # lazy devices (XLA): read it once
             value = value.cpu()
         entries.append((name, value.dtype, tuple(value.shape), fingerprint(value)))

@@ -621,6 +621,7 @@ def _qlora_fsdp_run() -> dict:
     from core.distributed_context import DistributedContext
     from distributed import build_mesh, param_hash, parallelize, unwrap
     from distributed.params import full_tensor
+    from models.nf4 import _torchao_nf4
     from tests.distributed.scenarios import cpu_parallel
 
     parallel = cpu_parallel(strategy="fsdp")
@@ -630,7 +631,20 @@ def _qlora_fsdp_run() -> dict:
         rows = slice(2 * dist.rank, 2 * dist.rank + 2)
         _loss(model, inputs[rows], labels[rows]).backward()
         grads = {n: full_tensor(p.grad).clone() for n, p in unwrap(model).named_parameters() if p.grad is not None}
-        return {"grads": grads, "param_hash": param_hash(model)}  # the ledger's hash gathers NF4 shards
+        # The ledger's hash gathers the NF4 weights as dequantized plain shards, never through
+        # torchao's packed all-gather (whose waits crashed gloo ranks now and then).
+        table = _torchao_nf4().NF4_OPS_TABLE
+        packed_gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+        original = table[packed_gather]
+        table[packed_gather] = _refuse_packed_gather
+        try:
+            return {"grads": grads, "param_hash": param_hash(model)}
+        finally:
+            table[packed_gather] = original
+
+
+def _refuse_packed_gather(*args, **kwargs):
+    raise AssertionError("param_hash gathered an NF4 tensor's packed parts")
 
 
 @pytest.fixture(scope="module")
@@ -653,9 +667,7 @@ def _two_rank_runs() -> dict:
     from models.nf4 import _torchao_nf4
     from tests.distributed.scenarios import cpu_parallel
 
-    # torchao registers its ops when first imported; do that before gloo's threads exist. In
-    # full-suite runs rank 1 crashed (SIGSEGV/SIGABRT) right after a late import, after the
-    # DDP, FSDP and TP runs; never when this file ran alone.
+    # torchao registers its ops when first imported; do that before gloo's threads exist.
     _torchao_nf4()
     with DistributedContext.from_env(cpu_parallel(strategy="ddp")):  # one group serves every run
         return {"ddp": _adapter_run("ddp"), "fsdp": _adapter_run("fsdp"), "tp": _tp_run(), "qlora": _qlora_fsdp_run()}
