@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPROC ?= 2
+TEST_WORKERS ?= 2
 TINY_DATA := datasets/stdlib/.complete
 QWEN_TOKENIZER := datasets/tokenizers/qwen/manifest.json
 
@@ -11,7 +12,7 @@ QWEN_TOKENIZER := datasets/tokenizers/qwen/manifest.json
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml requirements-dev.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0"
@@ -30,8 +31,10 @@ data: $(TINY_DATA) $(QWEN_TOKENIZER)
 train: $(STAMP) $(TINY_DATA) $(QWEN_TOKENIZER)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config configs/tiny.yaml parallel.device=cpu $(ARGS)
 
+# Test files run on TEST_WORKERS pytest workers (pytest-xdist), a file's tests on one worker so
+# that its shared reference runs are trained once; TEST_WORKERS=0 runs them in this process.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-xla:
 	bash scripts/setup_xla_venv.sh

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -110,6 +111,7 @@ def test_determinism_benchmark_passes_its_checks_on_cpu_ranks(e2e_workdir, tmp_p
          "--resume-on", "1", "--seq", "64", "--global-batch", "4", "--steps", "7", "--interval", "3",
          "--workdir", str(e2e_workdir), "--run-root", str(tmp_path / "runs"), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),  # where the replay's own directory goes
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())

@@ -47,7 +47,8 @@ def test_torchrun_restart_after_a_rank_crash_continues_the_same_run(e2e_workdir)
                                                    overrides=["checkpoint.interval=2"]), nproc=2)
     assert reference.returncode == 0, reference.stderr
     command = launch.command(2, e2e_args(
-        max_steps=STEPS, name="restarted", overrides=["runtime.faults=[crash@4:1]", "checkpoint.interval=2"]))
+        max_steps=STEPS, name="restarted", overrides=["runtime.faults=[crash@4:1]", "checkpoint.interval=2"]),
+        rendezvous="c10d")
     command[command.index("--max_restarts=0")] = "--max_restarts=1"
     command.insert(command.index("--max_restarts=1"), f"--rdzv_id=restart-{launch.free_port()}")  # the job's ID
     proc = subprocess.run(command, cwd=e2e_workdir, env=launch.env(e2e_workdir), capture_output=True, text=True,
