@@ -284,3 +284,20 @@ class HostCollective:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.context.host_all_reduce(tensor, op)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a (possibly DTensor) tensor. Collective for DTensors: every rank of
+    the tensor's mesh must call it, in the same order. Shards kept on the host (FSDP's CPU
+    offload) are moved to the mesh's device for the gather."""
+    from torch.distributed.tensor import DTensor  # on use: most importers of this module never gather
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    mesh = tensor.device_mesh
+    if tensor.to_local().device.type != mesh.device_type:
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+        tensor = DTensor.from_local(
+            tensor.to_local().to(device), mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+        )
+    return tensor.full_tensor()

@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from core.distributed_context import full_tensor
+
 # Path segments that wrappers insert between a module and its wrapped child.
 WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -45,19 +47,6 @@ def canonical_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Param
     """Every (plain name, parameter), tied parameters under each of their names."""
     for name, param in unwrap(model).named_parameters(remove_duplicate=False):
         yield canonical_name(name), param
-
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole value of a (possibly DTensor) tensor. Collective for DTensors."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    mesh = tensor.device_mesh
-    if tensor.to_local().device.type != mesh.device_type:  # FSDP CPU offload keeps shards on host
-        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-        tensor = DTensor.from_local(
-            tensor.to_local().to(device), mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
-        )
-    return tensor.full_tensor()
 
 
 def dequantized_shards(tensor: torch.Tensor) -> torch.Tensor:

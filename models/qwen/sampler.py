@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.distributed_context import full_tensor
 from core.exceptions import ConfigError, DataError
 from models.qwen.model import QwenForCausalLM
 
@@ -466,7 +467,7 @@ def generation_model(
         for name, value in state.items():  # the same order on every rank: collectives line up
             if name not in params:
                 continue
-            params[name].copy_(_full_tensor(value) if isinstance(value, DTensor) else value)
+            params[name].copy_(full_tensor(value))
     fresh.tie_weights()
     if adapters:
         fresh = merge_lora(fresh, inplace=True)
@@ -475,13 +476,3 @@ def generation_model(
     return fresh.eval()
 
 
-def _full_tensor(value: torch.Tensor) -> torch.Tensor:
-    """The whole value of a DTensor (collective); shards offloaded to the host are moved to the mesh's device."""
-    from torch.distributed.tensor import DTensor
-
-    mesh = value.device_mesh
-    if value.to_local().device.type != mesh.device_type:
-        target = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-        value = DTensor.from_local(value.to_local().to(target), mesh, value.placements,
-                                   shape=value.shape, stride=value.stride())
-    return value.full_tensor()
