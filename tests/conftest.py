@@ -33,3 +33,14 @@ def e2e_workdir(tmp_path_factory):
         timeout=300,
     )
     return workdir
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with more multi-process tests (marked ``slow``) run earlier. Spread over pytest-xdist
+    workers (``make test``: whole files per worker, in this order), the long files start first
+    and the short in-process ones fill the workers in at the end, instead of one worker
+    finishing a long file alone. The sort is stable: a file's tests keep their order."""
+    slow: dict = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])
