@@ -79,11 +79,14 @@ def test_throughput_launch_times_out_and_ends_every_rank(tmp_path, monkeypatch):
     # instead of the default 20 make that happen sooner, through the same path.
     monkeypatch.setattr(tt, "kill_job", functools.partial(
         tt.kill_job, escalation=((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0))))
+    # Long enough for torchrun and both ranks to start on a loaded 2-core machine (5 s failed
+    # once with three test workers: torchrun's own start had not reached the ranks).
+    timeout = 20
     started = time.monotonic()
-    result = tt.launch(_job(tmp_path), timeout=5)
+    result = tt.launch(_job(tmp_path), timeout=timeout)
     assert result.timed_out
     assert "hangs" in result.stdout
-    assert time.monotonic() - started < 5 + 3 + 10 + 15  # timeout, SIGTERM grace, SIGKILL grace, slack
+    assert time.monotonic() - started < timeout + 3 + 10 + 15  # timeout, SIGTERM grace, SIGKILL grace, slack
     assert not [pid for pid in _ranks(tmp_path) if _alive(pid)]
 
 
