@@ -4,34 +4,50 @@ The template is the ``chat_template`` of the tokenizer directory's ``tokenizer_c
 (or ``data.chat_template``), rendered with Jinja2 the way Hugging Face renders it: a
 sandboxed environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
 extension, a ``tojson`` filter, ``raise_exception`` and ``strftime_now``, and the special
-tokens of ``tokenizer_config.json`` as variables. Without one, the built-in ChatML template
+tokens of ``tokenizer_config.json`` as variables (data/chat_sandbox.py adds a time and size
+budget to every render, and a fixed clock). Without one, the built-in ChatML template
 applies. The rendered string is tokenized as a whole (no special tokens added), which is
 exactly what ``transformers``' ``apply_chat_template(..., tokenize=True)`` does, so the ids
 are the same (tests/data/test_chat_template.py checks it).
 
-Which tokens carry loss is found on the rendered text, not by rendering prefixes (templates
-such as Qwen3's render earlier turns differently once later turns exist): the messages'
-contents are located in order in the rendered string, and a trained message's span runs
-from the start of its content to the end of the end-of-turn marker that follows it
-(``<|im_end|>`` for ChatML templates, else the tokenizer's EOS), when the marker follows the
-content directly. A token is trained when its characters overlap a trained span.
+Which tokens carry loss is found from the template's structure, never by searching for a
+message's content in the rendered text (an answer such as ``tan`` also occurs in the markup
+``assistant``). For each trained message, the conversation is rendered once more with only
+that message's content replaced by a probe (private-use characters that occur nowhere in the
+record or the template); the characters between the first and the last place where the real
+rendering differs from the probed one are what that message's content produced, wherever the
+same text also occurs elsewhere. The span then runs on over the end-of-turn marker that
+follows it (``<|im_end|>`` for ChatML templates, else the tokenizer's EOS). Templates that render a turn differently depending on where it
+stands (Qwen3's think blocks) are rendered whole each time, so this holds for them too:
 
-``data.loss_on``: ``assistant`` trains every assistant turn; ``completion`` trains the last
-assistant turn of a conversation (the completion of a prompt/completion record); ``all``
-trains every token.
+- an earlier turn's ``<think>...</think>`` is dropped by Qwen3's template and the span is the
+  answer the template keeps;
+- the last turn's reasoning is kept, and so is the template text between the assistant header
+  and the answer that only exists because of it (``<think>\\n``): the span is everything the
+  model writes after the generation prompt. An empty think block the template adds to every
+  last turn is the template's, not the answer's, and carries no loss.
+
+A trained span must contain the message's answer verbatim (the text after its ``</think>``),
+so a template that rewrites the content (``| upper``) is refused rather than trained on.
+A token is trained when its characters overlap a trained span.
+
+``data.loss_on``: ``assistant`` trains every assistant turn; ``completion`` trains the
+assistant turns of the completion (the last assistant turn of a chat record); ``all`` trains
+every token.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from core.exceptions import ConfigError
+from core.exceptions import ConfigError, DataError, LockstepError
+from data.chat_sandbox import MAX_CHARS, MAX_SECONDS, Budget, TemplateBudgetError, compile_template, environment, \
+    parse_clock, render_within
 
 ROLES = ("system", "user", "assistant")
 
@@ -47,9 +63,23 @@ CHATML_END = "<|im_end|>"
 
 LOSS_ON = ("assistant", "completion", "all")
 
+PROBE_CHARS = range(0xE000, 0xF900)
+"""Private-use characters: the stand-in content that locates a message's span is a pair of
+them that occurs in neither the record nor the template."""
 
-class RecordError(ValueError):
-    """A record that does not match its declared kind (a bad record, skippable)."""
+
+class RecordError(DataError, ValueError):
+    """A record that does not match its declared kind (a bad record, skippable).
+
+    The pipeline names the file and record around it; ``str()`` is the bare message so that
+    it reads in that frame, and a tool that lets it through still prints one line (exit 3)."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class TemplateLimitError(RecordError):
+    """A render ran past the template's time or size budget (data/chat_sandbox.py)."""
 
 
 @dataclass(frozen=True)
@@ -121,77 +151,86 @@ def _last_assistant(messages: list[dict]) -> int:
 
 
 class ChatTemplate:
-    """A Jinja2 chat template, rendered as Hugging Face renders it."""
+    """A Jinja2 chat template, rendered as Hugging Face renders it, within a time and size budget."""
 
-    def __init__(self, source: str, *, origin: str, special_tokens: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, source: str, *, origin: str, special_tokens: Optional[dict[str, str]] = None,
+                 clock: Optional[str] = None, max_seconds: float = MAX_SECONDS, max_chars: int = MAX_CHARS) -> None:
         self.source = source
         self.origin = origin
         self.special_tokens = dict(special_tokens or {})
+        self.clock = clock
+        self._budget = Budget(origin, max_seconds, max_chars)
         self._compiled = None
+        self._header: Optional[tuple[Optional[str]]] = None
+        self._source_chars = frozenset(source)
         if CHATML_END in source:
             self.end_of_turn = CHATML_END
         else:
             self.end_of_turn = self.special_tokens.get("eos_token") or None
 
     @classmethod
-    def for_tokenizer(cls, tokenizer_spec: str, override: Optional[str] = None) -> "ChatTemplate":
-        """``override`` (a template file), else the tokenizer directory's template, else ChatML."""
+    def for_tokenizer(cls, tokenizer_spec: str, override: Optional[str] = None, *,
+                      clock: Optional[str] = None) -> "ChatTemplate":
+        """``override`` (a template file), else the tokenizer directory's template, else ChatML;
+        ``clock`` is ``data.template_clock`` (what ``strftime_now`` reads)."""
         directory = _tokenizer_dir(tokenizer_spec)
         specials = _special_tokens(directory) if directory is not None else {}
         if override is not None:
             path = Path(override)
             if not path.is_file():
                 raise ConfigError(f"chat template file {override!r} does not exist", key="data.chat_template")
-            return cls(path.read_text(), origin=str(path), special_tokens=specials)
+            return cls(path.read_text(), origin=str(path), special_tokens=specials, clock=clock)
         if directory is not None:
             config = directory / "tokenizer_config.json"
-            template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+            template = _read_config(config).get("chat_template") if config.is_file() else None
             if isinstance(template, list):  # several named templates: the default one
-                template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+                template = next((t.get("template") for t in template
+                                 if isinstance(t, dict) and t.get("name") == "default"), None)
             if isinstance(template, str):
-                return cls(template, origin=str(config), special_tokens=specials)
-        return cls(CHATML_TEMPLATE, origin="built-in ChatML", special_tokens=specials)
+                return cls(template, origin=str(config), special_tokens=specials, clock=clock)
+        return cls(CHATML_TEMPLATE, origin="built-in ChatML", special_tokens=specials, clock=clock)
 
     def __getstate__(self) -> dict:
-        return {"source": self.source, "origin": self.origin, "special_tokens": self.special_tokens}
+        return {"source": self.source, "origin": self.origin, "special_tokens": self.special_tokens,
+                "clock": self.clock, "max_seconds": self._budget.max_seconds, "max_chars": self._budget.max_chars}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["source"], origin=state["origin"], special_tokens=state["special_tokens"])
+        self.__init__(state["source"], origin=state["origin"], special_tokens=state["special_tokens"],
+                      clock=state["clock"], max_seconds=state["max_seconds"], max_chars=state["max_chars"])
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+        template = self._template()  # a template that does not compile is a ConfigError, not a bad record
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                         documents=None, **self.special_tokens)
         try:
-            return self._template().render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-                **self.special_tokens,
-            )
-        except RecordError:
+            return render_within(template, self._budget, variables)
+        except TemplateBudgetError as exc:
+            raise TemplateLimitError(str(exc)) from None
+        except LockstepError:
             raise
-        except Exception as exc:  # jinja2 errors and the template's own raise_exception
-            raise RecordError(f"chat template ({self.origin}) failed: {exc}") from None
+        except Exception as exc:  # jinja2 errors, and what the template's own code raised
+            raise RecordError(f"chat template ({self.origin}) failed: {type(exc).__name__}: {exc}") from None
 
     def _template(self):
         if self._compiled is None:
             import jinja2
-            import jinja2.ext
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message):
                 raise RecordError(f"chat template ({self.origin}) refused the record: {message}")
 
-            def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-                return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                                  sort_keys=sort_keys)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env = environment(self._budget, parse_clock(self.clock), raise_exception)
             try:
-                self._compiled = env.from_string(self.source)
+                compiled, uses_clock = compile_template(env, self.source)
             except jinja2.TemplateError as exc:
                 raise ConfigError(f"chat template does not compile: {exc}", key="data.chat_template",
                                   file=self.origin) from None
+            if self.clock is None and uses_clock:
+                raise ConfigError(
+                    "the chat template calls strftime_now: its text would depend on the day it is rendered",
+                    key="data.template_clock", file=self.origin,
+                    hint="set data.template_clock to a fixed date-time (e.g. data.template_clock=2026-01-01T00:00:00)"
+                         "; it is recorded with the run, so resume and replay render the same text")
+            self._compiled = compiled
         return self._compiled
 
     def render_spans(self, messages: list[dict], first_completion: int, loss_on: str) -> Rendered:
@@ -199,36 +238,109 @@ class ChatTemplate:
         text = self.render(messages)
         if loss_on == "all":
             return Rendered(text, ((0, len(text)),))
-        trained = {i for i, m in enumerate(messages) if m["role"] == "assistant"
-                   and (loss_on == "assistant" or i >= first_completion)}
-        spans, cursor = [], 0
-        for i, message in enumerate(messages):
-            start, end = _locate(text, message["content"], cursor)
-            if start < 0:
-                if i in trained:
-                    raise RecordError(f"chat template ({self.origin}) does not render message {i}'s content "
-                                      "verbatim: cannot tell which tokens to train")
-                continue
-            cursor = end
-            if i in trained:
-                marker = self.end_of_turn
-                if marker and text.startswith(marker, end):
-                    end += len(marker)
-                spans.append((start, end))
-                cursor = end
-        if not spans:
+        trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"
+                   and (loss_on == "assistant" or i >= first_completion)]
+        if not trained:
             raise RecordError("the record has no assistant turn to train (data.loss_on="
                               f"{loss_on}); use data.loss_on=all to train every token")
+        spans = [self._turn_span(messages, i, text) for i in trained]
+        for (_, end), (start, _), i in zip(spans, spans[1:], trained[1:]):
+            if start < end:
+                raise RecordError(f"chat template ({self.origin}) renders message {i}'s content inside an "
+                                  "earlier turn: cannot tell which tokens to train")
         return Rendered(text, tuple(spans))
 
+    def _turn_span(self, messages: list[dict], i: int, text: str) -> tuple[int, int]:
+        """[start, end) of what message ``i``'s content produced in ``text``, with its end-of-turn marker."""
+        probe = self._probe(messages)
+        probed = self.render(_replace_content(messages, i, probe))
+        start = _common_prefix(text, probed)
+        end = len(text) - _common_suffix(text, probed, start)
+        answer = _answer(messages[i]["content"])
+        if end <= start or (answer and answer not in text[start:end]):
+            raise RecordError(f"chat template ({self.origin}) does not render message {i}'s content "
+                              "verbatim: cannot tell which tokens to train")
+        start = self._turn_start(text, start, probed, probed.find(probe))
+        marker = self.end_of_turn
+        if marker and text.startswith(marker, end):
+            end += len(marker)
+        return start, end
 
-def _locate(text: str, content: str, cursor: int) -> tuple[int, int]:
-    for candidate in (content, content.strip()):
-        if candidate:
-            at = text.find(candidate, cursor)
-            if at >= 0:
-                return at, at + len(candidate)
-    return -1, -1
+    def _probe(self, messages: list[dict]) -> str:
+        """A stand-in content whose characters occur nowhere else: where the rendering with it
+        first and last differs from the real one bounds what the real content produced."""
+        used = self._source_chars.union(*(m["content"] for m in messages))
+        free = (chr(c) for c in PROBE_CHARS if chr(c) not in used)
+        probe = next(free, "") + next(free, "")
+        if len(probe) < 2:
+            raise RecordError("the record uses every private-use character: cannot locate its turns")
+        return probe
+
+    def _turn_start(self, text: str, start: int, probed: str, probe_start: int) -> int:
+        """Move ``start`` back to the end of the assistant header when the template text between
+        them exists because of this content (Qwen3's ``<think>\\n`` before kept reasoning): it is
+        then part of what the model writes. Text the template writes whatever the content (an
+        empty think block) stays untrained."""
+        header = self._turn_header()
+        if header is None or probe_start < 0:
+            return start
+        at, probe_at = text.rfind(header, 0, start), probed.rfind(header, 0, probe_start)
+        if at < 0 or probe_at < 0:
+            return start
+        at, probe_at = at + len(header), probe_at + len(header)
+        return at if text[at:start] != probed[probe_at:probe_start] else start
+
+    def _turn_header(self) -> Optional[str]:
+        """What the template writes to open an assistant turn: its generation prompt."""
+        if self._header is None:
+            question = [{"role": "user", "content": "?"}]
+            try:
+                bare, opened = self.render(question), self.render(question, add_generation_prompt=True)
+            except RecordError:  # a template that refuses a lone user turn: no header to go by
+                bare, opened = "", ""
+            self._header = (opened[len(bare):] or None,) if opened.startswith(bare) else (None,)
+        return self._header[0]
+
+
+def _replace_content(messages: list[dict], i: int, content: str) -> list[dict]:
+    return [{**m, "content": content} if j == i else m for j, m in enumerate(messages)]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slices (C speed)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _common_suffix(a: str, b: str, floor: int) -> int:
+    """Length of the common suffix of ``a[floor:]`` and ``b[floor:]``."""
+    return _common_prefix(a[floor:][::-1], b[floor:][::-1])
+
+
+def _answer(content: str) -> str:
+    """The part of an assistant content that every template keeps: the text after its reasoning."""
+    return content.split("</think>")[-1].strip()
+
+
+def _read_config(path: Path) -> dict:
+    """A tokenizer directory's tokenizer_config.json: a DataError naming it if it is not a JSON object."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path.name} is not valid JSON: {exc}", file=str(path),
+                        hint="repair the file or copy it again from its source") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{path.name} must hold a JSON object, got {type(raw).__name__}", file=str(path),
+                        hint="repair the file or copy it again from its source")
+    return raw
 
 
 def _tokenizer_dir(spec: str) -> Optional[Path]:
@@ -242,7 +354,7 @@ def _special_tokens(directory: Path) -> dict[str, str]:
     config = directory / "tokenizer_config.json"
     if not config.is_file():
         return {}
-    raw = json.loads(config.read_text())
+    raw = _read_config(config)
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = raw.get(key)
@@ -306,6 +418,8 @@ class ChatEncoder:
             messages = _check_messages(prompt, "prompt")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
             raise RecordError(f"prompt record needs a non-empty 'answer' (string or number), got {answer!r}")
+        if isinstance(answer, float) and not np.isfinite(answer):
+            raise RecordError(f"prompt record's 'answer' is {answer!r}, not a finite number")  # JSON NaN/Infinity
         prompt_ids = self.tokenizer.encode_array(self.template.render(messages, add_generation_prompt=True))
         answer_ids = self.tokenizer.encode_array(str(answer))
         mask = np.concatenate([np.zeros(len(prompt_ids), dtype=bool), np.ones(len(answer_ids), dtype=bool)])
@@ -316,6 +430,9 @@ class ChatEncoder:
         probe = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."}]
         try:
             rendered = self.template.render_spans(probe, 1, "assistant")
+        except TemplateLimitError as exc:
+            raise ConfigError(str(exc), key="data.chat_template", file=self.template.origin,
+                              hint="fix the template's loops or the values it builds") from None
         except RecordError as exc:
             raise ConfigError(f"the chat template renders no assistant span: {exc}", key="data.chat_template",
                               file=self.template.origin,

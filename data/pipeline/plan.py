@@ -153,7 +153,7 @@ def chat_encoders(config: DataConfig, sources: list[Source], tokenizer: Tokenize
             "chat and prompt_completion records need data.packing=whole (or auto)", key="data.packing",
             hint="a conversation cut across rows would lose its prompt",
         )
-    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template)
+    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
     encoders: list[ChatEncoder | None] = []
     for s in sources:
         if s.config.record == "text":
@@ -177,6 +177,6 @@ def check_chat_config(config: DataConfig) -> None:
     if config.packing == "split":
         raise ConfigError("chat and prompt_completion records need data.packing=whole (or auto)",
                           key="data.packing", hint="a conversation cut across rows would lose its prompt")
-    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template)
+    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
     kind = next(k for k in kinds if k != "text")
     ChatEncoder(template, build_tokenizer(config.tokenizer), kind=kind, loss_on=config.loss_on).check()

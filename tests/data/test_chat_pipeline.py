@@ -130,7 +130,7 @@ def test_a_bad_chat_record_names_file_and_record_or_is_skipped_and_counted(tmp_p
         with build(config.data, seed=0, global_batch_size=2, rank=0, world_size=1) as pipe:
             for _ in range(4):
                 next(pipe)
-    assert info.value.context["file"] == str(path) and info.value.context["record"] == 3
+    assert info.value.context["file"] == str(path) and info.value.context["record"] == 4  # line 4
     skipping = _config(path, "data.on_bad_record=skip", streams=1, batch=2)
     with build(skipping.data, seed=0, global_batch_size=2, rank=0, world_size=1) as pipe:
         for _ in range(4):
