@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -169,10 +170,7 @@ class _FieldReader:
         return value
 
     def number(self, key: str, default: float) -> float:
-        value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise self.error(key, f"{key} must be a positive number, got {value!r}")
-        return float(value)
+        return _positive_number(self, key, self.get(key, default))
 
     def flag(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
@@ -217,11 +215,16 @@ def _read_rope_theta(reader: _FieldReader) -> float:
                 hint="only plain RoPE (rope_type default) is implemented",
             )
         if params.get("rope_theta") is not None:
-            theta = params["rope_theta"]
-            if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-                raise reader.error("rope_parameters.rope_theta", f"rope_theta must be a positive number, got {theta!r}")
-            return float(theta)
+            return _positive_number(reader, "rope_parameters.rope_theta", params["rope_theta"])
     return reader.number("rope_theta", _DEFAULT_ROPE_THETA)
+
+
+def _positive_number(reader: _FieldReader, key: str, value: Any) -> float:
+    """A finite number > 0; JSON's NaN and Infinity (which Python's json accepts) are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise reader.error(key, f"{key} must be a finite positive number, got {value!r}",
+                           hint=f"fix {key} in config.json (NaN and Infinity are not valid values)")
+    return float(value)
 
 
 def _reject_unsupported(reader: _FieldReader) -> None:

@@ -9,6 +9,10 @@ and a tensor we have no place for is an error rather than silently dropped.
 Exactness padding: HF Qwen2 always has q/k/v biases and HF Qwen3 with ``attention_bias``
 also has an o_proj bias. Where our model lacks such a bias the exporter writes zeros (the
 same function), and the loader accepts such a tensor only if it is all zeros.
+
+A directory is data from elsewhere (``model.init_from``, a reference, a teacher, generate's
+``--from``), so the loader also refuses, as a ConfigError naming file and tensor: an index entry
+naming a file outside the directory, a file safetensors cannot read, and a NaN/Inf weight.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from core.config import ModelConfig
@@ -71,26 +75,14 @@ def load_hf_weights(model: QwenForCausalLM, path: str | Path) -> None:
     expected = {to_hf_key(name): param for name, param in model.named_parameters()}  # tied: embed only
     filled: set[str] = set()
     for file in _weight_files(directory):
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for hf_key in reader.keys():
-                if hf_key in expected:
-                    tensor = reader.get_tensor(hf_key)
-                    _check_shape(hf_key, tensor, expected[hf_key], file, model.config)
-                    expected[hf_key].copy_(tensor)
-                    filled.add(hf_key)
-                elif hf_key == "lm_head.weight" and model.dims.tie_embeddings:
-                    continue  # tied: the output head is the embedding, as in transformers
-                elif _IGNORED.fullmatch(hf_key):
-                    continue
-                elif _ZERO_PADDING.fullmatch(hf_key):
-                    _check_zero_padding(hf_key, reader.get_tensor(hf_key), file)
-                else:
-                    raise ConfigError(
-                        f"{file.name} holds tensor {hf_key!r}, which this model has no place for",
-                        file=str(file),
-                        key=hf_key,
-                        hint="check config.json's architecture and flags (tie_word_embeddings, attention_bias)",
-                    )
+        try:
+            _fill_from_file(model, file, expected, filled)
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(
+                f"{file.name} is not a readable safetensors file: {exc}",
+                file=str(file),
+                hint="the file is damaged or truncated; copy or export the model directory again",
+            ) from None
     missing = sorted(set(expected) - filled)
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -102,6 +94,36 @@ def load_hf_weights(model: QwenForCausalLM, path: str | Path) -> None:
         )
 
 
+def _fill_from_file(model: QwenForCausalLM, file: Path, expected: dict[str, torch.Tensor], filled: set[str]) -> None:
+    with safe_open(str(file), framework="pt", device="cpu") as reader:
+        for hf_key in reader.keys():
+            if hf_key in expected:
+                tensor = reader.get_tensor(hf_key)
+                _check_shape(hf_key, tensor, expected[hf_key], file, model.config)
+                _check_finite(hf_key, tensor, file)
+                expected[hf_key].copy_(tensor)
+                filled.add(hf_key)
+            elif hf_key == "lm_head.weight" and model.dims.tie_embeddings:
+                continue  # tied: the output head is the embedding, as in transformers
+            elif _IGNORED.fullmatch(hf_key):
+                continue
+            elif _ZERO_PADDING.fullmatch(hf_key):
+                _check_zero_padding(hf_key, reader.get_tensor(hf_key), file)
+            else:
+                raise ConfigError(
+                    f"{file.name} holds tensor {hf_key!r}, which this model has no place for",
+                    file=str(file),
+                    key=hf_key,
+                    hint="check config.json's architecture and flags (tie_word_embeddings, attention_bias)",
+                )
+
+
+def check_weight_files(path: str | Path) -> None:
+    """Refuse a model directory whose safetensors files are missing or listed outside it, without
+    reading a tensor: a run checks its Hugging Face sources so before it creates its run dir."""
+    _weight_files(config_path(path).parent)
+
+
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX_NAME
     if index.is_file():
@@ -111,7 +133,13 @@ def _weight_files(directory: Path) -> list[Path]:
             raise ConfigError(
                 f"{index} is not a valid safetensors index: {exc}", file=str(index), key="weight_map"
             ) from exc
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]  # ordered, unique
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ConfigError(f"{index} is not a valid safetensors index: weight_map must map tensor names to "
+                              "file names", file=str(index), key="weight_map")
+        names = list(dict.fromkeys(weight_map.values()))  # ordered, unique
+        for name in names:
+            _check_inside(name, directory, index)
+        files = [directory / name for name in names]
         for file in files:
             if not file.is_file():
                 raise ConfigError(
@@ -126,6 +154,31 @@ def _weight_files(directory: Path) -> list[Path]:
             hint="only safetensors checkpoints are supported (convert .bin files with transformers first)",
         )
     return [single]
+
+
+def _check_inside(name: str, directory: Path, index: Path) -> None:
+    """An index entry must name a file inside the model directory (symlinks resolved): an entry
+    such as ``../other/model.safetensors`` or an absolute path would read weights from elsewhere."""
+    if (directory / name).resolve().is_relative_to(directory.resolve()):
+        return
+    raise ConfigError(
+        f"{index.name} lists {name!r}, which is outside the model directory {directory}",
+        file=str(index),
+        key="weight_map",
+        hint="weight files must lie in the model directory itself; fix the index or copy the shards there",
+    )
+
+
+def _check_finite(hf_key: str, tensor: torch.Tensor, file: Path) -> None:
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    raise ConfigError(
+        f"tensor {hf_key!r} in {file.name} holds {bad} non-finite value(s) (NaN or Inf)",
+        file=str(file),
+        key=hf_key,
+        hint="the weights are damaged or came from a diverged run; use another checkpoint",
+    )
 
 
 def _check_shape(hf_key: str, tensor: torch.Tensor, param: torch.Tensor, file: Path, config: ModelConfig) -> None:

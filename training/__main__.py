@@ -1,14 +1,15 @@
 """``python -m training {export, generate}``: the training layer's command line.
 
-    python -m training export --run RUN_ID [--step S] --to DIR [--dtype fp32|bf16|fp16] [--root runs]
-                              [--adapter | --merge]      (LoRA runs: PEFT adapter dir, or merged model)
+    python -m training export --run RUN_ID [--step S] --to DIR [--overwrite] [--dtype fp32|bf16|fp16]
+                              [--root runs] [--adapter | --merge]  (LoRA runs: PEFT adapter dir, or merged model)
+                              (where it may write and how: training/export_target.py)
 
     python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
                                 [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--out FILE.jsonl]
                                 (training/generate.py)
 
 ``--run`` takes a run ID (under ``--root``) or a run directory. Errors print one line and exit
-with the code of their type (2 usage/config, 4 checkpoint); see core/exceptions.py.
+with the code of their type (2 usage/config, 3 data, 4 checkpoint); see core/exceptions.py.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run ID (under --root) or run directory")
     p.add_argument("--root", default="runs", help="where run directories live (default: runs)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-    p.add_argument("--to", required=True, type=Path, help="output directory")
+    p.add_argument("--to", required=True, type=Path, help="output directory (new or empty; see --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing model directory at --to (atomically; never one a run uses)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights' dtype (default: as trained, fp32 master weights)")
     form = p.add_mutually_exclusive_group()
@@ -66,33 +69,41 @@ def _parser() -> argparse.ArgumentParser:
 
 def resolve_run(run: str, root: str) -> RunPaths:
     """A run directory given as a path, or a run ID under ``root``."""
-    from training.resume import find_run
+    from experiments.runs import recent_runs
 
     path = Path(run)
     if (path / "config.yaml").is_file():
         return RunPaths(path)
-    return find_run(root, run)
+    if "/" in run or path.exists():  # a path, not a run ID
+        what = "does not exist" if not path.exists() else "is not a run directory (it has no config.yaml)"
+        raise UsageError(f"{run} {what}", hint="pass a run ID under --root, a run directory, "
+                         "or (generate --from) a Hugging Face directory with config.json")
+    paths = RunPaths(Path(root) / run)
+    if not paths.config.is_file():
+        recent = recent_runs(Path(root), 3)
+        raise UsageError(f"no run {run!r} under {root}/",
+                         hint=(f"recent runs, newest first: {', '.join(recent)}" if recent
+                               else "pass --root DIR if the run lives elsewhere"))
+    return paths
 
 
 def _export(args) -> int:
     from training.export import export
 
     paths = resolve_run(args.run, args.root)
-    marker = "adapter_config.json" if args.adapter else "config.json"
-    if args.to.exists() and any(args.to.iterdir()) and not (args.to / marker).is_file():
-        raise UsageError(f"{args.to} exists and is not a model directory", hint="pick an empty or new directory")
     if args.merge and not _trains_adapters(paths):
         raise UsageError(f"run {paths.root.name} trained no adapters (model.lora.rank is 0): nothing to merge",
                          hint="export it without --merge")
-    checkpoint = export(paths, args.to, step=args.step, dtype=DTYPES.get(args.dtype), adapter=args.adapter)
+    checkpoint = export(paths, args.to, step=args.step, dtype=DTYPES.get(args.dtype), adapter=args.adapter,
+                        overwrite=args.overwrite, run_roots=(Path(args.root),))
     print(f"exported {checkpoint} -> {args.to}")
     return 0
 
 
 def _trains_adapters(paths: RunPaths) -> bool:
-    from core import config as config_lib
+    from core.run_context import load_recorded_config
 
-    return config_lib.load(paths.config).model.lora.rank > 0
+    return load_recorded_config(paths).model.lora.rank > 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,11 @@ LoRA runs (``model.lora.rank > 0``): the checkpoint holds only the adapters, so 
 rebuilt as the run built it and verified against the identity the checkpoint recorded (exit 4
 when it differs). ``--merge`` (the default for such a run) writes the adapters merged into a
 full directory as above; ``--adapter`` writes the PEFT adapter directory for the run's
-``model.init_from`` base (docs/models.md, "LoRA and QLoRA").
+``model.init_from`` base (docs/models.md, "LoRA and QLoRA"), named by absolute path.
+
+The target is checked and written by training/export_target.py (never into a run directory,
+through a link or over a directory a run uses; atomically). ``generation_config.json`` and the
+tokenizer's eos end a chat-trained export's turns in ``transformers`` (``_write_tokenizer``).
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import models
-from core import config as config_lib
+from core.run_context import load_recorded_config
 from core import seeding
 from core.config import Config
-from core.exceptions import CheckpointError, UsageError
+from core.exceptions import CheckpointError, DataError, UsageError
 from core.layout import CHECKPOINTS_DIR, RunPaths, list_steps, step_dir_name
 from data.chat_template import ChatTemplate
 from data.tokenizers import ByteTokenizer, build_tokenizer, tokenizer_directory
@@ -47,6 +51,8 @@ from models.hf_config import config_path, model_config_from_hf
 from models.hf_weights import save_pretrained
 from models.lora import add_adapters, merge_lora, save_peft_adapter
 from training.checkpoint_manifest import DCP_DIR, state_file_name, verify_checkpoint
+from training.export_target import check_target, kill_point, staged_directory
+from training.generate import stop_tokens
 from training.objectives.base import check_frozen
 from distributed.safe_dcp import SafeFileSystemReader
 
@@ -108,13 +114,16 @@ def load_checkpoint_model(config: Config, path: Path) -> torch.nn.Module:
         model = models.build(model_config)  # seeded init, then every tensor is overwritten
     frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
     state = {f"{MODEL_KEY}.{k}": v for k, v in model.state_dict().items() if k not in frozen}
+    reader = SafeFileSystemReader(str(path / DCP_DIR))
+    reader.read_metadata()  # a refused file is reported as itself here; inside dcp.load it is only a string
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path / DCP_DIR)), no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, dcp.CheckpointException) as exc:  # DCP's own types (one derives from BaseException)
-        raise CheckpointError(f"cannot load the model from the checkpoint: {exc}", path=str(path),
-                              hint="the checkpoint was written for another architecture") from exc
+        raise CheckpointError(f"cannot load the model from the checkpoint: {type(exc).__name__}: {exc}".split("\n")[0],
+                              path=str(path), hint="the checkpoint does not hold this run's model (another "
+                              "architecture or a damaged file); export an older step with --step") from None
     model.load_state_dict({k.removeprefix(f"{MODEL_KEY}."): v for k, v in state.items()}, strict=not frozen)
     return model
 
@@ -130,37 +139,90 @@ def _lora_base(config: Config, path: Path) -> torch.nn.Module:
 
 
 def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.dtype | None = None,
-           adapter: bool = False) -> Path:
+           adapter: bool = False, overwrite: bool = False, run_roots: tuple[Path, ...] = ()) -> Path:
     """Write the Hugging Face directory ``out`` from a checkpoint of the run at ``paths``.
 
     A LoRA run exports its adapters merged into the base (a full model directory), or with
     ``adapter`` only its PEFT adapter directory (adapter_model.safetensors,
-    adapter_config.json naming ``model.init_from`` as the base) plus the tokenizer files."""
-    config = config_lib.load(paths.config)
+    adapter_config.json naming the base by absolute path) plus the tokenizer files. ``out`` is
+    checked and written as training/export_target.py says: never into a run directory or
+    through a link, never over a directory a run under ``run_roots``, the run's own parent or its
+    ``run.root`` uses, over a non-empty one only with ``overwrite``, and atomically."""
+    config = load_recorded_config(paths)  # verified against meta.json before anything in it is used
     lora = config.model.lora.rank > 0
     if adapter and not lora:
         raise UsageError(f"run {paths.root.name} trained no adapters (model.lora.rank is 0)",
                          hint="export it without --adapter / --merge")
+    roots = [*run_roots, paths.root.parent, Path(config.run.root)]
+    target = check_target(Path(out), overwrite=overwrite, run_roots=roots)
+    check_tokenizer_config(config.data.tokenizer)
     path = checkpoint_dir(paths, step)
     model = load_checkpoint_model(config, path)
-    out = Path(out)
     if adapter:
         if dtype is not None:  # the adapters only (an NF4 base does not convert)
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.to(dtype)
-        save_peft_adapter(model, out, base_model_name_or_path=config.model.init_from)
-        _write_tokenizer(config, paths, out)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        with staged_directory(target, need_bytes=sum(p.numel() * p.element_size() for p in trained)) as staging:
+            save_peft_adapter(model, staging, base_model_name_or_path=peft_base_reference(paths, config))
+            kill_point("weights")
+            _write_tokenizer(config, paths, staging)
         return path
     if lora:
         model = merge_lora(model, inplace=True)
     state = model.state_dict()
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
-    save_pretrained(model, out, state_dict=state)
-    _keep_source_architecture(paths, config, out, state)
-    _write_tokenizer(config, paths, out)
+    with staged_directory(target, need_bytes=sum(v.numel() * v.element_size() for v in state.values())) as staging:
+        save_pretrained(model, staging, state_dict=state)
+        kill_point("weights")
+        _keep_source_architecture(paths, config, staging, state)
+        _write_tokenizer(config, paths, staging)
     return path
+
+
+def peft_base_reference(paths: RunPaths, config: Config) -> str | None:
+    """What adapter_config.json names as the base: the Hugging Face id where ``model.init_from`` is
+    a hub cache snapshot (``.../models--ORG--NAME/snapshots/REV``), else its absolute path, resolved
+    against the directory the run started in, so the adapter loads from any working directory."""
+    source = config.model.init_from
+    if source is None:
+        return None
+    candidates = [Path(source)] if Path(source).is_absolute() else [Path.cwd() / source]
+    if not Path(source).is_absolute():
+        recorded = _recorded_cwd(paths)
+        candidates += [Path(recorded) / source] if recorded else []
+    base = next((c for c in candidates if config_path(c).is_file()), candidates[0]).resolve()
+    snapshot = base.parent
+    if snapshot.name == "snapshots" and snapshot.parent.name.startswith("models--"):
+        return snapshot.parent.name.removeprefix("models--").replace("--", "/", 1)
+    return str(base)
+
+
+def _recorded_cwd(paths: RunPaths) -> str | None:
+    try:
+        cwd = json.loads(paths.meta.read_text()).get("cwd")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cwd if isinstance(cwd, str) else None
+
+
+def check_tokenizer_config(spec: str) -> None:
+    """A tokenizer directory's tokenizer_config.json must be a JSON object (the tokenizer, the chat
+    template and the export read it): a DataError naming the file, not a traceback, if it is not."""
+    directory = tokenizer_directory(spec)
+    file = directory / "tokenizer_config.json" if directory is not None else None
+    if file is None or not file.is_file():
+        return
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{file.name} is not valid JSON: {exc}", file=str(file),
+                        hint="repair the file or copy it again from its source") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{file.name} must hold a JSON object, got {type(raw).__name__}", file=str(file),
+                        hint="repair the file or copy it again from its source")
 
 
 def _keep_source_architecture(paths: RunPaths, config: Config, out: Path, state: dict) -> None:
@@ -169,6 +231,8 @@ def _keep_source_architecture(paths: RunPaths, config: Config, out: Path, state:
         return
     raw = json.loads(source.read_text())
     raw["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    if "dtype" in raw:  # transformers 5 writes and reads "dtype"; both name the weights' dtype
+        raw["dtype"] = raw["torch_dtype"]
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
@@ -183,6 +247,14 @@ def _init_source(paths: RunPaths, config: Config, name: str) -> Path | None:
 
 
 def _write_tokenizer(config: Config, paths: RunPaths, out: Path) -> None:
+    """The tokenizer files, the chat template and generation_config.json.
+
+    A chat-trained run (``objective.kind`` other than ``causal_lm``) stops at the end of the turn
+    in ``transformers`` as Qwen's instruct checkpoints do: where the template's end-of-turn marker
+    is one token (``<|im_end|>`` of the Qwen tokenizer) it becomes the tokenizer's ``eos_token``
+    (the end-of-text token stays the pad token) and leads generation_config.json's
+    ``eos_token_id`` list; a marker of several tokens (the byte tokenizer) is a ``stop_strings``
+    entry, which ``generate`` applies when it is given the tokenizer (``tokenizer=``)."""
     spec = config.data.tokenizer
     template = ChatTemplate.for_tokenizer(spec, config.data.chat_template)
     tokenizer = build_tokenizer(spec)
@@ -203,4 +275,31 @@ def _write_tokenizer(config: Config, paths: RunPaths, out: Path) -> None:
         existing = out / "tokenizer_config.json"
         tokenizer_config = json.loads(existing.read_text()) if existing.is_file() else {}
     tokenizer_config["chat_template"] = template.source
+    generation = _read_generation_config(out)
+    eos_ids = [tokenizer.eos_id]
+    if config.objective.kind != "causal_lm" and template.end_of_turn:
+        stop_ids, several = stop_tokens(tokenizer, template)
+        if several is None:  # one token: the end of turn is the eos, as in Qwen's instruct checkpoints
+            eos_ids = [*stop_ids[1:], tokenizer.eos_id]
+            tokenizer_config.setdefault("pad_token", _token_text(tokenizer_config.get("eos_token")))
+            tokenizer_config["eos_token"] = template.end_of_turn
+        else:
+            generation["stop_strings"] = [several]
+    generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    generation.setdefault("pad_token_id", tokenizer.eos_id)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+
+
+def _read_generation_config(out: Path) -> dict:
+    """The generation_config.json copied from the tokenizer directory (kept: sampling defaults), or {}."""
+    path = out / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}  # a damaged copy is replaced by the one this export writes
+    return raw if isinstance(raw, dict) else {}
+
+
+def _token_text(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token

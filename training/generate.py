@@ -36,11 +36,13 @@ from typing import Optional
 
 import torch
 
-from core.exceptions import ConfigError, UsageError
+from core.exceptions import ConfigError, LockstepError, UsageError
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from models.generation import Prompt, context_length, read_prompts, sample_prompts, sample_record
+from models.hf_config import model_config_from_hf
 from models.qwen.sampler import Sample, Sampler, SamplingParams
+from training.memory_estimate import check_model_fits_for_inference, trained_model_config
 
 PURPOSE = "generate"
 
@@ -55,6 +57,8 @@ class Source:
     """A template file overriding the tokenizer's (a run's data.chat_template)."""
     chat_by_default: bool
     label: str
+    template_clock: Optional[str] = None
+    """What the template's strftime_now reads (a run's data.template_clock; none for a Hugging Face directory)."""
 
 
 def load_source(spec: str, *, root: str, step: Optional[int], device: torch.device) -> Source:
@@ -64,21 +68,31 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
         if step is not None:
             raise UsageError("--step applies to runs, not to a Hugging Face directory", hint="drop --step")
         from models.hf_weights import load_pretrained
+        from training.export import check_tokenizer_config
 
+        check_tokenizer_config(str(path))  # a DataError naming the file, before anything reads it
+        _check_fits(model_config_from_hf(path), device)
         model = load_pretrained(path, device=device)
         config_file = path / "tokenizer_config.json"
         has_template = config_file.is_file() and bool(json.loads(config_file.read_text()).get("chat_template"))
         return Source(model, str(path), None, has_template, str(path))
-    from core import config as config_lib
+    from core.run_context import load_recorded_config
     from training.__main__ import resolve_run
-    from training.export import checkpoint_dir, load_checkpoint_model
+    from training.export import check_tokenizer_config, checkpoint_dir, load_checkpoint_model
 
     paths = resolve_run(spec, root)
-    config = config_lib.load(paths.config)
+    config = load_recorded_config(paths)  # verified against meta.json before anything in it is used
+    check_tokenizer_config(config.data.tokenizer)
     checkpoint = checkpoint_dir(paths, step)
+    _check_fits(trained_model_config(config), device)
     model = load_checkpoint_model(config, checkpoint).to(device)
     return Source(model, config.data.tokenizer, config.data.chat_template, config.objective.kind != "causal_lm",
-                  str(checkpoint))
+                  str(checkpoint), config.data.template_clock)
+
+
+def _check_fits(model, device: torch.device) -> None:
+    """A model whose weights cannot fit is a ConfigError (exit 2) before any is read."""
+    check_model_fits_for_inference(model, device, key="--from", what="the model")
 
 
 def run_generate(args) -> int:
@@ -92,11 +106,13 @@ def run_generate(args) -> int:
         from core.exceptions import DataError
 
         raise DataError("--prompt is empty", hint="give the text to continue")
+    if args.out is not None:
+        check_out(args.out)  # before minutes of loading and sampling
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     source = load_source(args.from_, root=args.root, step=args.step, device=device)
     model = source.model.eval()
     tokenizer = build_tokenizer(source.tokenizer_spec)
-    template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template)
+    template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template, clock=source.template_clock)
     chat = source.chat_by_default if args.chat is None else args.chat
     texts = [_prompt_text(p, template, chat) for p in prompts]
     ids = [list(tokenizer.encode_array(text)) for text in texts]
@@ -109,17 +125,30 @@ def run_generate(args) -> int:
     samples = sample_prompts(sampler, ids, [p.index for p in prompts], params, seed=args.seed, purpose=PURPOSE,
                              samples_per_prompt=args.samples)
     by_index = {p.index: text for p, text in zip(prompts, texts)}
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
-        for prompt_index, sample_index, sample in samples:
-            sample, completion = cut_at_marker(sample, tokenizer, marker, stop_ids)
-            record = {"prompt": by_index[prompt_index],
-                      **sample_record(prompt_index, sample_index, sample, completion=completion)}
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
+        out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+        try:
+            for prompt_index, sample_index, sample in samples:
+                sample, completion = cut_at_marker(sample, tokenizer, marker, stop_ids)
+                record = {"prompt": by_index[prompt_index],
+                          **sample_record(prompt_index, sample_index, sample, completion=completion)}
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        finally:
+            if out is not sys.stdout:
+                out.close()
+    except OSError as exc:  # a full disk, a vanished directory: one line, not a traceback
+        raise LockstepError(f"could not write the samples: {exc.strerror or exc}", file=str(args.out or "stdout"),
+                            hint="free disk space or pass --out on another disk, then run generate again") from None
     return 0
+
+
+def check_out(path: Path) -> None:
+    """``--out`` must name a file whose directory exists (a UsageError before anything is loaded)."""
+    if path.is_dir():
+        raise UsageError(f"--out {path} is a directory", hint="pass a file path, e.g. samples.jsonl")
+    if not path.parent.is_dir():
+        raise UsageError(f"--out {path}: the directory {path.parent} does not exist",
+                         hint="create it first or pass a path in an existing directory")
 
 
 def _prompt_text(prompt: Prompt, template: ChatTemplate, chat: bool) -> str:

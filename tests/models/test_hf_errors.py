@@ -144,3 +144,66 @@ def test_index_naming_a_missing_shard(qwen2_hf, tmp_path):
     index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     _expect_error(directory, file="model-00002-of-00002.safetensors", key="weight_map")
+
+
+# A directory used as init_from, reference or teacher is data from elsewhere: the loader refuses
+# what would read other files or poison the run, naming the file and the tensor or key.
+
+
+@pytest.mark.parametrize("entry", ["../outside/model.safetensors", "/etc/model.safetensors", "sub/../../x.safetensors"])
+def test_index_entry_outside_the_model_dir_is_refused(qwen2_hf, tmp_path, entry):
+    directory = _copy(qwen2_hf[1], tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copyfile(directory / "model.safetensors", outside / "model.safetensors")  # a valid file: only the place is wrong
+    (directory / "model.safetensors").unlink()
+    names = load_file(str(outside / "model.safetensors"))
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, entry)}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    error = _expect_error(directory, file="model.safetensors.index.json", key="weight_map")
+    assert entry in str(error) and "outside the model directory" in str(error)
+
+
+def test_index_entry_through_a_symlink_leaving_the_dir_is_refused(qwen2_hf, tmp_path):
+    directory = _copy(qwen2_hf[1], tmp_path)
+    outside = tmp_path / "elsewhere.safetensors"
+    (directory / "model.safetensors").rename(outside)
+    (directory / "model-00001-of-00001.safetensors").symlink_to(outside)
+    names = load_file(str(outside))
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    _expect_error(directory, file="model.safetensors.index.json", key="weight_map")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_weight_is_refused(qwen3_hf, tmp_path, value):
+    directory = _copy(qwen3_hf[1], tmp_path)
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    error = _expect_error(directory, file="model.safetensors", key="model.layers.1.mlp.up_proj.weight")
+    assert "non-finite" in str(error)
+    with pytest.raises(ConfigError, match="non-finite"):  # the same refusal where a run starts from it
+        models.build(ModelConfig(init_from=str(directory)))
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"rope_theta": float("nan"), "rope_parameters": None}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, "rope_parameters.rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}}, "rope_parameters.rope_theta"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+], ids=["rope_theta-nan", "rope_parameters-nan", "rope_parameters-inf", "rms_norm_eps-nan"])
+def test_non_finite_config_value_is_refused(qwen2_hf, tmp_path, changes, key):
+    directory = _copy(qwen2_hf[1], tmp_path)
+    _edit_config(directory, **changes)  # json writes NaN / Infinity, which Python's json reads back
+    assert "NaN" in (directory / "config.json").read_text() or "Infinity" in (directory / "config.json").read_text()
+    error = _expect_error(directory, file="config.json", key=key)
+    assert "finite" in str(error)
+
+
+def test_damaged_safetensors_file_is_a_one_line_config_error(qwen2_hf, tmp_path):
+    directory = _copy(qwen2_hf[1], tmp_path)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated copy
+    error = _expect_error(directory, file="model.safetensors", key=None)
+    assert "not a readable safetensors file" in str(error) and "\n" not in str(error)

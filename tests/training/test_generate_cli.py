@@ -4,6 +4,7 @@ byte tokenizer and the ChatML template, as ``python -m training export`` writes 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -100,3 +101,50 @@ def test_bad_prompts_file_line_and_unknown_source(model_dir, tmp_path, capsys):
     assert code == 3 and "bad.jsonl line 2" in capsys.readouterr().err
     code = main(["generate", "--from", "no-such-run", "--root", str(tmp_path), "--prompt", "Hi"])
     assert code in (2, 4) and "no-such-run" in capsys.readouterr().err
+
+
+def _poison(path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _damaged_copy(model_dir, tmp_path, name, damage):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(model_dir, copy)
+    damage(copy / name)
+    return copy
+
+
+@pytest.mark.parametrize("name, damage, exit_code, words", [
+    ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[:500]), 2, "not a readable safetensors file"),
+    ("model.safetensors", lambda p: p.write_bytes(b"\x00" * 64), 2, "not a readable safetensors file"),
+    ("model.safetensors", lambda p: _poison(p), 2, "non-finite"),
+    ("tokenizer_config.json", lambda p: p.write_text('{"eos_token": "<|endoftext|>",'), 3, "not valid JSON"),
+    ("tokenizer_config.json", lambda p: p.write_text('["a list"]'), 3, "must hold a JSON object"),
+], ids=["truncated-weights", "garbage-weights", "nan-weight", "truncated-tokenizer-config", "tokenizer-config-not-an-object"])
+def test_a_damaged_model_directory_is_one_line_with_its_exit_code(model_dir, tmp_path, capsys, name, damage,
+                                                                    exit_code, words):
+    copy = _damaged_copy(model_dir, tmp_path, name, damage)
+    code, records = generate(copy, tmp_path, "--prompt", "Hi", "--max-new-tokens", "2")
+    err = capsys.readouterr().err.strip()
+    assert (code, records) == (exit_code, [])
+    assert words in err and name in err and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (no space left)")
+@pytest.mark.parametrize("out, exit_code, words", [
+    ("/dev/full", 1, "No space left on device"),  # the disk fills up while the samples are written
+    ("{tmp}", 2, "is a directory"),
+    ("{tmp}/missing/samples.jsonl", 2, "does not exist"),
+])
+def test_an_out_path_that_cannot_be_written_is_one_line(model_dir, tmp_path, capsys, out, exit_code, words):
+    code = main(["generate", "--from", str(model_dir), "--device", "cpu", "--prompt", "hi", "--no-chat",
+                 "--max-new-tokens", "2", "--out", out.format(tmp=tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == exit_code and words in err, err
+    assert "\n" not in err and "Traceback" not in err
