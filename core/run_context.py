@@ -1,7 +1,7 @@
 """What a run is: its ID, its directory, its recorded environment, and its lock.
 
 The run ID is ``<run.name>-<YYYYMMDD-HHMMSS>-<hash8>``, chosen by rank 0 and broadcast so
-every rank writes into the same directory. Rank 0 creates the layout of design.md section 4,
+every rank writes into the same directory. Rank 0 creates the layout of docs/contracts.md,
 writes ``config.yaml`` and ``meta.json`` and takes the lock; a second live writer of the
 same directory is refused.
 """
@@ -117,7 +117,7 @@ class RunContext:
                 f"no run {run_id!r} under {root}",
                 hint=(f"known runs: {', '.join(known[-5:])}" if known else "check --run-root / run.root"),
             )
-        config = config_lib.from_dict(_read_yaml(paths.config))
+        config = load_recorded_config(paths)
         ctx = cls(config, run_id, paths, resumed=True)
         if lock and dist.is_main:
             ctx._acquire_lock()
@@ -222,6 +222,78 @@ def _new_run_id(config: Config) -> str:
     return run_id
 
 
+# The hash part of a run ID: ``<name>-<YYYYMMDD-HHMMSS>-<hash8>``, with ``.N`` when two runs
+# started in the same second.
+_RUN_ID_HASH = re.compile(r"-\d{8}-\d{6}-([0-9a-f]{8})(?:\.\d+)?")
+
+
+def load_recorded_config(paths: RunPaths) -> Config:
+    """The run's ``config.yaml``, verified against the config hash recorded in ``meta.json``
+    and against the run ID's hash suffix, before anything in it is used (resume, replay,
+    export, generate). A config.yaml edited after the run started could name other
+    settings (``train.lr``) or code to import (a reward function); it is refused with
+    ResumeError (exit 4) naming the keys that differ from the config ``meta.json`` records."""
+    try:
+        raw = _read_yaml(paths.config)
+        config = config_lib.from_dict(raw)
+    except ConfigError as exc:
+        raise _tampered(paths, f"it does not load ({exc.message})", None) from None
+    recorded = _read_meta(paths)
+    actual, expected = config.hash, recorded.get("config_hash")
+    if not isinstance(expected, str):
+        raise ResumeError(
+            f"{paths.meta} records no config_hash, so {paths.config} cannot be verified",
+            file=str(paths.meta),
+            hint="restore meta.json from a copy of the run dir",
+        )
+    if actual != expected:
+        why = f"its hash {actual[:8]} differs from meta.json's config_hash {expected[:8]}"
+        raise _tampered(paths, why, _changed_keys(raw, recorded.get("config")))
+    suffix = _RUN_ID_HASH.findall(paths.root.name)  # a copy may add a suffix (``<ID>-cut``)
+    if suffix and suffix[-1] != actual[:8]:
+        why = f"its hash {actual[:8]} differs from the run ID's hash part {suffix[-1]} (meta.json was edited too)"
+        raise _tampered(paths, why, None)
+    return config
+
+
+def _read_meta(paths: RunPaths) -> dict[str, Any]:
+    try:
+        meta = json.loads(paths.meta.read_text())
+    except (OSError, ValueError) as exc:
+        meta = exc
+    if not isinstance(meta, dict):
+        raise ResumeError(
+            f"{paths.meta} is missing or not a JSON object ({meta}), so {paths.config} cannot be verified",
+            file=str(paths.meta),
+            hint="restore meta.json from a copy of the run dir",
+        )
+    return meta
+
+
+def _changed_keys(raw: dict[str, Any], recorded: Any) -> list[str]:
+    """Dotted keys whose value in ``raw`` (config.yaml) differs from the config meta.json
+    recorded at the start (empty when meta.json predates that record)."""
+    if not isinstance(recorded, dict):
+        return []
+    return [f"{key} ({was!r} -> {now!r})" for key, was, now in config_lib.diff_resolved(recorded, raw)]
+
+
+def _tampered(paths: RunPaths, why: str, keys: list[str] | None) -> ResumeError:
+    """``keys``: the changed keys, [] when they cannot be named, None when not applicable."""
+    if keys is None:
+        named = ""
+    elif keys:
+        named = f"; changed keys: {', '.join(keys)}"
+    else:
+        named = " (this meta.json predates the recorded config, so the changed keys cannot be named)"
+    return ResumeError(
+        f"{paths.config} is not the config this run started with: {why}{named}",
+        file=str(paths.config),
+        hint="restore the run dir's config.yaml (meta.json's 'config' holds it as started); for other "
+        "settings start a new run, or pass resumable keys as overrides to --resume",
+    )
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
@@ -238,6 +310,8 @@ def collect_meta(config: Config, dist: DistributedContext) -> dict[str, Any]:
     """Everything needed to reproduce the run or explain why it does not reproduce."""
     return {
         "config_hash": config.hash,
+        # The resolved config as started: a config.yaml edited later is refused naming its keys.
+        "config": config_lib.to_dict(config),
         "git": git_info(Path.cwd()),
         "versions": versions(),
         "host": host_info(),

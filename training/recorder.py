@@ -18,10 +18,13 @@ from typing import Any, ContextManager, Protocol
 
 from torch import nn
 
+from core import layout
 from core.distributed_context import DistributedContext
-from core.exceptions import DeterminismError
+from core.exceptions import CheckpointError, DeterminismError
+from core.layout import step_dir_name
 from core.logging import get_logger
 from training import ledger as ledger_lib
+from training.checkpoint_manifest import read_latest
 
 
 class StepRecorder(Protocol):
@@ -48,13 +51,25 @@ class StepRecorder(Protocol):
 
 
 class LedgerWriter:
-    """A recording run: rank 0 appends each line to the run's ledger."""
+    """A recording run: rank 0 appends each line to the run's ledger.
+
+    Before a resumed run drops the lines after its restored checkpoint, the ledger must be
+    whole (``ledger.check_sequence``, ``ledger.check_covers``), and lines after that
+    checkpoint may be dropped only when nothing shows that a newer checkpoint existed: a
+    run dir whose ``checkpoints/`` is gone, whose ``LATEST`` names a missing directory, or
+    whose ledger proves a checkpoint that is no longer there is refused (CheckpointError,
+    exit 4) instead of restarting over its record."""
 
     records = True
     restored_event = "resumed"
 
     def __init__(self, path: Path, dist: DistributedContext) -> None:
         self.ledger = ledger_lib.Ledger(path, writer=dist.is_main)
+        self.dist = dist
+        # The ledger sits beside checkpoints/ in the run dir (core.layout). Whether that dir
+        # exists is read now: the checkpoint manager, built next, creates it again.
+        self.checkpoint_dir = path.parent / layout.CHECKPOINTS_DIR
+        self._had_checkpoint_dir = self.checkpoint_dir.is_dir()
 
     def last_step(self, max_steps: int) -> int:
         return max_steps
@@ -63,7 +78,49 @@ class LedgerWriter:
         return None
 
     def restored(self, step: int) -> None:
+        problem = self._unresumable(step) if self.dist.is_main else None
+        problem = self.dist.broadcast_object(problem)  # every rank stops, not only the writer
+        if problem is not None:
+            raise problem
         self.ledger.truncate_after(step)
+
+    def _unresumable(self, step: int) -> CheckpointError | None:
+        """Why the run cannot continue after checkpoint ``step`` (0: none) over its ledger, or None."""
+        path = self.ledger.path
+        try:
+            contents = ledger_lib.read_contents(path)
+            ledger_lib.check_sequence(contents.records, path)
+            ledger_lib.check_covers(contents, step, path)
+        except CheckpointError as error:
+            return error
+        except OSError as error:
+            return CheckpointError(f"cannot read the ledger: {error}", file=str(path))
+        if contents.last_step <= step:
+            return None  # no line would be dropped
+        evidence = self._lost_checkpoint(contents.records, step)
+        if evidence is None:
+            return None
+        restart = f"from checkpoint step {step}" if step else "at step 1"
+        return CheckpointError(
+            f"{evidence}, and ledger.jsonl has lines up to step {contents.last_step}: resuming {restart} "
+            f"would write steps {step + 1}..{contents.last_step} over them",
+            path=str(self.checkpoint_dir),
+            hint="restore the checkpoints from a copy of the run dir; to train it again from that step anyway, "
+            "move ledger.jsonl aside too (the run then writes a new one)",
+        )
+
+    def _lost_checkpoint(self, records: list[dict[str, Any]], step: int) -> str | None:
+        """Evidence that a checkpoint newer than ``step`` existed and is gone, or None."""
+        if not self._had_checkpoint_dir:
+            return f"{self.checkpoint_dir} is missing (every run creates it)"
+        latest = read_latest(self.checkpoint_dir)
+        if latest is not None and latest > step and not (self.checkpoint_dir / step_dir_name(latest)).is_dir():
+            return f"checkpoints/LATEST names step {latest}, whose directory {step_dir_name(latest)} is missing"
+        proven = ledger_lib.completed_checkpoint_step(records)
+        if step == 0 and proven is not None:
+            return (f"no checkpoint is left, yet the ledger shows the checkpoint of step {proven} was written "
+                    "(lines go on past the next checkpoint step, which waits for it)")
+        return None
 
     def instrument(self, model: nn.Module, step: int) -> ContextManager:
         return contextlib.nullcontext()

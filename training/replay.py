@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
+import tempfile
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,8 +25,28 @@ from core.layout import RunPaths
 from training import ledger as ledger_lib
 
 
+TEMPORARY_PREFIX = "lockstep-replay-"
+
+
+def temporary_output_dir(run_id: str, step: int) -> Path:
+    """A fresh directory for a replay without ``--dump``: its logs, and its diagnostics if it fails."""
+    return Path(tempfile.mkdtemp(prefix=f"{TEMPORARY_PREFIX}{run_id}-step{step}-"))
+
+
+def discard_temporary_output(directory: Path) -> bool:
+    """Remove a replay's temporary directory once every step matched (nothing in it to look
+    at); a ``--dump DIR`` is never one. Returns whether it was removed."""
+    directory = Path(directory)
+    if directory.parent != Path(tempfile.gettempdir()) or not directory.name.startswith(TEMPORARY_PREFIX):
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return not directory.exists()
+
+
 def recorded_ledger(paths: RunPaths, step: int) -> dict[int, dict[str, Any]]:
-    records = {r["step"]: r for r in ledger_lib.read(paths.ledger)}
+    lines = ledger_lib.read(paths.ledger)
+    ledger_lib.check_sequence(lines, paths.ledger)  # a gap is reported as such, not as a mismatch
+    records = {r["step"]: r for r in lines}
     if step not in records:
         last = max(records) if records else 0
         raise ResumeError(

@@ -3,7 +3,8 @@
 Only keys marked resumable in ``core.config.RESUMABLE_KEYS`` may differ from the recorded
 config (cadences, logging, the number of steps, the parallel strategy and world size);
 anything else is refused with the diff. A changed software or hardware environment is a
-warning, or an error under ``runtime.strict_env``.
+warning, or an error under ``runtime.strict_env``. The recorded config itself is verified
+first (``core.run_context.load_recorded_config``): an edited config.yaml is refused.
 """
 
 from __future__ import annotations
@@ -12,35 +13,35 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from core import config as config_lib
 from core.config import Config
 from core.exceptions import ConfigError, ResumeError
 from core.logging import get_logger
-from core import layout
 from core.layout import RunPaths
-from core.run_context import determinism_env, run_paths
+from core.run_context import determinism_env, load_recorded_config, run_paths
+from experiments.runs import recent_runs
 
 
 def find_run(root: str | Path, run_id: str) -> RunPaths:
     paths = run_paths(root, run_id)
     if not paths.config.is_file():
-        runs = sorted(p.name for p in Path(root).glob("*") if (p / layout.CONFIG_FILE).is_file())
+        runs = recent_runs(Path(root), 3)
         raise ResumeError(
             f"no run {run_id!r} under {root}/",
             run_id=run_id,
-            hint=(f"recent runs: {', '.join(runs[-3:])}" if runs else "pass run.root=DIR if the run lives elsewhere"),
+            hint=(f"recent runs, newest first: {', '.join(runs)}" if runs else "pass run.root=DIR if the run lives elsewhere"),
         )
     return paths
 
 
 def resume_config(root: str | Path, run_id: str, overrides: list[str]) -> Config:
-    """The recorded config with the allowed overrides applied; ResumeError lists forbidden changes."""
+    """The recorded config with the allowed overrides applied; ResumeError lists forbidden changes.
+
+    The recorded config is verified against meta.json's hash and the run ID first
+    (``core.run_context.load_recorded_config``): nothing it names is used before that."""
     paths = find_run(root, run_id)
-    recorded_raw = yaml.safe_load(paths.config.read_text()) or {}
-    recorded = config_lib.from_dict(recorded_raw)
-    patched = dict(recorded_raw)
+    recorded = load_recorded_config(paths)
+    patched = config_lib.to_dict(recorded)
     for item in overrides:
         key, value = config_lib.parse_override(item)
         config_lib._set_dotted(patched, key, value)

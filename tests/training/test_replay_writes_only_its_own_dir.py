@@ -1,5 +1,6 @@
 """A replay reads the replayed run and writes only into its own directory (--dump DIR, or a
-fresh temporary one): the run dir is byte-for-byte unchanged afterwards."""
+fresh temporary one, removed when every step matched): the run dir is byte-for-byte
+unchanged afterwards."""
 
 from __future__ import annotations
 
@@ -38,5 +39,7 @@ def test_replay_leaves_the_replayed_run_untouched(e2e_workdir, tmp_path):
     plain = launch.train(e2e_workdir, ["--replay", result.run_id, "--step", "3"], nproc=1)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     own = Path(next(l for l in plain.stdout.splitlines() if l.startswith("replay_dir: ")).split(": ", 1)[1])
-    assert (own / "logs" / "rank0.log").is_file() and not own.is_relative_to(run_dir)
+    assert not own.is_relative_to(run_dir)
+    assert not own.exists() and f"{own} removed" in plain.stdout  # every step matched: nothing to look at
+    assert (dump / "logs" / "rank0.log").is_file()  # a --dump DIR stays
     assert _snapshot(run_dir) == before

@@ -19,7 +19,9 @@ def recorded(tmp_path):
     paths = RunPaths(tmp_path / "r-1")
     paths.root.mkdir()
     config_lib.save(config, paths.config)
-    paths.meta.write_text(json.dumps({"determinism": determinism_env(config, torch.device("cpu"))}))
+    # as a run writes it: the hash config.yaml is verified against, and the determinism record
+    paths.meta.write_text(json.dumps({"config_hash": config.hash,
+                                      "determinism": determinism_env(config, torch.device("cpu"))}))
     return config, paths
 
 

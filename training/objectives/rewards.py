@@ -18,11 +18,16 @@ of 1.0 means the same thing in every run:
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import math
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
+from core import layout
 from core.exceptions import ConfigError, DataError
 
 _WHITESPACE = re.compile(r"\s+")
@@ -54,11 +59,18 @@ def last_number(text: str) -> float | None:
     return float(number)
 
 
+class AnswerError(ValueError):
+    """The expected answer (from the data record) cannot be checked: the record is at fault."""
+
+
 def numeric_tolerance(completion: str, answer: str | float, tol: float = 0.0) -> float:
     """1.0 when the completion's last number is within ``tol`` (absolute) of the answer."""
-    expected = float(answer)
+    try:
+        expected = float(answer)
+    except ValueError:
+        raise AnswerError(f"the answer {answer!r} is not a number") from None
     if not math.isfinite(expected):
-        raise ValueError(f"numeric answer must be finite, got {answer!r}")
+        raise AnswerError(f"the answer {answer!r} is not a finite number")
     value = last_number(completion)
     return 1.0 if value is not None and abs(value - expected) <= tol else 0.0
 
@@ -120,16 +132,82 @@ def resolve_reward(name: str, *, weight: float, pattern: str = "", tol: float = 
             f"unknown reward {name!r}", key=f"{key}.name",
             hint="use exact_answer, numeric_tolerance, format_regex, or a function as 'package.module:function'",
         )
+    if not all(part.isidentifier() for part in module_name.split(".")) or not attr.isidentifier():
+        raise ConfigError(
+            f"reward function {name!r} is not an absolute 'package.module:function' path"
+            + (" (a relative module path has no package to be relative to)" if module_name.startswith(".") else ""),
+            key=f"{key}.name", hint="name an installed module or one on PYTHONPATH, e.g. mypkg.rewards:score",
+        )
+    refuse_code_in_run_dir(module_name, what=f"reward function {name!r}", key=f"{key}.name")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"reward function {name!r}: module {module_name!r} does not import ({exc})",
-                          key=f"{key}.name", hint="check the module path; it must be importable from the run's directory") from None
+                          key=f"{key}.name",
+                          hint="install its package or put its directory on PYTHONPATH (never a run directory)") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"reward function {name!r}: module {module_name!r} has no function {attr!r}",
                           key=f"{key}.name", hint="name a callable fn(completion, answer, prompt=...) -> float")
     return RewardFunction(name, weight, lambda completion, answer, prompt: fn(completion, answer, prompt=prompt))
+
+
+def refuse_code_in_run_dir(module_name: str, *, what: str, key: str) -> None:
+    """Refuse (ConfigError) a module that would be imported from inside a run directory.
+
+    Run dirs are outputs that anyone who can write a config can write into (``artifacts/``);
+    code a config names comes only from installed packages and the import path the process
+    started with. The module and each of its parent packages are located without importing
+    (executing) any of them."""
+    for location in _module_locations(module_name):
+        run_dir = _enclosing_run_dir(location)
+        if run_dir is not None:
+            raise ConfigError(
+                f"{what}: module {module_name!r} lies inside the run directory {run_dir} ({location}); "
+                "code is never imported from a run directory",
+                key=key, hint="install the module's package, or put its directory on PYTHONPATH outside every run dir",
+            )
+
+
+def _module_locations(module_name: str) -> list[Path]:
+    """Every file and package directory that importing ``module_name`` could read: for each
+    dotted part, its candidates on the import path (a parent package's directories below the
+    top level), found by looking at the filesystem, so no package on the way is executed."""
+    locations: list[Path] = []
+    search = [Path(entry or ".") for entry in sys.path]
+    parts = module_name.split(".")
+    for depth in range(1, len(parts) + 1):
+        loaded = sys.modules.get(".".join(parts[:depth]))
+        if loaded is not None:  # imported already: where it was read from
+            found = [Path(p) for p in getattr(loaded, "__path__", None) or []]
+            found += [Path(loaded.__file__)] if getattr(loaded, "__file__", None) else []
+        else:
+            found = [path for directory in search for path in _candidates(directory, parts[depth - 1])]
+            if depth == 1:  # a top-level name may also come from a finder of an installed package
+                spec = importlib.util.find_spec(parts[0])
+                if spec is not None:
+                    found += [Path(spec.origin)] if spec.origin and spec.has_location else []
+                    found += [Path(p) for p in spec.submodule_search_locations or []]
+        found = list(dict.fromkeys(found))  # an entry twice on the path is one place
+        locations += found
+        search = [path for path in found if path.is_dir()]
+    return locations
+
+
+def _candidates(directory: Path, name: str) -> list[Path]:
+    """``directory/name`` as a package directory and as a module file of any importable suffix."""
+    package = directory / name
+    modules = [directory / f"{name}{suffix}" for suffix in importlib.machinery.all_suffixes()]
+    return ([package] if package.is_dir() else []) + [module for module in modules if module.is_file()]
+
+
+def _enclosing_run_dir(path: Path) -> Path | None:
+    """The run directory (it holds both config.yaml and meta.json) ``path`` lies in, if any."""
+    resolved = Path(path).resolve()
+    for directory in (resolved, *resolved.parents):
+        if (directory / layout.CONFIG_FILE).is_file() and (directory / layout.META_FILE).is_file():
+            return directory
+    return None
 
 
 def score(rewards: list[RewardFunction], completion: str, answer: str, prompt: str, *,
@@ -138,6 +216,8 @@ def score(rewards: list[RewardFunction], completion: str, answer: str, prompt: s
 
     A reward that raises or returns a non-finite value or a non-number is a RewardError naming
     the function and ``where`` (the sample), or, with ``on_error="zero"``, counts as 0 and is counted.
+    An answer a numeric reward cannot read (``nan``, ``inf``, not a number) is the record's fault:
+    a DataError naming ``where``, whatever ``on_error`` says.
     """
     total, failures = 0.0, 0
     for reward in rewards:
@@ -145,6 +225,10 @@ def score(rewards: list[RewardFunction], completion: str, answer: str, prompt: s
             value = reward.fn(completion, answer, prompt)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"returned {value!r}, not a finite number")
+        except AnswerError as exc:  # the record's answer is bad, not the reward function
+            raise DataError(f"{exc}, which {reward.name!r} needs: the prompt's data record is bad", sample=where,
+                            hint="fix that record's 'answer' (`python -m data inspect --config X.yaml --step S` "
+                                 "lists a step's records)") from None
         except Exception as exc:  # a user function may raise anything: named, then stopped or counted
             if on_error != "zero":
                 raise RewardError(f"reward function {reward.name!r} failed on {where}: {exc}", reward=reward.name,
