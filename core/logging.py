@@ -31,6 +31,23 @@ class _RankFilter(logging.Filter):
         return True
 
 
+class _RankLogFile(logging.FileHandler):
+    """``logs/rank<R>.log``. A record it cannot write (a full disk) is dropped without the
+    traceback ``logging`` would print to stderr for every one: the failure that follows is
+    reported once, as one line, by the code that hit it."""
+
+    write_failures = 0
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.write_failures += 1
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # flushing what the full disk did not take
+            self.write_failures += 1
+
+
 def setup_logging(rank: int, log_dir: Path | None, *, console: bool) -> logging.Logger:
     """The ``lockstep`` logger for this rank: a file under log_dir and, on rank 0, stdout."""
     logger = logging.getLogger("lockstep")
@@ -42,7 +59,7 @@ def setup_logging(rank: int, log_dir: Path | None, *, console: bool) -> logging.
     rank_filter = _RankFilter(rank)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(log_dir / f"rank{rank}.log")
+        file_handler = _RankLogFile(log_dir / f"rank{rank}.log")
         file_handler.setFormatter(logging.Formatter(_FORMAT))
         file_handler.addFilter(rank_filter)
         logger.addHandler(file_handler)

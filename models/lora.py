@@ -423,16 +423,11 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> None:
     ConfigError under ``model.lora.init_from`` naming the key and both shapes.
     """
     directory = Path(directory)
-    config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
-    for file in (config_file, weights_file):
-        if not file.is_file():
-            raise ConfigError(
-                f"{directory} is not a PEFT adapter directory: {file.name} is missing",
-                key="model.lora.init_from",
-                file=str(file),
-                hint="point model.lora.init_from at a directory written by peft's save_pretrained or our export",
-            )
-    _check_peft_config(model, config_file)
+    wrapped = lora_modules(model)
+    if not wrapped:
+        raise ValueError("load_peft_adapter needs a model with adapters (apply_lora first)")
+    check_peft_adapter(directory, rank=wrapped[0].rank, alpha=wrapped[0].alpha)
+    weights_file = directory / ADAPTER_WEIGHTS
     expected = {peft_key(n): p for n, p in model.named_parameters() if is_adapter_name(n) or p.requires_grad}
     filled = set()
     with safe_open(str(weights_file), framework="pt", device="cpu") as reader:
@@ -473,16 +468,27 @@ def _strip_adapter_name(key: str) -> str:
     return key
 
 
-def _check_peft_config(model: nn.Module, config_file: Path) -> None:
+def check_peft_adapter(directory: str | Path, *, rank: int, alpha: float) -> None:
+    """What can be checked of a PEFT adapter directory without a model (before the run dir
+    exists): both files are there and its config is a plain LoRA of this ``rank`` and ``alpha``.
+    A ConfigError under ``model.lora.init_from`` otherwise."""
+    directory = Path(directory)
+    config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise ConfigError(
+                f"{directory} is not a PEFT adapter directory: {file.name} is missing",
+                key="model.lora.init_from",
+                file=str(file),
+                hint="point model.lora.init_from at a directory written by peft's save_pretrained or our export",
+            )
     try:
         raw = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{config_file} is not valid JSON: {exc}", key="model.lora.init_from", file=str(config_file))
-    wrapped = lora_modules(model)
-    if not wrapped:
-        raise ValueError("load_peft_adapter needs a model with adapters (apply_lora first)")
-    ours = {"peft_type": "LORA", "r": wrapped[0].rank, "lora_alpha": wrapped[0].alpha, "use_dora": False,
-            "use_rslora": False}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_file} is not a JSON object", key="model.lora.init_from", file=str(config_file))
+    ours = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_dora": False, "use_rslora": False}
     fields = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha"}
     for field, value in ours.items():
         theirs = raw.get(field, False if field.startswith("use_") else None)

@@ -114,10 +114,10 @@ def check_training_state_fits(
 ) -> None:
     """Refuse, before anything is allocated, a training state that cannot fit where it must live.
 
-    ``state_bytes`` is one rank's lower bound (parameters, gradients, optimizer state; no
-    activations); ``ranks_sharing`` ranks of this node keep theirs in the same memory (all
-    local ranks on a CPU host, one rank per GPU). A ConfigError (exit 2) names the estimate
-    and the memory available."""
+    ``state_bytes`` is one rank's lower bound (the weights of every model the run builds, the
+    trained one's gradients and optimizer state; no activations); ``ranks_sharing`` ranks of
+    this node keep theirs in the same memory (all local ranks on a CPU host, one rank per GPU).
+    A ConfigError (exit 2) under ``key`` names the estimate and the memory available."""
     from core.exceptions import ConfigError
 
     device = torch.device(device)
@@ -130,7 +130,7 @@ def check_training_state_fits(
         where, need = f"host memory ({host.total / GIB:.1f} GiB total)", state_bytes * ranks_sharing
     if need > available:
         raise ConfigError(
-            f"{what} needs at least {need / GIB:.2f} GiB for parameters, gradients and optimizer state "
+            f"{what}: at least {need / GIB:.2f} GiB is needed for weights, gradients and optimizer state "
             f"({ranks_sharing} rank(s) sharing {where}), but only {available / GIB:.2f} GiB is available",
             key=key,
             hint="shrink the model, shard it (parallel.strategy=fsdp over more ranks) or use a larger device",

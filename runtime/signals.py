@@ -13,13 +13,14 @@ fine for step-boundary semantics, and a rank that never returns is the watchdog'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 from types import FrameType
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from core.exceptions import LockstepError
 
@@ -49,6 +50,7 @@ class StopSignals:
             )
         self._exit = exit_fn
         self._received: list[str] = []
+        self._at_once = False  # inside at_once(): a stop signal raises instead of waiting for a step boundary
         self._agreed = False
         self._previous: dict[signal.Signals, Any] = {}
         for sig in signals:
@@ -88,6 +90,20 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous = {}
 
+    @contextlib.contextmanager
+    def at_once(self) -> Iterator[None]:
+        """Start-up work after the handlers are installed and before the first step (building a
+        frozen teacher or reference can take minutes): inside, a stop signal, or one received
+        before, raises ``StopDuringStartup`` (exit 128 + signal) at once instead of waiting for a
+        step boundary that is still far off. Nothing has been trained: there is nothing to save."""
+        if self._received:
+            raise StopDuringStartup(signal.Signals[self._received[0]])
+        self._at_once = True
+        try:
+            yield
+        finally:
+            self._at_once = False
+
     def __enter__(self) -> "StopSignals":
         return self
 
@@ -99,7 +115,8 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if signum == signal.SIGINT and self._received:
-            os.write(2, f"stop: second interrupt ({name}); exiting now without cleanup\n".encode())
+            if _prints_notices():
+                os.write(2, f"stop: second interrupt ({name}); exiting now without cleanup\n".encode())
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
@@ -108,9 +125,19 @@ class StopSignals:
             self._exit(INTERRUPT_EXIT_CODE)
             return
         self._received.append(name)
-        if len(self._received) == 1:
+        if self._at_once:
+            self._at_once = False
+            raise StopDuringStartup(signum)
+        if len(self._received) == 1 and _prints_notices():
             os.write(2, f"stop: {name} received; stopping at the next step boundary "
                         "(Ctrl-C again to exit now)\n".encode())
+
+
+def _prints_notices() -> bool:
+    """Under ``python train.py --nproc N`` every rank gets the signal: rank 0 alone says so."""
+    from runtime.launcher import under_launcher
+
+    return not under_launcher() or os.environ.get("RANK", "0") == "0"
 
 
 class StopDuringStartup(LockstepError):

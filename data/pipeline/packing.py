@@ -12,7 +12,7 @@ needs it is assembled) or is skipped and counted (``skip``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,44 @@ class PackedSequence:
     """(seq_len,) bool training targets (whole-document packing only; None: every token)."""
     roles: np.ndarray | None = None
     """(seq_len,) int8 preference roles: 1 chosen, 2 rejected, 0 neither (None: a row without pairs)."""
+
+
+@dataclass(slots=True)
+class _UnusableRun:
+    first_epoch: int
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class UnusableSources:
+    """Per source, the documents a stream read since the last one that reached a row.
+
+    A source of which a whole epoch (of the stream's units) gave no usable document (every one
+    too long for ``seq_len``, bad and skipped, or empty) is a DataError naming the source:
+    without it the stream would read that source forever and never close a row. The epoch
+    is a document's read position's; two past the epoch the run began in means one whole
+    epoch went by in the run."""
+
+    def __init__(self, stream: int, source_names: list[str], seq_len: int) -> None:
+        self._stream = stream
+        self._names = source_names
+        self._seq_len = seq_len
+        self._runs: dict[int, _UnusableRun] = {}
+
+    def used(self, doc: Doc) -> None:
+        self._runs.pop(doc.source, None)
+
+    def not_used(self, doc: Doc, why: str) -> DataError | None:
+        run = self._runs.setdefault(doc.source, _UnusableRun(doc.position.epoch))
+        run.reasons[why] = run.reasons.get(why, 0) + 1
+        if doc.position.epoch < run.first_epoch + 2:
+            return None
+        counts = ", ".join(f"{n} {reason}" for reason, n in sorted(run.reasons.items()))
+        return DataError(
+            f"source {self._names[doc.source]!r} has no usable record: a whole pass over its records "
+            f"(stream {self._stream}) kept none ({counts}; data.seq_len={self._seq_len})",
+            file=doc.shard, stream=self._stream,
+            hint="raise data.seq_len, shorten or fix the records, or remove the source",
+        )
 
 
 @dataclass(slots=True)
@@ -65,6 +103,7 @@ class StreamPacker:
         self._sequences = state.sequences
         self._carry = np.empty(0, dtype=np.int32)  # tokens of the unfinished sequence
         self._carry_spans: list[DocSpan] = []
+        self._unusable = UnusableSources(stream, source_names, seq_len)
         self.failed = False
         self.bad_records = 0
         self.tokens = 0
@@ -103,14 +142,17 @@ class StreamPacker:
                 if not self._skip_bad or doc.fatal:
                     self.failed = True
                     return pieces, entries, StreamFailure(DataError(
-                        doc.error, file=doc.shard, record=doc.record, stream=self.stream, hint=doc.hint))
+                        doc.error, file=doc.shard, record=doc.record + 1, stream=self.stream, hint=doc.hint))
                 self.bad_records += 1
+            if doc.error is not None or len(doc.payload) == 0:  # adds nothing, not even a separator
                 entries.append((doc, cursor, cursor, 0))
+                error = self._unusable.not_used(doc, "bad" if doc.error is not None else "empty")
+                if error is not None:
+                    self.failed = True
+                    return pieces, entries, StreamFailure(error)
                 continue
             content: np.ndarray = doc.payload
-            if len(content) == 0:  # an empty document adds nothing, not even a separator
-                entries.append((doc, cursor, cursor, 0))
-                continue
+            self._unusable.used(doc)
             if first < len(content):
                 pieces.append(content[first:])
             pieces.append(self._eos)
@@ -165,6 +207,7 @@ class WholeDocPacker:
     separator) is truncated to ``seq_len`` tokens or dropped (``data.overlong``); both are
     counted, and a truncated chat document whose kept part trains no token is dropped (and
     counted as dropped). The separator after a document is a target iff its last token is.
+    A source none of whose documents is usable ends the stream (``UnusableSources``).
     """
 
     def __init__(self, stream: int, state: StreamState, *, seq_len: int, eos_id: int, pad_id: int,
@@ -193,6 +236,7 @@ class WholeDocPacker:
         self._spans: list[DocSpan] = []
         self._roles: list[np.ndarray] = []  # preference rows only (data/preference.py)
         self._fill = 0
+        self._unusable = UnusableSources(stream, source_names, seq_len)
         self.failed = False
         self.bad_records = 0
         self.truncated = 0
@@ -217,10 +261,15 @@ class WholeDocPacker:
                 continue
             content: np.ndarray = doc.payload
             if len(content) == 0:
-                self._consumed(doc)
+                failure = self._not_used(doc, "empty")
+                if failure is not None:
+                    out.append(failure)
+                    return out
                 continue
             if doc.parts is not None:  # a preference pair: two documents, one unit
                 out.extend(self._accept_pair(doc))
+                if self.failed:
+                    return out
                 continue
             mask = doc.mask if doc.mask is not None else np.ones(len(content), dtype=bool)
             piece = np.concatenate([content, self._eos])
@@ -235,14 +284,14 @@ class WholeDocPacker:
                     return out
                 continue
             if len(piece) > T:
-                if self._overlong == "drop":
-                    self.dropped += 1
-                    self._consumed(doc)
-                    continue
+                dropped = self._overlong == "drop"
                 piece, piece_mask = piece[:T], piece_mask[:T]
-                if doc.mask is not None and not piece_mask[1:].any():  # nothing left to train
+                if dropped or (doc.mask is not None and not piece_mask[1:].any()):  # nothing left to train
                     self.dropped += 1
-                    self._consumed(doc)
+                    failure = self._not_used(doc, "longer than data.seq_len")
+                    if failure is not None:
+                        out.append(failure)
+                        return out
                     continue
                 self.truncated += 1
             if self._fill + len(piece) > T:
@@ -252,12 +301,12 @@ class WholeDocPacker:
             self._tokens.append(piece)
             self._masks.append(piece_mask)
             self._fill += len(piece)
-            self._consumed(doc)
+            self._used(doc)
             if self._fill == T or self._one_per_row:
                 out.append(self._close_row())
         return out
 
-    def _accept_pair(self, doc: Doc) -> list[PackedSequence]:
+    def _accept_pair(self, doc: Doc) -> list[PackedSequence | StreamFailure]:
         """Pack a preference pair (``doc.parts``: chosen length) as two adjacent documents of one row.
 
         The pair is one unit: it is never split across rows, and a pair longer than a row (with
@@ -268,8 +317,8 @@ class WholeDocPacker:
         pieces = [(doc.payload[:cut], doc.mask[:cut], 1), (doc.payload[cut:], doc.mask[cut:], 2)]
         if sum(len(ids) + 1 for ids, _, _ in pieces) > T:
             self.dropped += 1
-            self._consumed(doc)
-            return out
+            failure = self._not_used(doc, "longer than data.seq_len")
+            return [failure] if failure is not None else out
         if self._fill + len(doc.payload) + 2 > T:
             out.append(self._close_row())
         laid = sum(len(r) for r in self._roles)  # other documents of the row have no role
@@ -284,7 +333,7 @@ class WholeDocPacker:
             self._roles.append(np.full(len(piece), role, dtype=np.int8))
             self._fill += len(piece)
             offset += len(ids)
-        self._consumed(doc)
+        self._used(doc)
         if self._fill == T:
             out.append(self._close_row())
         return out
@@ -294,15 +343,27 @@ class WholeDocPacker:
         skipped and counted (``skip``): returns the failure, or None when skipped."""
         if not self._skip_bad or doc.fatal:
             self.failed = True
-            return StreamFailure(DataError(doc.error, file=doc.shard, record=doc.record, stream=self.stream,
+            return StreamFailure(DataError(doc.error, file=doc.shard, record=doc.record + 1, stream=self.stream,
                                            hint=doc.hint))
         self.bad_records += 1
-        self._consumed(doc)
-        return None
+        return self._not_used(doc, "bad")
 
     def _consumed(self, doc: Doc) -> None:
         self._positions[doc.source] = doc.after
         self._docs = doc.counter + 1
+
+    def _used(self, doc: Doc) -> None:
+        self._unusable.used(doc)
+        self._consumed(doc)
+
+    def _not_used(self, doc: Doc, why: str) -> StreamFailure | None:
+        """A document consumed without reaching a row: the failure once its source has none."""
+        self._consumed(doc)
+        error = self._unusable.not_used(doc, why)
+        if error is None:
+            return None
+        self.failed = True
+        return StreamFailure(error)
 
     def _close_row(self) -> PackedSequence:
         T, fill = self._seq_len, self._fill

@@ -49,9 +49,10 @@ class SourceCursor:
             except StopIteration:
                 self._next_unit()
                 continue
-            except DataError as exc:
+            except DataError as exc:  # the unit gives a document after all: its error
                 unit = self._unit
                 self._next_unit()
+                self._idle_units = 0  # (a damaged unit is not an empty one: its error is the report)
                 return unit, None, exc, before, self.position()
             self._idle_units = 0
             self._record, self._seek = raw.next_record, raw.next_seek

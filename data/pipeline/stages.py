@@ -11,6 +11,7 @@ batching are the stateful stages (reading.py, packing.py, batching.py).
 from __future__ import annotations
 
 import json
+import sys
 from typing import Callable, Protocol
 
 import numpy as np
@@ -90,6 +91,10 @@ class DecodeStage:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise BadRecord(f"invalid JSON line: {exc.msg} at column {exc.colno}") from None
+        except RecursionError:  # nesting deeper than the interpreter's recursion limit
+            raise BadRecord(f"JSON line nested deeper than {sys.getrecursionlimit()} levels") from None
+        except ValueError:  # an integer of more digits than int() converts (sys.set_int_max_str_digits)
+            raise BadRecord(f"JSON line holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
         if not isinstance(obj, dict):
             raise BadRecord(f"JSON line is a {type(obj).__name__}, not an object")
         return obj

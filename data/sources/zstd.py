@@ -64,7 +64,7 @@ class ZstdJsonlFormat:
             data = zstandard.ZstdDecompressor().decompress(compressed)
         except zstandard.ZstdError as exc:
             raise DataError(
-                f"corrupt zstd frame {unit.block} (records {first}..{first + count - 1}): {exc}",
+                f"corrupt zstd frame {unit.block} (lines {first + 1}..{first + count}): {exc}",
                 file=unit.shard, record=first + record,
                 hint="re-create the shard (python -m data prepare) or set data.on_bad_record=skip",
             ) from exc

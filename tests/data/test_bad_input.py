@@ -48,10 +48,10 @@ def _corrupt_zst(tmp_path):
 
 
 @pytest.mark.parametrize("make,record,message", [
-    (lambda p: _jsonl_with(p, b'{"text": "unterminated'), 3, "invalid JSON line"),
-    (lambda p: _jsonl_with(p, b'{"text": "caf\xe9 au lait"}'), 3, "invalid UTF-8"),
-    (lambda p: _jsonl_with(p, b'{"title": "no text here"}', at=5), 5, "no text key 'text'"),
-    (_corrupt_zst, 8, "corrupt zstd frame 2"),
+    (lambda p: _jsonl_with(p, b'{"text": "unterminated'), 4, "invalid JSON line"),  # line 4 (counted from 1)
+    (lambda p: _jsonl_with(p, b'{"text": "caf\xe9 au lait"}'), 4, "invalid UTF-8"),
+    (lambda p: _jsonl_with(p, b'{"title": "no text here"}', at=5), 6, "no text key 'text'"),
+    (_corrupt_zst, 9, "corrupt zstd frame 2"),  # the frame's first record, line 9
 ])
 def test_bad_record_stops_with_file_and_record(tmp_path, make, record, message):
     path = make(tmp_path)
@@ -98,3 +98,30 @@ def test_missing_text_column_is_refused_at_build(tmp_path):
     with pytest.raises(DataError) as err:
         build(_config(tmp_path, text_column="content"), seed=0, global_batch_size=2, rank=0, world_size=1)
     assert "missing text column 'content'" in str(err.value) and "part-100.parquet" in str(err.value)
+
+
+# Inputs that would hang or exhaust the reader (issue 44): JSON nested 100k levels deep, an
+# integer of 100k digits. Both are bad records like any other: an error naming file and record,
+# or skipped and counted.
+NESTED_100K = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+INTEGER_100K_DIGITS = b'{"text": "x", "n": ' + b"7" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("bad,message", [(NESTED_100K, "nested deeper than"),
+                                         (INTEGER_100K_DIGITS, "integer of more than")])
+def test_json_nested_too_deep_or_a_huge_integer_names_file_and_record(tmp_path, bad, message):
+    path = _jsonl_with(tmp_path, bad, at=4)
+    with pytest.raises(DataError) as err:
+        _drain(_config(path))
+    assert message in err.value.message
+    assert err.value.context["file"] == str(path) and err.value.context["record"] == 5  # line 5
+    stats = _drain(_config(path, on_bad_record="skip"))
+    assert stats["bad_records_skipped"] > 0 and stats["error"] is None
+
+
+def test_a_source_whose_every_record_is_bad_is_reported_not_skipped_forever(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join([NESTED_100K, b'{"text": "unterminated']) + b"\n")
+    with pytest.raises(DataError, match="has no usable record") as err:
+        _drain(_config(path, on_bad_record="skip"), batches=1)
+    assert "bad" in err.value.message and err.value.context["file"] == str(path)

@@ -6,7 +6,8 @@
   always lands on one rank and one micro-batch;
 - a pair with identical chosen and rejected responses, or a missing field, is a DataError
   naming file and record, or skipped and counted under data.on_bad_record=skip;
-- a pair longer than a row is dropped and counted, never cut.
+- a pair longer than a row is dropped and counted, never cut; a source of only such pairs is a
+  DataError naming it, not an endless read.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def test_bad_pairs_are_errors_naming_the_record_or_counted_skips(tmp_path, bad, 
         for _ in range(10):
             next(pipe)
     pipe.close()
-    assert message in str(info.value) and info.value.context["record"] == 5
+    assert message in str(info.value) and info.value.context["record"] == 6  # line 6
     assert info.value.context["file"].endswith("pairs.jsonl")
 
     skipping = _config(path, "data.on_bad_record=skip", streams=1, batch=2, seq_len=256)
@@ -137,3 +138,16 @@ def test_a_pair_longer_than_a_row_is_dropped_and_counted(tmp_path):
     finally:
         pipe.close()
     assert 1 not in seen and {0, 2} <= seen
+
+
+def test_a_source_whose_every_pair_is_longer_than_a_row_is_a_data_error_not_a_loop(tmp_path):
+    # No watchdog here: the pipeline itself stops, after one whole pass that kept nothing.
+    long = [{"prompt": f"Repeat {i}: " + "x" * 100, "chosen": "y" * 20, "rejected": "z" * 20} for i in range(6)]
+    path = _write(tmp_path / "pairs.jsonl", long)
+    config = _config(path, streams=1, batch=2, seq_len=128)
+    with pytest.raises(DataError) as info:
+        with build(config.data, seed=0, global_batch_size=2, rank=0, world_size=1) as pipe:
+            next(pipe)
+    assert info.value.exit_code == 3
+    assert f"source {str(path)!r} has no usable record" in info.value.message
+    assert "longer than data.seq_len" in info.value.message and "data.seq_len=128" in info.value.message

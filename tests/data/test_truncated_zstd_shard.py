@@ -35,7 +35,7 @@ def test_truncation_names_the_file_and_the_byte_offset(tmp_path, keep):
     path, cut = _shard(tmp_path, keep)
     with pytest.raises(TruncatedShardError) as info:
         _read_all(path)
-    assert info.value.context["file"] == str(path) and info.value.context["offset"] == cut
+    assert info.value.context["file"] == str(path) and f"cut off at byte {cut}" in info.value.message
     assert "truncated" in info.value.message and info.value.exit_code == 3
     assert not info.value.skippable
 
@@ -61,3 +61,24 @@ def test_skip_mode_does_not_skip_a_truncated_file(tmp_path):
             for _ in range(10_000):
                 next(pipe)
     assert info.value.context["file"] == str(path)
+
+
+@pytest.mark.parametrize("cut", [12, 200])  # inside the frame header; inside the first block
+@pytest.mark.parametrize("indexed", [True, False])
+def test_a_file_cut_inside_its_first_block_is_reported_truncated_not_empty(tmp_path, cut, indexed):
+    path = tmp_path / "data.jsonl.zst"
+    lines = [json.dumps({"text": f"document {i} " + "x" * (i % 50)}).encode() for i in range(RECORDS)]
+    if indexed:
+        write_indexed_jsonl_zst(path, lines, frame_records=100)
+    else:  # one frame, as the zstd command line writes it
+        import zstandard
+
+        path.write_bytes(zstandard.ZstdCompressor().compress(b"\n".join(lines) + b"\n"))
+    path.write_bytes(path.read_bytes()[:cut])
+    config = DataConfig(sources=(SourceConfig(path=str(path)),), seq_len=32, num_streams=1, workers=1,
+                        process_pool=False)
+    with pytest.raises(DataError) as info:
+        with build(config, seed=0, global_batch_size=8, rank=0, world_size=1) as pipe:
+            next(pipe)
+    assert "truncated zstd file" in info.value.message and "no records" not in info.value.message
+    assert info.value.context["file"] == str(path) and f"cut off at byte {cut}" in info.value.message

@@ -98,15 +98,16 @@ def test_dpo_cached_reference_is_bitwise_the_online_one_and_a_stale_cache_is_ref
     runs = [launch.ledger(_run_dir(e2e_workdir, r)) for r in (online, filling, reading)]
     assert runs[0] == runs[1] == runs[2]
 
-    # The second run really reads the cache: a changed entry changes its ledger.
+    # The second run really reads the cache: a changed entry is found and refused (its checksum).
     path = files[0]
     lines = path.read_text().splitlines()
-    key, chosen, rejected = json.loads(lines[1])
-    lines[1] = json.dumps([key, (float.fromhex(chosen) - 1.0).hex(), rejected])
+    key, tokens, chosen, rejected, check = json.loads(lines[1])
+    lines[1] = json.dumps([key, tokens, (float.fromhex(chosen) - 1.0).hex(), rejected, check])
     path.write_text("\n".join(lines) + "\n")
     tampered = launch.train(e2e_workdir, dpo_args(max_steps=3, name="dpo-tampered", overrides=cached_args), nproc=1)
-    assert tampered.returncode == 0, tampered.stderr
-    assert launch.ledger(_run_dir(e2e_workdir, tampered)) != runs[0]
+    assert tampered.returncode == 4, tampered.stderr
+    assert "checksum" in tampered.stderr and key in tampered.stderr
+    path.write_bytes(stored[path])
 
     stale = launch.train(e2e_workdir, dpo_args(max_steps=1, name="dpo-stale",
                                                overrides=[*cached_args, "data.seq_len=192"]), nproc=1)

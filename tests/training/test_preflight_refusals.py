@@ -55,3 +55,114 @@ def test_train_refuses_a_huge_model_before_writing_anything(tmp_path):
     assert "model" in proc.stderr and "GiB" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not root.exists()
+
+
+# --------------------------------------------------------------------------- frozen models and sources
+# Every model a run builds is in the estimate, and every bad frozen-model source is a config error,
+# all before the run dir exists (issue 44 item 4).
+
+def _teacher_dir(tmp_path, **shape) -> str:
+    """A Hugging Face directory holding only a config.json: the tiny model's shape with ``shape``."""
+    import dataclasses
+    import json
+
+    from models.hf_config import hf_config_dict
+    from models.qwen.dims import resolve_dims
+
+    tiny = config_lib.load(launch.ROOT / "configs" / "tiny.yaml", []).model
+    model = dataclasses.replace(tiny, **shape)
+    directory = tmp_path / "teacher"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(model, resolve_dims(model), "float32")))
+    return str(directory)
+
+
+def _distill(teacher: str, *extra: str):
+    return config_lib.load(launch.ROOT / "configs" / "tiny-distill.yaml",
+                           [f"objective.distill.teacher={teacher}", "parallel.device=cpu", *extra])
+
+
+ONE = ProcessInfo(rank=0, world_size=1, local_rank=0)
+
+
+@pytest.mark.parametrize("shape", [{"hidden_size": 10_000_000}, {"num_layers": 1_000_000}])
+def test_a_huge_distillation_teacher_is_in_the_memory_estimate(tmp_path, shape):
+    config = _distill(_teacher_dir(tmp_path, **shape))
+    with pytest.raises(ConfigError) as info:
+        session.check_model_fits(config, torch.device("cpu"), ONE)
+    assert info.value.context["key"] == "objective.distill.teacher"
+    assert "a teacher of" in str(info.value) and "GiB" in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["objective.distill.teacher", "model.init_from"])
+def test_a_model_directory_without_its_weights_is_a_config_error_before_the_run_dir(tmp_path, key):
+    directory = _teacher_dir(tmp_path)  # the tiny model's config.json and no safetensors file
+    if key == "model.init_from":
+        config = config_lib.load(launch.ROOT / "configs" / "tiny.yaml", [f"model.init_from={directory}",
+                                                                         "parallel.device=cpu"])
+    else:
+        config = _distill(directory)
+    with pytest.raises(ConfigError) as info:
+        session.check_model_fits(config, torch.device("cpu"), ONE)
+    assert info.value.context["key"] == key and "has neither model.safetensors" in info.value.message
+
+
+def test_a_frozen_reference_counts_as_much_as_its_weights():
+    from training.memory_estimate import run_footprints
+
+    config = config_lib.load(launch.ROOT / "configs" / "tiny-dpo.yaml", ["parallel.device=cpu"])
+    model, reference = run_footprints(config)
+    assert reference.key == "objective.dpo.reference" and reference.params == model.params
+    assert reference.bytes == 4 * model.params and model.bytes == 16 * model.params  # fp32 weights; AdamW state
+    off = config_lib.load(launch.ROOT / "configs" / "tiny-dpo.yaml", ["objective.dpo.loss=simpo"])
+    assert [m.key for m in run_footprints(off)] == ["model"]  # reference-free: no second model
+
+
+@pytest.mark.parametrize("source, says", [
+    ("run:nonexistent", "no run 'nonexistent'"),
+    ("/no/such/model", "is neither 'init'"),
+])
+def test_a_bad_reference_source_is_a_config_error_naming_the_key(source, says):
+    config = config_lib.load(launch.ROOT / "configs" / "tiny-dpo.yaml",
+                             [f"objective.dpo.reference={source}", "parallel.device=cpu"])
+    with pytest.raises(ConfigError) as info:
+        session.check_model_fits(config, torch.device("cpu"), ONE)
+    assert info.value.exit_code == ExitCode.CONFIG and "resume error" not in str(info.value)
+    assert info.value.context["key"] == "objective.dpo.reference" and says in info.value.message
+
+
+def test_a_lora_init_from_that_is_no_adapter_is_a_config_error(tmp_path):
+    args = session.Args(config=str(launch.ROOT / "configs" / "tiny-lora.yaml"), resume=None, replay=None, step=None,
+                        dump=None, overrides=(f"model.lora.init_from={tmp_path}", "parallel.device=cpu"))
+    with pytest.raises(ConfigError) as info:
+        session.resolve_config(args)
+    assert info.value.context["key"] == "model.lora.init_from" and "adapter_config.json" in info.value.message
+
+
+@pytest.mark.slow  # starts train.py
+@pytest.mark.parametrize("override, key", [
+    ("objective.distill.teacher={teacher}", "objective.distill.teacher"),
+    ("objective.distill.teacher=run:nonexistent", "objective.distill.teacher"),
+])
+def test_train_refuses_a_huge_or_missing_teacher_before_writing_anything(tmp_path, override, key):
+    root = tmp_path / "runs"
+    teacher = _teacher_dir(tmp_path, hidden_size=10_000_000)
+    proc = subprocess.run(
+        [sys.executable, str(launch.ROOT / "train.py"), "--config", str(launch.ROOT / "configs" / "tiny-distill.yaml"),
+         override.format(teacher=teacher), "parallel.device=cpu", f"run.root={root}"],
+        cwd=tmp_path, env=launch.env(tmp_path), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == ExitCode.CONFIG, proc.stderr
+    assert f"key={key}" in proc.stderr and "config error" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not root.exists()
+
+
+def test_generate_refuses_a_model_that_cannot_fit_before_reading_weights(tmp_path, capsys):
+    from training.__main__ import main
+
+    model = _teacher_dir(tmp_path, hidden_size=10_000_000)  # a config.json and no weights at all
+    code = main(["generate", "--from", model, "--prompt", "Hi", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == ExitCode.CONFIG and "GiB" in err and "key=--from" in err
+    assert len(err.splitlines()) == 1

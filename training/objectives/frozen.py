@@ -8,6 +8,10 @@ A frozen model is built once, in ``Objective.setup``, from a *source*:
 - ``run:RUN_ID`` or ``run:RUN_ID@STEP`` (under ``run.root``), or ``run:RUN_DIR[@STEP]``: the model of
   a Lockstep checkpoint (the newest, or that step), verified against its manifest.
 
+A source that names none of these (a ``run:`` naming no run included) is a ConfigError under its
+config key; the memory estimate (training/memory_estimate.py) reads every frozen source's model
+config before the run dir exists, so that error, and a model too large to fit, come first.
+
 It is spread like the trained model: fully sharded under ``fsdp`` (no optimizer, no
 gradients), a plain replica on the rank's device otherwise; with ``parallel.compile`` its
 blocks are compiled as the trained model's are. It is never saved: checkpoints
@@ -30,7 +34,7 @@ import models
 from core import seeding
 from core.config import Config
 from core.distributed_context import DistributedContext
-from core.exceptions import ConfigError
+from core.exceptions import ConfigError, LockstepError, ResumeError
 from distributed import param_hash, parallelize, unwrap
 from distributed.compile import apply_compile
 from distributed.topology import build_mesh
@@ -125,8 +129,8 @@ class _Run:
 
 
 def _run_source(config: Config, source: str, *, key: str) -> tuple[_Run, int | None]:
-    from core import config as config_lib
     from core.layout import RunPaths
+    from core.run_context import load_recorded_config
     from training.resume import find_run
 
     spec = source[len(RUN_PREFIX):]
@@ -134,8 +138,20 @@ def _run_source(config: Config, source: str, *, key: str) -> tuple[_Run, int | N
     if step and not step.isdigit():
         raise ConfigError(f"{key}={source!r}: the step after @ must be a number", key=key)
     path = Path(name)
-    paths = RunPaths(path) if (path / "config.yaml").is_file() else find_run(config.run.root, name)
-    return _Run(paths, config_lib.load(paths.config)), (int(step) if step else None)
+    try:
+        paths = RunPaths(path) if (path / "config.yaml").is_file() else find_run(config.run.root, name)
+    except ResumeError as exc:  # no such run: this key is wrong, a config error before any run dir
+        raise ConfigError(f"{key}={source!r}: {exc.message}", key=key,
+                          hint=exc.hint or f"point {key} at an existing run (run:RUN_ID under run.root)") from exc
+    try:
+        # Verified like a resume's: an edited config.yaml would describe a model other than the weights.
+        run_config = load_recorded_config(paths)
+    except ResumeError:
+        raise  # the run exists but its config.yaml was edited: exit 4 with the differing keys
+    except LockstepError as exc:  # its config does not load: this key is wrong
+        raise ConfigError(f"{key}={source!r}: {exc.message}", key=key, file=exc.context.get("file"),
+                          hint=exc.hint or f"point {key} at an existing run (run:RUN_ID under run.root)") from exc
+    return _Run(paths, run_config), (int(step) if step else None)
 
 
 def frozen_logits(frozen: FrozenModel, batch, place) -> torch.Tensor:
