@@ -166,6 +166,22 @@ class DataConfig:
     """whole packing: a document longer than seq_len is truncated to it or dropped (both counted)."""
     chat_template: Optional[str] = None
     """A Jinja2 chat template file overriding the tokenizer directory's (default: its tokenizer_config.json, else ChatML)."""
+    template_clock: Optional[str] = None
+    """The fixed instant a chat template's strftime_now reads (ISO 8601, e.g. '2026-01-01T00:00:00'; quote it in YAML); unset: templates that call it are refused."""
+
+
+@dataclass(frozen=True)
+class EvalGenerateConfig:
+    source: Optional[SourceConfig] = None
+    """Held-out prompt records ({"prompt", "answer"}, record: prompt) decoded and scored at every evaluation; None: off."""
+    prompts: int = 128
+    """How many of the source's prompts each evaluation decodes (the first ones in the pipeline's order)."""
+    max_new_tokens: int = 32
+    """Generated tokens per completion at most (fewer where data.seq_len ends first)."""
+    samples: int = 0
+    """Completions sampled per prompt for sampled pass@1 (metrics generate/sampled_accuracy); 0: greedy only."""
+    temperature: float = 1.0
+    """Temperature of the sampled completions (> 0; read only when samples > 0)."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +238,8 @@ class TrainConfig:
     """Evaluate on data.eval_source every N steps; 0 disables."""
     eval_batches: int = 4
     """Global batches per evaluation."""
+    eval_generate: EvalGenerateConfig = field(default_factory=EvalGenerateConfig)
+    """Held-out generation evaluation at every evaluation step: greedy (and sampled) exact-answer accuracy on prompt records (docs/post_training.md)."""
 
 
 @dataclass(frozen=True)
@@ -260,10 +278,18 @@ class GRPOConfig:
     """Upper clip range (DAPO's clip-higher when larger than clip_eps_low)."""
     importance: Literal["token", "sequence"] = "token"
     """token: per-token ratios (GRPO); sequence: one length-normalized ratio per completion (GSPO)."""
-    loss_norm: Literal["sequence", "token"] = "sequence"
-    """sequence: mean over each completion's tokens, then over completions; token: mean over all completion tokens of the batch."""
+    loss_norm: Literal["sequence", "token", "dr_grpo"] = "sequence"
+    """sequence: mean over each completion's tokens, then over completions; token: mean over all completion tokens of the batch (DAPO); dr_grpo: sum over tokens / (completions x max_new_tokens)."""
     std_eps: float = 1.0e-4
     """Added to the group's reward standard deviation before dividing (advantage = (r - mean) / (std + eps))."""
+    advantage_std: Literal["population", "unbiased", "none"] = "population"
+    """The group's reward standard deviation: population (divide by G) or unbiased (G - 1, TRL's; sqrt(G / (G - 1)) larger); none: advantage = r - mean, not divided (Dr. GRPO)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong shaping: a completion longer than max_new_tokens - overlong_buffer tokens gets a penalty growing linearly to -1 at max_new_tokens, added to its reward; 0: off."""
+    mask_truncated: bool = False
+    """DAPO: completions that end at max_new_tokens or data.seq_len without a stop token carry no loss (nor count in its normalizer)."""
+    dynamic_sampling_rounds: int = 0
+    """DAPO dynamic sampling: a group whose (shaped) rewards are all equal is re-sampled with fresh keys, for at most this many extra rollout rounds per step; 0: off."""
     reference: str = "init"
     """Frozen reference for the KL term: init, a Hugging Face directory, or run:RUN_ID[@STEP]."""
     rewards: tuple[RewardConfig, ...] = (RewardConfig(),)
@@ -293,7 +319,9 @@ class DPOConfig:
     cache_reference: bool = False
     """Store each pair's reference log-probs once (with a fingerprint) and reuse them instead of running the reference."""
     cache_dir: Optional[str] = None
-    """Where the reference cache lives (default: reference_cache/ in the run dir); a different fingerprint is refused."""
+    """Where the reference cache lives; None: <run.root>/reference_cache/<first 16 hex of its fingerprint>, shared by the runs under run.root with the same reference, tokenizer, template and sequence length. A directory whose fingerprint differs is refused."""
+    nll_coef: float = 0.0
+    """sigmoid/ipo/simpo: weight of the chosen response's mean per-token NLL added to each pair's loss (RPO); >= 0."""
 
 
 @dataclass(frozen=True)
@@ -315,7 +343,7 @@ class DistillConfig:
 @dataclass(frozen=True)
 class ObjectiveConfig:
     kind: Literal["causal_lm", "sft", "grpo", "dpo", "distill"] = "causal_lm"
-    """Training objective: causal_lm (pretraining), sft (supervised fine-tuning on chat data) or grpo (reinforcement learning on prompts with checkable answers); docs/architecture.md."""
+    """Training objective: causal_lm (pretraining), sft (supervised fine-tuning on chat data), dpo (preference optimization on chosen/rejected pairs; its loss, objective.dpo.loss, is sigmoid, ipo, simpo or orpo), distill (a frozen teacher's distribution) or grpo (reinforcement learning on prompts with checkable answers); docs/architecture.md."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """objective.kind=grpo: rollouts, rewards, clipping and KL (docs/post_training.md)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
@@ -473,6 +501,7 @@ RESUMABLE_KEYS = (
     "train.eval_batches",
     "objective.grpo.eval_samples",
     "objective.grpo.eval_temperature",
+    "train.eval_generate.",  # an evaluation only: the ledger does not depend on it
     "checkpoint.",
     "runtime.",
     "metrics.",
@@ -648,6 +677,13 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# Values users put under the wrong key: a preference loss is not an objective of its own.
+_VALUE_ELSEWHERE = {
+    ("objective.kind", loss): f"{loss} is a preference loss of DPO: objective.kind=dpo objective.dpo.loss={loss}"
+    for loss in ("orpo", "simpo", "ipo")
+}
+
+
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Union:
@@ -663,7 +699,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(
                 f"{path} must be one of {_type_name(tp)}, got {value!r}",
                 key=path,
-                hint=(f"did you mean {near!r}?" if near else "pick one of the listed values"),
+                hint=_VALUE_ELSEWHERE.get((path, str(value).lower()))
+                or (f"did you mean {near!r}?" if near else "pick one of the listed values"),
             )
         return value
     if origin is tuple:
@@ -794,6 +831,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _validate_lora(config)
     _validate_grpo(config)
     _validate_dpo(config)
+    _validate_eval_generate(config)
     _validate_distill(config)
     if world_size is not None:
         validate_world(config, world_size)
@@ -809,10 +847,14 @@ def _validate_dpo(config: Config) -> None:
         ("label_smoothing", 0 <= o.label_smoothing < 0.5, "in [0, 0.5)"),
         ("gamma", math.isfinite(o.gamma), "finite"),
         ("lam", math.isfinite(o.lam) and o.lam >= 0, ">= 0"),
+        ("nll_coef", math.isfinite(o.nll_coef) and o.nll_coef >= 0, ">= 0"),
     )
     for name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
+    if o.nll_coef > 0 and o.loss == "orpo":
+        raise ConfigError(f"{key}.nll_coef: orpo's loss already holds the chosen response's NLL",
+                          key=f"{key}.nll_coef", hint="leave nll_coef at 0 with orpo (its lam weighs the other term)")
     if o.reference == "adapter_off" and config.model.lora.rank <= 0:
         raise ConfigError(f"{key}.reference=adapter_off needs LoRA adapters (model.lora.rank > 0)",
                           key=f"{key}.reference", hint="use reference: init, or set model.lora.rank")
@@ -829,6 +871,29 @@ def _validate_dpo(config: Config) -> None:
     if not config.data.sources or any(s.record != "preference" for s in sources):
         raise ConfigError("objective.kind=dpo needs preference sources only (data.sources[i].record: preference)",
                           key="data.sources", hint='records {"prompt", "chosen", "rejected"}; e.g. datasets/tasks/pref')
+
+
+def _validate_eval_generate(config: Config) -> None:
+    """train.eval_generate.* (docs/post_training.md, held-out generation): a prompt source and sane sizes."""
+    e, key = config.train.eval_generate, "train.eval_generate"
+    if e.source is None:
+        return
+    if e.source.record != "prompt":
+        raise ConfigError(f"{key}.source must hold prompt records, got record: {e.source.record}",
+                          key=f"{key}.source.record",
+                          hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval with record: prompt')
+    if config.objective.kind == "grpo":
+        raise ConfigError(f"{key}: objective.kind=grpo evaluates its prompts itself (data.eval_source)",
+                          key=f"{key}.source", hint="use data.eval_source and objective.grpo.eval_samples with grpo")
+    checks = (
+        ("prompts", e.prompts >= 1, ">= 1"),
+        ("max_new_tokens", e.max_new_tokens >= 1, ">= 1"),
+        ("samples", e.samples >= 0, ">= 0 (0: greedy only)"),
+        ("temperature", math.isfinite(e.temperature) and e.temperature > 0, "> 0"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
 
 
 def _validate_distill(config: Config) -> None:
@@ -870,6 +935,9 @@ def _validate_grpo(config: Config) -> None:
         ("clip_eps_low", 0 <= g.clip_eps_low < 1, "in [0, 1)"),
         ("clip_eps_high", math.isfinite(g.clip_eps_high) and g.clip_eps_high >= 0, ">= 0"),
         ("std_eps", math.isfinite(g.std_eps) and g.std_eps > 0, "> 0"),
+        ("overlong_buffer", 0 <= g.overlong_buffer <= g.max_new_tokens,
+         f"in 0..max_new_tokens ({g.max_new_tokens}; 0: no overlong shaping)"),
+        ("dynamic_sampling_rounds", 0 <= g.dynamic_sampling_rounds <= 16, "in 0..16 (0: no dynamic sampling)"),
         ("rewards", len(g.rewards) >= 1, "a list of at least one reward"),
     )
     for name, ok, expected in checks:
@@ -1151,8 +1219,24 @@ def canonical_json(config: Config) -> str:
     return json.dumps(to_dict(config), sort_keys=True, separators=(",", ":"))
 
 
+# Keys added after runs and configs existed: while one holds its default it is left out of the
+# hashed text, so every earlier config keeps its hash (and its runs their IDs); set, it is hashed.
+HASHED_ONLY_WHEN_SET = (
+    "train.eval_generate", "objective.dpo.nll_coef", "objective.grpo.advantage_std", "data.template_clock",
+    "objective.grpo.overlong_buffer", "objective.grpo.mask_truncated", "objective.grpo.dynamic_sampling_rounds",
+)
+
+
 def config_hash(config: Config) -> str:
-    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+    tree, defaults = to_dict(config), to_dict(Config())
+    for key in HASHED_ONLY_WHEN_SET:
+        *parents, leaf = key.split(".")
+        node, default = tree, defaults
+        for part in parents:
+            node, default = node[part], default[part]
+        if node[leaf] == default[leaf]:
+            del node[leaf]
+    return hashlib.sha256(json.dumps(tree, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def to_yaml(config: Config) -> str:
@@ -1170,6 +1254,13 @@ def diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
     return out
 
 
+def diff_resolved(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``diff`` of two resolved configs as plain nested dicts (a config.yaml, meta.json's record)."""
+    out: list[tuple[str, Any, Any]] = []
+    _diff(a, b, "", out)
+    return out
+
+
 def _diff(a: Any, b: Any, prefix: str, out: list) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b)):
@@ -1182,7 +1273,9 @@ def _diff(a: Any, b: Any, prefix: str, out: list) -> None:
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(key, type, default, doc) for every leaf field, from the field docstrings."""
+    """(key, type, default, doc) for every leaf field, from the field docstrings. A list of
+    sections (``data.sources``) and an optional section (``data.eval_source``) get a row of
+    their own and then one per field of an item: ``data.sources[i].path``, ``data.eval_source.path``."""
     docs = _field_docs(cls)
     hints = typing.get_type_hints(cls)
     rows = []
@@ -1193,7 +1286,19 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, 
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append((f"{prefix}{f.name}", _type_name(tp), repr(to_dict(default)), docs.get(f.name, "")))
+        item = _section_inside(tp)
+        if item is not None:
+            index = "[i]" if typing.get_origin(tp) is tuple else ""
+            rows.extend(describe(item, f"{prefix}{f.name}{index}."))
     return rows
+
+
+def _section_inside(tp: Any) -> type | None:
+    """The dataclass of a ``tuple[Section, ...]`` or ``Optional[Section]`` field, else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None) and a is not Ellipsis]
+    if typing.get_origin(tp) in (tuple, Union) and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def _field_docs(cls: type) -> dict[str, str]:

@@ -44,11 +44,11 @@ def _batch():
     return Batch.from_rows(1, tokens, spans, [0, 1], {}, masks, roles=roles)
 
 
-def _objective(fuse_head: bool, loss: str = "sigmoid"):
+def _objective(fuse_head: bool, loss: str = "sigmoid", overrides=()):
     config = load(None, ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
                          "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
                          "parallel.strategy=none", f"objective.dpo.loss={loss}", "objective.dpo.beta=0.5",
-                         "train.loss_chunk_tokens=7", "train.micro_batch_size=2"])
+                         "train.loss_chunk_tokens=7", "train.micro_batch_size=2", *overrides])
     model = models.build(config.model, generator=seeding.generator(0, "model_init"))
     with torch.no_grad():  # the policy moves away from its reference
         for p in model.parameters():
@@ -174,3 +174,31 @@ def test_adapter_off_without_adapters_or_with_modules_to_save_is_a_config_error(
         load(CONFIGS / "e2e-dpo.yaml", ["objective.dpo.reference=adapter_off", *overrides])
     assert info.value.context["key"] == "objective.dpo.reference"
     assert named in str(info.value)
+
+
+def test_nll_coef_adds_the_chosen_mean_nll_per_pair_and_the_ledger_has_both_log_probs():
+    objective, model = _objective(fuse_head=True)
+    batch = objective.prepare(_batch())
+    plain = objective.loss(model, batch)
+    policy = _sums(model, batch)
+    layout = pair_layout(batch)
+    lengths = layout.token_counts[:, 0].tolist()  # chosen response tokens of each pair
+    nll = sum(-pc / n for (pc, _), n in zip(policy, lengths))
+    assert float(plain.metrics["chosen_nll"]) == pytest.approx(nll, rel=1e-5)
+    with_nll, same = _objective(fuse_head=True, overrides=["objective.dpo.nll_coef=3.0"])
+    out = with_nll.loss(same, with_nll.prepare(_batch()))  # the same seeded weights
+    assert float(out.sum.detach()) == pytest.approx(float(plain.sum.detach()) + 3.0 * nll, rel=1e-5)
+    fields = objective.ledger_fields({k: float(v) for k, v in plain.metrics.items()}, plain.count)
+    assert fields["chosen_logps"] == pytest.approx(sum(c for c, _ in policy) / 3, rel=1e-5)
+    assert fields["rejected_logps"] == pytest.approx(sum(r for _, r in policy) / 3, rel=1e-5)
+
+
+def test_nll_coef_is_checked_and_hashed_only_when_set():
+    tiny_dpo = CONFIGS.parents[1] / "configs" / "tiny-dpo.yaml"
+    unset = load(CONFIGS / "e2e-dpo.yaml")
+    assert load(CONFIGS / "e2e-dpo.yaml", ["objective.dpo.nll_coef=0"]).hash == unset.hash  # the default
+    assert load(CONFIGS / "e2e-dpo.yaml", ["objective.dpo.nll_coef=0.5"]).hash != unset.hash
+    for value, loss in ((-1.0, "sigmoid"), (0.5, "orpo")):
+        with pytest.raises(ConfigError) as error:
+            load(tiny_dpo, [f"objective.dpo.nll_coef={value}", f"objective.dpo.loss={loss}"])
+        assert "objective.dpo.nll_coef" in str(error.value)

@@ -4,6 +4,7 @@ reward set's typed errors (training/objectives/rewards.py)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from core import config as config_lib
 from core.exceptions import ConfigError
-from training.objectives.grpo_loss import SurrogateSettings, group_advantages, per_token_loss, reduce_loss
+from training.objectives.grpo_loss import SurrogateSettings, group_advantages, loss_count, per_token_loss, reduce_loss
 from training.objectives.rewards import RewardError, resolve_reward, score
 
 EPS = 1e-4
@@ -78,7 +79,7 @@ def test_sequence_importance_is_one_length_normalized_ratio_per_completion():
                              settings(importance="sequence"))
     s = math.exp(0.1)  # exp(mean(0.2, 0.0)) over the two completion tokens; the masked one does not count
     assert np.allclose(loss.detach().numpy(), [[-s, -s, 0.0]], rtol=0, atol=1e-12)
-    total, count = reduce_loss(loss, mask, "sequence")
+    total = reduce_loss(loss, mask, "sequence")
     total.backward()
     # d/dlogp_t of -s = -s * (1/|o|) for each completion token: the gradient is shared
     assert np.allclose(logps.grad.numpy(), [[-s / 2, -s / 2, 0.0]], rtol=0, atol=1e-12)
@@ -90,9 +91,9 @@ def test_sequence_importance_is_one_length_normalized_ratio_per_completion():
 def test_loss_norm_sequence_vs_token():
     per_token = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, False], [True, False, False]])
-    total, count = reduce_loss(per_token, mask, "sequence")
+    total, count = reduce_loss(per_token, mask, "sequence"), loss_count(mask, "sequence", max_new_tokens=3)
     assert (total.item(), count) == (pytest.approx(1.5 + 3.0), 2)  # mean per completion, then summed
-    total, count = reduce_loss(per_token, mask, "token")
+    total, count = reduce_loss(per_token, mask, "token"), loss_count(mask, "token", max_new_tokens=3)
     assert (total.item(), count) == (pytest.approx(6.0), 3)  # every token weighs the same
 
 
@@ -151,3 +152,32 @@ def test_grpo_config_is_validated():
     with pytest.raises(ConfigError):  # GRPO trains on prompt records only
         config_lib.validate(config_lib.from_dict({"objective": {"kind": "grpo"},
                                                   "data": {"sources": [{"path": "x.jsonl", "record": "chat"}]}}))
+
+
+def test_group_advantages_with_the_unbiased_std_as_trl():
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [3.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    adv = group_advantages(rewards, eps=EPS, std="unbiased")
+    # group 0: mean 0.5, squared deviations sum to 1, unbiased std sqrt(1 / 3)
+    s0 = math.sqrt(1.0 / 3.0)
+    assert adv[0] == pytest.approx([0.5 / (s0 + EPS), -0.5 / (s0 + EPS), -0.5 / (s0 + EPS), 0.5 / (s0 + EPS)], abs=1e-12)
+    # group 1: mean 0.75, squared deviations 2.25^2 + 3 * 0.75^2 = 6.75, unbiased std sqrt(6.75 / 3) = 1.5
+    assert adv[1] == pytest.approx([2.25 / (1.5 + EPS)] + [-0.75 / (1.5 + EPS)] * 3, abs=1e-12)
+    assert adv[2].tolist() == [0.0, 0.0, 0.0, 0.0]
+    # the two choices differ by sqrt(G / (G - 1)) in the std (1.069 at G = 8), eps aside
+    group = np.array([[1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]])
+    ratio = group_advantages(group, eps=0.0)[0, 0] / group_advantages(group, eps=0.0, std="unbiased")[0, 0]
+    assert ratio == pytest.approx(math.sqrt(8 / 7), abs=1e-12) and round(ratio, 3) == 1.069
+
+
+def test_advantage_std_is_a_key_hashed_only_when_set():
+    path = Path(__file__).resolve().parents[2] / "configs" / "tiny-grpo.yaml"
+    default = config_lib.load(path)
+    assert default.objective.grpo.advantage_std == "population"
+    assert config_lib.load(path, ["objective.grpo.advantage_std=population"]).hash == default.hash
+    unbiased = config_lib.load(path, ["objective.grpo.advantage_std=unbiased"])
+    assert unbiased.objective.grpo.advantage_std == "unbiased" and unbiased.hash != default.hash
+    with pytest.raises(ConfigError) as error:
+        config_lib.load(path, ["objective.grpo.advantage_std=bessel"])
+    assert "objective.grpo.advantage_std" in str(error.value)
+    with pytest.raises(ValueError):
+        group_advantages(np.array([[1.0]]), eps=EPS, std="unbiased")  # one completion has no unbiased std

@@ -157,3 +157,25 @@ def test_bad_arguments_are_rejected():
         pl.simpo(empty, beta=1.0, gamma=0.0)
     with pytest.raises(ValueError, match="chosen_tokens"):
         pl.simpo(SequenceLogps(_t(-1.0), _t(-2.0)), beta=1.0, gamma=0.0)
+
+
+def test_chosen_nll_by_hand_and_its_gradient():
+    # RPO's term: per pair, minus the chosen completion's summed log-prob over its token count.
+    nll = pl.chosen_nll(POLICY)
+    torch.testing.assert_close(nll, _t(4.0 / 4, 10.0 / 5), rtol=0, atol=1e-15)
+    # DPO + nll_coef * NLL, as objective.dpo.nll_coef adds it, and its gradient by hand:
+    # d/dπc [-log σ(β h) + c (-πc / |c|)] = -β σ(-β h) - c / |c|; d/dπr = β σ(-β h); nothing else moves.
+    beta, coef = 0.1, 2.0
+    chosen = POLICY.chosen.clone().requires_grad_(True)
+    rejected = POLICY.rejected.clone().requires_grad_(True)
+    policy = SequenceLogps(chosen, rejected, POLICY.chosen_tokens, POLICY.rejected_tokens)
+    losses, _ = pl.sigmoid(policy, REFERENCE, beta=beta)
+    total = (losses + coef * pl.chosen_nll(policy)).mean()
+    h = [1.5, -0.5]
+    expected = sum(-_logsig(beta * x) for x in h) / 2 + coef * (1.0 + 2.0) / 2
+    assert float(total.detach()) == pytest.approx(expected, abs=1e-14)
+    total.backward()
+    sig = [1.0 / (1.0 + math.exp(beta * x)) for x in h]  # σ(-β h)
+    torch.testing.assert_close(chosen.grad, _t(*[(-beta * s - coef / n) / 2 for s, n in zip(sig, (4, 5))]),
+                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(rejected.grad, _t(*[beta * s / 2 for s in sig]), rtol=0, atol=1e-15)

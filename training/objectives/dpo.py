@@ -17,14 +17,17 @@ identity. With ``cache_reference`` the sums are stored once per pair
 (reference_cache.py) and read back as the same fp32 bits, so cached and online runs have
 identical ledgers. ``simpo`` and ``orpo`` are reference-free.
 
-The loss is the mean over the global batch's pairs (``num_targets`` = pairs); metrics are
-sums over pairs (chosen/rejected rewards, margins, accuracies, policy and reference log-probs),
-and the ledger adds ``pairs``, ``rewards_margin`` and ``accuracy``.
+The loss is the mean over the global batch's pairs (``num_targets`` = pairs), each pair's loss
+plus ``nll_coef`` times its chosen response's mean per-token NLL (RPO; 0 by default); metrics are
+sums over pairs (chosen/rejected rewards, margins, accuracies, the chosen NLL, policy and
+reference log-probs), and the ledger adds ``pairs``, ``rewards_margin``, ``accuracy``,
+``chosen_logps`` and ``rejected_logps`` (the policy's mean summed log-probs per pair).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +36,26 @@ import torch
 from torch import nn
 
 from core.config import Config
+from core.exceptions import NonFiniteError
 from data.batch import IGNORE_INDEX
+from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from training.objectives import preference_loss
-from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state
+from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.frozen import FrozenModel, adapter_off_reference, build_frozen
 from training.objectives.preference_loss import SequenceLogps
-from training.objectives.reference_cache import ReferenceCache, fingerprint
+from training.objectives.reference_cache import ReferenceCache, fingerprint, pair_tokens
 from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
 
 KEY = "objective.dpo.reference"
 REFERENCE_FREE = ("simpo", "orpo")
-METRICS = ("chosen_rewards", "rejected_rewards", "margins", "accuracies",
+# Per pair, on the step and the eval lines: accuracy and margin of the implicit rewards, and the
+# policy's summed log-probs of the chosen and rejected responses.
+_PAIR_LINE = ConsoleLine(unit="pair", fields=(
+    ConsoleField("accuracy", metric("accuracies")), ConsoleField("margin", metric("margins")),
+    ConsoleField("logp chosen", metric("policy_chosen_logps"), ".2f"),
+    ConsoleField("logp rejected", metric("policy_rejected_logps"), ".2f"),
+))
+METRICS = ("chosen_rewards", "rejected_rewards", "margins", "accuracies", "chosen_nll",
            "policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 
 
@@ -99,6 +111,7 @@ class DPOObjective:
     name = "dpo"
     updates_per_batch = 1
     settles_late = True
+    console = ConsoleLines(step=_PAIR_LINE, eval=_PAIR_LINE)
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -110,6 +123,12 @@ class DPOObjective:
         self.fuse_head = False
 
     # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def frozen_sources(config: Config) -> dict[str, str]:
+        """{config key: source} of the frozen models setup builds (``adapter_off`` is the policy itself)."""
+        s = config.objective.dpo
+        return {} if s.loss in REFERENCE_FREE or s.reference == "adapter_off" else {KEY: s.reference}
 
     def setup(self, model: nn.Module, context: ObjectiveContext) -> None:
         self._context = context
@@ -144,10 +163,11 @@ class DPOObjective:
             "device": context.dist.device.type,
             "compiled": self.config.parallel.compile,  # a compiled reference rounds differently
         }
-        print_ = fingerprint(parts)
+        data = {s.name: s.content_digest() for s in sources}  # the records: checked, not part of the directory name
         directory = Path(self.settings.cache_dir) if self.settings.cache_dir else (
-            Path(self.config.run.root) / "reference_cache" / print_[:16])
-        return ReferenceCache(directory, print_, rank=context.dist.rank, world_size=context.dist.world_size)
+            Path(self.config.run.root) / "reference_cache" / fingerprint(parts)[:16])
+        return ReferenceCache(directory, parts, data=data, rank=context.dist.rank,
+                              world_size=context.dist.world_size)
 
     # ------------------------------------------------------------------ per batch
 
@@ -156,13 +176,16 @@ class DPOObjective:
             return batch
         layout = pair_layout(batch)
         keys = [_pair_key(batch, r, first[0]) for (r, _), first in zip(layout.pairs, layout.first_target)]
-        values = self.cache.lookup(keys) if self.cache is not None else None
+        tokens = ([pair_tokens(batch, r, first) for (r, _), first in zip(layout.pairs, layout.first_target)]
+                  if self.cache is not None else [])
+        values = self.cache.lookup(keys, tokens) if self.cache is not None else None
         if self._must_run(values is None):
             computed = self._reference_sums(batch)
             first: dict[str, tuple[float, float]] = {}
             computed = [first.setdefault(k, v) for k, v in zip(keys, computed)]  # a repeated pair: as the cache
             if self.cache is not None:
-                self.cache.store([(k, c, r) for k, (c, r) in zip(keys, computed)])
+                _check_finite(keys, computed, step=batch.step)  # never store what a later run would refuse
+                self.cache.store([(k, t, c, r) for k, t, (c, r) in zip(keys, tokens, computed)])
             values = values if values is not None else computed
         ref = torch.zeros(batch.labels.shape, dtype=torch.float32)
         for ((row, _), (c_at, r_at)), (chosen, rejected) in zip(zip(layout.pairs, layout.first_target), values):
@@ -237,11 +260,15 @@ class DPOObjective:
             ref_sums = _select_pairs(sequence_sums(placed.extras["ref_logps"], segments), layout)
             reference = SequenceLogps(ref_sums[:, 0], ref_sums[:, 1], counts[:, 0], counts[:, 1])
         losses, stats = self._losses(policy, reference)
+        nll = preference_loss.chosen_nll(policy)  # (N,) mean per-token NLL of each chosen answer
+        if self.settings.nll_coef > 0:  # RPO: anchors the chosen answer's likelihood
+            losses = losses + self.settings.nll_coef * nll
         metrics = {
             "chosen_rewards": stats.chosen_rewards.sum(),
             "rejected_rewards": stats.rejected_rewards.sum(),
             "margins": stats.margins.sum(),
             "accuracies": stats.accuracies.sum(),
+            "chosen_nll": nll.detach().sum(),
             "policy_chosen_logps": policy.chosen.detach().sum(),
             "policy_rejected_logps": policy.rejected.detach().sum(),
         }
@@ -264,8 +291,12 @@ class DPOObjective:
 
     def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
         pairs = max(count, 1)
+        # The policy's summed log-probs of the chosen and rejected responses, means over the pairs:
+        # a collapse (both falling, the margin still growing) shows here first.
         return {"pairs": count, "rewards_margin": totals.get("margins", 0.0) / pairs,
-                "accuracy": totals.get("accuracies", 0.0) / pairs}
+                "accuracy": totals.get("accuracies", 0.0) / pairs,
+                "chosen_logps": totals.get("policy_chosen_logps", 0.0) / pairs,
+                "rejected_logps": totals.get("policy_rejected_logps", 0.0) / pairs}
 
     def state_dict(self) -> dict[str, Any]:
         return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION}
@@ -282,6 +313,13 @@ def _select_pairs(sums: torch.Tensor, layout: PairLayout) -> torch.Tensor:
     slots = sums.shape[1] // 2
     flat = torch.tensor([r * slots + p for r, p in layout.pairs], dtype=torch.long)
     return sums.reshape(-1, 2).index_select(0, flat.to(sums.device))
+
+
+def _check_finite(keys: list[str], values: list[tuple[float, float]], *, step: int) -> None:
+    for key, pair in zip(keys, values):
+        if not all(math.isfinite(v) for v in pair):
+            raise NonFiniteError(f"the reference model's log-probs of pair {key} are not finite {pair}",
+                                 record=key, step=step, hint="check the reference model's weights and this record")
 
 
 def _pair_key(batch, row: int, position: int) -> str:

@@ -7,22 +7,30 @@ Per step (one loop step = one optimizer step):
    samples ``group_size`` completions of each with the current weights
    (models/qwen/sampler.py, keys ``(train.seed, "grpo", step, global prompt row, sample index)``,
    so a rollout depends on neither the world size nor the batch layout), scores them with the
-   configured rewards (training/objectives/rewards.py), normalizes advantages per group and,
+   configured rewards (training/objectives/rewards.py), adds DAPO's overlong penalty
+   (``overlong_buffer`` > 0), re-samples groups whose rewards are all equal (DAPO's dynamic
+   sampling, ``dynamic_sampling_rounds`` > 0: ``_resample_uniform_groups``), normalizes
+   advantages per group (``advantage_std``) and,
    when ``kl_coef > 0``, computes the frozen reference's log-probs. It returns a *new* Batch:
    one row per completion (prompt + completion, padded to ``data.seq_len``; labels on the
    completion tokens only), global row ``prompt row * group_size + sample index``, with extras
    ``advantages`` (B,), ``old_logps`` (B, T) (the sampler's log-probs, aligned with labels) and
    ``ref_logps`` (B, T).
 2. ``loss`` is the clipped surrogate with the k3 KL penalty (training/objectives/grpo_loss.py has
-   every formula), summed per ``loss_norm`` over completions or tokens; the loop divides by the
-   global count.
+   every formula), summed per ``loss_norm``; the loop divides by the global count (completions,
+   tokens, or completions x max_new_tokens). Under ``mask_truncated`` a truncated completion's row
+   has no labels, so it adds neither loss nor count.
 3. ``ledger_fields`` gathers every rank's rollout digests and rewards (all ranks call it at the
    same point; the gather is keyed by global row, so the result is world-size independent):
    ``rollout_hash`` (sha256 over the per-completion sha256 of the generated token ids, in
    global row order), ``reward_mean``, ``reward_std`` (population), ``reward_zero_var_groups``
    (fraction of groups whose rewards are all equal), ``completion_len_mean``,
    ``logprob_parity`` (max |sampler log-prob - trainer log-prob| over the sampled tokens) and
-   ``reward_errors`` (rewards scored 0 under ``on_reward_error=zero``).
+   ``reward_errors`` (rewards scored 0 under ``on_reward_error=zero``); with ``overlong_buffer > 0``
+   ``overlong_penalty_mean``, with ``mask_truncated`` ``truncated_masked`` (fraction of completions),
+   with ``dynamic_sampling_rounds > 0`` ``resample_rounds`` and ``resampled_groups``.
+   ``reward_mean``/``reward_std`` are the rewards' scores; ``reward_zero_var_groups`` counts the
+   groups whose shaped rewards (the advantages' input) are all equal.
 
 ``inner_updates`` optimizer updates per rollout batch, all inside one loop step
 (``updates_per_batch``): the ratio's denominator is the sampler's own log-probs, so on the
@@ -64,13 +72,16 @@ from core.exceptions import ConfigError, DataError
 from data.batch import IGNORE_INDEX, Batch
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
+from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.qwen.sampler import Sample, Sampler, SamplingParams, generation_model
 from models.generation import sample_prompts
 from training.generate import cut_at_marker, stop_tokens
-from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state
+from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import (
     SurrogateSettings,
     group_advantages,
+    loss_count,
+    overlong_penalty,
     per_token_loss,
     reduce_loss,
     reduce_metric,
@@ -80,6 +91,7 @@ from training.objectives.token_logps import linear_token_logps, token_logps_from
 
 PURPOSE = "grpo"
 EVAL_PURPOSE = "grpo-eval"
+LOSS_UNIT = {"sequence": "completion", "token": "token", "dr_grpo": "token slot"}  # what the step loss averages over
 
 
 class GRPOObjective:
@@ -93,6 +105,7 @@ class GRPOObjective:
         # GPU anyway): every step settles before the next one's rollouts.
         self.settles_late = False
         self.rewards = self.check_config(config)
+        self.console = self._console_lines(g)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
         # EOS and a one-token end-of-turn marker stop a sample; a marker of several tokens is cut on the host.
@@ -117,10 +130,33 @@ class GRPOObjective:
         self._timings: dict[str, float] = {}
         self.fuse_head = False
 
+    @staticmethod
+    def _console_lines(g) -> ConsoleLines:
+        """Steps: the surrogate loss per completion or token (``loss_norm``), the rollouts' mean
+        reward, the KL to the reference (with ``kl_coef > 0``) and the clipped fraction. Evaluations:
+        per held-out prompt, the greedy reward and accuracy (the loss is minus that reward: not
+        shown), and with ``eval_samples`` the sampled reward and pass@1."""
+        step = [ConsoleField("reward", "reward_mean"), ConsoleField("reward std", "reward_std")]
+        if g.kl_coef > 0:
+            step.append(ConsoleField("kl", metric("kl")))
+        step += [ConsoleField("clip", metric("clip_fraction")), ConsoleField("len", "completion_len_mean", ".1f")]
+        held_out = [ConsoleField("reward", metric("reward_mean")), ConsoleField("accuracy", metric("accuracy"))]
+        if g.eval_samples > 0:
+            held_out += [ConsoleField("sampled reward", metric("sampled_reward_mean")),
+                         ConsoleField("pass@1", metric("sampled_accuracy"))]
+        return ConsoleLines(step=ConsoleLine(unit=LOSS_UNIT[g.loss_norm], fields=tuple(step)),
+                            eval=ConsoleLine(unit="prompt", loss=None, fields=tuple(held_out)))
+
     def last_timings(self) -> dict[str, float]:
         """Seconds of the last prepare's rollouts and reference pass, and the tokens generated
         (benchmarks/grpo_step.py; not in the ledger: times are not deterministic)."""
         return dict(self._timings)
+
+    @staticmethod
+    def frozen_sources(config: Config) -> dict[str, str]:
+        """{config key: source} of the frozen models setup builds (the reference, with kl_coef > 0)."""
+        g = config.objective.grpo
+        return {"objective.grpo.reference": g.reference} if g.kl_coef > 0 else {}
 
     @staticmethod
     def check_config(config: Config) -> list:
@@ -153,35 +189,75 @@ class GRPOObjective:
         if not self._model.training:  # the loop evaluates in eval mode (module docstring)
             return self._evaluation_batch(batch)
         prompts = [self._prompt_of(batch, r) for r in range(len(batch.sequence_index))]
+        self._timings = {"rollout_s": 0.0, "rollout_tokens": 0}
         samples = self._rollouts([p[1] for p in prompts], [p[0] for p in prompts], batch.step)
-        rows, rewards, failures = [], [], 0
-        G = self.g.group_size
-        for (index, prompt_ids, answer, prompt_text), group in zip(prompts, samples):
-            group_rewards = []
-            for s, sample in enumerate(group):
-                tokens, text = self._completion(sample)
-                value, failed = score(self.rewards, text, answer, prompt_text, on_error=self.g.on_reward_error,
-                                      where=f"step {batch.step}, prompt row {index}, sample {s}")
-                failures += failed
-                group_rewards.append(value)
-                rows.append((index * G + s, prompt_ids, tokens, sample.logprobs[: len(tokens)]))
-            rewards.append(group_rewards)
-        advantages = group_advantages(np.array(rewards).reshape(len(prompts), G), eps=self.g.std_eps).reshape(-1)
+        groups = [self._scored_group(batch, r, prompt, group) for r, (prompt, group) in enumerate(zip(prompts, samples))]
+        rounds, resampled = self._resample_uniform_groups(batch, prompts, groups)
+        rows = [row for group in groups for row in group["rows"]]
+        scores = np.concatenate([group["scores"] for group in groups])
+        penalties = np.concatenate([group["penalties"] for group in groups])
+        shaped = scores + penalties  # what the advantages see (the scores alone when overlong shaping is off)
+        advantages = group_advantages(shaped.reshape(len(prompts), self.g.group_size), eps=self.g.std_eps,
+                                      std=self.g.advantage_std).reshape(-1)
         out = self._rollout_batch(batch, rows, advantages)
         if self.reference is not None:
             out = out.with_extras(ref_logps=self._reference_logps(out))
         self._local = {
-            "rows": [(index, hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest(), reward, len(tokens))
-                     for (index, _, tokens, _), reward in zip(rows, np.array(rewards).reshape(-1).tolist())],
-            "failures": failures,
+            "rows": [(index, hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest(), reward,
+                      len(tokens), penalty, shaped_reward, truncated)
+                     for (index, _, tokens, _, truncated), reward, penalty, shaped_reward
+                     in zip(rows, scores.tolist(), penalties.tolist(), shaped.tolist())],
+            "failures": sum(group["failures"] for group in groups),
+            "rounds": rounds,
+            "resampled": resampled,
         }
         self._parity = []
         return out
 
+    def _scored_group(self, batch: Batch, r: int, prompt: tuple, group: list[Sample], *,
+                      resample_round: int = 0) -> dict[str, Any]:
+        """Prompt row ``r``'s completions as rollout rows, with their scores, overlong penalties and
+        the number of reward functions scored 0 after an error."""
+        index, prompt_ids, answer, prompt_text = prompt
+        source = batch.provenance[r][0]  # the prompt's record: a bad answer is blamed on it
+        where_round = f", resample round {resample_round}" if resample_round else ""
+        rows, scores, failures = [], [], 0
+        for s, sample in enumerate(group):
+            tokens, text, truncated = self._completion(sample)
+            value, failed = score(self.rewards, text, answer, prompt_text, on_error=self.g.on_reward_error,
+                                  where=f"step {batch.step}, prompt row {index}, sample {s}{where_round} "
+                                        f"(file {source.shard}, record {source.record})")
+            failures += failed
+            scores.append(value)
+            rows.append((index * self.g.group_size + s, prompt_ids, tokens, sample.logprobs[: len(tokens)], truncated))
+        penalties = overlong_penalty([len(row[2]) for row in rows], max_new_tokens=self.g.max_new_tokens,
+                                     buffer=self.g.overlong_buffer)
+        return {"rows": rows, "scores": np.array(scores, dtype=np.float64), "penalties": penalties,
+                "failures": failures}
+
+    def _resample_uniform_groups(self, batch: Batch, prompts: list, groups: list[dict]) -> tuple[int, int]:
+        """DAPO's dynamic sampling (``dynamic_sampling_rounds`` = R > 0): a group whose shaped rewards
+        are all equal (advantage 0: it teaches nothing) is replaced, in place, by a fresh group of
+        the same prompt, sample ``j`` of round ``k`` keyed ``(seed, "grpo.resample<k>", step, prompt
+        row, j)``, for at most R rounds; what is still uniform then stays (advantage 0). Every rank
+        runs the same rounds (generation may be a collective) while any rank has a uniform group;
+        a prompt's group depends only on its own rounds, so not on the world size. Returns (rounds
+        run, groups replaced on this rank)."""
+        rounds, resampled = 0, 0
+        for k in range(1, self.g.dynamic_sampling_rounds + 1):
+            uniform = [p for p, group in enumerate(groups) if np.ptp(group["scores"] + group["penalties"]) == 0]
+            if not any(self._context.dist.all_gather_object(bool(uniform))):
+                break
+            fresh = self._rollouts([prompts[p][1] for p in uniform], [prompts[p][0] for p in uniform], batch.step,
+                                   purpose=f"{PURPOSE}.resample{k}")
+            for p, group in zip(uniform, fresh):
+                groups[p] = self._scored_group(batch, p, prompts[p], group, resample_round=k)
+            rounds, resampled = k, resampled + len(uniform)
+        return rounds, resampled
+
     def num_targets(self, batch: Batch) -> int:
-        if self.g.loss_norm == "sequence":
-            return int(batch.input_ids.shape[0])
-        return batch.num_target_tokens()
+        """The global normalizer's share of these rows (grpo_loss.loss_count), from the host labels."""
+        return loss_count(batch.labels != IGNORE_INDEX, self.g.loss_norm, max_new_tokens=self.g.max_new_tokens)
 
     def loss(self, model: nn.Module, micro: Batch) -> LossOutput:
         if "eval_reward" in micro.extras:  # an evaluation batch: scored in prepare, one unit per prompt
@@ -198,14 +274,14 @@ class GRPOObjective:
         old = placed.extras["old_logps"]
         per_token, terms = per_token_loss(logps, old, placed.extras.get("ref_logps"), placed.extras["advantages"],
                                           mask, self.settings)
-        total, _ = reduce_loss(per_token, mask, self.g.loss_norm)
+        total = reduce_loss(per_token, mask, self.g.loss_norm)
         with torch.no_grad():
             self._parity.append(((logps.detach() - old).abs() * mask).max())
-            norm = self.g.loss_norm
-            metrics = {"clip_fraction": reduce_metric(terms["clipped"], mask, norm),
-                       "entropy": reduce_metric(-logps.detach() * mask, mask, norm)}
+            norm, slots = self.g.loss_norm, self.g.max_new_tokens
+            metrics = {"clip_fraction": reduce_metric(terms["clipped"], mask, norm, max_new_tokens=slots),
+                       "entropy": reduce_metric(-logps.detach() * mask, mask, norm, max_new_tokens=slots)}
             if "kl" in terms:
-                metrics["kl"] = reduce_metric(terms["kl"].detach(), mask, norm)
+                metrics["kl"] = reduce_metric(terms["kl"].detach(), mask, norm, max_new_tokens=slots)
         return LossOutput(total, count, metrics)
 
     def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
@@ -218,7 +294,7 @@ class GRPOObjective:
         rows = sorted({row[0]: row for part in gathered for row in part["rows"]}.values())
         digest = hashlib.sha256(b"".join(bytes.fromhex(row[1]) for row in rows)).hexdigest()
         rewards = np.array([row[2] for row in rows], dtype=np.float64)
-        groups = rewards.reshape(-1, self.g.group_size)
+        groups = np.array([row[5] for row in rows], dtype=np.float64).reshape(-1, self.g.group_size)
         return {
             "rollout_hash": digest,
             "reward_mean": float(rewards.mean()),
@@ -227,7 +303,27 @@ class GRPOObjective:
             "completion_len_mean": float(np.mean([row[3] for row in rows])),
             "logprob_parity": max(part["parity"] for part in gathered),
             "reward_errors": int(sum(part["failures"] for part in gathered)) // max(1, self._tp_copies(gathered)),
+            **self._dapo_fields(rows),
+            **self._resampling_fields(gathered),
         }
+
+    def _dapo_fields(self, rows: list[tuple]) -> dict[str, float]:
+        """With overlong shaping, the mean penalty added to the rewards; with truncation masking,
+        the fraction of completions masked. Absent when off, so earlier ledgers keep their fields."""
+        fields = {}
+        if self.g.overlong_buffer > 0:
+            fields["overlong_penalty_mean"] = float(np.mean([row[4] for row in rows]))
+        if self.g.mask_truncated:
+            fields["truncated_masked"] = float(np.mean([row[6] for row in rows]))
+        return fields
+
+    def _resampling_fields(self, gathered: list[dict]) -> dict[str, int]:
+        """With dynamic sampling: the extra rollout rounds run (the same on every rank) and the
+        groups replaced over all ranks. Absent when off."""
+        if self.g.dynamic_sampling_rounds == 0:
+            return {}
+        return {"resample_rounds": max(part["rounds"] for part in gathered),
+                "resampled_groups": sum(part["resampled"] for part in gathered) // max(1, self._tp_copies(gathered))}
 
     def state_dict(self) -> dict[str, Any]:
         # Nothing else to keep: the prompts come from the data state, the sampling keys from the
@@ -250,16 +346,18 @@ class GRPOObjective:
         prompt = [t for t, m in zip(ids, mask) if not m]
         answer = [t for t, m in zip(ids[:-1], mask[:-1]) if m]  # the last token is the separator
         if not prompt:
-            raise DataError("prompt record renders to no prompt token", file=span.shard, record=span.record,
+            raise DataError("prompt record renders to no prompt token", file=span.shard, record=span.record + 1,
                             step=batch.step)
         return (batch.sequence_index[r], prompt, self.tokenizer.decode(answer), self.tokenizer.decode(prompt))
 
-    def _rollouts(self, prompt_ids: list[list[int]], indices: list[int], step: int) -> list[list[Sample]]:
+    def _rollouts(self, prompt_ids: list[list[int]], indices: list[int], step: int, *,
+                  purpose: str = PURPOSE) -> list[list[Sample]]:
+        """``group_size`` completions of each prompt, one list per prompt (``prepare`` adds up the timings)."""
         started = time.perf_counter()
         G = self.g.group_size
-        flat = self._generate(prompt_ids, indices, self.params, purpose=PURPOSE, step=step, samples=G)
-        self._timings["rollout_s"] = time.perf_counter() - started
-        self._timings["rollout_tokens"] = sum(len(sample.tokens) for sample in flat)
+        flat = self._generate(prompt_ids, indices, self.params, purpose=purpose, step=step, samples=G)
+        self._timings["rollout_s"] += time.perf_counter() - started
+        self._timings["rollout_tokens"] += sum(len(sample.tokens) for sample in flat)
         return [flat[p * G:(p + 1) * G] for p in range(len(prompt_ids))]
 
     def _generate(self, prompt_ids: list[list[int]], indices: list[int], params: SamplingParams, *,
@@ -313,32 +411,35 @@ class GRPOObjective:
         exact = np.zeros((len(prompts), samples), dtype=np.float64)
         for p, (index, _, answer, prompt_text) in enumerate(prompts):
             for s in range(samples):
-                _, text = self._completion(flat[p * samples + s])
+                _, text, _ = self._completion(flat[p * samples + s])
                 rewards[p, s], _ = score(self.rewards, text, answer, prompt_text, on_error=self.g.on_reward_error,
                                          where=f"evaluation batch {batch.step}, prompt row {index}, sample {s}")
                 exact[p, s] = exact_answer(text, answer)
         return (torch.tensor(rewards.mean(axis=1), dtype=torch.float32),
                 torch.tensor(exact.mean(axis=1), dtype=torch.float32))
 
-    def _completion(self, sample: Sample) -> tuple[list[int], str]:
-        """The tokens trained on (cut after a several-token end-of-turn marker) and the completion
-        text the rewards see (without stop tokens and the marker): as ``python -m training generate``."""
+    def _completion(self, sample: Sample) -> tuple[list[int], str, bool]:
+        """The tokens trained on (cut after a several-token end-of-turn marker), the completion
+        text the rewards see (without stop tokens and the marker): as ``python -m training generate``,
+        and whether it was truncated (it ran into max_new_tokens or data.seq_len with no stop)."""
         sample, text = cut_at_marker(sample, self.tokenizer, self.end_marker, self.stop_ids)
-        return list(sample.tokens), text
+        return list(sample.tokens), text, sample.finish_reason == "length"
 
     def _rollout_batch(self, batch: Batch, rows: list, advantages: np.ndarray) -> Batch:
-        """One row per completion: prompt + completion, padded; labels on the completion only."""
+        """One row per completion: prompt + completion, padded; labels on the completion only (none
+        on a truncated one under mask_truncated: it carries no loss and counts in no normalizer)."""
         width, pad = self.config.data.seq_len, getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)
         n = len(rows)
         input_ids = torch.full((n, width), pad, dtype=torch.int64)
         labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.int64)
         document_ids = torch.ones((n, width), dtype=torch.int64)
         old_logps = torch.zeros((n, width), dtype=torch.float32)
-        for i, (_, prompt, tokens, logprobs) in enumerate(rows):
+        for i, (_, prompt, tokens, logprobs, truncated) in enumerate(rows):
             p, c = len(prompt), len(tokens)
             input_ids[i, :p + c] = torch.tensor(prompt + tokens)
             document_ids[i, :p + c] = 0
-            labels[i, p - 1:p + c - 1] = torch.tensor(tokens)
+            if not (truncated and self.g.mask_truncated):
+                labels[i, p - 1:p + c - 1] = torch.tensor(tokens)
             old_logps[i, p - 1:p + c - 1] = torch.tensor(logprobs, dtype=torch.float32)
         G = self.g.group_size
         return Batch(

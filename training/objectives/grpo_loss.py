@@ -5,9 +5,16 @@ Notation: a prompt's group holds ``G`` completions ``o_1..o_G`` with scores ``r_
 policy that sampled it (the sampler's log-probs) and ``ref_{i,t}`` under the frozen reference.
 
 - **Advantage** (group-normalized, one per completion):
-  ``A_i = (r_i - mean(r)) / (std(r) + eps)`` with ``std`` the *population* standard deviation
-  (``sqrt(mean((r - mean(r))^2))``, no Bessel correction) and ``eps`` = objective.grpo.std_eps.
-  A group whose rewards are all equal has ``A = 0``: it teaches nothing.
+  ``A_i = (r_i - mean(r)) / (std(r) + eps)``, ``eps`` = objective.grpo.std_eps, ``std`` per
+  objective.grpo.advantage_std: ``population`` (the default) ``sqrt(sum((r - mean(r))^2) / G)``, no
+  Bessel correction; ``unbiased`` ``sqrt(sum((r - mean(r))^2) / (G - 1))``, TRL's choice (torch's
+  ``std``), larger by ``sqrt(G / (G - 1))`` (1.069 at G = 8), so its advantages are smaller by
+  about that factor; ``none`` (Dr. GRPO) ``A_i = r_i - mean(r)``, not divided, so a group with a
+  small spread of rewards is not scaled up. A group whose rewards are all equal has ``A = 0``: it
+  teaches nothing.
+- **Overlong shaping** (DAPO, objective.grpo.overlong_buffer ``B`` > 0): with ``L = max_new_tokens``,
+  ``r_i += 0`` if ``|o_i| <= L - B``, else ``((L - B) - |o_i|) / B`` (-1 at ``|o_i| = L``), before
+  the advantages.
 - **Ratio**: ``token``: ``rho_{i,t} = exp(logp_{i,t} - old_{i,t})``; ``sequence`` (GSPO):
   ``s_i = exp(mean_t(logp_{i,t} - old_{i,t}))``, one length-normalized ratio per completion,
   used for each of its tokens.
@@ -16,9 +23,13 @@ policy that sampled it (the sampler's log-probs) and ``ref_{i,t}`` under the fro
   KL(policy || reference) per sampled token), ``beta`` = objective.grpo.kl_coef.
 - **Normalization** (objective.grpo.loss_norm): ``sequence``: ``L = (1/N) sum_i (1/|o_i|) sum_t l_{i,t}``
   over the N completions of the global batch (GRPO as published: long and short completions
-  weigh the same); ``token``: ``L = (1 / sum_i |o_i|) sum_i sum_t l_{i,t}`` (DAPO / Dr. GRPO: each
-  token weighs the same, so long completions are not under-weighted). The functions here return
-  the *sum* and the loop divides by the global count (completions or tokens).
+  weigh the same); ``token``: ``L = (1 / sum_i |o_i|) sum_i sum_t l_{i,t}`` (DAPO, TRL's ``dapo``:
+  each token weighs the same, so long completions are not under-weighted); ``dr_grpo``:
+  ``L = (1 / (N * max_new_tokens)) sum_i sum_t l_{i,t}`` (a constant normalizer: no length bias
+  at all). The functions here return the *sum* and the loop divides by the global count
+  (completions, tokens or completions x max_new_tokens), so micro-batches and ranks do not change L.
+  A completion masked as truncated (objective.grpo.mask_truncated) has no loss tokens and is
+  not counted among the N.
 """
 
 from __future__ import annotations
@@ -29,12 +40,26 @@ import numpy as np
 import torch
 
 
-def group_advantages(rewards: np.ndarray, *, eps: float) -> np.ndarray:
-    """rewards (P, G) -> advantages (P, G), float64: ``(r - mean) / (std + eps)`` per row (population std)."""
+STD_DIVISOR_OFFSET = {"population": 0, "unbiased": 1}  # std divides the squared deviations by G - offset
+ADVANTAGE_SCALES = (*STD_DIVISOR_OFFSET, "none")
+
+
+def group_advantages(rewards: np.ndarray, *, eps: float, std: str = "population") -> np.ndarray:
+    """rewards (P, G) -> advantages (P, G), float64: ``(r - mean) / (std + eps)`` per row, ``std`` the
+    ``population`` (divide by G) or ``unbiased`` (divide by G - 1) standard deviation; with
+    ``std="none"`` (Dr. GRPO) ``r - mean``."""
     rewards = np.asarray(rewards, dtype=np.float64)
+    if std not in ADVANTAGE_SCALES:
+        raise ValueError(f"std must be one of {sorted(ADVANTAGE_SCALES)}, got {std!r}")
     mean = rewards.mean(axis=1, keepdims=True)
-    std = np.sqrt(((rewards - mean) ** 2).mean(axis=1, keepdims=True))
-    return (rewards - mean) / (std + eps)
+    if std == "none":
+        return rewards - mean
+    group = rewards.shape[1]
+    if group - STD_DIVISOR_OFFSET[std] < 1:
+        raise ValueError(f"the {std} standard deviation needs groups of at least 2, got {group}")
+    squares = ((rewards - mean) ** 2).sum(axis=1, keepdims=True)
+    deviation = np.sqrt(squares / (group - STD_DIVISOR_OFFSET[std]))
+    return (rewards - mean) / (deviation + eps)
 
 
 @dataclass(frozen=True)
@@ -72,18 +97,42 @@ def per_token_loss(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | N
     return loss * mask_f, terms
 
 
-def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_norm: str) -> tuple[torch.Tensor, int]:
-    """The loss *sum* over this micro-batch and its count: per-completion means summed (``sequence``)
-    or token losses summed (``token``); the loop divides by the global count."""
+def overlong_penalty(lengths: np.ndarray, *, max_new_tokens: int, buffer: int) -> np.ndarray:
+    """DAPO's soft overlong penalty per completion length, float64: 0 up to ``max_new_tokens - buffer``
+    tokens, then falling linearly by ``1 / buffer`` per token to -1 at ``max_new_tokens``; 0 everywhere
+    when ``buffer`` is 0 (off)."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if buffer == 0:
+        return np.zeros_like(lengths)
+    start = max_new_tokens - buffer
+    return -np.clip(lengths - start, 0.0, None) / buffer
+
+
+def loss_count(mask: torch.Tensor, loss_norm: str, *, max_new_tokens: int) -> int:
+    """The units this micro-batch adds to the global normalizer: completions with loss tokens
+    (``sequence``), loss tokens (``token``) or completions with loss tokens x ``max_new_tokens``
+    (``dr_grpo``). A completion without loss tokens (masked as truncated) counts nowhere."""
+    if loss_norm == "token":
+        return int(mask.sum())
+    completions = int(mask.any(dim=1).sum())
+    return completions * max_new_tokens if loss_norm == "dr_grpo" else completions
+
+
+def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_norm: str) -> torch.Tensor:
+    """The loss *sum* over this micro-batch: per-completion means summed (``sequence``) or token
+    losses summed (``token``, ``dr_grpo``); the loop divides by the global ``loss_count``."""
     if loss_norm == "sequence":
         lengths = mask.sum(dim=1).clamp_min(1).to(per_token.dtype)
-        return (per_token.sum(dim=1) / lengths).sum(), int(mask.shape[0])
-    return per_token.sum(), int(mask.sum())
+        return (per_token.sum(dim=1) / lengths).sum()
+    return per_token.sum()
 
 
-def reduce_metric(values: torch.Tensor, mask: torch.Tensor, loss_norm: str) -> torch.Tensor:
-    """A per-token metric summed the way the loss is, so that sum / count is its mean over the same units."""
-    if loss_norm == "sequence":
-        lengths = mask.sum(dim=1).clamp_min(1).to(values.dtype)
-        return (values.sum(dim=1) / lengths).sum()
-    return values.sum()
+def reduce_metric(values: torch.Tensor, mask: torch.Tensor, loss_norm: str, *, max_new_tokens: int) -> torch.Tensor:
+    """A per-token metric summed so that sum / count (``loss_count``) is its mean per token
+    (``token``) or per completion of its token means (``sequence``, and ``dr_grpo``, whose count
+    holds max_new_tokens slots per completion: a mean per slot would shrink with short completions)."""
+    if loss_norm == "token":
+        return values.sum()
+    lengths = mask.sum(dim=1).clamp_min(1).to(values.dtype)
+    per_completion = values.sum(dim=1) / lengths
+    return (per_completion * max_new_tokens).sum() if loss_norm == "dr_grpo" else per_completion.sum()

@@ -154,6 +154,18 @@ def orpo(policy: SequenceLogps, *, lam: float) -> tuple[torch.Tensor, Preference
     return losses, PreferenceMetrics(odds_c.detach(), odds_r.detach())
 
 
+def chosen_nll(policy: SequenceLogps) -> torch.Tensor:
+    """The chosen completion's mean per-token negative log-likelihood, per pair: ``-πc / |c|``.
+
+    RPO (Pang et al. 2024) adds ``nll_coef`` times this to each pair's preference loss, so that
+    the preference term cannot buy its margin by pushing the chosen answer's probability down
+    too (it anchors the chosen log-prob; objective.dpo.nll_coef). Normalized by the chosen
+    completion's own length, so a long and a short answer weigh the same.
+    """
+    mean_c, _ = policy.mean_per_token()
+    return -mean_c
+
+
 def _log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
     """log(p / (1 - p)) for p = exp(mean_logp) < 1."""
     ceiling = -1e-12 if mean_logp.dtype == torch.float64 else -1e-6

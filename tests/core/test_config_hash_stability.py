@@ -1,0 +1,46 @@
+"""Every file in configs/ keeps its config hash, and with it the IDs of the runs made from it.
+
+A new config key must not change the hash of configs that leave it at its default (list it in
+core.config.HASHED_ONLY_WHEN_SET); a hash here changes only when the file's settings do, on purpose.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.config import config_hash, load
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A config that needs a value given on the command line gets the same one here.
+OVERRIDES = {"configs/tiny-distill.yaml": ["objective.distill.teacher=run:tiny-teacher-20260101-000000-abcd1234"]}
+
+HASHES = {
+    "configs/qwen2.5-0.5b-lora.yaml": "a18d61b201c6d80d01f352003546ab6164e44fbf213aa3cc9bc6b62b3ae2d7f5",
+    "configs/qwen2.5-0.5b.yaml": "66d5212a55f10087ed3b6959f5c0ff4912528e3b724455b7e63eab6ba5dac5c9",
+    "configs/qwen2.5-1.5b.yaml": "ce1bc62658538ffc5da20d2a7afed313ca7cb3eb7a89239b1c433e3d927c7a79",
+    "configs/qwen3-0.6b.yaml": "adde78b152f6ce0599021d485496abc57958711e9e3a229106d26e1a72062014",
+    "configs/qwen3-1.7b-lora.yaml": "d0a078319139fce1c2adaa97c6aeb92b86fd51a79760b67f4bdacc9b0c411362",
+    "configs/qwen3-1.7b-qlora.yaml": "66abfce8379ac917ff28b4748ded9085e0197cd6bfbd8643fbcd0612cfb16b87",
+    "configs/qwen3-1.7b.yaml": "12a2b283bc2ebf292ceb74ffa84baf833b0b000967ccd65698e3954156b2a08d",
+    "configs/qwen3-8b.yaml": "0a1c219cc7b290085c0c74cb2d238baaba531f3fe0b63d9860cf37dac19fd240",
+    "configs/tiny-distill.yaml": "81e2bc7a157160c6ad3cab41dc5797e6baf4d9958e175f8fa57fd45ef458d829",
+    "configs/tiny-dpo.yaml": "cefa4af44e5f9ab346aff74333538845cf4ece72dd73768820a8fa8750d79c03",
+    "configs/tiny-grpo.yaml": "225be4092f693e2fe238d7ebe1bde3d7ba4b3c343d8cecf0c13cc918d039c06e",
+    "configs/tiny-lora.yaml": "3491e5be25d5a872a23f7490af0a5c063a9864bae86b988905e875f47021b68f",
+    "configs/tiny-qlora.yaml": "d5f0c5b2d64f2822769dcdd67e21e17617f90a5ba608ff62a427d591791ac9ab",
+    "configs/tiny-sft.yaml": "9304890728027893d584835de6c554c1560b2ddef21134fcfb37e9c234d3df92",
+    "configs/tiny.yaml": "ad92bf007bfd1592991d2307afe0be346f3acf5c227e59b3365208012f704754",
+}
+
+
+def test_every_config_file_is_listed():
+    assert sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml")) == sorted(HASHES)
+
+
+@pytest.mark.parametrize("name", sorted(HASHES))
+def test_config_file_keeps_its_hash(name, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert config_hash(load(name, OVERRIDES.get(name, []))) == HASHES[name]
