@@ -1,7 +1,7 @@
-"""Run browser: ``python -m experiments runs [list | show RUN_ID | diff A B | plot RUN_ID]``.
+"""Run browser: ``python -m experiments runs [list | show RUN_ID | diff A B | plot RUN_ID [RUN_ID ...]]``.
 
 Every subcommand takes ``--root DIR`` (default ``runs``); RUN_ID may be a unique prefix.
-Exit codes follow design.md: 0 success, 2 usage error (unknown run, bad arguments).
+Exit codes follow docs/contracts.md: 0 success, 2 usage error (unknown run, bad arguments).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 from core.exceptions import LockstepError
 from core import layout
-from experiments.runs import config_diff, describe_run, find_runs, plot_run, resolve_run, summarize
+from experiments.plots import comparison_path, plot_comparison, plot_run
+from experiments.runs import config_diff, describe_run, find_runs, resolve_run, summarize
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,9 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p.set_defaults(handler=_diff)
-    p = sub.add_parser("plot", help="loss, LR and throughput curves to PNG", parents=[common])
-    p.add_argument("run_id")
-    p.add_argument("--out", type=Path, default=None, help=f"default: RUN/{layout.ARTIFACTS_DIR}/{layout.PLOTS_FILE}")
+    p = sub.add_parser("plot", help="every ledger, metric and eval series to PNG, grouped; several runs: "
+                       "each run's PNG and a comparison", parents=[common])
+    p.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"one run: its PNG (default RUN/{layout.ARTIFACTS_DIR}/{layout.PLOTS_FILE}); several: "
+                        "the comparison's (default ROOT/compare-<8 hex of the run IDs>.png)")
     p.set_defaults(handler=_plot)
     return parser
 
@@ -112,9 +116,14 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    run_dir = resolve_run(args.root, args.run_id)
-    out = args.out or run_dir / layout.ARTIFACTS_DIR / layout.PLOTS_FILE
-    print(plot_run(run_dir, out))
+    """Prints the path of every PNG written (each has a JSON of the lines drawn beside it)."""
+    run_dirs = list(dict.fromkeys(resolve_run(args.root, run_id) for run_id in args.run_ids))
+    if len(run_dirs) == 1:
+        print(plot_run(run_dirs[0], args.out or run_dirs[0] / layout.ARTIFACTS_DIR / layout.PLOTS_FILE))
+        return 0
+    for run_dir in run_dirs:
+        print(plot_run(run_dir, run_dir / layout.ARTIFACTS_DIR / layout.PLOTS_FILE))
+    print(plot_comparison(run_dirs, args.out or comparison_path(args.root, run_dirs)))
     return 0
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from core.config import MetricsConfig
 from core import layout
+from experiments.console import ConsoleLine, format_fields
 from experiments.events import append_line
 from experiments.schema import MetricRecord
 
@@ -79,14 +80,16 @@ class TensorBoardSink:
 
 
 class ConsoleSink:
-    """One progress line per record: step, loss, tokens/s, MFU, ETA, slowest rank."""
+    """One progress line per record: step, loss (with the method's unit and fields: ``line``),
+    LR, tokens/s, MFU, ETA, slowest rank."""
 
-    def __init__(self, *, total_steps: int, print_fn: Callable[[str], None]) -> None:
+    def __init__(self, *, total_steps: int, print_fn: Callable[[str], None], line: ConsoleLine | None = None) -> None:
         self._total_steps = total_steps
         self._print = print_fn
+        self._line = line
 
     def write(self, record: MetricRecord) -> None:
-        self._print(format_progress(record, self._total_steps))
+        self._print(format_progress(record, self._total_steps, self._line))
 
     def close(self) -> None:
         pass
@@ -121,10 +124,11 @@ def build_sinks(
     total_steps: int,
     start_step: int,
     print_fn: Callable[[str], None],
+    console_line: ConsoleLine | None = None,
 ) -> list[MetricSink]:
     """The sinks ``config`` asks for (call on rank 0 only); without a run dir, console only."""
     if run_dir is None:
-        return [ConsoleSink(total_steps=total_steps, print_fn=print_fn)]
+        return [ConsoleSink(total_steps=total_steps, print_fn=print_fn, line=console_line)]
     keep = start_step if start_step > 0 else None
     sinks: list[MetricSink] = [JsonlMetricsSink(run_dir / layout.METRICS_FILE, keep_through=keep)]
     if config.tensorboard:
@@ -135,15 +139,20 @@ def build_sinks(
             log.warning("metrics.wandb is on but wandb is not installed; W&B logging is off")
         else:
             sinks.append(WandbSink(project=config.wandb_project, run_dir=run_dir))
-    sinks.append(ConsoleSink(total_steps=total_steps, print_fn=print_fn))
+    sinks.append(ConsoleSink(total_steps=total_steps, print_fn=print_fn, line=console_line))
     return sinks
 
 
-def format_progress(record: MetricRecord, total_steps: int) -> str:
+def format_progress(record: MetricRecord, total_steps: int, line: ConsoleLine | None = None) -> str:
+    """``step 3/10 | loss 0.6931 per pair | accuracy 0.6250 | ... | lr 1.00e-03 | 500 tok/s | ...``:
+    without ``line`` (a method's console line), the loss alone, without a unit."""
     parts = [f"step {record.step}/{total_steps}"]
-    loss = record.metrics.get("loss")
-    if loss is not None:
-        parts.append(f"loss {loss.mean:.4f}")
+    if line is None:
+        loss = record.metrics.get("loss")
+        if loss is not None:
+            parts.append(f"loss {loss.mean:.4f}")
+    else:
+        parts += format_fields({name: stats.mean for name, stats in record.metrics.items()}, line)
     lr = record.metrics.get("lr")
     if lr is not None:
         parts.append(f"lr {lr.mean:.2e}")

@@ -22,7 +22,8 @@ Metric names with a meaning to the tracker:
   the wall time of the interval give ``tokens_per_s``; with ``flops_per_token`` (training
   FLOPs per token, e.g. 6N plus attention) and ``peak_flops`` (peak FLOP/s of ONE device)
   they give ``mfu = flops_per_token * tokens_per_s / (peak_flops * world_size)``.
-- ``loss``, ``lr``: shown on the console line.
+- ``loss``, ``lr``: shown on the console line; a method's own fields too, once the trainer
+  has told the tracker its console line (``show``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 
 from core.config import MetricsConfig
 from core.exceptions import LockstepError
+from experiments.console import ConsoleLine
 from experiments.schema import MetricRecord, MetricStats
 from experiments.sinks import MetricSink, build_sinks, close_all
 
@@ -114,6 +116,12 @@ class MetricsTracker:
     @property
     def last_record(self) -> MetricRecord | None:
         return self._last_record
+
+    def show(self, line: ConsoleLine) -> None:
+        """The training method's console line (its loss unit and fields); call before the first
+        ``log``, which builds the console sink. Sinks handed to the constructor keep their own."""
+        if self._sink_args is not None:
+            self._sink_args["console_line"] = line
 
     def log(self, step: int, metrics: Mapping[str, float]) -> MetricRecord | None:
         """Record this rank's values for ``step``; at an interval end, aggregate (collective).

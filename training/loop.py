@@ -44,12 +44,14 @@ from core.logging import EventLog, get_logger
 from core.run_context import RunContext
 from data.hashing import batch_hash, state_hash
 from data.state import merge_states
+from experiments.console import Progress, eval_line
 from models.lora import set_dropout_key
 from runtime.collection import CollectionSchedule
 from training.checkpointing import CheckpointManager, restore_rng_state
+from training.generation_eval import GenerationEvaluation
 from training.guards import Guards
 from training.objectives import Objective, ObjectiveContext, build_objective
-from training.objectives.base import check_frozen
+from training.objectives.base import check_frozen, metric
 from training.optim import build_optimizer, evaluation_weights, set_lr
 from training.precision import Precision
 from training.recorder import LedgerWriter, ReplayComparator, ReplaySpec, StepRecorder
@@ -93,6 +95,7 @@ class _Step:
     times: dict[str, float] = field(default_factory=dict)  # seconds per phase
     record: dict[str, Any] = field(default_factory=dict)  # the ledger line, once settled
     totals: dict[str, float] = field(default_factory=dict)  # the objective's metric sums
+    fields: dict[str, Any] = field(default_factory=dict)  # the objective's ledger fields
 
 
 class Trainer:
@@ -137,10 +140,16 @@ class Trainer:
         self.log = get_logger()
         self.device = parallel.device  # where the step runs; dist.device unless xla_spmd (XLA)
         self.objective = objective or build_objective(config)
-        self.objective.setup(model, ObjectiveContext(
-            config=config, dist=dist, parallel=parallel, place=parallel.place_batch,
-            fuse_head=parallel.output_weight_is_local,
-        ))
+        signals = getattr(guards, "signals", None)
+        with signals.at_once() if signals is not None else contextlib.nullcontext():  # frozen models: minutes
+            self.objective.setup(model, ObjectiveContext(
+                config=config, dist=dist, parallel=parallel, place=parallel.place_batch,
+                fuse_head=parallel.output_weight_is_local,
+            ))
+        tracker.show(self.objective.console.step)  # the method's unit and fields on the step line
+        self.generation_eval = (  # train.eval_generate: held-out answers, at every evaluation step
+            GenerationEvaluation(config, rank=parallel.dp_rank, world_size=parallel.dp_size, device=self.device)
+            if config.train.eval_generate.source is not None else None)
         self.precision = Precision(config.parallel, device=self.device, wrapper_casts=parallel.fsdp_applied)
         self.optimizer = build_optimizer(model, config.train, self.device)
         self.checkpoints = CheckpointManager(
@@ -215,7 +224,7 @@ class Trainer:
                     f"no intact checkpoint: all {len(damaged)} are damaged (steps {', '.join(map(str, damaged))}; "
                     "reasons in events.jsonl, checkpoint_corrupt)",
                     path=str(self.checkpoints.checkpoint_dir),
-                    hint="restore them from a copy, or move checkpoints/ aside to run again from step 1",
+                    hint="restore them from a copy, or move checkpoints/ and ledger.jsonl aside to run again from step 1",
                 )
             if self.run.resumed and self.recorder.records:
                 self.log.info("no intact checkpoint: the resumed run starts from step 1")
@@ -327,7 +336,8 @@ class Trainer:
         if len(reads) > 1:
             record["inner_losses"] = [r[1] for r in reads]
             record["inner_grad_norms"] = [r[2] for r in reads]
-        record.update(self.objective.ledger_fields(totals, done.targets))
+        done.fields = self.objective.ledger_fields(totals, done.targets)
+        record.update(done.fields)
         if not all(r[0] for r in reads):
             record["skipped"] = True
         if done.hash_due:
@@ -349,7 +359,7 @@ class Trainer:
         return None
 
     def _log(self, done: _Step) -> None:
-        self.tracker.log(done.step, self._metrics(done.record, done.times, done.batch, done.totals, done.targets))
+        self.tracker.log(done.step, self._metrics(done))
 
     def _update(self, step: int, batch, global_targets: int, *, first: bool,
                 previous: _Step | None) -> tuple[UpdateValues, list[str]]:
@@ -503,7 +513,8 @@ class Trainer:
 
     def _evaluation_due(self, step: int) -> bool:
         every = self.config.train.eval_interval
-        return every > 0 and step % every == 0 and self.eval_data_factory is not None
+        return every > 0 and step % every == 0 and (self.eval_data_factory is not None
+                                                    or self.generation_eval is not None)
 
     def maybe_evaluate(self, step: int) -> None:
         if not self._evaluation_due(step):
@@ -512,8 +523,13 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self._reduce_device)
         sums: dict[str, torch.Tensor] = {}  # the objective's metric sums (e.g. DPO accuracy)
+        # Long evaluations (GRPO decodes every held-out prompt) count their batches on the console.
+        progress = Progress(f"eval step {step}", self.config.train.eval_batches, unit="batches",
+                            enabled=self.dist.is_main, print_fn=self.log.info)
         # Schedule-free optimizers evaluate their averaged weights (training/optim.py).
-        with torch.no_grad(), evaluation_weights(self.optimizer, self.model), self.eval_data_factory() as eval_data:
+        held_out = self.eval_data_factory() if self.eval_data_factory is not None else contextlib.nullcontext(iter(()))
+        generated: dict[str, float] = {}  # train.eval_generate's sums, over its own prompts
+        with torch.no_grad(), evaluation_weights(self.optimizer, self.model), held_out as eval_data, progress:
             for _ in range(self.config.train.eval_batches):
                 try:
                     batch = self.objective.prepare(next(eval_data))
@@ -526,6 +542,11 @@ class Trainer:
                     total[1] += out.count
                     for name, value in out.metrics.items():
                         sums[name] = sums.get(name, 0) + value.detach().double().to(total.device)
+                progress.advance()
+                self.guards.heartbeat(step, "eval")  # the watchdog bounds one eval batch, not the whole eval
+            if self.generation_eval is not None:
+                generated = self.generation_eval.evaluate(
+                    self.model, on_batch=lambda: self.guards.heartbeat(step, "eval"))
         self.model.train()
         self.dist.all_reduce(total)
         total /= self.parallel.tp_size  # tensor-parallel peers evaluated the same rows
@@ -534,10 +555,31 @@ class Trainer:
         metric_sums = self.dist.all_reduce(torch.stack([sums[n] for n in names])) / self.parallel.tp_size \
             if names else None
         means = {n: float(v) / max(float(total[1]), 1.0) for n, v in zip(names, metric_sums)} if names else {}
-        if self.dist.is_main:
-            self.events.emit("eval", step=step, loss=eval_loss, tokens=int(total[1]),
+        means.update(self._generation_means(generated))
+        line = self.objective.console.eval  # the unit the eval loss averages over, and the method's fields
+        if self.dist.is_main:  # ``tokens``: the count of units (named so before units were recorded)
+            self.events.emit("eval", step=step, loss=eval_loss if total[1] > 0 else None, tokens=int(total[1]),
+                             unit=line.unit,
                              **({"metrics": means} if means else {}))
-        self.log.info("eval step %d: loss %.4f over %d tokens", step, eval_loss, int(total[1]))
+        values = {"loss": eval_loss, **{metric(name): value for name, value in means.items()}}
+        if self.eval_data_factory is not None:  # else train.eval_generate alone: its line below
+            self.log.info("%s", eval_line(step, int(total[1]), values, line))
+        if generated:
+            self.log.info("eval step %d, generation: %s", step, ", ".join(
+                f"{n} {v:.0f}" if n == GenerationEvaluation.COUNT else f"{n} {v:.4f}"
+                for n, v in means.items() if n.startswith(GenerationEvaluation.PREFIX)))
+
+    def _generation_means(self, local: dict[str, float]) -> dict[str, float]:
+        """train.eval_generate's metric sums over the ranks, divided by its prompts (``generate/prompts``
+        is kept as the count)."""
+        if not local:
+            return {}
+        names = sorted(local)
+        sums = torch.tensor([local[n] for n in names], dtype=torch.float64, device=self._reduce_device)
+        sums = self.dist.all_reduce(sums) / self.parallel.tp_size  # tensor-parallel peers decoded the same rows
+        totals = dict(zip(names, sums.tolist()))
+        prompts = totals[GenerationEvaluation.COUNT]
+        return {n: (v if n == GenerationEvaluation.COUNT else v / max(prompts, 1.0)) for n, v in totals.items()}
 
     # ------------------------------------------------------------------ helpers
 
@@ -571,11 +613,11 @@ class Trainer:
         stacked = torch.stack([local[n].reshape(()).to(torch.float32) for n in names])
         return names, self._all_reduce_sum(stacked) if self.dist.is_distributed else stacked
 
-    def _metrics(self, record: dict[str, Any], times: dict[str, float], batch, totals: dict[str, float],
-                 count: int) -> dict[str, float]:
+    def _metrics(self, done: _Step) -> dict[str, float]:
+        record, times = done.record, done.times
         step_time = max(sum(times.values()), 1e-9)
-        local_tokens = batch.input_ids.numel()
-        metrics = {f"objective/{name}": value / max(count, 1) for name, value in totals.items()}
+        local_tokens = done.batch.input_ids.numel()
+        metrics = {metric(name): value / max(done.targets, 1) for name, value in done.totals.items()}
         metrics.update({
             "loss": record["loss"],
             "grad_norm": record["grad_norm"],
@@ -584,7 +626,9 @@ class Trainer:
             "tokens_per_s": local_tokens / step_time,
             "tokens": float(local_tokens),
         })
-        metrics.update({k: float(v) for k, v in record.items() if k in ("trained_tokens",)})
+        # The objective's numeric ledger fields (every rank computes the same ones).
+        metrics.update({k: float(v) for k, v in done.fields.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
         metrics["data/bad_records_skipped"] = float(self.data.stats().get("bad_records_skipped", 0))
         metrics.update({f"time_{k}": v for k, v in times.items()})
         metrics.update(self.guards.memory())

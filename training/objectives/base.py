@@ -20,6 +20,10 @@ checkpoints, resume and replay. An ``Objective`` owns what differs between metho
    one optimizer update ``updates_per_batch`` times on the same prepared batch (1 for every
    method but GRPO with ``inner_updates``).
 5. ``ledger_fields(totals, count)``: the method's extra ledger fields from those sums.
+   ``console`` declares what the console shows of them (experiments/console.py): the unit the
+   loss is averaged over on the step and eval lines (tokens, pairs, completions, prompts), the
+   loss's label, and fields (per-unit means of the metric sums, ``objective/<name>``, or
+   numeric ledger fields); the loop never asks which method it runs.
 6. ``state_dict()`` / ``load_state_dict()``: the method's own checkpointable state (a JSON
    part of the checkpoint, ``objective_state.json``), plus ``frozen_identity()``: the path and
    sha256 of every frozen model, recorded in the checkpoint instead of the weights and
@@ -39,6 +43,7 @@ from torch import nn
 from core.config import Config
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
+from experiments.console import ConsoleLines
 
 OBJECTIVE_STATE_VERSION = 1
 
@@ -74,6 +79,8 @@ class Objective(Protocol):
     settles_late: bool
     """Whether a step's ``ledger_fields`` may be asked for after the next step's ``prepare``
     (``runtime.deferred_settle``); false where they read state that ``prepare`` replaces."""
+    console: ConsoleLines
+    """The step and eval lines' unit, loss label and fields (module docstring, item 5)."""
 
     def setup(self, model: nn.Module, context: ObjectiveContext) -> None: ...
 
@@ -90,6 +97,14 @@ class Objective(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def frozen_identity(self) -> dict[str, dict[str, str]]: ...
+
+
+TOKEN_LINES = ConsoleLines()  # loss per token, no fields: pretraining
+
+
+def metric(name: str) -> str:
+    """The console name of the per-unit mean of the metric sum ``name`` (``LossOutput.metrics``)."""
+    return f"objective/{name}"
 
 
 def check_state(name: str, state: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from core.config import Config
 from training.losses import CausalLMLoss
-from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state
+from training.objectives.base import OBJECTIVE_STATE_VERSION, TOKEN_LINES, LossOutput, ObjectiveContext, check_state
 from training.step import model_loss
 
 
@@ -22,6 +22,7 @@ class CausalLMObjective:
     name = "causal_lm"
     updates_per_batch = 1
     settles_late = True
+    console = TOKEN_LINES
 
     def __init__(self, config: Config) -> None:
         self.loss_fn = CausalLMLoss(chunk_tokens=config.train.loss_chunk_tokens, compiled=config.parallel.compile,

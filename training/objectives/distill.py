@@ -28,8 +28,9 @@ from torch import nn
 from core.config import Config
 from core.exceptions import ConfigError
 from data.batch import IGNORE_INDEX
+from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.hf_config import model_config_from_hf
-from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state
+from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.distill_loss import distill_loss_from_logits, distill_loss_sum
 from training.objectives.frozen import (FrozenModel, build_frozen, frozen_model_config, frozen_tokenizer,
                                         output_weight)
@@ -45,10 +46,22 @@ class DistillObjective:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.settings = config.objective.distill
+        # Per target token: the divergence (named by objective.distill.loss) and the hard-label
+        # CE; the eval loss is that CE (see the module docstring).
+        divergence = ConsoleField(self.settings.loss, metric("divergence"))
+        self.console = ConsoleLines(
+            step=ConsoleLine(fields=(divergence, ConsoleField("ce", metric("ce")))),
+            eval=ConsoleLine(loss="ce", fields=(divergence,)),
+        )
         self.teacher: FrozenModel | None = None
         self._teacher_weight: torch.Tensor | None = None
         self._context: ObjectiveContext | None = None
         self.fuse_head = False
+
+    @staticmethod
+    def frozen_sources(config: Config) -> dict[str, str]:
+        """{config key: source} of the frozen models setup builds: the teacher."""
+        return {KEY: config.objective.distill.teacher}
 
     @staticmethod
     def check_config(config: Config) -> None:

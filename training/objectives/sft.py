@@ -13,11 +13,13 @@ from typing import Any
 
 from core.config import Config
 from core.exceptions import ConfigError
+from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from training.objectives.causal_lm import CausalLMObjective
 
 
 class SFTObjective(CausalLMObjective):
     name = "sft"
+    console = ConsoleLines(step=ConsoleLine(fields=(ConsoleField("trained tokens", "trained_tokens", ",.0f"),)))
 
     def __init__(self, config: Config) -> None:
         if not any(s.record != "text" for s in config.data.sources) and config.data.loss_on != "all":
