@@ -1,6 +1,7 @@
 """Lockstep entry point.
 
     python train.py --config configs/tiny.yaml [key.path=value ...]
+    python train.py --nproc N --config X.yaml [...]       # N ranks here, train.py's exit codes
     torchrun --standalone --nproc_per_node=N train.py --config X.yaml [...]
     torchrun ... train.py --resume RUN_ID [allowed overrides]
     torchrun ... train.py --replay RUN_ID --step S [--dump DIR]
@@ -8,11 +9,18 @@
 
 from __future__ import annotations
 
+import sys
+
+from core.environment import require_dependencies
+from runtime.launcher import launch_if_asked
 from runtime.signals import exit_with_launcher
 
+require_dependencies("train.py")  # the system Python without .venv: one line, not a traceback
 # First, before the imports below load torch (seconds): under torchrun, a rank whose launcher
 # is killed meanwhile exits too instead of waiting on a dead rendezvous (runtime/signals.py).
 exit_with_launcher()
+if __name__ == "__main__":
+    launch_if_asked(__file__, sys.argv[1:])  # --nproc N: this process launches N ranks of itself
 
 from core.distributed_context import DistributedContext  # noqa: E402
 from runtime.fast_exit import exit_process  # noqa: E402

@@ -1,4 +1,4 @@
-"""The layout of a run directory (design.md section 4), defined once.
+"""The layout of a run directory (docs/contracts.md), defined once.
 
 Every writer and reader of a run dir (the run context, the trainer, checkpointing, the run
 browser, data inspection) takes the names of its files and folders from here, so a rename
@@ -27,6 +27,8 @@ TENSORBOARD_DIR = "tensorboard"
 TRACES_DIR = "traces"
 PLOTS_FILE = "plots.png"
 GIT_DIFF_FILE = "git.diff"
+# Under run.root: the logs of runs that failed before their first step (their run dirs are gone).
+FAILED_STARTS_DIR = "failed-starts"
 
 # Folders created with every run dir.
 SUBDIRS = (LOGS_DIR, CHECKPOINTS_DIR, DIAGNOSTICS_DIR, ARTIFACTS_DIR)

@@ -104,7 +104,7 @@ def render(report: dict) -> str:
                      f"preview {row['preview']!r}")
         for span in row["provenance"]:
             lines.append(f"    [{span['start']:>5},{span['end']:>5})  {span['source']}  "
-                         f"{span['shard']} record {span['record']}  from token {span['doc_offset']}  "
+                         f"{span['shard']} record {span['record'] + 1}  from token {span['doc_offset']}  "  # from 1, as errors
                          f"trained {span['trained_tokens']}/{span['end'] - span['start']}")
             if 0 < span["trained_tokens"] < span["end"] - span["start"]:
                 lines.append(f"        trained: {span['trained_text']!r}")

@@ -96,7 +96,7 @@ def source_documents(paths: list[str], fmt: str, text_column: str, text_unit: st
                 doc = Doc(0, 0, unit.shard, raw.record, unit.codec, Position(), Position(), raw.payload)
                 decode.process(Chunk(0, 0, [doc]))
                 if doc.error:
-                    raise DataError(doc.error, file=unit.shard, record=raw.record, hint=doc.hint)
+                    raise DataError(doc.error, file=unit.shard, record=raw.record + 1, hint=doc.hint)  # counted from 1, as lines
                 yield Document(f"{unit.shard_id}:{raw.record}", doc.payload)
 
 

@@ -1,4 +1,4 @@
-"""Read run directories: state, progress, summary, config diff and curves.
+"""Read run directories: state, progress, summary and config diff (curves: plots.py).
 
 A run's state comes from its lock and its events (all ranks write to one events.jsonl):
 
@@ -14,7 +14,9 @@ A run's state comes from its lock and its events (all ranks write to one events.
 from __future__ import annotations
 
 import json
+import re
 import socket
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +27,7 @@ from core.config import config_hash, from_dict
 from core.processes import pid_alive
 from core.exceptions import ConfigError, UsageError
 from core import layout
-from experiments.events import iter_jsonl, last_jsonl, read_events
+from experiments.events import last_jsonl, read_events
 from experiments.schema import START_EVENTS, TERMINAL_EVENTS, Event
 
 
@@ -57,6 +59,26 @@ def find_runs(root: Path) -> list[Path]:
     )
 
 
+_RUN_ID_TIME = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]{8}$")
+
+
+def started_at(run_dir: Path) -> str:
+    """When the run started, as ``YYYYMMDD-HHMMSS`` (from its ID; its config's mtime for a
+    directory named otherwise), so that run dirs sort by time whatever their names."""
+    match = _RUN_ID_TIME.search(run_dir.name)
+    if match:
+        return match.group(1)
+    try:
+        return time.strftime("%Y%m%d-%H%M%S", time.gmtime((run_dir / layout.CONFIG_FILE).stat().st_mtime))
+    except OSError:
+        return ""
+
+
+def recent_runs(root: Path, count: int = 5) -> list[str]:
+    """The IDs of the ``count`` newest runs under ``root``, newest first."""
+    return [p.name for p in sorted(find_runs(root), key=lambda p: (started_at(p), p.name), reverse=True)[:count]]
+
+
 def resolve_run(root: Path, run_id: str) -> Path:
     """The run dir named ``run_id``, or the only one whose name starts with it."""
     runs = find_runs(root)
@@ -67,9 +89,11 @@ def resolve_run(root: Path, run_id: str) -> Path:
     if len(matches) == 1:
         return matches[0]
     if not matches:
+        recent = recent_runs(root, 3)
         raise UsageError(
             f"no run {run_id!r} under {str(root)!r}",
-            hint="list the runs with: python -m experiments runs list --root DIR",
+            hint=(f"recent runs, newest first: {', '.join(recent)}; " if recent else "")
+            + "list the runs with: python -m experiments runs list --root DIR",
         )
     raise UsageError(
         f"run id prefix {run_id!r} matches {len(matches)} runs",
@@ -229,62 +253,3 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, yaml.YAMLError, UnicodeDecodeError):
         return None
     return raw if isinstance(raw, dict) else None
-
-
-# ---------------------------------------------------------------------------- curves
-
-
-def curves(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
-    """loss and lr per step (ledger) and tokens/s per log interval (metrics).
-
-    A resumed run re-executes the steps after its last checkpoint; the last record of a
-    step wins, so the curves show the run that continued.
-    """
-    ledger: dict[int, dict[str, Any]] = {}
-    for rec in iter_jsonl(run_dir / layout.LEDGER_FILE):
-        if isinstance(rec.get("step"), int):
-            ledger[rec["step"]] = rec
-    metrics: dict[int, dict[str, Any]] = {}
-    for rec in iter_jsonl(run_dir / layout.METRICS_FILE):
-        if isinstance(rec.get("step"), int):
-            metrics[rec["step"]] = rec
-    return {
-        "loss": _series(ledger, lambda r: r.get("loss")),
-        "lr": _series(ledger, lambda r: r.get("lr")),
-        "tokens_per_s": _series(metrics, lambda r: r.get("tokens_per_s")),
-    }
-
-
-def _series(records: dict[int, dict[str, Any]], get: Callable[[dict], Any]) -> tuple[list[int], list[float]]:
-    steps, values = [], []
-    for step in sorted(records):
-        value = get(records[step])
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            steps.append(step)
-            values.append(float(value))
-    return steps, values
-
-
-def plot_run(run_dir: Path, out: Path) -> Path:
-    """Loss, learning rate and throughput curves as one PNG (no display needed)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    data = curves(run_dir)
-    titles = {"loss": "loss", "lr": "learning rate", "tokens_per_s": "tokens/s"}
-    fig = Figure(figsize=(12, 3.6))
-    FigureCanvasAgg(fig)
-    for ax, (name, title) in zip(fig.subplots(1, 3), titles.items()):
-        steps, values = data[name]
-        if steps:
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None)
-        else:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(run_dir.name)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    return out

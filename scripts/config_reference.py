@@ -18,6 +18,9 @@ HEADER = """# Config reference
 
 Generated from the field docstrings in `core/config.py` by `python scripts/config_reference.py`.
 Keys marked *resumable* may change on `--resume`; any other change is refused with a diff.
+A list of sections has a row of its own and one per field of an item (`data.sources[i].path`:
+the `path` of every item of `data.sources`); an optional section (`data.eval_source`) has its
+fields' rows too, which apply when it is set.
 
 | key | type | default | resumable | meaning |
 |---|---|---|---|---|

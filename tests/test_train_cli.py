@@ -66,3 +66,42 @@ def test_resume_of_unknown_run_exits_4(tmp_path):
     result = launch.train(tmp_path, ["--resume", "no-such-run"], nproc=1, timeout=60)
     assert result.exit_code == 4, result.stderr
     assert "no-such-run" in result.stderr
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_to_raise_max_steps(e2e_workdir):
+    from tests.e2e_config import e2e_args
+
+    done = launch.train(e2e_workdir, e2e_args(max_steps=2, name="done"), nproc=1)
+    assert done.exit_code == 0, done.stderr
+    again = launch.train(e2e_workdir, ["--resume", done.run_id], nproc=1)
+    assert again.exit_code == 0, again.stderr
+    last = again.stdout.strip().splitlines()[-1]
+    assert last == (f"finished: run {done.run_id} already has 2 steps (train.max_steps=2), nothing to train -> "
+                    f"raise train.max_steps to continue it, e.g. --resume {done.run_id} train.max_steps=4"), last
+    assert "n/a" not in again.stdout and "Traceback" not in again.stderr, again.stderr
+
+
+@pytest.mark.slow
+def test_the_system_python_without_the_environment_says_to_activate_it(tmp_path):
+    """`python3 train.py` with an interpreter that lacks torch: one line, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    # -S: without the site module, this interpreter sees the standard library only (as the
+    # system Python does, where nothing is installed), and train.py through PYTHONPATH.
+    proc = subprocess.run([sys.executable, "-S", str(launch.ROOT / "train.py"), "--config", TINY], cwd=tmp_path,
+                          env=launch.env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "has no torch" in lines[0] and "make setup" in lines[0] and ". .venv/bin/activate" in lines[0], lines[0]
+
+
+def test_help_names_nproc_and_exits_0(tmp_path, monkeypatch, capsys):
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--help"]) == 0
+    captured = capsys.readouterr()
+    assert "--nproc N" in captured.out and captured.err == "", captured.err

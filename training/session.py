@@ -2,35 +2,38 @@
 
 Each function does one wiring step and raises a typed error when it cannot; ``fail()``
 turns any error into the one line on stderr, the traceback in the rank's log and
-``diagnostics/``, a ``failed`` event, and the exit code of design.md section 2.
+``diagnostics/``, a ``failed`` event, and the exit code of docs/contracts.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import faulthandler
 import json
 import logging
+import signal
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core import config as config_lib
+from core import layout
 from core.config import Config
 from core.distributed_context import DistributedContext, ProcessInfo, select_device
 from core.exceptions import ConfigError, ExitCode, LockstepError, UsageError, WatchdogAbort, exit_code_for
 from core.logging import EventLog, console, get_logger, setup_logging
-from core.run_context import RunContext
+from core.run_context import RunContext, run_paths
 from experiments.artifacts import ArtifactStore
 from models import model_config_from_hf
 from models.qwen.dims import resolve_dims
 from runtime.faults import parse_faults
 from runtime.signals import StartupSignals, exit_with_launcher
 from runtime.watchdog import configure_nccl_diagnostics
-from runtime import relaunch
+from runtime import launcher, relaunch
+from training import failed_start
 from training import ledger as ledger_lib
 from training import replay as replay_lib
 from training import resume as resume_lib
@@ -66,8 +69,11 @@ def parse_args(argv: list[str] | None = None) -> Args:
     parser.add_argument("--replay", metavar="RUN_ID", help="re-execute a step of a run and verify it")
     parser.add_argument("--step", type=int, help="the step to replay")
     parser.add_argument("--dump", metavar="DIR", help="with --replay: write the step's batch and layer statistics")
+    parser.add_argument("--nproc", metavar="N", help="start N ranks on this machine (instead of torchrun)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides with YAML values, e.g. train.lr=3e-4")
     ns = parser.parse_args(argv)
+    if ns.nproc is not None:  # train.py's launcher takes it out before a rank parses the rest
+        raise UsageError("--nproc is read by `python train.py` itself", hint="run `python train.py --nproc N ...`")
     chosen = [flag for flag in ("config", "resume", "replay") if getattr(ns, flag)]
     if len(chosen) != 1:
         raise UsageError(
@@ -89,7 +95,7 @@ def continue_after_restart(args: Args) -> Args:
         return args
     config = config_lib.load(args.config, args.overrides)
     run_id = relaunch.launched_run(config.run.root)
-    if run_id is None:
+    if run_id is None or not run_paths(config.run.root, run_id).config.is_file():  # or a failed start, set aside
         return args
     recorded = ledger_lib.read(resume_lib.find_run(config.run.root, run_id).ledger)
     faults = relaunch.faults_not_yet_reached(config.runtime.faults, recorded[-1]["step"] if recorded else 0)
@@ -120,6 +126,11 @@ def resolve_config(args: Args) -> Config:
         world = ProcessInfo.from_env().world_size
         shards = world // (config.parallel.tp * config.parallel.dp_replicate)  # FSDP shards a weight over these
         check_nf4_layout(model, shards=shards if config.parallel.strategy == "fsdp" else 1)
+    if config.model.lora.init_from is not None:  # a directory that is no matching adapter: exit 2, no run dir
+        from models.lora import check_peft_adapter
+
+        lora = config.model.lora
+        check_peft_adapter(lora.init_from, rank=lora.rank, alpha=lora.alpha)
     if config.parallel.strategy == "xla_spmd":
         from training.xla import check_config  # imports without torch_xla; says if it is missing
 
@@ -168,28 +179,13 @@ def check_vocab_covers_tokenizer(vocab_size: int, tokenizer: str) -> None:
         )
 
 
-# Bytes per parameter that training keeps resident, beyond activations: the fp32 parameter
-# and its gradient, plus the optimizer's state (AdamW: two moments; Lion, Muon: one buffer).
-_OPTIMIZER_STATE_BYTES = {"adamw": 8, "schedule_free_adamw": 8, "lion": 4, "muon": 4}
-
-
 def check_model_fits(config: Config, device, info: ProcessInfo) -> None:
-    """Refuse (exit 2) a model whose parameters, gradients and optimizer state cannot fit,
-    before anything is allocated (a huge model would otherwise be OOM-killed mid-build)."""
-    from models.flops import num_params
-    from runtime.memory import check_training_state_fits
+    """Refuse (exit 2) a run whose models (the trained one with its gradients and optimizer
+    state, and every frozen reference or teacher) cannot fit, before anything is allocated (a
+    huge model would otherwise be OOM-killed mid-build): training/memory_estimate.py."""
+    from training.memory_estimate import check_run_fits
 
-    model = config.model
-    model = model if model.init_from is None else model_config_from_hf(model.init_from, base=model)
-    params = num_params(model)
-    per_param = 4 if model.lora.rank > 0 else 8 + _OPTIMIZER_STATE_BYTES.get(config.train.optimizer, 8)
-    shards = info.world_size if config.parallel.strategy == "fsdp" else 1
-    check_training_state_fits(
-        params * per_param // shards,
-        device,
-        ranks_sharing=info.local_world_size if device.type != "cuda" else 1,
-        what=f"a model of {params / 1e6:,.1f}M parameters",
-    )
+    check_run_fits(config, device, info)
 
 
 def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunContext, EventLog]:
@@ -241,7 +237,7 @@ def replay_output_dir(args: Args, run: RunContext, dist: DistributedContext) -> 
         return Path(args.dump)
     made = None
     if dist.is_main:
-        made = tempfile.mkdtemp(prefix=f"lockstep-replay-{run.run_id}-step{args.step}-")
+        made = str(replay_lib.temporary_output_dir(run.run_id, args.step))
     return Path(dist.broadcast_object(made))
 
 
@@ -261,12 +257,20 @@ def replay_spec(args: Args, run: RunContext, dist: DistributedContext):
 def finish(result, run: RunContext, events: EventLog, dist: DistributedContext) -> int:
     if dist.is_main:
         if result.status == "replayed":
-            console(f"replay: steps {result.first_step}..{result.last_step} match the ledger of {run.run_id}")
+            removed = replay_lib.discard_temporary_output(run.output_dir)  # a --dump DIR stays
+            console(f"replay: steps {result.first_step}..{result.last_step} match the ledger of {run.run_id}"
+                    + (f"; {run.output_dir} removed (keep the logs with --dump DIR)" if removed else ""))
         else:
             # data.on_bad_record=skip: how many records were skipped (the trainer's total over ranks).
             skipped = int(result.extra.get("bad_records_skipped", 0))
             if result.status != "stopped":  # the loop records "stopped" with its signal
                 events.emit(result.status, step=result.last_step, tokens=result.tokens, bad_records_skipped=skipped)
+            if result.last_step < result.first_step:  # resumed at or past train.max_steps: nothing ran
+                max_steps = run.config.train.max_steps
+                console(f"{result.status}: run {run.run_id} already has {result.last_step} steps (train.max_steps="
+                        f"{max_steps}), nothing to train -> raise train.max_steps to continue it, e.g. "
+                        f"--resume {run.run_id} train.max_steps={max(2 * result.last_step, 1)}")
+                return ExitCode.OK
             console(
                 f"{result.status}: steps {result.first_step}..{result.last_step}, "
                 f"{result.tokens} tokens, loss {_fmt(result.first_loss)} -> {_fmt(result.last_loss)}, "
@@ -285,14 +289,30 @@ def fail(
     *,
     watchdog=None,
 ) -> int:
+    if isinstance(error, SystemExit) and not error.code:  # --help: argparse printed it, a clean exit
+        return ExitCode.OK
     if watchdog is not None and watchdog.fired:
         # A peer's watchdog exit broke our blocked collective after our own watchdog fired:
         # the cause is the hang, so exit as the watchdog would once its bundle is written.
         watchdog.wait_for_dump(timeout=60)
         error = WatchdogAbort(f"watchdog fired, then: {error}", rank=dist.rank if dist else None)
+    _quiet_stop_signals()
     rank = dist.rank if dist is not None else ProcessInfo.from_env().rank
-    print(f"[rank {rank}] {_one_line(error)}", file=sys.stderr, flush=True)
+    line = f"[rank {rank}] {_one_line(error)}"
+    if not launcher.report_failure(line):  # under train.py --nproc the launcher prints it, once
+        print(line, file=sys.stderr, flush=True)
     return record_failure(error, run, events, rank)
+
+
+def _quiet_stop_signals() -> None:
+    """A failing rank is on its way out: the SIGTERM its launcher sends every rank once one
+    failed must not raise a second error (and a traceback) in the middle of this one's exit;
+    a Ctrl-C ends it at once, its line already printed."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except ValueError:  # not the main thread: nothing was installed here either
+        pass
 
 
 def _exit_code(error: BaseException) -> int:
@@ -300,6 +320,10 @@ def _exit_code(error: BaseException) -> int:
 
 
 def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:  # wherever it hit: one line, what to do
+        where = f" writing {error.filename}" if error.filename else ""
+        return (f"error: disk full: no space left on device{where} -> free disk space under run.root (or point "
+                "run.root at a larger disk), then resume the run (--resume RUN_ID) or start it again")
     return str(error) if isinstance(error, LockstepError) else f"error: {type(error).__name__}: {error}"
 
 
@@ -309,10 +333,12 @@ def record_failure(error: BaseException, run: RunContext | None, events: EventLo
     text = "".join(traceback.format_exception(error))
     _log_to_files_only(f"{line}\n{text}")  # the console (stdout) gets nothing more than stderr's line
     if run is not None:
+        discarded = failed_start.applies(run, code)  # nothing trained yet: the run dir goes, its logs stay
         try:
-            run.diagnostics_dir.mkdir(parents=True, exist_ok=True)
-            (run.diagnostics_dir / f"rank{rank}_failure.txt").write_text(f"{line}\n\n{text}")
-            if events is not None and events.path is not None:
+            diagnostics = failed_start.output_dir(run) / layout.DIAGNOSTICS_DIR
+            diagnostics.mkdir(parents=True, exist_ok=True)
+            (diagnostics / f"rank{rank}_failure.txt").write_text(f"{line}\n\n{text}")
+            if events is not None and events.path is not None and events.path.parent.exists() and not discarded:
                 record: dict[str, Any] = (
                     error.to_record() if isinstance(error, LockstepError) else {"type": type(error).__name__, "message": str(error)}
                 )
@@ -320,6 +346,8 @@ def record_failure(error: BaseException, run: RunContext | None, events: EventLo
                 events.emit("failed", **record)
         except OSError:
             pass
+        if discarded and rank == 0:
+            failed_start.set_aside(run)
     return code
 
 

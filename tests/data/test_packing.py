@@ -63,7 +63,7 @@ def test_bad_document_fails_the_stream_or_is_skipped_and_counted():
     docs[1].error, docs[1].payload = "invalid JSON line", None
     out = _packer().accept(docs)
     assert isinstance(out[-1], StreamFailure)
-    assert out[-1].error.context["record"] == 1 and "invalid JSON" in str(out[-1].error)
+    assert out[-1].error.context["record"] == 2 and "invalid JSON" in str(out[-1].error)  # counted from 1
     docs = _docs([3, 3, 3])
     docs[1].error, docs[1].payload = "invalid JSON line", None
     packer = _packer(skip_bad=True)

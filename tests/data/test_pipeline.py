@@ -179,7 +179,7 @@ def test_no_thread_is_left_after_close_or_after_an_error(corpus, tmp_path):
     with pytest.raises(DataError) as err:
         for _ in range(100):
             next(pipe)
-    assert "record=1" in str(err.value) and str(bad) in str(err.value)
+    assert "record=2" in str(err.value) and str(bad) in str(err.value)  # its line 2, counted from 1
     assert data_threads() == before
     with pytest.raises(DataError):
         next(pipe)  # a failed pipeline stays failed
@@ -206,5 +206,5 @@ def test_a_failure_in_a_worker_reaches_next_with_file_and_record(corpus, tmp_pat
     with pytest.raises(DataError) as err:
         _run(config, 50)
     assert "lone surrogate" in err.value.message
-    assert err.value.context["file"] == str(bad) and err.value.context["record"] == 5
+    assert err.value.context["file"] == str(bad) and err.value.context["record"] == 6  # line 6
     assert data_threads() == before and worker_children() == []

@@ -11,7 +11,8 @@ import pytest
 
 from core.config import Config, RunConfig, TrainConfig, config_hash, save
 from experiments.__main__ import main
-from experiments.runs import config_diff, curves, run_state, summarize
+from experiments.plots import curves
+from experiments.runs import config_diff, run_state, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,3 +170,29 @@ def test_cli_plot_writes_png_as_a_real_command(runs_root):
     default = runs_root / "done-20260101-000000-aaaaaaaa" / "artifacts" / "plots.png"
     assert main(["runs", "plot", "done", "--root", str(runs_root)]) == 0
     assert default.is_file()
+
+
+def test_recent_runs_are_listed_newest_first_whatever_their_names(tmp_path):
+    from experiments.runs import recent_runs, resolve_run
+    from core.exceptions import UsageError
+
+    root = tmp_path / "runs"
+    for run_id in ("zeta-20260101-000000-aaaaaaaa", "alpha-20260301-120000-bbbbbbbb", "mid-20260201-000000-cccccccc"):
+        _make_run(root, run_id, [("run_started", {"run_id": run_id})])
+    assert recent_runs(root) == ["alpha-20260301-120000-bbbbbbbb", "mid-20260201-000000-cccccccc",
+                                 "zeta-20260101-000000-aaaaaaaa"]
+    assert recent_runs(root, 1) == ["alpha-20260301-120000-bbbbbbbb"]
+    with pytest.raises(UsageError, match="newest first: alpha-20260301-120000-bbbbbbbb, mid-"):
+        resolve_run(root, "nope")
+
+
+def test_resume_of_an_unknown_run_names_the_newest_runs_first(tmp_path):
+    from core.exceptions import ResumeError
+    from training.resume import find_run
+
+    root = tmp_path / "runs"
+    for run_id in ("b-20260105-000000-aaaaaaaa", "a-20260107-000000-bbbbbbbb", "c-20260101-000000-cccccccc"):
+        _make_run(root, run_id, [("run_started", {"run_id": run_id})])
+    with pytest.raises(ResumeError) as info:
+        find_run(root, "no-such-run")
+    assert "recent runs, newest first: a-20260107-000000-bbbbbbbb, b-20260105-000000-aaaaaaaa, c-20260101" in str(info.value)

@@ -1,17 +1,26 @@
-"""A rank outlives neither a SIGKILLed torchrun nor a killed process group of it.
+"""Launchers and their ranks.
 
-torchrun starts each rank in a session of its own, so killing the launcher's group does not
-reach the ranks; without ``runtime.signals.exit_with_launcher`` they train on, holding the
-run dir's lock (and, on a GPU, the device) while the resume is refused.
+A rank outlives neither a SIGKILLed torchrun nor a killed process group of it: torchrun
+starts each rank in a session of its own, so killing the launcher's group does not reach the
+ranks; without ``runtime.signals.exit_with_launcher`` they train on, holding the run dir's
+lock (and, on a GPU, the device) while the resume is refused.
+
+``python train.py --nproc N`` (runtime/launcher.py) keeps train.py's exit codes and prints
+one line per failure: what a user sees on the terminal is asserted line by line.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
+from core.exceptions import UsageError
+from runtime import launcher
 from runtime.signals import exit_with_launcher
 from tests import launch
 from tests.e2e_config import e2e_args
@@ -100,3 +109,99 @@ def test_the_watch_exits_even_when_stderr_is_a_broken_pipe(monkeypatch):
     thread = exit_with_launcher(poll_s=0.01, exit_fn=exits.append, environ={"TORCHELASTIC_RUN_ID": "x", "RANK": "0"})
     thread.join(timeout=5)
     assert exits == [1]
+
+
+# --------------------------------------------------------------------------- python train.py --nproc N
+
+
+def _nproc_command(args: list[str], nproc: int = 2) -> list[str]:
+    return [launch.PYTHON, str(launch.ROOT / "train.py"), "--nproc", str(nproc), *args]
+
+
+def _run_nproc(cwd, args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(_nproc_command(args), cwd=cwd, env=launch.env(cwd), capture_output=True, text=True,
+                          timeout=180)
+
+
+def _no_launcher_noise(text: str) -> None:
+    for noise in ("Traceback", "ChildFailedError", "SignalException", "torch.distributed.elastic"):
+        assert noise not in text, text
+
+
+def test_nproc_config_error_prints_one_line_and_exits_2(tmp_path):
+    result = _run_nproc(tmp_path, e2e_args(max_steps=2, overrides=["train.max_step=3"]))
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()  # both ranks fail; the terminal shows one of them, once
+    assert len(lines) == 1 and "train.max_step" in lines[0] and "did you mean train.max_steps" in lines[0], lines
+    assert not (tmp_path / "runs").exists()
+
+
+def test_nproc_data_error_prints_one_line_and_exits_3(e2e_workdir):
+    args = e2e_args(max_steps=2, name="nproc-data", overrides=["data.sources=[{path: nowhere/*.jsonl}]"])
+    result = _run_nproc(e2e_workdir, args)
+    assert result.returncode == 3, result.stdout + result.stderr
+    _no_launcher_noise(result.stdout + result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[rank ") and "data error" in lines[0] and "nowhere" in lines[0]
+    stdout = result.stdout.splitlines()
+    assert stdout[0].startswith("run_id: nproc-data-") and stdout[1].startswith("run_dir: "), stdout
+    assert "error" not in "\n".join(stdout).lower(), stdout
+
+
+def test_nproc_sigint_checkpoints_and_exits_0(e2e_workdir):
+    job = subprocess.Popen(_nproc_command(e2e_args(max_steps=400, name="nproc-stop")), cwd=e2e_workdir,
+                           env=launch.env(e2e_workdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        runs = e2e_workdir / "runs"
+        assert launch.wait_for(lambda: list(runs.glob("nproc-stop-*/ledger.jsonl")), timeout=120)
+        run_dir = next(runs.glob("nproc-stop-*"))
+        assert launch.wait_for(lambda: len(launch.ledger(run_dir)) >= 2, timeout=120)
+        job.send_signal(signal.SIGINT)  # Ctrl-C reaches the launcher; the ranks have sessions of their own
+        out, err = job.communicate(timeout=120)
+    finally:
+        launch.kill_job(job)
+    assert job.returncode == 0, err
+    _no_launcher_noise(out + err)
+    assert err.splitlines() == ["stop: SIGINT received; stopping at the next step boundary (Ctrl-C again to exit now)"]
+    stdout = out.splitlines()
+    assert stdout[:2] == [f"run_id: {run_dir.name}", f"run_dir: runs/{run_dir.name}"], stdout
+    last = launch.ledger(run_dir)[-1]["step"]
+    assert stdout[-1].startswith(f"stopped: steps 1..{last}, "), stdout
+    assert (run_dir / "checkpoints" / "LATEST").read_text().strip().endswith(f"{last:08d}")
+    assert sum(line.startswith("stopped:") for line in stdout) == 1
+
+
+def _failure(exitcode: int, message, time_ns: int | None = None, timestamp: int = 100):
+    data = {"message": message if time_ns is None else {"message": message, "extraInfo": {"time_ns": time_ns}}}
+    signal_name = signal.Signals(-exitcode).name if exitcode < 0 else "<N/A>"
+    return SimpleNamespace(exitcode=exitcode, error_file_data=data, timestamp=timestamp,
+                           signal_name=lambda: signal_name)
+
+
+def test_the_first_failure_is_the_earliest_by_the_ranks_own_clock():
+    failures = {
+        0: _failure(1, "[rank 0] error: RuntimeError: Connection closed by peer", time_ns=2_000_000_123),
+        1: _failure(3, "[rank 1] data error: bad record", time_ns=2_000_000_001),  # same second, earlier
+    }
+    assert launcher.first_failure(failures) == (1, 3, "[rank 1] data error: bad record")
+    # A peer the agent killed after that failure has no message, and a time in whole seconds
+    # that truncates to before it: the explained failure is still the root cause.
+    failures[2] = _failure(-15, "<NONE>", timestamp=1)
+    assert launcher.first_failure(failures)[:2] == (1, 3)
+    killed = launcher.first_failure({2: _failure(-9, "<NONE>")})
+    assert killed[:2] == (2, 137) and "SIGKILL" in killed[2] and "logs/rank2.log" in killed[2]
+
+
+def test_nproc_is_taken_out_of_the_arguments(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert launcher.split_nproc(["--config", "x.yaml", "--nproc", "4", "a=1"]) == (4, ["--config", "x.yaml", "a=1"])
+    assert launcher.split_nproc(["--nproc=2", "--resume", "r"]) == (2, ["--resume", "r"])
+    assert launcher.split_nproc(["--config", "x.yaml"]) == (None, ["--config", "x.yaml"])
+    for bad in (["--nproc"], ["--nproc", "0"], ["--nproc", "two"]):
+        with pytest.raises(UsageError, match="--nproc"):
+            launcher.split_nproc(bad)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(UsageError, match="torchrun"):
+        launcher.split_nproc(["--nproc", "2"])

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -96,7 +95,7 @@ def test_grpo_rollouts_do_not_depend_on_the_world_size(e2e_workdir, reference):
     # Step 1 samples from the same weights on 1 and 2 ranks: the same rollouts, rewards and
     # rollout batch (its log-prob extras included). Later steps sample from weights that the
     # two world sizes reduce in a different order (equal up to rounding), so only step 1 is
-    # bitwise comparable (design.md section 7, elastic).
+    # bitwise comparable (docs/contracts.md, elastic).
     result = launch.train(e2e_workdir, grpo_args(max_steps=1, name="grpo-one"), nproc=1, timeout=600)
     assert result.returncode == 0, result.stderr
     [one] = launch.ledger(_run_dir(e2e_workdir, result))
@@ -185,7 +184,7 @@ def test_bad_prompt_records_are_data_errors_naming_the_record(e2e_workdir):
             f"data.sources=[{{path: {path}, record: prompt}}]", "data.num_streams=1", "train.global_batch_size=4",
             "objective.grpo.kl_coef=0"]), nproc=1)
         assert result.returncode == 3, result.stderr
-        assert "record=2" in result.stderr and f"{label}.jsonl" in result.stderr, result.stderr
+        assert "record=3" in result.stderr and f"{label}.jsonl" in result.stderr, result.stderr  # line 3
 
 
 def test_generate_from_the_run_samples_its_checkpoint(e2e_workdir, reference, tmp_path):
