@@ -8,7 +8,7 @@ TEST_WORKERS ?= 2
 TINY_DATA := datasets/stdlib/.complete
 QWEN_TOKENIZER := datasets/tokenizers/qwen/manifest.json
 
-.PHONY: setup train test test-xla data bench clean
+.PHONY: setup train lint test test-fast test-xla data bench clean
 
 setup: $(STAMP)
 
@@ -31,10 +31,19 @@ data: $(TINY_DATA) $(QWEN_TOKENIZER)
 train: $(STAMP) $(TINY_DATA) $(QWEN_TOKENIZER)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config configs/tiny.yaml parallel.device=cpu $(ARGS)
 
+# The linter (rules in pyproject.toml), run before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
 # Test files run on TEST_WORKERS pytest workers (pytest-xdist), a file's tests on one worker so
 # that its shared reference runs are trained once; TEST_WORKERS=0 runs them in this process.
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The inner loop: the in-process tests only (no test marked `slow`, i.e. none that starts
+# processes; tests/conftest.py), under 3 minutes on 2 cores. `make test` runs everything.
+test-fast: lint
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 test-xla:
 	bash scripts/setup_xla_venv.sh

@@ -145,7 +145,7 @@ def run_variant(variant: str, config, args, device: torch.device) -> dict:
     result["tokens_per_s"] = args.micro_batch * args.seq / (result["step_ms"] / 1e3)
     if args.profile and device.type == "cuda":
         result["profile"] = profile(step)
-    del model, optimizer
+    model = optimizer = None  # free them now (step() above still refers to both)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -35,11 +35,92 @@ def e2e_workdir(tmp_path_factory):
     return workdir
 
 
+# Tests that start Lockstep in other processes, marked ``slow`` here so that ``make test-fast``
+# (``-m "not slow"``) leaves them out: ranks (torch.multiprocessing, torchrun, train.py), a
+# command or benchmark run as a subprocess, or a child made to crash, hang or take a signal.
+# Every test using one of the fixtures in PROCESS_FIXTURES is one of them; in the files below,
+# the tests named, or the tests using a fixture named, are too. Processes a test does not ask
+# for (the data pipeline's worker processes, the compiler's, git) do not count. A test file can
+# also mark its own tests with ``@pytest.mark.slow`` as before.
+PROCESS_FIXTURES = {"e2e_workdir"}
+STARTS_PROCESSES = {
+    "benchmarks/test_float8_scales.py": {"test_two_cpu_ranks_agree_bitwise"},
+    "benchmarks/test_fsdp_overhead.py": {
+        "test_plain_and_one_rank_fsdp_train_and_are_timed", "test_unknown_variant_is_refused"},
+    "benchmarks/test_throughput_scaling.py": {
+        "test_the_environment_probe_names_the_host_cpu",
+        "test_repeat_runs_the_case_list_round_and_rejects_zero",
+        "test_variants_run_through_train_py_one_after_the_other"},
+    "core/test_config.py": {"test_config_reference_doc_is_current"},
+    "core/test_run_dir_lock_race.py": {"test_exactly_one_of_racing_processes_takes_a_stale_lock"},
+    "distributed/test_ddp_embedding_grad.py": {
+        "test_gathered_rows_give_ddp_gradients_and_reduce_the_tied_bucket_first"},
+    "distributed/test_ddp_reduce.py": {
+        "test_reduction_options_are_the_documented_arithmetic_over_several_buckets"},
+    "distributed/test_float8.py": {
+        "test_precomputed_scales_train_bitwise_like_the_per_weight_path",
+        "test_fp8_weights_step_on_their_local_shards_like_through_dtensor"},
+    "distributed/test_host_collectives.py": {"test_host_all_reduce_and_the_metric_table_over_gloo"},
+    "distributed/test_overlap.py": {"test_a_carveout_on_cpu_ranks_exits_2_naming_the_key"},
+    "distributed/test_parallelize.py": {"ranks"},
+    "experiments/test_runs.py": {"test_cli_plot_writes_png_as_a_real_command"},
+    "experiments/test_tracking.py": {
+        "test_two_ranks_one_collective_per_interval_with_mean_min_max_sum_and_slowest"},
+    "models/test_lora.py": {"two_ranks"},
+    "models/test_sampler.py": {"test_samples_of_a_sharded_model_on_two_ranks_equal_one_process"},
+    "runtime/test_fatal_signal.py": {
+        "test_a_native_abort_after_process_setup_prints_the_python_stack"},
+    "runtime/test_faults.py": {"test_crash_flushes_then_dies_with_exit_1"},
+    "runtime/test_health.py": {"test_two_ranks_agree_on_nonfinite_and_stop"},
+    "runtime/test_signals.py": {
+        "test_real_process_stops_cleanly_on_sigterm", "test_real_process_exits_130_on_double_ctrl_c"},
+    "runtime/test_startup_stop.py": {
+        "test_after_the_loop_took_over_a_late_signal_gets_the_default_action"},
+    "runtime/test_watchdog.py": {
+        "test_two_ranks_one_hung_both_dump_and_exit_6",
+        "test_gil_backstop_dumps_and_exits_when_python_threads_cannot_run"},
+    "test_train_cli.py": {
+        "test_config_errors_exit_2_on_two_ranks", "test_missing_config_file_exits_2",
+        "test_usage_errors_exit_2", "test_resume_of_unknown_run_exits_4",
+        "test_the_system_python_without_the_environment_says_to_activate_it"},
+    "training/test_checkpoint_code_execution.py": {
+        "test_real_checkpoints_load_through_the_allowlist"},
+    "training/test_checkpointing.py": {
+        "test_sigkill_mid_save_never_leaves_latest_broken",
+        "test_two_ranks_ddp_and_fsdp2_save_then_one_process_loads",
+        "test_one_process_save_then_two_fsdp2_ranks_load"},
+    "training/test_optimizers.py": {"test_fsdp_updates_equal_one_process"},
+    "training/test_preflight_refusals.py": {
+        "test_train_refuses_a_huge_model_before_writing_anything",
+        "test_train_refuses_a_huge_or_missing_teacher_before_writing_anything"},
+    "training/test_reference_cache.py": {
+        "test_dpo_run_refuses_chosen_and_rejected_swapped_under_its_cache"},
+    "training/test_sft_config.py": {
+        "test_a_template_without_an_assistant_span_exits_2_naming_the_file",
+        "test_a_vocabulary_smaller_than_the_init_from_tokenizer_exits_2_naming_the_file"},
+}
+
+
+def starts_processes(item) -> bool:
+    names = set(getattr(item, "fixturenames", ()))
+    if names & PROCESS_FIXTURES:
+        return True
+    path = item.path.relative_to(ROOT / "tests").as_posix()
+    listed = STARTS_PROCESSES.get(path, set())
+    return bool(listed & (names | {getattr(item, "originalname", item.name)}))
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Files with more multi-process tests (marked ``slow``) run earlier. Spread over pytest-xdist
+    """Marks the tests that start processes ``slow`` (above), then orders the files.
+
+    Files with more multi-process tests run earlier. Spread over pytest-xdist
     workers (``make test``: whole files per worker, in this order), the long files start first
     and the short in-process ones fill the workers in at the end, instead of one worker
     finishing a long file alone. The sort is stable: a file's tests keep their order."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and starts_processes(item):
+            item.add_marker(pytest.mark.slow)
     slow: dict = {}
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
