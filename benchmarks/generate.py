@@ -7,14 +7,17 @@
 Both generators get the same weights (a random init of the preset's shape, copied from the
 transformers model into ours, bf16), the same ``--batch`` prompts of ``--prompt-len`` random
 token ids and produce exactly ``--new-tokens`` tokens per prompt (no stop token), sampling at
-temperature 1 without filters (``--greedy``: argmax). tokens/s = batch x new tokens / wall
+temperature 1 (``--top-p P``: with a nucleus filter; ``--greedy``: argmax). tokens/s = batch x new tokens / wall
 time of one whole ``generate`` call (prefill included), median of ``--repeats`` calls after
 one warm-up call (which includes compilation and CUDA-graph capture; reported separately).
 
 Variants of ours: ``eager``; ``compiled`` (decode step under torch.compile, no CUDA graphs);
 ``graphs`` (compiled and replayed as a CUDA graph, the default on CUDA). transformers:
 ``hf`` (``model.generate`` with its default dynamic cache) and, with ``--hf-static``,
-``hf_static`` (``cache_implementation="static"``, which transformers compiles itself).
+``hf_static`` (``cache_implementation="static"`` in a ``GenerationConfig``; transformers compiles its
+forward by itself for a static cache on GPU). Each transformers result records the cache class that
+``generate`` really used and whether its forward ran compiled; a variant whose option did not take
+effect (a dynamic cache under ``hf_static``, or no compilation on GPU) is reported as an error.
 A variant that fails is reported with its error and the others still run.
 
 ``--check-determinism`` (ours, sampling, the fastest variant) reports, for the default
@@ -102,21 +105,51 @@ def run_ours(sampler, prompts, keys, params):
     return samples
 
 
+def hf_generation_config(hf_model, args, static: bool):
+    """The transformers settings as one ``GenerationConfig``, with the cache enabled so that
+    ``cache_implementation`` takes effect."""
+    import copy
+
+    config = copy.deepcopy(hf_model.generation_config)
+    config.max_new_tokens = config.min_new_tokens = args.new_tokens
+    config.pad_token_id = 0
+    config.eos_token_id = None
+    if args.greedy:
+        config.do_sample, config.temperature, config.top_k, config.top_p = False, None, None, None
+    else:
+        config.do_sample, config.temperature, config.top_k, config.top_p = True, 1.0, 0, args.top_p
+    # Without use_cache transformers drops cache_implementation ("generation flags are not valid and may
+    # be ignored"), which is how the static variant silently measured the dynamic cache before.
+    config.use_cache, config.return_dict_in_generate = True, True
+    config.cache_implementation = "static" if static else None
+    return config
+
+
 def run_hf(hf_model, input_ids, args, static: bool):
+    """transformers ``generate``; returns the new tokens and what it really used: the cache class and
+    whether its forward ran compiled (transformers compiles by itself only with a static cache on GPU)."""
     import torch
 
-    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                  attention_mask=torch.ones_like(input_ids), pad_token_id=0)
-    if args.greedy:
-        kwargs.update(do_sample=False)
-    else:
-        kwargs.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    if static:
-        kwargs.update(cache_implementation="static")
+    config = hf_generation_config(hf_model, args, static)
     with torch.no_grad():
-        out = hf_model.generate(input_ids, **kwargs)
-    assert out.shape[1] == input_ids.shape[1] + args.new_tokens, tuple(out.shape)
-    return out[:, input_ids.shape[1]:]
+        out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+    sequences = out.sequences
+    assert sequences.shape[1] == input_ids.shape[1] + args.new_tokens, tuple(sequences.shape)
+    # The returned cache is ``past_key_values`` in older 5.x releases and ``cache`` in newer ones.
+    cache = next((getattr(out, k) for k in ("cache", "past_key_values") if getattr(out, k, None) is not None), None)
+    used = {"cache_class": type(cache).__name__, "compiled_forward": hasattr(hf_model, "_compiled_call")}
+    return sequences[:, input_ids.shape[1]:], used
+
+
+def check_hf_variant(name: str, used: dict[str, Any], device) -> None:
+    """Refuse to publish a transformers figure whose named option did not take effect."""
+    if name == "hf_static":
+        if "Static" not in used["cache_class"]:
+            raise RuntimeError(f"hf_static ran with {used['cache_class']}, not a static cache")
+        if device.type == "cuda" and not used["compiled_forward"]:
+            raise RuntimeError("hf_static's forward was not compiled by transformers")
+    elif "Static" in used["cache_class"]:
+        raise RuntimeError(f"hf ran with {used['cache_class']}, expected its default dynamic cache")
 
 
 def check_determinism(sampler, prompts, keys, params, probe: int) -> dict[str, Any]:
@@ -140,6 +173,26 @@ def check_determinism(sampler, prompts, keys, params, probe: int) -> dict[str, A
             "shuffled_order": compare(base, unshuffled)}
 
 
+def write_profiles(path: str, samplers: dict[str, Any], prompts, keys, params, device) -> None:
+    """Where one ``generate`` call's time goes, per variant: the profiler's table of device kernels and
+    host operators (sorted by device time, then by host time), with the wall time of the profiled call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sections = []
+    for name, sampler in samplers.items():
+        with profile(activities=activities) as prof:
+            wall, _ = _timed(lambda: run_ours(sampler, prompts, keys, params), device)
+        events = prof.key_averages()
+        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        sections.append(f"## {name}: one generate call, {wall:.3f} s wall (profiled)\n\n"
+                        + events.table(sort_by=sort, row_limit=40, max_name_column_width=90)
+                        + "\n\n" + events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n\n".join(sections) + "\n")
+    print(f"[generate] profiles written to {path}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2.5-0.5b")
@@ -151,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="graphs,compiled,eager,hf", help="of graphs, compiled, eager, hf, hf_static")
     parser.add_argument("--hf-static", action="store_true", help="add the hf_static variant")
     parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus filter when sampling (both generators)")
     parser.add_argument("--check-determinism", action="store_true")
     parser.add_argument("--probe", type=int, default=4, help="prompts checked alone in --check-determinism")
+    parser.add_argument("--profile", default=None, metavar="TXT",
+                        help="profile one call of each of our measured variants; kernel tables go to TXT")
     parser.add_argument("--device", default=None)
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized smoke test of this script")
     parser.add_argument("--out", default="bench_out/generate.json")
@@ -176,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     input_ids = torch.randint(0, model_config.vocab_size, (args.batch, args.prompt_len), generator=generator)
     prompts = input_ids.tolist()
     keys = [SampleKey(0, "benchmark", 0, i) for i in range(args.batch)]
-    params = SamplingParams(temperature=0.0 if args.greedy else 1.0, max_new_tokens=args.new_tokens)
+    params = SamplingParams(temperature=0.0 if args.greedy else 1.0, top_p=1.0 if args.greedy else args.top_p,
+                            max_new_tokens=args.new_tokens)
     generated = args.batch * args.new_tokens
     variants = [v for v in args.variants.split(",") if v] + (["hf_static"] if args.hf_static else [])
 
@@ -190,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("hf"):
                 ids = input_ids.to(device)
                 measured = _measure(lambda: run_hf(hf_model, ids, args, name == "hf_static"), device, args.repeats, generated)
-                outputs[name] = measured.pop("result").tolist()
+                tokens, used = measured.pop("result")
+                check_hf_variant(name, used, device)
+                measured.update(used)
+                outputs[name] = tokens.tolist()
             else:
                 sampler = samplers[name] = ours_variant(ours, args, name)
                 measured = _measure(lambda: run_ours(sampler, prompts, keys, params), device, args.repeats, generated)
@@ -204,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # report and go on with the other variants
             traceback.print_exc()
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    if args.profile:
+        write_profiles(args.profile, samplers, prompts, keys, params, device)
 
     determinism = {}
     if args.check_determinism and fastest is not None:
@@ -234,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_speed = results.get("hf", {}).get("tokens_per_s")
     payload = {
         "shape": args.shape, "model_class": class_name, "batch": args.batch, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "greedy": args.greedy, "dtype": "bfloat16", "device": str(device),
+        "new_tokens": args.new_tokens, "greedy": args.greedy, "top_p": None if args.greedy else args.top_p, "dtype": "bfloat16", "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "command": " ".join([sys.executable, *sys.argv]),

@@ -1,0 +1,46 @@
+"""benchmarks/generate.py: the transformers variants measure the cache they name."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from benchmarks import generate as bench
+from benchmarks.hf_baseline import build_hf_model, load_model_config
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    model, _ = build_hf_model(load_model_config("tiny", None), torch.device("cpu"))
+    model.config.use_cache = True
+    return model.eval()
+
+
+@pytest.mark.parametrize("static, expected", [(False, "DynamicCache"), (True, "StaticCache")])
+def test_transformers_variant_uses_the_cache_it_names(hf_model, static, expected):
+    args = types.SimpleNamespace(new_tokens=3, greedy=True, top_p=1.0)
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    tokens, used = bench.run_hf(hf_model, ids, args, static)
+    assert tokens.shape == (2, 3)
+    assert used["cache_class"] == expected
+    bench.check_hf_variant("hf_static" if static else "hf", used, torch.device("cpu"))
+
+
+def test_a_variant_whose_option_did_not_take_effect_is_refused():
+    with pytest.raises(RuntimeError, match="not a static cache"):
+        bench.check_hf_variant("hf_static", {"cache_class": "DynamicCache", "compiled_forward": False},
+                               torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="not compiled"):
+        bench.check_hf_variant("hf_static", {"cache_class": "StaticCache", "compiled_forward": False},
+                               torch.device("cuda"))
+
+
+def test_sampling_settings_reach_both_generators():
+    args = types.SimpleNamespace(new_tokens=7, greedy=False, top_p=0.95)
+    model = types.SimpleNamespace(generation_config=__import__("transformers").GenerationConfig())
+    config = bench.hf_generation_config(model, args, static=True)
+    assert (config.do_sample, config.temperature, config.top_k, config.top_p) == (True, 1.0, 0, 0.95)
+    assert (config.max_new_tokens, config.min_new_tokens, config.cache_implementation) == (7, 7, "static")
+    assert config.use_cache
