@@ -1,4 +1,4 @@
-"""Typed errors for Lockstep, each mapped to a process exit code (design.md section 2).
+"""Typed errors for Lockstep, each mapped to a process exit code (docs/contracts.md).
 
 Every error carries the context needed to act on it (key, file, record, step, rank) and a
 hint that says what to do next. ``str(error)`` is the single line printed on exit.

@@ -4,7 +4,7 @@ Entry grammar, one string per fault::
 
     kind@STEP            every rank at step STEP          nan@3, sigterm@6
     kind@STEP:RANK       only rank RANK                   hang@5:1, crash@7:0
-    kind@step=S,rank=R   the same, spelled out (design.md section 8)
+    kind@step=S,rank=R   the same, spelled out (docs/contracts.md)
     slow_data            (slow_data only) every step, every rank
 
 Kinds:

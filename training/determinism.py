@@ -5,7 +5,7 @@ raises instead of silently varying; new tensors are not NaN-filled unless
 ``determinism.fill_uninitialized_memory``), the cuBLAS workspace pinned, TF32 off, cuDNN
 autotuning off, and the flash and cuDNN attention backends off: measured on H200 with
 torch 2.11, their backward is not bitwise repeatable, while the memory-efficient and math
-backends and compiled flex_attention are (design.md section 7).
+backends and compiled flex_attention are (docs/contracts.md).
 
 ``fast``: TF32 matmuls, cuDNN autotuning and every attention backend allowed. The mode is
 recorded in meta.json; resume and replay compare it.

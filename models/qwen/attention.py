@@ -20,7 +20,7 @@ The mask is built once per forward by ``build_attention_mask`` and handed to eve
 block, because building a BlockMask costs about as much as one attention layer.
 
 On CUDA, ``sdpa_backends="deterministic"`` restricts SDPA to the memory-efficient and
-math backends (design.md section 7 measured flash and cuDNN backward not to be bitwise
+math backends (docs/contracts.md: flash and cuDNN backward were measured not to be bitwise
 repeatable). The memory-efficient backward is repeatable only while
 ``torch.use_deterministic_algorithms(True)`` is on, which bitwise mode must set; the flex
 path was measured repeatable with or without it (docs/models.md).

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
 import numpy as np
@@ -101,7 +101,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SampleKey:
-    """The identity of one sample, and so of all its randomness (design.md section 9).
+    """The identity of one sample, and so of all its randomness (docs/contracts.md).
 
     ``purpose`` names the consumer (e.g. "grpo.rollout", "cli"), ``step`` the training step
     (0 outside training), ``prompt_index`` the prompt's index in its data set or file (not

@@ -4,7 +4,6 @@ checkpoint, the fault does not fire again, and the ledger equals an uninterrupte
 
 from __future__ import annotations
 
-import json
 import subprocess
 
 import pytest

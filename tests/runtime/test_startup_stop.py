@@ -16,7 +16,7 @@ import pytest
 
 from experiments.events import read_events
 from experiments.runs import run_state
-from runtime.signals import StartupSignals, StopDuringStartup, StopSignals
+from runtime.signals import StartupSignals, StopDuringStartup
 from tests import launch
 from tests.e2e_config import e2e_args
 
