@@ -163,3 +163,15 @@ class Batch:
             state=state,
             extras=extras,
         )
+
+
+def prompt_and_answer(batch: Batch, row: int) -> tuple[list[int], list[int]]:
+    """A prompt record's row split by its target mask: the prompt ids (untrained) and the answer
+    ids (trained, without the final separator). Used by rollouts and generation evaluations."""
+    span = batch.provenance[row][0]
+    ids = batch.input_ids[row, span.start:span.end].tolist()
+    mask = batch.extras["target_mask"][row, span.start:span.end].tolist()
+    prompt = [t for t, m in zip(ids, mask) if not m]
+    answer = [t for t, m in zip(ids[:-1], mask[:-1]) if m]  # the last token is the separator
+    return prompt, answer
+

@@ -182,7 +182,7 @@ class ChatTemplate:
             return cls(path.read_text(), origin=str(path), special_tokens=specials, clock=clock)
         if directory is not None:
             config = directory / "tokenizer_config.json"
-            template = _read_config(config).get("chat_template") if config.is_file() else None
+            template = read_tokenizer_config(config).get("chat_template") if config.is_file() else None
             if isinstance(template, list):  # several named templates: the default one
                 template = next((t.get("template") for t in template
                                  if isinstance(t, dict) and t.get("name") == "default"), None)
@@ -330,7 +330,7 @@ def _answer(content: str) -> str:
     return content.split("</think>")[-1].strip()
 
 
-def _read_config(path: Path) -> dict:
+def read_tokenizer_config(path: Path) -> dict:
     """A tokenizer directory's tokenizer_config.json: a DataError naming it if it is not a JSON object."""
     try:
         raw = json.loads(path.read_text())
@@ -354,7 +354,7 @@ def _special_tokens(directory: Path) -> dict[str, str]:
     config = directory / "tokenizer_config.json"
     if not config.is_file():
         return {}
-    raw = _read_config(config)
+    raw = read_tokenizer_config(config)
     out = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = raw.get(key)

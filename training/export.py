@@ -43,9 +43,9 @@ import models
 from core.run_context import load_recorded_config
 from core import seeding
 from core.config import Config
-from core.exceptions import CheckpointError, DataError, UsageError
+from core.exceptions import CheckpointError, UsageError
 from core.layout import CHECKPOINTS_DIR, RunPaths, list_steps, step_dir_name
-from data.chat_template import ChatTemplate
+from data.chat_template import ChatTemplate, read_tokenizer_config
 from data.tokenizers import ByteTokenizer, build_tokenizer, tokenizer_directory
 from models.hf_config import config_path, model_config_from_hf
 from models.hf_weights import save_pretrained
@@ -215,14 +215,7 @@ def check_tokenizer_config(spec: str) -> None:
     file = directory / "tokenizer_config.json" if directory is not None else None
     if file is None or not file.is_file():
         return
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{file.name} is not valid JSON: {exc}", file=str(file),
-                        hint="repair the file or copy it again from its source") from None
-    if not isinstance(raw, dict):
-        raise DataError(f"{file.name} must hold a JSON object, got {type(raw).__name__}", file=str(file),
-                        hint="repair the file or copy it again from its source")
+    read_tokenizer_config(file)
 
 
 def _keep_source_architecture(paths: RunPaths, config: Config, out: Path, state: dict) -> None:

@@ -35,7 +35,7 @@ from torch import nn
 
 from core.config import Config
 from core.exceptions import DataError
-from data.batch import Batch
+from data.batch import Batch, prompt_and_answer
 from data.chat_template import ChatTemplate
 from data.sources.source import Source
 from data.tokenizers import build_tokenizer
@@ -116,10 +116,7 @@ class GenerationEvaluation:
         out = []
         for r, row in enumerate(batch.sequence_index):
             span = batch.provenance[r][0]
-            ids = batch.input_ids[r, span.start:span.end].tolist()
-            mask = batch.extras["target_mask"][r, span.start:span.end].tolist()
-            prompt = [t for t, m in zip(ids, mask) if not m]
-            answer = [t for t, m in zip(ids[:-1], mask[:-1]) if m]  # the last token is the separator
+            prompt, answer = prompt_and_answer(batch, r)
             if not prompt:
                 raise DataError("prompt record renders to no prompt token", file=span.shard, record=span.record + 1,
                                 hint="train.eval_generate.source needs non-empty prompts")

@@ -69,7 +69,7 @@ from torch import nn
 
 from core.config import Config
 from core.exceptions import ConfigError, DataError
-from data.batch import IGNORE_INDEX, Batch
+from data.batch import IGNORE_INDEX, Batch, prompt_and_answer
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
@@ -341,10 +341,7 @@ class GRPOObjective:
     def _prompt_of(self, batch: Batch, r: int) -> tuple[int, list[int], str, str]:
         """(global row, prompt ids, answer text, prompt text) of prompt row ``r``."""
         span = batch.provenance[r][0]
-        ids = batch.input_ids[r, span.start:span.end].tolist()
-        mask = batch.extras["target_mask"][r, span.start:span.end].tolist()
-        prompt = [t for t, m in zip(ids, mask) if not m]
-        answer = [t for t, m in zip(ids[:-1], mask[:-1]) if m]  # the last token is the separator
+        prompt, answer = prompt_and_answer(batch, r)
         if not prompt:
             raise DataError("prompt record renders to no prompt token", file=span.shard, record=span.record + 1,
                             step=batch.step)
