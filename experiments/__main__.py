@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from core.exceptions import LockstepError
 from core import layout
 from experiments.plots import comparison_path, plot_comparison, plot_run
-from experiments.runs import config_diff, describe_run, find_runs, resolve_run, summarize
+from experiments.runs import config_diff, describe_run, newest_first, resolve_run, summarize
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _list(args: argparse.Namespace) -> int:
-    summaries = [summarize(p) for p in find_runs(args.root)]
+    summaries = [summarize(p) for p in newest_first(args.root)]  # the latest run on top
     if args.json:
         print(json.dumps([s.to_dict() for s in summaries], indent=2))
         return 0

@@ -74,9 +74,14 @@ def started_at(run_dir: Path) -> str:
         return ""
 
 
+def newest_first(root: Path) -> list[Path]:
+    """``find_runs``, the most recently started first."""
+    return sorted(find_runs(root), key=lambda p: (started_at(p), p.name), reverse=True)
+
+
 def recent_runs(root: Path, count: int = 5) -> list[str]:
     """The IDs of the ``count`` newest runs under ``root``, newest first."""
-    return [p.name for p in sorted(find_runs(root), key=lambda p: (started_at(p), p.name), reverse=True)[:count]]
+    return [p.name for p in newest_first(root)[:count]]
 
 
 def resolve_run(root: Path, run_id: str) -> Path:

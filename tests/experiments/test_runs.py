@@ -186,6 +186,15 @@ def test_recent_runs_are_listed_newest_first_whatever_their_names(tmp_path):
         resolve_run(root, "nope")
 
 
+def test_runs_list_puts_the_newest_run_on_top(tmp_path, capsys):
+    root = tmp_path / "runs"
+    for run_id in ("zeta-20260101-000000-aaaaaaaa", "alpha-20260301-120000-bbbbbbbb", "mid-20260201-000000-cccccccc"):
+        _make_run(root, run_id, [("run_started", {"run_id": run_id})])
+    assert main(["runs", "list", "--root", str(root)]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert listed == ["alpha-20260301-120000-bbbbbbbb", "mid-20260201-000000-cccccccc", "zeta-20260101-000000-aaaaaaaa"]
+
+
 def test_resume_of_an_unknown_run_names_the_newest_runs_first(tmp_path):
     from core.exceptions import ResumeError
     from training.resume import find_run
