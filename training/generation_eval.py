@@ -156,4 +156,4 @@ def _check_source(source) -> None:
         Source(source, label=key)
     except DataError as exc:
         raise DataError(exc.message, file=source.path, hint=f"check {key}.path (python -m data prepare writes "
-                        "datasets/tasks/rl/eval), or remove train.eval_generate") from None
+                        "datasets/tasks/rl/eval), or turn it off with train.eval_generate.source=null") from None

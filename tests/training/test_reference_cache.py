@@ -107,7 +107,7 @@ def test_dpo_run_refuses_chosen_and_rejected_swapped_under_its_cache(tmp_path):
             f"run.root={tmp_path / 'runs'}", "parallel.device=cpu", "train.max_steps=1", "train.eval_interval=0",
             "objective.dpo.cache_reference=true", "checkpoint.interval=0", "data.num_streams=1",
             f"data.sources=[{{path: {data}, record: preference}}]", "data.eval_source=null",
-            "train.global_batch_size=4", "train.micro_batch_size=4"]
+            "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_generate.source=null"]
     first = subprocess.run(args, cwd=tmp_path, env=launch.env(tmp_path), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     swapped = [{**p, "chosen": p["rejected"], "rejected": p["chosen"]} for p in pairs]
