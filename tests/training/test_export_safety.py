@@ -222,11 +222,24 @@ def test_a_chat_export_stops_at_im_end_in_transformers(export, tmp_path):
     assert _forced_generate(model, tokenizer, "ok<|im_end|>and more").startswith("ok<|im_end|>and more")
 
 
-def test_qwen_tokenizer_chat_export_ends_turns_like_qwen_instruct(tmp_path):
+@pytest.fixture(scope="module")
+def qwen_workdir(tmp_path_factory):
+    """A working directory holding the Qwen vocabulary (datasets/tokenizers/qwen), built here in
+    process, so that a fresh clone needs no `python -m data prepare --tokenizer qwen` first."""
+    from data.__main__ import main as data_main
+
+    root = tmp_path_factory.mktemp("qwen-vocab")
+    assert data_main(["prepare", "--tokenizer", "qwen", "--out", str(root / "datasets" / "tokenizers" / "qwen")]) == 0
+    return root
+
+
+def test_qwen_tokenizer_chat_export_ends_turns_like_qwen_instruct(tmp_path, qwen_workdir, monkeypatch):
     """With the Qwen tokenizer ``<|im_end|>`` is one token: it becomes the eos, as in Qwen's instruct
     checkpoints, and ``generate`` stops there without being given the tokenizer."""
     transformers = pytest.importorskip("transformers")
     from training.export import _write_tokenizer
+
+    monkeypatch.chdir(qwen_workdir)
 
     config = config_lib.load(launch.ROOT / "tests" / "configs" / "e2e-sft.yaml",
                              ["data.tokenizer=qwen", "model.vocab_size=151936"])
@@ -242,8 +255,10 @@ def test_qwen_tokenizer_chat_export_ends_turns_like_qwen_instruct(tmp_path):
     assert _forced_generate(model, tokenizer, "ok<|im_end|>and more") == "ok<|im_end|>"
 
 
-def test_pretraining_export_keeps_end_of_text_as_eos(tmp_path):
+def test_pretraining_export_keeps_end_of_text_as_eos(tmp_path, qwen_workdir, monkeypatch):
     from training.export import _write_tokenizer
+
+    monkeypatch.chdir(qwen_workdir)
 
     config = config_lib.load(launch.ROOT / "tests" / "configs" / "e2e.yaml",
                              ["data.tokenizer=qwen", "model.vocab_size=151936"])

@@ -23,6 +23,7 @@ from core.exceptions import ConfigError
 from data.batch import IGNORE_INDEX
 from data.pipeline.plan import make_plan
 from data.pipeline.serial import iterate_serial
+from data.tasks import write_task_datasets
 from models.qwen.sampler import Sample
 from training.objectives.base import ObjectiveContext
 from training.objectives.grpo import GRPOObjective
@@ -146,6 +147,23 @@ def test_overlong_penalty_by_hand():
 # ---------------------------------------------------------------- the objective
 
 PROMPTS, G, MAX_NEW = 4, 4, 6
+
+
+@pytest.fixture(scope="module")
+def tasks_workdir(tmp_path_factory):
+    """A working directory with the RL prompts e2e-grpo.yaml reads (datasets/tasks/rl/train), made
+    here in a few hundred records so that a fresh clone needs no `python -m data prepare` first."""
+    root = tmp_path_factory.mktemp("grpo-variants")
+    write_task_datasets(root / "datasets" / "tasks", seed=0, train_n=256, eval_n=16, shards=16)
+    return root
+
+
+@pytest.fixture
+def in_tasks_workdir(tasks_workdir, monkeypatch):
+    monkeypatch.chdir(tasks_workdir)
+
+
+pytestmark = pytest.mark.usefixtures("in_tasks_workdir")
 
 
 def _config(overrides=()):
