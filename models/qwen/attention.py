@@ -168,7 +168,7 @@ def _expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class KVCache(torch.nn.Module):
-    """Preallocated keys and values of every layer: (layers, B, n_kv_head, slots, head_dim) each.
+    """Preallocated keys and values, one (B, n_kv_head, slots, head_dim) buffer pair per layer.
 
     The cache is indexed by position: the key/value of the token at position p of row b
     lives in slot p of row b, so a row's layout never depends on the other rows of its
@@ -176,6 +176,10 @@ class KVCache(torch.nn.Module):
     has not written are masked, never read: stale or padding values cannot reach a result.
     Buffers (not plain attributes) so that torch.compile and CUDA graphs see static
     addresses that the decode step updates in place.
+
+    Values are stored in the model's compute dtype, one buffer per layer (not one stacked
+    tensor), so that the compiled step updates each in place instead of rewriting a stacked
+    cache.
     """
 
     def __init__(
@@ -183,24 +187,31 @@ class KVCache(torch.nn.Module):
         device: torch.device, dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        shape = (num_layers, batch, num_kv_heads, slots, head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        shape = (batch, num_kv_heads, slots, head_dim)
+        for layer in range(num_layers):
+            for name in (f"k{layer}", f"v{layer}"):
+                self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.num_layers = num_layers
 
     @property
     def slots(self) -> int:
-        return self.k.shape[3]
+        return self.k0.shape[2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every layer's key and value buffer (to mark their addresses static)."""
+        return [buffer for _, buffer in self.named_buffers()]
 
     def write(self, layer: int, position_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (B, T, n_kv_head, head_dim) of tokens at position_ids (B, T) into their slots."""
+        keys, values = self.read(layer)
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         # Advanced indices around a slice put the indexed dims first: the target is (B, T, n_kv, hd).
-        self.k[layer][rows, :, position_ids] = k
-        self.v[layer][rows, :, position_ids] = v
+        keys[rows, :, position_ids] = k
+        values[rows, :, position_ids] = v
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer, each (B, n_kv_head, slots, head_dim)."""
-        return self.k[layer], self.v[layer]
+        return getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
 
 
 def cache_mask(position_ids: torch.Tensor, slots: int) -> torch.Tensor:
@@ -210,7 +221,7 @@ def cache_mask(position_ids: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of new queries over a whole cache, in fp32.
+    """Attention of new queries over a whole cache.
 
     q is (B, n_head, T, head_dim); k, v are a layer's cache (B, n_kv_head, slots, head_dim);
     mask is ``cache_mask``'s (B, 1, T, slots). Returns (B, n_head, T, head_dim) in q's dtype.
@@ -218,12 +229,22 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     every query head (which would copy the whole cache at every step). Every reduction runs
     over the full, fixed number of slots, so a row's result does not depend on how many
     slots its neighbours use.
+
+    A float32 cache (the CPU configs) is attended with explicit fp32 matmuls, whose results
+    the tests compare with the training forward's. A bf16/fp16 cache goes to SDPA's fused
+    kernel, which accumulates in fp32 without widening the cache: widening every layer's
+    whole cache at every decode step cost more than the matmuls (docs/bench/log.md).
     """
     batch, num_heads, seq_len, head_dim = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
     groups = num_heads // kv_heads
     # Query head h reads kv head h // groups, as _expand_kv_heads arranges it.
-    qg = q.reshape(batch, kv_heads, groups * seq_len, head_dim).to(torch.float32)  # (B, n_kv, G*T, hd)
+    qg = q.reshape(batch, kv_heads, groups * seq_len, head_dim)  # (B, n_kv, G*T, hd), row g*T + t
+    if k.dtype != torch.float32:
+        grouped_mask = mask.repeat(1, 1, groups, 1)  # (B, 1, G*T, slots): row g*T + t is mask row t
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=grouped_mask)
+        return out.reshape(batch, num_heads, seq_len, head_dim).to(q.dtype)
+    qg = qg.to(torch.float32)
     scores = qg @ k.to(torch.float32).transpose(-1, -2) * head_dim**-0.5  # (B, n_kv, G*T, slots)
     scores = scores.view(batch, kv_heads, groups, seq_len, slots)
     scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # mask (B, 1, 1, T, slots)

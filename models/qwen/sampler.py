@@ -265,8 +265,8 @@ class Sampler:
         with torch.no_grad():
             self.cache = model.new_kv_cache(batch=max_batch, slots=slots)
         if self.cuda_graphs:
-            torch._dynamo.mark_static_address(self.cache.k)
-            torch._dynamo.mark_static_address(self.cache.v)
+            for buffer in self.cache.tensors():
+                torch._dynamo.mark_static_address(buffer)
         self._decode_steps: dict[SamplingParams, Callable] = {}
 
     # ------------------------------------------------------------------ public
