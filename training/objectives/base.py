@@ -40,7 +40,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from core.config import Config
+from core.config import Config, ObjectiveCapabilities
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
 from experiments.console import ConsoleLines
@@ -74,6 +74,9 @@ class Objective(Protocol):
     """A training method (see the module docstring for the call order)."""
 
     name: str
+    capabilities: ObjectiveCapabilities
+    """What the method declares about itself (core.config.ObjectiveCapabilities), the same object
+    its settings module registers: the loop asks these, never the method's name."""
     updates_per_batch: int
     """Optimizer updates the loop makes on one prepared batch (1 but for GRPO's inner_updates)."""
     settles_late: bool

@@ -31,6 +31,7 @@ from data.batch import IGNORE_INDEX
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.hf_config import model_config_from_hf
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
+from training.objectives.distill_settings import KIND
 from training.objectives.distill_loss import distill_loss_from_logits, distill_loss_sum
 from training.objectives.frozen import (FrozenModel, build_frozen, frozen_model_config, frozen_tokenizer,
                                         output_weight)
@@ -39,7 +40,8 @@ KEY = "objective.distill.teacher"
 
 
 class DistillObjective:
-    name = "distill"
+    name = KIND.name
+    capabilities = KIND.capabilities
     updates_per_batch = 1
     settles_late = True
 
