@@ -1,18 +1,25 @@
 """``objective.kind=distill``: its settings (``objective.distill``), checks and capabilities.
 
 Everything the config loader needs to know about distillation lives here and reaches
-core.config through ``KIND`` (registered by training/registry.py); the method itself is
-distill.py.
+core.config through ``KIND`` (registered by training/registry.py): ``validate`` runs at every
+load; ``check_teacher`` reads the teacher's config and tokenizer, so it runs once before any
+process group (``DistillObjective.check_config``) and again when the teacher is built. The
+method itself is distill.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from core.config import Config, ObjectiveCapabilities, ObjectiveKind
 from core.exceptions import ConfigError
+from models.hf_config import model_config_from_hf
+from training.objectives.frozen import frozen_model_config, frozen_tokenizer
+
+KEY = "objective.distill.teacher"
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,33 @@ def validate(config: Config) -> None:
     if any(s.record == "preference" or s.record == "prompt" for s in config.data.sources):
         raise ConfigError("objective.kind=distill trains on text, chat or prompt_completion sources",
                           key="data.sources")
+
+
+def check_teacher(config: Config) -> None:
+    """The teacher must share the student's vocabulary (and, for a run, its tokenizer)."""
+    teacher = frozen_model_config(config, config.objective.distill.teacher, key=KEY)
+    check_vocab(student_vocab(config), teacher.vocab_size, config.objective.distill.teacher)
+    tokenizer = frozen_tokenizer(config, config.objective.distill.teacher, key=KEY)
+    if tokenizer is not None and tokenizer != config.data.tokenizer:
+        raise ConfigError(
+            f"the teacher run was trained with data.tokenizer={tokenizer!r}, the student uses "
+            f"{config.data.tokenizer!r}", key=KEY, hint="distill between models of the same tokenizer")
+
+
+def student_vocab(config: Config) -> int:
+    model = config.model
+    if model.init_from is not None:
+        model = model_config_from_hf(model.init_from, base=dataclasses.replace(model))
+    return model.vocab_size
+
+
+def check_vocab(student: int, teacher: int, source: str) -> None:
+    if student != teacher:
+        raise ConfigError(
+            f"the teacher's vocabulary has {teacher} tokens, the student's {student}: distillation compares "
+            "next-token distributions token by token and needs the same tokenizer",
+            key=KEY, file=source, hint="pick a teacher trained with the student's tokenizer",
+        )
 
 
 KIND = ObjectiveKind(
