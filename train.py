@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     run = events = dist = None
     parts: list = []  # what close_all closes: the data pipeline, the tracker, the guards
     try:
-        args = session.parse_args(argv)
         register_all()  # every objective kind and the model family's names, before a config is read
+        args = session.parse_args(argv)
         config = session.resolve_config(args)  # exits 2 (or 4) before any process group exists
         session.prepare_process(config)
         dist = DistributedContext.from_env(config.parallel)
