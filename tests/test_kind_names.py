@@ -1,7 +1,7 @@
 """No code outside an objective's own modules asks which objective it runs by name.
 
 What the loop, the config checks, export and generate need to know about a method is a
-capability it declares (core.config.ObjectiveCapabilities, registered by training/registry.py).
+capability it declares (core.objective_kinds.ObjectiveCapabilities, registered by training/registry.py).
 A comparison with a kind name (``kind == "grpo"``, ``name != "causal_lm"``, ``kind in ("causal_lm",
 "sft")``, ``case "dpo":``) or a literal list of kind names is read with ``ast`` in every module of
 the package; only the kind's own modules and the registration site may hold one.
@@ -63,7 +63,7 @@ def test_no_module_compares_an_objective_kind_name_outside_its_own():
             for line, kind in kind_names_compared(path.read_text()):
                 if where not in OWN_MODULES[kind]:
                     offences.append(f"{where}:{line} names objective.kind {kind!r}")
-    assert not offences, "ask a capability (core.config.ObjectiveCapabilities) instead:\n" + "\n".join(offences)
+    assert not offences, "ask a capability (core.objective_kinds.ObjectiveCapabilities) instead:\n" + "\n".join(offences)
 
 
 def test_every_registered_kind_has_its_own_modules_listed():

@@ -42,8 +42,9 @@ import torch.distributed.checkpoint as dcp
 import models
 from core.run_context import load_recorded_config
 from core import seeding
-from core.config import Config, objective_kind
+from core.config import Config
 from core.exceptions import CheckpointError, UsageError
+from core.objective_kinds import objective_kind
 from core.layout import CHECKPOINTS_DIR, RunPaths, list_steps, step_dir_name
 from data.chat_template import ChatTemplate, read_tokenizer_config
 from data.tokenizers import ByteTokenizer, build_tokenizer, tokenizer_directory

@@ -36,8 +36,8 @@ from typing import Optional
 
 import torch
 
-from core.config import objective_kind
 from core.exceptions import ConfigError, LockstepError, UsageError
+from core.objective_kinds import objective_kind
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from models.generation import Prompt, context_length, read_prompts, sample_prompts, sample_record

@@ -2,7 +2,7 @@
 and capabilities (training/objectives/*_settings.py), and the model family's LoRA target names
 (models/qwen/lora_targets.py).
 
-core.config reads no config before this has run (it imports nothing above itself, so it
+core.config reads no config before this has run (core/objective_kinds.py) (it imports nothing above itself, so it
 cannot look these up on its own). Every entry point calls ``register_all()`` first: train.py,
 ``python -m training``, ``python -m data``, ``python -m experiments``, the benchmarks,
 scripts/config_reference.py and the tests (tests/conftest.py). Calling it again does nothing.
@@ -10,7 +10,7 @@ scripts/config_reference.py and the tests (tests/conftest.py). Calling it again 
 
 from __future__ import annotations
 
-from core.config import register_lora_targets, register_objective
+from core.objective_kinds import register_lora_targets, register_objective
 from models.qwen.lora_targets import LORA_TARGETS
 from training.objectives import causal_lm_settings, distill_settings, dpo_settings, grpo_settings, sft_settings
 

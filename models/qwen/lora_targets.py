@@ -1,7 +1,7 @@
 """The linear layers of a Qwen block that LoRA may wrap, by module name (models/qwen/model.py).
 
 ``model.lora.targets`` defaults to all of them and accepts only these; core.config receives the
-names through ``core.config.register_lora_targets`` (training/registry.py) and names no module
+names through ``core.objective_kinds.register_lora_targets`` (training/registry.py) and names no module
 of the model itself.
 """
 

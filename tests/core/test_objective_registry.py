@@ -1,4 +1,5 @@
-"""The objective kinds core.config reads configs with come from above (training/registry.py):
+"""The objective kinds core.config reads configs with come from above (core/objective_kinds.py,
+filled by training/registry.py):
 the loader's errors, hashing, resumable keys and describe() cover what was registered, and a
 kind registered by a test behaves as the built-in ones do."""
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from core import config as config_lib
-from core.config import ObjectiveCapabilities, ObjectiveKind
+from core import objective_kinds as registry
 from core.exceptions import ConfigError
+from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from training.registry import OBJECTIVE_KINDS, register_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,11 +49,11 @@ TOY = ObjectiveKind(
 
 @pytest.fixture
 def toy():
-    config_lib.register_objective(TOY)
+    registry.register_objective(TOY)
     try:
         yield TOY
     finally:
-        config_lib.unregister_objective(TOY.name)
+        registry.unregister_objective(TOY.name)
 
 
 def _refused(*overrides: str) -> ConfigError:
@@ -61,8 +63,8 @@ def _refused(*overrides: str) -> ConfigError:
 
 
 def test_the_registered_kinds_in_order_with_causal_lm_the_default():
-    assert [k.name for k in config_lib.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill"]
-    assert config_lib.objective_kinds() == OBJECTIVE_KINDS
+    assert [k.name for k in registry.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill"]
+    assert registry.objective_kinds() == OBJECTIVE_KINDS
     objective = config_lib.Config().objective
     assert [f.name for f in dataclasses.fields(objective)] == ["kind", "grpo", "dpo", "distill"]
     assert objective.kind == "causal_lm"
@@ -103,12 +105,12 @@ def test_capabilities_decide_what_the_config_checks_refuse():
 
 def test_describe_has_a_row_for_every_field_of_every_registered_section():
     keys = [key for key, *_ in config_lib.describe()]
-    for kind in config_lib.objective_kinds():
+    for kind in registry.objective_kinds():
         if kind.settings is not None:
             expected = [f"objective.{kind.name}.{f.name}" for f in dataclasses.fields(kind.settings)]
             assert [k for k in keys if k.startswith(f"objective.{kind.name}.") and "[i]" not in k] == expected
     kind_row = next(row for row in config_lib.describe() if row[0] == "objective.kind")
-    assert all(f"{k.name} ({k.summary})" in kind_row[3] for k in config_lib.objective_kinds())
+    assert all(f"{k.name} ({k.summary})" in kind_row[3] for k in registry.objective_kinds())
 
 
 def test_a_kind_registered_by_a_test_loads_checks_describes_and_resumes(toy):
@@ -121,15 +123,15 @@ def test_a_kind_registered_by_a_test_loads_checks_describes_and_resumes(toy):
     rows = {key: doc for key, _, _, doc in config_lib.describe()}
     assert rows["objective.toy.strength"] == "How hard the toy objective pushes; > 0."
     assert config_lib.is_resumable("objective.toy.rounds") and not config_lib.is_resumable("objective.toy.strength")
-    assert config_lib.objective_kind("toy").capabilities.bounded_tokens
+    assert registry.objective_kind("toy").capabilities.bounded_tokens
     config_lib.load(TINY, ["objective.kind=toy", "parallel.ddp_embedding_grad=gathered"])  # it bounds its tokens
 
 
 def test_registering_a_kind_leaves_every_other_configs_hash_alone(toy):
     """A kind registered after the built-in ones has its section hashed only once set."""
-    config_lib.unregister_objective(toy.name)
+    registry.unregister_objective(toy.name)
     before = config_lib.config_hash(config_lib.load(TINY))
-    config_lib.register_objective(toy)
+    registry.register_objective(toy)
     assert config_lib.config_hash(config_lib.load(TINY)) == before
     assert config_lib.config_hash(config_lib.load(TINY, ["objective.toy.rounds=3"])) != before
 
@@ -137,14 +139,14 @@ def test_registering_a_kind_leaves_every_other_configs_hash_alone(toy):
 def test_a_name_is_registered_once():
     register_all()  # again: nothing changes
     with pytest.raises(ConfigError, match="registered twice"):
-        config_lib.register_objective(dataclasses.replace(OBJECTIVE_KINDS[2], summary="another grpo"))
+        registry.register_objective(dataclasses.replace(OBJECTIVE_KINDS[2], summary="another grpo"))
     with pytest.raises(ConfigError, match="must be a dataclass"):
-        config_lib.register_objective(ObjectiveKind(name="bad", summary="", settings=dict))
-    assert [k.name for k in config_lib.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill"]
+        registry.register_objective(ObjectiveKind(name="bad", summary="", settings=dict))
+    assert [k.name for k in registry.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill"]
 
 
 def test_nothing_registered_is_an_error_saying_what_to_call(monkeypatch):
-    monkeypatch.setattr(config_lib, "_REGISTERED", config_lib._Registered())
+    monkeypatch.setattr(registry, "_REGISTERED", registry._Registered())
     with pytest.raises(ConfigError, match="no LoRA target names are registered") as error:
         config_lib.load(TINY)  # the model section is read first
     assert "register_all()" in error.value.hint
@@ -156,7 +158,7 @@ def test_nothing_registered_is_an_error_saying_what_to_call(monkeypatch):
 def test_lora_targets_come_from_the_model_family():
     from models.qwen.lora_targets import LORA_TARGETS
 
-    assert config_lib.LoRAConfig().targets == config_lib.lora_targets() == LORA_TARGETS
+    assert config_lib.LoRAConfig().targets == registry.lora_targets() == LORA_TARGETS
     error = _refused("model.lora.rank=8", "model.lora.targets=[q_proj, gate_prj]")
     assert "did you mean 'gate_proj'?" in error.hint
 

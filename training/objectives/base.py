@@ -40,9 +40,10 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from core.config import Config, ObjectiveCapabilities
+from core.config import Config
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
+from core.objective_kinds import ObjectiveCapabilities
 from experiments.console import ConsoleLines
 
 OBJECTIVE_STATE_VERSION = 1
@@ -75,7 +76,7 @@ class Objective(Protocol):
 
     name: str
     capabilities: ObjectiveCapabilities
-    """What the method declares about itself (core.config.ObjectiveCapabilities), the same object
+    """What the method declares about itself (core.objective_kinds.ObjectiveCapabilities), the same object
     its settings module registers: the loop asks these, never the method's name."""
     updates_per_batch: int
     """Optimizer updates the loop makes on one prepared batch (1 but for GRPO's inner_updates)."""

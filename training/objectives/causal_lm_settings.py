@@ -5,7 +5,7 @@ Registered first by training/registry.py, so it is objective.kind's default.
 
 from __future__ import annotations
 
-from core.config import ObjectiveCapabilities, ObjectiveKind
+from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 
 CAPABILITIES = ObjectiveCapabilities(
     fused_head=True,  # next-token cross entropy, fused with the output projection chunk by chunk

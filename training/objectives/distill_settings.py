@@ -14,8 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from core.config import Config, ObjectiveCapabilities, ObjectiveKind
+from core.config import Config
 from core.exceptions import ConfigError
+from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from models.hf_config import model_config_from_hf
 from training.objectives.frozen import frozen_model_config, frozen_tokenizer
 

@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from core.config import Config, ObjectiveCapabilities, ObjectiveKind
+from core.config import Config
 from core.exceptions import ConfigError
+from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 
 
 @dataclass(frozen=True)

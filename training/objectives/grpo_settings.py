@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from core.config import Config, ObjectiveCapabilities, ObjectiveKind
+from core.config import Config
 from core.exceptions import ConfigError
+from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from training.objectives.rewards import resolve_reward
 
 

@@ -5,8 +5,9 @@ Registered by training/registry.py; the method itself is sft.py.
 
 from __future__ import annotations
 
-from core.config import Config, ObjectiveCapabilities, ObjectiveKind
+from core.config import Config
 from core.exceptions import ConfigError
+from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 
 
 def validate(config: Config) -> None:
