@@ -8,6 +8,10 @@ same settings spelled differently hash the same.
 
 Each field's one-line docstring is the string literal right below it; ``describe()``
 collects them for the README's config reference and for error messages.
+
+The ``objective`` section and model.lora.targets' names are not defined here: the objective
+kinds and the model family register them from above (core/objective_kinds.py,
+training/registry.py), and the loader builds the section from what is registered.
 """
 
 from __future__ import annotations
@@ -295,8 +299,9 @@ class TrainConfig:
 @dataclass(frozen=True)
 class ObjectiveConfig:
     """The ``objective`` section. Its fields come from the registered objective kinds
-    (``register_objective``): ``kind``, then one settings section per kind that has settings,
-    in the order of registration. ``objective_config_class()`` is the class a config holds."""
+    (core/objective_kinds.py): ``kind``, then one settings section per kind that has settings,
+    in the order of registration. A config holds an ``objective_config_class()``, a subclass;
+    it pickles as its plain values and is rebuilt under the receiving process's registrations."""
 
     def __reduce__(self):
         return _objective_from_dict, (to_dict(self),)
@@ -696,9 +701,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
-    """Cross-field checks. ``world_size`` adds the batch-divisibility checks. The model's
-    shape rules live with the model (``models.qwen.dims``); train.py asks them early too."""
+    """Cross-field checks, then the objective kind's own (``ObjectiveKind.validate``).
+    ``world_size`` adds the batch-divisibility checks. The model's shape rules live with the
+    model (``models.qwen.dims``); train.py asks them early too."""
     d, t, p = config.data, config.train, config.parallel
+    kind = objective_kind(config.objective.kind)
     validate_run_name(config.run.name)
     _validate_numbers(config)
     _positive("train.max_steps", t.max_steps)
@@ -770,7 +777,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
             key="parallel.compile_mode",
             hint="CUDA graphs need fixed parameter addresses; FSDP gathers its parameters anew every step",
         )
-    kind = objective_kind(config.objective.kind)
     if p.compile_mode != "default" and not kind.capabilities.cuda_graph_safe:
         raise ConfigError(
             f"parallel.compile_mode={p.compile_mode} does not suit objective.kind={kind.name}: its forwards run the "
