@@ -63,7 +63,9 @@ def run(args) -> dict:
     from data.tasks import make_task, rl_record
     from training.objectives.base import ObjectiveContext
     from training.objectives.grpo import GRPOObjective
+    from training.registry import register_all
 
+    register_all()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:

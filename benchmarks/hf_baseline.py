@@ -149,7 +149,9 @@ def write_json(path: str | Path, payload: Any) -> None:
 
 def load_model_config(shape: str, config_path: str | None):
     from core.config import load
+    from training.registry import register_all
 
+    register_all()
     path, extra = (config_path, []) if config_path else preset_args(shape)
     return load(ROOT / path, extra).model
 

@@ -8,6 +8,10 @@ same settings spelled differently hash the same.
 
 Each field's one-line docstring is the string literal right below it; ``describe()``
 collects them for the README's config reference and for error messages.
+
+The ``objective`` section and model.lora.targets' names are not defined here: the objective
+kinds and the model family register them from above (core/objective_kinds.py,
+training/registry.py), and the loader builds the section from what is registered.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import hashlib
 import inspect
 import json
@@ -28,6 +33,58 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from core.exceptions import ConfigError
+from core.objective_kinds import ObjectiveKind, lora_targets, objective_kind, objective_kinds
+
+
+# --------------------------------------------------------------------------- the registered section
+#
+# The ``objective`` section is built from the kinds registered in core/objective_kinds.py.
+
+
+def objective_config_class() -> type:
+    """The ``objective`` section's dataclass: ``kind`` (a Literal of the registered names, the
+    first one the default) and each kind's settings section, in the order of registration."""
+    return _objective_schema(objective_kinds())
+
+
+@functools.lru_cache(maxsize=None)
+def _objective_schema(kinds: tuple[ObjectiveKind, ...]) -> type:
+    """One class per set of registered kinds, so configs read under the same registrations are
+    of the same class (and compare equal)."""
+    names = tuple(k.name for k in kinds)
+    fields: list[tuple[str, Any, Any]] = [("kind", Literal[names], field(default=names[0]))]
+    docs = {"kind": _kind_doc(kinds)}
+    for k in kinds:
+        if k.settings is not None:
+            fields.append((k.name, k.settings, field(default_factory=k.settings)))
+            docs[k.name] = f"objective.kind={k.name}: its settings."
+    schema = dataclasses.make_dataclass("ObjectiveConfig", fields, bases=(ObjectiveConfig,), frozen=True)
+    schema.__module__, schema.__qualname__ = __name__, "ObjectiveConfig"
+    schema.field_docs = docs  # _field_docs reads these: the class has no source of its own
+    return schema
+
+
+def _kind_doc(kinds: tuple[ObjectiveKind, ...]) -> str:
+    named = [f"{k.name} ({k.summary})" for k in kinds]
+    listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1]
+    return f"Training objective: {listed}; docs/architecture.md."
+
+
+def _objective_from_dict(raw: dict[str, Any]) -> Any:
+    return _build(objective_config_class(), raw, "objective.")
+
+
+def _default_objective() -> Any:
+    return objective_config_class()()
+
+
+def _default_lora_targets() -> tuple[str, ...]:
+    return lora_targets()
+
+
+def _schema_of(tp: Any) -> Any:
+    """The registered class behind a placeholder section type (ObjectiveConfig), else ``tp``."""
+    return objective_config_class() if tp is ObjectiveConfig else tp
 
 
 # --------------------------------------------------------------------------- sections
@@ -41,9 +98,6 @@ class RunConfig:
     """Directory that holds run directories (relative to the working directory)."""
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @dataclass(frozen=True)
 class LoRAConfig:
     rank: int = 0
@@ -52,7 +106,7 @@ class LoRAConfig:
     """Adapter scale numerator: the update is B @ A * alpha / rank (PEFT's lora_alpha)."""
     dropout: float = 0.0
     """Dropout on the adapters' input, in [0, 1); masks are keyed by (seed, step, rank, micro-batch, module)."""
-    targets: tuple[str, ...] = LORA_TARGETS
+    targets: tuple[str, ...] = field(default_factory=_default_lora_targets)
     """Linear layers that get adapters, by module name (q_proj ... down_proj); every block's match is wrapped."""
     init_from: Optional[str] = None
     """PEFT adapter directory (adapter_model.safetensors + adapter_config.json) to start the adapters from."""
@@ -243,113 +297,14 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class RewardConfig:
-    name: str = "exact_answer"
-    """A built-in reward (exact_answer, numeric_tolerance, format_regex) or a user function 'package.module:function' (docs/post_training.md)."""
-    weight: float = 1.0
-    """Weight of this reward in the sum that scores a completion."""
-    pattern: str = ""
-    """format_regex: the pattern the whole stripped completion must match."""
-    tol: float = 0.0
-    """numeric_tolerance: largest absolute difference from the answer that still passes."""
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    group_size: int = 4
-    """Completions sampled per prompt; advantages are normalized within each prompt's group."""
-    max_new_tokens: int = 32
-    """Generated tokens per completion at most (fewer where data.seq_len ends first)."""
-    eval_samples: int = 0
-    """Held-out evaluation: completions sampled per prompt for sampled pass@1 (metrics.sampled_accuracy); 0: greedy only."""
-    eval_temperature: float = 1.0
-    """Held-out evaluation: temperature of the eval_samples completions (> 0; used only when eval_samples > 0)."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts (> 0)."""
-    top_p: float = 1.0
-    """Nucleus filter of the rollouts (1 keeps all tokens)."""
-    top_k: int = 0
-    """Top-k filter of the rollouts (0 keeps all tokens)."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the frozen reference; 0 builds no reference."""
-    clip_eps_low: float = 0.2
-    """The ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]."""
-    clip_eps_high: float = 0.2
-    """Upper clip range (DAPO's clip-higher when larger than clip_eps_low)."""
-    importance: Literal["token", "sequence"] = "token"
-    """token: per-token ratios (GRPO); sequence: one length-normalized ratio per completion (GSPO)."""
-    loss_norm: Literal["sequence", "token", "dr_grpo"] = "sequence"
-    """sequence: mean over each completion's tokens, then over completions; token: mean over all completion tokens of the batch (DAPO); dr_grpo: sum over tokens / (completions x max_new_tokens)."""
-    std_eps: float = 1.0e-4
-    """Added to the group's reward standard deviation before dividing (advantage = (r - mean) / (std + eps))."""
-    advantage_std: Literal["population", "unbiased", "none"] = "population"
-    """The group's reward standard deviation: population (divide by G) or unbiased (G - 1, TRL's; sqrt(G / (G - 1)) larger); none: advantage = r - mean, not divided (Dr. GRPO)."""
-    overlong_buffer: int = 0
-    """DAPO soft overlong shaping: a completion longer than max_new_tokens - overlong_buffer tokens gets a penalty growing linearly to -1 at max_new_tokens, added to its reward; 0: off."""
-    mask_truncated: bool = False
-    """DAPO: completions that end at max_new_tokens or data.seq_len without a stop token carry no loss (nor count in its normalizer)."""
-    dynamic_sampling_rounds: int = 0
-    """DAPO dynamic sampling: a group whose (shaped) rewards are all equal is re-sampled with fresh keys, for at most this many extra rollout rounds per step; 0: off."""
-    reference: str = "init"
-    """Frozen reference for the KL term: init, a Hugging Face directory, or run:RUN_ID[@STEP]."""
-    rewards: tuple[RewardConfig, ...] = (RewardConfig(),)
-    """Rewards summed with their weights into a completion's score."""
-    on_reward_error: Literal["error", "zero"] = "error"
-    """A reward function that raises or returns a non-finite value: stop with a typed error, or score 0 and count it."""
-    inner_updates: int = 1
-    """Optimizer updates per rollout batch, within one loop step (the step's ledger line lists each one's loss)."""
-
-
-@dataclass(frozen=True)
-class DPOConfig:
-    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
-    """sigmoid (DPO), ipo, simpo (reference-free, length-normalized) or orpo (reference-free, odds ratio + NLL)."""
-    beta: float = 0.1
-    """Inverse temperature of the implicit reward (sigmoid, simpo) or IPO's tau; > 0."""
-    label_smoothing: float = 0.0
-    """sigmoid: assumed probability that a preference label is flipped (conservative DPO), in [0, 0.5)."""
-    gamma: float = 0.5
-    """simpo: target reward margin (the loss is -log sigmoid(beta * (mean logp_c - mean logp_r) - gamma))."""
-    lam: float = 0.1
-    """orpo: weight of the odds-ratio term added to the chosen completion's mean NLL."""
-    ipo_length_normalized: bool = True
-    """ipo: divide each log-prob by its completion's token count before the squared loss."""
-    reference: str = "init"
-    """Frozen reference of sigmoid/ipo: init, adapter_off (the LoRA policy with its adapters off: no second model), a Hugging Face directory, or run:RUN_ID[@STEP]."""
-    cache_reference: bool = False
-    """Store each pair's reference log-probs once (with a fingerprint) and reuse them instead of running the reference."""
-    cache_dir: Optional[str] = None
-    """Where the reference cache lives; None: <run.root>/reference_cache/<first 16 hex of its fingerprint>, shared by the runs under run.root with the same reference, tokenizer, template and sequence length. A directory whose fingerprint differs is refused."""
-    nll_coef: float = 0.0
-    """sigmoid/ipo/simpo: weight of the chosen response's mean per-token NLL added to each pair's loss (RPO); >= 0."""
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    teacher: str = ""
-    """Frozen teacher: a Hugging Face directory or run:RUN_ID[@STEP]; same tokenizer and vocabulary as the student."""
-    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
-    """Divergence between teacher and student next-token distributions (docs/post_training.md)."""
-    temperature: float = 1.0
-    """Softmax temperature of both distributions (the divergence is scaled by T^2)."""
-    alpha: float = 0.0
-    """Weight of the hard-label cross entropy: loss = (1 - alpha) T^2 D + alpha CE."""
-    beta: float = 0.5
-    """jsd: the teacher's weight in the mixture (0 is forward KL, 1 reverse KL)."""
-    chunk_tokens: int = 4096
-    """Tokens per chunk of the fused projection + divergence (never full-batch vocabulary logits)."""
-
-
-@dataclass(frozen=True)
 class ObjectiveConfig:
-    kind: Literal["causal_lm", "sft", "grpo", "dpo", "distill"] = "causal_lm"
-    """Training objective: causal_lm (pretraining), sft (supervised fine-tuning on chat data), dpo (preference optimization on chosen/rejected pairs; its loss, objective.dpo.loss, is sigmoid, ipo, simpo or orpo), distill (a frozen teacher's distribution) or grpo (reinforcement learning on prompts with checkable answers); docs/architecture.md."""
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    """objective.kind=grpo: rollouts, rewards, clipping and KL (docs/post_training.md)."""
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    """objective.kind=dpo: preference loss, its constants and the reference (docs/post_training.md)."""
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    """objective.kind=distill: teacher, divergence, temperature and hard-label weight (docs/post_training.md)."""
+    """The ``objective`` section. Its fields come from the registered objective kinds
+    (core/objective_kinds.py): ``kind``, then one settings section per kind that has settings,
+    in the order of registration. A config holds an ``objective_config_class()``, a subclass;
+    it pickles as its plain values and is rebuilt under the receiving process's registrations."""
+
+    def __reduce__(self):
+        return _objective_from_dict, (to_dict(self),)
 
 
 @dataclass(frozen=True)
@@ -472,7 +427,7 @@ class Config:
     """Data pipeline."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimization."""
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: ObjectiveConfig = field(default_factory=_default_objective)
     """What the loop optimizes: pretraining or a post-training method."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallelism and precision."""
@@ -499,8 +454,6 @@ RESUMABLE_KEYS = (
     "train.max_steps",
     "train.eval_interval",
     "train.eval_batches",
-    "objective.grpo.eval_samples",
-    "objective.grpo.eval_temperature",
     "train.eval_generate.",  # an evaluation only: the ledger does not depend on it
     "checkpoint.",
     "runtime.",
@@ -525,7 +478,9 @@ RESUMABLE_KEYS = (
 
 
 def is_resumable(key: str) -> bool:
-    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS)
+    """A key of RESUMABLE_KEYS, or one a registered objective kind lists (ObjectiveKind.resumable)."""
+    registered = tuple(f"objective.{kind.name}.{k}" for kind in objective_kinds() for k in kind.resumable)
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS + registered)
 
 
 # --------------------------------------------------------------------------- loading
@@ -677,11 +632,13 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-# Values users put under the wrong key: a preference loss is not an objective of its own.
-_VALUE_ELSEWHERE = {
-    ("objective.kind", loss): f"{loss} is a preference loss of DPO: objective.kind=dpo objective.dpo.loss={loss}"
-    for loss in ("orpo", "simpo", "ipo")
-}
+def _value_hint(path: str, value: Any) -> str | None:
+    """The hint for a value users put under the wrong key: an objective.kind value that a registered
+    kind names as something of its own (ObjectiveKind.kind_hints)."""
+    if path != "objective.kind":
+        return None
+    hints = {wrong: hint for kind in objective_kinds() for wrong, hint in kind.kind_hints}
+    return hints.get(str(value).lower())
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
@@ -699,7 +656,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(
                 f"{path} must be one of {_type_name(tp)}, got {value!r}",
                 key=path,
-                hint=_VALUE_ELSEWHERE.get((path, str(value).lower()))
+                hint=_value_hint(path, value)
                 or (f"did you mean {near!r}?" if near else "pick one of the listed values"),
             )
         return value
@@ -709,7 +666,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             value = [value]
         return tuple(_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, f"{path}.")
+        return _build(_schema_of(tp), value, f"{path}.")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -744,9 +701,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
-    """Cross-field checks. ``world_size`` adds the batch-divisibility checks. The model's
-    shape rules live with the model (``models.qwen.dims``); train.py asks them early too."""
+    """Cross-field checks, then the objective kind's own (``ObjectiveKind.validate``).
+    ``world_size`` adds the batch-divisibility checks. The model's shape rules live with the
+    model (``models.qwen.dims``); train.py asks them early too."""
     d, t, p = config.data, config.train, config.parallel
+    kind = objective_kind(config.objective.kind)
     validate_run_name(config.run.name)
     _validate_numbers(config)
     _positive("train.max_steps", t.max_steps)
@@ -818,59 +777,23 @@ def validate(config: Config, world_size: int | None = None) -> None:
             key="parallel.compile_mode",
             hint="CUDA graphs need fixed parameter addresses; FSDP gathers its parameters anew every step",
         )
-    if p.compile_mode != "default" and config.objective.kind == "grpo":
+    if p.compile_mode != "default" and not kind.capabilities.cuda_graph_safe:
         raise ConfigError(
-            "parallel.compile_mode=reduce-overhead does not suit objective.kind=grpo: its rollouts run the "
-            "policy's blocks at a new length every decoding step, and each length would capture new CUDA graphs",
+            f"parallel.compile_mode={p.compile_mode} does not suit objective.kind={kind.name}: its forwards run the "
+            "policy's blocks at shapes that change within a step (e.g. a new length every decoding step), and "
+            "each shape would capture new CUDA graphs",
             key="parallel.compile_mode",
-            hint="use parallel.compile_mode=default with GRPO",
+            hint=f"use parallel.compile_mode=default with objective.kind={kind.name}",
         )
     _validate_optimizer(t)
     _validate_float8(p)
     _validate_float8_head(config)
     _validate_lora(config)
-    _validate_grpo(config)
-    _validate_dpo(config)
+    if kind.validate is not None:
+        kind.validate(config)
     _validate_eval_generate(config)
-    _validate_distill(config)
     if world_size is not None:
         validate_world(config, world_size)
-
-
-def _validate_dpo(config: Config) -> None:
-    """objective.dpo.* (docs/post_training.md, DPO): constants, reference and preference sources."""
-    o, key = config.objective.dpo, "objective.dpo"
-    if config.objective.kind != "dpo":
-        return
-    checks = (
-        ("beta", math.isfinite(o.beta) and o.beta > 0, "> 0"),
-        ("label_smoothing", 0 <= o.label_smoothing < 0.5, "in [0, 0.5)"),
-        ("gamma", math.isfinite(o.gamma), "finite"),
-        ("lam", math.isfinite(o.lam) and o.lam >= 0, ">= 0"),
-        ("nll_coef", math.isfinite(o.nll_coef) and o.nll_coef >= 0, ">= 0"),
-    )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
-    if o.nll_coef > 0 and o.loss == "orpo":
-        raise ConfigError(f"{key}.nll_coef: orpo's loss already holds the chosen response's NLL",
-                          key=f"{key}.nll_coef", hint="leave nll_coef at 0 with orpo (its lam weighs the other term)")
-    if o.reference == "adapter_off" and config.model.lora.rank <= 0:
-        raise ConfigError(f"{key}.reference=adapter_off needs LoRA adapters (model.lora.rank > 0)",
-                          key=f"{key}.reference", hint="use reference: init, or set model.lora.rank")
-    if o.reference == "adapter_off" and config.model.lora.modules_to_save:
-        raise ConfigError(
-            f"{key}.reference=adapter_off with model.lora.modules_to_save {list(config.model.lora.modules_to_save)}: "
-            "switching the adapters off would keep those modules' trained weights, so the reference would not be the base",
-            key=f"{key}.reference", hint="use reference: init (a frozen copy of the whole starting model), "
-            "or train adapters only (model.lora.modules_to_save: [])")
-    if o.cache_reference and o.loss in ("simpo", "orpo"):
-        raise ConfigError(f"{key}.cache_reference: {o.loss} is reference-free, there is nothing to cache",
-                          key=f"{key}.cache_reference")
-    sources = list(config.data.sources) + ([config.data.eval_source] if config.data.eval_source else [])
-    if not config.data.sources or any(s.record != "preference" for s in sources):
-        raise ConfigError("objective.kind=dpo needs preference sources only (data.sources[i].record: preference)",
-                          key="data.sources", hint='records {"prompt", "chosen", "rejected"}; e.g. datasets/tasks/pref')
 
 
 def _validate_eval_generate(config: Config) -> None:
@@ -882,9 +805,6 @@ def _validate_eval_generate(config: Config) -> None:
         raise ConfigError(f"{key}.source must hold prompt records, got record: {e.source.record}",
                           key=f"{key}.source.record",
                           hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval with record: prompt')
-    if config.objective.kind == "grpo":
-        raise ConfigError(f"{key}: objective.kind=grpo evaluates its prompts itself (data.eval_source)",
-                          key=f"{key}.source", hint="use data.eval_source and objective.grpo.eval_samples with grpo")
     checks = (
         ("prompts", e.prompts >= 1, ">= 1"),
         ("max_new_tokens", e.max_new_tokens >= 1, ">= 1"),
@@ -894,68 +814,6 @@ def _validate_eval_generate(config: Config) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
-
-
-def _validate_distill(config: Config) -> None:
-    """objective.distill.* (docs/post_training.md, distillation)."""
-    o, key = config.objective.distill, "objective.distill"
-    if config.objective.kind != "distill":
-        return
-    if not o.teacher or o.teacher in ("init", "adapter_off"):
-        raise ConfigError(f"{key}.teacher must name a Hugging Face directory or run:RUN_ID[@STEP], got {o.teacher!r}",
-                          key=f"{key}.teacher", hint="e.g. teacher: run:tiny-teacher-20260101-000000-abcd1234")
-    checks = (
-        ("temperature", math.isfinite(o.temperature) and o.temperature > 0, "> 0"),
-        ("alpha", 0 <= o.alpha <= 1, "in [0, 1]"),
-        ("beta", 0 <= o.beta <= 1, "in [0, 1]"),
-        ("chunk_tokens", o.chunk_tokens >= 1, ">= 1"),
-    )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
-    if any(s.record == "preference" or s.record == "prompt" for s in config.data.sources):
-        raise ConfigError("objective.kind=distill trains on text, chat or prompt_completion sources",
-                          key="data.sources")
-
-
-def _validate_grpo(config: Config) -> None:
-    """objective.grpo.* (docs/post_training.md, GRPO); reward function paths are resolved by the objective."""
-    g, key = config.objective.grpo, "objective.grpo"
-    if config.objective.kind != "grpo":
-        return
-    checks = (
-        ("group_size", g.group_size >= 2, ">= 2 (advantages compare completions of one prompt)"),
-        ("max_new_tokens", g.max_new_tokens >= 1, ">= 1"),
-        ("eval_samples", g.eval_samples >= 0, ">= 0 (0: greedy evaluation only)"),
-        ("eval_temperature", math.isfinite(g.eval_temperature) and g.eval_temperature > 0, "> 0"),
-        ("temperature", math.isfinite(g.temperature) and g.temperature > 0, "> 0 (greedy groups have no variance)"),
-        ("top_p", 0 < g.top_p <= 1, "in (0, 1]"),
-        ("top_k", g.top_k >= 0, ">= 0"),
-        ("kl_coef", math.isfinite(g.kl_coef) and g.kl_coef >= 0, ">= 0"),
-        ("clip_eps_low", 0 <= g.clip_eps_low < 1, "in [0, 1)"),
-        ("clip_eps_high", math.isfinite(g.clip_eps_high) and g.clip_eps_high >= 0, ">= 0"),
-        ("std_eps", math.isfinite(g.std_eps) and g.std_eps > 0, "> 0"),
-        ("overlong_buffer", 0 <= g.overlong_buffer <= g.max_new_tokens,
-         f"in 0..max_new_tokens ({g.max_new_tokens}; 0: no overlong shaping)"),
-        ("dynamic_sampling_rounds", 0 <= g.dynamic_sampling_rounds <= 16, "in 0..16 (0: no dynamic sampling)"),
-        ("rewards", len(g.rewards) >= 1, "a list of at least one reward"),
-    )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(g, name)!r}", key=f"{key}.{name}")
-    if not 1 <= g.inner_updates <= 64:
-        raise ConfigError(
-            f"{key}.inner_updates must be in 1..64, got {g.inner_updates}",
-            key=f"{key}.inner_updates",
-            hint="the optimizer updates made on each rollout batch; 1 is GRPO as published",
-        )
-    for i, reward in enumerate(g.rewards):
-        if not (math.isfinite(reward.weight)):
-            raise ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight")
-    if not any(s.record == "prompt" for s in config.data.sources) or any(
-            s.record != "prompt" for s in config.data.sources):
-        raise ConfigError("objective.kind=grpo needs prompt sources only (data.sources[i].record: prompt)",
-                          key="data.sources", hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl')
 
 
 def _validate_lora(config: Config) -> None:
@@ -981,17 +839,16 @@ def _validate_lora(config: Config) -> None:
         raise ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}", key="model.lora.alpha")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}", key="model.lora.dropout")
+    valid = lora_targets()
     if not lora.targets:
-        raise ConfigError(
-            "model.lora.targets is empty", key="model.lora.targets", hint=f"valid: {', '.join(LORA_TARGETS)}"
-        )
+        raise ConfigError("model.lora.targets is empty", key="model.lora.targets", hint=f"valid: {', '.join(valid)}")
     for name in lora.targets:
-        if name not in LORA_TARGETS:
-            near = _nearest(name, list(LORA_TARGETS))
+        if name not in valid:
+            near = _nearest(name, list(valid))
             raise ConfigError(
-                f"model.lora.targets names {name!r}, which is no linear layer of a Qwen block",
+                f"model.lora.targets names {name!r}, which is no linear layer of the model's blocks",
                 key="model.lora.targets",
-                hint=(f"did you mean {near!r}? " if near else "") + f"valid: {', '.join(LORA_TARGETS)}",
+                hint=(f"did you mean {near!r}? " if near else "") + f"valid: {', '.join(valid)}",
             )
     if len(set(lora.targets)) != len(lora.targets):
         raise ConfigError(f"model.lora.targets lists a name twice: {list(lora.targets)}", key="model.lora.targets")
@@ -1066,9 +923,6 @@ def _validate_optimizer(t: TrainConfig) -> None:
         raise ConfigError(f"train.beta1 must lie in (0, 1) for schedule_free_adamw, got {t.beta1}", key="train.beta1")
 
 
-GATHERED_EMBEDDING_OBJECTIVES = ("causal_lm", "sft", "distill")
-
-
 def _validate_gathered_embedding_grad(config: Config) -> None:
     """parallel.ddp_embedding_grad=gathered (distributed/ddp.py, GatheredEmbeddingGrad). Under
     strategies other than ddp it has no effect, so a DDP run's checkpoint resumes under them."""
@@ -1080,11 +934,11 @@ def _validate_gathered_embedding_grad(config: Config) -> None:
     if config.model.lora.rank > 0:
         raise ConfigError(f"{key}=gathered needs a trained embedding; with model.lora.rank > 0 it is frozen",
                           key=key, hint=hint)
-    if config.objective.kind not in GATHERED_EMBEDDING_OBJECTIVES:
+    if not objective_kind(config.objective.kind).capabilities.bounded_tokens:
+        bounded = [k.name for k in objective_kinds() if k.capabilities.bounded_tokens]
         raise ConfigError(
             f"{key}=gathered needs at most (rows per rank x data.seq_len) tokens a step per rank, which "
-            f"objective.kind={config.objective.kind} does not bound (it supports "
-            f"{', '.join(GATHERED_EMBEDDING_OBJECTIVES)})",
+            f"objective.kind={config.objective.kind} does not bound (it supports {', '.join(bounded)})",
             key=key,
             hint=hint,
         )
@@ -1141,9 +995,10 @@ def _validate_float8_head(config: Config) -> None:
             key=key,
             hint="use parallel.tp=1 with strategy none, ddp or fsdp, or leave parallel.float8_head=false",
         )
-    if config.objective.kind not in ("causal_lm", "sft"):
+    if not objective_kind(config.objective.kind).capabilities.fused_head:
+        fused = [k.name for k in objective_kinds() if k.capabilities.fused_head]
         raise ConfigError(
-            f"parallel.float8_head=true applies to the fused cross-entropy head of objective.kind causal_lm and sft; "
+            f"parallel.float8_head=true applies to the fused cross-entropy head of objective.kind {' and '.join(fused)}; "
             f"objective.kind={config.objective.kind} computes its head otherwise",
             key=key,
             hint="leave parallel.float8_head=false for this objective",
@@ -1221,21 +1076,32 @@ def canonical_json(config: Config) -> str:
 
 # Keys added after runs and configs existed: while one holds its default it is left out of the
 # hashed text, so every earlier config keeps its hash (and its runs their IDs); set, it is hashed.
-HASHED_ONLY_WHEN_SET = (
-    "train.eval_generate", "objective.dpo.nll_coef", "objective.grpo.advantage_std", "data.template_clock",
-    "objective.grpo.overlong_buffer", "objective.grpo.mask_truncated", "objective.grpo.dynamic_sampling_rounds",
-)
+# An objective kind lists its own such keys (ObjectiveKind.hashed_only_when_set), and a kind
+# registered after the registry existed has its whole section treated so (hash_default_section).
+HASHED_ONLY_WHEN_SET = ("train.eval_generate", "data.template_clock")
+
+
+def _hashed_only_when_set() -> list[str]:
+    """Core's keys and the registered kinds', deepest first: a key inside a section is compared
+    (and dropped) before the section is."""
+    keys = list(HASHED_ONLY_WHEN_SET)
+    for kind in objective_kinds():
+        if kind.settings is not None:
+            keys += [f"objective.{kind.name}.{k}" for k in kind.hashed_only_when_set]
+            if not kind.hash_default_section:
+                keys.append(f"objective.{kind.name}")
+    return sorted(keys, key=lambda k: -k.count("."))
 
 
 def config_hash(config: Config) -> str:
     tree, defaults = to_dict(config), to_dict(Config())
-    for key in HASHED_ONLY_WHEN_SET:
+    for key in _hashed_only_when_set():
         *parents, leaf = key.split(".")
         node, default = tree, defaults
         for part in parents:
             node, default = node[part], default[part]
         if node[leaf] == default[leaf]:
-            del node[leaf]
+            del node[leaf], default[leaf]
     return hashlib.sha256(json.dumps(tree, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -1280,7 +1146,7 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, 
     hints = typing.get_type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
-        tp = hints[f.name]
+        tp = _schema_of(hints[f.name])
         if dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, f"{prefix}{f.name}."))
             continue
@@ -1302,6 +1168,8 @@ def _section_inside(tp: Any) -> type | None:
 
 
 def _field_docs(cls: type) -> dict[str, str]:
+    if "field_docs" in vars(cls):  # a section built from registrations (objective_config_class)
+        return dict(cls.field_docs)
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}

@@ -132,7 +132,9 @@ def _inspect(args, overrides: list[str]) -> int:
     from core.config import load
     from data.inspection import checkpoint_data_state, describe, global_batch, render
     from data.tokenizers import build_tokenizer
+    from training.registry import register_all  # an entry point: above every layer (tests/test_layering.py)
 
+    register_all()
     config = load(args.config, overrides)
     start = None
     if args.run is not None:
@@ -152,7 +154,9 @@ def _inspect(args, overrides: list[str]) -> int:
 def _bench(args, overrides: list[str]) -> int:
     from core.config import load
     from data.bench import render, run
+    from training.registry import register_all  # an entry point: above every layer (tests/test_layering.py)
 
+    register_all()
     config = load(args.config, overrides)
     workers = [int(w) for w in args.workers.split(",")] if args.workers else [config.data.workers]
     report = run(config, batches=args.batches, workers=workers, repeat=args.repeat)

@@ -75,11 +75,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from core.config import LORA_TARGETS, LoRAConfig, ModelConfig
+from core.config import LoRAConfig, ModelConfig
 from core.exceptions import ConfigError
 from core.seeding import derive_seed
 from models.hf_weights import from_hf_key, load_pretrained, to_hf_key
 from models.nf4 import NF4Linear, is_nf4, nf4_bytes
+from models.qwen.lora_targets import LORA_TARGETS
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -1,4 +1,4 @@
-"""Write docs/config.md from the config dataclasses' field docstrings.
+"""Write docs/config.md from the config dataclasses' field docstrings (core's and the registered objectives').
 
     python scripts/config_reference.py            # rewrite docs/config.md
     python scripts/config_reference.py --check    # exit 1 if docs/config.md is stale
@@ -13,10 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core import config as config_lib  # noqa: E402
+from training.registry import register_all  # noqa: E402
 
 HEADER = """# Config reference
 
-Generated from the field docstrings in `core/config.py` by `python scripts/config_reference.py`.
+Generated from the field docstrings in `core/config.py` and in the objectives' settings modules
+(`training/objectives/*_settings.py`, registered by `training/registry.py`) by
+`python scripts/config_reference.py`.
 Keys marked *resumable* may change on `--resume`; any other change is refused with a diff.
 A list of sections has a row of its own and one per field of an item (`data.sources[i].path`:
 the `path` of every item of `data.sources`); an optional section (`data.eval_source`) has its
@@ -28,6 +31,7 @@ fields' rows too, which apply when it is set.
 
 
 def render() -> str:
+    register_all()  # the objective kinds' sections and the LoRA names are rows too
     rows = []
     for key, tp, default, doc in config_lib.describe():
         resumable = "yes" if config_lib.is_resumable(key) else ""

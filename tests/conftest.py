@@ -20,6 +20,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from training.registry import register_all  # noqa: E402
+
+# core.config reads no config before the objective kinds and the LoRA target names are
+# registered (training/registry.py); every entry point does this, and so do the tests.
+register_all()
+
 
 @pytest.fixture(scope="session")
 def e2e_workdir(tmp_path_factory):

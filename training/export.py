@@ -44,6 +44,7 @@ from core.run_context import load_recorded_config
 from core import seeding
 from core.config import Config
 from core.exceptions import CheckpointError, UsageError
+from core.objective_kinds import objective_kind
 from core.layout import CHECKPOINTS_DIR, RunPaths, list_steps, step_dir_name
 from data.chat_template import ChatTemplate, read_tokenizer_config
 from data.tokenizers import ByteTokenizer, build_tokenizer, tokenizer_directory
@@ -270,7 +271,7 @@ def _write_tokenizer(config: Config, paths: RunPaths, out: Path) -> None:
     tokenizer_config["chat_template"] = template.source
     generation = _read_generation_config(out)
     eos_ids = [tokenizer.eos_id]
-    if config.objective.kind != "causal_lm" and template.end_of_turn:
+    if objective_kind(config.objective.kind).capabilities.chat_model and template.end_of_turn:
         stop_ids, several = stop_tokens(tokenizer, template)
         if several is None:  # one token: the end of turn is the eos, as in Qwen's instruct checkpoints
             eos_ids = [*stop_ids[1:], tokenizer.eos_id]

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from core.exceptions import ConfigError, LockstepError, UsageError
+from core.objective_kinds import objective_kind
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from models.generation import Prompt, context_length, read_prompts, sample_prompts, sample_record
@@ -86,7 +87,8 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
     checkpoint = checkpoint_dir(paths, step)
     _check_fits(trained_model_config(config), device)
     model = load_checkpoint_model(config, checkpoint).to(device)
-    return Source(model, config.data.tokenizer, config.data.chat_template, config.objective.kind != "causal_lm",
+    chat = objective_kind(config.objective.kind).capabilities.chat_model
+    return Source(model, config.data.tokenizer, config.data.chat_template, chat,
                   str(checkpoint), config.data.template_clock)
 
 

@@ -495,7 +495,7 @@ class Trainer:
         """The objective's state and the identity of its frozen models, as the checkpoint has them.
         A checkpoint from before objectives existed has none: it was pretraining."""
         if state is None:
-            if self.objective.name != "causal_lm":
+            if not self.objective.capabilities.resumes_stateless_checkpoints:
                 raise CheckpointError(
                     f"the checkpoint has no objective state, this run trains {self.objective.name!r}",
                     path=str(path), hint="resume with the run's objective.kind",

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from training.registry import register_all
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -39,6 +41,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
     )
     torch.set_num_threads(1)
     faulthandler.enable(all_threads=True)  # a native crash shows its Python stacks in the test's output
+    register_all()  # a fresh interpreter: the configs a rank loads need the registered kinds (tests/conftest.py)
     result = fn(*args)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     # The result is on disk. Skip interpreter teardown: gloo's C++ threads occasionally

@@ -32,6 +32,7 @@ from models.lora import (
     set_dropout_key,
     store_base_as,
 )
+from models.qwen.lora_targets import LORA_TARGETS
 from tests.distributed.dist_harness import run_on_ranks
 from tests.models.conftest import VOCAB
 
@@ -430,7 +431,7 @@ def test_adapter_that_does_not_fit_the_base_is_refused(tmp_path):
 @pytest.mark.parametrize("name", ["tiny-lora", "qwen2.5-0.5b-lora", "qwen3-1.7b-lora", "qwen3-1.7b-qlora"])
 def test_lora_presets_load(name):
     loaded = config_lib.load(CONFIGS / f"{name}.yaml")
-    assert loaded.model.lora.rank > 0 and set(loaded.model.lora.targets) == set(config_lib.LORA_TARGETS)
+    assert loaded.model.lora.rank > 0 and set(loaded.model.lora.targets) == set(LORA_TARGETS)
     assert loaded.model.quantize_base == ("nf4" if "qlora" in name else "none")
 
 

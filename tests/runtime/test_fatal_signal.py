@@ -19,7 +19,9 @@ def test_a_native_abort_after_process_setup_prints_the_python_stack():
         import os
         from core.config import load
         from training import session
+        from training.registry import register_all
 
+        register_all()
         session.prepare_process(load(None, ["parallel.device=cpu"]))
 
         def step_that_crashes():

@@ -43,6 +43,7 @@ from torch import nn
 from core.config import Config
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
+from core.objective_kinds import ObjectiveCapabilities
 from experiments.console import ConsoleLines
 
 OBJECTIVE_STATE_VERSION = 1
@@ -74,6 +75,9 @@ class Objective(Protocol):
     """A training method (see the module docstring for the call order)."""
 
     name: str
+    capabilities: ObjectiveCapabilities
+    """What the method declares about itself (core.objective_kinds.ObjectiveCapabilities), the same object
+    its settings module registers: the loop asks these, never the method's name."""
     updates_per_batch: int
     """Optimizer updates the loop makes on one prepared batch (1 but for GRPO's inner_updates)."""
     settles_late: bool

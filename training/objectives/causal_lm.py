@@ -15,11 +15,13 @@ from torch import nn
 from core.config import Config
 from training.losses import CausalLMLoss
 from training.objectives.base import OBJECTIVE_STATE_VERSION, TOKEN_LINES, LossOutput, ObjectiveContext, check_state
+from training.objectives.causal_lm_settings import KIND
 from training.step import model_loss
 
 
 class CausalLMObjective:
-    name = "causal_lm"
+    name = KIND.name
+    capabilities = KIND.capabilities
     updates_per_batch = 1
     settles_late = True
     console = TOKEN_LINES

@@ -19,27 +19,23 @@ activations, recomputed by the deterministic teacher on replay, and the teacher'
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 from core.config import Config
-from core.exceptions import ConfigError
 from data.batch import IGNORE_INDEX
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
-from models.hf_config import model_config_from_hf
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
+from training.objectives.distill_settings import KEY, KIND, check_teacher, check_vocab, student_vocab
 from training.objectives.distill_loss import distill_loss_from_logits, distill_loss_sum
-from training.objectives.frozen import (FrozenModel, build_frozen, frozen_model_config, frozen_tokenizer,
-                                        output_weight)
-
-KEY = "objective.distill.teacher"
+from training.objectives.frozen import FrozenModel, build_frozen, output_weight
 
 
 class DistillObjective:
-    name = "distill"
+    name = KIND.name
+    capabilities = KIND.capabilities
     updates_per_batch = 1
     settles_late = True
 
@@ -63,22 +59,14 @@ class DistillObjective:
         """{config key: source} of the frozen models setup builds: the teacher."""
         return {KEY: config.objective.distill.teacher}
 
-    @staticmethod
-    def check_config(config: Config) -> None:
-        """The teacher must share the student's vocabulary (and, for a run, its tokenizer)."""
-        teacher = frozen_model_config(config, config.objective.distill.teacher, key=KEY)
-        _check_vocab(student_vocab(config), teacher.vocab_size, config.objective.distill.teacher)
-        tokenizer = frozen_tokenizer(config, config.objective.distill.teacher, key=KEY)
-        if tokenizer is not None and tokenizer != config.data.tokenizer:
-            raise ConfigError(
-                f"the teacher run was trained with data.tokenizer={tokenizer!r}, the student uses "
-                f"{config.data.tokenizer!r}", key=KEY, hint="distill between models of the same tokenizer")
+    # The teacher must share the student's vocabulary and tokenizer: distill_settings.check_teacher.
+    check_config = staticmethod(check_teacher)
 
     def setup(self, model: nn.Module, context: ObjectiveContext) -> None:
         self._context = context
         self.check_config(self.config)
         self.teacher = build_frozen(self.config, self.settings.teacher, role="teacher", dist=context.dist, key=KEY)
-        _check_vocab(student_vocab(self.config), self.teacher.vocab_size, self.settings.teacher)
+        check_vocab(student_vocab(self.config), self.teacher.vocab_size, self.settings.teacher)
         self.fuse_head = context.fuse_head
         if self.fuse_head:  # gathered once: the teacher never changes
             weight = output_weight(self.teacher.module)
@@ -137,18 +125,3 @@ class DistillObjective:
     def frozen_identity(self) -> dict[str, dict[str, str]]:
         return {"teacher": self.teacher.identity} if self.teacher is not None else {}
 
-
-def student_vocab(config: Config) -> int:
-    model = config.model
-    if model.init_from is not None:
-        model = model_config_from_hf(model.init_from, base=dataclasses.replace(model))
-    return model.vocab_size
-
-
-def _check_vocab(student: int, teacher: int, source: str) -> None:
-    if student != teacher:
-        raise ConfigError(
-            f"the teacher's vocabulary has {teacher} tokens, the student's {student}: distillation compares "
-            "next-token distributions token by token and needs the same tokenizer",
-            key=KEY, file=source, hint="pick a teacher trained with the student's tokenizer",
-        )

@@ -41,6 +41,7 @@ from data.batch import IGNORE_INDEX
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from training.objectives import preference_loss
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
+from training.objectives.dpo_settings import KIND
 from training.objectives.frozen import FrozenModel, adapter_off_reference, build_frozen
 from training.objectives.preference_loss import SequenceLogps
 from training.objectives.reference_cache import ReferenceCache, fingerprint, pair_tokens
@@ -108,7 +109,8 @@ def count_pairs(batch) -> int:
 
 
 class DPOObjective:
-    name = "dpo"
+    name = KIND.name
+    capabilities = KIND.capabilities
     updates_per_batch = 1
     settles_late = True
     console = ConsoleLines(step=_PAIR_LINE, eval=_PAIR_LINE)

@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 from core.config import Config
-from core.exceptions import ConfigError, DataError
+from core.exceptions import DataError
 from data.batch import IGNORE_INDEX, Batch, prompt_and_answer
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
@@ -86,7 +86,8 @@ from training.objectives.grpo_loss import (
     reduce_loss,
     reduce_metric,
 )
-from training.objectives.rewards import exact_answer, resolve_reward, score
+from training.objectives.grpo_settings import KIND, resolve_rewards
+from training.objectives.rewards import exact_answer, score
 from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
 
 PURPOSE = "grpo"
@@ -95,7 +96,8 @@ LOSS_UNIT = {"sequence": "completion", "token": "token", "dr_grpo": "token slot"
 
 
 class GRPOObjective:
-    name = "grpo"
+    name = KIND.name
+    capabilities = KIND.capabilities
 
     def __init__(self, config: Config) -> None:
         g = config.objective.grpo
@@ -160,19 +162,9 @@ class GRPOObjective:
 
     @staticmethod
     def check_config(config: Config) -> list:
-        """The configured rewards, resolved: an unknown name or a function path that does not
-        import is a ConfigError naming objective.grpo.rewards[i].name. A held-out source that is
-        evaluated (train.eval_interval > 0) must hold prompt records too (its prompts are decoded
-        and scored, not trained on)."""
-        held_out = config.data.eval_source
-        if held_out is not None and config.train.eval_interval > 0 and held_out.record != "prompt":
-            raise ConfigError(
-                f"objective.kind=grpo evaluates prompt records, data.eval_source is record: {held_out.record}",
-                key="data.eval_source.record",
-                hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval, or data.eval_source=null')
-        return [resolve_reward(r.name, weight=r.weight, pattern=r.pattern, tol=r.tol,
-                               key=f"objective.grpo.rewards[{i}]")
-                for i, r in enumerate(config.objective.grpo.rewards)]
+        """The configured rewards, resolved (grpo_settings.resolve_rewards: a reward that does not
+        import is a ConfigError); the config's own checks are grpo_settings.validate, run at load."""
+        return resolve_rewards(config)
 
     # ------------------------------------------------------------------ seam
 

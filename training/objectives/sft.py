@@ -11,24 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.config import Config
-from core.exceptions import ConfigError
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from training.objectives.causal_lm import CausalLMObjective
+from training.objectives.sft_settings import KIND
 
 
 class SFTObjective(CausalLMObjective):
-    name = "sft"
-    console = ConsoleLines(step=ConsoleLine(fields=(ConsoleField("trained tokens", "trained_tokens", ",.0f"),)))
+    """Its check of the data sources is sft_settings.validate, run when the config is loaded."""
 
-    def __init__(self, config: Config) -> None:
-        if not any(s.record != "text" for s in config.data.sources) and config.data.loss_on != "all":
-            raise ConfigError(
-                "objective.kind=sft needs chat or prompt_completion sources (data.sources[i].record)",
-                key="data.sources",
-                hint="declare the record kind of the fine-tuning source, e.g. record: chat",
-            )
-        super().__init__(config)
+    name = KIND.name
+    capabilities = KIND.capabilities
+    console = ConsoleLines(step=ConsoleLine(fields=(ConsoleField("trained tokens", "trained_tokens", ",.0f"),)))
 
     def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
         return {"trained_tokens": count}

@@ -1,0 +1,145 @@
+"""``objective.kind=grpo``: its settings (``objective.grpo``), checks and capabilities.
+
+Everything the config loader needs to know about GRPO lives here and reaches core.config
+through ``KIND`` (registered by training/registry.py); the method itself is grpo.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from core.config import Config
+from core.exceptions import ConfigError
+from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
+from training.objectives.rewards import resolve_reward
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    name: str = "exact_answer"
+    """A built-in reward (exact_answer, numeric_tolerance, format_regex) or a user function 'package.module:function' (docs/post_training.md)."""
+    weight: float = 1.0
+    """Weight of this reward in the sum that scores a completion."""
+    pattern: str = ""
+    """format_regex: the pattern the whole stripped completion must match."""
+    tol: float = 0.0
+    """numeric_tolerance: largest absolute difference from the answer that still passes."""
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    group_size: int = 4
+    """Completions sampled per prompt; advantages are normalized within each prompt's group."""
+    max_new_tokens: int = 32
+    """Generated tokens per completion at most (fewer where data.seq_len ends first)."""
+    eval_samples: int = 0
+    """Held-out evaluation: completions sampled per prompt for sampled pass@1 (metrics.sampled_accuracy); 0: greedy only."""
+    eval_temperature: float = 1.0
+    """Held-out evaluation: temperature of the eval_samples completions (> 0; used only when eval_samples > 0)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (> 0)."""
+    top_p: float = 1.0
+    """Nucleus filter of the rollouts (1 keeps all tokens)."""
+    top_k: int = 0
+    """Top-k filter of the rollouts (0 keeps all tokens)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the frozen reference; 0 builds no reference."""
+    clip_eps_low: float = 0.2
+    """The ratio is clipped to [1 - clip_eps_low, 1 + clip_eps_high]."""
+    clip_eps_high: float = 0.2
+    """Upper clip range (DAPO's clip-higher when larger than clip_eps_low)."""
+    importance: Literal["token", "sequence"] = "token"
+    """token: per-token ratios (GRPO); sequence: one length-normalized ratio per completion (GSPO)."""
+    loss_norm: Literal["sequence", "token", "dr_grpo"] = "sequence"
+    """sequence: mean over each completion's tokens, then over completions; token: mean over all completion tokens of the batch (DAPO); dr_grpo: sum over tokens / (completions x max_new_tokens)."""
+    std_eps: float = 1.0e-4
+    """Added to the group's reward standard deviation before dividing (advantage = (r - mean) / (std + eps))."""
+    advantage_std: Literal["population", "unbiased", "none"] = "population"
+    """The group's reward standard deviation: population (divide by G) or unbiased (G - 1, TRL's; sqrt(G / (G - 1)) larger); none: advantage = r - mean, not divided (Dr. GRPO)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong shaping: a completion longer than max_new_tokens - overlong_buffer tokens gets a penalty growing linearly to -1 at max_new_tokens, added to its reward; 0: off."""
+    mask_truncated: bool = False
+    """DAPO: completions that end at max_new_tokens or data.seq_len without a stop token carry no loss (nor count in its normalizer)."""
+    dynamic_sampling_rounds: int = 0
+    """DAPO dynamic sampling: a group whose (shaped) rewards are all equal is re-sampled with fresh keys, for at most this many extra rollout rounds per step; 0: off."""
+    reference: str = "init"
+    """Frozen reference for the KL term: init, a Hugging Face directory, or run:RUN_ID[@STEP]."""
+    rewards: tuple[RewardSettings, ...] = (RewardSettings(),)
+    """Rewards summed with their weights into a completion's score."""
+    on_reward_error: Literal["error", "zero"] = "error"
+    """A reward function that raises or returns a non-finite value: stop with a typed error, or score 0 and count it."""
+    inner_updates: int = 1
+    """Optimizer updates per rollout batch, within one loop step (the step's ledger line lists each one's loss)."""
+
+
+def validate(config: Config) -> None:
+    """objective.grpo.* (docs/post_training.md, GRPO) and what GRPO needs of data.* and train.*; reward
+    function paths are resolved by ``resolve_rewards`` (they import user code)."""
+    g, key = config.objective.grpo, "objective.grpo"
+    checks = (
+        ("group_size", g.group_size >= 2, ">= 2 (advantages compare completions of one prompt)"),
+        ("max_new_tokens", g.max_new_tokens >= 1, ">= 1"),
+        ("eval_samples", g.eval_samples >= 0, ">= 0 (0: greedy evaluation only)"),
+        ("eval_temperature", math.isfinite(g.eval_temperature) and g.eval_temperature > 0, "> 0"),
+        ("temperature", math.isfinite(g.temperature) and g.temperature > 0, "> 0 (greedy groups have no variance)"),
+        ("top_p", 0 < g.top_p <= 1, "in (0, 1]"),
+        ("top_k", g.top_k >= 0, ">= 0"),
+        ("kl_coef", math.isfinite(g.kl_coef) and g.kl_coef >= 0, ">= 0"),
+        ("clip_eps_low", 0 <= g.clip_eps_low < 1, "in [0, 1)"),
+        ("clip_eps_high", math.isfinite(g.clip_eps_high) and g.clip_eps_high >= 0, ">= 0"),
+        ("std_eps", math.isfinite(g.std_eps) and g.std_eps > 0, "> 0"),
+        ("overlong_buffer", 0 <= g.overlong_buffer <= g.max_new_tokens,
+         f"in 0..max_new_tokens ({g.max_new_tokens}; 0: no overlong shaping)"),
+        ("dynamic_sampling_rounds", 0 <= g.dynamic_sampling_rounds <= 16, "in 0..16 (0: no dynamic sampling)"),
+        ("rewards", len(g.rewards) >= 1, "a list of at least one reward"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(g, name)!r}", key=f"{key}.{name}")
+    if not 1 <= g.inner_updates <= 64:
+        raise ConfigError(
+            f"{key}.inner_updates must be in 1..64, got {g.inner_updates}",
+            key=f"{key}.inner_updates",
+            hint="the optimizer updates made on each rollout batch; 1 is GRPO as published",
+        )
+    for i, reward in enumerate(g.rewards):
+        if not (math.isfinite(reward.weight)):
+            raise ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight")
+    if not any(s.record == "prompt" for s in config.data.sources) or any(
+            s.record != "prompt" for s in config.data.sources):
+        raise ConfigError("objective.kind=grpo needs prompt sources only (data.sources[i].record: prompt)",
+                          key="data.sources", hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl')
+    held_out = config.data.eval_source
+    if held_out is not None and config.train.eval_interval > 0 and held_out.record != "prompt":
+        raise ConfigError(
+            f"objective.kind=grpo evaluates prompt records, data.eval_source is record: {held_out.record}",
+            key="data.eval_source.record",
+            hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval, or data.eval_source=null')
+    if config.train.eval_generate.source is not None:
+        raise ConfigError("train.eval_generate: objective.kind=grpo evaluates its prompts itself (data.eval_source)",
+                          key="train.eval_generate.source",
+                          hint="use data.eval_source and objective.grpo.eval_samples with grpo")
+
+
+def resolve_rewards(config: Config) -> list:
+    """The configured rewards, resolved: an unknown name or a function path that does not
+    import is a ConfigError naming objective.grpo.rewards[i].name (exit 2, before any process
+    group or run dir: training.objectives.check_objective_config)."""
+    return [resolve_reward(r.name, weight=r.weight, pattern=r.pattern, tol=r.tol, key=f"objective.grpo.rewards[{i}]")
+            for i, r in enumerate(config.objective.grpo.rewards)]
+
+
+KIND = ObjectiveKind(
+    name="grpo",
+    summary="reinforcement learning on prompts with checkable answers",
+    # Rollouts decode at a new length every step (no CUDA graphs); a step's tokens grow with
+    # group_size; the completions answer through the chat template.
+    capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True),
+    settings=GRPOSettings,
+    validate=validate,
+    resumable=("eval_samples", "eval_temperature"),  # an evaluation only: the ledger does not depend on them
+    hashed_only_when_set=("advantage_std", "overlong_buffer", "mask_truncated", "dynamic_sampling_rounds"),
+    hash_default_section=True,
+)

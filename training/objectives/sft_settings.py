@@ -1,0 +1,30 @@
+"""``objective.kind=sft``: no settings of its own; its check of the data and its capabilities.
+
+Registered by training/registry.py; the method itself is sft.py.
+"""
+
+from __future__ import annotations
+
+from core.config import Config
+from core.exceptions import ConfigError
+from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
+
+
+def validate(config: Config) -> None:
+    """SFT trains on the tokens the data marks: a chat or prompt_completion source, unless
+    data.loss_on=all makes every token of a text source a target."""
+    if not any(s.record != "text" for s in config.data.sources) and config.data.loss_on != "all":
+        raise ConfigError(
+            "objective.kind=sft needs chat or prompt_completion sources (data.sources[i].record)",
+            key="data.sources",
+            hint="declare the record kind of the fine-tuning source, e.g. record: chat",
+        )
+
+
+KIND = ObjectiveKind(
+    name="sft",
+    summary="supervised fine-tuning on chat data",
+    # causal_lm's loss over the marked tokens: the same fused head and token bound.
+    capabilities=ObjectiveCapabilities(fused_head=True, bounded_tokens=True, chat_model=True),
+    validate=validate,
+)

@@ -1,0 +1,27 @@
+"""What the layers above core hand the config loader: every objective kind's settings, checks
+and capabilities (training/objectives/*_settings.py), and the model family's LoRA target names
+(models/qwen/lora_targets.py).
+
+core.config reads no config before this has run (core/objective_kinds.py) (it imports nothing above itself, so it
+cannot look these up on its own). Every entry point calls ``register_all()`` first: train.py,
+``python -m training``, ``python -m data``, ``python -m experiments``, the benchmarks,
+scripts/config_reference.py and the tests (tests/conftest.py). Calling it again does nothing.
+"""
+
+from __future__ import annotations
+
+from core.objective_kinds import register_lora_targets, register_objective
+from models.qwen.lora_targets import LORA_TARGETS
+from training.objectives import causal_lm_settings, distill_settings, dpo_settings, grpo_settings, sft_settings
+
+# The order is the schema's: causal_lm first (objective.kind's default), then the kinds whose
+# sections follow objective.kind in config.yaml and config.md.
+OBJECTIVE_KINDS = (causal_lm_settings.KIND, sft_settings.KIND, grpo_settings.KIND, dpo_settings.KIND,
+                   distill_settings.KIND)
+
+
+def register_all() -> None:
+    """Register every objective kind and the LoRA target names with core.config."""
+    for kind in OBJECTIVE_KINDS:
+        register_objective(kind)
+    register_lora_targets(LORA_TARGETS)
