@@ -58,6 +58,7 @@ import secrets
 import shutil
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +129,11 @@ from training.checkpoint_manifest import (
     write_file_durably,
     write_latest,
 )
+
+# A one-process run saves with no process group on purpose (no_dist); DCP warns about that at
+# every save, in the middle of the console's step lines.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 __all__ = [
     "CheckpointCorruptError",

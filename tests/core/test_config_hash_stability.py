@@ -19,13 +19,13 @@ OVERRIDES = {"configs/tiny-distill.yaml": ["objective.distill.teacher=run:tiny-t
 
 HASHES = {
     "configs/qwen2.5-0.5b-lora.yaml": "a18d61b201c6d80d01f352003546ab6164e44fbf213aa3cc9bc6b62b3ae2d7f5",
-    "configs/qwen2.5-0.5b.yaml": "66d5212a55f10087ed3b6959f5c0ff4912528e3b724455b7e63eab6ba5dac5c9",
-    "configs/qwen2.5-1.5b.yaml": "ce1bc62658538ffc5da20d2a7afed313ca7cb3eb7a89239b1c433e3d927c7a79",
-    "configs/qwen3-0.6b.yaml": "adde78b152f6ce0599021d485496abc57958711e9e3a229106d26e1a72062014",
+    "configs/qwen2.5-0.5b.yaml": "fbb0e489efb87bfc0e9b3bd2db20cf8970e7089f1140bcc1a57bbaa87975ed01",
+    "configs/qwen2.5-1.5b.yaml": "b0d7f6371a8c7ed091a86a094faa89e5a81cac8de81e8a6281148ace5f32f872",
+    "configs/qwen3-0.6b.yaml": "1f19a367d093267464aa3aef15efeb6ed55ef2a0a8fea2c6d9685ba1aad58b2c",
     "configs/qwen3-1.7b-lora.yaml": "d0a078319139fce1c2adaa97c6aeb92b86fd51a79760b67f4bdacc9b0c411362",
     "configs/qwen3-1.7b-qlora.yaml": "66abfce8379ac917ff28b4748ded9085e0197cd6bfbd8643fbcd0612cfb16b87",
-    "configs/qwen3-1.7b.yaml": "12a2b283bc2ebf292ceb74ffa84baf833b0b000967ccd65698e3954156b2a08d",
-    "configs/qwen3-8b.yaml": "0a1c219cc7b290085c0c74cb2d238baaba531f3fe0b63d9860cf37dac19fd240",
+    "configs/qwen3-1.7b.yaml": "e4fc3dccc012075a5644c5c7a80a4fbd6b2c18d7a9247581d7513c9c6ea10bb4",
+    "configs/qwen3-8b.yaml": "ac7167fb1928cfaf5db91940390398f54d9d29afdd58adcf32cf5db21e1c98a5",
     "configs/tiny-distill.yaml": "81e2bc7a157160c6ad3cab41dc5797e6baf4d9958e175f8fa57fd45ef458d829",
     "configs/tiny-dpo.yaml": "cefa4af44e5f9ab346aff74333538845cf4ece72dd73768820a8fa8750d79c03",
     "configs/tiny-grpo.yaml": "225be4092f693e2fe238d7ebe1bde3d7ba4b3c343d8cecf0c13cc918d039c06e",
