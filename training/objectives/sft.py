@@ -30,5 +30,5 @@ class SFTObjective(CausalLMObjective):
             )
         super().__init__(config)
 
-    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
+    def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         return {"trained_tokens": count}
