@@ -16,7 +16,8 @@
   has a ``chat_template``; raw otherwise.
 - **Randomness.** Sample ``j`` of prompt ``i`` (its line number in the file; 0 for ``--prompt``)
   uses ``SampleKey(seed, "generate", 0, i, j)``: it does not depend on the other prompts, the
-  batch or the order (models/qwen/sampler.py). ``--temperature 0`` is greedy.
+  batch or the order (models/qwen/sampler.py). ``--temperature 0`` is greedy. Sampling goes
+  through the same ``Generator`` and ``Decoder`` as GRPO's rollouts (training/rollout/generator.py).
 - **Stopping.** A sample ends at the tokenizer's EOS, or at the template's end-of-turn marker
   (a single token such as Qwen's ``<|im_end|>``; a marker of several tokens, as with the byte
   tokenizer, is cut on the host: the tokens after it are dropped).
