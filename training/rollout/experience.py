@@ -85,6 +85,8 @@ class Experience:
     def batch(self, prompts: Batch, *, seq_len: int, pad_id: int, mask_truncated: bool) -> Batch:
         """One row per completion (module docstring); a truncated completion has no labels under
         ``mask_truncated`` (it carries no loss and counts in no normalizer)."""
+        if self.advantages is None:
+            raise ValueError("Experience.batch needs the advantages: call with_advantages first")
         n, width = len(self.trajectories), seq_len
         input_ids = torch.full((n, width), pad_id, dtype=torch.int64)
         labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.int64)

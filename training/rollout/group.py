@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 from torch import nn
 
+from core.exceptions import ConfigError
 from models.qwen.sampler import SamplingParams
 from training.rollout.advantages import overlong_penalty
 from training.rollout.environment import Environment, Task
@@ -75,8 +76,9 @@ class GroupRollout:
                 completion = self.decoder.completion(sample)
                 outcome = episode.step(completion)
                 if not outcome.done:
-                    raise ValueError(f"GroupRollout plays single-turn episodes; {type(episode).__name__} "
-                                     f"continued after the first turn ({where})")
+                    raise ConfigError(f"group rollouts play single-turn episodes; {type(episode).__name__} "
+                                      f"continued after the first turn ({where})",
+                                      hint="use a single-turn environment (RewardEnvironment) with GroupRollout")
                 group.append(Trajectory(row=task.index * G + s, prompt_ids=task.prompt_ids,
                                         tokens=list(completion.sample.tokens),
                                         logprobs=completion.sample.logprobs[:len(completion.sample.tokens)],
