@@ -1,7 +1,7 @@
 """The rollout room (training/rollout/): the generator hands the current weights to its sampler and
 keys every sample; the reward environment scores single turns and keeps nothing between episodes;
-an experience lays its trajectories out as training rows; group rollouts refuse an episode that
-does not end at its first turn."""
+an experience lays its trajectories out as training rows and its statistics do not depend on how
+rows are spread over ranks; group rollouts refuse an episode that does not end at its first turn."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from data.tokenizers import build_tokenizer
 from models.generation import sample_prompts
 from models.qwen.sampler import Sample, Sampler, SamplingParams
 from training.rollout.environment import RewardEnvironment, Task, Transition
-from training.rollout.experience import Experience, Trajectory
+from training.rollout.experience import Experience, Trajectory, rollout_fields
 from training.rollout.generator import Completion, Decoder, Generator
 from training.rollout.group import GroupRollout
 from training.rollout.rewards import resolve_reward
@@ -151,3 +151,24 @@ def test_group_rollouts_refuse_an_episode_that_continues(config):
     with pytest.raises(ConfigError) as error:
         rollout.collect(model, [_task(0, "x")], step=1)
     assert "single-turn" in str(error.value) and "prompt row 0, sample 0" in str(error.value)
+
+
+def test_rollout_fields_do_not_depend_on_how_rows_are_spread_over_ranks():
+    """Every rank's summary, keyed by global row: one rank, two data-parallel ranks in either order,
+    and two tensor-parallel peers holding the same rows give the same fields (counts not doubled)."""
+    trajectories = tuple(
+        Trajectory(row=r, prompt_ids=[1], tokens=[2 + r] * (1 + r % 3), logprobs=[0.0] * (1 + r % 3),
+                   truncated=r == 3, reward=float(r % 2), penalty=-0.25 * (r == 2), reward_errors=int(r == 1))
+        for r in range(4))
+    whole = Experience(trajectories, group_size=2, resample_rounds=1, resampled_groups=1).summary()
+    halves = [Experience(trajectories[:2], group_size=2, resample_rounds=1, resampled_groups=1).summary(),
+              Experience(trajectories[2:], group_size=2, resample_rounds=1, resampled_groups=0).summary()]
+    flags = dict(group_size=2, shaping=True, masking=True, resampling=True)
+    one = rollout_fields([whole], **flags)
+    assert rollout_fields(halves, **flags) == rollout_fields(halves[::-1], **flags) == one
+    assert rollout_fields([whole, whole], **flags) == one  # tensor-parallel peers
+    assert one["reward_mean"] == 0.5 and one["reward_errors"] == 1 and one["truncated_masked"] == 0.25
+    assert one["overlong_penalty_mean"] == -0.0625 and (one["resample_rounds"], one["resampled_groups"]) == (1, 1)
+    assert one["reward_zero_var_groups"] == 0.0 and one["completion_len_mean"] == 1.75
+    assert set(rollout_fields([whole], group_size=2, shaping=False, masking=False, resampling=False)) == {
+        "rollout_hash", "reward_mean", "reward_std", "reward_zero_var_groups", "completion_len_mean", "reward_errors"}

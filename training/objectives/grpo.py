@@ -24,7 +24,7 @@ Per step (one loop step = one optimizer step), rollout -> advantages -> loss:
    micro-batch's sampled tokens.
 3. ``ledger_fields`` reads the step's experience from the prepared batch and gathers every rank's
    rollout digests and rewards (all ranks call it at the same point; the gather is keyed by global
-   row, so the result is world-size independent): ``rollout_hash`` (sha256 over the per-completion
+   row, so the result is world-size independent; training/rollout/experience.py, ``rollout_fields``): ``rollout_hash`` (sha256 over the per-completion
    sha256 of the generated token ids, in global row order), ``reward_mean``, ``reward_std``
    (population), ``reward_zero_var_groups`` (fraction of groups whose rewards are all equal),
    ``completion_len_mean``, ``logprob_parity`` (the loop's maximum over the first update's
@@ -66,7 +66,6 @@ The loop sums them over micro-batches and ranks and divides by the number of pro
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from typing import Any
 
@@ -86,7 +85,7 @@ from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_tok
 from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
 from training.rollout.advantages import group_advantages
 from training.rollout.environment import RewardEnvironment, Task, batch_tasks
-from training.rollout.experience import Experience
+from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
 from training.rollout.rewards import exact_answer, resolve_reward
@@ -228,41 +227,11 @@ class GRPOObjective:
 
     def ledger_fields(self, batch: Batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         experience: Experience = batch.prepared
-        gathered = self._context.dist.all_gather_object(experience.summary())
-        # Tensor-parallel peers hold the same rows: key by global row.
-        rows = sorted({row[0]: row for part in gathered for row in part["rows"]}.values())
-        digest = hashlib.sha256(b"".join(bytes.fromhex(row[1]) for row in rows)).hexdigest()
-        rewards = np.array([row[2] for row in rows], dtype=np.float64)
-        groups = np.array([row[5] for row in rows], dtype=np.float64).reshape(-1, self.g.group_size)
-        return {
-            "rollout_hash": digest,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "reward_zero_var_groups": float((groups.max(axis=1) == groups.min(axis=1)).mean()),
-            "completion_len_mean": float(np.mean([row[3] for row in rows])),
-            "logprob_parity": totals[PARITY],
-            "reward_errors": int(sum(part["failures"] for part in gathered)) // max(1, self._tp_copies(gathered)),
-            **self._dapo_fields(rows),
-            **self._resampling_fields(gathered),
-        }
-
-    def _dapo_fields(self, rows: list[tuple]) -> dict[str, float]:
-        """With overlong shaping, the mean penalty added to the rewards; with truncation masking,
-        the fraction of completions masked. Absent when off, so earlier ledgers keep their fields."""
-        fields = {}
-        if self.g.overlong_buffer > 0:
-            fields["overlong_penalty_mean"] = float(np.mean([row[4] for row in rows]))
-        if self.g.mask_truncated:
-            fields["truncated_masked"] = float(np.mean([row[6] for row in rows]))
-        return fields
-
-    def _resampling_fields(self, gathered: list[dict]) -> dict[str, int]:
-        """With dynamic sampling: the extra rollout rounds run (the same on every rank) and the
-        groups replaced over all ranks. Absent when off."""
-        if self.g.dynamic_sampling_rounds == 0:
-            return {}
-        return {"resample_rounds": max(part["rounds"] for part in gathered),
-                "resampled_groups": sum(part["resampled"] for part in gathered) // max(1, self._tp_copies(gathered))}
+        g = self.g
+        parts = self._context.dist.all_gather_object(experience.summary())  # every rank, at the same point
+        return {**rollout_fields(parts, group_size=g.group_size, shaping=g.overlong_buffer > 0,
+                                 masking=g.mask_truncated, resampling=g.dynamic_sampling_rounds > 0),
+                PARITY: totals[PARITY]}
 
     def state_dict(self) -> dict[str, Any]:
         # Nothing else to keep: the prompts come from the data state, the sampling keys from the
@@ -340,10 +309,3 @@ class GRPOObjective:
                           head=lambda hidden, weight: linear_token_logps(hidden, weight, placed.labels,
                                                                          chunk_tokens=chunk))
         return token_logps_from_logits(module(placed.input_ids, **kwargs), placed.labels)
-
-    @staticmethod
-    def _tp_copies(gathered: list[dict]) -> int:
-        """How many ranks hold each row (tensor-parallel peers repeat them)."""
-        total = sum(len(part["rows"]) for part in gathered)
-        unique = len({row[0] for part in gathered for row in part["rows"]})
-        return max(1, total // max(1, unique))

@@ -11,7 +11,8 @@ padded to ``data.seq_len``; labels on the completion only), global row
 ``prompt row * group_size + sample index``, with per-row extras ``advantages`` (B,) float32 and
 ``old_logps`` (B, T) float32 (the sampler's log-probs, aligned with the labels). The objective
 attaches the experience itself to that batch (``Batch.prepared``), so the step's ledger fields
-read it from the batch they are given (``summary`` is what each rank contributes to them).
+read it from the batch they are given (``summary`` is what each rank contributes to them, and
+``rollout_fields`` turns every rank's summaries into the step's rollout statistics).
 """
 
 from __future__ import annotations
@@ -120,3 +121,43 @@ class Experience:
             "rounds": self.resample_rounds,
             "resampled": self.resampled_groups,
         }
+
+
+def rollout_fields(parts: list[dict[str, Any]], *, group_size: int, shaping: bool, masking: bool,
+                   resampling: bool) -> dict[str, Any]:
+    """The step's rollout statistics from every rank's ``Experience.summary()``, keyed by global row
+    (tensor-parallel peers hold the same rows: they count once), so they do not depend on the
+    world size: ``rollout_hash`` (sha256 over the per-completion sha256 of the generated token ids,
+    in global row order), ``reward_mean``, ``reward_std`` (population; both of the environment's
+    rewards), ``reward_zero_var_groups`` (fraction of groups whose shaped rewards are all equal),
+    ``completion_len_mean``, ``reward_errors``; with ``shaping`` ``overlong_penalty_mean``, with
+    ``masking`` ``truncated_masked`` (fraction of completions truncated), with ``resampling``
+    ``resample_rounds`` and ``resampled_groups``."""
+    rows = sorted({row[0]: row for part in parts for row in part["rows"]}.values())
+    copies = _copies(parts)
+    digest = hashlib.sha256(b"".join(bytes.fromhex(row[1]) for row in rows)).hexdigest()
+    rewards = np.array([row[2] for row in rows], dtype=np.float64)
+    groups = np.array([row[5] for row in rows], dtype=np.float64).reshape(-1, group_size)
+    fields = {
+        "rollout_hash": digest,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "reward_zero_var_groups": float((groups.max(axis=1) == groups.min(axis=1)).mean()),
+        "completion_len_mean": float(np.mean([row[3] for row in rows])),
+        "reward_errors": int(sum(part["failures"] for part in parts)) // copies,
+    }
+    if shaping:
+        fields["overlong_penalty_mean"] = float(np.mean([row[4] for row in rows]))
+    if masking:
+        fields["truncated_masked"] = float(np.mean([row[6] for row in rows]))
+    if resampling:
+        fields["resample_rounds"] = max(part["rounds"] for part in parts)
+        fields["resampled_groups"] = sum(part["resampled"] for part in parts) // copies
+    return fields
+
+
+def _copies(parts: list[dict[str, Any]]) -> int:
+    """How many ranks hold each row (tensor-parallel peers repeat them)."""
+    total = sum(len(part["rows"]) for part in parts)
+    unique = len({row[0] for part in parts for row in part["rows"]})
+    return max(1, total // max(1, unique))
