@@ -62,7 +62,7 @@ def run(args) -> dict:
     from data.pipeline.pipeline import build
     from data.tasks import make_task, rl_record
     from training.objectives.base import ObjectiveContext
-    from training.objectives.grpo import GRPOObjective
+    from training.objectives.grpo import PARITY, GRPOObjective
     from training.registry import register_all
 
     register_all()
@@ -107,19 +107,21 @@ def run(args) -> dict:
                 batch = objective.prepare(prompt_batch)
             sync()
             prepare_s = time.perf_counter() - started
-            timings = objective.last_timings()
+            timings = batch.prepared.timings  # the rollouts' Experience (training/rollout/experience.py)
             tokens = int((batch.document_ids == 0).sum())  # prompt + completion, no padding
             count = objective.num_targets(batch)
             started = time.perf_counter()
+            parity = []  # the loop's maximum over micro-batches (LossOutput.maxima)
             for micro in batch.micro_batches(config.train.micro_batch_size):
                 with autocast:
                     out = objective.loss(model, micro)
                 (out.sum / count).backward()
+                parity.append(out.maxima[PARITY])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             sync()
             update_s = time.perf_counter() - started
-            fields = objective.ledger_fields({}, count)
+            fields = objective.ledger_fields(batch, {PARITY: float(torch.stack(parity).max())}, count)
             steps.append({
                 "rollout_s": timings["rollout_s"],
                 "rollout_generated_tokens": timings["rollout_tokens"],

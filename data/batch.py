@@ -60,6 +60,13 @@ class Batch:
     """Further per-row tensors, (B, ...) each: ``target_mask`` (B, T) bool for chat data (which
     tokens are training targets); objectives add theirs (e.g. reference log-probs). They move to
     the device with the batch (``placed``) and are covered by the batch hash (``row_digests``)."""
+    evaluation: bool = False
+    """A held-out batch of the trainer's evaluation (``for_evaluation``): an objective scores it
+    instead of preparing it for an update. Set by the caller, never inferred."""
+    prepared: object | None = None
+    """What an objective's ``prepare`` computed beyond per-row tensors, for its ledger fields (GRPO:
+    the rollouts' ``Experience``). Read only; micro-batches share it; not moved by ``placed``, not
+    in the batch hash."""
 
     def num_target_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
@@ -82,6 +89,10 @@ class Batch:
             document_ids=place(self.document_ids),
             extras={k: place(v) for k, v in self.extras.items()},
         )
+
+    def for_evaluation(self) -> "Batch":
+        """The batch marked as held out (``evaluation``)."""
+        return replace(self, evaluation=True)
 
     def with_extras(self, **extras: torch.Tensor) -> "Batch":
         return replace(self, extras={**self.extras, **extras})

@@ -19,7 +19,7 @@ design's post-training table:
 - ``pref/``: ``{"prompt", "chosen", "rejected"}``, the rejected answer a corrupted one that
   fails the task's checker (never equal to the chosen one);
 - ``rl/``: ``{"prompt", "answer", "task", "reward"}``, ``reward`` naming the checker in
-  ``training/objectives/rewards.py`` (``exact_answer`` or ``numeric_tolerance`` with tol 0).
+  ``training/rollout/rewards.py`` (``exact_answer`` or ``numeric_tolerance`` with tol 0).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """What a generation command needs around the Sampler: prompts in, keyed samples, records out.
 
 ``python -m training generate`` (the training layer) loads the weights, renders chat prompts
-with the model's template and tokenizes them (data/), then calls ``sample_prompts`` and
-writes ``sample_record`` lines. This module holds the parts that need neither a tokenizer
+with the model's template and tokenizes them (data/), then samples through the training
+layer's ``Generator`` (training/rollout/generator.py, which calls ``sample_prompts``; GRPO's
+rollouts use the same) and writes ``sample_record`` lines. This module holds the parts that need neither a tokenizer
 nor a run directory:
 
 - ``read_prompts(path)``: a JSONL file, one prompt per line: ``{"prompt": "text"}``,

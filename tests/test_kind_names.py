@@ -27,7 +27,7 @@ OWN_MODULES = {
     "distill": {"training/objectives/distill.py", "training/objectives/distill_settings.py",
                 "training/objectives/distill_loss.py"},
     "grpo": {"training/objectives/grpo.py", "training/objectives/grpo_settings.py",
-             "training/objectives/grpo_loss.py", "training/objectives/rewards.py"},
+             "training/objectives/grpo_loss.py", "training/rollout/rewards.py"},
 }
 REGISTRATION = "training/registry.py"
 

@@ -32,7 +32,14 @@ FORBIDDEN_PAIRS = [
     ("training/xla.py", "training.builders"),
     ("training/plan.py", "training.builders"),
     ("training/plan.py", "training.xla"),
+    # The generate command and the command line's entry point used to import each other (generate
+    # took resolve_run from __main__); the run lookup now lives in training/export.py.
+    ("training/generate.py", "training.__main__"),
 ]
+
+# training/rollout/ (generation for training) sits below the objectives and the command-line
+# tools that use it: it imports nothing of training but itself.
+ROLLOUT = "training/rollout"
 
 
 # The command-line entry points of lower layers (``python -m data``, ``python -m experiments``)
@@ -79,6 +86,13 @@ def test_training_modules_that_must_not_import_each_other(module, forbidden):
     names = imported_modules(ROOT / module)
     hits = sorted(n for n in names if n == forbidden or n.startswith(forbidden + "."))
     assert not hits, f"{module} imports {hits}"
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / ROLLOUT).rglob("*.py")))
+def test_the_rollout_room_imports_nothing_of_training_above_it(path):
+    hits = sorted(n for n in imported_modules(ROOT / path)
+                  if n.startswith("training.") and not n.startswith(ROLLOUT.replace("/", ".") + "."))
+    assert not hits, f"{path} imports {hits}"
 
 
 def test_the_run_dir_layout_is_defined_once():

@@ -69,28 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_run(run: str, root: str) -> RunPaths:
-    """A run directory given as a path, or a run ID under ``root``."""
-    from experiments.runs import recent_runs
-
-    path = Path(run)
-    if (path / "config.yaml").is_file():
-        return RunPaths(path)
-    if "/" in run or path.exists():  # a path, not a run ID
-        what = "does not exist" if not path.exists() else "is not a run directory (it has no config.yaml)"
-        raise UsageError(f"{run} {what}", hint="pass a run ID under --root, a run directory, "
-                         "or (generate --from) a Hugging Face directory with config.json")
-    paths = RunPaths(Path(root) / run)
-    if not paths.config.is_file():
-        recent = recent_runs(Path(root), 3)
-        raise UsageError(f"no run {run!r} under {root}/",
-                         hint=(f"recent runs, newest first: {', '.join(recent)}" if recent
-                               else "pass --root DIR if the run lives elsewhere"))
-    return paths
-
-
 def _export(args) -> int:
-    from training.export import export
+    from training.export import export, resolve_run
 
     paths = resolve_run(args.run, args.root)
     if args.merge and not _trains_adapters(paths):

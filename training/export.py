@@ -53,8 +53,8 @@ from models.hf_weights import save_pretrained
 from models.lora import add_adapters, merge_lora, save_peft_adapter
 from training.checkpoint_manifest import DCP_DIR, state_file_name, verify_checkpoint
 from training.export_target import check_target, kill_point, staged_directory
-from training.generate import stop_tokens
 from training.objectives.base import check_frozen
+from training.rollout.generator import stop_tokens
 from distributed.safe_dcp import SafeFileSystemReader
 
 MODEL_KEY = "model"
@@ -77,6 +77,26 @@ def record_init_source(config: Config, paths: RunPaths) -> None:
         path = Path(source) / name
         if path.is_file() and not (target / name).exists():
             shutil.copyfile(path, target / name)
+
+
+def resolve_run(run: str, root: str) -> RunPaths:
+    """A run directory given as a path, or a run ID under ``root``."""
+    from experiments.runs import recent_runs
+
+    path = Path(run)
+    if (path / "config.yaml").is_file():
+        return RunPaths(path)
+    if "/" in run or path.exists():  # a path, not a run ID
+        what = "does not exist" if not path.exists() else "is not a run directory (it has no config.yaml)"
+        raise UsageError(f"{run} {what}", hint="pass a run ID under --root, a run directory, "
+                         "or (generate --from) a Hugging Face directory with config.json")
+    paths = RunPaths(Path(root) / run)
+    if not paths.config.is_file():
+        recent = recent_runs(Path(root), 3)
+        raise UsageError(f"no run {run!r} under {root}/",
+                         hint=(f"recent runs, newest first: {', '.join(recent)}" if recent
+                               else "pass --root DIR if the run lives elsewhere"))
+    return paths
 
 
 def checkpoint_dir(paths: RunPaths, step: int | None) -> Path:

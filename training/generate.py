@@ -16,7 +16,8 @@
   has a ``chat_template``; raw otherwise.
 - **Randomness.** Sample ``j`` of prompt ``i`` (its line number in the file; 0 for ``--prompt``)
   uses ``SampleKey(seed, "generate", 0, i, j)``: it does not depend on the other prompts, the
-  batch or the order (models/qwen/sampler.py). ``--temperature 0`` is greedy.
+  batch or the order (models/qwen/sampler.py). ``--temperature 0`` is greedy. Sampling goes
+  through the same ``Generator`` and ``Decoder`` as GRPO's rollouts (training/rollout/generator.py).
 - **Stopping.** A sample ends at the tokenizer's EOS, or at the template's end-of-turn marker
   (a single token such as Qwen's ``<|im_end|>``; a marker of several tokens, as with the byte
   tokenizer, is cut on the host: the tokens after it are dropped).
@@ -40,10 +41,11 @@ from core.exceptions import ConfigError, LockstepError, UsageError
 from core.objective_kinds import objective_kind
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
-from models.generation import Prompt, context_length, read_prompts, sample_prompts, sample_record
+from models.generation import Prompt, context_length, read_prompts, sample_record
 from models.hf_config import model_config_from_hf
-from models.qwen.sampler import Sample, Sampler, SamplingParams
+from models.qwen.sampler import SamplingParams
 from training.memory_estimate import check_model_fits_for_inference, trained_model_config
+from training.rollout.generator import Decoder, Generator
 
 PURPOSE = "generate"
 
@@ -78,8 +80,7 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
         has_template = config_file.is_file() and bool(json.loads(config_file.read_text()).get("chat_template"))
         return Source(model, str(path), None, has_template, str(path))
     from core.run_context import load_recorded_config
-    from training.__main__ import resolve_run
-    from training.export import check_tokenizer_config, checkpoint_dir, load_checkpoint_model
+    from training.export import check_tokenizer_config, checkpoint_dir, load_checkpoint_model, resolve_run
 
     paths = resolve_run(spec, root)
     config = load_recorded_config(paths)  # verified against meta.json before anything in it is used
@@ -118,22 +119,21 @@ def run_generate(args) -> int:
     chat = source.chat_by_default if args.chat is None else args.chat
     texts = [_prompt_text(p, template, chat) for p in prompts]
     ids = [list(tokenizer.encode_array(text)) for text in texts]
-    stop_ids, marker = stop_tokens(tokenizer, template)
+    decoder = Decoder(tokenizer, template)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids)
+                            max_new_tokens=args.max_new_tokens, stop_token_ids=decoder.stop_ids)
     limit = model.config.max_position_embeddings
-    sampler = Sampler(model, max_batch=args.batch,
-                      max_len=context_length([len(i) for i in ids], args.max_new_tokens, limit=limit))
-    samples = sample_prompts(sampler, ids, [p.index for p in prompts], params, seed=args.seed, purpose=PURPOSE,
-                             samples_per_prompt=args.samples)
+    generator = Generator.over(model, rows=args.batch, seed=args.seed,
+                               max_len=context_length([len(i) for i in ids], args.max_new_tokens, limit=limit))
+    samples = generator.generate(ids, [p.index for p in prompts], params, purpose=PURPOSE, samples=args.samples)
     by_index = {p.index: text for p, text in zip(prompts, texts)}
     try:
         out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
         try:
             for prompt_index, sample_index, sample in samples:
-                sample, completion = cut_at_marker(sample, tokenizer, marker, stop_ids)
+                completion = decoder.completion(sample)
                 record = {"prompt": by_index[prompt_index],
-                          **sample_record(prompt_index, sample_index, sample, completion=completion)}
+                          **sample_record(prompt_index, sample_index, completion.sample, completion=completion.text)}
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
         finally:
             if out is not sys.stdout:
@@ -159,39 +159,6 @@ def _prompt_text(prompt: Prompt, template: ChatTemplate, chat: bool) -> str:
     if chat:
         return template.render([{"role": "user", "content": prompt.text}], add_generation_prompt=True)
     return prompt.text
-
-
-def stop_tokens(tokenizer, template: ChatTemplate) -> tuple[tuple[int, ...], Optional[str]]:
-    """(stop token ids, end-of-turn marker of several tokens or None): EOS, and the template's
-    end-of-turn marker where it is one token."""
-    ids = [tokenizer.eos_id]
-    marker = template.end_of_turn
-    if marker:
-        encoded = [int(t) for t in tokenizer.encode_array(marker)]
-        if len(encoded) == 1:
-            ids.append(encoded[0])
-            marker = None
-    return tuple(dict.fromkeys(ids)), marker
-
-
-def cut_at_marker(sample: Sample, tokenizer, marker: Optional[str], stop_ids) -> tuple[Sample, str]:
-    """The sample up to the end of its first end-of-turn marker (a string of several tokens),
-    and its text without stop tokens and marker."""
-    tokens = list(sample.tokens)
-    if marker and marker in tokenizer.decode(tokens):
-        lo, hi = 1, len(tokens)  # the shortest prefix whose text holds the marker
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if marker in tokenizer.decode(tokens[:mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        sample = Sample(tokens=tokens[:lo], logprobs=sample.logprobs[:lo], finish_reason="stop")
-        tokens = sample.tokens
-    text = tokenizer.decode([t for t in tokens if t not in stop_ids])
-    if marker:
-        text = text.split(marker)[0]
-    return sample, text
 
 
 def add_arguments(p) -> None:

@@ -39,10 +39,9 @@ from data.batch import Batch, prompt_and_answer
 from data.chat_template import ChatTemplate
 from data.sources.source import Source
 from data.tokenizers import build_tokenizer
-from models.generation import sample_prompts
-from models.qwen.sampler import Sampler, SamplingParams, generation_model
-from training.generate import cut_at_marker, stop_tokens
-from training.objectives.rewards import exact_answer
+from models.qwen.sampler import SamplingParams
+from training.rollout.generator import Decoder, Generator, generation_dtype
+from training.rollout.rewards import exact_answer
 
 PURPOSE = "eval-generate"
 
@@ -61,21 +60,21 @@ class GenerationEvaluation:
         self.settings = config.train.eval_generate
         self.rank, self.world_size, self.device = rank, world_size, device
         self.tokenizer = build_tokenizer(config.data.tokenizer)
-        template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
-        self.stop_ids, self.end_marker = stop_tokens(self.tokenizer, template)
-        s = self.settings
-        self.greedy = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=self.stop_ids)
-        self.sampled = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens,
-                                      stop_token_ids=self.stop_ids)
+        self.decoder = Decoder(self.tokenizer, ChatTemplate.for_tokenizer(config.data.tokenizer,
+                                                                           config.data.chat_template))
+        s, stop = self.settings, self.decoder.stop_ids
+        self.greedy = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=stop)
+        self.sampled = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens, stop_token_ids=stop)
         batch = config.train.global_batch_size
         self.batches = -(-s.prompts // batch)  # enough global batches to hold the prompts
-        self.rows = max(1, s.samples) * batch // config.data.num_streams
+        self.generator = Generator(rows=max(1, s.samples) * batch // config.data.num_streams,
+                                   max_len=config.data.seq_len, seed=config.train.seed,
+                                   dtype=generation_dtype(config.parallel.precision, device))
         # The run's data settings with the prompt source as the held-out one (whole packing: one
         # prompt per row); a derived value, the run's config is untouched.
         data = dataclasses.replace(config.data, eval_source=s.source, packing="whole")
         self._pipeline = lambda: build_pipeline(
             data, seed=config.train.seed, global_batch_size=batch, rank=rank, world_size=world_size, split="eval")
-        self._sampler: Sampler | None = None
         _check_source(s.source)
 
     def evaluate(self, model: nn.Module, *, on_batch: Callable[[], None] = lambda: None) -> dict[str, float]:
@@ -86,7 +85,7 @@ class GenerationEvaluation:
         sums = {"accuracy": 0.0, "completion_len": 0.0, "prompts": 0.0}
         if self.settings.samples > 0:
             sums["sampled_accuracy"] = 0.0
-        plain = self._generation_model(model)
+        self.generator.load(model)  # a collective for sharded models: every rank
         with self._pipeline() as data:
             for b in range(self.batches):
                 try:
@@ -94,20 +93,20 @@ class GenerationEvaluation:
                 except StopIteration:
                     break
                 prompts = [p for p in self._prompts(batch, b) if p[0] < self.settings.prompts]
-                self._score(plain, prompts, sums)
+                self._score(prompts, sums)
                 on_batch()
         return {f"{self.PREFIX}{k}": v for k, v in sums.items()}
 
-    def _score(self, plain: nn.Module, prompts: list[tuple[int, list[int], str]], sums: dict[str, float]) -> None:
+    def _score(self, prompts: list[tuple[int, list[int], str]], sums: dict[str, float]) -> None:
         ids, indices = [p[1] for p in prompts], [p[0] for p in prompts]
-        greedy = self._generate(plain, ids, indices, self.greedy, samples=1)
+        greedy = self._generate(ids, indices, self.greedy, samples=1)
         for (_, _, answer), (tokens, text) in zip(prompts, greedy):
             sums["accuracy"] += exact_answer(text, answer)
             sums["completion_len"] += len(tokens)
         sums["prompts"] += len(prompts)
         k = self.settings.samples
         if k > 0:
-            sampled = self._generate(plain, ids, indices, self.sampled, samples=k)
+            sampled = self._generate(ids, indices, self.sampled, samples=k)
             scores = np.array([exact_answer(text, prompts[i // k][2]) for i, (_, text) in enumerate(sampled)])
             sums["sampled_accuracy"] += float(scores.reshape(len(prompts), k).mean(axis=1).sum()) if prompts else 0.0
 
@@ -123,29 +122,14 @@ class GenerationEvaluation:
             out.append((number * self.config.train.global_batch_size + row, prompt, self.tokenizer.decode(answer)))
         return out
 
-    def _generation_model(self, model: nn.Module) -> nn.Module:
-        dtype = torch.bfloat16 if (self.config.parallel.precision == "bf16" and self.device.type == "cuda") else None
-        plain = generation_model(model, dtype=dtype)  # a collective for sharded models: every rank
-        if self._sampler is None:
-            self._sampler = Sampler(plain, max_batch=self.rows, max_len=self.config.data.seq_len)
-        elif self._sampler.model is not plain:  # fresh weights into the sampler's model (its compiled step stays valid)
-            with torch.no_grad():
-                for kept, fresh in zip(self._sampler.model.parameters(), plain.parameters()):
-                    kept.copy_(fresh)
-        return self._sampler.model
-
-    def _generate(self, plain: nn.Module, ids: list[list[int]], indices: list[int], params: SamplingParams, *,
+    def _generate(self, ids: list[list[int]], indices: list[int], params: SamplingParams, *,
                   samples: int) -> list[tuple[list[int], str]]:
         """(tokens, text without stop tokens and end-of-turn marker) per completion, prompt-major."""
         if not ids:
             return []
-        flat = sample_prompts(self._sampler, ids, indices, params, seed=self.config.train.seed, purpose=PURPOSE,
-                              step=0, samples_per_prompt=samples)
-        out = []
-        for _, _, sample in flat:
-            sample, text = cut_at_marker(sample, self.tokenizer, self.end_marker, self.stop_ids)
-            out.append((list(sample.tokens), text))
-        return out
+        flat = self.generator.generate(ids, indices, params, purpose=PURPOSE, samples=samples)
+        completions = [self.decoder.completion(sample) for _, _, sample in flat]
+        return [(list(c.sample.tokens), c.text) for c in completions]
 
 
 def _check_source(source) -> None:

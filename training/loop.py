@@ -89,6 +89,7 @@ class _Step:
     targets: int
     updates: list[UpdateValues]  # the step's updates' values, read when it settles
     metric_names: list[str]  # the objective's metric sums among the first update's values
+    maximum_names: list[str]  # then its maxima (LossOutput.maxima)
     hashes: dict[str, str]  # batch_hash and data_state_hash
     checkpoint_due: bool = False
     hash_due: bool = False
@@ -299,8 +300,8 @@ class Trainer:
         tokens = batch.input_ids.numel() * self.parallel.dp_size
         self.tokens_seen += tokens
         current = _Step(step=step, batch=batch, lr=lr, tokens=tokens, targets=global_targets,
-                        updates=[values for values, _ in updates], metric_names=updates[0][1],
-                        hashes=self._ledger_hashes(batch))
+                        updates=[values for values, _, _ in updates], metric_names=updates[0][1],
+                        maximum_names=updates[0][2], hashes=self._ledger_hashes(batch))
         current.checkpoint_due = self._checkpoint_due(step)
         current.hash_due = self.recorder.param_hash_due(step, current.checkpoint_due, self.config.train.max_steps)
         settle_now = (not (self.config.runtime.deferred_settle and self.objective.settles_late)
@@ -324,6 +325,7 @@ class Trainer:
                 self._handle_nonfinite(done.step, done.batch, loss, grad_norm)
         _, loss, grad_norm, values = reads[0]
         totals = dict(zip(done.metric_names, values))
+        maxima = dict(zip(done.maximum_names, values[len(done.metric_names):]))
         record = {
             "step": done.step,
             "loss": loss,
@@ -336,7 +338,7 @@ class Trainer:
         if len(reads) > 1:
             record["inner_losses"] = [r[1] for r in reads]
             record["inner_grad_norms"] = [r[2] for r in reads]
-        done.fields = self.objective.ledger_fields(totals, done.targets)
+        done.fields = self.objective.ledger_fields(done.batch, {**totals, **maxima}, done.targets)
         record.update(done.fields)
         if not all(r[0] for r in reads):
             record["skipped"] = True
@@ -362,14 +364,14 @@ class Trainer:
         self.tracker.log(done.step, self._metrics(done))
 
     def _update(self, step: int, batch, global_targets: int, *, first: bool,
-                previous: _Step | None) -> tuple[UpdateValues, list[str]]:
+                previous: _Step | None) -> tuple[UpdateValues, list[str], list[str]]:
         """Forward, backward and one optimizer update on the prepared batch, with ``previous``
         settled between the backward and the update. Returns the update's values (not read
-        yet) and the names of the objective's metric sums among them."""
+        yet) and the names of the objective's metric sums and maxima among them."""
         guards, timer = self.guards, self.guards.timer
         micro = batch.micro_batches(self.config.train.micro_batch_size)
         with self.recorder.instrument(self.model, step) if first else contextlib.nullcontext():
-            local_loss, local_metrics = forward_backward(
+            local_loss, local_metrics, local_maxima = forward_backward(
                 self.model,
                 micro,
                 objective=self.objective,
@@ -387,6 +389,7 @@ class Trainer:
             self.parallel.finish_backward()
             loss = self._all_reduce_sum(local_loss) / max(global_targets, 1)
             names, summed = self._all_reduce_metrics(local_metrics)
+            maximum_names, maxed = self._all_reduce_maxima(local_maxima)
         if previous is not None:
             with timer.phase("settle"):
                 self._settle(previous)
@@ -398,10 +401,12 @@ class Trainer:
             # before loss and norm are read, and the update at the second sync; both are no-ops
             # for the torch strategies (training/xla.py explains the two cuts).
             self.parallel.sync()
-            values = enqueue_update(self.optimizer, self.precision, guards.nonfinite, loss, grad_norm, extra=summed)
+            parts = [t for t in (summed, maxed) if t is not None]  # read back with the loss, in one copy
+            extra = torch.cat(parts) if parts else None
+            values = enqueue_update(self.optimizer, self.precision, guards.nonfinite, loss, grad_norm, extra=extra)
             self.optimizer.zero_grad(set_to_none=True)
             self.parallel.sync()
-        return values, names
+        return values, names, maximum_names
 
     def _before_forward(self, step: int) -> Callable[[int], None] | None:
         """What runs before each micro-batch's forward: LoRA dropout keys, and with CUDA-graphed
@@ -532,7 +537,7 @@ class Trainer:
         with torch.no_grad(), evaluation_weights(self.optimizer, self.model), held_out as eval_data, progress:
             for _ in range(self.config.train.eval_batches):
                 try:
-                    batch = self.objective.prepare(next(eval_data))
+                    batch = self.objective.prepare(next(eval_data).for_evaluation())
                 except StopIteration:
                     break
                 for micro in batch.micro_batches(self.config.train.micro_batch_size):
@@ -612,6 +617,17 @@ class Trainer:
         names = sorted(local)
         stacked = torch.stack([local[n].reshape(()).to(torch.float32) for n in names])
         return names, self._all_reduce_sum(stacked) if self.dist.is_distributed else stacked
+
+    def _all_reduce_maxima(self, local: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
+        """The objective's maxima over micro-batches and ranks (one all-reduce by max; tensor-parallel
+        peers' equal values change nothing), as names and a vector read back with the loss."""
+        if not local:
+            return [], None
+        names = sorted(local)
+        stacked = torch.stack([local[n].reshape(()).to(torch.float32) for n in names])
+        if self.dist.is_distributed:
+            stacked = self.dist.all_reduce(stacked.to(self._reduce_device), op="max")
+        return names, stacked
 
     def _metrics(self, done: _Step) -> dict[str, float]:
         record, times = done.record, done.times

@@ -33,13 +33,15 @@ def forward_backward(
     poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
     before_forward: Callable[[int], None] | None = None,
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Accumulate gradients over ``micro_batches`` with ``objective.loss`` (training/objectives);
-    returns this rank's summed loss (fp32) and summed metrics, both on ``device``.
+    returns this rank's summed loss (fp32), summed metrics and the maxima over micro-batches
+    (``LossOutput.maxima``), all on ``device``.
     ``before_forward(i)`` runs before micro-batch ``i``'s forward (LoRA dropout keys); each
     backward runs inside ``backward_context()`` (distributed/overlap.py)."""
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
     metrics: dict[str, torch.Tensor] = {}
+    maxima: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
     for i, micro in enumerate(micro_batches):
         # Gradient all-reduce only once, on the last micro-batch.
@@ -58,7 +60,10 @@ def forward_backward(
         local_sum += loss_sum.detach()
         for name, value in out.metrics.items():
             metrics[name] = metrics[name] + value.detach().float() if name in metrics else value.detach().float()
-    return local_sum, metrics
+        for name, value in out.maxima.items():
+            value = value.detach().float()
+            maxima[name] = torch.maximum(maxima[name], value) if name in maxima else value
+    return local_sum, metrics, maxima
 
 
 def model_loss(model: nn.Module, batch, loss_fn: Loss, place, *, fuse_head: bool) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 
@@ -26,3 +27,17 @@ def test_batch_hash_concatenates_digests_in_order():
 def test_state_hash_is_over_canonical_json():
     assert state_hash({"b": 1, "a": [1, 2]}) == hashlib.sha256(b'{"a":[1,2],"b":1}').hexdigest()
     assert state_hash({"a": [1, 2], "b": 1}) == state_hash({"b": 1, "a": [1, 2]})
+
+
+def test_the_evaluation_mark_and_the_prepared_value_travel_outside_the_batch_hash():
+    """``Batch.evaluation`` and ``Batch.prepared`` ride along with every micro-batch and placement,
+    and change no row digest (the ledger's batch_hash is over ids and extras only)."""
+    from data.batch import Batch, DocSpan
+
+    spans = [[DocSpan("s", "f", r, 0, 4, 0)] for r in range(4)]
+    batch = Batch.from_rows(1, [np.arange(4) + r for r in range(4)], spans, [0, 1, 2, 3], state={})
+    marked = dataclasses.replace(batch.for_evaluation(), prepared={"rollouts": [1, 2]})
+    assert marked.row_digests() == batch.row_digests()
+    assert not batch.evaluation and batch.prepared is None  # for_evaluation is a copy
+    for part in [*marked.micro_batches(3), marked.placed(lambda t: t.clone())]:
+        assert part.evaluation and part.prepared is marked.prepared

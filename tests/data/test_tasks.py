@@ -9,7 +9,7 @@ import pytest
 
 from core.exceptions import DataError
 from data.tasks import write_task_datasets
-from training.objectives.rewards import REWARDS
+from training.rollout.rewards import REWARDS
 
 FILES = [f"{name}/{split}.jsonl" for name in ("sft", "completion", "pref", "rl") for split in ("train", "eval")]
 

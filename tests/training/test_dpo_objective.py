@@ -188,7 +188,7 @@ def test_nll_coef_adds_the_chosen_mean_nll_per_pair_and_the_ledger_has_both_log_
     with_nll, same = _objective(fuse_head=True, overrides=["objective.dpo.nll_coef=3.0"])
     out = with_nll.loss(same, with_nll.prepare(_batch()))  # the same seeded weights
     assert float(out.sum.detach()) == pytest.approx(float(plain.sum.detach()) + 3.0 * nll, rel=1e-5)
-    fields = objective.ledger_fields({k: float(v) for k, v in plain.metrics.items()}, plain.count)
+    fields = objective.ledger_fields(batch, {k: float(v) for k, v in plain.metrics.items()}, plain.count)
     assert fields["chosen_logps"] == pytest.approx(sum(c for c, _ in policy) / 3, rel=1e-5)
     assert fields["rejected_logps"] == pytest.approx(sum(r for _, r in policy) / 3, rel=1e-5)
 

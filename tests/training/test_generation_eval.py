@@ -19,9 +19,9 @@ from core.exceptions import ConfigError
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from models.qwen.sampler import SampleKey, Sampler, SamplingParams
-from training.generate import cut_at_marker, stop_tokens
+from training.rollout.generator import cut_at_marker, stop_tokens
 from training.generation_eval import PURPOSE, GenerationEvaluation
-from training.objectives.rewards import exact_answer
+from training.rollout.rewards import exact_answer
 from tests import launch
 
 STREAMS, BATCH, SAMPLES, TEMPERATURE = 2, 4, 3, 1.5

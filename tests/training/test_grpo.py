@@ -1,5 +1,5 @@
-"""GRPO's formulas against values worked out by hand (training/objectives/grpo_loss.py), and the
-reward set's typed errors (training/objectives/rewards.py)."""
+"""GRPO's formulas against values worked out by hand (training/objectives/grpo_loss.py,
+training/rollout/advantages.py), and the reward set's typed errors (training/rollout/rewards.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 
 from core import config as config_lib
 from core.exceptions import ConfigError
-from training.objectives.grpo_loss import SurrogateSettings, group_advantages, loss_count, per_token_loss, reduce_loss
-from training.objectives.rewards import RewardError, resolve_reward, score
+from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss
+from training.rollout.advantages import group_advantages
+from training.rollout.rewards import RewardError, resolve_reward, score
 
 EPS = 1e-4
 

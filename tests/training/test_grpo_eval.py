@@ -1,5 +1,5 @@
-"""GRPO's held-out evaluation (training/objectives/grpo.py, "Evaluation"): in eval mode ``prepare``
-decodes every held-out prompt greedily and ``loss`` reports, per prompt, the configured reward and
+"""GRPO's held-out evaluation (training/objectives/grpo.py, "Evaluation"): for a batch marked held
+out (``Batch.evaluation``) ``prepare`` decodes every held-out prompt greedily and ``loss`` reports, per prompt, the configured reward and
 the exact-answer score. Checked against a hand computation (the sampler's greedy completions of the
 same chat-rendered prompts, scored by the reward functions), on one and on two data-parallel ranks.
 With ``objective.grpo.eval_samples = k`` it also samples k completions per prompt, keyed by the
@@ -25,10 +25,10 @@ from data.pipeline.plan import make_plan
 from data.pipeline.serial import iterate_serial
 from data.tokenizers import build_tokenizer
 from models.qwen.sampler import SampleKey, Sampler, SamplingParams
-from training.generate import cut_at_marker, stop_tokens
+from training.rollout.generator import cut_at_marker, stop_tokens
 from training.objectives.base import ObjectiveContext
 from training.objectives.grpo import GRPOObjective
-from training.objectives.rewards import exact_answer
+from training.rollout.rewards import exact_answer
 from tests import launch
 
 STREAMS, BATCH, EVAL_BATCHES = 2, 4, 2
@@ -112,8 +112,9 @@ def _write_eval(root, answers: list[str]):
 
 
 def _evaluate(config, model, *, world_size: int, objective=None) -> dict[str, float]:
-    """The loop's evaluation (Trainer.maybe_evaluate) by hand: every rank's eval batches through
-    prepare (model in eval mode) and loss, sums over micro-batches and ranks, divided by the count."""
+    """The loop's evaluation (Trainer.maybe_evaluate) by hand: every rank's eval batches, marked held
+    out, through prepare (model in eval mode) and loss, sums over micro-batches and ranks, divided by
+    the count."""
     objective = objective or _objective(config, model)
     model.eval()
     sums = {"loss": 0.0, "count": 0}
@@ -122,7 +123,7 @@ def _evaluate(config, model, *, world_size: int, objective=None) -> dict[str, fl
             plan = make_plan(config.data, seed=config.train.seed, global_batch_size=BATCH, rank=rank,
                              world_size=world_size, split="eval")
             for _, batch in zip(range(EVAL_BATCHES), iterate_serial(plan)):
-                for micro in objective.prepare(batch).micro_batches(config.train.micro_batch_size):
+                for micro in objective.prepare(batch.for_evaluation()).micro_batches(config.train.micro_batch_size):
                     out = objective.loss(model, micro)
                     sums["loss"] += float(out.sum)
                     sums["count"] += out.count
@@ -165,9 +166,11 @@ def test_eval_leaves_training_state_alone(tmp_path):
     plan = make_plan(config.data, seed=0, global_batch_size=BATCH, rank=0, world_size=1, split="eval")
     batch = next(iterate_serial(plan))
     model.eval()
+    before = dict(vars(objective))
     with torch.no_grad():
-        scored = objective.prepare(batch)
-    assert model.training is False and objective._local == {}
+        scored = objective.prepare(batch.for_evaluation())
+    assert model.training is False and vars(objective) == before  # nothing parked on the objective
+    assert scored.evaluation and scored.prepared is None
     assert torch.equal(scored.input_ids, batch.input_ids)  # the prompt rows themselves, one per prompt
     assert scored.extras["eval_exact"].shape == (len(batch.sequence_index),)
 

@@ -1,9 +1,11 @@
-"""GRPO's variants (training/objectives/grpo_loss.py, driven by training/objectives/grpo.py):
+"""GRPO's variants (training/objectives/grpo_loss.py and training/rollout/advantages.py, driven by
+training/objectives/grpo.py):
 Dr. GRPO's unscaled advantages, the three loss aggregations (sequence, token, dr_grpo), DAPO's soft
 overlong shaping and truncation mask, each against values worked out by hand; then the objective's
 rollout batch with stubbed rollouts, and its normalizer taken over the global batch, so that one
 micro-batch, one completion per micro-batch and two data-parallel ranks give the same gradient
-in every aggregation mode."""
+in every aggregation mode. Last, the seam holds no state: the rollouts' experience travels in the
+prepared batch, and the log-prob parity is a maximum the loop reduces."""
 
 from __future__ import annotations
 
@@ -26,16 +28,10 @@ from data.pipeline.serial import iterate_serial
 from data.tasks import write_task_datasets
 from models.qwen.sampler import Sample
 from training.objectives.base import ObjectiveContext
-from training.objectives.grpo import GRPOObjective
-from training.objectives.grpo_loss import (
-    SurrogateSettings,
-    group_advantages,
-    loss_count,
-    overlong_penalty,
-    per_token_loss,
-    reduce_loss,
-    reduce_metric,
-)
+from training.objectives.grpo import PARITY, GRPOObjective
+from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
+from training.rollout.advantages import group_advantages, overlong_penalty
+from training.rollout.experience import Experience
 from training.precision import Precision
 from training.step import forward_backward
 from tests import launch
@@ -189,9 +185,10 @@ def _stub_rollouts(objective):
     ids = lambda text: [int(t) for t in tok.encode_array(text)]  # noqa: E731
     group = [(ids("ab") + [tok.eos_id], "stop"), (ids("abcde") + [tok.eos_id], "stop"),
              (ids("ABCDE"), "length"), (ids("abcdef"), "length")]
-    samples = [Sample(tokens=tokens, logprobs=[-2.0 + 0.1 * i for i in range(len(tokens))], finish_reason=reason)
+    stubbed = [Sample(tokens=tokens, logprobs=[-2.0 + 0.1 * i for i in range(len(tokens))], finish_reason=reason)
                for tokens, reason in group]
-    objective._rollouts = lambda prompt_ids, indices, step, purpose="grpo": [list(samples) for _ in prompt_ids]
+    objective.generator.generate_from = lambda model, prompts, indices, params, *, purpose, step, samples: [
+        sample for _ in prompts for sample in stubbed]
     return [len(tokens) for tokens, _ in group]
 
 
@@ -219,7 +216,7 @@ def test_rollout_batch_shapes_rewards_and_masks_truncated_completions():
     for mode, count in expected.items():
         objective.g = dataclasses.replace(objective.g, loss_norm=mode)
         assert objective.num_targets(batch) == count
-    fields = objective.ledger_fields({}, 0)
+    fields = objective.ledger_fields(batch, {PARITY: 0.0}, 0)
     assert fields["reward_mean"] == 0.75  # the rewards' scores, without the penalty
     assert fields["overlong_penalty_mean"] == -0.625
     assert fields["truncated_masked"] == 0.5
@@ -235,7 +232,7 @@ def test_defaults_leave_rollout_batches_and_ledger_as_before():
     assert torch.equal(batch.extras["advantages"], hand)  # float64 advantages, stored as float32
     assert (batch.labels != IGNORE_INDEX).sum(dim=1).tolist() == [3, 6, 5, 6] * PROMPTS
     assert objective.num_targets(batch) == G * PROMPTS  # loss_norm sequence: every completion
-    fields = objective.ledger_fields({}, 0)
+    fields = objective.ledger_fields(batch, {PARITY: 0.0}, 0)
     assert "overlong_penalty_mean" not in fields and "truncated_masked" not in fields
 
 
@@ -247,7 +244,7 @@ def _gradient(objective, model, parts: list[list], global_targets: int) -> tuple
     total, grads = 0.0, []
     for micro_batches in parts:
         model.zero_grad(set_to_none=True)
-        local, _ = forward_backward(model, micro_batches, objective=objective, precision=precision,
+        local, _, _ = forward_backward(model, micro_batches, objective=objective, precision=precision,
                                     global_targets=global_targets, dp_size=len(parts), device=torch.device("cpu"),
                                     no_sync=lambda m: contextlib.nullcontext())
         total += float(local)
@@ -311,11 +308,11 @@ def _stub_resampling(objective, calls: list, uniform_rows: dict | None = None):
     if uniform_rows is None:
         uniform_rows = {"grpo": {0, 2}, "grpo.resample1": {2}, "grpo.resample2": {2}}
 
-    def rollouts(prompt_ids, indices, step, purpose="grpo"):
+    def generate_from(model, prompts, indices, params, *, purpose, step, samples):
         calls.append((purpose, list(indices)))
-        return [list(uniform if index in uniform_rows.get(purpose, ()) else mixed) for index in indices]
+        return [sample for index in indices for sample in (uniform if index in uniform_rows.get(purpose, ()) else mixed)]
 
-    objective._rollouts = rollouts
+    objective.generator.generate_from = generate_from
 
 
 @pytest.mark.parametrize("rounds, expected_calls, replaced, zero_var", [
@@ -337,7 +334,7 @@ def test_dynamic_sampling_resamples_uniform_groups_with_fresh_keys(rounds, expec
     adv = batch.extras["advantages"].tolist()
     assert adv == mixed + mixed + ([0.0] * G if zero_var else mixed) + mixed
     assert batch.input_ids.shape[0] == PROMPTS * G  # the batch stays full: groups are replaced in place
-    fields = objective.ledger_fields({}, 0)
+    fields = objective.ledger_fields(batch, {PARITY: 0.0}, 0)
     assert (fields["resample_rounds"], fields["resampled_groups"]) == (len(expected_calls) - 1, replaced)
     assert fields["reward_zero_var_groups"] == zero_var
 
@@ -355,3 +352,40 @@ def test_dynamic_sampling_rounds_follow_every_rank():
         batch = objective.prepare(next(iterate_serial(plan)))
     assert calls == [("grpo", [0, 1, 2, 3]), ("grpo.resample1", []), ("grpo.resample2", [])]
     assert batch.extras["advantages"].tolist() == [0.5, -0.5, 0.5, -0.5] * PROMPTS
+
+
+def test_prepare_parks_nothing_on_the_objective_and_ledger_fields_read_their_batch():
+    """rollout -> advantages -> loss with no state between the seam calls: a step's ledger fields
+    come from the experience its prepared batch carries, also once the next batch is prepared."""
+    config = _config()
+    model = models.build(config.model, generator=seeding.generator(5, "model_init"))
+    objective = _objective(config, model)
+    data = iterate_serial(make_plan(config.data, seed=config.train.seed, global_batch_size=PROMPTS, rank=0,
+                                    world_size=1))
+    before = dict(vars(objective))
+    with torch.no_grad():
+        first = objective.prepare(next(data))
+        fields = objective.ledger_fields(first, {PARITY: 0.0}, 0)
+        second = objective.prepare(next(data))
+    assert vars(objective) == before
+    experience = first.prepared
+    assert isinstance(experience, Experience) and len(experience.trajectories) == PROMPTS * G
+    assert torch.equal(first.extras["advantages"], torch.tensor(experience.advantages, dtype=torch.float32))
+    assert experience.timings["rollout_s"] > 0 and experience.timings["rollout_tokens"] > 0
+    assert objective.ledger_fields(first, {PARITY: 0.0}, 0) == fields
+    assert objective.ledger_fields(second, {PARITY: 0.0}, 0)["rollout_hash"] != fields["rollout_hash"]
+
+
+def test_logprob_parity_is_a_maximum_over_micro_batches():
+    """The loss reports max |sampler log-prob - trainer log-prob| as a maximum (LossOutput.maxima),
+    which forward_backward reduces by max: any split into micro-batches gives the same value."""
+    _, model, objective, batch, _ = _prepared()
+    whole = objective.loss(model, batch).maxima[PARITY]
+    precision = Precision(objective.config.parallel, device=torch.device("cpu"), wrapper_casts=False)
+    for size in (1, 3):
+        model.zero_grad(set_to_none=True)
+        _, _, maxima = forward_backward(model, batch.micro_batches(size), objective=objective, precision=precision,
+                                        global_targets=objective.num_targets(batch), dp_size=1,
+                                        device=torch.device("cpu"), no_sync=lambda m: contextlib.nullcontext())
+        assert torch.equal(maxima[PARITY], whole.float()), size
+    assert whole > 0  # the stubbed log-probs are not the model's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.objectives.rewards import REWARDS, exact_answer, format_regex, last_number, numeric_tolerance
+from training.rollout.rewards import REWARDS, exact_answer, format_regex, last_number, numeric_tolerance
 
 
 @pytest.mark.parametrize("completion", ["tac", "  tac\n", "tac.", " tac . "])

@@ -35,7 +35,7 @@ from tests.e2e_config import e2e_args
 from training import ledger as ledger_lib
 from training.export import export
 from training.generate import load_source
-from training.objectives.rewards import numeric_tolerance, resolve_reward, score
+from training.rollout.rewards import numeric_tolerance, resolve_reward, score
 from training.recorder import LedgerWriter
 
 STEPS = 6  # checkpoints at steps 2, 4 and 6

@@ -108,5 +108,5 @@ def test_changing_a_user_tokens_target_changes_nothing(setup):
 
 def test_sft_objective_reports_trained_tokens(setup):
     _, objective = setup
-    fields = objective.ledger_fields({}, 13)
+    fields = objective.ledger_fields(None, {}, 13)
     assert fields == {"trained_tokens": 13}

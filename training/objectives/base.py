@@ -9,17 +9,20 @@ checkpoints, resume and replay. An ``Objective`` owns what differs between metho
 2. ``prepare(batch)``: per global batch, without gradients, compute what the loss needs
    beyond the batch (reference log-probs, teacher outputs, rollouts) and return the batch
    with those as ``Batch.extras``; they then travel to the device with the batch and enter
-   its hash.
+   its hash. What the ledger fields need beyond per-row tensors goes in ``Batch.prepared``
+   (GRPO's rollout experience). The loop's evaluation hands held-out batches marked
+   ``Batch.evaluation``; ``prepare`` and ``loss`` read the mark, never ``model.training``.
 3. ``num_targets(batch)``: how many units the loss of this rank's batch averages over
    (tokens, pairs, sequences). The loop sums it over ranks; the step divides every
    micro-batch's loss sum by that global count, so accumulation and world size do not
    change the math.
 4. ``loss(model, micro)``: the loss over one micro-batch as ``LossOutput(sum, count,
-   metrics)``: the *sum* of per-unit losses, its count, and metric sums, all summed over
-   micro-batches and ranks by the loop. The loop runs steps 4's micro-batches, backward and
+   metrics, maxima)``: the *sum* of per-unit losses, its count, and metric sums, all summed over
+   micro-batches and ranks by the loop, and maxima, which the loop reduces by max. The loop runs steps 4's micro-batches, backward and
    one optimizer update ``updates_per_batch`` times on the same prepared batch (1 for every
    method but GRPO with ``inner_updates``).
-5. ``ledger_fields(totals, count)``: the method's extra ledger fields from those sums.
+5. ``ledger_fields(batch, totals, count)``: the method's extra ledger fields from the prepared
+   batch and the first update's metric sums and maxima (``totals``, by name).
    ``console`` declares what the console shows of them (experiments/console.py): the unit the
    loss is averaged over on the step and eval lines (tokens, pairs, completions, prompts), the
    loss's label, and fields (per-unit means of the metric sums, ``objective/<name>``, or
@@ -56,6 +59,9 @@ class LossOutput:
     sum: torch.Tensor
     count: int
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Values the loop reduces by max over micro-batches and ranks, not by sum (GRPO's log-prob
+    parity); like the metric sums, the first update's reach ``ledger_fields``."""
 
 
 @dataclass
@@ -82,7 +88,8 @@ class Objective(Protocol):
     """Optimizer updates the loop makes on one prepared batch (1 but for GRPO's inner_updates)."""
     settles_late: bool
     """Whether a step's ``ledger_fields`` may be asked for after the next step's ``prepare``
-    (``runtime.deferred_settle``); false where they read state that ``prepare`` replaces."""
+    (``runtime.deferred_settle``); false where deferring gains nothing (GRPO: its rollouts wait
+    for the GPU anyway)."""
     console: ConsoleLines
     """The step and eval lines' unit, loss label and fields (module docstring, item 5)."""
 
@@ -94,7 +101,7 @@ class Objective(Protocol):
 
     def loss(self, model: nn.Module, micro) -> LossOutput: ...
 
-    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]: ...
+    def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -48,7 +48,7 @@ class CausalLMObjective:
         total = model_loss(model, placed, self.loss_fn, _as_is, fuse_head=self.fuse_head)
         return LossOutput(total, count)
 
-    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
+    def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         return {}
 
     def state_dict(self) -> dict[str, Any]:

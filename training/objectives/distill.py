@@ -109,11 +109,11 @@ class DistillObjective:
 
             total, _, stats = model(placed.input_ids, head=head, **inputs)
         metrics = {"divergence": stats.divergence_sum.float(), "ce": stats.ce_sum.float()}
-        if not model.training:  # evaluation: the hard-label CE, comparable with a run without teacher
+        if micro.evaluation:  # a held-out batch: the hard-label CE, comparable with a run without teacher
             return LossOutput(stats.ce_sum.detach(), count, metrics)
         return LossOutput(total, count, metrics)
 
-    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
+    def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         return {"trained_tokens": count}
 
     def state_dict(self) -> dict[str, Any]:

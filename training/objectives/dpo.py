@@ -291,7 +291,7 @@ class DPOObjective:
 
     # ------------------------------------------------------------------ records and state
 
-    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
+    def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         pairs = max(count, 1)
         # The policy's summed log-probs of the chosen and rejected responses, means over the pairs:
         # a collapse (both falling, the margin still growing) shows here first.

@@ -13,7 +13,7 @@ from typing import Literal
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
-from training.objectives.rewards import resolve_reward
+from training.rollout.rewards import resolve_reward
 
 
 @dataclass(frozen=True)

@@ -23,5 +23,5 @@ class SFTObjective(CausalLMObjective):
     capabilities = KIND.capabilities
     console = ConsoleLines(step=ConsoleLine(fields=(ConsoleField("trained tokens", "trained_tokens", ",.0f"),)))
 
-    def ledger_fields(self, totals: dict[str, float], count: int) -> dict[str, Any]:
+    def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         return {"trained_tokens": count}

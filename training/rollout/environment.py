@@ -1,0 +1,111 @@
+"""What the policy acts in: an environment is reset with a task and answers each turn.
+
+    episode = environment.reset(task, where=...)      # episode.observation: the prompt's tokens
+    transition = episode.step(turn)                   # the policy's completion of the observation
+    transition.reward, transition.done, transition.observation
+
+One ``Environment`` serves many episodes at once (a rollout batch holds ``group_size`` of each
+prompt), so what belongs to one trajectory (its conversation so far, a tool's sandbox) lives in
+its ``Episode``, never in the environment. A single-turn environment ends every episode at its
+first turn; a multi-turn one (tool calls) answers a turn with the tokens to append (the tool's
+output) and ``done=False``, and the rollout feeds the trajectory back to the policy.
+
+``RewardEnvironment`` is today's environment: the task is a prompt record with a checkable
+answer, the one turn is scored with the configured reward functions (training/rollout/rewards.py,
+``objective.grpo.rewards``): their weighted sum is the reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from core.exceptions import DataError
+from data.batch import Batch, DocSpan, prompt_and_answer
+from training.rollout.generator import Completion
+from training.rollout.rewards import RewardFunction, score
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt record of a batch."""
+
+    index: int
+    """The prompt's global row in its batch (its samples' ``SampleKey.prompt_index`` in training)."""
+    prompt_ids: list[int]
+    prompt_text: str
+    answer: str
+    """The expected answer's text (the record's target tokens, decoded)."""
+    source: DocSpan
+    """The record the prompt comes from (named by errors about it)."""
+
+
+def batch_tasks(batch: Batch, tokenizer) -> list[Task]:
+    """The tasks of a batch of prompt records (data record kind ``prompt``), one per row; a row
+    whose prompt renders to no token is a DataError naming its file and record."""
+    tasks = []
+    for r, index in enumerate(batch.sequence_index):
+        span = batch.provenance[r][0]
+        prompt, answer = prompt_and_answer(batch, r)
+        if not prompt:
+            raise DataError("prompt record renders to no prompt token", file=span.shard, record=span.record + 1,
+                            step=batch.step)
+        tasks.append(Task(index, prompt, tokenizer.decode(prompt), tokenizer.decode(answer), span))
+    return tasks
+
+
+@dataclass(frozen=True)
+class Transition:
+    """The environment's answer to one turn."""
+
+    reward: float
+    done: bool
+    observation: tuple[int, ...] = ()
+    """Tokens appended before the policy's next turn (none once done)."""
+    reward_errors: int = 0
+    """Reward functions that failed and were scored 0 (``on_reward_error=zero``)."""
+
+
+class Episode(Protocol):
+    """One trajectory's state in an environment."""
+
+    observation: list[int]
+    """The tokens the policy continues first (the rendered prompt)."""
+
+    def step(self, turn: Completion) -> Transition: ...
+
+
+class Environment(Protocol):
+    def reset(self, task: Task, *, where: str) -> Episode:
+        """A new episode of ``task``; ``where`` names it in errors (step, prompt row, sample, record)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RewardEpisode:
+    """A single-turn episode: the prompt, then one completion scored by the reward functions."""
+
+    task: Task
+    where: str
+    rewards: tuple[RewardFunction, ...]
+    on_error: str
+
+    @property
+    def observation(self) -> list[int]:
+        return self.task.prompt_ids
+
+    def step(self, turn: Completion) -> Transition:
+        value, failed = score(list(self.rewards), turn.text, self.task.answer, self.task.prompt_text,
+                              on_error=self.on_error, where=self.where)
+        return Transition(reward=value, done=True, reward_errors=failed)
+
+
+class RewardEnvironment:
+    """Single-turn prompts with checkable answers, scored by ``rewards`` (weighted sum); a reward
+    function that fails stops the run (``on_error="error"``) or scores 0 and is counted (``"zero"``)."""
+
+    def __init__(self, rewards: list[RewardFunction], *, on_error: str) -> None:
+        self.rewards, self.on_error = tuple(rewards), on_error
+
+    def reset(self, task: Task, *, where: str) -> RewardEpisode:
+        return RewardEpisode(task, where, self.rewards, self.on_error)
