@@ -407,7 +407,8 @@ class Trainer:
         with timer.phase("optimizer"):
             for part in self.parts.values():
                 self.precision.unscale_(part.optimizer)
-            grad_norm = self.parallel.clip_grad_norm(self.model, self.config.train.grad_clip)
+            policy = self.parts[POLICY]
+            grad_norm = self.parallel.clip_grad_norm(policy.module, policy.grad_clip)
             others = [(part.optimizer, self.parallel.clip_grad_norm(part.module, part.grad_clip))
                       for part in self._others.values()]
             # Lazy devices (xla_spmd) run the recorded forward, backward and clipping here,
@@ -659,6 +660,7 @@ class Trainer:
         metrics.update({
             "loss": record["loss"],
             "grad_norm": record["grad_norm"],
+            **{grad_norm_field(name): record[grad_norm_field(name)] for name in self._others},
             "lr": record["lr"],
             "step_time": step_time,
             "tokens_per_s": local_tokens / step_time,
