@@ -4,7 +4,9 @@ The on-disk format (layout, manifest, verification) lives in ``training.checkpoi
 Model and optimizer go through ``get_state_dict``/``set_state_dict`` with canonical FQNs
 (no ``module.``/``_orig_mod.`` prefixes) and a flattened optimizer state, so one code path
 serves a plain module, DDP and FSDP2, and a checkpoint saved under one strategy or world
-size loads under another.
+size loads under another. Each trained part (training/parts.py) is saved that way under its
+own DCP keys (``part_keys``): the policy under ``model``/``optim``, the layout of every
+single-model checkpoint, any other part under ``parts.<name>.``.
 
 Save protocol (all ranks take part; rank 0 does the directory work):
 1. stage: every rank takes its state dict (a copy when saving asynchronously, see below),
