@@ -20,6 +20,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+ENTRY_ENV = "LOCKSTEP_TEST_ENTRY"
+"""Names the script a test's ranks run instead of train.py (a path from the repository root):
+a test sets it (``monkeypatch.setenv``) to start train.py with something of its own in place,
+e.g. tests/training/two_part_train.py's test objective."""
+
+
+def entry_script() -> Path:
+    return ROOT / os.environ.get(ENTRY_ENV, "train.py")
 
 
 @dataclass
@@ -65,7 +73,7 @@ def command(nproc: int, args: list[str], *, rendezvous: str = "static") -> list[
     starts the ranks about 0.7 s sooner than ``"c10d"``, which a restarted job needs: its
     agent rendezvouses again by ``--rdzv_id`` (tests/runtime/test_restart_continues_the_run.py)."""
     if nproc == 1:
-        return [PYTHON, str(ROOT / "train.py"), *args]
+        return [PYTHON, str(entry_script()), *args]
     port = free_port()
     if rendezvous == "static":
         where = ["--master_addr=127.0.0.1", f"--master_port={port}"]
@@ -75,7 +83,7 @@ def command(nproc: int, args: list[str], *, rendezvous: str = "static") -> list[
         raise ValueError(f"rendezvous must be static or c10d, got {rendezvous!r}")
     return [
         PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1", *where,
-        "--max_restarts=0", "--monitor_interval=0.1", str(ROOT / "train.py"), *args,
+        "--max_restarts=0", "--monitor_interval=0.1", str(entry_script()), *args,
     ]
 
 

@@ -3,7 +3,8 @@
 Layout, under the run's ``checkpoints/``::
 
     step_00000040/
-      dcp/                  model + optimizer (torch.distributed.checkpoint: sharded, reshardable)
+      dcp/                  each trained part's model + optimizer (torch.distributed.checkpoint:
+                            sharded, reshardable)
       <part>_state.json     the JSON state of each named part: trainer, data, objective, ...
       rng/rank<R>.pt        extra/<name>
       manifest.json         size + sha256 of every other file

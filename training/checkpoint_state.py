@@ -292,9 +292,11 @@ def _placeholder(param: torch.Tensor, meta: Any) -> Any:
     return torch.zeros_like(param, dtype=meta.properties.dtype)
 
 
-def add_optimizer_placeholders(optimizer: torch.optim.Optimizer, metadata: dict[str, Any]) -> None:
-    """Give each parameter without state a zero placeholder per state name in the checkpoint."""
-    prefix = f"{OPTIM_KEY}.{OPTIM_STATE_PREFIX}"
+def add_optimizer_placeholders(optimizer: torch.optim.Optimizer, metadata: dict[str, Any],
+                               optim_key: str = OPTIM_KEY) -> None:
+    """Give each parameter without state a zero placeholder per state name in the checkpoint
+    (the state under ``optim_key``: a trained part's, see ``training.checkpointing.part_keys``)."""
+    prefix = f"{optim_key}.{OPTIM_STATE_PREFIX}"
     specs: dict[str, Any] = {}
     for key, meta in metadata.items():
         if key.startswith(prefix):
@@ -306,7 +308,7 @@ def add_optimizer_placeholders(optimizer: torch.optim.Optimizer, metadata: dict[
 
 
 def drop_state_absent_from_checkpoint(
-    optimizer: torch.optim.Optimizer, osd: dict[str, Any], saved_keys: set[str]
+    optimizer: torch.optim.Optimizer, osd: dict[str, Any], saved_keys: set[str], optim_key: str = OPTIM_KEY
 ) -> None:
     """Parameters that had no optimizer state at save time get none after load either."""
     owner = {id(v): p for p, s in optimizer.state.items() for v in s.values() if isinstance(v, torch.Tensor)}
@@ -315,7 +317,7 @@ def drop_state_absent_from_checkpoint(
         if key.startswith(OPTIM_STATE_PREFIX):
             keys_by_fqn.setdefault(key[len(OPTIM_STATE_PREFIX) :].rsplit(".", 1)[0], []).append(key)
     for fqn, keys in keys_by_fqn.items():
-        present = [k for k in keys if f"{OPTIM_KEY}.{k}" in saved_keys]
+        present = [k for k in keys if f"{optim_key}.{k}" in saved_keys]
         if len(present) == len(keys):
             continue
         if present:

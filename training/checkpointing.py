@@ -4,7 +4,9 @@ The on-disk format (layout, manifest, verification) lives in ``training.checkpoi
 Model and optimizer go through ``get_state_dict``/``set_state_dict`` with canonical FQNs
 (no ``module.``/``_orig_mod.`` prefixes) and a flattened optimizer state, so one code path
 serves a plain module, DDP and FSDP2, and a checkpoint saved under one strategy or world
-size loads under another.
+size loads under another. Each trained part (training/parts.py) is saved that way under its
+own DCP keys (``part_keys``): the policy under ``model``/``optim``, the layout of every
+single-model checkpoint, any other part under ``parts.<name>.``.
 
 Save protocol (all ranks take part; rank 0 does the directory work):
 1. stage: every rank takes its state dict (a copy when saving asynchronously, see below),
@@ -148,6 +150,8 @@ __all__ = [
 log = get_logger()
 
 MODEL_KEY = "model"
+PARTS_KEY = "parts"
+POLICY_PART = "policy"
 _GIB = 1 << 30
 
 # ``staging: auto`` snapshots on the device only with this much headroom beyond the snapshot
@@ -186,6 +190,33 @@ def _without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     frozen = {name for name, param in canonical_named_parameters(model) if not param.requires_grad}
     return {key: value for key, value in state.items() if key not in frozen} if frozen else state
 _FAILURES = (Exception, dcp.CheckpointException)  # DCP's own error derives from BaseException
+
+TrainedState = tuple[nn.Module, "torch.optim.Optimizer | None"]
+"""A trained part as the checkpoint sees it: its module and its optimizer (None: model only)."""
+
+
+def part_keys(name: str) -> tuple[str, str]:
+    """The DCP keys of a trained part's model and optimizer state.
+
+    The policy keeps the top-level ``model`` and ``optim`` of a single-model checkpoint, so a
+    policy-only run writes and reads exactly the layout it always had; every other part has its
+    own ``parts.<name>.model`` and ``parts.<name>.optim``.
+    """
+    if name == POLICY_PART:
+        return MODEL_KEY, OPTIM_KEY
+    return f"{PARTS_KEY}.{name}.{MODEL_KEY}", f"{PARTS_KEY}.{name}.{OPTIM_KEY}"
+
+
+def saved_part_names(saved_keys) -> set[str]:
+    """The parts besides the policy whose tensors a checkpoint holds (from its DCP keys)."""
+    prefix = f"{PARTS_KEY}."
+    return {key[len(prefix):].split(".", 1)[0] for key in saved_keys if key.startswith(prefix)}
+
+
+def _all_parts(model: nn.Module, optimizer, parts: Mapping[str, TrainedState]) -> dict[str, TrainedState]:
+    if POLICY_PART in parts:
+        raise CheckpointError(f"the part name {POLICY_PART!r} is the model's own; name the other parts differently")
+    return {POLICY_PART: (model, optimizer), **parts}
 
 T = TypeVar("T")
 
@@ -334,20 +365,23 @@ class CheckpointManager:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         states: Mapping[str, dict],
+        parts: Mapping[str, TrainedState] | None = None,
         extra_files: dict[str, bytes] | None = None,
         after_shards: Callable[[], None] | None = None,
     ) -> Path:
         """Write checkpoint ``step``; returns its final path (durable after ``wait()`` if async).
 
-        The checkpoint is a dict of named parts: ``model`` and ``optimizer`` (tensors, through
-        DCP) and the JSON ``states`` by name (``trainer`` and ``data`` always; ``objective``
-        and others as the run has them), each in ``<name>_state.json``. ``after_shards`` runs
-        on every rank once its shards are written, before anything is published (the
-        ``crash_checkpoint`` fault, runtime/faults.py)."""
+        The checkpoint is a dict of named parts: the trained parts' tensors through DCP (the
+        policy's ``model`` and ``optimizer``, and each of ``parts``, ``{name: (module,
+        optimizer)}``, under its own keys: ``part_keys``) and the JSON ``states`` by name
+        (``trainer`` and ``data`` always; ``objective`` and others as the run has them), each in
+        ``<name>_state.json``. ``after_shards`` runs on every rank once its shards are written,
+        before anything is published (the ``crash_checkpoint`` fault, runtime/faults.py)."""
         if self.read_only:
             raise CheckpointError("this checkpoint manager is read-only (replay) and does not save", step=step)
         self._wait_for_previous(step)
-        staged = self._stage(step, model, optimizer, states, extra_files or {})
+        trained = _all_parts(model, optimizer, parts or {})
+        staged = self._stage(step, trained, states, extra_files or {})
         tmp_name = self._group.on_main(lambda: self._make_tmp_dir(step), "creating the checkpoint's temporary dir")
         tmp = self.checkpoint_dir / tmp_name
         final = self.checkpoint_dir / step_dir_name(step)
@@ -395,7 +429,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
 
-    def _stage(self, step, model, optimizer, states, extra_files) -> _StagedSave:
+    def _stage(self, step, trained: dict[str, TrainedState], states, extra_files) -> _StagedSave:
         rank_files = {rng_file_name(self.dist.rank): encode_rng_state(capture_rng_state(self.dist.device))}
         missing = [name for name in (TRAINER_PART, DATA_PART) if name not in states]
         if missing:
@@ -404,12 +438,16 @@ class CheckpointManager:
         extra = {extra_file_name(name): bytes(data) for name, data in extra_files.items()}
         if self.dist.is_main:
             rank_files.update({**encoded, **extra})
-        has_optim = has_optimizer_state(optimizer)
-        if has_optim:
-            msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
-            state = {MODEL_KEY: _without_frozen(model, msd), OPTIM_KEY: osd}
-        else:  # get_state_dict would initialize the optimizer by stepping it
-            state = {MODEL_KEY: _without_frozen(model, get_model_state_dict(model, options=_STATE_DICT_OPTIONS))}
+        state: dict[str, Any] = {}
+        has_optim = False
+        for name, (module, optimizer) in trained.items():
+            model_key, optim_key = part_keys(name)
+            if has_optimizer_state(optimizer):
+                msd, osd = get_state_dict(module, optimizer, options=_STATE_DICT_OPTIONS)
+                state[model_key], state[optim_key] = _without_frozen(module, msd), osd
+                has_optim = True
+            else:  # get_state_dict would initialize the optimizer by stepping it
+                state[model_key] = _without_frozen(module, get_model_state_dict(module, options=_STATE_DICT_OPTIONS))
         self._check_free_space(step, tensor_bytes(state) + sum(len(b) for b in rank_files.values()))
         staged = self._copy_for_background(state) if self.config.async_save else state
         return _StagedSave(step=step, state=staged, has_optimizer_state=has_optim, rank_files=rank_files)
@@ -620,9 +658,12 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
 
     def load(
-        self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None
+        self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+        parts: Mapping[str, TrainedState] | None = None,
     ) -> LoadedCheckpoint:
-        """Restore model (and optimizer) in place from ``path``; RNG is returned, not restored."""
+        """Restore model (and optimizer), and each of ``parts`` (``{name: (module, optimizer)}``,
+        the parts trained besides the policy), in place from ``path``; RNG is returned, not
+        restored. The checkpoint must hold exactly these parts."""
         self.wait()
         path = Path(path)
         step = parse_step_dir_name(path.name)
@@ -632,7 +673,7 @@ class CheckpointManager:
                 raise CheckpointCorruptError(f"checkpoint is damaged: {reason}", path=str(path))
         manifest = read_manifest(path)
         try:
-            self._load_model_and_optimizer(path, manifest, model, optimizer)
+            self._load_parts(path, manifest, _all_parts(model, optimizer, parts or {}))
         except CheckpointError:
             raise
         except _FAILURES as exc:
@@ -661,35 +702,52 @@ class CheckpointManager:
             saved_world_size=manifest.world_size,
         )
 
-    def _load_model_and_optimizer(
-        self, path: Path, manifest: CheckpointManifest, model: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> None:
-        """DCP load into the live (possibly sharded) tensors, then set_state_dict; never steps."""
+    def _load_parts(self, path: Path, manifest: CheckpointManifest, trained: dict[str, TrainedState]) -> None:
+        """DCP load into the live (possibly sharded) tensors of every part, then set_state_dict;
+        never steps. A part's optimizer state is loaded where the checkpoint holds it."""
         reader = SafeFileSystemReader(str(path / DCP_DIR))  # no code execution from .metadata
         saved = reader.read_metadata().state_dict_metadata
+        _check_part_names(saved, trained, path)
         group = self._group.group
-        with_optimizer = optimizer is not None and manifest.has_optimizer_state
-        if with_optimizer:
-            add_optimizer_placeholders(optimizer, saved)
-            msd, osd = get_state_dict(model, optimizer, options=_STATE_DICT_OPTIONS)
-            drop_state_absent_from_checkpoint(optimizer, osd, set(saved))
-            request = {MODEL_KEY: _without_frozen(model, msd), OPTIM_KEY: osd}
-        else:
-            request = {MODEL_KEY: _without_frozen(model, get_model_state_dict(model, options=_STATE_DICT_OPTIONS))}
-        check_nothing_left_behind({k for k in saved if k.split(".", 1)[0] in request}, request)
+        request: dict[str, Any] = {}
+        with_optimizer: dict[str, bool] = {}
+        for name, (module, optimizer) in trained.items():
+            model_key, optim_key = part_keys(name)
+            with_optimizer[name] = (optimizer is not None and manifest.has_optimizer_state
+                                    and any(key.startswith(f"{optim_key}.") for key in saved))
+            if with_optimizer[name]:
+                add_optimizer_placeholders(optimizer, saved, optim_key)
+                msd, osd = get_state_dict(module, optimizer, options=_STATE_DICT_OPTIONS)
+                drop_state_absent_from_checkpoint(optimizer, osd, set(saved), optim_key)
+                request[model_key], request[optim_key] = _without_frozen(module, msd), osd
+            else:
+                request[model_key] = _without_frozen(module, get_model_state_dict(module, options=_STATE_DICT_OPTIONS))
+        check_nothing_left_behind({k for k in saved if any(k.startswith(f"{top}.") for top in request)}, request)
         dcp.load(request, storage_reader=reader, process_group=group, no_dist=group is None)
-        if with_optimizer:
-            set_state_dict(
-                model,
-                optimizer,
-                model_state_dict=request[MODEL_KEY],
-                optim_state_dict=request[OPTIM_KEY],
-                options=_load_options(model),
-            )
-        else:
-            set_model_state_dict(model, request[MODEL_KEY], options=_load_options(model))
-            if optimizer is not None:  # saved before its first step: fresh state
-                optimizer.state.clear()
+        for name, (module, optimizer) in trained.items():
+            model_key, optim_key = part_keys(name)
+            if with_optimizer[name]:
+                set_state_dict(module, optimizer, model_state_dict=request[model_key],
+                               optim_state_dict=request[optim_key], options=_load_options(module))
+            else:
+                set_model_state_dict(module, request[model_key], options=_load_options(module))
+                if optimizer is not None:  # saved before its first step: fresh state
+                    optimizer.state.clear()
+
+
+def _check_part_names(saved_keys, trained: Mapping[str, TrainedState], path: Path) -> None:
+    """A checkpoint restores only the parts it was saved with: one this run does not train would
+    be dropped silently, one it lacks would start from its initialization."""
+    saved, wanted = saved_part_names(saved_keys), set(trained) - {POLICY_PART}
+    if saved != wanted:
+        def names(found: set[str]) -> str:
+            return ", ".join(sorted({POLICY_PART} | found))
+
+        raise CheckpointError(
+            f"the checkpoint holds the trained parts {names(saved)}, this run trains {names(wanted)}",
+            path=str(path),
+            hint="resume with the objective (and its settings) the run was saved with",
+        )
 
 
 def _hash_files(root: Path, names: list[str]) -> dict[str, Any]:

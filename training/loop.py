@@ -21,9 +21,11 @@ What differs between training methods lives in the run's objective (training/obj
 the frozen models it needs, a no-grad preparation of each batch, the loss over a micro-batch,
 its ledger fields and its state). What happens to each ledger line lives in the recorder
 (training/recorder.py): a recording run appends it, a replay compares it with the recorded
-one. A checkpoint is a dict of named parts: model and optimizer (tensors), and the JSON
-states ``trainer``, ``data`` and ``objective`` (with the identity of the objective's frozen
-models, verified on resume).
+one. The run trains a set of named parts (training/parts.py): the ``policy``, and any part
+the objective declares beside it (a value head), each with its own optimizer, schedule and
+clipping, stepped together. A checkpoint is a dict of named parts: each trained part's model
+and optimizer (tensors), and the JSON states ``trainer``, ``data`` and ``objective`` (with the
+identity of the objective's frozen models, verified on resume).
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ from training.checkpointing import CheckpointManager, restore_rng_state
 from training.generation_eval import GenerationEvaluation
 from training.guards import Guards
 from training.objectives import Objective, ObjectiveContext, build_objective
-from training.objectives.base import check_frozen, metric
-from training.optim import build_optimizer, evaluation_weights, set_lr
+from training.objectives.base import check_frozen, declared_parts, metric
+from training.optim import evaluation_weights
+from training.parts import POLICY, TrainablePart, build_parts, grad_norm_field, param_hash_field
 from training.precision import Precision
 from training.recorder import LedgerWriter, ReplayComparator, ReplaySpec, StepRecorder
-from training.schedule import lr_at
 from training.step import UpdateValues, enqueue_update, forward_backward
 
 TRAINER_STATE_VERSION = 1
@@ -142,17 +144,21 @@ class Trainer:
         self.device = parallel.device  # where the step runs; dist.device unless xla_spmd (XLA)
         self.objective = objective or build_objective(config)
         signals = getattr(guards, "signals", None)
+        context = ObjectiveContext(config=config, dist=dist, parallel=parallel, place=parallel.place_batch,
+                                   fuse_head=parallel.output_weight_is_local)
         with signals.at_once() if signals is not None else contextlib.nullcontext():  # frozen models: minutes
-            self.objective.setup(model, ObjectiveContext(
-                config=config, dist=dist, parallel=parallel, place=parallel.place_batch,
-                fuse_head=parallel.output_weight_is_local,
-            ))
+            self.objective.setup(model, context)
         tracker.show(self.objective.console.step)  # the method's unit and fields on the step line
         self.generation_eval = (  # train.eval_generate: held-out answers, at every evaluation step
             GenerationEvaluation(config, rank=parallel.dp_rank, world_size=parallel.dp_size, device=self.device)
             if config.train.eval_generate.source is not None else None)
         self.precision = Precision(config.parallel, device=self.device, wrapper_casts=parallel.fsdp_applied)
-        self.optimizer = build_optimizer(model, config.train, self.device)
+        # The policy, and the parts the objective trains beside it (training/parts.py).
+        self.parts: dict[str, TrainablePart] = build_parts(
+            model, config.train, declared_parts(self.objective, context), device=self.device,
+            wrap=parallel.wrap_part)
+        self.optimizer = self.parts[POLICY].optimizer
+        self._others = {name: part for name, part in self.parts.items() if name != POLICY}
         self.checkpoints = CheckpointManager(
             config.checkpoint,
             checkpoint_dir=run.paths.checkpoints,
@@ -232,7 +238,8 @@ class Trainer:
             self.recorder.restored(0)
             return 0
         step, path = found
-        loaded = self.checkpoints.load(path, model=self.model, optimizer=self.optimizer)
+        loaded = self.checkpoints.load(path, model=self.model, optimizer=self.optimizer,
+                                       parts=self._trained_states())
         self.parallel.after_load(self.model, self.optimizer)
         state = loaded.states[TRAINER_PART]
         if state.get("version") != TRAINER_STATE_VERSION:
@@ -287,8 +294,9 @@ class Trainer:
         with timer.phase("prepare"), torch.no_grad():
             batch = self.objective.prepare(batch)  # frozen models' outputs, rollouts: as batch extras
 
-        lr = lr_at(step, self.config.train)
-        set_lr(self.optimizer, lr)
+        lr = self.parts[POLICY].set_lr(step)
+        for part in self._others.values():
+            part.set_lr(step)
         local_targets = self.objective.num_targets(batch)
         global_targets = int(self._all_reduce_sum(float(local_targets)))
         # Most objectives make one update per batch; GRPO with inner_updates > 1 makes several
@@ -324,12 +332,15 @@ class Trainer:
             if not finite:
                 self._handle_nonfinite(done.step, done.batch, loss, grad_norm)
         _, loss, grad_norm, values = reads[0]
-        totals = dict(zip(done.metric_names, values))
-        maxima = dict(zip(done.maximum_names, values[len(done.metric_names):]))
+        n_metrics, n_maxima = len(done.metric_names), len(done.maximum_names)
+        # The metric sums, then the maxima, then the other parts' gradient norms (enqueue_update).
+        totals = dict(zip(done.metric_names, values[:n_metrics]))
+        maxima = dict(zip(done.maximum_names, values[n_metrics:n_metrics + n_maxima]))
         record = {
             "step": done.step,
             "loss": loss,
             "grad_norm": grad_norm,
+            **{grad_norm_field(name): norm for name, norm in zip(self._others, values[n_metrics + n_maxima:])},
             "lr": done.lr,
             "tokens": done.tokens,
             "target_tokens": done.targets,
@@ -345,6 +356,8 @@ class Trainer:
         if done.hash_due:
             with timer.phase("checkpoint"):
                 record["param_hash"] = self.parallel.param_hash(self.model)
+                for name, part in self._others.items():
+                    record[param_hash_field(name)] = self.parallel.param_hash(part.module)
         self.recorder.record(done.step, record, done.batch)
         done.record, done.totals = record, totals
         if done.checkpoint_due:
@@ -384,6 +397,7 @@ class Trainer:
                 before_forward=self._before_forward(step),
                 backward_context=self.parallel.backward_context,
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
+                parts=self._other_modules(),
             )
         with timer.phase("communication"):
             self.parallel.finish_backward()
@@ -395,16 +409,22 @@ class Trainer:
                 self._settle(previous)
                 self._log(previous)
         with timer.phase("optimizer"):
-            self.precision.unscale_(self.optimizer)
-            grad_norm = self.parallel.clip_grad_norm(self.model, self.config.train.grad_clip)
+            for part in self.parts.values():
+                self.precision.unscale_(part.optimizer)
+            policy = self.parts[POLICY]
+            grad_norm = self.parallel.clip_grad_norm(policy.module, policy.grad_clip)
+            others = [(part.optimizer, self.parallel.clip_grad_norm(part.module, part.grad_clip))
+                      for part in self._others.values()]
             # Lazy devices (xla_spmd) run the recorded forward, backward and clipping here,
             # before loss and norm are read, and the update at the second sync; both are no-ops
             # for the torch strategies (training/xla.py explains the two cuts).
             self.parallel.sync()
             parts = [t for t in (summed, maxed) if t is not None]  # read back with the loss, in one copy
             extra = torch.cat(parts) if parts else None
-            values = enqueue_update(self.optimizer, self.precision, guards.nonfinite, loss, grad_norm, extra=extra)
-            self.optimizer.zero_grad(set_to_none=True)
+            values = enqueue_update(self.optimizer, self.precision, guards.nonfinite, loss, grad_norm, extra=extra,
+                                    parts=others)
+            for part in self.parts.values():
+                part.optimizer.zero_grad(set_to_none=True)
             self.parallel.sync()
         return values, names, maximum_names
 
@@ -470,6 +490,7 @@ class Trainer:
                 step,
                 model=self.model,
                 optimizer=self.optimizer,
+                parts=self._trained_states(),
                 states={
                     TRAINER_PART: self.trainer_state(),
                     DATA_PART: self._global_data_state,
@@ -525,7 +546,7 @@ class Trainer:
         if not self._evaluation_due(step):
             return
         self.guards.heartbeat(step, "eval")
-        self.model.eval()
+        self._set_training(False)
         total = torch.zeros(2, dtype=torch.float64, device=self._reduce_device)
         sums: dict[str, torch.Tensor] = {}  # the objective's metric sums (e.g. DPO accuracy)
         # Long evaluations (GRPO decodes every held-out prompt) count their batches on the console.
@@ -542,7 +563,7 @@ class Trainer:
                     break
                 for micro in batch.micro_batches(self.config.train.micro_batch_size):
                     with self.precision.autocast():
-                        out = self.objective.loss(self.model, micro)
+                        out = self._loss(micro)
                     total[0] += out.sum.double().to(total.device)
                     total[1] += out.count
                     for name, value in out.metrics.items():
@@ -552,7 +573,7 @@ class Trainer:
             if self.generation_eval is not None:
                 generated = self.generation_eval.evaluate(
                     self.model, on_batch=lambda: self.guards.heartbeat(step, "eval"))
-        self.model.train()
+        self._set_training(True)
         self.dist.all_reduce(total)
         total /= self.parallel.tp_size  # tensor-parallel peers evaluated the same rows
         eval_loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
@@ -585,6 +606,25 @@ class Trainer:
         totals = dict(zip(names, sums.tolist()))
         prompts = totals[GenerationEvaluation.COUNT]
         return {n: (v if n == GenerationEvaluation.COUNT else v / max(prompts, 1.0)) for n, v in totals.items()}
+
+    # ------------------------------------------------------------------ parts
+
+    def _other_modules(self) -> dict[str, nn.Module]:
+        """The modules trained beside the policy, by name, as the objective's ``loss`` gets them."""
+        return {name: part.module for name, part in self._others.items()}
+
+    def _trained_states(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
+        """The parts besides the policy as the checkpoint stores them (each its own part)."""
+        return {name: (part.module, part.optimizer) for name, part in self._others.items()}
+
+    def _loss(self, micro):
+        """An evaluation micro-batch's loss (the step's goes through ``forward_backward``)."""
+        others = self._other_modules()
+        return self.objective.loss(self.model, micro, others) if others else self.objective.loss(self.model, micro)
+
+    def _set_training(self, mode: bool) -> None:
+        for part in self.parts.values():
+            part.module.train(mode)
 
     # ------------------------------------------------------------------ helpers
 
@@ -637,6 +677,7 @@ class Trainer:
         metrics.update({
             "loss": record["loss"],
             "grad_norm": record["grad_norm"],
+            **{grad_norm_field(name): record[grad_norm_field(name)] for name in self._others},
             "lr": record["lr"],
             "step_time": step_time,
             "tokens_per_s": local_tokens / step_time,

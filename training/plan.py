@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from distributed import clip_grad_norm_, no_sync, param_hash
 from distributed.overlap import matmul_carveout
@@ -57,6 +58,21 @@ class ParallelPlan:
 
     def no_sync(self, model: nn.Module):
         return no_sync(model)  # skip gradient sync on accumulation micro-batches (DDP and FSDP)
+
+    def wrap_part(self, module: nn.Module) -> nn.Module:
+        """A part trained beside the policy (``training.parts``, e.g. a value head) on the step's
+        device, replicated over the data-parallel ranks (DDP over the data-parallel group, its
+        gradients all-reduced by the last micro-batch's backward), whatever the policy's
+        strategy: such parts are small, so neither sharded nor split by tensor parallelism
+        (tensor-parallel peers hold the same rows and compute the same gradients)."""
+        module = module.to(self.device)
+        if self.dp_size == 1:
+            return module
+        return DistributedDataParallel(
+            module,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            device_mesh=self.topology.dp_mesh,
+        )
 
     def backward_context(self):
         """The context the backward runs in (distributed/overlap.py)."""

@@ -40,12 +40,16 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Step every optimizer of a step (one per trained part); the scaler updates once, after
+        all of them."""
         if self.scaler is not None:
-            self.scaler.step(optimizer)
+            for optimizer in optimizers:
+                self.scaler.step(optimizer)
             self.scaler.update()
         else:
-            optimizer.step()
+            for optimizer in optimizers:
+                optimizer.step()
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "name": self.name, "scaler": self.scaler.state_dict() if self.scaler else None}

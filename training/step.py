@@ -10,7 +10,7 @@ back into the sum we want.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -33,24 +33,29 @@ def forward_backward(
     poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
     before_forward: Callable[[int], None] | None = None,
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    parts: Mapping[str, nn.Module] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Accumulate gradients over ``micro_batches`` with ``objective.loss`` (training/objectives);
     returns this rank's summed loss (fp32), summed metrics and the maxima over micro-batches
     (``LossOutput.maxima``), all on ``device``.
     ``before_forward(i)`` runs before micro-batch ``i``'s forward (LoRA dropout keys); each
-    backward runs inside ``backward_context()`` (distributed/overlap.py)."""
+    backward runs inside ``backward_context()`` (distributed/overlap.py). ``parts``: the modules
+    the objective trains beside ``model`` (training/parts.py), handed to its ``loss`` by name and
+    synchronized with the model, on the last micro-batch."""
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
     metrics: dict[str, torch.Tensor] = {}
     maxima: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
+    trained = [model, *(parts or {}).values()]
     for i, micro in enumerate(micro_batches):
-        # Gradient all-reduce only once, on the last micro-batch.
-        sync = contextlib.nullcontext() if i == last else no_sync(model)
         if before_forward is not None:
             before_forward(i)
-        with sync:
+        with contextlib.ExitStack() as sync:
+            if i != last:  # gradient all-reduce only once, on the last micro-batch
+                for module in trained:
+                    sync.enter_context(no_sync(module))
             with _phase(timer, "forward"), precision.autocast():
-                out = objective.loss(model, micro)
+                out = objective.loss(model, micro, parts) if parts else objective.loss(model, micro)
                 loss_sum = out.sum
                 if poison is not None:
                     loss_sum = poison(loss_sum)
@@ -117,7 +122,8 @@ class UpdateValues:
 
 
 def enqueue_update(optimizer: torch.optim.Optimizer, precision: Precision, guard, loss: torch.Tensor,
-                   grad_norm: torch.Tensor, *, extra: torch.Tensor | None = None) -> UpdateValues:
+                   grad_norm: torch.Tensor, *, extra: torch.Tensor | None = None,
+                   parts: Sequence[tuple[torch.optim.Optimizer, torch.Tensor]] = ()) -> UpdateValues:
     """Step the optimizer unless a rank's loss or gradient norm is not finite.
 
     Returns the update's ``UpdateValues``: ``(finite, loss, grad_norm, extra)`` as host values
@@ -132,23 +138,34 @@ def enqueue_update(optimizer: torch.optim.Optimizer, precision: Precision, guard
     (the loop asks during the next step, docs/architecture.md). A run without the
     ``found_inf`` path reads the flags first and steps only if all are finite. Both give
     bit-identical results (tests/training/test_update.py).
+
+    ``parts``: the optimizers and gradient norms of the parts trained beside ``optimizer``'s
+    (training/parts.py). One decision covers all of them: a non-finite norm of any part skips
+    every part's update. Their norms are read back after ``extra``'s values, in ``parts`` order.
     """
-    if precision.scaler is None and all(group.get("fused") for group in optimizer.param_groups):
-        flags = guard.flags(loss, grad_norm)
-        optimizer.found_inf = (flags.sum() > 0).to(torch.float32)
-        parts = [loss.detach().reshape(1).float().to(flags.device),
-                 grad_norm.detach().reshape(1).float().to(flags.device), flags]
+    optimizers = [optimizer, *(o for o, _ in parts)]
+    checked = grad_norm  # what the guard sees: every part's norm
+    if parts:
+        norms = torch.stack([n.detach().reshape(()).float().to(grad_norm.device) for _, n in parts])
+        checked = torch.cat([grad_norm.detach().reshape(1).float(), norms])
+        extra = norms if extra is None else torch.cat([extra.detach().reshape(-1).float(), norms.to(extra.device)])
+    if precision.scaler is None and all(group.get("fused") for o in optimizers for group in o.param_groups):
+        flags = guard.flags(loss, checked)
+        for o in optimizers:
+            o.found_inf = (flags.sum() > 0).to(torch.float32)
+        read = [loss.detach().reshape(1).float().to(flags.device),
+                grad_norm.detach().reshape(1).float().to(flags.device), flags]
         if extra is not None:
-            parts.append(extra.detach().reshape(-1).float().to(flags.device))
-        values = torch.cat(parts)
+            read.append(extra.detach().reshape(-1).float().to(flags.device))
+        values = torch.cat(read)
         host = values.to("cpu", non_blocking=True)  # pinned when it comes from a GPU
         ready = torch.cuda.Event() if values.is_cuda else None
         if ready is not None:
             ready.record()
-        precision.step(optimizer)
+        precision.step(*optimizers)
         return UpdateValues(guard, host=host, ready=ready, n_flags=flags.numel())
-    finite = guard.check(loss, grad_norm)
+    finite = guard.check(loss, checked)
     if finite:
-        precision.step(optimizer)
+        precision.step(*optimizers)
     extra_values = [] if extra is None else extra.detach().float().cpu().tolist()
     return UpdateValues(guard, values=(finite, float(loss), float(grad_norm), extra_values))

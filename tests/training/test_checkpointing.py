@@ -227,6 +227,63 @@ def test_never_stepped_optimizer_is_saved_without_stepping_it(tmp_path):
     assert_bitwise_equal(model_state(other_model), before)
 
 
+# --------------------------------------------------------------------------- trained parts
+
+
+def saved_keys(path: Path) -> set[str]:
+    from distributed.safe_dcp import SafeFileSystemReader
+
+    return set(SafeFileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata)
+
+
+def test_a_policy_only_checkpoint_keeps_the_single_model_layout(tmp_path):
+    """The layout every earlier checkpoint has (docs/checkpoints.md): the policy's tensors under
+    the top-level ``model`` and ``optim`` keys, nothing else."""
+    model, opt = build(seed=0)
+    train_steps(model, opt, 1, 1)
+    keys = saved_keys(save(manager(tmp_path), 1, model, opt))
+    assert {key.split(".", 1)[0] for key in keys} == {"model", "optim"}
+    assert checkpointing.saved_part_names(keys) == set()
+
+
+def test_each_trained_part_round_trips_as_its_own_part(tmp_path):
+    model, opt = build(seed=0)
+    value, value_opt = build(seed=1)
+    value_opt = torch.optim.SGD(value.parameters(), lr=0.1, momentum=0.9)  # a part's own optimizer
+    train_steps(model, opt, 1, 3)
+    train_steps(value, value_opt, 1, 2, rank=1)
+    expected = {"policy": full_state(model, opt), "value": full_state(value, value_opt)}
+    mgr = manager(tmp_path)
+    path = save(mgr, 3, model, opt, parts={"value": (value, value_opt)})
+    keys = saved_keys(path)
+    assert checkpointing.saved_part_names(keys) == {"value"}
+    assert any(k.startswith("parts.value.model.inp.") for k in keys)
+    assert any(k.startswith("parts.value.optim.state.") for k in keys)
+
+    fresh, fresh_opt = build(seed=5)
+    fresh_value, _ = build(seed=6)
+    fresh_value_opt = torch.optim.SGD(fresh_value.parameters(), lr=0.1, momentum=0.9)
+    mgr.load(path, model=fresh, optimizer=fresh_opt, parts={"value": (fresh_value, fresh_value_opt)})
+    assert_bitwise_equal(full_state(fresh, fresh_opt), expected["policy"])
+    assert_bitwise_equal(full_state(fresh_value, fresh_value_opt), expected["value"])
+
+
+def test_a_checkpoint_loads_only_into_the_parts_it_was_saved_with(tmp_path):
+    model, opt = build(seed=0)
+    value, value_opt = build(seed=1)
+    train_steps(model, opt, 1, 1)
+    train_steps(value, value_opt, 1, 1)
+    mgr = manager(tmp_path, keep=0)
+    two = save(mgr, 1, model, opt, parts={"value": (value, value_opt)})
+    one = save(mgr, 2, model, opt)
+    with pytest.raises(CheckpointError, match="holds the trained parts policy, value, this run trains policy(?!,)"):
+        mgr.load(two, model=model, optimizer=opt)
+    with pytest.raises(CheckpointError, match="holds the trained parts policy, this run trains policy, value"):
+        mgr.load(one, model=model, optimizer=opt, parts={"value": (value, value_opt)})
+    with pytest.raises(CheckpointError, match="'policy' is the model's own"):
+        mgr.save(3, model=model, optimizer=opt, states={"trainer": {}, "data": {}}, parts={"policy": (value, value_opt)})
+
+
 def test_load_into_another_architecture_is_refused(tmp_path):
     model, opt = build(seed=0)
     train_steps(model, opt, 1, 1)

@@ -103,3 +103,31 @@ def test_values_read_after_the_next_update_count_a_skip_once():
     assert [finite for finite, *_ in reads] == [False, True, True]
     assert pending[0].read() is reads[0] and guard.skipped == 1
     assert optimizer.state[next(model.parameters())]["step"].item() == 2  # the skipped update left no trace
+
+
+def test_a_non_finite_norm_of_any_part_skips_every_parts_update_on_both_paths():
+    # training/parts.py: a part trained beside the policy steps with it, under one decision,
+    # and its gradient norm is read back after the extra values.
+    for fused in (True, False):
+        model, _, guard, precision = _setup()
+        value = copy.deepcopy(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        value_optimizer = torch.optim.AdamW(value.parameters(), lr=1e-3, fused=fused)
+        for step, value_norm in enumerate((float("inf"), None)):
+            loss = _losses(model, 1) + _losses(value, 2)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            measured = torch.nn.utils.clip_grad_norm_(value.parameters(), 0.5)
+            value_norm = torch.tensor(value_norm) if value_norm is not None else measured
+            before = [p.detach().clone() for p in (*model.parameters(), *value.parameters())]
+            finite, loss_value, norm_value, values = enqueue_update(
+                optimizer, precision, guard, loss.detach(), norm, extra=torch.tensor([4.0]),
+                parts=[(value_optimizer, value_norm)]).read()
+            after = list((*model.parameters(), *value.parameters()))
+            assert values == [4.0, float(value_norm)] and norm_value == float(norm), fused
+            assert finite is (step == 1), fused
+            assert all(torch.equal(a, b) for a, b in zip(before, after)) is (not finite), fused
+            optimizer.zero_grad(set_to_none=True)
+            value_optimizer.zero_grad(set_to_none=True)
+        assert guard.skipped == 1
+        assert value_optimizer.state[next(value.parameters())]["step"].item() == 1

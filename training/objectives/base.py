@@ -32,18 +32,25 @@ checkpoints, resume and replay. An ``Objective`` owns what differs between metho
    sha256 of every frozen model, recorded in the checkpoint instead of the weights and
    verified on resume.
 
+A method that trains more than the policy (a critic, a value head) is a ``PartsObjective``:
+``extra_parts(context)``, called once after ``setup``, declares each further part it trains
+(``PartSpec``: a module and its own optimizer, schedule and clipping settings); the loop
+builds, wraps, steps and checkpoints them (training/parts.py) and hands the trained modules,
+by name, to every ``loss(model, micro, parts)`` call. An objective without ``extra_parts``
+trains the policy alone and its ``loss`` is called as ``loss(model, micro)``.
+
 docs/architecture.md walks through adding a method.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from core.config import Config
+from core.config import Config, TrainConfig
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
 from core.objective_kinds import ObjectiveCapabilities
@@ -108,6 +115,35 @@ class Objective(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def frozen_identity(self) -> dict[str, dict[str, str]]: ...
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """A part an objective trains beside the policy (see the module docstring)."""
+
+    module: nn.Module
+    """The plain module, on the host, its initialization a function of the run's seed (e.g. from
+    ``core.seeding.generator(seed, purpose)``); the loop places it on the step's device and
+    replicates it over the data-parallel ranks (``ParallelPlan.wrap_part``)."""
+    train: TrainConfig
+    """Its optimizer (``optimizer``, ``lr``, betas, ``weight_decay``, ...), learning-rate
+    schedule (``schedule``, ``warmup_steps``, ``min_lr_ratio``, ...) and ``grad_clip``: the run's
+    ``train`` section with the part's own values (``dataclasses.replace(config.train, ...)``)."""
+
+
+@runtime_checkable
+class PartsObjective(Protocol):
+    """An objective that trains further parts beside the policy (module docstring)."""
+
+    def extra_parts(self, context: ObjectiveContext) -> dict[str, PartSpec]: ...
+
+    def loss(self, model: nn.Module, micro, parts: Mapping[str, nn.Module]) -> LossOutput: ...
+
+
+def declared_parts(objective: Objective, context: ObjectiveContext) -> dict[str, PartSpec]:
+    """The parts ``objective`` trains beside the policy, by name: none unless it is a
+    ``PartsObjective``."""
+    return objective.extra_parts(context) if isinstance(objective, PartsObjective) else {}
 
 
 TOKEN_LINES = ConsoleLines()  # loss per token, no fields: pretraining
