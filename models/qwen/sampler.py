@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from core.distributed_context import full_tensor
 from core.exceptions import ConfigError, DataError
+from models.qwen.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
 
 FinishReason = Literal["stop", "length"]
@@ -355,7 +356,7 @@ class Sampler:
         ids = ids.to(self.device)
         for c in range(chunks):
             positions = torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(batch, chunk)
-            self.model.forward_cached(ids[:, c * chunk : (c + 1) * chunk], positions, self.cache)
+            model_forward(self.model, ModelInputs(ids[:, c * chunk : (c + 1) * chunk], positions), cache=self.cache)
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""
@@ -365,24 +366,24 @@ class Sampler:
             return self._decode_steps[rule]
         params = rule
 
-        def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return self.model.forward_cached(tokens, positions, self.cache)  # (B, 1, vocab)
+        def decode_logits(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model_forward(self.model, ModelInputs(tokens, positions), cache=self.cache).logits  # (B, vocab)
 
         if self.compile:
             # Only the model's decode forward is compiled (and replayed as a CUDA graph): the
             # sampling rule's exact int64 prefix sums over the vocabulary run eagerly, a few
             # kernels per step (torch 2.11's Inductor failed to generate code for them).
             mode = "reduce-overhead" if self.cuda_graphs else "default"
-            compiled = torch.compile(forward, mode=mode, fullgraph=True, dynamic=False)
+            compiled = torch.compile(decode_logits, mode=mode, fullgraph=True, dynamic=False)
             if self.cuda_graphs:
-                def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                def decode_logits(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
                     torch.compiler.cudagraph_mark_step_begin()
                     return compiled(tokens, positions)
             else:
-                forward = compiled
+                decode_logits = compiled
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
-            return sample_next(forward(tokens, positions), uniforms, params)
+            return sample_next(decode_logits(tokens, positions), uniforms, params)
 
         self._decode_steps[rule] = step
         return step

@@ -87,7 +87,7 @@ from training.objectives.grpo_loss import (
     reduce_metric,
 )
 from training.objectives.rewards import exact_answer, resolve_reward, score
-from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
+from training.objectives.token_logps import label_logps
 
 PURPOSE = "grpo"
 EVAL_PURPOSE = "grpo-eval"
@@ -459,13 +459,7 @@ class GRPOObjective:
 
     def _token_logps(self, module: nn.Module, placed: Batch, *, fuse: bool) -> torch.Tensor:
         """(B, T) log-probs of the labels, 0 where there is none."""
-        kwargs = {"position_ids": placed.position_ids, "document_ids": placed.document_ids}
-        if fuse:
-            chunk = self.config.train.loss_chunk_tokens
-            return module(placed.input_ids, **kwargs,
-                          head=lambda hidden, weight: linear_token_logps(hidden, weight, placed.labels,
-                                                                         chunk_tokens=chunk))
-        return token_logps_from_logits(module(placed.input_ids, **kwargs), placed.labels)
+        return label_logps(module, placed, fused=fuse, chunk_tokens=self.config.train.loss_chunk_tokens)
 
     @staticmethod
     def _tp_copies(gathered: list[dict]) -> int:
