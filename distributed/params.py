@@ -37,7 +37,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def canonical_name(name: str) -> str:
-    """``layers.0._checkpoint_wrapped_module.mlp.up_proj.weight`` -> ``layers.0.mlp.up_proj.weight``."""
+    """``blocks.0._checkpoint_wrapped_module.ffn.weight`` -> ``blocks.0.ffn.weight``."""
     for segment in WRAPPER_SEGMENTS:
         name = name.replace(segment, "")
     return name

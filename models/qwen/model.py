@@ -28,6 +28,7 @@ from models.qwen.attention import (
     select_kernel,
 )
 from models.qwen.dims import QwenDims, resolve_dims
+from models.qwen.plan import ModelParallelPlan, qwen_parallel_plan
 from models.qwen.rope import RotaryTable, apply_rope
 
 
@@ -168,6 +169,11 @@ class QwenForCausalLM(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
         self.tie_weights()
+
+    @property
+    def parallel_plan(self) -> ModelParallelPlan:
+        """The module names distributed/ shards, checkpoints and compiles (models/qwen/plan.py)."""
+        return qwen_parallel_plan(self.dims)
 
     def tie_weights(self) -> None:
         """Make lm_head share embed_tokens' weight when tied.
