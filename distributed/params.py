@@ -43,6 +43,13 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict under plain names (DTensor shards stay shards)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(unwrap(model))
+
+
 def canonical_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """Every (plain name, parameter), tied parameters under each of their names."""
     for name, param in unwrap(model).named_parameters(remove_duplicate=False):

@@ -40,8 +40,9 @@ from data.chat_template import ChatTemplate
 from data.sources.source import Source
 from data.tokenizers import build_tokenizer
 from models.generation import sample_prompts
-from models.qwen.sampler import Sampler, SamplingParams, generation_model
+from models.qwen.sampler import Sampler, SamplingParams
 from training.generate import cut_at_marker, stop_tokens
+from training.generation_model import generation_model
 from training.objectives.rewards import exact_answer
 
 PURPOSE = "eval-generate"

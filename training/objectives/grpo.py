@@ -73,9 +73,10 @@ from data.batch import IGNORE_INDEX, Batch, prompt_and_answer
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
-from models.qwen.sampler import Sample, Sampler, SamplingParams, generation_model
+from models.qwen.sampler import Sample, Sampler, SamplingParams
 from models.generation import sample_prompts
 from training.generate import cut_at_marker, stop_tokens
+from training.generation_model import generation_model
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import (
     SurrogateSettings,
