@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from models.qwen.attention import attend, causal_document_block_mask, causal_document_bool_mask  # noqa: E402
+from models.qwen.forward import ModelInputs, model_forward  # noqa: E402
 
 
 def varlen_document_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -321,7 +322,7 @@ def case_model(args, seq_len):
         model.zero_grad(set_to_none=True)
         ids, pos, doc = batch
         with torch.autocast(args.device, dtype=torch.bfloat16):
-            logits = model(ids, position_ids=pos, document_ids=doc)
+            logits = model_forward(model, ModelInputs(ids, pos, doc)).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
         loss.backward()
         return loss.item(), logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -39,6 +39,7 @@ from core.config import ModelConfig, ParallelConfig  # noqa: E402
 from distributed.compile import apply_compile  # noqa: E402
 from distributed.float8 import apply_float8, precast_local_shards, precompute_scales_each_forward  # noqa: E402
 from distributed.fsdp import apply_fsdp  # noqa: E402
+from models.qwen.forward import ModelInputs, model_forward  # noqa: E402
 
 SHAPE = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
                     num_kv_heads=2, head_dim=64, tie_embeddings=False)
@@ -65,7 +66,7 @@ def train(parallel: ParallelConfig, mesh, device: torch.device, *, compile_block
     losses, mismatched = [], 0
     for _ in range(STEPS):
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
+            logits = model_forward(model, ModelInputs(tokens[:, :-1])).logits
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         if hook:  # sharded again and not yet stepped: the weights this forward began with
@@ -95,7 +96,7 @@ def time_gather_inputs(mesh, device: torch.device, repeats: int = 20) -> dict:
     apply_fsdp(model, mesh, parallel, device)
     precompute_scales_each_forward(model, parallel)
     with torch.autocast(device.type, dtype=torch.bfloat16):  # the hook stores every scale; sharded again after
-        model(torch.zeros(1, 16, dtype=torch.long, device=device)).float().sum().backward()
+        model_forward(model, ModelInputs(torch.zeros(1, 16, dtype=torch.long, device=device))).logits.float().sum().backward()
     weights = [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
     shards = [weight._local_tensor for weight in weights]
 

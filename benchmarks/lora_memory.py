@@ -66,6 +66,7 @@ def run_case(args: argparse.Namespace) -> dict:
     from distributed.activation_checkpoint import apply_activation_checkpointing
     from distributed.compile import apply_compile
     from models.lora import apply_lora, save_peft_adapter, store_base_as
+    from models.qwen.forward import ModelInputs, model_forward
     from models.nf4 import quantize_base
     from training import determinism
     from training.linear_cross_entropy import linear_cross_entropy
@@ -115,13 +116,13 @@ def run_case(args: argparse.Namespace) -> dict:
         if graphs:  # as the loop does before each micro-batch (training/loop.py)
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-            loss = model(
-                inputs,
+            loss = model_forward(
+                model, ModelInputs(inputs),
                 head=lambda hidden, weight: linear_cross_entropy(
                     hidden, weight, labels, chunk_tokens=config.train.loss_chunk_tokens,
                     compute_dtype=torch.bfloat16,
                 ),
-            ) / labels.numel()
+            ).head / labels.numel()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -35,7 +35,7 @@ def blocks_to_checkpoint(num_blocks: int, mode: str) -> list[int]:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Wrap the chosen blocks in place (the wrappers replace them in ``model.layers``)."""
+    """Wrap the chosen blocks in place (the wrappers replace them in the model's list of blocks)."""
     blocks = transformer_blocks(model)
     for index in blocks_to_checkpoint(len(blocks), mode):
         blocks[index] = checkpoint_wrapper(

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.config import ParallelConfig
 from core.exceptions import ConfigError
+from distributed.model_structure import plan_of
 from distributed.params import is_packed
 
 
@@ -241,8 +242,11 @@ def gather_embedding_grad(model: nn.Module, group, *, max_tokens: int) -> Gather
     shares a whole (not tensor-parallel), trained embedding weight; None where it does not
     apply (the embedding is frozen, sharded or not tied)."""
     inner = model.module if isinstance(model, DistributedDataParallel) else None
-    embedding = getattr(inner, "embed_tokens", None)
-    head = getattr(inner, "lm_head", None)
+    if inner is None:
+        return None
+    plan = plan_of(inner)
+    embedding = getattr(inner, plan.embedding, None)
+    head = getattr(inner, plan.output, None)
     if not isinstance(embedding, nn.Embedding) or head is None or head.weight is not embedding.weight:
         return None
     weight = embedding.weight

@@ -48,7 +48,7 @@ on that event, not on the current stream) would race with it; the project does n
 path runs anyway.
 
 Which linears: all of the transformer blocks' projections whose two dimensions are multiples
-of 16 (``torch._scaled_mm``'s requirement), never the output head (``lm_head``: its
+of 16 (``torch._scaled_mm``'s requirement), never the output head (the plan's ``output``: its
 logits feed the loss and are the most precision-sensitive matmul, and a large vocabulary
 is rarely a multiple of 16 after sharding). ``float8_module_filter`` is that rule. The head
 has its own key, ``parallel.float8_head``: the fused loss runs its matmuls in FP8 itself
@@ -56,7 +56,7 @@ has its own key, ``parallel.float8_head``: the fused loss runs its matmuls in FP
 backward always precise (``require_float8_head`` checks the device; docs/performance.md,
 2026-11-28f). torchao's shape rule (``_auto_filter_for_recipe``) would also keep narrow
 projections such as Qwen3-1.7B's k/v (2048 -> 1024) in bf16; measured, that is 3% slower on
-an H200, because they share their FP8 input with q_proj (docs/performance.md, 2026-11-28d).
+an H200, because they share their FP8 input with the query projection (docs/performance.md, 2026-11-28d).
 
 Accumulation: torchao's recipes run the forward's FP8 matmul with fast accumulation and the
 backward's two (input and weight gradients) with cuBLAS's more precise one;
@@ -72,6 +72,7 @@ all-gather under FSDP2 over gloo, are tested there with torchao's emulation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import weakref
@@ -81,10 +82,10 @@ from torch import nn
 
 from core.config import ParallelConfig
 from core.exceptions import ConfigError
+from distributed.model_structure import plan_of
 
 MIN_CAPABILITY = (8, 9)
 DIM_MULTIPLE = 16
-SKIPPED_MODULES = frozenset({"lm_head"})
 
 
 def require_float8(parallel: ParallelConfig, device: torch.device) -> None:
@@ -142,9 +143,10 @@ def require_float8_head(parallel: ParallelConfig, device: torch.device) -> None:
         ) from exc
 
 
-def float8_module_filter(module: nn.Module, fqn: str) -> bool:
-    """True for the linears converted to FP8 (see the module docstring for the rule)."""
-    if not isinstance(module, nn.Linear) or fqn.rsplit(".", 1)[-1] in SKIPPED_MODULES:
+def float8_module_filter(module: nn.Module, fqn: str, *, output: str) -> bool:
+    """True for the linears converted to FP8 (see the module docstring for the rule); ``output``
+    is the path of the model's output head (its plan's ``output``)."""
+    if not isinstance(module, nn.Linear) or fqn == output:
         return False
     return module.in_features % DIM_MULTIPLE == 0 and module.out_features % DIM_MULTIPLE == 0
 
@@ -163,8 +165,9 @@ def apply_float8(model: nn.Module, parallel: ParallelConfig, *, fsdp: bool, emul
     config = dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp and gathers_in_float8(parallel), emulate=emulate)
     if parallel.float8_backward_fast_accum:
         config = dataclasses.replace(config, **backward_fast_accum())
-    converted = [name for name, module in model.named_modules() if float8_module_filter(module, name)]
-    convert_to_float8_training(model, module_filter_fn=float8_module_filter, config=config)
+    keep = functools.partial(float8_module_filter, output=plan_of(model).output)
+    converted = [name for name, module in model.named_modules() if keep(module, name)]
+    convert_to_float8_training(model, module_filter_fn=keep, config=config)
     return converted
 
 

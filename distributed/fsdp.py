@@ -2,7 +2,7 @@
 
 One FSDP unit per transformer block (its parameters are all-gathered just before it runs
 and freed after), or per ``parallel.fsdp_unit_blocks`` consecutive blocks, plus the root
-unit, which holds what is left: ``embed_tokens``, ``norm`` and ``lm_head``. A tied
+unit, which holds what is left: the embedding, final norm and output head. A tied
 embedding/head weight is one Parameter that lives in the root unit only, so it is sharded,
 gathered and updated once and stays tied.
 
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from core.config import ParallelConfig
-from distributed.model_structure import has_tied_embeddings, transformer_blocks
+from distributed.model_structure import has_tied_embeddings, plan_of, transformer_blocks
 
 
 def mixed_precision_policy(parallel: ParallelConfig) -> MixedPrecisionPolicy:
@@ -61,7 +61,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, 
     # Likewise the root (embeddings, final norm, output head): the head's backward comes first.
     fully_shard(model, **{**options, "reshard_after_forward": False})
     if tied and not has_tied_embeddings(model):
-        raise RuntimeError("FSDP untied embed_tokens.weight and lm_head.weight")
+        plan = plan_of(model)
+        raise RuntimeError(f"FSDP untied {plan.embedding}.weight and {plan.output}.weight")
 
 
 def is_fully_sharded(model: nn.Module) -> bool:

@@ -37,10 +37,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def canonical_name(name: str) -> str:
-    """``layers.0._checkpoint_wrapped_module.mlp.up_proj.weight`` -> ``layers.0.mlp.up_proj.weight``."""
+    """``blocks.0._checkpoint_wrapped_module.ffn.weight`` -> ``blocks.0.ffn.weight``."""
     for segment in WRAPPER_SEGMENTS:
         name = name.replace(segment, "")
     return name
+
+
+def canonical_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict under plain names (DTensor shards stay shards)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(unwrap(model))
 
 
 def canonical_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

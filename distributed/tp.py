@@ -1,24 +1,22 @@
 """Tensor parallelism (Megatron-style) for attention and MLP inside each block.
 
-Per block, over the ``tp`` mesh dimension:
-
-- ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``: colwise (output features,
-  i.e. whole heads / MLP channels, split across TP ranks; input replicated);
-- ``o_proj``, ``down_proj``: rowwise (input features split; outputs summed by one
-  all-reduce), so each sub-layer costs one all-reduce forward and one backward.
+The model's plan (``model.parallel_plan``, distributed/model_structure.py) names, per block,
+the linears split *colwise* (output features, i.e. whole heads / MLP channels, split across
+TP ranks; input replicated) and *rowwise* (input features split; outputs summed by one
+all-reduce), so each sub-layer costs one all-reduce forward and one backward.
 
 Modules return plain local tensors, so the attention sees ``heads / tp`` heads: the model
 must derive its local head counts from the projection output size (``view(B, T, -1, D)``),
-not from stored totals. Embedding, norms and ``lm_head`` stay replicated (keeps a tied
+not from stored totals. Embedding, norms and the output head stay replicated (keeps a tied
 embedding/head pair trivially tied).
 
-q/k RMSNorms (Qwen3) act per head, so each TP rank normalises its own heads with the same
-replicated weight, and that weight's gradient is a *sum over all heads*: each rank holds
-only its part. Making the weight a replicated DTensor and the input a sharded one (as
-sequence parallelism does for the block norms) lets DTensor all-reduce that gradient.
-The local tensors hold different heads; any dimension other than the normalised last one
-may be declared the sharded one without changing the math, and dim 0 (batch) exists in
-every layout the model may use, so that is the one declared.
+Per-head norms (the plan's ``head_norms``, e.g. Qwen3's q/k RMSNorms) act per head, so each TP
+rank normalises its own heads with the same replicated weight, and that weight's gradient is
+a *sum over all heads*: each rank holds only its part. Making the weight a replicated DTensor
+and the input a sharded one (as sequence parallelism does for the block norms) lets DTensor
+all-reduce that gradient. The local tensors hold different heads; any dimension other than
+the normalised last one may be declared the sharded one without changing the math, and dim 0
+(batch) exists in every layout the model may use, so that is the one declared.
 """
 
 from __future__ import annotations
@@ -33,51 +31,45 @@ from torch.distributed.tensor.parallel import (
 )
 
 from core.exceptions import ConfigError
-from distributed.model_structure import transformer_blocks
-
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-HEAD_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
-
+from distributed.model_structure import ModelParallelPlan, plan_of, transformer_blocks
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def block_plan(block: nn.Module) -> dict[str, object]:
-    """The parallelize_module plan of one block (paths relative to the block).
+def block_plan(block: nn.Module, plan: ModelParallelPlan) -> dict[str, object]:
+    """The parallelize_module plan of one block (paths relative to the block) from the model's plan.
 
     A projection wrapped by another module (a LoRA adapter, models/lora.py) is sharded
     through its parts: the wrapper's ``tp_plan(style)`` maps each part's relative path to
     the style it takes; parts it does not name stay replicated.
     """
-    plan: dict[str, object] = {}
-    styles = {**{path: "colwise" for path in COLWISE}, **{path: "rowwise" for path in ROWWISE}}
+    styles = {**{path: "colwise" for path in plan.colwise}, **{path: "rowwise" for path in plan.rowwise}}
+    parts: dict[str, object] = {}
     for path, style in styles.items():
         module = block.get_submodule(path)
         if hasattr(module, "tp_plan"):
-            plan.update({f"{path}.{part}": STYLES[s]() for part, s in module.tp_plan(style).items()})
+            parts.update({f"{path}.{part}": STYLES[s]() for part, s in module.tp_plan(style).items()})
         else:
-            plan[path] = STYLES[style]()
-    for path in HEAD_NORMS:
+            parts[path] = STYLES[style]()
+    for path in plan.head_norms:
         norm = _optional_submodule(block, path)
         if norm is not None and any(True for _ in norm.parameters()):
-            plan[path] = SequenceParallel(sequence_dim=0, use_local_output=True)
-    return plan
+            parts[path] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    return parts
 
 
 def check_divisible(model: nn.Module, tp: int) -> None:
     """ConfigError naming the first projection whose heads / channels do not split by tp."""
+    plan = plan_of(model)
     for index, block in enumerate(transformer_blocks(model)):
-        head_dim = _head_dim(block)
-        for path in COLWISE:
-            linear = _linear(block, path, index)
+        for path in plan.colwise:
+            linear = _linear(block, f"{plan.blocks}.{index}", path)
             units, what = linear.out_features, "output features"
-            if head_dim and path in HEAD_PROJECTIONS:
-                units, what = linear.out_features // head_dim, f"heads (head_dim {head_dim})"
+            if path in plan.head_projections:
+                units, what = linear.out_features // plan.head_dim, f"heads (head_dim {plan.head_dim})"
             if units % tp:
                 raise ConfigError(
-                    f"layers.{index}.{path} has {units} {what}, not divisible by parallel.tp={tp}",
+                    f"{plan.blocks}.{index}.{path} has {units} {what}, not divisible by parallel.tp={tp}",
                     key="parallel.tp",
                     hint="choose a tp degree that divides the number of key/value heads",
                 )
@@ -86,9 +78,10 @@ def check_divisible(model: nn.Module, tp: int) -> None:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard every block's projections over ``tp_mesh`` in place."""
     check_divisible(model, tp_mesh.size())
+    plan = plan_of(model)
     for block in transformer_blocks(model):
         frozen = {name for name, param in block.named_parameters() if not param.requires_grad}
-        parallelize_module(block, tp_mesh, block_plan(block))
+        parallelize_module(block, tp_mesh, block_plan(block, plan))
         # SequenceParallel re-creates the parameters it replicates as trainable ones: a frozen
         # parameter (a LoRA run's q/k norms) would otherwise get gradients and updates.
         for name, param in block.named_parameters():
@@ -96,13 +89,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 param.requires_grad_(False)
 
 
-def _linear(block: nn.Module, path: str, index: int) -> nn.Module:
+def _linear(block: nn.Module, where: str, path: str) -> nn.Module:
     """The projection at ``path``: an nn.Linear or a wrapper of one (in_features, out_features)."""
     module = block.get_submodule(path)
     if not isinstance(module, nn.Linear) and not (
         hasattr(module, "in_features") and hasattr(module, "out_features")
     ):
-        raise TypeError(f"layers.{index}.{path} is {type(module).__name__}, expected a linear layer")
+        raise TypeError(f"{where}.{path} is {type(module).__name__}, expected a linear layer")
     return module
 
 
@@ -111,14 +104,3 @@ def _optional_submodule(block: nn.Module, path: str) -> nn.Module | None:
         return block.get_submodule(path)
     except AttributeError:
         return None
-
-
-def _head_dim(block: nn.Module) -> int | None:
-    """head_dim from the attention module, or from its per-head q_norm; None if unknown."""
-    attn = block.get_submodule("self_attn")
-    head_dim = getattr(attn, "head_dim", None)
-    if isinstance(head_dim, int):
-        return head_dim
-    q_norm = getattr(attn, "q_norm", None)
-    weight = getattr(q_norm, "weight", None)
-    return int(weight.shape[0]) if weight is not None else None

@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from models.qwen.forward import model_forward
 from training.losses import Loss
 from training.precision import Precision
 
@@ -74,22 +75,9 @@ def forward_backward(
 def model_loss(model: nn.Module, batch, loss_fn: Loss, place, *, fuse_head: bool) -> torch.Tensor:
     """The loss sum of a (micro-)batch: from the logits, or fused with the output projection."""
     if not fuse_head:
-        return loss_fn(model_logits(model, batch, place), batch)
-    return model(
-        place(batch.input_ids),
-        position_ids=place(batch.position_ids),
-        document_ids=place(batch.document_ids),
-        head=lambda hidden, weight: loss_fn.head_loss(hidden, weight, batch),
-    )
-
-
-def model_logits(model: nn.Module, batch, place: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The model's logits for a (micro-)batch: packed documents are masked from each other."""
-    return model(
-        place(batch.input_ids),
-        position_ids=place(batch.position_ids),
-        document_ids=place(batch.document_ids),
-    )
+        return loss_fn(model_forward(model, batch, place=place).logits, batch)
+    return model_forward(model, batch, place=place,
+                         head=lambda hidden, weight: loss_fn.head_loss(hidden, weight, batch)).head
 
 
 def _phase(timer, name: str):

@@ -11,7 +11,7 @@ Module and parameter names follow the Hugging Face checkpoints with the leading
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from models.qwen.attention import (
     select_kernel,
 )
 from models.qwen.dims import QwenDims, resolve_dims
+from models.qwen.plan import ModelParallelPlan, qwen_parallel_plan
 from models.qwen.rope import RotaryTable, apply_rope
 
 
@@ -169,6 +170,11 @@ class QwenForCausalLM(nn.Module):
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
         self.tie_weights()
 
+    @property
+    def parallel_plan(self) -> ModelParallelPlan:
+        """The module names distributed/ shards, checkpoints and compiles (models/qwen/plan.py)."""
+        return qwen_parallel_plan(self.dims)
+
     def tie_weights(self) -> None:
         """Make lm_head share embed_tokens' weight when tied.
 
@@ -192,9 +198,10 @@ class QwenForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, vocab).
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        cache: KVCache | None = None,
+    ) -> Any:
+        """input_ids (B, T) -> logits (B, T, vocab). Run it through ``models.qwen.forward.model_forward``.
 
         position_ids (B, T) restart at 0 for each packed document (default: 0..T-1);
         document_ids (B, T) confine attention to each document (default: one document).
@@ -202,7 +209,14 @@ class QwenForCausalLM(nn.Module):
         final normalized hidden states (B, T, hidden) and lm_head's weight (vocab, hidden),
         and its result is returned (a fused loss, training/linear_cross_entropy.py). It runs
         inside this forward, where wrappers such as FSDP have the weight unsharded.
+
+        With a ``cache`` (generation, ``_forward_cached``): the logits (B, vocab) of each row's
+        last token, position_ids required, no document_ids and no head.
         """
+        if cache is not None:
+            if position_ids is None or document_ids is not None or head is not None:
+                raise ValueError("a cached forward takes position_ids, and neither document_ids nor a head")
+            return self._forward_cached(input_ids, position_ids, cache)
         batch, seq_len = input_ids.shape
         for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
             if ids is not None and (ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch)):
@@ -219,14 +233,14 @@ class QwenForCausalLM(nn.Module):
             return head(hidden, self.lm_head.weight)
         return self.lm_head(hidden)  # (B, T, vocab)
 
-    def forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Generation step: input_ids (B, T) at position_ids (B, T) -> logits (B, vocab) of each row's last token.
 
         Each token's keys/values are written into cache slot ``position`` of its row, and it
         attends to slots 0..position of that row (earlier chunks' tokens included), so a
         prompt can be fed in chunks and then one token at a time. Rows are independent:
         each has its own positions. Call on a plain (unwrapped) model, under no_grad;
-        ``models.qwen.sampler`` drives it. The training ``forward`` does not use this path.
+        ``models.qwen.sampler`` drives it.
         """
         if input_ids.shape != position_ids.shape:
             raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}")

@@ -47,8 +47,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.distributed_context import full_tensor
 from core.exceptions import ConfigError, DataError
+from models.qwen.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
 
 FinishReason = Literal["stop", "length"]
@@ -219,7 +219,7 @@ class Sampler:
 
     The model is used as it is (its device and dtype; put it in eval mode yourself if it
     has any train-only behaviour, which Qwen has not). For a sharded (FSDP2/TP) or DDP
-    model, pass ``generation_model(model)``'s result. ``max_len`` bounds prompt plus
+    model, pass ``training.rollout.generation_model.generation_model(model)``'s result. ``max_len`` bounds prompt plus
     generated tokens of one sample; ``max_batch`` is the number of rows every forward
     runs (calls with more prompts are processed in groups of max_batch).
 
@@ -243,7 +243,7 @@ class Sampler:
         if not isinstance(model, QwenForCausalLM) or isinstance(model.embed_tokens.weight, DTensor):
             raise ConfigError(
                 f"Sampler needs a plain, unsharded QwenForCausalLM, got {type(model).__name__}",
-                hint="pass models.qwen.sampler.generation_model(model) for a wrapped or sharded model",
+                hint="pass a plain local copy (training/rollout/generation_model.py makes one of a wrapped or sharded model)",
             )
         for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
             if value < 1:
@@ -355,7 +355,7 @@ class Sampler:
         ids = ids.to(self.device)
         for c in range(chunks):
             positions = torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(batch, chunk)
-            self.model.forward_cached(ids[:, c * chunk : (c + 1) * chunk], positions, self.cache)
+            model_forward(self.model, ModelInputs(ids[:, c * chunk : (c + 1) * chunk], positions), cache=self.cache)
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""
@@ -365,24 +365,24 @@ class Sampler:
             return self._decode_steps[rule]
         params = rule
 
-        def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return self.model.forward_cached(tokens, positions, self.cache)  # (B, 1, vocab)
+        def decode_logits(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model_forward(self.model, ModelInputs(tokens, positions), cache=self.cache).logits  # (B, vocab)
 
         if self.compile:
             # Only the model's decode forward is compiled (and replayed as a CUDA graph): the
             # sampling rule's exact int64 prefix sums over the vocabulary run eagerly, a few
             # kernels per step (torch 2.11's Inductor failed to generate code for them).
             mode = "reduce-overhead" if self.cuda_graphs else "default"
-            compiled = torch.compile(forward, mode=mode, fullgraph=True, dynamic=False)
+            compiled = torch.compile(decode_logits, mode=mode, fullgraph=True, dynamic=False)
             if self.cuda_graphs:
-                def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                def decode_logits(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
                     torch.compiler.cudagraph_mark_step_begin()
                     return compiled(tokens, positions)
             else:
-                forward = compiled
+                decode_logits = compiled
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
-            return sample_next(forward(tokens, positions), uniforms, params)
+            return sample_next(decode_logits(tokens, positions), uniforms, params)
 
         self._decode_steps[rule] = step
         return step
@@ -399,80 +399,3 @@ def _collect(
         end = budget if end is None else end
         samples.append(Sample(tokens=row_tokens[:end], logprobs=row_logprobs[:end], finish_reason=reason))
     return samples
-
-
-# ---------------------------------------------------------------------- sharded models
-
-
-def generation_model(
-    model: torch.nn.Module, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> QwenForCausalLM:
-    """A plain local QwenForCausalLM with the full weights of ``model``, for the Sampler.
-
-    ``model`` may be plain, DDP-wrapped, compiled, or sharded with FSDP2 / tensor
-    parallelism (DTensor parameters), with or without LoRA adapters (folded into the base
-    weights; an NF4 base is refused). A plain model already on the requested device and
-    dtype is returned as it is; otherwise the full weights are copied, parameter by
-    parameter, into a fresh model. With sharded parameters this is a collective: call it on
-    every rank. Memory: one full copy of the weights per rank in ``dtype`` (default: the
-    parameters' dtype), plus one gathered parameter at a time. No inference server, no files.
-    """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    from models.lora import LoRALinear, lora_modules, merge_lora
-    from models.nf4 import NF4Linear
-    from models.qwen.model import empty_model
-
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    inner = getattr(inner, "_orig_mod", inner)  # torch.compile(model)
-    config = getattr(inner, "config", None)
-    if config is None or not isinstance(inner, QwenForCausalLM):
-        raise ConfigError(f"generation_model needs a Qwen model, got {type(model).__name__}")
-    state = get_model_state_dict(inner)  # canonical names: no compile / checkpoint-wrapper prefixes
-    first = next(iter(state.values()))
-    sharded = any(isinstance(v, DTensor) for v in state.values())
-    adapters = {m.name: m for m in lora_modules(inner)}
-    if device is None:
-        device = torch.device(first.device_mesh.device_type) if isinstance(first, DTensor) else first.device
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    dtype = first.dtype if dtype is None else dtype
-    if type(inner) is QwenForCausalLM and not sharded and not adapters and (first.device, first.dtype) == (device, dtype):
-        return inner
-    if any(isinstance(m.base_layer, NF4Linear) for m in adapters.values()):
-        raise ConfigError(
-            "generation_model cannot gather an NF4-quantized base", key="model.quantize_base",
-            hint="export the merged model (python -m training export --merge) and load that",
-        )
-    fresh = empty_model(config, device=device, dtype=dtype)
-    for name, source in adapters.items():  # the same adapters (names, rank, alpha, dtype); values follow
-        wrapper = LoRALinear(fresh.get_submodule(name), rank=source.rank, alpha=source.alpha, dropout=0.0, name=name)
-        wrapper.to(dtype=source.lora_A.weight.dtype)
-        wrapper.base_layer.to(dtype=dtype)
-        parent, leaf = name.rsplit(".", 1)
-        setattr(fresh.get_submodule(parent), leaf, wrapper)
-    params = dict(fresh.named_parameters())  # a tied head appears once, as embed_tokens.weight
-    tied_head = "lm_head.weight" if fresh.dims.tie_embeddings else None
-    unknown = [name for name in state if name not in params and name != tied_head]
-    missing = [name for name in params if name not in state]
-    if unknown or missing:
-        raise ConfigError(
-            f"generation_model: the model's parameters do not match a fresh {type(fresh).__name__} of its config "
-            f"(unexpected: {unknown[:3]}, missing: {missing[:3]})",
-            hint="the model has parts this function does not know; pass a plain QwenForCausalLM",
-        )
-    with torch.no_grad():
-        for name, value in state.items():  # the same order on every rank: collectives line up
-            if name not in params:
-                continue
-            params[name].copy_(full_tensor(value))
-    fresh.tie_weights()
-    if adapters:
-        fresh = merge_lora(fresh, inplace=True)
-    for param in fresh.parameters():
-        param.requires_grad_(False)
-    return fresh.eval()
-
-

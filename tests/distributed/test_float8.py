@@ -129,10 +129,10 @@ def test_float8_head_reaches_the_fused_loss_of_causal_lm_and_sft():
 
 def test_filter_rule():
     linear = torch.nn.Linear(32, 48)
-    assert float8_module_filter(linear, "layers.0.mlp.up_proj")
-    assert not float8_module_filter(linear, "lm_head")
-    assert not float8_module_filter(torch.nn.Linear(32, 40), "layers.0.mlp.up_proj")
-    assert not float8_module_filter(torch.nn.LayerNorm(32), "norm")
+    assert float8_module_filter(linear, "layers.0.mlp.up_proj", output="lm_head")
+    assert not float8_module_filter(linear, "lm_head", output="lm_head")
+    assert not float8_module_filter(torch.nn.Linear(32, 40), "layers.0.mlp.up_proj", output="lm_head")
+    assert not float8_module_filter(torch.nn.LayerNorm(32), "norm", output="lm_head")
 
 
 def test_scale_hook_only_where_weights_are_gathered_in_fp8():

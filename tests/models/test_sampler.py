@@ -16,7 +16,6 @@ from models.qwen.sampler import (
     Sampler,
     SamplingParams,
     counter_uniforms,
-    generation_model,
     sample_next,
 )
 
@@ -214,18 +213,6 @@ def test_bad_sampling_params_are_config_errors(field, value):
         SamplingParams(**{field: value})
 
 
-def test_generation_model_of_a_plain_model_is_the_model_and_a_conversion_is_a_copy(model):
-    assert generation_model(model) is model
-    compiled = torch.compile(model)  # the wrapper is not run, only unwrapped
-    assert generation_model(compiled) is model
-    half = generation_model(model, dtype=torch.bfloat16)
-    assert half is not model and half.embed_tokens.weight.dtype == torch.bfloat16
-    assert half.lm_head.weight is half.embed_tokens.weight  # tied again
-    assert torch.equal(half.layers[1].mlp.up_proj.weight, model.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
-    with pytest.raises(ConfigError, match="plain, unsharded QwenForCausalLM"):
-        Sampler(compiled, max_batch=2, max_len=8)
-
-
 # --------------------------------------------------------------------------- sharded models on two ranks
 
 _RANK_PROMPTS = (3, 1, 7, 12, 5, 2)
@@ -236,6 +223,7 @@ def _sharded_generation(parallel_overrides: dict) -> list:
     from core.distributed_context import DistributedContext
     from distributed import build_mesh, parallelize
     from tests.distributed.scenarios import cpu_parallel
+    from training.rollout.generation_model import generation_model
 
     parallel = cpu_parallel(**parallel_overrides)
     with DistributedContext.from_env(parallel) as dist:
@@ -273,22 +261,3 @@ def test_samples_of_a_sharded_model_on_two_ranks_equal_one_process(model):
         gathered = dict(pair for rank in by_rank for pair in rank[strategy])
         assert sorted(gathered) == list(range(len(prompts))), strategy
         assert [gathered[i] for i in range(len(prompts))] == expected, strategy
-
-
-def test_generation_model_folds_lora_adapters_into_the_weights(model):
-    from models.lora import apply_lora, merge_lora
-    from core.config import LoRAConfig
-
-    tuned = models.build(QWEN3, generator=torch.Generator().manual_seed(5))
-    apply_lora(tuned, LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj")), seed=1)
-    with torch.no_grad():
-        for name, param in tuned.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))  # B starts at 0: move it
-    local = generation_model(tuned)
-    assert local is not tuned and not any("lora" in n for n, _ in local.named_parameters())
-    reference = merge_lora(tuned)
-    inputs = torch.tensor([_prompts((10,))[0]])
-    with torch.no_grad():
-        assert torch.equal(local(inputs), reference(inputs))
-        assert not torch.equal(local(inputs), model(inputs))  # the adapters changed the model

@@ -27,10 +27,12 @@ from torch import nn
 from core.config import Config
 from data.batch import IGNORE_INDEX
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
+from models.qwen.forward import model_forward
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.distill_settings import KEY, KIND, check_teacher, check_vocab, student_vocab
 from training.objectives.distill_loss import distill_loss_from_logits, distill_loss_sum
 from training.objectives.frozen import FrozenModel, build_frozen, output_weight
+from training.objectives.token_logps import autocast_dtype
 
 
 class DistillObjective:
@@ -85,29 +87,26 @@ class DistillObjective:
     def loss(self, model: nn.Module, micro) -> LossOutput:
         count = self.num_targets(micro)
         placed = micro.placed(self._context.place)
-        inputs = dict(position_ids=placed.position_ids, document_ids=placed.document_ids)
         mask = placed.labels != IGNORE_INDEX
         s = self.settings
         options = dict(kind=s.loss, temperature=s.temperature, alpha=s.alpha, beta=s.beta)
         labels = placed.labels  # also with alpha = 0: the CE is reported (and is the eval loss)
         if not self.fuse_head:
             with torch.no_grad():
-                teacher_logits = self.teacher.module(placed.input_ids, **inputs)
-            total, _, stats = distill_loss_from_logits(model(placed.input_ids, **inputs), teacher_logits,
+                teacher_logits = model_forward(self.teacher.module, placed).logits
+            total, _, stats = distill_loss_from_logits(model_forward(model, placed).logits, teacher_logits,
                                                        labels, mask, **options)
         else:
             with torch.no_grad():
-                teacher_hidden = self.teacher.module(placed.input_ids, head=lambda hidden, weight: hidden, **inputs)
+                teacher_hidden = model_forward(self.teacher.module, placed, hidden=True).hidden
             teacher_hidden = teacher_hidden.to(self._teacher_weight.dtype)
 
             def head(hidden, weight):
-                device = hidden.device.type
-                dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
                 return distill_loss_sum(hidden, weight, teacher_hidden, self._teacher_weight, labels, mask,
-                                        chunk_tokens=s.chunk_tokens, compute_dtype=dtype,
+                                        chunk_tokens=s.chunk_tokens, compute_dtype=autocast_dtype(hidden.device),
                                         compiled=self.config.parallel.compile, **options)
 
-            total, _, stats = model(placed.input_ids, head=head, **inputs)
+            total, _, stats = model_forward(model, placed, head=head).head
         metrics = {"divergence": stats.divergence_sum.float(), "ce": stats.ce_sum.float()}
         if micro.evaluation:  # a held-out batch: the hard-label CE, comparable with a run without teacher
             return LossOutput(stats.ce_sum.detach(), count, metrics)

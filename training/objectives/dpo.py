@@ -45,7 +45,7 @@ from training.objectives.dpo_settings import KIND
 from training.objectives.frozen import FrozenModel, adapter_off_reference, build_frozen
 from training.objectives.preference_loss import SequenceLogps
 from training.objectives.reference_cache import ReferenceCache, fingerprint, pair_tokens
-from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
+from training.objectives.token_logps import autocast_dtype, label_logps
 
 KEY = "objective.dpo.reference"
 REFERENCE_FREE = ("simpo", "orpo")
@@ -223,17 +223,9 @@ class DPOObjective:
 
     def _token_logps(self, model: nn.Module, placed) -> torch.Tensor:
         """(B, T) fp32 log-probs of the labels (0 where none)."""
-        kwargs = dict(position_ids=placed.position_ids, document_ids=placed.document_ids)
-        if not self.fuse_head:
-            return token_logps_from_logits(model(placed.input_ids, **kwargs), placed.labels)
-
-        def head(hidden, weight):
-            device = hidden.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-            return linear_token_logps(hidden, weight, placed.labels, chunk_tokens=self.chunk_tokens,
-                                      compute_dtype=dtype, compiled=self.config.parallel.compile)
-
-        return model(placed.input_ids, head=head, **kwargs)
+        return label_logps(model, placed, fused=self.fuse_head, chunk_tokens=self.chunk_tokens,
+                           compute_dtype=autocast_dtype(placed.input_ids.device),
+                           compiled=self.config.parallel.compile)
 
     def _pair_sums(self, model: nn.Module, micro, layout: PairLayout) -> torch.Tensor:
         """(N, 2) summed response log-probs of the micro-batch's pairs (chosen, rejected)."""

@@ -154,13 +154,6 @@ def _run_source(config: Config, source: str, *, key: str) -> tuple[_Run, int | N
     return _Run(paths, run_config), (int(step) if step else None)
 
 
-def frozen_logits(frozen: FrozenModel, batch, place) -> torch.Tensor:
-    """The frozen model's logits for a (host) batch, without gradients."""
-    with torch.no_grad():
-        return frozen.module(place(batch.input_ids), position_ids=place(batch.position_ids),
-                             document_ids=place(batch.document_ids))
-
-
 def frozen_model_config(config: Config, source: str, *, key: str):
     """The model config a frozen ``source`` would be built with (no weights are read)."""
     return _model_config(config, source, key=key)

@@ -82,7 +82,7 @@ from models.qwen.sampler import SamplingParams
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, resolve_rewards
-from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
+from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.environment import RewardEnvironment, Task, batch_tasks
 from training.rollout.experience import Experience, rollout_fields
@@ -293,10 +293,4 @@ class GRPOObjective:
 
     def _token_logps(self, module: nn.Module, placed: Batch, *, fuse: bool) -> torch.Tensor:
         """(B, T) log-probs of the labels, 0 where there is none."""
-        kwargs = {"position_ids": placed.position_ids, "document_ids": placed.document_ids}
-        if fuse:
-            chunk = self.config.train.loss_chunk_tokens
-            return module(placed.input_ids, **kwargs,
-                          head=lambda hidden, weight: linear_token_logps(hidden, weight, placed.labels,
-                                                                         chunk_tokens=chunk))
-        return token_logps_from_logits(module(placed.input_ids, **kwargs), placed.labels)
+        return label_logps(module, placed, fused=fuse, chunk_tokens=self.config.train.loss_chunk_tokens)

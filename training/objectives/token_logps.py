@@ -22,8 +22,10 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
 from data.batch import IGNORE_INDEX
+from models.qwen.forward import model_forward
 
 
 def linear_token_logps(
@@ -60,6 +62,35 @@ def token_logps_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, tempe
     valid = labels != IGNORE_INDEX
     picked = log_probs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     return picked * valid
+
+
+def label_logps(
+    model: nn.Module,
+    placed,
+    *,
+    fused: bool,
+    chunk_tokens: int,
+    compute_dtype: torch.dtype | None = None,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """(B, T) log-probs of a placed batch's labels under ``model``, 0 where there is none: the
+    fused head (``linear_token_logps``) or full logits. ``compute_dtype`` and ``compiled`` are
+    the fused head's (see ``linear_token_logps``); the caller says which, once, for all its
+    forwards (the policy's and a frozen model's)."""
+    if not fused:
+        return token_logps_from_logits(model_forward(model, placed).logits, placed.labels)
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear_token_logps(hidden, weight, placed.labels, chunk_tokens=chunk_tokens,
+                                  compute_dtype=compute_dtype, compiled=compiled)
+
+    return model_forward(model, placed, head=head).head
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype in force on ``device``'s type, None where autocast is off."""
+    kind = device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:

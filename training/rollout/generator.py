@@ -4,7 +4,7 @@ GRPO's rollouts and held-out evaluation, ``train.eval_generate`` and ``python -m
 generate`` all sample through a ``Generator``:
 
 - **Weights.** ``load(model)`` hands the trained model's current weights to the sampler:
-  ``models.qwen.sampler.generation_model`` gathers a plain model (a collective for sharded
+  ``training.rollout.generation_model.generation_model`` gathers a plain model (a collective for sharded
   models: every rank calls it), and from the second call on its values are copied into the
   sampler's own model, whose compiled decode step (and CUDA graph) stays valid. The command
   line builds its generator over the model it loaded (``Generator.over``) and hands nothing.
@@ -30,7 +30,8 @@ from torch import nn
 
 from data.chat_template import ChatTemplate
 from models.generation import sample_prompts
-from models.qwen.sampler import Sample, Sampler, SamplingParams, generation_model
+from models.qwen.sampler import Sample, Sampler, SamplingParams
+from training.rollout.generation_model import generation_model
 
 
 def generation_dtype(precision: str, device: torch.device) -> torch.dtype | None:
