@@ -35,6 +35,15 @@ def e2e_workdir(tmp_path_factory):
     return workdir
 
 
+@pytest.fixture(scope="session")
+def reference_runs(e2e_workdir):
+    """The guarantee table's uninterrupted 2-rank runs (tests/guarantees.py, ``References``),
+    each trained on first use and shared by the table's checks and the methods' e2e files."""
+    from tests.guarantees import References
+
+    return References(e2e_workdir)
+
+
 # Tests that start Lockstep in other processes, marked ``slow`` here so that ``make test-fast``
 # (``-m "not slow"``) leaves them out: ranks (torch.multiprocessing, torchrun, train.py), a
 # command or benchmark run as a subprocess, or a child made to crash, hang or take a signal.
@@ -110,18 +119,32 @@ def starts_processes(item) -> bool:
     return bool(listed & (names | {getattr(item, "originalname", item.name)}))
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
-def pytest_collection_modifyitems(config, items):
-    """Marks the tests that start processes ``slow`` (above), then orders the files.
+def xdist_group(item) -> str:
+    """The pytest worker group of a test under ``make test`` (``--dist loadgroup``): its
+    ``xdist_group`` mark (a guarantee-table row and its method's e2e file share one, so the
+    row's runs are trained once), else its file, so that a file's module fixtures run once."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs["name"])
+    return item.path.relative_to(ROOT).as_posix()
 
-    Files with more multi-process tests run earlier. Spread over pytest-xdist
-    workers (``make test``: whole files per worker, in this order), the long files start first
-    and the short in-process ones fill the workers in at the end, instead of one worker
-    finishing a long file alone. The sort is stable: a file's tests keep their order."""
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker, and before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests that start processes ``slow`` (above), gives every test a worker group,
+    then orders the groups.
+
+    Groups with more multi-process tests run earlier. Spread over pytest-xdist workers
+    (``make test``: whole groups per worker, in this order), the long groups start first and
+    the short in-process ones fill the workers in at the end, instead of one worker finishing
+    a long group alone. The sort is stable: a group's tests keep their order."""
     for item in items:
         if item.get_closest_marker("slow") is None and starts_processes(item):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     slow: dict = {}
     for item in items:
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.path])
+        group = xdist_group(item)
+        slow[group] = slow.get(group, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[xdist_group(item)])
