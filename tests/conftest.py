@@ -119,32 +119,41 @@ def starts_processes(item) -> bool:
     return bool(listed & (names | {getattr(item, "originalname", item.name)}))
 
 
-def xdist_group(item) -> str:
-    """The pytest worker group of a test under ``make test`` (``--dist loadgroup``): its
-    ``xdist_group`` mark (a guarantee-table row and its method's e2e file share one, so the
-    row's runs are trained once), else its file, so that a file's module fixtures run once."""
-    mark = item.get_closest_marker("xdist_group")
-    if mark is not None:
-        return str(mark.args[0] if mark.args else mark.kwargs["name"])
-    return item.path.relative_to(ROOT).as_posix()
-
-
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker, and before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests that start processes ``slow`` (above), gives every test a worker group,
-    then orders the groups.
+    """Marks the tests that start processes ``slow`` (above), then orders the worker groups.
 
-    Groups with more multi-process tests run earlier. Spread over pytest-xdist workers
+    Groups (``tests.methods.worker_group``: a file, or a guarantee-table row with its method's
+    e2e file) with more multi-process tests run earlier. Spread over pytest-xdist workers
     (``make test``: whole groups per worker, in this order), the long groups start first and
     the short in-process ones fill the workers in at the end, instead of one worker finishing
     a long group alone. The sort is stable: a group's tests keep their order."""
+    from tests.methods import worker_group
+
     for item in items:
         if item.get_closest_marker("slow") is None and starts_processes(item):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     slow: dict = {}
     for item in items:
-        group = xdist_group(item)
+        group = worker_group(item.nodeid)
         slow[group] = slow.get(group, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[xdist_group(item)])
+    items.sort(key=lambda item: -slow[worker_group(item.nodeid)])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` as ``make test`` runs it: each worker group (above) whole on one
+    worker, the groups handed out in collection order (with ``--no-loadscope-reorder``).
+    Grouped here by node ID: xdist's own loadgroup reads ``xdist_group`` marks into an
+    attribute that pytest 9 no longer uses for the node ID, and so groups nothing."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.methods import worker_group
+
+    class WorkerGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return WorkerGroups(config, log)

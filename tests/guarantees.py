@@ -20,7 +20,7 @@ below. tests/training/test_guarantees.py runs the four checks on every row:
 The uninterrupted 2-rank run of a row is trained once per test session and process
 (``References``, the ``reference_runs`` fixture of tests/conftest.py): the four checks and the
 method's own e2e file read the same run. ``make test`` puts a row's checks and its method's
-file on one pytest worker (the row's ``xdist_group``), so that run is trained once there too.
+file on one pytest worker (tests/methods.py, ``worker_group``), so that run is trained once there too.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ class Method:
     prepare: Callable[[Path], tuple[str, ...]] | None = None
     """Writes what the runs read into the working directory (a base model, a teacher run)
     and returns the overrides naming it; called once per session."""
+    e2e_file: str | None = None
+    """The method's own e2e file (``tests/...``), which reads this row's runs."""
     timeout_s: float = 300
     kill: Kill = Kill(seed=7)
     kill_overrides: Callable[[Path], tuple[str, ...]] | None = None

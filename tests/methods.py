@@ -1,10 +1,10 @@
 """The guarantee table: one row per training method (tests/guarantees.py says what a row holds
 and what the four checks assert; tests/training/test_guarantees.py runs them on every row).
 
-A new method is one more ``Method`` in ``METHODS``; its own e2e file then tests only what is
-particular to it, reading the row's uninterrupted run through the ``reference_runs`` fixture
-and marking its tests with the row's ``xdist_group`` (``group``), so that ``make test`` runs
-them on the worker that trains that run.
+A new method is one more ``Method`` in ``METHODS``; its own e2e file (the row's ``e2e_file``)
+then tests only what is particular to it, reading the row's uninterrupted run through the
+``reference_runs`` fixture; ``make test`` runs that file and the row's checks on one worker
+(``worker_group``), so that the run is trained once.
 
 Notes on the rows that differ from the defaults:
 
@@ -19,8 +19,6 @@ Notes on the rows that differ from the defaults:
 from __future__ import annotations
 
 from pathlib import Path
-
-import pytest
 
 from tests import launch
 from tests.guarantees import CONFIGS, Kill, Method, run_dir
@@ -76,50 +74,52 @@ DPO_LORA = ("model.lora.rank=4", "model.lora.alpha=8.0", "model.lora.dropout=0.1
             "objective.dpo.reference=adapter_off", "parallel.strategy=fsdp", "parallel.activation_checkpointing=full")
 HEAD_IN_FLOAT8 = ("parallel.float8_head=true", "parallel.strategy=fsdp", "checkpoint.interval=2")
 
-PRETRAINING = Method("pretraining", "e2e.yaml", steps=12, kill=Kill(seed=1234, kills=3), accumulation_steps=3,
+PRETRAINING = Method("pretraining", "e2e.yaml", e2e_file="tests/training/test_determinism_e2e.py", steps=12, kill=Kill(seed=1234, kills=3), accumulation_steps=3,
                      accumulation_close={"grad_norm": (1e-4, 0.0)})
 PRETRAINING_FSDP = Method("pretraining-fsdp", "e2e.yaml", overrides=QWEN_FSDP, kill=Kill(seed=5), replay_steps=(5,))
-SFT = Method("sft", "e2e-sft.yaml", kill=Kill(seed=99), one_rank_same=("batch_hash", "trained_tokens"),
+SFT = Method("sft", "e2e-sft.yaml", e2e_file="tests/training/test_sft_e2e.py", kill=Kill(seed=99), one_rank_same=("batch_hash", "trained_tokens"),
              accumulation_overrides=("parallel.strategy=none",))
 # The reference log-probs come from a cache the uninterrupted run fills; the killed run fills
 # its own while it is killed (a torn last line is computed again on resume).
-DPO = Method("dpo", "e2e-dpo.yaml", overrides=("train.eval_interval=8", "train.eval_batches=2",
+DPO = Method("dpo", "e2e-dpo.yaml", e2e_file="tests/training/test_dpo_e2e.py", overrides=("train.eval_interval=8", "train.eval_batches=2",
                                                 "objective.dpo.cache_reference=true"),
              prepare=_dpo_cache("dpo-reference-cache"), kill_overrides=_dpo_cache("dpo-killed-cache"),
              one_rank_same=("batch_hash", "pairs"), accumulation_overrides=("parallel.strategy=none",),
              accumulation_close={"rewards_margin": (1e-4, 1e-7)})
-DPO_LORA_ADAPTER_OFF = Method("dpo-lora-adapter-off", "e2e-dpo.yaml", steps=6, overrides=DPO_LORA,
+DPO_LORA_ADAPTER_OFF = Method("dpo-lora-adapter-off", "e2e-dpo.yaml", e2e_file="tests/training/test_dpo_e2e.py", steps=6, overrides=DPO_LORA,
                               kill=Kill(seed=11, kills=1), replay_steps=(6,), one_rank_loss_rel=5e-3,
                               accumulation_overrides=("model.lora.dropout=0.0",))
-DISTILL = Method("distill", "e2e-distill.yaml", prepare=_teacher, kill=Kill(seed=11),
+DISTILL = Method("distill", "e2e-distill.yaml", e2e_file="tests/training/test_distill_e2e.py", prepare=_teacher, kill=Kill(seed=11),
                  accumulation_overrides=("parallel.strategy=none",))
-LORA = Method("lora", "e2e-lora.yaml", prepare=_base("e2e-lora.yaml", "lora-base", 7), one_rank_loss_rel=5e-3,
+LORA = Method("lora", "e2e-lora.yaml", e2e_file="tests/training/test_lora_e2e.py", prepare=_base("e2e-lora.yaml", "lora-base", 7), one_rank_loss_rel=5e-3,
               accumulation_overrides=("model.lora.dropout=0.0",))
-QLORA = Method("qlora", "e2e-qlora.yaml", prepare=_base("e2e-qlora.yaml", "qlora-base", 11), needs=("torchao",),
+QLORA = Method("qlora", "e2e-qlora.yaml", e2e_file="tests/training/test_qlora_e2e.py", prepare=_base("e2e-qlora.yaml", "qlora-base", 11), needs=("torchao",),
                kill=Kill(seed=11),
                one_rank_same=("batch_hash", "trained_tokens"))
-QLORA_FSDP = Method("qlora-fsdp", "e2e-qlora-fsdp.yaml", steps=6,
+QLORA_FSDP = Method("qlora-fsdp", "e2e-qlora-fsdp.yaml", e2e_file="tests/training/test_qlora_e2e.py", steps=6,
                     prepare=_base("e2e-qlora-fsdp.yaml", "qlora-fsdp-base", 11), needs=("torchao",),
                     kill=Kill(seed=0, stall=True),
                     replay_steps=(5,), one_rank_same=("batch_hash", "trained_tokens"))
-GRPO = Method("grpo", "e2e-grpo.yaml", steps=5, timeout_s=600,
+GRPO = Method("grpo", "e2e-grpo.yaml", e2e_file="tests/training/test_grpo_e2e.py", steps=5, timeout_s=600,
               kill=Kill(seed=7, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),  # most kills land mid-rollout
               replay_steps=(3,), one_rank_step=2, one_rank_same=("rollout_hash", "batch_hash", "reward_mean"),
               one_rank_exact_steps=1)
-FLOAT8_HEAD = Method("float8-head", "e2e.yaml", steps=6, overrides=HEAD_IN_FLOAT8, kill=Kill(seed=20),
+FLOAT8_HEAD = Method("float8-head", "e2e.yaml", e2e_file="tests/training/test_float8_head_e2e.py", steps=6, overrides=HEAD_IN_FLOAT8, kill=Kill(seed=20),
                      replay_steps=(3, 5))
 
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
            FLOAT8_HEAD)
 
-# Rows whose method file reads several rows' runs share that file's worker.
-GROUPS = {"dpo-lora-adapter-off": "dpo", "qlora-fsdp": "qlora"}
+TABLE = "tests/training/test_guarantees.py"
+BY_NAME = {method.name: method for method in METHODS}
 
 
-def group(method: Method) -> str:
-    """The row's ``xdist_group``: the worker its runs are trained on under ``make test``."""
-    return GROUPS.get(method.name, method.name)
-
-
-def on_its_worker(method: Method) -> pytest.MarkDecorator:
-    return pytest.mark.xdist_group(group(method))
+def worker_group(nodeid: str) -> str:
+    """The group a test runs in under ``make test`` (tests/conftest.py): a row's checks and its
+    method's e2e file (``e2e_file``) share one, so that the row's runs are trained once; any
+    other test is grouped with its file, so that a file's module fixtures run once."""
+    path, _, name = nodeid.partition("::")
+    if path == TABLE and name.endswith("]"):
+        method = BY_NAME[name[name.index("[") + 1:-1]]
+        return method.e2e_file or method.name
+    return path

@@ -22,9 +22,9 @@ import pytest
 
 from tests import launch
 from tests.e2e_config import e2e_args
-from tests.methods import PRETRAINING, on_its_worker
+from tests.methods import PRETRAINING
 
-pytestmark = [pytest.mark.slow, on_its_worker(PRETRAINING)]
+pytestmark = pytest.mark.slow
 
 STEPS = PRETRAINING.steps
 

@@ -15,9 +15,9 @@ import json
 import pytest
 
 from tests import launch
-from tests.methods import DISTILL, on_its_worker, train_teacher
+from tests.methods import DISTILL, train_teacher
 
-pytestmark = [pytest.mark.slow, on_its_worker(DISTILL)]
+pytestmark = pytest.mark.slow
 
 STEPS = DISTILL.steps
 DISTILL_CONFIG = DISTILL.config_path

@@ -20,9 +20,9 @@ import json
 import pytest
 
 from tests import launch
-from tests.methods import DPO, DPO_LORA_ADAPTER_OFF, on_its_worker
+from tests.methods import DPO, DPO_LORA_ADAPTER_OFF
 
-pytestmark = [pytest.mark.slow, on_its_worker(DPO)]
+pytestmark = pytest.mark.slow
 
 STEPS = DPO.steps
 DPO_CONFIG = DPO.config_path

@@ -9,9 +9,9 @@ import pytest
 from tests import launch
 from tests.e2e_config import e2e_args
 from tests.guarantees import run_dir
-from tests.methods import FLOAT8_HEAD, HEAD_IN_FLOAT8, on_its_worker
+from tests.methods import FLOAT8_HEAD, HEAD_IN_FLOAT8
 
-pytestmark = [pytest.mark.slow, on_its_worker(FLOAT8_HEAD)]
+pytestmark = pytest.mark.slow
 
 
 def test_the_key_reaches_the_head(e2e_workdir, reference_runs):

@@ -24,9 +24,9 @@ import json
 import pytest
 
 from tests import launch
-from tests.methods import GRPO, on_its_worker
+from tests.methods import GRPO
 
-pytestmark = [pytest.mark.slow, on_its_worker(GRPO)]
+pytestmark = pytest.mark.slow
 
 STEPS = GRPO.steps
 GRPO_CONFIG = GRPO.config_path

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 
 from tests import guarantees
-from tests.methods import METHODS, on_its_worker
+from tests.methods import METHODS
 
 pytestmark = pytest.mark.slow
 
-ROWS = [pytest.param(method, id=method.name, marks=on_its_worker(method)) for method in METHODS]
+ROWS = [pytest.param(method, id=method.name) for method in METHODS]
 
 
 @pytest.mark.parametrize("method", ROWS)

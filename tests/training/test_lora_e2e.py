@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from tests import launch
-from tests.methods import LORA, on_its_worker, save_base
+from tests.methods import LORA, save_base
 
-pytestmark = [pytest.mark.slow, on_its_worker(LORA)]
+pytestmark = pytest.mark.slow
 
 STEPS = LORA.steps
 LORA_CONFIG = LORA.config_path

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 
 from tests import launch
-from tests.methods import QLORA, QLORA_FSDP, on_its_worker
+from tests.methods import QLORA, QLORA_FSDP
 
-pytestmark = [pytest.mark.slow, on_its_worker(QLORA)]
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("torchao")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 
 from tests import launch
-from tests.methods import SFT, on_its_worker
+from tests.methods import SFT
 
-pytestmark = [pytest.mark.slow, on_its_worker(SFT)]
+pytestmark = pytest.mark.slow
 
 STEPS = SFT.steps
 SFT_CONFIG = SFT.config_path
