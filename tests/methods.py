@@ -11,8 +11,9 @@ Notes on the rows that differ from the defaults:
 - LoRA's adapter dropout draws its masks keyed by data-parallel rank and micro-batch
   (models/lora.py): a 1-rank resume draws other masks after the checkpoint (losses within
   5e-3, measured under 1e-3), and the accumulation check turns dropout off.
-- GRPO samples its batches from the weights: after a 1-rank resume the first step's rollouts
-  and batch are the 2-rank run's, later ones sample from weights reduced in another order.
+- GRPO samples its batches from the weights: after a 1-rank resume, or with another micro-batch
+  size, the first step's rollouts and batch are the same, later ones come from weights that
+  were reduced in another order (the same prompts); its first update's loss is near zero.
 - QLoRA under FSDP is killed at a known point (step 5's data stalled), once.
 """
 
@@ -103,7 +104,8 @@ QLORA_FSDP = Method("qlora-fsdp", "e2e-qlora-fsdp.yaml", e2e_file="tests/trainin
 GRPO = Method("grpo", "e2e-grpo.yaml", e2e_file="tests/training/test_grpo_e2e.py", steps=5, timeout_s=600,
               kill=Kill(seed=7, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),  # most kills land mid-rollout
               replay_steps=(3,), one_rank_step=2, one_rank_same=("rollout_hash", "batch_hash", "reward_mean"),
-              one_rank_exact_steps=1)
+              samples_from_weights=True, accumulation_steps=1,
+              accumulation_close={"grad_norm": (1e-5, 0.0)})
 FLOAT8_HEAD = Method("float8-head", "e2e.yaml", e2e_file="tests/training/test_float8_head_e2e.py", steps=6, overrides=HEAD_IN_FLOAT8, kill=Kill(seed=20),
                      replay_steps=(3, 5))
 
