@@ -10,7 +10,11 @@ Notes on the rows that differ from the defaults:
 
 - LoRA's adapter dropout draws its masks keyed by data-parallel rank and micro-batch
   (models/lora.py): a 1-rank resume draws other masks after the checkpoint (losses within
-  5e-3, measured under 1e-3), and the accumulation check turns dropout off.
+  5e-3, measured under 1e-3; DPO's loss, read from small log-prob differences, within 1e-2,
+  measured 6.3e-3), and the accumulation check turns dropout off.
+- The FP8 head casts each chunk of a micro-batch's hidden states with its own scale (amax,
+  training/linear_cross_entropy.py), so other micro-batch sizes round in FP8 differently: the
+  accumulation check's losses agree within 1e-4 (measured 4.8e-5), not fp32 noise.
 - GRPO samples its batches from the weights: after a 1-rank resume, or with another micro-batch
   size, the first step's rollouts and batch are the same, later ones come from weights that
   were reduced in another order (the same prompts); its first update's loss is near zero.
@@ -88,7 +92,7 @@ DPO = Method("dpo", "e2e-dpo.yaml", e2e_file="tests/training/test_dpo_e2e.py", o
              one_rank_same=("batch_hash", "pairs"), accumulation_overrides=("parallel.strategy=none",),
              accumulation_close={"rewards_margin": (1e-4, 1e-7)})
 DPO_LORA_ADAPTER_OFF = Method("dpo-lora-adapter-off", "e2e-dpo.yaml", e2e_file="tests/training/test_dpo_e2e.py", steps=6, overrides=DPO_LORA,
-                              kill=Kill(seed=11, kills=1), replay_steps=(6,), one_rank_loss_rel=5e-3,
+                              kill=Kill(seed=11, kills=1), replay_steps=(6,), one_rank_loss_rel=1e-2,
                               accumulation_overrides=("model.lora.dropout=0.0",))
 DISTILL = Method("distill", "e2e-distill.yaml", e2e_file="tests/training/test_distill_e2e.py", prepare=_teacher, kill=Kill(seed=11),
                  accumulation_overrides=("parallel.strategy=none",))
@@ -107,7 +111,7 @@ GRPO = Method("grpo", "e2e-grpo.yaml", e2e_file="tests/training/test_grpo_e2e.py
               samples_from_weights=True, accumulation_steps=1,
               accumulation_close={"grad_norm": (1e-5, 0.0)})
 FLOAT8_HEAD = Method("float8-head", "e2e.yaml", e2e_file="tests/training/test_float8_head_e2e.py", steps=6, overrides=HEAD_IN_FLOAT8, kill=Kill(seed=20),
-                     replay_steps=(3, 5))
+                     replay_steps=(3, 5), accumulation_loss_rel=1e-4)
 
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
            FLOAT8_HEAD)
