@@ -74,7 +74,7 @@ class Method:
     """Writes what the runs read into the working directory (a base model, a teacher run)
     and returns the overrides naming it; called once per session."""
     e2e_file: str | None = None
-    """The method's own e2e file (``tests/...``), which reads this row's runs."""
+    """The method's own e2e file in tests/training/, which reads this row's runs."""
     timeout_s: float = 300
     kill: Kill = Kill(seed=7)
     kill_overrides: Callable[[Path], tuple[str, ...]] | None = None

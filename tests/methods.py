@@ -79,39 +79,38 @@ DPO_LORA = ("model.lora.rank=4", "model.lora.alpha=8.0", "model.lora.dropout=0.1
             "objective.dpo.reference=adapter_off", "parallel.strategy=fsdp", "parallel.activation_checkpointing=full")
 HEAD_IN_FLOAT8 = ("parallel.float8_head=true", "parallel.strategy=fsdp", "checkpoint.interval=2")
 
-PRETRAINING = Method("pretraining", "e2e.yaml", e2e_file="tests/training/test_determinism_e2e.py", steps=12, kill=Kill(seed=1234, kills=3), accumulation_steps=3,
+PRETRAINING = Method("pretraining", "e2e.yaml", e2e_file="test_determinism_e2e.py", steps=12,
+                     kill=Kill(seed=1234, kills=3), accumulation_steps=3,
                      accumulation_close={"grad_norm": (1e-4, 0.0)})
 PRETRAINING_FSDP = Method("pretraining-fsdp", "e2e.yaml", overrides=QWEN_FSDP, kill=Kill(seed=5), replay_steps=(5,))
-SFT = Method("sft", "e2e-sft.yaml", e2e_file="tests/training/test_sft_e2e.py", kill=Kill(seed=99), one_rank_same=("batch_hash", "trained_tokens"),
-             accumulation_overrides=("parallel.strategy=none",))
+SFT = Method("sft", "e2e-sft.yaml", e2e_file="test_sft_e2e.py", kill=Kill(seed=99),
+             one_rank_same=("batch_hash", "trained_tokens"), accumulation_overrides=("parallel.strategy=none",))
 # The reference log-probs come from a cache the uninterrupted run fills; the killed run fills
 # its own while it is killed (a torn last line is computed again on resume).
-DPO = Method("dpo", "e2e-dpo.yaml", e2e_file="tests/training/test_dpo_e2e.py", overrides=("train.eval_interval=8", "train.eval_batches=2",
-                                                "objective.dpo.cache_reference=true"),
+DPO = Method("dpo", "e2e-dpo.yaml", e2e_file="test_dpo_e2e.py",
+             overrides=("train.eval_interval=8", "train.eval_batches=2", "objective.dpo.cache_reference=true"),
              prepare=_dpo_cache("dpo-reference-cache"), kill_overrides=_dpo_cache("dpo-killed-cache"),
              one_rank_same=("batch_hash", "pairs"), accumulation_overrides=("parallel.strategy=none",),
              accumulation_close={"rewards_margin": (1e-4, 1e-7)})
-DPO_LORA_ADAPTER_OFF = Method("dpo-lora-adapter-off", "e2e-dpo.yaml", e2e_file="tests/training/test_dpo_e2e.py", steps=6, overrides=DPO_LORA,
-                              kill=Kill(seed=11, kills=1), replay_steps=(6,), one_rank_loss_rel=1e-2,
-                              accumulation_overrides=("model.lora.dropout=0.0",))
-DISTILL = Method("distill", "e2e-distill.yaml", e2e_file="tests/training/test_distill_e2e.py", prepare=_teacher, kill=Kill(seed=11),
+DPO_LORA_ADAPTER_OFF = Method("dpo-lora-adapter-off", "e2e-dpo.yaml", e2e_file="test_dpo_e2e.py", steps=6,
+                              overrides=DPO_LORA, kill=Kill(seed=11, kills=1), replay_steps=(6,),
+                              one_rank_loss_rel=1e-2, accumulation_overrides=("model.lora.dropout=0.0",))
+DISTILL = Method("distill", "e2e-distill.yaml", e2e_file="test_distill_e2e.py", prepare=_teacher, kill=Kill(seed=11),
                  accumulation_overrides=("parallel.strategy=none",))
-LORA = Method("lora", "e2e-lora.yaml", e2e_file="tests/training/test_lora_e2e.py", prepare=_base("e2e-lora.yaml", "lora-base", 7), one_rank_loss_rel=5e-3,
-              accumulation_overrides=("model.lora.dropout=0.0",))
-QLORA = Method("qlora", "e2e-qlora.yaml", e2e_file="tests/training/test_qlora_e2e.py", prepare=_base("e2e-qlora.yaml", "qlora-base", 11), needs=("torchao",),
-               kill=Kill(seed=11),
+LORA = Method("lora", "e2e-lora.yaml", e2e_file="test_lora_e2e.py", prepare=_base("e2e-lora.yaml", "lora-base", 7),
+              one_rank_loss_rel=5e-3, accumulation_overrides=("model.lora.dropout=0.0",))
+QLORA = Method("qlora", "e2e-qlora.yaml", e2e_file="test_qlora_e2e.py", needs=("torchao",),
+               prepare=_base("e2e-qlora.yaml", "qlora-base", 11), kill=Kill(seed=11),
                one_rank_same=("batch_hash", "trained_tokens"))
-QLORA_FSDP = Method("qlora-fsdp", "e2e-qlora-fsdp.yaml", e2e_file="tests/training/test_qlora_e2e.py", steps=6,
-                    prepare=_base("e2e-qlora-fsdp.yaml", "qlora-fsdp-base", 11), needs=("torchao",),
-                    kill=Kill(seed=0, stall=True),
+QLORA_FSDP = Method("qlora-fsdp", "e2e-qlora-fsdp.yaml", e2e_file="test_qlora_e2e.py", steps=6, needs=("torchao",),
+                    prepare=_base("e2e-qlora-fsdp.yaml", "qlora-fsdp-base", 11), kill=Kill(seed=0, stall=True),
                     replay_steps=(5,), one_rank_same=("batch_hash", "trained_tokens"))
-GRPO = Method("grpo", "e2e-grpo.yaml", e2e_file="tests/training/test_grpo_e2e.py", steps=5, timeout_s=600,
+GRPO = Method("grpo", "e2e-grpo.yaml", e2e_file="test_grpo_e2e.py", steps=5, timeout_s=600,
               kill=Kill(seed=7, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),  # most kills land mid-rollout
               replay_steps=(3,), one_rank_step=2, one_rank_same=("rollout_hash", "batch_hash", "reward_mean"),
-              samples_from_weights=True, accumulation_steps=1,
-              accumulation_close={"grad_norm": (1e-5, 0.0)})
-FLOAT8_HEAD = Method("float8-head", "e2e.yaml", e2e_file="tests/training/test_float8_head_e2e.py", steps=6, overrides=HEAD_IN_FLOAT8, kill=Kill(seed=20),
-                     replay_steps=(3, 5), accumulation_loss_rel=1e-4)
+              samples_from_weights=True, accumulation_steps=1, accumulation_close={"grad_norm": (1e-5, 0.0)})
+FLOAT8_HEAD = Method("float8-head", "e2e.yaml", e2e_file="test_float8_head_e2e.py", steps=6, overrides=HEAD_IN_FLOAT8,
+                     kill=Kill(seed=20), replay_steps=(3, 5), accumulation_loss_rel=1e-4)
 
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
            FLOAT8_HEAD)
@@ -127,5 +126,5 @@ def worker_group(nodeid: str) -> str:
     path, _, name = nodeid.partition("::")
     if path == TABLE and name.endswith("]"):
         method = BY_NAME[name[name.index("[") + 1:-1]]
-        return method.e2e_file or method.name
+        return f"tests/training/{method.e2e_file}" if method.e2e_file else method.name
     return path

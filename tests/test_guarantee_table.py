@@ -22,8 +22,9 @@ def test_a_rows_checks_and_its_method_file_share_a_worker_group(method):
     if method.e2e_file is None:
         assert worker_group(check) == method.name
         return
-    assert (conftest.ROOT / method.e2e_file).is_file(), method.e2e_file
-    assert worker_group(check) == worker_group(f"{method.e2e_file}::test_anything") == method.e2e_file
+    path = f"tests/training/{method.e2e_file}"
+    assert (conftest.ROOT / path).is_file(), path
+    assert worker_group(check) == worker_group(f"{path}::test_anything") == path
 
 
 def test_other_tests_are_grouped_by_file():
