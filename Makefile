@@ -35,15 +35,19 @@ train: $(STAMP) $(TINY_DATA) $(QWEN_TOKENIZER)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# Test files run on TEST_WORKERS pytest workers (pytest-xdist), a file's tests on one worker so
-# that its shared reference runs are trained once; TEST_WORKERS=0 runs them in this process.
+# Tests run on TEST_WORKERS pytest workers (pytest-xdist) in groups: a file, or a guarantee-table
+# row with its method's e2e file (tests/methods.py, worker_group), each group on one worker so
+# that its shared reference runs are trained once, the groups in tests/conftest.py's order
+# (longest first); TEST_WORKERS=0 runs them in this process.
+XDIST := --dist loadgroup --no-loadscope-reorder
+
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: the in-process tests only (no test marked `slow`, i.e. none that starts
 # processes; tests/conftest.py), under 3 minutes on 2 cores. `make test` runs everything.
 test-fast: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 test-xla:
 	bash scripts/setup_xla_venv.sh

@@ -41,6 +41,15 @@ def e2e_workdir(tmp_path_factory):
     return workdir
 
 
+@pytest.fixture(scope="session")
+def reference_runs(e2e_workdir):
+    """The guarantee table's uninterrupted 2-rank runs (tests/guarantees.py, ``References``),
+    each trained on first use and shared by the table's checks and the methods' e2e files."""
+    from tests.guarantees import References
+
+    return References(e2e_workdir)
+
+
 # Tests that start Lockstep in other processes, marked ``slow`` here so that ``make test-fast``
 # (``-m "not slow"``) leaves them out: ranks (torch.multiprocessing, torchrun, train.py), a
 # command or benchmark run as a subprocess, or a child made to crash, hang or take a signal.
@@ -118,16 +127,39 @@ def starts_processes(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests that start processes ``slow`` (above), then orders the files.
+    """Marks the tests that start processes ``slow`` (above), then orders the worker groups.
 
-    Files with more multi-process tests run earlier. Spread over pytest-xdist
-    workers (``make test``: whole files per worker, in this order), the long files start first
-    and the short in-process ones fill the workers in at the end, instead of one worker
-    finishing a long file alone. The sort is stable: a file's tests keep their order."""
+    Groups (``tests.methods.worker_group``: a file, or a guarantee-table row with its method's
+    e2e file) with more multi-process tests run earlier. Spread over pytest-xdist workers
+    (``make test``: whole groups per worker, in this order), the long groups start first and
+    the short in-process ones fill the workers in at the end, instead of one worker finishing
+    a long group alone. The sort is stable: a group's tests keep their order."""
+    from tests.methods import worker_group
+
     for item in items:
         if item.get_closest_marker("slow") is None and starts_processes(item):
             item.add_marker(pytest.mark.slow)
     slow: dict = {}
     for item in items:
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.path])
+        group = worker_group(item.nodeid)
+        slow[group] = slow.get(group, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[worker_group(item.nodeid)])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` as ``make test`` runs it: each worker group (above) whole on one
+    worker, the groups handed out in collection order (with ``--no-loadscope-reorder``).
+    Grouped here by node ID: xdist's own loadgroup reads ``xdist_group`` marks into an
+    attribute that pytest 9 no longer uses for the node ID, and so groups nothing."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.methods import worker_group
+
+    class WorkerGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return WorkerGroups(config, log)

@@ -1,16 +1,16 @@
-"""DPO keeps every guarantee of the loop, end to end on CPU ranks (tests/configs/e2e-dpo.yaml):
+"""DPO end to end on CPU ranks (tests/configs/e2e-dpo.yaml). The four guarantees are two rows of
+tests/training/test_guarantees.py: ``dpo`` (reference log-probs from a cache; the killed run
+fills its own cache while it is killed; ``pairs``, ``rewards_margin`` and ``accuracy`` in the
+ledger; the 2 -> 1 rank resume keeps the batch hashes and pair counts; accumulation keeps the
+loss and margins) and ``dpo-lora-adapter-off`` (LoRA with ``reference: adapter_off``, the
+policy with its adapters off, under FSDP2 with activation checkpointing and adapter dropout).
+Here, what is particular to DPO:
 
-- SIGKILL of the 2-rank job at random moments, then resume, ends with a ledger identical to an
-  uninterrupted run's (``pairs``, ``rewards_margin`` and ``accuracy`` included);
-- replay of a step before and after a checkpoint verifies;
-- 2 ranks -> resume on 1 rank keeps the batch hashes (pair roles and reference log-probs are in them);
-- accumulation 8x1 vs 2x4 on one rank: the same loss (the mean over the global batch's pairs);
+- the first step's loss is log 2 (policy == reference), then margins move; the eval event
+  reports the preference metrics (accuracy, margins) on held-out pairs;
 - cached reference log-probs give the very same ledger as the online reference, the cache is
   what the second run reads, and a cache made for another configuration is refused (exit 4);
-- the eval event reports the preference metrics (accuracy, margins) on held-out pairs;
-- LoRA with ``reference: adapter_off`` (the policy with its adapters off, under FSDP2 with
-  activation checkpointing and adapter dropout): SIGKILL/resume gives the same ledger, replay
-  verifies, and checkpoints record the LoRA base's identity as the reference's.
+- with ``reference: adapter_off``, checkpoints record the LoRA base's identity as the reference's.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import json
 import pytest
 
 from tests import launch
+from tests.methods import DPO, DPO_LORA_ADAPTER_OFF
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
-DPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-dpo.yaml"
+STEPS = DPO.steps
+DPO_CONFIG = DPO.config_path
 
 
 def dpo_args(*, max_steps: int = STEPS, name: str = "dpo", overrides=()) -> list[str]:
@@ -35,12 +36,10 @@ def _run_dir(workdir, result):
     return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
 
 
-@pytest.fixture(scope="module")
-def reference(e2e_workdir):
-    result = launch.train(e2e_workdir, dpo_args(overrides=["train.eval_interval=8", "train.eval_batches=2"]),
-                          nproc=2)
-    assert result.returncode == 0, result.stderr
-    return _run_dir(e2e_workdir, result)
+@pytest.fixture
+def reference(reference_runs):
+    """The ``dpo`` row's uninterrupted run: 8 steps, an eval at step 8, a reference cache."""
+    return reference_runs.run(DPO)
 
 
 def test_dpo_ledger_records_pairs_margins_and_accuracy(reference):
@@ -54,32 +53,6 @@ def test_dpo_ledger_records_pairs_margins_and_accuracy(reference):
     assert any(line["rewards_margin"] != 0.0 for line in lines[1:])
     evals = [e for e in launch.events(reference) if e["event"] == "eval"]
     assert evals and {"accuracies", "margins", "chosen_rewards"} <= set(evals[-1]["metrics"])
-
-
-def test_dpo_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):
-    args = dpo_args(name="dpo-killed", overrides=["train.eval_interval=8", "train.eval_batches=2"])
-    run_dir = launch.kill_and_resume(e2e_workdir, args, name="dpo-killed", seed=7)
-    assert launch.ledger(run_dir) == launch.ledger(reference)
-
-
-def test_dpo_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, reference):
-    launch.replay_verifies(e2e_workdir, reference)  # steps 3 and 6: checkpoints every 4 steps
-
-
-def test_dpo_resume_on_one_rank_keeps_the_batch_hashes(e2e_workdir, reference):
-    launch.one_rank_resume_keeps_the_batches(e2e_workdir, reference, same=("pairs",))
-
-
-def test_dpo_accumulation_does_not_change_the_loss(e2e_workdir):
-    runs = [launch.train(e2e_workdir, dpo_args(max_steps=2, name=f"dpo-acc{m}",
-                                               overrides=[f"train.micro_batch_size={m}", "parallel.strategy=none"]),
-                         nproc=1) for m in (1, 4)]
-    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
-    a, b = (launch.ledger(_run_dir(e2e_workdir, r)) for r in runs)
-    assert [r["batch_hash"] for r in a] == [r["batch_hash"] for r in b]
-    for x, y in zip(a, b):
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
-        assert x["rewards_margin"] == pytest.approx(y["rewards_margin"], rel=1e-4, abs=1e-7)
 
 
 def test_dpo_cached_reference_is_bitwise_the_online_one_and_a_stale_cache_is_refused(e2e_workdir, tmp_path):
@@ -115,18 +88,10 @@ def test_dpo_cached_reference_is_bitwise_the_online_one_and_a_stale_cache_is_ref
     assert "reference cache" in stale.stderr and "fingerprint" in stale.stderr
 
 
-def test_dpo_lora_adapter_off_reference_resumes_identically_and_replays(e2e_workdir):
-    overrides = ["model.lora.rank=4", "model.lora.alpha=8.0", "model.lora.dropout=0.1", "train.lr=1.0e-2",
-                 "objective.dpo.reference=adapter_off", "parallel.strategy=fsdp",
-                 "parallel.activation_checkpointing=full"]
-    whole = launch.train(e2e_workdir, dpo_args(max_steps=6, name="dpo-lora", overrides=overrides), nproc=2)
-    assert whole.returncode == 0, whole.stderr
-    expected = launch.ledger(_run_dir(e2e_workdir, whole))
+def test_dpo_lora_adapter_off_reference_is_the_base(reference_runs):
+    run_dir = reference_runs.run(DPO_LORA_ADAPTER_OFF)
+    expected = launch.ledger(run_dir)
     assert expected[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-6)  # B = 0: the policy is its base
     assert any(line["rewards_margin"] != 0.0 for line in expected[1:])  # ... and then moves away from it
-    args = dpo_args(max_steps=6, name="dpo-lora-killed", overrides=overrides)
-    run_dir = launch.kill_and_resume(e2e_workdir, args, name="dpo-lora-killed", seed=11, kills=1)
-    assert launch.ledger(run_dir) == expected
-    launch.replay_verifies(e2e_workdir, run_dir, steps=(6,))  # from the checkpoint of step 4
     frozen = json.loads((run_dir / "checkpoints" / "step_00000004" / "objective_state.json").read_text())["frozen"]
     assert frozen["reference"] == frozen["base"] and frozen["base"]["path"] == "init:seed"

@@ -1,13 +1,13 @@
-"""GRPO keeps every guarantee of the loop, end to end on 2 CPU ranks (tests/configs/e2e-grpo.yaml):
+"""GRPO end to end on 2 CPU ranks (tests/configs/e2e-grpo.yaml). The four guarantees are the
+``grpo`` row of tests/training/test_guarantees.py: SIGKILL at random moments (mostly mid-rollout:
+rollouts are most of a step) then resume gives the uninterrupted ledger, ``rollout_hash`` and
+the reward statistics included; replay regenerates a step's rollouts and verifies them, then
+the config's two updates per rollout batch (``inner_updates: 2``); a 2-rank run resumed on 1
+rank consumes the same prompts and samples the same rollouts and batch at the first step after
+its checkpoint; accumulation keeps the batch and loss. Here, what is particular to GRPO:
 
-- SIGKILL of the whole job at random moments (rollouts included: they are most of a step),
-  then resume by run ID, ends with a ledger identical line for line to an uninterrupted run's,
-  ``rollout_hash`` and the reward statistics included;
-- replay of a step regenerates its rollouts and verifies (rollout_hash, then the updates: the
-  config makes two per rollout batch, ``inner_updates: 2``);
-- 2 ranks -> 1 rank samples the same first step (keys are per global prompt row, not per rank),
-  and a 2-rank run resumed on 1 rank consumes the same prompts and samples the same rollouts
-  at the first step after its checkpoint;
+- the ledger holds the rollouts' and rewards' statistics, and both inner updates;
+- 2 ranks -> 1 rank samples the same first step (keys are per global prompt row, not per rank);
 - the held-out evaluation (greedy completions, reward mean and exact-answer accuracy, and the
   sampled pass@1 of ``eval_samples`` completions per prompt, in the
   ``eval`` event) is the same on 1 and 2 ranks and equals the rewards of ``python -m training
@@ -24,11 +24,12 @@ import json
 import pytest
 
 from tests import launch
+from tests.methods import GRPO
 
 pytestmark = pytest.mark.slow
 
-STEPS = 5
-GRPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-grpo.yaml"
+STEPS = GRPO.steps
+GRPO_CONFIG = GRPO.config_path
 
 
 def grpo_args(*, max_steps: int = STEPS, name: str = "grpo", overrides=()) -> list[str]:
@@ -39,11 +40,9 @@ def _run_dir(workdir, result):
     return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
 
 
-@pytest.fixture(scope="module")
-def reference(e2e_workdir):
-    result = launch.train(e2e_workdir, grpo_args(), nproc=2, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return _run_dir(e2e_workdir, result)
+@pytest.fixture
+def reference(reference_runs):
+    return reference_runs.run(GRPO)
 
 
 def test_grpo_ledger_has_rollouts_and_rewards(reference):
@@ -60,35 +59,6 @@ def test_grpo_ledger_has_rollouts_and_rewards(reference):
     assert all(len(line["inner_losses"]) == 2 == len(line["inner_grad_norms"]) for line in lines)
     assert all(line["inner_losses"][0] == line["loss"] for line in lines)
     assert any(line["inner_losses"][1] != line["loss"] for line in lines)
-
-
-def test_grpo_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):
-    # Up to a second after a step boundary: the kill lands in a rollout most of the time.
-    run_dir = launch.kill_and_resume(e2e_workdir, grpo_args(name="grpo-killed"), name="grpo-killed", seed=7,
-                                     steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600)
-    assert launch.ledger(run_dir) == launch.ledger(reference)
-
-
-def test_grpo_replay_regenerates_the_rollouts(e2e_workdir, reference):
-    result = launch.train(e2e_workdir, ["--replay", reference.name, "--step", "3"], nproc=2, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert "match" in result.stdout
-
-
-def test_grpo_resume_on_one_rank_keeps_the_data_and_the_next_rollouts(e2e_workdir, reference):
-    # Cut back to the step-2 checkpoint and resume on one rank: every step consumes the same
-    # prompts (data_state_hash), and step 3 samples from the checkpoint's weights, so its
-    # rollouts and its whole batch are the same too. Later steps sample from weights the two
-    # world sizes reduced in a different order (equal up to rounding).
-    copy = launch.cut_back_copy(reference, 2, "-one-rank")
-    resumed = launch.train(e2e_workdir, ["--resume", copy.name], nproc=1, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr
-    ref, got = launch.ledger(reference), launch.ledger(copy)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert [r["data_state_hash"] for r in got] == [r["data_state_hash"] for r in ref]
-    for field in ("rollout_hash", "batch_hash", "reward_mean"):
-        assert got[2][field] == ref[2][field], field
-    assert got[2]["loss"] == pytest.approx(ref[2]["loss"], rel=1e-4, abs=1e-5)
 
 
 def test_grpo_rollouts_do_not_depend_on_the_world_size(e2e_workdir, reference):

@@ -1,13 +1,11 @@
-"""LoRA keeps every guarantee end to end on 2 CPU ranks, with a frozen base that is identified,
-never saved:
+"""LoRA end to end on 2 CPU ranks, with a frozen base that is identified, never saved. The four
+guarantees are the ``lora`` row of tests/training/test_guarantees.py (adapter dropout on: its
+masks are keyed, not drawn from a saved RNG, so SIGKILL + resume and replay reproduce them; a
+1-rank resume draws other masks after the checkpoint). Here, what is particular to LoRA:
 
 - only the adapters train: the ledger's whole-model param_hash at the last step equals the
   hash of the *untouched* base directory plus the checkpoint's adapters, and lora_B left zero;
 - a checkpoint holds only adapter tensors (model and optimizer) and the base's path + sha256;
-- SIGKILL at random moments, then resume, ends with a ledger identical line for line (adapter
-  dropout on: its masks are keyed, not drawn from a saved RNG);
-- replay of a step before and after a checkpoint verifies;
-- 2 ranks -> resume on 1 rank keeps the batch hashes;
 - one rank (fused loss) and two ranks under FSDP2 x TP=2 with activation checkpointing see
   the same batches and losses;
 - a resume whose base directory changed is refused with exit 4, naming both hashes;
@@ -19,15 +17,17 @@ never saved:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tests import launch
+from tests.methods import LORA, save_base
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
-LORA_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-lora.yaml"
+STEPS = LORA.steps
+LORA_CONFIG = LORA.config_path
 
 
 def lora_args(base, *, max_steps: int = STEPS, name: str = "lora", overrides=()) -> list[str]:
@@ -39,37 +39,27 @@ def _run_dir(workdir, result):
     return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
 
 
-def write_base(path, *, seed: int = 7, nudge: float = 0.0):
-    """A Hugging Face directory of the e2e model shape, from a seeded init (optionally nudged)."""
-    import torch
-
-    import models
-    from core import config as config_lib
-
-    model = models.build(config_lib.load(LORA_CONFIG).model, generator=torch.Generator().manual_seed(seed))
-    if nudge:
-        with torch.no_grad():
-            model.layers[0].mlp.up_proj.weight[0, 0] += nudge
-    models.save_pretrained(model, path)
-    return path
+def write_base(path, *, nudge: float = 0.0):
+    """A Hugging Face directory of the e2e model shape, from the ``lora`` row's seeded init
+    (optionally nudged)."""
+    return save_base(LORA.config, path, seed=7, nudge=nudge)
 
 
-@pytest.fixture(scope="module")
-def base_dir(e2e_workdir):
-    return write_base(e2e_workdir / "lora-base")
+@pytest.fixture
+def base_dir(reference_runs):
+    return Path(reference_runs.prepared(LORA, "model.init_from"))
+
+
+@pytest.fixture
+def reference(reference_runs):
+    return reference_runs.run(LORA)
 
 
 @pytest.fixture(scope="module")
-def reference(e2e_workdir, base_dir):
-    result = launch.train(e2e_workdir, lora_args(base_dir), nproc=2)
-    assert result.returncode == 0, result.stderr
-    return _run_dir(e2e_workdir, result)
-
-
-@pytest.fixture(scope="module")
-def exported_adapter(e2e_workdir, reference, tmp_path_factory):
+def exported_adapter(e2e_workdir, reference_runs, tmp_path_factory):
     """``export --adapter`` of the reference run (PEFT format), written once for the tests that read it."""
     adapter = tmp_path_factory.mktemp("lora-export") / "adapter"
+    reference = reference_runs.run(LORA)
     result = launch.run_module(e2e_workdir, ["training", "export", "--run", reference.name, "--to", str(adapter),
                                              "--adapter"])
     assert result.returncode == 0, result.stderr
@@ -111,29 +101,6 @@ def test_only_the_adapters_train_and_the_base_is_identified_not_saved(reference,
     adapters = sum(p.numel() for n, p in model.named_parameters() if is_adapter_name(n))
     stored = sum(torch.Size(saved[k].size).numel() for k in tensors if saved[k].size)
     assert stored == 3 * adapters  # weights + AdamW's two moments
-
-
-def test_lora_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference, base_dir):
-    run_dir = launch.kill_and_resume(e2e_workdir, lora_args(base_dir, name="lora-killed"), name="lora-killed", seed=7)
-    assert launch.ledger(run_dir) == launch.ledger(reference)
-
-
-def test_lora_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, reference):
-    launch.replay_verifies(e2e_workdir, reference)  # steps 3 and 6: checkpoints every 4 steps
-
-
-def test_lora_resume_on_one_rank_keeps_the_batch_hashes(e2e_workdir, reference):
-    # Adapter dropout masks are keyed by the data-parallel rank, so one rank draws other masks
-    # after the resume point: the batches are the same, the losses only close.
-    copy = launch.cut_back_copy(reference, 4, "-one-rank")
-    resumed = launch.train(e2e_workdir, ["--resume", copy.name], nproc=1)
-    assert resumed.returncode == 0, resumed.stderr
-    ref, got = launch.ledger(reference), launch.ledger(copy)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert [r["batch_hash"] for r in got] == [r["batch_hash"] for r in ref]
-    assert got[:4] == ref[:4]
-    for a, b in zip(ref[4:], got[4:]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=5e-3)  # measured: under 1e-3
 
 
 def test_strategies_agree_and_a_changed_base_is_refused(e2e_workdir, tmp_path):

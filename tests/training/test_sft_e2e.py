@@ -1,10 +1,9 @@
-"""Supervised fine-tuning keeps every guarantee pretraining has, end to end on 2 CPU ranks:
+"""Supervised fine-tuning end to end on 2 CPU ranks. The four guarantees (SIGKILL + resume with
+``trained_tokens`` in the ledger, replay, 2 -> 1 rank resume keeping the batch hashes and the
+trained-token counts, accumulation) are the ``sft`` row of tests/training/test_guarantees.py;
+here, what is particular to SFT:
 
-- SIGKILL of the whole job at random moments, then resume by run ID, ends with a ledger
-  identical line for line to an uninterrupted run's (``trained_tokens`` included);
-- replay of an SFT step (before and after a resume point) verifies;
-- 2 ranks -> resume on 1 rank keeps the batch hashes (the masks are in them);
-- accumulation 4x1 vs 1x4: the same loss (the mean over the global batch's trained tokens);
+- only assistant answers train: far fewer trained tokens than tokens;
 - evaluation on the held-out chat source is masked the same way, and falls;
 - an exported SFT checkpoint gives transformers the same logits.
 """
@@ -15,11 +14,12 @@ from __future__ import annotations
 import pytest
 
 from tests import launch
+from tests.methods import SFT
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
-SFT_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-sft.yaml"
+STEPS = SFT.steps
+SFT_CONFIG = SFT.config_path
 
 
 def sft_args(*, max_steps: int = STEPS, name: str = "sft", overrides=()) -> list[str]:
@@ -30,11 +30,9 @@ def _run_dir(workdir, result):
     return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
 
 
-@pytest.fixture(scope="module")
-def reference(e2e_workdir):
-    result = launch.train(e2e_workdir, sft_args(), nproc=2)
-    assert result.returncode == 0, result.stderr
-    return _run_dir(e2e_workdir, result)
+@pytest.fixture
+def reference(reference_runs):
+    return reference_runs.run(SFT)
 
 
 def test_sft_ledger_records_trained_tokens(reference):
@@ -46,30 +44,6 @@ def test_sft_ledger_records_trained_tokens(reference):
     assert lines[-1]["loss"] < lines[0]["loss"]
     kinds = [e["event"] for e in launch.events(reference)]
     assert kinds[-1] == "finished"
-
-
-def test_sft_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):
-    run_dir = launch.kill_and_resume(e2e_workdir, sft_args(name="sft-killed"), name="sft-killed", seed=99)
-    assert launch.ledger(run_dir) == launch.ledger(reference)
-
-
-def test_sft_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, reference):
-    launch.replay_verifies(e2e_workdir, reference)  # steps 3 and 6: checkpoints every 4 steps
-
-
-def test_sft_resume_on_one_rank_keeps_the_batch_hashes(e2e_workdir, reference):
-    launch.one_rank_resume_keeps_the_batches(e2e_workdir, reference, same=("trained_tokens",))
-
-
-def test_sft_accumulation_does_not_change_the_loss(e2e_workdir):
-    runs = [launch.train(e2e_workdir, sft_args(max_steps=2, name=f"sft-acc{m}",
-                                               overrides=[f"train.micro_batch_size={m}", "parallel.strategy=none"]),
-                         nproc=1) for m in (1, 4)]
-    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
-    a, b = (launch.ledger(_run_dir(e2e_workdir, r)) for r in runs)
-    assert [r["batch_hash"] for r in a] == [r["batch_hash"] for r in b]
-    for x, y in zip(a, b):
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
 
 
 def test_sft_eval_loss_is_masked_and_falls(e2e_workdir):
