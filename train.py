@@ -25,7 +25,7 @@ if __name__ == "__main__":
 from core.distributed_context import DistributedContext  # noqa: E402
 from runtime.fast_exit import exit_process  # noqa: E402
 from training import session  # noqa: E402
-from training.export import record_init_source  # noqa: E402
+from training.checkpoint.load import record_init_source  # noqa: E402
 from training.builders import build_data, build_guards, build_model, build_tracker, close_all  # noqa: E402
 from training.guards import Guards  # noqa: E402
 from training.loop import Trainer  # noqa: E402

@@ -63,7 +63,7 @@ def build(variant: str, config, device: torch.device):
     from distributed.topology import MESH_DIMS, Topology, mesh_shape
     from torch.distributed.device_mesh import init_device_mesh
     from training.plan import ParallelPlan
-    from training.optim import build_optimizer
+    from training.optimizers.build import build_optimizer
     from training.precision import Precision
 
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))

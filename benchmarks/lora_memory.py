@@ -10,7 +10,7 @@ another's peak) on the same shape, sequence length and micro-batch, from the sam
 random init (no checkpoint download is needed), in the way the training loop runs one GPU:
 ``parallel.strategy=none``, fp32 parameters with bf16 autocast, the fused chunked output
 projection + loss (training/linear_cross_entropy.py), AdamW over the trainable parameters
-(fused on CUDA, as training/optim.py),
+(fused on CUDA, as training/optimizers/build.py),
 the config's attention kernel and determinism mode, optional per-block compile and
 activation checkpointing (both as distributed/parallelize.py applies them).
 

@@ -33,14 +33,27 @@ FORBIDDEN_PAIRS = [
     ("training/plan.py", "training.builders"),
     ("training/plan.py", "training.xla"),
     # The generate command and the command line's entry point used to import each other (generate
-    # took resolve_run from __main__); the run lookup now lives in training/export.py.
-    ("training/generate.py", "training.__main__"),
+    # took resolve_run from __main__); the run lookup now lives in training/cli/export.py.
+    ("training/cli/generate.py", "training.__main__"),
 ]
 
-# training/rollout/ (generation for training) sits below the objectives and the command-line
-# tools that use it: it imports nothing of training but itself.
+# The rooms of training/ (docs/architecture.md draws them): each room imports, of training, only
+# itself, the rooms named here and the loop's floor modules named in FLOOR; the table has no
+# circle (test below). Modules directly under training/ (the loop, the session, the step...)
+# may import every room but cli/, which only the command line's entry point (__main__) imports.
+ROOMS = {
+    "rollout": set(),  # generation for training: generator, environments, experience
+    "optimizers": set(),  # optimizer builders and schedules
+    "checkpoint": set(),  # format, manager, resume, loading a run's model
+    "record": {"checkpoint"},  # ledger, recorder, replay
+    "objectives": {"rollout", "checkpoint"},  # one module per method, plus its settings
+    "cli": {"checkpoint", "rollout", "objectives"},  # python -m training's tools
+}
+FLOOR = {
+    "objectives": {"training.step", "training.losses", "training.linear_cross_entropy"},
+    "cli": {"training.memory_estimate"},
+}
 ROLLOUT = "training/rollout"
-
 
 # The command-line entry points of lower layers (``python -m data``, ``python -m experiments``)
 # sit above every layer, as train.py does: before they read a config they may import the one
@@ -88,11 +101,48 @@ def test_training_modules_that_must_not_import_each_other(module, forbidden):
     assert not hits, f"{module} imports {hits}"
 
 
-@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / ROLLOUT).rglob("*.py")))
-def test_the_rollout_room_imports_nothing_of_training_above_it(path):
-    hits = sorted(n for n in imported_modules(ROOT / path)
-                  if n.startswith("training.") and not n.startswith(ROLLOUT.replace("/", ".") + "."))
-    assert not hits, f"{path} imports {hits}"
+def _training_target(name: str) -> str | None:
+    """The room (``rollout``...) or floor module (``training.step``) a ``training...`` import names."""
+    parts = name.split(".")
+    if parts[0] != "training" or len(parts) < 2:
+        return None
+    if (ROOT / "training" / parts[1]).is_dir():
+        return parts[1]
+    return f"training.{parts[1]}"
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_each_room_of_training_imports_only_the_rooms_below_it(room):
+    offences = []
+    for path in sorted((ROOT / "training" / room).rglob("*.py")):
+        for name in imported_modules(path):
+            target = _training_target(name)
+            if target is None or target == room or target in ROOMS[room] or target in FLOOR.get(room, set()):
+                continue
+            offences.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offences, "imports against the room table:\n" + "\n".join(sorted(offences))
+
+
+def test_only_the_entry_point_imports_the_command_line_tools():
+    offences = []
+    for path in sorted((ROOT / "training").glob("*.py")):
+        if path.name == "__main__.py":
+            continue
+        offences += [f"{path.name} imports {n}" for n in imported_modules(path) if _training_target(n) == "cli"]
+    assert not offences, "\n".join(offences)
+
+
+def test_every_room_is_in_the_table_and_the_table_has_no_circle():
+    rooms = {p.name for p in (ROOT / "training").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == set(ROOMS), f"rooms on disk {sorted(rooms)} differ from the table {sorted(ROOMS)}"
+
+    def visit(room: str, path: tuple[str, ...]) -> None:
+        assert room not in path, f"circle: {' -> '.join((*path, room))}"
+        for below in ROOMS[room]:
+            visit(below, (*path, room))
+
+    for room in ROOMS:
+        visit(room, ())
 
 
 def test_the_run_dir_layout_is_defined_once():

@@ -2,11 +2,11 @@
 
     python -m training export --run RUN_ID [--step S] --to DIR [--overwrite] [--dtype fp32|bf16|fp16]
                               [--root runs] [--adapter | --merge]  (LoRA runs: PEFT adapter dir, or merged model)
-                              (where it may write and how: training/export_target.py)
+                              (where it may write and how: training/cli/export_target.py)
 
     python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
                                 [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--out FILE.jsonl]
-                                (training/generate.py)
+                                (training/cli/generate.py)
 
 ``--run`` takes a run ID (under ``--root``) or a run directory. Errors print one line and exit
 with the code of their type (2 usage/config, 3 data, 4 checkpoint); see core/exceptions.py.
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args)
         if args.command == "generate":
-            from training.generate import check_sampling, run_generate
+            from training.cli.generate import check_sampling, run_generate
 
             check_sampling(args)
             return run_generate(args)
@@ -63,14 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     form.add_argument("--merge", action="store_true",
                       help="LoRA runs: write the full model with the adapters merged (the default for LoRA runs)")
     g = sub.add_parser("generate", help="sample from a checkpoint or a Hugging Face directory")
-    from training.generate import add_arguments
+    from training.cli.generate import add_arguments
 
     add_arguments(g)
     return parser
 
 
 def _export(args) -> int:
-    from training.export import export, resolve_run
+    from training.cli.export import export
+    from training.checkpoint.load import resolve_run
 
     paths = resolve_run(args.run, args.root)
     if args.merge and not _trains_adapters(paths):

@@ -28,7 +28,8 @@ from distributed.topology import build_mesh
 from experiments.tracking import MetricsTracker
 from models.flops import flops_per_token
 from models.lora import add_adapters
-from training import determinism, ledger as ledger_lib
+from training import determinism
+from training.record import ledger as ledger_lib
 from training.guards import Guards
 from training.plan import ParallelPlan
 

@@ -20,7 +20,7 @@ once. The ledger is the same either way.
 What differs between training methods lives in the run's objective (training/objectives:
 the frozen models it needs, a no-grad preparation of each batch, the loss over a micro-batch,
 its ledger fields and its state). What happens to each ledger line lives in the recorder
-(training/recorder.py): a recording run appends it, a replay compares it with the recorded
+(training/record/recorder.py): a recording run appends it, a replay compares it with the recorded
 one. The run trains a set of named parts (training/parts.py): the ``policy``, and any part
 the objective declares beside it (a value head), each with its own optimizer, schedule and
 clipping, stepped together. A checkpoint is a dict of named parts: each trained part's model
@@ -49,15 +49,16 @@ from data.state import merge_states
 from experiments.console import Progress, eval_line
 from models.lora import set_dropout_key
 from runtime.collection import CollectionSchedule
-from training.checkpointing import CheckpointManager, restore_rng_state
+from training.checkpoint.manager import CheckpointManager, restore_rng_state
 from training.generation_eval import GenerationEvaluation
 from training.guards import Guards
 from training.objectives import Objective, ObjectiveContext, build_objective
-from training.objectives.base import check_frozen, declared_parts, metric
-from training.optim import evaluation_weights
+from training.checkpoint.state import check_frozen
+from training.objectives.base import declared_parts, metric
+from training.optimizers.build import evaluation_weights
 from training.parts import POLICY, TrainablePart, build_parts, grad_norm_field, param_hash_field
 from training.precision import Precision
-from training.recorder import LedgerWriter, ReplayComparator, ReplaySpec, StepRecorder
+from training.record.recorder import LedgerWriter, ReplayComparator, ReplaySpec, StepRecorder
 from training.step import UpdateValues, enqueue_update, forward_backward
 
 TRAINER_STATE_VERSION = 1
@@ -552,7 +553,7 @@ class Trainer:
         # Long evaluations (GRPO decodes every held-out prompt) count their batches on the console.
         progress = Progress(f"eval step {step}", self.config.train.eval_batches, unit="batches",
                             enabled=self.dist.is_main, print_fn=self.log.info)
-        # Schedule-free optimizers evaluate their averaged weights (training/optim.py).
+        # Schedule-free optimizers evaluate their averaged weights (training/optimizers/build.py).
         held_out = self.eval_data_factory() if self.eval_data_factory is not None else contextlib.nullcontext(iter(()))
         generated: dict[str, float] = {}  # train.eval_generate's sums, over its own prompts
         with torch.no_grad(), evaluation_weights(self.optimizer, self.model), held_out as eval_data, progress:

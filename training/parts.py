@@ -6,7 +6,7 @@ settings). An objective may declare more parts it trains beside it
 (``training.objectives.base.PartSpec``: a module and its own ``train`` settings, e.g. a value
 head with its own learning rate); the loop builds each one here, steps them together (one
 non-finite decision for all) and the checkpoint stores each as its own part
-(``training.checkpointing.part_keys``). Frozen models are not parts: they are recorded by
+(``training.checkpoint.manager.part_keys``). Frozen models are not parts: they are recorded by
 path and sha256 (``Objective.frozen_identity``).
 
 What a step does with the parts, in this order: every part's gradients are unscaled, then
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from core.config import TrainConfig
-from training.checkpointing import POLICY_PART
-from training.optim import build_optimizer, set_lr
-from training.schedule import lr_at
+from training.checkpoint.manager import POLICY_PART
+from training.optimizers.build import build_optimizer, set_lr
+from training.optimizers.schedule import lr_at
 
 POLICY = POLICY_PART
 _PART_NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -35,7 +35,7 @@ _PART_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 @dataclass
 class TrainablePart:
-    """One trained module: its optimizer (over its parameter groups, ``training.optim``), its
+    """One trained module: its optimizer (over its parameter groups, ``training.optimizers.build``), its
     learning-rate schedule and its gradient clipping, all from ``settings``."""
 
     name: str

@@ -34,9 +34,9 @@ from runtime.signals import StartupSignals, exit_with_launcher
 from runtime.watchdog import configure_nccl_diagnostics
 from runtime import launcher, relaunch
 from training import failed_start
-from training import ledger as ledger_lib
-from training import replay as replay_lib
-from training import resume as resume_lib
+from training.record import ledger as ledger_lib
+from training.record import replay as replay_lib
+from training.checkpoint import resume as resume_lib
 from training.objectives import check_objective_config
 
 
@@ -242,7 +242,7 @@ def replay_output_dir(args: Args, run: RunContext, dist: DistributedContext) -> 
 
 
 def replay_spec(args: Args, run: RunContext, dist: DistributedContext):
-    from training.recorder import ReplaySpec
+    from training.record.recorder import ReplaySpec
 
     if args.mode != "replay":
         return None

@@ -238,7 +238,7 @@ def _fsdp_float8_runs() -> dict:
             optimizer.zero_grad()
             losses.append(loss.detach())
         load_makes_stale = None
-        if mode == "hook":  # a checkpoint load, as training/checkpointing.py does it, after a forward's casts
+        if mode == "hook":  # a checkpoint load, as training/checkpoint/manager.py does it, after a forward's casts
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
             model(tokens[:, :-1])

@@ -197,7 +197,7 @@ def test_runs_list_puts_the_newest_run_on_top(tmp_path, capsys):
 
 def test_resume_of_an_unknown_run_names_the_newest_runs_first(tmp_path):
     from core.exceptions import ResumeError
-    from training.resume import find_run
+    from training.checkpoint.resume import find_run
 
     root = tmp_path / "runs"
     for run_id in ("b-20260105-000000-aaaaaaaa", "a-20260107-000000-bbbbbbbb", "c-20260101-000000-cccccccc"):

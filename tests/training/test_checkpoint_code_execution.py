@@ -18,7 +18,7 @@ from torch import nn
 from core.exceptions import CheckpointError
 from tests import launch
 from tests.e2e_config import e2e_args
-from training.checkpoint_manifest import CheckpointManifest, hash_file, read_manifest
+from training.checkpoint.manifest import CheckpointManifest, hash_file, read_manifest
 from distributed.safe_dcp import SafeFileSystemReader, load_metadata
 
 

@@ -1,4 +1,4 @@
-"""Contracts of training/checkpointing.py and training/checkpoint_manifest.py.
+"""Contracts of training/checkpoint/manager.py and training/checkpoint/manifest.py.
 
 Bit-identical round trips (plain, DDP, FSDP2, across world sizes), verification that
 catches damage, fallback to the previous intact checkpoint, crash safety of LATEST,
@@ -30,14 +30,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
-import training.checkpoint_manifest as manifest_lib
-import training.checkpointing as checkpointing
+import training.checkpoint.manifest as manifest_lib
+import training.checkpoint.manager as checkpointing
 from core.config import CheckpointConfig, ParallelConfig
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
-from training.checkpoint_manifest import read_manifest
-from training.checkpoint_state import DeviceSnapshot, HostBuffers, SnapshotBuffers
-from training.checkpointing import (
+from training.checkpoint.manifest import read_manifest
+from training.checkpoint.state import DeviceSnapshot, HostBuffers, SnapshotBuffers
+from training.checkpoint.manager import (
     CheckpointFormatError,
     CheckpointManager,
     capture_rng_state,
@@ -314,7 +314,7 @@ def test_json_states_must_survive_a_round_trip_and_fail_before_writing(tmp_path)
 def test_a_full_disk_is_refused_before_writing_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, async_save):
     import shutil as shutil_module
 
-    import training.checkpointing as checkpointing
+    import training.checkpoint.manager as checkpointing
 
     model, opt = build(seed=0)
     train_steps(model, opt, 1, 1)
@@ -474,7 +474,7 @@ def test_failure_mid_save_keeps_latest_on_the_previous_checkpoint(tmp_path, monk
             raise OSError(28, "No space left on device")
         real_write(path, data)
 
-    monkeypatch.setattr("training.checkpointing.write_file_durably", failing_write)
+    monkeypatch.setattr("training.checkpoint.manager.write_file_durably", failing_write)
     with pytest.raises(CheckpointError, match="No space left"):
         save(mgr, 2, model, opt)
     monkeypatch.undo()
@@ -504,7 +504,7 @@ _KILL_LOOP = textwrap.dedent(
     from pathlib import Path
     from core.config import CheckpointConfig
     from core.distributed_context import DistributedContext
-    from training.checkpointing import CheckpointManager
+    from training.checkpoint.manager import CheckpointManager
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
                              backend="gloo", timeout_s=60)
     torch.manual_seed(0)
@@ -691,7 +691,7 @@ def test_async_failure_surfaces_at_wait_and_next_save_works(tmp_path, monkeypatc
     model, opt = build(seed=0)
     train_steps(model, opt, 1, 1)
     mgr = manager(tmp_path, async_save=True)
-    monkeypatch.setattr("training.checkpointing.hash_file", lambda p: (_ for _ in ()).throw(OSError(5, "EIO")))
+    monkeypatch.setattr("training.checkpoint.manager.hash_file", lambda p: (_ for _ in ()).throw(OSError(5, "EIO")))
     save(mgr, 1, model, opt)
     with pytest.raises(CheckpointError, match="EIO"):
         mgr.wait()

@@ -17,7 +17,7 @@ from core import config as config_lib
 from core.layout import RunPaths
 from tests import launch
 from tests.e2e_config import e2e_args
-from training.export import checkpoint_dir, load_checkpoint_model
+from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """``python -m training export`` never destroys, and its directories behave like Qwen's in
-``transformers`` and ``peft`` (training/export_target.py, training/export.py).
+``transformers`` and ``peft`` (training/cli/export_target.py, training/cli/export.py).
 
 One LoRA SFT run (1 step, one process) whose ``model.init_from`` is a *relative* base path is
 trained once; the exports run in-process from the run's working directory, except the kill -9
@@ -26,8 +26,8 @@ from core import config as config_lib
 from core.layout import RunPaths
 from tests import launch
 from training.__main__ import main
-from training.checkpoint_manifest import CheckpointManifest, hash_file, read_manifest
-from training.export_target import KILL_AT_ENV
+from training.checkpoint.manifest import CheckpointManifest, hash_file, read_manifest
+from training.cli.export_target import KILL_AT_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -169,7 +169,7 @@ def test_kill_9_during_a_re_export_leaves_a_whole_directory(run, export, tmp_pat
 def test_a_previous_directory_left_aside_by_a_two_rename_publish_is_restored(export, tmp_path, monkeypatch):
     """Where the kernel cannot exchange two directories, a kill between the two renames leaves the
     previous directory beside the target; the next export puts it back before judging the target."""
-    import training.export_target as export_target
+    import training.cli.export_target as export_target
 
     monkeypatch.setattr(export_target, "_exchange", lambda a, b: False)
     out = tmp_path / "model"
@@ -237,7 +237,7 @@ def test_qwen_tokenizer_chat_export_ends_turns_like_qwen_instruct(tmp_path, qwen
     """With the Qwen tokenizer ``<|im_end|>`` is one token: it becomes the eos, as in Qwen's instruct
     checkpoints, and ``generate`` stops there without being given the tokenizer."""
     transformers = pytest.importorskip("transformers")
-    from training.export import _write_tokenizer
+    from training.cli.export import _write_tokenizer
 
     monkeypatch.chdir(qwen_workdir)
 
@@ -256,7 +256,7 @@ def test_qwen_tokenizer_chat_export_ends_turns_like_qwen_instruct(tmp_path, qwen
 
 
 def test_pretraining_export_keeps_end_of_text_as_eos(tmp_path, qwen_workdir, monkeypatch):
-    from training.export import _write_tokenizer
+    from training.cli.export import _write_tokenizer
 
     monkeypatch.chdir(qwen_workdir)
 
@@ -270,7 +270,7 @@ def test_pretraining_export_keeps_end_of_text_as_eos(tmp_path, qwen_workdir, mon
 
 def test_an_adapter_export_loads_with_auto_peft_from_another_directory(export, run, tmp_path, monkeypatch):
     peft = pytest.importorskip("peft")
-    from training.export import checkpoint_dir, load_checkpoint_model
+    from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
 
     workdir, run_dir = run
     adapter = tmp_path / "adapter"
@@ -292,7 +292,7 @@ def test_an_adapter_export_loads_with_auto_peft_from_another_directory(export, r
 def test_a_base_from_the_hub_cache_is_named_by_its_id(run, tmp_path):
     import dataclasses
 
-    from training.export import peft_base_reference
+    from training.cli.export import peft_base_reference
 
     _, run_dir = run
     snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "abc123"
@@ -347,7 +347,7 @@ def test_a_damaged_base_safetensors_is_one_line(export, run, tmp_path, monkeypat
 
 def test_a_full_disk_is_one_line_and_leaves_the_previous_directory(export, tmp_path, monkeypatch):
     import models.hf_weights as hf_weights
-    import training.export_target as export_target
+    import training.cli.export_target as export_target
 
     out = tmp_path / "model"
     assert export("--to", str(out))[0] == 0

@@ -1,4 +1,4 @@
-"""training/export_target.py in-process: a directory any known run names as a frozen model is never
+"""training/cli/export_target.py in-process: a directory any known run names as a frozen model is never
 replaced, wherever the run started; what is not a run's is replaced only when asked."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from core.exceptions import UsageError
-from training.export_target import check_target
+from training.cli.export_target import check_target
 
 
 def _model_dir(path):

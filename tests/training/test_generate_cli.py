@@ -1,4 +1,4 @@
-"""``python -m training generate`` (training/generate.py) on a tiny Hugging Face directory with the
+"""``python -m training generate`` (training/cli/generate.py) on a tiny Hugging Face directory with the
 byte tokenizer and the ChatML template, as ``python -m training export`` writes them."""
 
 from __future__ import annotations

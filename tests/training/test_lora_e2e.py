@@ -69,7 +69,7 @@ def exported_adapter(e2e_workdir, reference_runs, tmp_path_factory):
 def _checkpoint(run_dir, step: int):
     from core import config as config_lib
     from core.layout import RunPaths
-    from training.export import checkpoint_dir
+    from training.checkpoint.load import checkpoint_dir
 
     paths = RunPaths(run_dir)
     return config_lib.load(paths.config), checkpoint_dir(paths, step)
@@ -81,7 +81,7 @@ def test_only_the_adapters_train_and_the_base_is_identified_not_saved(reference,
 
     from distributed import param_hash
     from models.lora import base_identity, is_adapter_name
-    from training.export import load_checkpoint_model
+    from training.checkpoint.load import load_checkpoint_model
 
     lines = launch.ledger(reference)
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
@@ -148,7 +148,7 @@ def test_export_adapter_loads_in_peft_and_merge_in_transformers(e2e_workdir, ref
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from training.export import load_checkpoint_model
+    from training.checkpoint.load import load_checkpoint_model
 
     config, path = _checkpoint(reference, None)
     ours = load_checkpoint_model(config, path).eval()

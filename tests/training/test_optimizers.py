@@ -1,4 +1,4 @@
-"""training/optim.py and training/optimizers/: the group rules, each update against its
+"""training/optimizers/build.py and training/optimizers/: the group rules, each update against its
 formulas, Muon under FSDP2 against one process (2 gloo ranks), and 2-rank SIGKILL/resume
 with every optimizer ending in the uninterrupted run's ledger."""
 
@@ -21,7 +21,7 @@ from core.config import ModelConfig, ParallelConfig, TrainConfig, load
 from core.exceptions import ConfigError
 from tests import launch
 from tests.e2e_config import e2e_args
-from training.optim import build_optimizer, evaluation_weights, param_groups, parameter_roles
+from training.optimizers.build import build_optimizer, evaluation_weights, param_groups, parameter_roles
 from training.optimizers.lion import Lion
 from training.optimizers.local_shards import LocalShardAdamW
 from training.optimizers.muon import Muon, newton_schulz, orthogonalize

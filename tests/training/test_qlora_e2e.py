@@ -36,7 +36,7 @@ def test_qlora_trains_only_adapters_over_a_deterministic_nf4_base(reference):
     from distributed import param_hash
     from models.lora import is_adapter_name
     from models.nf4 import is_nf4
-    from training.export import checkpoint_dir, load_checkpoint_model
+    from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
 
     lines = launch.ledger(reference)
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))

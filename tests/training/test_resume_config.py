@@ -1,4 +1,4 @@
-"""training/resume.py: which config changes a resume accepts, and the environment check."""
+"""training/checkpoint/resume.py: which config changes a resume accepts, and the environment check."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from core import config as config_lib
 from core.exceptions import ResumeError
 from core.run_context import RunPaths, determinism_env
-from training.resume import check_environment, resume_config
+from training.checkpoint.resume import check_environment, resume_config
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from core.exceptions import CheckpointError
 from tests import launch
 from tests.e2e_config import e2e_args
-from training import ledger as ledger_lib
+from training.record import ledger as ledger_lib
 
 pytestmark = pytest.mark.slow
 

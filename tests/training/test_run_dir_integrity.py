@@ -32,11 +32,11 @@ from core.run_context import load_recorded_config
 from data.pipeline.pipeline import build
 from tests import launch
 from tests.e2e_config import e2e_args
-from training import ledger as ledger_lib
-from training.export import export
-from training.generate import load_source
+from training.record import ledger as ledger_lib
+from training.cli.export import export
+from training.cli.generate import load_source
 from training.rollout.rewards import numeric_tolerance, resolve_reward, score
-from training.recorder import LedgerWriter
+from training.record.recorder import LedgerWriter
 
 STEPS = 6  # checkpoints at steps 2, 4 and 6
 

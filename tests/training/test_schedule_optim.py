@@ -1,4 +1,4 @@
-"""training/schedule.py, optim.py, ledger.py and losses.py: the small pure pieces of a step."""
+"""training/optimizers/schedule.py, optim.py, ledger.py and losses.py: the small pure pieces of a step."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from core.config import TrainConfig
-from training import ledger as ledger_lib
+from training.record import ledger as ledger_lib
 from training.losses import CausalLMLoss
-from training.optim import build_optimizer, param_groups
-from training.schedule import lr_at
+from training.optimizers.build import build_optimizer, param_groups
+from training.optimizers.schedule import lr_at
 
 BASE = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, max_steps=110)
 

@@ -62,7 +62,7 @@ def test_sft_checkpoint_exports_with_transformers_logit_parity(e2e_workdir, refe
     transformers = pytest.importorskip("transformers")
     from core import config as config_lib
     from core.layout import RunPaths
-    from training.export import checkpoint_dir, load_checkpoint_model
+    from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
 
     out = tmp_path / "hf"
     result = launch.run_module(e2e_workdir, ["training", "export", "--run", reference.name, "--to", str(out)])

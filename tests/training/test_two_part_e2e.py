@@ -45,7 +45,7 @@ def reference(e2e_workdir, two_part_entry):
 
 def test_both_parts_train_and_are_checkpointed_as_parts(reference):
     from distributed.safe_dcp import SafeFileSystemReader
-    from training.checkpointing import saved_part_names
+    from training.checkpoint.manager import saved_part_names
 
     lines = launch.ledger(reference)
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))

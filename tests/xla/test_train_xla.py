@@ -121,8 +121,8 @@ def test_checkpoint_round_trip_keeps_optimizer_state_sharded(tmp_path):
     from distributed.topology import build_mesh
     from tests.e2e_config import E2E_CONFIG
     from training import xla
-    from training.checkpointing import CheckpointManager
-    from training.optim import build_optimizer
+    from training.checkpoint.manager import CheckpointManager
+    from training.optimizers.build import build_optimizer
 
     if xr.global_runtime_device_count() != DEVICES:
         pytest.skip(f"needs PJRT_DEVICE=CPU CPU_NUM_DEVICES={DEVICES}")

@@ -162,15 +162,3 @@ def check_state(name: str, state: dict[str, Any]) -> None:
             f"(version {state.get('version')}), this run trains {name!r} (version {OBJECTIVE_STATE_VERSION})",
             hint="resume with the run's objective.kind",
         )
-
-
-def check_frozen(expected: dict[str, dict[str, str]], saved: dict[str, dict[str, str]]) -> None:
-    """A frozen model (reference, teacher, base) must be the one the checkpoint was made with."""
-    for role in sorted(set(expected) | set(saved)):
-        now, then = expected.get(role), saved.get(role)
-        if now != then:
-            raise CheckpointError(
-                f"the frozen {role} model differs from the checkpoint's: "
-                f"checkpoint {then or 'none'}, now {now or 'none'}",
-                hint="resume with the frozen model the run started with (same path and weights)",
-            )

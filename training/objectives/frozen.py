@@ -16,7 +16,7 @@ It is spread like the trained model: fully sharded under ``fsdp`` (no optimizer,
 gradients), a plain replica on the rank's device otherwise; with ``parallel.compile`` its
 blocks are compiled as the trained model's are. It is never saved: checkpoints
 record its identity, ``{"path": source, "sha256": <param_hash of its weights>}``, and a resume
-refuses a frozen model whose identity differs (training/objectives/base.py ``check_frozen``).
+refuses a frozen model whose identity differs (training/checkpoint/state.py ``check_frozen``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def build_frozen(config: Config, source: str, *, role: str, dist: DistributedCon
     """The frozen model ``source`` names (module docstring); ``key`` is the config key, for errors."""
     model_config = _model_config(config, source, key=key)
     if source.startswith(RUN_PREFIX):
-        from training.export import checkpoint_dir, load_checkpoint_model
+        from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
 
         run, step = _run_source(config, source, key=key)
         model = load_checkpoint_model(run.config, checkpoint_dir(run.paths, step))
@@ -131,7 +131,7 @@ class _Run:
 def _run_source(config: Config, source: str, *, key: str) -> tuple[_Run, int | None]:
     from core.layout import RunPaths
     from core.run_context import load_recorded_config
-    from training.resume import find_run
+    from training.checkpoint.resume import find_run
 
     spec = source[len(RUN_PREFIX):]
     name, _, step = spec.partition("@")

@@ -9,7 +9,7 @@ approximately orthogonal matrix of the same shape, from a few Newton-Schulz iter
     W <- W (1 - lr wd) - lr' O               (lr' = lr scaled by the matrix shape)
 
 One optimizer holds both kinds of group (``"use_muon"``), so the loop, the LR schedule and
-checkpoints see a single ``torch.optim.Optimizer``. ``training.optim.param_groups`` decides
+checkpoints see a single ``torch.optim.Optimizer``. ``training.optimizers.build.param_groups`` decides
 which parameters are Muon's.
 
 **Whole matrices under sharding.** Newton-Schulz is not elementwise: on a shard it would

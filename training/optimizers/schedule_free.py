@@ -22,7 +22,7 @@ substituting ``x_t = (y_t - (1 - beta1) z_t) / beta1`` gives the update of ``y``
 ``y`` back. The round trip through ``x`` is not exact in floating point, so the copy is what
 keeps an evaluation from changing the run. Checkpoints hold the *train* mode weights (``y``)
 and ``z``, ``v``: resuming restores the training state exactly. The loop must therefore
-save checkpoints in train mode, and evaluate inside ``training.optim.evaluation_weights``.
+save checkpoints in train mode, and evaluate inside ``training.optimizers.build.evaluation_weights``.
 A model exported from a checkpoint holds ``y``; ``x`` follows from ``y`` and ``z`` as above.
 
 The schedule is only the warmup: ``train.schedule`` must be ``constant`` (checked at config

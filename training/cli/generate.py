@@ -71,7 +71,7 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
         if step is not None:
             raise UsageError("--step applies to runs, not to a Hugging Face directory", hint="drop --step")
         from models.hf_weights import load_pretrained
-        from training.export import check_tokenizer_config
+        from training.cli.export import check_tokenizer_config
 
         check_tokenizer_config(str(path))  # a DataError naming the file, before anything reads it
         _check_fits(model_config_from_hf(path), device)
@@ -80,7 +80,8 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
         has_template = config_file.is_file() and bool(json.loads(config_file.read_text()).get("chat_template"))
         return Source(model, str(path), None, has_template, str(path))
     from core.run_context import load_recorded_config
-    from training.export import check_tokenizer_config, checkpoint_dir, load_checkpoint_model, resolve_run
+    from training.cli.export import check_tokenizer_config
+    from training.checkpoint.load import checkpoint_dir, load_checkpoint_model, resolve_run
 
     paths = resolve_run(spec, root)
     config = load_recorded_config(paths)  # verified against meta.json before anything in it is used

@@ -2,7 +2,7 @@
 save (host buffers, device snapshots), and the optimizer-state bookkeeping that lets a
 never-stepped optimizer load without stepping.
 
-Split from ``training/checkpointing.py``, which keeps the directory protocol and the manager.
+Split from ``training/checkpoint/manager.py``, which keeps the directory protocol and the manager.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def _placeholder(param: torch.Tensor, meta: Any) -> Any:
 def add_optimizer_placeholders(optimizer: torch.optim.Optimizer, metadata: dict[str, Any],
                                optim_key: str = OPTIM_KEY) -> None:
     """Give each parameter without state a zero placeholder per state name in the checkpoint
-    (the state under ``optim_key``: a trained part's, see ``training.checkpointing.part_keys``)."""
+    (the state under ``optim_key``: a trained part's, see ``training.checkpoint.manager.part_keys``)."""
     prefix = f"{optim_key}.{OPTIM_STATE_PREFIX}"
     specs: dict[str, Any] = {}
     for key, meta in metadata.items():
@@ -351,3 +351,15 @@ def check_nothing_left_behind(saved_keys: set[str], request: dict[str, dict[str,
             f"e.g. {skipped[:3]}",
             hint="load into the same architecture and optimizer the checkpoint was saved with",
         )
+
+
+def check_frozen(expected: dict[str, dict[str, str]], saved: dict[str, dict[str, str]]) -> None:
+    """A frozen model (reference, teacher, base) must be the one the checkpoint was made with."""
+    for role in sorted(set(expected) | set(saved)):
+        now, then = expected.get(role), saved.get(role)
+        if now != then:
+            raise CheckpointError(
+                f"the frozen {role} model differs from the checkpoint's: "
+                f"checkpoint {then or 'none'}, now {now or 'none'}",
+                hint="resume with the frozen model the run started with (same path and weights)",
+            )

@@ -1,6 +1,6 @@
 """Checkpoints that restore a run bit for bit: save, find the newest intact one, load.
 
-The on-disk format (layout, manifest, verification) lives in ``training.checkpoint_manifest``.
+The on-disk format (layout, manifest, verification) lives in ``training.checkpoint.manifest``.
 Model and optimizer go through ``get_state_dict``/``set_state_dict`` with canonical FQNs
 (no ``module.``/``_orig_mod.`` prefixes) and a flattened optimizer state, so one code path
 serves a plain module, DDP and FSDP2, and a checkpoint saved under one strategy or world
@@ -83,7 +83,7 @@ from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
 from core.logging import get_logger
 from distributed.params import canonical_named_parameters
-from training.checkpoint_state import (
+from training.checkpoint.state import (
     OPTIM_KEY,
     DeviceSnapshot,
     HostBuffers,
@@ -99,7 +99,7 @@ from training.checkpoint_state import (
     tensor_bytes,
 )
 from distributed.safe_dcp import SafeFileSystemReader
-from training.checkpoint_manifest import (
+from training.checkpoint.manifest import (
     DATA_PART,
     DCP_DIR,
     EXTRA_DIR,

@@ -23,8 +23,8 @@ from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError, DeterminismError
 from core.layout import step_dir_name
 from core.logging import get_logger
-from training import ledger as ledger_lib
-from training.checkpoint_manifest import read_latest
+from training.record import ledger as ledger_lib
+from training.checkpoint.manifest import read_latest
 
 
 class StepRecorder(Protocol):
@@ -139,7 +139,7 @@ class ReplaySpec:
 
     step: int
     recorded: dict[int, dict[str, Any]]
-    dump: Any = None  # training.replay.StepDump: instruments and writes step ``step``
+    dump: Any = None  # training.record.replay.StepDump: instruments and writes step ``step``
 
 
 class ReplayComparator:

@@ -24,140 +24,37 @@ when it differs). ``--merge`` (the default for such a run) writes the adapters m
 full directory as above; ``--adapter`` writes the PEFT adapter directory for the run's
 ``model.init_from`` base (docs/models.md, "LoRA and QLoRA"), named by absolute path.
 
-The target is checked and written by training/export_target.py (never into a run directory,
+The target is checked and written by training/cli/export_target.py (never into a run directory,
 through a link or over a directory a run uses; atomically). ``generation_config.json`` and the
 tokenizer's eos end a chat-trained export's turns in ``transformers`` (``_write_tokenizer``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-import models
 from core.run_context import load_recorded_config
-from core import seeding
 from core.config import Config
-from core.exceptions import CheckpointError, UsageError
+from core.exceptions import UsageError
 from core.objective_kinds import objective_kind
-from core.layout import CHECKPOINTS_DIR, RunPaths, list_steps, step_dir_name
+from core.layout import RunPaths
 from data.chat_template import ChatTemplate, read_tokenizer_config
 from data.tokenizers import ByteTokenizer, build_tokenizer, tokenizer_directory
-from models.hf_config import config_path, model_config_from_hf
+from models.hf_config import config_path
 from models.hf_weights import save_pretrained
-from models.lora import add_adapters, merge_lora, save_peft_adapter
-from training.checkpoint_manifest import DCP_DIR, state_file_name, verify_checkpoint
-from training.export_target import check_target, kill_point, staged_directory
-from training.objectives.base import check_frozen
+from models.lora import merge_lora, save_peft_adapter
+from training.checkpoint.load import (
+    INIT_SOURCE_DIR,
+    TOKENIZER_FILES,
+    checkpoint_dir,
+    load_checkpoint_model,
+)
+from training.cli.export_target import check_target, kill_point, staged_directory
 from training.rollout.generator import stop_tokens
-from distributed.safe_dcp import SafeFileSystemReader
-
-MODEL_KEY = "model"
-OBJECTIVE_PART = "objective"
-"""The checkpoint part whose ``frozen`` entry holds a LoRA run's base identity (training/loop.py)."""
-INIT_SOURCE_DIR = "init_from"
-"""Under the run's artifacts/: the init_from directory's config.json and tokenizer files."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json", "chat_template.jinja")
-
-
-def record_init_source(config: Config, paths: RunPaths) -> None:
-    """Keep the init_from directory's config.json and tokenizer files with the run (rank 0)."""
-    source = config.model.init_from
-    if source is None:
-        return
-    target = paths.artifacts / INIT_SOURCE_DIR
-    target.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", *TOKENIZER_FILES):
-        path = Path(source) / name
-        if path.is_file() and not (target / name).exists():
-            shutil.copyfile(path, target / name)
-
-
-def resolve_run(run: str, root: str) -> RunPaths:
-    """A run directory given as a path, or a run ID under ``root``."""
-    from experiments.runs import recent_runs
-
-    path = Path(run)
-    if (path / "config.yaml").is_file():
-        return RunPaths(path)
-    if "/" in run or path.exists():  # a path, not a run ID
-        what = "does not exist" if not path.exists() else "is not a run directory (it has no config.yaml)"
-        raise UsageError(f"{run} {what}", hint="pass a run ID under --root, a run directory, "
-                         "or (generate --from) a Hugging Face directory with config.json")
-    paths = RunPaths(Path(root) / run)
-    if not paths.config.is_file():
-        recent = recent_runs(Path(root), 3)
-        raise UsageError(f"no run {run!r} under {root}/",
-                         hint=(f"recent runs, newest first: {', '.join(recent)}" if recent
-                               else "pass --root DIR if the run lives elsewhere"))
-    return paths
-
-
-def checkpoint_dir(paths: RunPaths, step: int | None) -> Path:
-    """The checkpoint of ``step`` (default: the newest), verified against its manifest."""
-    steps = list_steps(paths.checkpoints)
-    if not steps:
-        raise UsageError(f"run {paths.root.name} has no checkpoint under {CHECKPOINTS_DIR}/",
-                         hint="export needs a checkpoint; train with checkpoint.interval > 0 or checkpoint.at_end")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise UsageError(f"run {paths.root.name} has no checkpoint at step {step} (it has {steps})",
-                         hint="pick one of the listed steps")
-    path = paths.checkpoints / step_dir_name(step)
-    reason = verify_checkpoint(path)
-    if reason is not None:
-        raise CheckpointError(f"checkpoint is damaged: {reason}", path=str(path),
-                              hint="export an older step with --step")
-    return path
-
-
-def load_checkpoint_model(config: Config, path: Path) -> torch.nn.Module:
-    """Lockstep's model (fp32, CPU) with the weights of checkpoint ``path``.
-
-    A LoRA run's checkpoint holds only the trained tensors (adapters, modules_to_save): the
-    base is rebuilt as the run built it (``model.init_from``, else the seeded init), checked
-    against the identity the checkpoint recorded, and the adapters are applied before the
-    checkpoint's tensors are loaded into them."""
-    if config.model.lora.rank > 0:
-        model = _lora_base(config, path)
-    else:
-        model_config = config.model
-        if model_config.init_from is not None:
-            model_config = model_config_from_hf(model_config.init_from, base=model_config)
-        model_config = dataclasses.replace(model_config, init_from=None)
-        model = models.build(model_config)  # seeded init, then every tensor is overwritten
-    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
-    state = {f"{MODEL_KEY}.{k}": v for k, v in model.state_dict().items() if k not in frozen}
-    reader = SafeFileSystemReader(str(path / DCP_DIR))
-    reader.read_metadata()  # a refused file is reported as itself here; inside dcp.load it is only a string
-    try:
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    except CheckpointError:
-        raise
-    except (Exception, dcp.CheckpointException) as exc:  # DCP's own types (one derives from BaseException)
-        raise CheckpointError(f"cannot load the model from the checkpoint: {type(exc).__name__}: {exc}".split("\n")[0],
-                              path=str(path), hint="the checkpoint does not hold this run's model (another "
-                              "architecture or a damaged file); export an older step with --step") from None
-    model.load_state_dict({k.removeprefix(f"{MODEL_KEY}."): v for k, v in state.items()}, strict=not frozen)
-    return model
-
-
-def _lora_base(config: Config, path: Path) -> torch.nn.Module:
-    """The run's base with adapters, verified against the checkpoint's recorded base identity."""
-    model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
-    identity = add_adapters(model, config.model, seed=config.train.seed, load_init=False)
-    state_file = path / state_file_name(OBJECTIVE_PART)
-    recorded = json.loads(state_file.read_text()).get("frozen", {}) if state_file.is_file() else {}
-    check_frozen({"base": identity}, {k: v for k, v in recorded.items() if k == "base"})
-    return model
-
 
 def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.dtype | None = None,
            adapter: bool = False, overwrite: bool = False, run_roots: tuple[Path, ...] = ()) -> Path:
@@ -166,7 +63,7 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
     A LoRA run exports its adapters merged into the base (a full model directory), or with
     ``adapter`` only its PEFT adapter directory (adapter_model.safetensors,
     adapter_config.json naming the base by absolute path) plus the tokenizer files. ``out`` is
-    checked and written as training/export_target.py says: never into a run directory or
+    checked and written as training/cli/export_target.py says: never into a run directory or
     through a link, never over a directory a run under ``run_roots``, the run's own parent or its
     ``run.root`` uses, over a non-empty one only with ``overwrite``, and atomically."""
     config = load_recorded_config(paths)  # verified against meta.json before anything in it is used

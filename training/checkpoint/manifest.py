@@ -32,7 +32,7 @@ keys and no whitespace. That is what lets a future version be recognised as "new
 not "corrupt".
 
 The module also holds the durable-write primitives (write + fsync a file, fsync a
-directory) that the save protocol in ``training.checkpointing`` is built from.
+directory) that the save protocol in ``training.checkpoint.manager`` is built from.
 """
 
 from __future__ import annotations

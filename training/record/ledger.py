@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from core.exceptions import CheckpointError
-from training.checkpoint_manifest import fsync_dir
+from training.checkpoint.manifest import fsync_dir
 
 # Fields compared by replay (param_hash only where the recorded line has it).
 COMPARED_FIELDS = (

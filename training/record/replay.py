@@ -22,7 +22,7 @@ from torch import nn
 
 from core.exceptions import ResumeError
 from core.layout import RunPaths
-from training import ledger as ledger_lib
+from training.record import ledger as ledger_lib
 
 
 TEMPORARY_PREFIX = "lockstep-replay-"
@@ -78,6 +78,12 @@ class StepDump:
                 handles.append(param.register_hook(self._param_hook(name)))
         try:
             yield
+            # FSDP2 computes gradients on unsharded copies and writes the reduced shard to each
+            # parameter's .grad, so the hooks above never fire there: after the backward, read
+            # what they missed from .grad (this rank's shard, a DTensor's local part).
+            for name, param in model.named_parameters():
+                if param.requires_grad and param.grad is not None and name not in self.param_grads:
+                    _accumulate(self.param_grads, name, param.grad)
         finally:
             for handle in handles:
                 handle.remove()
