@@ -26,6 +26,11 @@ short row's prompt compute padding that is never read), and decoding starts by f
 last prompt token at position n-1, so every generated token comes out of the same decode
 step. Slots a row has not written are masked out.
 
+**Scheduling.** A call with more samples than max_batch keeps every row busy: a row whose
+sample has finished takes the next pending one at the next refill point, with a prefill
+that leaves the other rows' caches alone (models/qwen/scheduler.py). Each row decodes at its
+own position with its own key's uniforms, so refill changes no sample.
+
 **Log-probs.** ``Sample.logprobs[i]`` is log softmax of the model's *untempered* logits
 (fp32) at the chosen token: what a trainer computes for the same tokens (up to kernel
 differences between the cached and the training forward), whatever the sampling
@@ -231,7 +236,10 @@ class Sampler:
     finished (models/qwen/scheduler.py), so a call costs about its mean completion length,
     not its longest; "groups" runs them max_batch at a time, each group until its longest
     sample ends (the schedule before refill, kept to check and measure refill against).
-    Both give every sample bitwise the same tokens and log-probs.
+    Both give every sample bitwise the same tokens and log-probs. ``refill_every`` is the
+    number of decode steps between refill points (one host sync and, where rows are free
+    and samples pending, one prefill of max_batch rows each): fewer points cost fewer
+    prefills, more leave finished rows idle for fewer steps. It changes no sample.
 
     ``compile`` (default: on CUDA) compiles the decode step with static shapes;
     ``cuda_graphs`` (default: with compile on CUDA) replays it as a CUDA graph.
@@ -245,6 +253,7 @@ class Sampler:
         max_len: int,
         prefill_chunk: int = 128,
         schedule: Schedule = "refill",
+        refill_every: int = _DONE_CHECK_INTERVAL,
         compile: Optional[bool] = None,
         cuda_graphs: Optional[bool] = None,
     ) -> None:
@@ -256,7 +265,8 @@ class Sampler:
                 f"Sampler needs a plain, unsharded QwenForCausalLM, got {type(model).__name__}",
                 hint="pass models.qwen.sampler.generation_model(model) for a wrapped or sharded model",
             )
-        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
+        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                            ("refill_every", refill_every)):
             if value < 1:
                 raise ConfigError(f"sampler {name} must be >= 1, got {value}", key=f"sampler.{name}")
         if schedule not in ("refill", "groups"):
@@ -269,6 +279,7 @@ class Sampler:
         self.max_batch = max_batch
         self.max_len = max_len
         self.schedule = schedule
+        self.refill_every = refill_every
         self.prefill_chunk = min(prefill_chunk, max_len)
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -370,7 +381,7 @@ class Sampler:
         samples: list[Optional[Sample]] = [None] * len(prompts)
         step = 0
         while True:
-            if step % _DONE_CHECK_INTERVAL == 0:  # a refill point: one host sync
+            if step % self.refill_every == 0:  # a refill point: one host sync
                 handed_back, assigned = slots.refill(state.done.cpu().numpy())
                 if handed_back:
                     rows, indices = zip(*handed_back)

@@ -64,6 +64,13 @@ def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(model,
     assert min(lengths) < 6 and max(lengths) >= 20, lengths
 
 
+@pytest.mark.parametrize("every", [1, 7])
+def test_the_refill_interval_changes_no_sample(model, every):
+    params, prompts, keys = RULES["filtered"], _prompts(), _keys()
+    refill = Sampler(model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every)
+    assert refill.generate(prompts, keys, params) == _sampler(model, "groups").generate(prompts, keys, params)
+
+
 def test_finished_rows_take_the_next_samples_and_save_decode_steps(model):
     """Counted model forwards: refill decodes about the mean completion length per row, groups the longest."""
     # 3 stop tokens of 96: completions end after ~32 tokens, up to 96; refill points come every 16 steps.
@@ -111,8 +118,10 @@ def test_row_slots_hand_back_finished_rows_and_fill_free_ones_in_call_order():
     assert not slots.busy
 
 
-def test_an_unknown_schedule_is_a_config_error(model):
+def test_an_unknown_schedule_or_a_refill_interval_below_one_is_a_config_error(model):
     from core.exceptions import ConfigError
 
     with pytest.raises(ConfigError, match="schedule"):
         Sampler(model, max_batch=2, max_len=8, schedule="compact")
+    with pytest.raises(ConfigError, match="refill_every"):
+        Sampler(model, max_batch=2, max_len=8, refill_every=0)
