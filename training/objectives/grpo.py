@@ -121,8 +121,9 @@ class GRPOObjective:
         self.eval_sampled_params = SamplingParams(temperature=g.eval_temperature, top_p=g.top_p, top_k=g.top_k,
                                                   max_new_tokens=g.max_new_tokens, stop_token_ids=self.stop_ids)
         # Every forward of the sampler runs this many rows (its static shape): a constant of the
-        # config, not of the world size, so rollouts do not depend on how rows are spread.
-        self.rollout_rows = g.group_size * config.train.global_batch_size // config.data.num_streams
+        # config, not of the world size, so rollouts do not depend on how rows are spread. By
+        # default one row per completion of a step; rollout_slots: fewer, refilled as they finish.
+        self.rollout_rows = g.rollout_slots or g.group_size * config.train.global_batch_size // config.data.num_streams
         self.reference = None
         self._context: ObjectiveContext | None = None
         self._model: nn.Module | None = None
