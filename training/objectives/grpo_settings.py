@@ -73,7 +73,7 @@ class GRPOSettings:
     inner_updates: int = 1
     """Optimizer updates per rollout batch, within one loop step (the step's ledger line lists each one's loss)."""
     rollout_slots: int = 0
-    """Sampler rows (KV-cache rows per forward) of the rollouts; 0: one row per completion of a step (group_size x global_batch_size / data.num_streams). Fewer rows refill finished ones with pending completions (docs/models.md, Scheduling): less memory, and a step with mixed completion lengths costs about their mean; the completions differ from those of another row count in the last bits."""
+    """Sampler rows (KV-cache rows per forward) of the rollouts; 0: one row per completion of a step (group_size x global_batch_size / data.num_streams). Fewer rows refill finished ones with pending completions (docs/models.md, Scheduling): less memory, and a step with mixed completion lengths costs about their mean; the completions may differ from those of another row count (last bits, and a token where they flip a draw)."""
 
 
 def validate(config: Config) -> None:
