@@ -309,10 +309,10 @@ class Sampler:
         if len(prompts) != len(keys):
             raise ConfigError(f"generate got {len(prompts)} prompts but {len(keys)} keys; pass one key per prompt")
         rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
-        samples: list[Sample] = []
         with torch.no_grad():
             if self.schedule == "refill":
                 return self._generate_refill(rows, list(keys), params)
+            samples: list[Sample] = []
             for start in range(0, len(rows), self.max_batch):
                 group = slice(start, start + self.max_batch)
                 samples.extend(self._generate_group(rows[group], list(keys[group]), params))
