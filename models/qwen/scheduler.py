@@ -4,8 +4,9 @@ The Sampler (models/qwen/sampler.py) runs every forward at ``max_batch`` rows. W
 scheduler, samples go through in groups of max_batch and a group decodes until its longest
 sample ends: with completion lengths spread 16..256, most rows idle most of the time.
 ``RowSlots`` keeps a queue of pending samples instead; at every refill point (every
-``_DONE_CHECK_INTERVAL`` decode steps, where the host already reads the finished flags)
-the finished rows hand back their samples and take the next pending ones. Shapes stay fixed:
+``Sampler.refill_every`` decode steps, default 16, where the host already reads the finished
+flags) the finished rows hand back their samples and take the next pending ones. Shapes
+stay fixed, because a row's result may change with the number of rows in a forward:
 
 - the refill prefill runs all max_batch rows, in the same fixed chunks as a first fill;
   the rows that are not refilled write their keys/values into the cache's scratch row
