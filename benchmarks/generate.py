@@ -25,6 +25,23 @@ settings and again under ``torch.use_deterministic_algorithms(True)`` (what
 ``determinism.mode=bitwise`` sets): the same batch twice; each of the first ``--probe``
 prompts alone (batch of 1, padded to max_batch) vs inside the full batch; the batch in
 shuffled order. ``equal`` means tokens and log-probs are bitwise equal for every probed sample.
+
+``--stop-fraction F`` adds a rollout phase with mixed completion lengths: every round(1/F)-th
+token id is a stop token, so sampled completions of the random-weight model end after about
+1/F tokens (geometrically, capped at ``--rollout-new-tokens``, default ``--new-tokens``), and
+``--samples`` prompts (default 4 x batch) go through ``--batch`` rows, once with the sampler's
+continuous refill (``schedule="refill"``) and once with the group-by-group schedule before
+it (``"groups"``: each group of ``--batch`` decodes until its longest sample ends), both the
+first of our variants in ``--variants``, in the same call; refill once per value of
+``--refill-every`` (decode steps between refill points), the fastest reported as ``refill``.
+It reports each schedule's tokens/s
+(generated tokens, stop tokens included) and median wall time, refill's speedup, the
+completion-length distribution, whether the two schedules give bitwise the same samples, and
+the determinism checks above under refill (the whole rollout twice, the first ``--probe``
+prompts alone, shuffled order):
+
+    python benchmarks/generate.py --variants graphs --batch 64 --prompt-len 128 --new-tokens 256 \
+        --stop-fraction 0.015625 --samples 1024 --refill-every 8,16,32 --out bench_out/generate-rollout.json
 """
 
 from __future__ import annotations
@@ -173,6 +190,51 @@ def check_determinism(sampler, prompts, keys, params, probe: int) -> dict[str, A
             "shuffled_order": compare(base, unshuffled)}
 
 
+def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
+    """The --stop-fraction rollout: refill against the group schedule on the same samples (module docstring)."""
+    import torch
+
+    from models.qwen.sampler import SampleKey, Sampler, SamplingParams
+
+    vocab = model.dims.vocab_size
+    every = max(1, round(1 / args.stop_fraction))
+    new_tokens = args.rollout_new_tokens or args.new_tokens
+    samples = args.samples or 4 * args.batch
+    params = SamplingParams(temperature=1.0, top_p=args.top_p, max_new_tokens=new_tokens,
+                            stop_token_ids=tuple(range(0, vocab, every)))
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, vocab, (samples, args.prompt_len), generator=generator).tolist()
+    keys = [SampleKey(0, "benchmark.rollout", 0, i) for i in range(samples)]
+    compile_, graphs = {"eager": (False, False), "compiled": (True, False), "graphs": (True, True)}[variant]
+    report: dict[str, Any] = {"variant": variant, "samples": samples, "rows": args.batch, "new_tokens": new_tokens,
+                              "stop_tokens": len(params.stop_token_ids), "vocab": vocab}
+    intervals = [int(k) for k in str(args.refill_every).split(",") if k]
+    runs = [("groups", "groups", 16)] + [(f"refill_every_{k}", "refill", k) for k in intervals]
+    outputs = {}
+    for name, schedule, every in runs:
+        print(f"[generate] rollout phase, {name} ...", flush=True)
+        sampler = Sampler(model, max_batch=args.batch, max_len=args.prompt_len + new_tokens,
+                          prefill_chunk=args.prompt_len, schedule=schedule, refill_every=every,
+                          compile=compile_, cuda_graphs=graphs)
+        measured = _measure(lambda: sampler.generate(prompts, keys, params), device, args.repeats, 1)
+        outputs[name] = measured.pop("result")
+        measured["tokens_per_s"] = sum(len(s.tokens) for s in outputs[name]) / measured["median_s"]
+        report[name] = measured
+        if name == runs[1][0]:
+            report["determinism_refill"] = check_determinism(sampler, prompts, keys, params,
+                                                             min(args.probe, samples))
+    best = min((name for name, schedule, _ in runs if schedule == "refill"), key=lambda n: report[n]["median_s"])
+    report["refill"] = report[best]
+    report["refill_best"] = best
+    lengths = [len(s.tokens) for s in outputs["groups"]]
+    report["lengths"] = {"min": min(lengths), "mean": statistics.mean(lengths), "max": max(lengths),
+                         "median": statistics.median(lengths), "tokens": sum(lengths),
+                         "stopped": sum(s.finish_reason == "stop" for s in outputs["groups"])}
+    report["refill_equals_groups"] = all(outputs[name] == outputs["groups"] for name, _, _ in runs[1:])
+    report["speedup_refill_vs_groups"] = report["groups"]["median_s"] / report["refill"]["median_s"]
+    return report
+
+
 def write_profiles(path: str, samplers: dict[str, Any], prompts, keys, params, device) -> None:
     """Where one ``generate`` call's time goes, per variant: the profiler's table of device kernels and
     host operators (sorted by device time, then by host time), with the wall time of the profiled call."""
@@ -201,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default="graphs,compiled,eager,hf", help="of graphs, compiled, eager, hf, hf_static")
+    parser.add_argument("--variants", default=None,
+                        help="of graphs, compiled, eager, hf, hf_static (default graphs,compiled,eager,hf; --tiny: eager,hf)")
     parser.add_argument("--hf-static", action="store_true", help="add the hf_static variant")
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus filter when sampling (both generators)")
@@ -209,15 +272,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", type=int, default=4, help="prompts checked alone in --check-determinism")
     parser.add_argument("--profile", default=None, metavar="TXT",
                         help="profile one call of each of our measured variants; kernel tables go to TXT")
+    parser.add_argument("--stop-fraction", type=float, default=None, metavar="F",
+                        help="add the mixed-length rollout phase: this fraction of the vocabulary stops a sample")
+    parser.add_argument("--refill-every", default="16", metavar="K[,K...]",
+                        help="rollout phase: decode steps between refill points; refill is measured for each")
+    parser.add_argument("--samples", type=int, default=None, help="rollout phase: samples (default 4 x --batch)")
+    parser.add_argument("--rollout-new-tokens", type=int, default=None,
+                        help="rollout phase: the cap on a completion's length (default --new-tokens)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized smoke test of this script")
     parser.add_argument("--out", default="bench_out/generate.json")
     args = parser.parse_args(argv)
+    if args.stop_fraction is not None and not 0 < args.stop_fraction <= 1:
+        parser.error(f"--stop-fraction must be in (0, 1], got {args.stop_fraction}")
     if args.tiny:
         for key, value in TINY.items():
             setattr(args, key, value)
         args.device = args.device or "cpu"
-        args.variants = "eager,hf"
+        args.variants = "eager,hf" if args.variants is None else args.variants
         args.check_determinism = True
 
     import torch
@@ -235,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0 if args.greedy else 1.0, top_p=1.0 if args.greedy else args.top_p,
                             max_new_tokens=args.new_tokens)
     generated = args.batch * args.new_tokens
-    variants = [v for v in args.variants.split(",") if v] + (["hf_static"] if args.hf_static else [])
+    variants = [v for v in (args.variants or "graphs,compiled,eager,hf").split(",") if v] + (["hf_static"] if args.hf_static else [])
 
     results: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
@@ -286,6 +358,15 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 torch.use_deterministic_algorithms(previous)
 
+    rollout = {}
+    if args.stop_fraction is not None:
+        ours_names = [v for v in variants if not v.startswith("hf")] or ["eager"]
+        try:
+            rollout = rollout_phase(ours, args, ours_names[0], device)
+        except Exception as exc:
+            traceback.print_exc()
+            rollout = {"error": f"{type(exc).__name__}: {exc}"}
+
     agreement = {}
     if args.greedy and "hf" in outputs:
         for name, tokens in outputs.items():
@@ -303,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "results": results, "speedup_vs_hf": {n: r["tokens_per_s"] / hf_speed for n, r in results.items()
                                               if hf_speed and "tokens_per_s" in r},
-        "determinism": determinism, "greedy_agreement_with_hf": agreement,
+        "determinism": determinism, "greedy_agreement_with_hf": agreement, "rollout": rollout,
     }
     write_json(args.out, payload)
     print(f"\n{args.shape} ({class_name}), batch {args.batch} x {args.prompt_len} prompt tokens, "
@@ -322,6 +403,17 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in checks.items()))
     if agreement:
         print(f"greedy agreement with hf: {agreement}")
+    if "error" in rollout:
+        print(f"rollout phase: error: {rollout['error']}")
+    elif rollout:
+        lengths = rollout["lengths"]
+        print(f"rollout phase ({rollout['variant']}, {rollout['samples']} samples through {rollout['rows']} rows, "
+              f"lengths min {lengths['min']} mean {lengths['mean']:.1f} max {lengths['max']}):")
+        for name, r in rollout.items():
+            if name == "groups" or name.startswith("refill_every_"):
+                print(f"  {name}: {r['tokens_per_s']:.0f} tokens/s, {r['median_s']:.3f} s")
+        print(f"  refill ({rollout['refill_best']}) {rollout['speedup_refill_vs_groups']:.2f}x groups; bitwise equal: {rollout['refill_equals_groups']}; "
+              "determinism under refill: " + ", ".join(f"{k}={v['equal']}" for k, v in rollout["determinism_refill"].items()))
     print(f"wrote {args.out}")
     return 0
 

@@ -180,6 +180,11 @@ class KVCache(torch.nn.Module):
     Values are stored in the model's compute dtype, one buffer per layer (not one stacked
     tensor), so that the compiled step updates each in place instead of rewriting a stacked
     cache.
+
+    Each buffer has one row more than ``batch``: the scratch row (index ``batch``), which
+    ``read`` never returns. A forward that must leave some rows' caches untouched (the
+    sampler's refill prefill, models/qwen/scheduler.py) still runs all ``batch`` rows, and
+    sends the writes of the rows it does not fill into the scratch row (``redirected``).
     """
 
     def __init__(
@@ -187,11 +192,12 @@ class KVCache(torch.nn.Module):
         device: torch.device, dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        shape = (batch, num_kv_heads, slots, head_dim)
+        shape = (batch + 1, num_kv_heads, slots, head_dim)  # + the scratch row
         for layer in range(num_layers):
             for name in (f"k{layer}", f"v{layer}"):
                 self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.num_layers = num_layers
+        self.batch = batch
 
     @property
     def slots(self) -> int:
@@ -201,17 +207,54 @@ class KVCache(torch.nn.Module):
         """Every layer's key and value buffer (to mark their addresses static)."""
         return [buffer for _, buffer in self.named_buffers()]
 
-    def write(self, layer: int, position_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (B, T, n_kv_head, head_dim) of tokens at position_ids (B, T) into their slots."""
-        keys, values = self.read(layer)
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+    def write(
+        self, layer: int, position_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> None:
+        """Store k, v (B, T, n_kv_head, head_dim) of tokens at position_ids (B, T) into their slots.
+
+        Input row b writes cache row ``rows[b]`` ((B, 1) int64; default: row b itself).
+        """
+        keys, values = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        if rows is None:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         # Advanced indices around a slice put the indexed dims first: the target is (B, T, n_kv, hd).
         keys[rows, :, position_ids] = k
         values[rows, :, position_ids] = v
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one layer, each (B, n_kv_head, slots, head_dim)."""
-        return getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        """Keys and values of one layer, each (B, n_kv_head, slots, head_dim): the scratch row left out.
+
+        A view of the first B rows of the buffer: the same address and strides as a (B, ...)
+        tensor, so kernels see exactly what they saw before the scratch row existed.
+        """
+        return getattr(self, f"k{layer}")[: self.batch], getattr(self, f"v{layer}")[: self.batch]
+
+    def redirected(self, fill: torch.Tensor) -> "RedirectedKVCache":
+        """This cache as seen by a forward that fills only the rows where ``fill`` ((B,) bool) is set.
+
+        Reads are unchanged (every row attends over its own cache row); the other rows'
+        writes go to the scratch row, so their caches keep what they hold.
+        """
+        rows = torch.arange(self.batch, device=fill.device).masked_fill(~fill, self.batch)
+        return RedirectedKVCache(self, rows[:, None])
+
+
+class RedirectedKVCache:
+    """A KVCache whose writes from input row b land in cache row ``rows[b]`` (``KVCache.redirected``)."""
+
+    def __init__(self, cache: KVCache, rows: torch.Tensor) -> None:
+        self.cache, self.rows = cache, rows
+
+    @property
+    def slots(self) -> int:
+        return self.cache.slots
+
+    def write(self, layer: int, position_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write(layer, position_ids, k, v, rows=self.rows)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.read(layer)
 
 
 def cache_mask(position_ids: torch.Tensor, slots: int) -> torch.Tensor:

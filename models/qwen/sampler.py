@@ -26,6 +26,11 @@ short row's prompt compute padding that is never read), and decoding starts by f
 last prompt token at position n-1, so every generated token comes out of the same decode
 step. Slots a row has not written are masked out.
 
+**Scheduling.** A call with more samples than max_batch keeps every row busy: a row whose
+sample has finished takes the next pending one at the next refill point, with a prefill
+that leaves the other rows' caches alone (models/qwen/scheduler.py). Each row decodes at its
+own position with its own key's uniforms, so refill changes no sample.
+
 **Log-probs.** ``Sample.logprobs[i]`` is log softmax of the model's *untempered* logits
 (fp32) at the chosen token: what a trainer computes for the same tokens (up to kernel
 differences between the cached and the training forward), whatever the sampling
@@ -50,10 +55,13 @@ import torch.nn.functional as F
 from core.exceptions import ConfigError, DataError
 from models.qwen.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
+from models.qwen.scheduler import RowSlots, RowState
 
 FinishReason = Literal["stop", "length"]
+Schedule = Literal["refill", "groups"]
 
-# How many decode steps run between checks (one host sync each) that every row has finished.
+# How many decode steps run between checks (one host sync each) of which rows have finished:
+# under "refill", the points where finished rows take the next pending samples.
 _DONE_CHECK_INTERVAL = 16
 
 
@@ -221,7 +229,17 @@ class Sampler:
     has any train-only behaviour, which Qwen has not). For a sharded (FSDP2/TP) or DDP
     model, pass ``training.rollout.generation_model.generation_model(model)``'s result. ``max_len`` bounds prompt plus
     generated tokens of one sample; ``max_batch`` is the number of rows every forward
-    runs (calls with more prompts are processed in groups of max_batch).
+    runs (cache rows).
+
+    ``schedule`` says how a call with more samples than rows goes through them: "refill"
+    (default) starts the next pending sample in a row as soon as the row's sample has
+    finished (models/qwen/scheduler.py), so a call costs about its mean completion length,
+    not its longest; "groups" runs them max_batch at a time, each group until its longest
+    sample ends (the schedule before refill, kept to check and measure refill against).
+    Both give every sample bitwise the same tokens and log-probs. ``refill_every`` is the
+    number of decode steps between refill points (one host sync and, where rows are free
+    and samples pending, one prefill of max_batch rows each): fewer points cost fewer
+    prefills, more leave finished rows idle for fewer steps. It changes no sample.
 
     ``compile`` (default: on CUDA) compiles the decode step with static shapes;
     ``cuda_graphs`` (default: with compile on CUDA) replays it as a CUDA graph.
@@ -234,6 +252,8 @@ class Sampler:
         max_batch: int,
         max_len: int,
         prefill_chunk: int = 128,
+        schedule: Schedule = "refill",
+        refill_every: int = _DONE_CHECK_INTERVAL,
         compile: Optional[bool] = None,
         cuda_graphs: Optional[bool] = None,
     ) -> None:
@@ -245,15 +265,21 @@ class Sampler:
                 f"Sampler needs a plain, unsharded QwenForCausalLM, got {type(model).__name__}",
                 hint="pass a plain local copy (training/rollout/generation_model.py makes one of a wrapped or sharded model)",
             )
-        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
+        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                            ("refill_every", refill_every)):
             if value < 1:
                 raise ConfigError(f"sampler {name} must be >= 1, got {value}", key=f"sampler.{name}")
+        if schedule not in ("refill", "groups"):
+            raise ConfigError(f"sampler schedule must be 'refill' or 'groups', got {schedule!r}",
+                              key="sampler.schedule")
         if max_len < 2:
             raise ConfigError(f"sampler max_len must be >= 2 (a prompt token and a new one), got {max_len}",
                               key="sampler.max_len")
         self.model = model
         self.max_batch = max_batch
         self.max_len = max_len
+        self.schedule = schedule
+        self.refill_every = refill_every
         self.prefill_chunk = min(prefill_chunk, max_len)
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -283,8 +309,10 @@ class Sampler:
         if len(prompts) != len(keys):
             raise ConfigError(f"generate got {len(prompts)} prompts but {len(keys)} keys; pass one key per prompt")
         rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
-        samples: list[Sample] = []
         with torch.no_grad():
+            if self.schedule == "refill":
+                return self._generate_refill(rows, list(keys), params)
+            samples: list[Sample] = []
             for start in range(0, len(rows), self.max_batch):
                 group = slice(start, start + self.max_batch)
                 samples.extend(self._generate_group(rows[group], list(keys[group]), params))
@@ -315,7 +343,7 @@ class Sampler:
         lengths = [len(p) for p in prompts] + [1] * (batch - rows)  # padding rows: one token
         budgets = [min(params.max_new_tokens, self.max_len - n) for n in lengths[:rows]]
         steps = max(budgets)
-        self._prefill(prompts, lengths)
+        self._prefill(prompts + [None] * (batch - rows))
 
         streams = np.array([k.stream() for k in keys] + [0] * (batch - rows), dtype=np.uint64)
         # (steps, B): row t is contiguous, so the compiled step sees the same strides whatever `steps` is.
@@ -342,20 +370,66 @@ class Sampler:
                 break
         return _collect(out_tokens[:rows].tolist(), out_logprobs[:rows].tolist(), budgets, params.stop_token_ids)
 
-    def _prefill(self, prompts: list[list[int]], lengths: list[int]) -> None:
-        """Write keys/values of every prompt token but the last, in chunks of fixed shape."""
+    def _generate_refill(self, prompts: list[list[int]], keys: list[SampleKey], params: SamplingParams) -> list[Sample]:
+        """Every sample through the max_batch cache rows, a finished row taking the next pending sample."""
+        budgets = [min(params.max_new_tokens, self.max_len - len(p)) for p in prompts]
+        if not prompts:
+            return []
+        slots, state = RowSlots(self.max_batch, len(prompts)), RowState(self.max_batch, max(budgets), self.device)
+        stops = torch.tensor(params.stop_token_ids or [-1], device=self.device)
+        decode = self._decode_step(params)
+        samples: list[Optional[Sample]] = [None] * len(prompts)
+        step = 0
+        while True:
+            if step % self.refill_every == 0:  # a refill point: one host sync
+                handed_back, assigned = slots.refill(state.done.cpu().numpy())
+                if handed_back:
+                    rows, indices = zip(*handed_back)
+                    tokens, logprobs = state.outputs(list(rows))
+                    ended = _collect(tokens, logprobs, [budgets[i] for i in indices], params.stop_token_ids)
+                    for i, sample in zip(indices, ended):
+                        samples[i] = sample
+                if assigned:
+                    self._refill(state, assigned, prompts, keys, budgets)
+                if not slots.busy:
+                    return samples
+            next_token, logprob = decode(*state.inputs(self.cache.slots))
+            state.advance(next_token, logprob, stops)
+            step += 1
+
+    def _refill(self, state: RowState, assigned: list[tuple[int, int]], prompts: list[list[int]],
+                keys: list[SampleKey], budgets: list[int]) -> None:
+        """Prefill the assigned (row, sample) pairs' prompts into their rows and start them decoding."""
+        by_row: list[Optional[list[int]]] = [None] * self.max_batch
+        for row, sample in assigned:
+            by_row[row] = prompts[sample]
+        self._prefill(by_row)
+        rows, indices = [row for row, _ in assigned], [sample for _, sample in assigned]
+        streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
+        state.load(rows, [prompts[i] for i in indices], [budgets[i] for i in indices],
+                   counter_uniforms(streams, state.width))
+
+    def _prefill(self, prompts: list[Optional[list[int]]]) -> None:
+        """Write keys/values of every prompt token but the last into cache row b of ``prompts[b]``.
+
+        In chunks of fixed shape, all max_batch rows: a row whose entry is None computes
+        padding and its cache keeps what it holds (its writes go to the scratch row).
+        """
         batch, chunk = self.max_batch, self.prefill_chunk
-        width = max(lengths) - 1
+        width = max(len(p) for p in prompts if p is not None) - 1
         if width == 0:
             return
         chunks = math.ceil(width / chunk)
         ids = torch.zeros(batch, chunks * chunk, dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt) - 1] = torch.tensor(prompt[:-1])
+            if prompt is not None:
+                ids[row, : len(prompt) - 1] = torch.tensor(prompt[:-1])
         ids = ids.to(self.device)
+        fill = torch.tensor([p is not None for p in prompts], device=self.device)
+        cache = self.cache.redirected(fill)
         for c in range(chunks):
             positions = torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(batch, chunk)
-            model_forward(self.model, ModelInputs(ids[:, c * chunk : (c + 1) * chunk], positions), cache=self.cache)
+            model_forward(self.model, ModelInputs(ids[:, c * chunk : (c + 1) * chunk], positions), cache=cache)
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""

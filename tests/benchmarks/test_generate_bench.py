@@ -44,3 +44,24 @@ def test_sampling_settings_reach_both_generators():
     assert (config.do_sample, config.temperature, config.top_k, config.top_p) == (True, 1.0, 0, 0.95)
     assert (config.max_new_tokens, config.min_new_tokens, config.cache_implementation) == (7, 7, "static")
     assert config.use_cache
+
+
+def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path, request):
+    """--tiny --stop-fraction on the CPU: both schedules give bitwise the same samples, and the checks hold."""
+    import json
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads on a busy machine wait on each other
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+
+    out = tmp_path / "generate.json"
+    assert bench.main(["--tiny", "--variants", "eager", "--stop-fraction", "0.125", "--samples", "10", "--rollout-new-tokens", "24",
+                       "--refill-every", "4,16",
+                       "--out", str(out)]) == 0
+    rollout = json.loads(out.read_text())["rollout"]
+    assert rollout["refill_equals_groups"] is True
+    assert all(check["equal"] for check in rollout["determinism_refill"].values()), rollout["determinism_refill"]
+    lengths = rollout["lengths"]
+    assert lengths["min"] < lengths["mean"] < lengths["max"] <= 24
+    assert rollout["refill_best"] in ("refill_every_4", "refill_every_16")
+    assert all(rollout[name]["tokens_per_s"] > 0 for name in ("refill_every_4", "refill_every_16", "groups"))

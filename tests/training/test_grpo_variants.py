@@ -297,6 +297,44 @@ def test_variant_keys_are_validated_and_hashed_only_when_set():
         assert f"objective.grpo.{key}" in str(error.value) and error.value.exit_code == 2
 
 
+def test_rollout_slots_is_validated_and_hashed_only_when_set():
+    path = launch.ROOT / "configs" / "tiny-grpo.yaml"
+    default = load(path)
+    assert default.objective.grpo.rollout_slots == 0
+    assert load(path, ["objective.grpo.rollout_slots=0"]).hash == default.hash
+    assert load(path, ["objective.grpo.rollout_slots=3"]).hash != default.hash
+    with pytest.raises(ConfigError) as error:
+        load(path, ["objective.grpo.rollout_slots=-1"])
+    assert "objective.grpo.rollout_slots" in str(error.value) and error.value.exit_code == 2
+
+
+def test_rollout_slots_refill_fewer_sampler_rows_and_a_prompt_keeps_its_group(request):
+    """3 sampler rows for PROMPTS x G completions: finished rows take pending ones, and a prompt's group
+    is the same whichever prompts share its call and in which order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads on a busy machine wait on each other
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    config = _config(["objective.grpo.rollout_slots=3"])
+    model = models.build(config.model, generator=seeding.generator(5, "model_init"))
+    objective = _objective(config, model)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]][:PROMPTS]
+    indices = list(range(10, 10 + len(prompts)))
+
+    def rollouts(prompts, indices):  # prompt-major: G completions of each prompt
+        flat = objective.generator.generate_from(model, prompts, indices, objective.params, purpose="grpo", step=1,
+                                                 samples=G)
+        return [flat[p * G:(p + 1) * G] for p in range(len(prompts))]
+
+    with torch.no_grad():
+        groups = rollouts(prompts, indices)
+        assert objective.generator._sampler.max_batch == 3 < PROMPTS * G
+        assert rollouts(prompts, indices) == groups
+        alone = rollouts(prompts[-1:], indices[-1:])
+        backwards = rollouts(prompts[::-1], indices[::-1])
+    assert alone[0] == groups[-1] and backwards[::-1] == groups
+    assert len({len(sample.tokens) for group in groups for sample in group}) > 1  # mixed lengths
+
+
 def _stub_resampling(objective, calls: list, uniform_rows: dict | None = None):
     """Groups by (purpose, prompt row): mixed ("ab" and "AB": format scores 1 and 0) or uniform.
     By default round 0: rows 0 and 2 uniform; round 1: row 0 mixed, row 2 uniform; round 2: row 2

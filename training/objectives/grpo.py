@@ -121,6 +121,10 @@ class GRPOObjective:
         self.eval_params = SamplingParams(temperature=0.0, max_new_tokens=g.max_new_tokens, stop_token_ids=stop)
         self.eval_sampled_params = SamplingParams(temperature=g.eval_temperature, top_p=g.top_p, top_k=g.top_k,
                                                   max_new_tokens=g.max_new_tokens, stop_token_ids=stop)
+        # Every forward of the sampler runs this many rows (its static shape): a constant of the
+        # config, not of the world size, so rollouts do not depend on how rows are spread. By
+        # default one row per completion of a step; rollout_slots: fewer, refilled as they finish.
+        self.rollout_rows = g.rollout_slots or g.group_size * config.train.global_batch_size // config.data.num_streams
         self.reference = None
         self.generator: Generator | None = None
         self.rollout: GroupRollout | None = None
@@ -167,7 +171,7 @@ class GRPOObjective:
         self.fuse_head = context.fuse_head and config.train.loss_chunk_tokens > 0
         # Every forward of the sampler runs this many rows (its static shape): a constant of the
         # config, not of the world size, so rollouts do not depend on how rows are spread.
-        self.generator = Generator(rows=g.group_size * config.train.global_batch_size // config.data.num_streams,
+        self.generator = Generator(rows=self.rollout_rows,
                                    max_len=config.data.seq_len, seed=config.train.seed,
                                    dtype=generation_dtype(config.parallel.precision, context.parallel.device))
         self.rollout = GroupRollout(generator=self.generator, decoder=self.decoder, environment=self.environment,

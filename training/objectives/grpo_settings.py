@@ -72,6 +72,8 @@ class GRPOSettings:
     """A reward function that raises or returns a non-finite value: stop with a typed error, or score 0 and count it."""
     inner_updates: int = 1
     """Optimizer updates per rollout batch, within one loop step (the step's ledger line lists each one's loss)."""
+    rollout_slots: int = 0
+    """Sampler rows (KV-cache rows per forward) of the rollouts; 0: one row per completion of a step (group_size x global_batch_size / data.num_streams). Fewer rows refill finished ones with pending completions (docs/models.md, Scheduling): less memory, and a step with mixed completion lengths costs about their mean; the completions may differ from those of another row count (last bits, and a token where they flip a draw)."""
 
 
 def validate(config: Config) -> None:
@@ -98,6 +100,9 @@ def validate(config: Config) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(g, name)!r}", key=f"{key}.{name}")
+    if g.rollout_slots < 0:
+        raise ConfigError(f"{key}.rollout_slots must be >= 0, got {g.rollout_slots}", key=f"{key}.rollout_slots",
+                          hint="0: one sampler row per completion of a step; n: n rows, refilled as completions end")
     if not 1 <= g.inner_updates <= 64:
         raise ConfigError(
             f"{key}.inner_updates must be in 1..64, got {g.inner_updates}",
@@ -140,6 +145,7 @@ KIND = ObjectiveKind(
     settings=GRPOSettings,
     validate=validate,
     resumable=("eval_samples", "eval_temperature"),  # an evaluation only: the ledger does not depend on them
-    hashed_only_when_set=("advantage_std", "overlong_buffer", "mask_truncated", "dynamic_sampling_rounds"),
+    hashed_only_when_set=("advantage_std", "overlong_buffer", "mask_truncated", "dynamic_sampling_rounds",
+                          "rollout_slots"),
     hash_default_section=True,
 )

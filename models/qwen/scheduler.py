@@ -1,0 +1,114 @@
+"""Continuous refill: which sample each of the sampler's cache rows decodes, and when rows change hands.
+
+The Sampler (models/qwen/sampler.py) runs every forward at ``max_batch`` rows. Without a
+scheduler, samples go through in groups of max_batch and a group decodes until its longest
+sample ends: with completion lengths spread 16..256, most rows idle most of the time.
+``RowSlots`` keeps a queue of pending samples instead; at every refill point (every
+``Sampler.refill_every`` decode steps, default 16, where the host already reads the finished
+flags) the finished rows hand back their samples and take the next pending ones. Shapes
+stay fixed, because a row's result may change with the number of rows in a forward:
+
+- the refill prefill runs all max_batch rows, in the same fixed chunks as a first fill;
+  the rows that are not refilled write their keys/values into the cache's scratch row
+  (``KVCache.redirected``), so their own caches are untouched and their (discarded) outputs
+  cost no more than padding rows did;
+- the decode step is the same compiled (CUDA-graphed) function of (B, 1) tokens and
+  positions: every row carries its own position, local step and budget in device tensors.
+
+A row's uniform at its local step t is ``counter_uniforms(stream, .)[t]`` of its own key, so
+a sample's tokens are those it gets alone or in any group (tests/models/test_scheduler.py
+compares them bitwise with the group-by-group schedule).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+
+class RowSlots:
+    """Host bookkeeping: which sample (an index into the ``generate`` call) each cache row holds.
+
+    Samples enter rows in call order, each at the first refill point where a row is free;
+    a row is free once its sample has finished (the device's ``done`` flag) and been handed
+    back. Which row, and when, changes no token of a sample.
+    """
+
+    def __init__(self, rows: int, samples: int) -> None:
+        self.pending = deque(range(samples))
+        self.occupant: list[int | None] = [None] * rows
+
+    @property
+    def busy(self) -> bool:
+        """Whether any row still holds a sample."""
+        return any(sample is not None for sample in self.occupant)
+
+    def refill(self, finished: np.ndarray) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``finished`` (B,) bool -> (handed back, newly assigned): lists of (row, sample)."""
+        handed_back = []
+        for row, sample in enumerate(self.occupant):
+            if sample is not None and finished[row]:
+                handed_back.append((row, sample))
+                self.occupant[row] = None
+        assigned = []
+        for row, sample in enumerate(self.occupant):
+            if sample is None and self.pending:
+                self.occupant[row] = self.pending.popleft()
+                assigned.append((row, self.occupant[row]))
+        return handed_back, assigned
+
+
+class RowState:
+    """Device state of the B decoding rows, fixed shapes: each row at its own position and local step.
+
+    A row decodes its sample's local step t at position ``start + t`` with uniform
+    ``uniforms[row, t]`` (its own key's, counter t), writes the token into column t of its
+    output, and is done after a stop token or ``budget`` tokens. A done row keeps stepping
+    (static shapes) until it is refilled: its position and uniform index are clamped, its
+    outputs land in the spare last column, and its cache writes go to slots it rewrites
+    before reading them after a refill.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.width = width  # the longest budget of the call
+        self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)  # (B, 1) the token to feed
+        self.start = torch.zeros(rows, dtype=torch.long, device=device)  # position of the last prompt token
+        self.local = torch.zeros(rows, dtype=torch.long, device=device)  # tokens generated so far
+        self.budget = torch.zeros(rows, dtype=torch.long, device=device)
+        self.done = torch.ones(rows, dtype=torch.bool, device=device)  # no sample yet: free
+        self.uniforms = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        self.out_tokens = torch.zeros(rows, width + 1, dtype=torch.long, device=device)  # + a spare column
+        self.out_logprobs = torch.zeros(rows, width + 1, dtype=torch.float32, device=device)
+
+    def load(self, rows: list[int], prompts: list[list[int]], budgets: list[int], uniforms: np.ndarray) -> None:
+        """Start the samples of ``prompts`` in ``rows`` (their caches already prefilled); uniforms (k, width)."""
+        device = self.token.device
+        index = torch.tensor(rows, device=device)
+        self.token[index, 0] = torch.tensor([p[-1] for p in prompts], device=device)
+        self.start[index] = torch.tensor([len(p) - 1 for p in prompts], device=device)
+        self.local[index] = 0
+        self.budget[index] = torch.tensor(budgets, device=device)
+        self.done[index] = False
+        self.uniforms[index] = torch.from_numpy(uniforms).to(device)
+
+    def inputs(self, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens (B, 1), positions (B, 1), uniforms (B,)) of the next decode step."""
+        positions = (self.start + self.local).clamp(max=slots - 1)[:, None]
+        uniforms = self.uniforms.gather(1, self.local.clamp(max=self.width - 1)[:, None]).squeeze(1)
+        return self.token, positions, uniforms
+
+    def advance(self, next_token: torch.Tensor, logprob: torch.Tensor, stops: torch.Tensor) -> None:
+        """Record one decode step's (B,) tokens and log-probs."""
+        column = self.local.clamp(max=self.width)[:, None]
+        self.out_tokens.scatter_(1, column, next_token[:, None])
+        self.out_logprobs.scatter_(1, column, logprob[:, None])
+        self.token = next_token[:, None].clone()  # the graph's output buffer is reused by its next replay
+        self.local += 1
+        self.done |= torch.isin(next_token, stops) | (self.local >= self.budget)
+
+    def outputs(self, rows: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """The tokens and log-probs written so far by ``rows`` (each ``width`` long; cut them at the sample's end)."""
+        index = torch.tensor(rows, device=self.token.device)
+        return (self.out_tokens[index, : self.width].tolist(), self.out_logprobs[index, : self.width].tolist())

@@ -1,0 +1,127 @@
+"""models/qwen/scheduler.py: continuous refill gives every sample bitwise the tokens of the group schedule and of
+the sample alone, in any order, and finished rows stop costing decode steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import models
+from models.qwen.sampler import SampleKey, Sampler, SamplingParams
+from models.qwen.scheduler import RowSlots
+from tests.models.test_sampler import QWEN3
+
+STOPS = tuple(range(0, QWEN3.vocab_size, 8))  # 12 of 96 tokens: sampled completions end after ~8 tokens
+LENGTHS = (3, 9, 1, 17, 5, 2, 12, 7, 4, 6, 15, 2, 8, 1, 11, 3, 5, 9, 2)  # 19 samples through 4 rows
+RULES = {
+    "greedy": SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=STOPS),
+    "sampled": SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=STOPS),
+    "filtered": SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=24, stop_token_ids=STOPS),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.build(QWEN3, generator=torch.Generator().manual_seed(5)).eval()
+
+
+def _sampler(model, schedule):
+    return Sampler(model, max_batch=4, max_len=40, prefill_chunk=8, schedule=schedule)
+
+
+def _prompts(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, QWEN3.vocab_size, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def _keys():
+    return [SampleKey(1, "test", 3, prompt_index, prompt_index % 2) for prompt_index in range(len(LENGTHS))]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(model, rule):
+    params, prompts, keys = RULES[rule], _prompts(), _keys()
+    refill, groups = _sampler(model, "refill"), _sampler(model, "groups")
+    expected = groups.generate(prompts, keys, params)
+    got = refill.generate(prompts, keys, params)
+    assert got == expected  # tokens, log-probs (exact floats) and finish reasons
+    order = np.random.default_rng(7).permutation(len(prompts)).tolist()
+    shuffled = refill.generate([prompts[i] for i in order], [keys[i] for i in order], params)
+    assert [shuffled[order.index(i)] for i in range(len(prompts))] == expected
+    for i in (0, 3, 13, 18):  # alone: one sample, padded to the four rows
+        assert refill.generate([prompts[i]], [keys[i]], params) == [expected[i]], i
+    lengths = [len(s.tokens) for s in expected]
+    assert {s.finish_reason for s in expected} == {"stop", "length"}, lengths  # the set mixes both ends
+    assert min(lengths) < 6 and max(lengths) >= 20, lengths
+
+
+@pytest.mark.parametrize("every", [1, 7])
+def test_the_refill_interval_changes_no_sample(model, every):
+    params, prompts, keys = RULES["filtered"], _prompts(), _keys()
+    refill = Sampler(model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every)
+    assert refill.generate(prompts, keys, params) == _sampler(model, "groups").generate(prompts, keys, params)
+
+
+def test_finished_rows_take_the_next_samples_and_save_decode_steps(model):
+    """Counted model forwards: refill decodes about the mean completion length per row, groups the longest."""
+    # 3 stop tokens of 96: completions end after ~32 tokens, up to 96; refill points come every 16 steps.
+    params = SamplingParams(temperature=1.0, max_new_tokens=96, stop_token_ids=(5, 40, 77))
+    prompts, keys = _prompts(), _keys()
+    counts = {}
+    for schedule in ("refill", "groups"):
+        sampler = Sampler(model, max_batch=4, max_len=112, prefill_chunk=8, schedule=schedule)
+        calls = []
+        forward = sampler.model._forward_cached
+
+        def counted(input_ids, position_ids, cache, forward=forward, calls=calls):
+            calls.append(input_ids.shape[1])
+            return forward(input_ids, position_ids, cache)
+
+        sampler.model._forward_cached = counted
+        try:
+            sampler.generate(prompts, keys, params)
+        finally:
+            del sampler.model._forward_cached
+        counts[schedule] = sum(1 for width in calls if width == 1)  # decode steps (prefill chunks are 8 wide)
+    assert counts["refill"] < 0.6 * counts["groups"], counts
+
+
+def test_a_refill_prefill_leaves_the_other_rows_caches_untouched(model):
+    sampler = _sampler(model, "refill")
+    for layer in range(sampler.cache.num_layers):
+        for buffer in sampler.cache.read(layer):
+            buffer.normal_(generator=torch.Generator().manual_seed(layer))
+    before = [buffer.clone() for buffer in sampler.cache.tensors()]
+    sampler._prefill([None, [5, 6, 7, 8, 9], None, [1, 2, 3]])
+    for old, new in zip(before, sampler.cache.tensors()):
+        assert torch.equal(old[[0, 2]], new[[0, 2]])  # rows not refilled: bitwise unchanged
+        assert not torch.equal(old[1, :, :4], new[1, :, :4])  # row 1's prompt (but its last token) written
+        assert not torch.equal(old[4], new[4])  # the scratch row took the other rows' writes
+
+
+def test_row_slots_hand_back_finished_rows_and_fill_free_ones_in_call_order():
+    slots = RowSlots(rows=3, samples=5)
+    assert slots.refill(np.array([True, True, True])) == ([], [(0, 0), (1, 1), (2, 2)])
+    assert slots.refill(np.array([False, True, False])) == ([(1, 1)], [(1, 3)])
+    assert slots.refill(np.array([True, True, False])) == ([(0, 0), (1, 3)], [(0, 4)])
+    assert slots.busy
+    assert slots.refill(np.array([True, True, True])) == ([(0, 4), (2, 2)], [])
+    assert not slots.busy
+
+
+def test_an_unknown_schedule_or_a_refill_interval_below_one_is_a_config_error(model):
+    from core.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match="schedule"):
+        Sampler(model, max_batch=2, max_len=8, schedule="compact")
+    with pytest.raises(ConfigError, match="refill_every"):
+        Sampler(model, max_batch=2, max_len=8, refill_every=0)
