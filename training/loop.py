@@ -53,7 +53,7 @@ from training.checkpointing import CheckpointManager, restore_rng_state
 from training.generation_eval import GenerationEvaluation
 from training.guards import Guards
 from training.objectives import Objective, ObjectiveContext, build_objective
-from training.objectives.base import check_frozen, declared_parts, metric
+from training.objectives.base import check_frozen, declared_parts, metric, update_batch
 from training.optim import evaluation_weights
 from training.parts import POLICY, TrainablePart, build_parts, grad_norm_field, param_hash_field
 from training.precision import Precision
@@ -300,9 +300,11 @@ class Trainer:
         local_targets = self.objective.num_targets(batch)
         global_targets = int(self._all_reduce_sum(float(local_targets)))
         # Most objectives make one update per batch; GRPO with inner_updates > 1 makes several
-        # on the same rollouts. The step's loss, grad_norm and metrics are the first update's
+        # on the same rollouts, PPO one per minibatch of each epoch (a MinibatchObjective picks
+        # each update's rows). The step's loss, grad_norm and metrics are the first update's
         # (taken on the rollout policy); later updates' losses and norms go into the ledger.
-        updates = [self._update(step, batch, global_targets, first=u == 0, previous=previous if u == 0 else None)
+        updates = [self._update(step, *self._update_rows(batch, u, global_targets), first=u == 0,
+                                previous=previous if u == 0 else None)
                    for u in range(self.objective.updates_per_batch)]
         self.step = step
         tokens = batch.input_ids.numel() * self.parallel.dp_size
@@ -322,6 +324,14 @@ class Trainer:
             return current
         self._log(current)
         return None
+
+    def _update_rows(self, batch, update: int, global_targets: int) -> tuple[Any, int]:
+        """The rows update ``update`` trains on (``objectives.base.update_batch``) and their global
+        count of targets: the whole batch's, counted already, unless the objective chose a share."""
+        rows = update_batch(self.objective, batch, update)
+        if rows is batch:
+            return batch, global_targets
+        return rows, int(self._all_reduce_sum(float(self.objective.num_targets(rows))))
 
     def _settle(self, done: _Step) -> None:
         """Read a step's values and write its ledger line (and its checkpoint when due); a
