@@ -24,7 +24,8 @@ checkpoints, resume and replay. An ``Objective`` owns what differs between metho
    ``MinibatchObjective`` chooses the rows each update sees (``update_batch``), and the loop
    divides that update's loss by the global count of those rows' targets.
 5. ``ledger_fields(batch, totals, count)``: the method's extra ledger fields from the prepared
-   batch and the first update's metric sums and maxima (``totals``, by name).
+   batch and the first update's metric sums and maxima (``totals``, by name) and their global
+   count (the first update's rows', the whole batch's unless ``update_batch`` chose a share).
    ``console`` declares what the console shows of them (experiments/console.py): the unit the
    loss is averaged over on the step and eval lines (tokens, pairs, completions, prompts), the
    loss's label, and fields (per-unit means of the metric sums, ``objective/<name>``, or

@@ -85,7 +85,6 @@ EVAL_PURPOSE = "ppo-eval"
 CRITIC = "critic"  # the trained part's name: checkpoint keys parts.critic.*, ledger grad_norm_critic
 WHITEN_EPS = 1e-8
 TOKEN_METRICS = ("policy_loss", "value_loss", "clip_fraction", "value_clip_fraction", "approx_kl")
-TOKENS = "tokens"  # the metric sum counting the update's response tokens (its per-token means' divisor)
 
 
 @dataclass(frozen=True)
@@ -258,7 +257,7 @@ class PPOObjective:
         value, value_clipped = value_loss(values, extras["old_values"], extras["returns"], mask, self.p.value_clip)
         total = (policy + self.p.vf_coef * value).sum()
         with torch.no_grad():
-            metrics = {TOKENS: mask.sum().float(), "policy_loss": policy.detach().sum(),
+            metrics = {"policy_loss": policy.detach().sum(),
                        "value_loss": value.detach().sum(), "clip_fraction": policy_terms["clipped"].sum(),
                        "value_clip_fraction": value_clipped.sum(), "approx_kl": policy_terms["approx_kl"].sum()}
             if "dual_clipped" in policy_terms:
@@ -277,7 +276,7 @@ class PPOObjective:
         values = torch.tensor([v for row in rows for v in row[2]], dtype=torch.float64)
         returns = torch.tensor([v for row in rows for v in row[3]], dtype=torch.float64)
         variance = explained_variance(values, returns, torch.ones_like(values)) if len(values) > 1 else float("nan")
-        tokens = max(totals[TOKENS], 1.0)
+        tokens = max(count, 1)  # the first update's (its minibatch's) response tokens
         names = TOKEN_METRICS + (("dual_clip_fraction",) if self.p.dual_clip else ())
         fields.update(score_min=min(scores), score_max=max(scores), kl=kl, kl_coef=rollout.kl_coef,
                       explained_variance=None if np.isnan(variance) else variance,
