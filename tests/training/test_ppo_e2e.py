@@ -12,6 +12,7 @@ minibatches, so four updates per rollout batch):
 - a 2-rank run resumed on 1 rank consumes the same prompts, and its first step rolls out the same
   completions into the same batch (the old log-probs, values, advantages and returns are extras:
   they are in the batch hash), whatever the world size;
+- accumulation (micro-batches of 1 vs 4) changes no update's loss beyond rounding;
 - a critic path that does not exist is exit 2 before any run dir.
 """
 
@@ -105,6 +106,21 @@ def test_ppo_resume_on_one_rank_keeps_the_batches_and_rollouts(e2e_workdir, refe
     for a, b in zip(ref, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
         assert b["value_loss"] == pytest.approx(a["value_loss"], rel=1e-4, abs=1e-6)
+
+
+def test_ppo_accumulation_does_not_change_the_updates(e2e_workdir):
+    # One step on one rank, micro-batches of 1 (4 per minibatch) and of 4 (1 per minibatch): the
+    # same rollouts, and every update's loss (two epochs of two minibatches) equal up to the
+    # order of the sums.
+    runs = [launch.train(e2e_workdir, ppo_args(name=f"ppo-acc{m}", overrides=[
+        f"train.micro_batch_size={m}", "parallel.strategy=none", "train.max_steps=1"]), nproc=1, timeout=600)
+        for m in (1, 4)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
+    [a], [b] = (launch.ledger(r.run_dir if r.run_dir.is_absolute() else e2e_workdir / r.run_dir) for r in runs)
+    assert a["rollout_hash"] == b["rollout_hash"] and a["reward_mean"] == b["reward_mean"]
+    assert b["inner_losses"] == pytest.approx(a["inner_losses"], rel=1e-4, abs=1e-6)
+    for key in ("value_loss", "policy_loss", "kl", "explained_variance"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
 def test_a_critic_path_that_does_not_exist_exits_2_before_any_run_dir(e2e_workdir, tmp_path):
