@@ -104,6 +104,20 @@ class Batch:
         rows = self.input_ids.shape[0]
         return [self._rows(i, min(i + size, rows)) for i in range(0, rows, size)]
 
+    def select(self, rows: list[int]) -> "Batch":
+        """The batch of rows ``rows`` (local indices, in that order); each keeps the step and the state."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        return replace(
+            self,
+            input_ids=self.input_ids[index],
+            labels=self.labels[index],
+            position_ids=self.position_ids[index],
+            document_ids=self.document_ids[index],
+            sequence_index=[self.sequence_index[r] for r in rows],
+            provenance=[self.provenance[r] for r in rows],
+            extras={k: v[index] for k, v in self.extras.items()},
+        )
+
     def _rows(self, lo: int, hi: int) -> "Batch":
         return replace(
             self,

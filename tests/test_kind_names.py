@@ -28,6 +28,8 @@ OWN_MODULES = {
                 "training/objectives/distill_loss.py"},
     "grpo": {"training/objectives/grpo.py", "training/objectives/grpo_settings.py",
              "training/objectives/grpo_loss.py", "training/rollout/rewards.py"},
+    "ppo": {"training/objectives/ppo.py", "training/objectives/ppo_settings.py", "training/objectives/ppo_loss.py",
+            "training/objectives/critic.py"},
 }
 REGISTRATION = "training/registry.py"
 

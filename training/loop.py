@@ -54,7 +54,7 @@ from training.generation_eval import GenerationEvaluation
 from training.guards import Guards
 from training.objectives import Objective, ObjectiveContext, build_objective
 from training.checkpoint.state import check_frozen
-from training.objectives.base import declared_parts, metric
+from training.objectives.base import declared_parts, metric, update_batch
 from training.optimizers.build import evaluation_weights
 from training.parts import POLICY, TrainablePart, build_parts, grad_norm_field, param_hash_field
 from training.precision import Precision
@@ -90,6 +90,7 @@ class _Step:
     lr: float
     tokens: int
     targets: int
+    first_targets: int  # the global count of the first update's rows: its metric sums' divisor
     updates: list[UpdateValues]  # the step's updates' values, read when it settles
     metric_names: list[str]  # the objective's metric sums among the first update's values
     maximum_names: list[str]  # then its maxima (LossOutput.maxima)
@@ -301,14 +302,17 @@ class Trainer:
         local_targets = self.objective.num_targets(batch)
         global_targets = int(self._all_reduce_sum(float(local_targets)))
         # Most objectives make one update per batch; GRPO with inner_updates > 1 makes several
-        # on the same rollouts. The step's loss, grad_norm and metrics are the first update's
+        # on the same rollouts, PPO one per minibatch of each epoch (a MinibatchObjective picks
+        # each update's rows). The step's loss, grad_norm and metrics are the first update's
         # (taken on the rollout policy); later updates' losses and norms go into the ledger.
-        updates = [self._update(step, batch, global_targets, first=u == 0, previous=previous if u == 0 else None)
-                   for u in range(self.objective.updates_per_batch)]
+        shares = [self._update_rows(batch, u, global_targets) for u in range(self.objective.updates_per_batch)]
+        updates = [self._update(step, rows, targets, first=u == 0, previous=previous if u == 0 else None)
+                   for u, (rows, targets) in enumerate(shares)]
         self.step = step
         tokens = batch.input_ids.numel() * self.parallel.dp_size
         self.tokens_seen += tokens
         current = _Step(step=step, batch=batch, lr=lr, tokens=tokens, targets=global_targets,
+                        first_targets=shares[0][1],
                         updates=[values for values, _, _ in updates], metric_names=updates[0][1],
                         maximum_names=updates[0][2], hashes=self._ledger_hashes(batch))
         current.checkpoint_due = self._checkpoint_due(step)
@@ -323,6 +327,14 @@ class Trainer:
             return current
         self._log(current)
         return None
+
+    def _update_rows(self, batch, update: int, global_targets: int) -> tuple[Any, int]:
+        """The rows update ``update`` trains on (``objectives.base.update_batch``) and their global
+        count of targets: the whole batch's, counted already, unless the objective chose a share."""
+        rows = update_batch(self.objective, batch, update)
+        if rows is batch:
+            return batch, global_targets
+        return rows, int(self._all_reduce_sum(float(self.objective.num_targets(rows))))
 
     def _settle(self, done: _Step) -> None:
         """Read a step's values and write its ledger line (and its checkpoint when due); a
@@ -350,7 +362,7 @@ class Trainer:
         if len(reads) > 1:
             record["inner_losses"] = [r[1] for r in reads]
             record["inner_grad_norms"] = [r[2] for r in reads]
-        done.fields = self.objective.ledger_fields(done.batch, {**totals, **maxima}, done.targets)
+        done.fields = self.objective.ledger_fields(done.batch, {**totals, **maxima}, done.first_targets)
         record.update(done.fields)
         if not all(r[0] for r in reads):
             record["skipped"] = True
@@ -674,7 +686,7 @@ class Trainer:
         record, times = done.record, done.times
         step_time = max(sum(times.values()), 1e-9)
         local_tokens = done.batch.input_ids.numel()
-        metrics = {metric(name): value / max(done.targets, 1) for name, value in done.totals.items()}
+        metrics = {metric(name): value / max(done.first_targets, 1) for name, value in done.totals.items()}
         metrics.update({
             "loss": record["loss"],
             "grad_norm": record["grad_norm"],

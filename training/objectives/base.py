@@ -20,9 +20,12 @@ checkpoints, resume and replay. An ``Objective`` owns what differs between metho
    metrics, maxima)``: the *sum* of per-unit losses, its count, and metric sums, all summed over
    micro-batches and ranks by the loop, and maxima, which the loop reduces by max. The loop runs steps 4's micro-batches, backward and
    one optimizer update ``updates_per_batch`` times on the same prepared batch (1 for every
-   method but GRPO with ``inner_updates``).
+   method but GRPO with ``inner_updates`` and PPO with its epochs and minibatches); a
+   ``MinibatchObjective`` chooses the rows each update sees (``update_batch``), and the loop
+   divides that update's loss by the global count of those rows' targets.
 5. ``ledger_fields(batch, totals, count)``: the method's extra ledger fields from the prepared
-   batch and the first update's metric sums and maxima (``totals``, by name).
+   batch and the first update's metric sums and maxima (``totals``, by name) and their global
+   count (the first update's rows', the whole batch's unless ``update_batch`` chose a share).
    ``console`` declares what the console shows of them (experiments/console.py): the unit the
    loss is averaged over on the step and eval lines (tokens, pairs, completions, prompts), the
    loss's label, and fields (per-unit means of the metric sums, ``objective/<name>``, or
@@ -144,6 +147,23 @@ def declared_parts(objective: Objective, context: ObjectiveContext) -> dict[str,
     """The parts ``objective`` trains beside the policy, by name: none unless it is a
     ``PartsObjective``."""
     return objective.extra_parts(context) if isinstance(objective, PartsObjective) else {}
+
+
+@runtime_checkable
+class MinibatchObjective(Protocol):
+    """An objective whose updates of one step each see a share of the prepared batch (PPO's
+    minibatches): ``update_batch(batch, update)`` returns the rows update ``update`` (0-based, of
+    ``updates_per_batch``) trains on, this rank's share of them. Every rank must return at least
+    one row (the data-parallel gradient sync needs every rank's backward): a rank holding none of
+    an update's rows returns a row without labels, which adds nothing to the loss or its count."""
+
+    def update_batch(self, batch, update: int) -> Any: ...
+
+
+def update_batch(objective: Objective, batch, update: int):
+    """The rows update ``update`` of a step trains on: the whole prepared batch unless the objective
+    is a ``MinibatchObjective``."""
+    return objective.update_batch(batch, update) if isinstance(objective, MinibatchObjective) else batch
 
 
 TOKEN_LINES = ConsoleLines()  # loss per token, no fields: pretraining

@@ -61,13 +61,7 @@ class FrozenModel:
 def build_frozen(config: Config, source: str, *, role: str, dist: DistributedContext, key: str) -> FrozenModel:
     """The frozen model ``source`` names (module docstring); ``key`` is the config key, for errors."""
     model_config = _model_config(config, source, key=key)
-    if source.startswith(RUN_PREFIX):
-        from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
-
-        run, step = _run_source(config, source, key=key)
-        model = load_checkpoint_model(run.config, checkpoint_dir(run.paths, step))
-    else:  # the same seeded initialization (or init_from weights) as the trained model's
-        model = models.build(model_config, generator=seeding.generator(config.train.seed, "model_init"))
+    model = source_model(config, source, key=key)
     for param in model.parameters():
         param.requires_grad_(False)
     model.eval()
@@ -83,6 +77,19 @@ def build_frozen(config: Config, source: str, *, role: str, dist: DistributedCon
                 "sha256": param_hash(model)}
     return FrozenModel(role=role, module=model, identity=identity, vocab_size=model_config.vocab_size,
                        collective=dist.is_distributed and config.parallel.strategy == "fsdp")
+
+
+def source_model(config: Config, source: str, *, key: str) -> nn.Module:
+    """The plain model (host, fp32, trainable) a source names (module docstring): frozen models
+    start from it, and so does PPO's critic trunk (training/objectives/critic.py)."""
+    if source.startswith(RUN_PREFIX):
+        from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
+
+        run, step = _run_source(config, source, key=key)
+        return load_checkpoint_model(run.config, checkpoint_dir(run.paths, step))
+    # the same seeded initialization (or init_from weights) as the trained model's
+    return models.build(_model_config(config, source, key=key),
+                        generator=seeding.generator(config.train.seed, "model_init"))
 
 
 def adapter_off_reference(model: nn.Module, config: Config, *, dist: DistributedContext,

@@ -1,0 +1,51 @@
+"""PPO's critic: a value head on its own Qwen trunk, trained beside the policy as the part ``critic``.
+
+The trunk starts as a copy of the model ``objective.ppo.critic`` names (training/objectives/
+frozen.py ``source_model``): ``init`` is the policy's own starting weights (``model.init_from``,
+else the seeded initialization), or a Hugging Face directory, or ``run:RUN_ID[@STEP]``. The
+value head ``Linear(hidden, 1)`` starts at zero, so the first values are 0 and the first
+advantages are the rewards' GAE alone.
+
+``values[b, t]`` is the value of the state that chooses token ``t + 1``, read from the trunk's
+final normed hidden state at position ``t``: aligned with the labels (``labels[b, t]`` is that
+token), as the policy's log-probs are. The trunk's output projection is never used: where it is
+not tied to the embedding it is frozen, so neither the optimizer nor the data-parallel gradient
+sync waits for a gradient it never gets.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.config import Config
+from training.objectives.frozen import source_model
+
+
+class Critic(nn.Module):
+    """(input_ids, position_ids, document_ids) (B, T) -> values (B, T), fp32."""
+
+    def __init__(self, trunk: nn.Module) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.value_head = nn.Linear(trunk.dims.hidden_size, 1)
+        with torch.no_grad():
+            self.value_head.weight.zero_()
+            self.value_head.bias.zero_()
+        if trunk.lm_head.weight is not trunk.embed_tokens.weight:
+            trunk.lm_head.weight.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+        head = self.value_head
+        # The trunk's one forward, its output projection replaced by the value head.
+        values = self.trunk(input_ids, position_ids=position_ids, document_ids=document_ids,
+                            head=lambda hidden, _weight: head(hidden.to(head.weight.dtype)))  # (B, T, 1)
+        return values[..., 0].float()
+
+
+def build_critic(config: Config) -> Critic:
+    """The critic ``objective.ppo.critic`` names, on the host (the loop places and wraps it)."""
+    trunk = source_model(config, config.objective.ppo.critic, key="objective.ppo.critic")
+    for param in trunk.parameters():
+        param.requires_grad_(True)
+    return Critic(trunk)

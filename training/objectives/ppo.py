@@ -1,0 +1,358 @@
+"""``ppo``: proximal policy optimization with a critic, on prompts with checkable answers.
+
+The actor is the policy; the critic (critic.py) is a second trained part (``critic``: a value
+head on its own trunk, its own learning rate ``critic_lr``); a frozen reference (frozen.py)
+gives the KL penalty; the rewards are the rule functions GRPO uses (``objective.ppo.rewards``,
+training/rollout/rewards.py). Every formula is in ppo_loss.py. Per step (one loop step = one
+rollout batch):
+
+1. ``prepare`` (no gradients) rolls out this rank's prompt rows (training/rollout/group.py):
+   ``group_size`` completions of each (1 by default: one episode per prompt, the critic is the
+   baseline), keys ``(train.seed, "ppo", step, global prompt row, sample index)``, each scored by
+   the reward environment. On the experience laid out as a batch (one row per completion, global
+   row ``prompt row * group_size + sample``) it computes once, with the weights that sampled:
+   the policy's log-probs (``old_logps``), the critic's values (``old_values``) and, with a KL
+   term, the reference's log-probs; then per-token rewards ``token_rewards(kl_estimate(old_logps,
+   ref_logps, kl_estimator), score, mask, kl_coef)``, GAE (``gamma``, ``lam``) over the response
+   tokens, advantages whitened over the whole rollout batch's response tokens
+   (``whiten_advantages``; every rank's rows gathered in global row order, so the result does not
+   depend on the world size) and returns = GAE advantages + values (before whitening). They
+   travel as extras ``old_logps``, ``old_values``, ``advantages``, ``returns`` (B, T); the
+   rollout statistics as ``Batch.prepared`` (a ``PPORollout``).
+2. ``update_batch`` (a ``MinibatchObjective``): the loop makes ``ppo_epochs x minibatches``
+   updates per step; update ``u`` is minibatch ``m = u % minibatches`` of epoch
+   ``e = u // minibatches``: global rows ``order[m * n : (m + 1) * n]`` of
+   ``order = minibatch_order(train.seed, step, e, rows)``, ``n = rows / minibatches``. The order
+   depends on neither the world size nor a resume; each rank trains its share of those rows,
+   padded with label-less rows to the largest share of any rank, so every rank runs the same
+   number of forwards (the sharded strategies' collectives).
+3. ``loss``: per response token the clipped policy loss (``clip_low``, ``clip_high``,
+   ``dual_clip``) plus ``vf_coef`` times the clipped value loss (``value_clip``), summed; the loop
+   divides by the minibatch's global count of response tokens.
+4. ``ledger_fields``: the rollout statistics (``rollout_hash``, ``reward_mean``, ``reward_std``,
+   ``completion_len_mean``, ``reward_errors``, training/rollout/experience.py), ``score_min``,
+   ``score_max``, ``kl`` (mean over completions of the summed per-token KL estimate),
+   ``kl_coef`` (the coefficient this step's rewards used), ``explained_variance`` of the old
+   values against the returns (None where the returns do not vary), and the first update's
+   per-token means: ``policy_loss``, ``value_loss``, ``clip_fraction``, ``value_clip_fraction``,
+   ``approx_kl`` (and ``dual_clip_fraction`` with a dual clip). With ``kl_target > 0`` the
+   adaptive coefficient (``AdaptiveKL``) is then moved by this step's ``kl``: its value is the
+   objective's checkpointed state, so a resumed run continues with it.
+
+Nothing travels between these calls on the objective: what ``loss`` and ``ledger_fields`` need
+is in the batch they are given; the one state is the KL coefficient. Checkpoints fall between
+steps, never between the updates of one, so a SIGKILL in the middle of the epochs replays the
+whole step on resume: the same prompts (data state), rollouts (keys), old values (weights) and
+minibatch order (keys).
+
+**Evaluation**: as GRPO's greedy evaluation (docs/post_training.md): each held-out prompt decoded
+once at temperature 0, ``loss`` minus its configured reward, metrics ``reward_mean`` and
+``accuracy`` (exact answer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from core.config import Config
+from core.exceptions import ConfigError
+from data.batch import IGNORE_INDEX, Batch
+from data.chat_template import ChatTemplate
+from data.tokenizers import build_tokenizer
+from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
+from models.qwen.sampler import SamplingParams
+from training.objectives.base import (OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, PartSpec, check_state,
+                                      metric)
+from training.objectives.critic import Critic, build_critic
+from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_variance, gae, kl_estimate,
+                                          masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
+from training.objectives.ppo_settings import KIND, resolve_rewards
+from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
+from training.rollout.environment import RewardEnvironment, batch_tasks
+from training.rollout.experience import Experience, rollout_fields
+from training.rollout.generator import Decoder, Generator, generation_dtype
+from training.rollout.group import GroupRollout
+from training.rollout.rewards import exact_answer
+
+PURPOSE = "ppo"
+EVAL_PURPOSE = "ppo-eval"
+CRITIC = "critic"  # the trained part's name: checkpoint keys parts.critic.*, ledger grad_norm_critic
+WHITEN_EPS = 1e-8
+TOKEN_METRICS = ("policy_loss", "value_loss", "clip_fraction", "value_clip_fraction", "approx_kl")
+
+
+@dataclass(frozen=True)
+class PPORollout:
+    """One step's rollouts as the ledger reads them (``Batch.prepared``)."""
+
+    experience: Experience
+    kl_coef: float
+    """The KL coefficient this batch's rewards used."""
+    rows: tuple[tuple[int, float, list[float], list[float]], ...]
+    """This rank's completions: (global row, summed KL estimate, old values, returns on its response tokens)."""
+    layout: tuple[tuple[int, ...], ...]
+    """Every rank's global rows (the minibatch shares are padded to the largest)."""
+
+    def summary(self) -> dict[str, Any]:
+        return {"experience": self.experience.summary(), "rows": list(self.rows)}
+
+
+class PPOObjective:
+    name = KIND.name
+    capabilities = KIND.capabilities
+    settles_late = False  # a step's KL coefficient update must precede the next step's rollouts
+
+    def __init__(self, config: Config) -> None:
+        p = config.objective.ppo
+        self.config, self.p = config, p
+        self.updates_per_batch = p.ppo_epochs * p.minibatches
+        self.rewards = self.check_config(config)
+        self.tokenizer = build_tokenizer(config.data.tokenizer)
+        self.decoder = Decoder(self.tokenizer, ChatTemplate.for_tokenizer(config.data.tokenizer,
+                                                                           config.data.chat_template))
+        self.environment = RewardEnvironment(self.rewards, on_error=p.on_reward_error)
+        stop = self.decoder.stop_ids
+        self.params = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                     max_new_tokens=p.max_new_tokens, stop_token_ids=stop)
+        self.eval_params = SamplingParams(temperature=0.0, max_new_tokens=p.max_new_tokens, stop_token_ids=stop)
+        self.clip = PolicyClip(low=p.clip_low, high=p.clip_high, dual=p.dual_clip)
+        self.kl = AdaptiveKL(coef=p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
+        self.console = self._console_lines(p)
+        self.reference = None
+        self.generator: Generator | None = None
+        self.rollout: GroupRollout | None = None
+        self._context: ObjectiveContext | None = None
+        self._model: nn.Module | None = None
+        self._critic: Critic | None = None
+        self.fuse_head = False
+
+    @staticmethod
+    def _console_lines(p) -> ConsoleLines:
+        """Steps: the loss per response token, the rollouts' mean reward, the KL, the value loss,
+        the explained variance and the clipped fraction. Evaluations: per held-out prompt, the
+        greedy reward and accuracy."""
+        step = (ConsoleField("reward", "reward_mean"), ConsoleField("kl", "kl"),
+                ConsoleField("value loss", "value_loss"), ConsoleField("clip", "clip_fraction"),
+                ConsoleField("len", "completion_len_mean", ".1f"))
+        held_out = (ConsoleField("reward", metric("reward_mean")), ConsoleField("accuracy", metric("accuracy")))
+        return ConsoleLines(step=ConsoleLine(unit="token", fields=step),
+                            eval=ConsoleLine(unit="prompt", loss=None, fields=held_out))
+
+    @staticmethod
+    def uses_reference(config: Config) -> bool:
+        p = config.objective.ppo
+        return p.kl_coef > 0 or p.kl_target > 0
+
+    @staticmethod
+    def frozen_sources(config: Config) -> dict[str, str]:
+        """{config key: source} of the frozen models setup builds (the reference, with a KL term)."""
+        p = config.objective.ppo
+        return {"objective.ppo.reference": p.reference} if PPOObjective.uses_reference(config) else {}
+
+    @staticmethod
+    def check_config(config: Config) -> list:
+        """The configured rewards, resolved, and the critic's source checked (a path or run that does
+        not exist, or another vocabulary, is a ConfigError: exit 2 before any run dir)."""
+        from training.objectives.frozen import frozen_model_config
+
+        rewards = resolve_rewards(config)
+        critic = frozen_model_config(config, config.objective.ppo.critic, key="objective.ppo.critic")
+        if critic.vocab_size != config.model.vocab_size:
+            raise ConfigError(f"objective.ppo.critic={config.objective.ppo.critic!r} has vocabulary size "
+                              f"{critic.vocab_size}, the policy (model.vocab_size) {config.model.vocab_size}",
+                              key="objective.ppo.critic", hint="start the critic from a model of the policy's tokenizer")
+        return rewards
+
+    # ------------------------------------------------------------------ seam
+
+    def setup(self, model: nn.Module, context: ObjectiveContext) -> None:
+        from training.objectives.frozen import build_frozen
+
+        config, p = self.config, self.p
+        self._context, self._model = context, model
+        self.fuse_head = context.fuse_head and config.train.loss_chunk_tokens > 0
+        # A constant of the config, not of the world size: rollouts do not depend on how rows are spread.
+        self.generator = Generator(rows=p.group_size * config.train.global_batch_size // config.data.num_streams,
+                                   max_len=config.data.seq_len, seed=config.train.seed,
+                                   dtype=generation_dtype(config.parallel.precision, context.parallel.device))
+        self.rollout = GroupRollout(generator=self.generator, decoder=self.decoder, environment=self.environment,
+                                    params=self.params, group_size=p.group_size, overlong_buffer=0,
+                                    resample_rounds=0, purpose=PURPOSE, any_rank=lambda flag: flag)
+        if self.uses_reference(config):
+            self.reference = build_frozen(config, p.reference, role="reference", dist=context.dist,
+                                          key="objective.ppo.reference")
+
+    def extra_parts(self, context: ObjectiveContext) -> dict[str, PartSpec]:
+        """The critic, with its own learning rate (train.* otherwise)."""
+        self._critic = build_critic(self.config)  # the loop places it in place and wraps it
+        return {CRITIC: PartSpec(module=self._critic, train=dataclasses.replace(self.config.train,
+                                                                                lr=self.p.critic_lr))}
+
+    def prepare(self, batch: Batch) -> Batch:
+        if batch.evaluation:
+            return self._evaluation_batch(batch)
+        p = self.p
+        experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step)
+        # The rollout room's sequence advantages are GRPO's; PPO's are per token, below.
+        experience = experience.with_advantages(np.zeros(len(experience.trajectories)))
+        out = experience.batch(batch, seq_len=self.config.data.seq_len, mask_truncated=False,
+                               pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
+        mask = out.labels != IGNORE_INDEX
+        old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, placed))
+        old_values = self._each_micro(out, self._values) * mask
+        if self.reference is not None:
+            ref_logps = self._each_micro(out, lambda placed: self._token_logps(self.reference.module, placed))
+            kl = kl_estimate(old_logps, ref_logps, p.kl_estimator) * mask
+        else:
+            kl = torch.zeros_like(old_logps)
+        scores = torch.tensor(experience.shaped_rewards().reshape(-1), dtype=torch.float32)
+        rewards = token_rewards(kl, scores, mask, self.kl.coef)
+        advantages, returns = gae(rewards, old_values, mask, gamma=p.gamma, lam=p.lam)
+        gathered = self._context.dist.all_gather_object(
+            {row: advantages[r][mask[r]].tolist() for r, row in enumerate(out.sequence_index)})
+        if p.whiten_advantages:
+            advantages = self._whiten(gathered, advantages, mask)
+        rows = tuple((row, float(kl[r].sum()), old_values[r][mask[r]].tolist(), returns[r][mask[r]].tolist())
+                     for r, row in enumerate(out.sequence_index))
+        prepared = PPORollout(experience=experience, kl_coef=self.kl.coef, rows=rows,
+                              layout=tuple(tuple(sorted(part)) for part in gathered))
+        out = out.with_extras(old_logps=old_logps, old_values=old_values, advantages=advantages, returns=returns)
+        return dataclasses.replace(out, prepared=prepared)
+
+    def update_batch(self, batch: Batch, update: int) -> Batch:
+        """This rank's share of minibatch ``update % minibatches`` of epoch ``update // minibatches``
+        (module docstring, item 2)."""
+        epoch, minibatch = divmod(update, self.p.minibatches)
+        layout = batch.prepared.layout
+        total = len({row for rows in layout for row in rows})
+        size = total // self.p.minibatches
+        order = minibatch_order(self.config.train.seed, batch.step, epoch, total)
+        chosen = set(order[minibatch * size:(minibatch + 1) * size].tolist())
+        mine = [r for r, row in enumerate(batch.sequence_index) if row in chosen]
+        width = max(max(sum(row in chosen for row in rows) for rows in layout), 1)
+        share = batch.select(mine + [0] * (width - len(mine)))
+        share.labels[len(mine):] = IGNORE_INDEX  # padding: no loss, no count
+        return share
+
+    def num_targets(self, batch: Batch) -> int:
+        """Response tokens (the host labels)."""
+        return batch.num_target_tokens()
+
+    def loss(self, model: nn.Module, micro: Batch, parts: Mapping[str, nn.Module]) -> LossOutput:
+        if micro.evaluation:
+            return self._evaluation_loss(micro)
+        count = self.num_targets(micro)  # host labels: no device sync
+        placed = micro.placed(self._context.place)
+        mask = placed.labels != IGNORE_INDEX
+        extras = placed.extras
+        logps = self._token_logps(model, placed).float()
+        values = self._values(placed, critic=parts[CRITIC])
+        policy, policy_terms = policy_loss(logps, extras["old_logps"], extras["advantages"], mask, self.clip)
+        value, value_clipped = value_loss(values, extras["old_values"], extras["returns"], mask, self.p.value_clip)
+        total = (policy + self.p.vf_coef * value).sum()
+        with torch.no_grad():
+            metrics = {"policy_loss": policy.detach().sum(),
+                       "value_loss": value.detach().sum(), "clip_fraction": policy_terms["clipped"].sum(),
+                       "value_clip_fraction": value_clipped.sum(), "approx_kl": policy_terms["approx_kl"].sum()}
+            if "dual_clipped" in policy_terms:
+                metrics["dual_clip_fraction"] = policy_terms["dual_clipped"].sum()
+        return LossOutput(total, count, metrics)
+
+    def ledger_fields(self, batch: Batch, totals: dict[str, float], count: int) -> dict[str, Any]:
+        rollout: PPORollout = batch.prepared
+        parts = self._context.dist.all_gather_object(rollout.summary())  # every rank, at the same point
+        fields = rollout_fields([part["experience"] for part in parts], group_size=self.p.group_size,
+                                shaping=False, masking=False, resampling=False)
+        fields.pop("reward_zero_var_groups")  # GRPO's: the critic, not the group, is PPO's baseline
+        rows = sorted({row[0]: row for part in parts for row in part["rows"]}.values())
+        scores = [r[5] for part in parts for r in part["experience"]["rows"]]
+        kl = float(np.mean([row[1] for row in rows]))
+        values = torch.tensor([v for row in rows for v in row[2]], dtype=torch.float64)
+        returns = torch.tensor([v for row in rows for v in row[3]], dtype=torch.float64)
+        variance = explained_variance(values, returns, torch.ones_like(values)) if len(values) > 1 else float("nan")
+        tokens = max(count, 1)  # the first update's (its minibatch's) response tokens
+        names = TOKEN_METRICS + (("dual_clip_fraction",) if self.p.dual_clip else ())
+        fields.update(score_min=min(scores), score_max=max(scores), kl=kl, kl_coef=rollout.kl_coef,
+                      explained_variance=None if np.isnan(variance) else variance,
+                      **{name: totals[name] / tokens for name in names})
+        if self.p.kl_target > 0:
+            self.kl.update(kl, samples=len(rows))
+        return fields
+
+    def state_dict(self) -> dict[str, Any]:
+        # The KL coefficient; the prompts come from the data state, the sampling keys and the
+        # minibatch order from the step, and a step leaves no rollout buffer behind.
+        return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION, "kl": self.kl.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(self.name, state)
+        self.kl.load_state_dict(state["kl"])
+
+    def frozen_identity(self) -> dict[str, dict[str, str]]:
+        return {"reference": self.reference.identity} if self.reference is not None else {}
+
+    # ------------------------------------------------------------------ rollout batch
+
+    def _whiten(self, gathered: list[dict[int, list[float]]], advantages: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """``(A - mean) / sqrt(var + eps)`` with the mean and unbiased variance of every rank's
+        response-token advantages in global row order (ppo_loss.whiten over the whole batch)."""
+        merged: dict[int, list[float]] = {}
+        for part in gathered:
+            merged.update(part)
+        flat = torch.tensor([a for row in sorted(merged) for a in merged[row]], dtype=advantages.dtype)
+        mean, var = masked_mean_var(flat, torch.ones_like(flat))
+        return (advantages - mean) * torch.rsqrt(var + WHITEN_EPS) * mask.to(advantages.dtype)
+
+    def _each_micro(self, batch: Batch, fn) -> torch.Tensor:
+        """``fn(placed micro-batch)`` (B, T) over the batch's micro-batches, concatenated on the host."""
+        place = self._context.place
+        return torch.cat([fn(micro.placed(place)).float().cpu()
+                          for micro in batch.micro_batches(self.config.train.micro_batch_size)])
+
+    # ------------------------------------------------------------------ model calls
+
+    def _values(self, placed: Batch, critic: nn.Module | None = None) -> torch.Tensor:
+        """(B, T) the critic's values, aligned with the labels (critic.py)."""
+        critic = self._critic if critic is None else critic
+        return critic(placed.input_ids, placed.position_ids, placed.document_ids)
+
+    def _token_logps(self, module: nn.Module, placed: Batch) -> torch.Tensor:
+        """(B, T) log-probs of the labels, 0 where there is none."""
+        kwargs = {"position_ids": placed.position_ids, "document_ids": placed.document_ids}
+        if self.fuse_head:
+            chunk = self.config.train.loss_chunk_tokens
+            return module(placed.input_ids, **kwargs,
+                          head=lambda hidden, weight: linear_token_logps(hidden, weight, placed.labels,
+                                                                         chunk_tokens=chunk))
+        return token_logps_from_logits(module(placed.input_ids, **kwargs), placed.labels)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _evaluation_batch(self, batch: Batch) -> Batch:
+        """The held-out prompt rows with the greedy completion's reward and exact-answer score
+        (extras ``eval_reward``, ``eval_exact``, (B,) float32); no training state is touched."""
+        tasks = batch_tasks(batch, self.tokenizer)
+        # A prompt's index in the evaluation: the same for every world size and at every evaluation.
+        held_out = [(batch.step - 1) * self.config.train.global_batch_size + task.index for task in tasks]
+        flat = self.generator.generate_from(self._model, [t.prompt_ids for t in tasks], held_out, self.eval_params,
+                                            purpose=EVAL_PURPOSE, step=0, samples=1)
+        reward, exact = [], []
+        for task, sample in zip(tasks, flat):
+            completion = self.decoder.completion(sample)
+            episode = self.environment.reset(task, where=f"evaluation batch {batch.step}, prompt row {task.index}")
+            reward.append(episode.step(completion).reward)
+            exact.append(exact_answer(completion.text, task.answer))
+        return batch.with_extras(eval_reward=torch.tensor(reward, dtype=torch.float32),
+                                 eval_exact=torch.tensor(exact, dtype=torch.float32))
+
+    def _evaluation_loss(self, micro: Batch) -> LossOutput:
+        """Per held-out prompt: minus its greedy reward, and the metric sums ``reward_mean`` and ``accuracy``."""
+        reward, exact = micro.extras["eval_reward"], micro.extras["eval_exact"]
+        return LossOutput(-reward.sum(), int(reward.shape[0]), {"reward_mean": reward.sum(), "accuracy": exact.sum()})
