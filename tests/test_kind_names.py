@@ -28,6 +28,7 @@ OWN_MODULES = {
                 "training/objectives/distill_loss.py"},
     "grpo": {"training/objectives/grpo.py", "training/objectives/grpo_settings.py",
              "training/objectives/grpo_loss.py", "training/rollout/rewards.py"},
+    "reward_model": {"training/objectives/reward_model.py", "training/objectives/reward_model_settings.py"},
 }
 REGISTRATION = "training/registry.py"
 

@@ -8,6 +8,7 @@ from training.objectives.causal_lm import CausalLMObjective
 from training.objectives.distill import DistillObjective
 from training.objectives.dpo import DPOObjective
 from training.objectives.grpo import GRPOObjective
+from training.objectives.reward_model import RewardModelObjective
 from training.objectives.sft import SFTObjective
 
 OBJECTIVES = {
@@ -16,6 +17,7 @@ OBJECTIVES = {
     DPOObjective.name: DPOObjective,
     DistillObjective.name: DistillObjective,
     GRPOObjective.name: GRPOObjective,
+    RewardModelObjective.name: RewardModelObjective,
 }
 
 
