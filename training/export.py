@@ -24,6 +24,9 @@ when it differs). ``--merge`` (the default for such a run) writes the adapters m
 full directory as above; ``--adapter`` writes the PEFT adapter directory for the run's
 ``model.init_from`` base (docs/models.md, "LoRA and QLoRA"), named by absolute path.
 
+A reward model's checkpoint (one with a ``score`` part) exports as a Hugging Face sequence
+classifier (``Qwen2/Qwen3ForSequenceClassification``, training/objectives/reward_model_io.py).
+
 The target is checked and written by training/export_target.py (never into a run directory,
 through a link or over a directory a run uses; atomically). ``generation_config.json`` and the
 tokenizer's eos end a chat-trained export's turns in ``transformers`` (``_write_tokenizer``).
@@ -54,6 +57,7 @@ from models.lora import add_adapters, merge_lora, save_peft_adapter
 from training.checkpoint_manifest import DCP_DIR, state_file_name, verify_checkpoint
 from training.export_target import check_target, kill_point, staged_directory
 from training.objectives.base import check_frozen
+from training.objectives.reward_model_io import read_checkpoint_score, write_classifier
 from training.rollout.generator import stop_tokens
 from distributed.safe_dcp import SafeFileSystemReader
 
@@ -200,6 +204,9 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
         kill_point("weights")
         _keep_source_architecture(paths, config, staging, state)
         _write_tokenizer(config, paths, staging)
+        score = read_checkpoint_score(path)
+        if score is not None:  # a reward model: a sequence classifier
+            write_classifier(staging, score)
     return path
 
 

@@ -35,9 +35,9 @@ from core.config import Config
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, PartSpec, check_state, metric
 from training.objectives.ppo_loss import bradley_terry
+from training.objectives.reward_model_io import SCORE_PART, is_classifier, read_score_weight
 from training.objectives.reward_model_settings import KIND
 
-SCORE_PART = "score"
 SCORE_INIT_STD = 0.02
 """The score head's initial weights: normal(0, this), from the run's seed (Hugging Face's default initializer range)."""
 # Per pair, on the step and the eval lines: how often the chosen response scores higher, and by how much.
@@ -123,6 +123,10 @@ class RewardModelObjective:
     def extra_parts(self, context: ObjectiveContext) -> dict[str, PartSpec]:
         head = score_head(self.config.model.hidden_size,
                           generator=seeding.generator(self.config.train.seed, "score_init"))
+        source = self.config.model.init_from
+        if source is not None and is_classifier(source):  # a reward model's export: its head too
+            with torch.no_grad():
+                head.weight.copy_(read_score_weight(source, self.config.model.hidden_size))
         return {SCORE_PART: PartSpec(module=head, train=self.config.train)}
 
     def prepare(self, batch):
