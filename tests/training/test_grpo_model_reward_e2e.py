@@ -1,0 +1,66 @@
+"""GRPO with a trained reward model as its reward keeps the guarantees, end to end on 2 CPU ranks.
+
+A 4-step reward-model run (tests/configs/e2e-rm.yaml) is the reward ``{name: model, path:
+run:RUN_DIR}`` of tests/configs/e2e-grpo.yaml's run, beside exact_answer. The reward model's
+score enters every completion's reward (the rewards are not the rule rewards alone), its identity
+(path and sha256) is recorded in the checkpoint like a reference's, and SIGKILL at random
+moments + resume by run ID gives a ledger identical line for line (rollout_hash included).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+GRPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-grpo.yaml"
+RM_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-rm.yaml"
+
+
+def _run_dir(workdir, result):
+    return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
+
+
+@pytest.fixture(scope="module")
+def reward_model(e2e_workdir):
+    result = launch.train(e2e_workdir, ["--config", str(RM_CONFIG), "run.name=rm-reward", "train.max_steps=4"],
+                          nproc=1)
+    assert result.returncode == 0, result.stderr
+    return _run_dir(e2e_workdir, result)
+
+
+def grpo_args(reward_model, *, name: str) -> list[str]:
+    rewards = f"[{{name: exact_answer, weight: 1.0}}, {{name: model, path: 'run:{reward_model}', weight: 0.5}}]"
+    return ["--config", str(GRPO_CONFIG), f"run.name={name}", f"train.max_steps={STEPS}",
+            f"objective.grpo.rewards={rewards}"]
+
+
+@pytest.fixture(scope="module")
+def reference(e2e_workdir, reward_model):
+    result = launch.train(e2e_workdir, grpo_args(reward_model, name="grpo-rm"), nproc=2)
+    assert result.returncode == 0, result.stderr
+    return _run_dir(e2e_workdir, result)
+
+
+def test_the_reward_model_scores_every_completion_and_is_recorded(reference, reward_model):
+    lines = launch.ledger(reference)
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    # exact_answer gives 0 or 1 per completion: a mean that is no multiple of 1/16 holds model scores.
+    assert any(abs(r["reward_mean"] * 16 - round(r["reward_mean"] * 16)) > 1e-6 for r in lines)
+    from training.checkpoint_manifest import state_file_name
+    from training.export import OBJECTIVE_PART
+
+    state = json.loads((reference / "checkpoints" / "step_00000002" / state_file_name(OBJECTIVE_PART)).read_text())
+    recorded = state["frozen"]["reward"]
+    assert recorded["path"] == f"run:{reward_model}" and len(recorded["sha256"]) == 64
+
+
+def test_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference, reward_model):
+    run_dir = launch.kill_and_resume(e2e_workdir, grpo_args(reward_model, name="grpo-rm-killed"),
+                                     name="grpo-rm-killed", seed=47)
+    assert launch.ledger(run_dir) == launch.ledger(reference)
