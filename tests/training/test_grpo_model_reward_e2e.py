@@ -64,3 +64,11 @@ def test_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, referen
     run_dir = launch.kill_and_resume(e2e_workdir, grpo_args(reward_model, name="grpo-rm-killed"),
                                      name="grpo-rm-killed", seed=47)
     assert launch.ledger(run_dir) == launch.ledger(reference)
+
+
+def test_a_reward_model_of_another_vocabulary_is_refused_before_any_run_dir(e2e_workdir, reward_model):
+    args = [*grpo_args(reward_model, name="grpo-rm-vocab"), "model.vocab_size=1024"]
+    result = launch.train(e2e_workdir, args, nproc=1)
+    assert result.returncode == 2, result.stderr
+    assert "512" in result.stderr and "1024" in result.stderr and "objective.grpo.rewards[1].path" in result.stderr
+    assert not list((e2e_workdir / "runs").glob("grpo-rm-vocab-*"))

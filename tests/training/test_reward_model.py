@@ -13,7 +13,7 @@ import torch
 
 import models
 from core import seeding
-from core.config import load
+from core.config import config_hash, load, to_dict
 from core.exceptions import ConfigError
 from data.batch import Batch, DocSpan
 from training.objectives.base import ObjectiveContext
@@ -148,3 +148,31 @@ def test_bad_settings_are_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError) as error:
         load(None, [*TINY, override])
     assert key in str(error.value)
+
+
+GRPO = ["objective.kind=grpo", "data.sources=[{path: datasets/tasks/rl/train, name: rl, record: prompt}]"]
+
+
+@pytest.mark.parametrize("rewards, key", [
+    ("[{name: model}]", "objective.grpo.rewards[0].path"),
+    ("[{name: exact_answer, path: some/dir}]", "objective.grpo.rewards[0].path"),
+])
+def test_a_model_reward_names_its_path_and_only_it_does(rewards, key):
+    with pytest.raises(ConfigError) as error:
+        load(None, [*GRPO, f"objective.grpo.rewards={rewards}"])
+    assert key in str(error.value)
+
+
+def test_a_model_reward_refuses_dynamic_sampling():
+    with pytest.raises(ConfigError) as error:
+        load(None, [*GRPO, "objective.grpo.rewards=[{name: model, path: some/dir}]",
+                    "objective.grpo.dynamic_sampling_rounds=2"])
+    assert "objective.grpo.dynamic_sampling_rounds" in str(error.value)
+
+
+def test_a_reward_path_enters_the_config_hash_only_when_set():
+    plain = load(None, [*GRPO, "objective.grpo.rewards=[{name: exact_answer}, {name: format_regex, pattern: x}]"])
+    with_model = load(None, [*GRPO, "objective.grpo.rewards=[{name: exact_answer}, {name: model, path: a/dir}]"])
+    other_model = load(None, [*GRPO, "objective.grpo.rewards=[{name: exact_answer}, {name: model, path: b/dir}]"])
+    assert len({config_hash(plain), config_hash(with_model), config_hash(other_model)}) == 3
+    assert "path" in to_dict(plain)["objective"]["grpo"]["rewards"][0]  # the key exists; the hash leaves it out
