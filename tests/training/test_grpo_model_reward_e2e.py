@@ -72,3 +72,28 @@ def test_a_reward_model_of_another_vocabulary_is_refused_before_any_run_dir(e2e_
     assert result.returncode == 2, result.stderr
     assert "512" in result.stderr and "1024" in result.stderr and "objective.grpo.rewards[1].path" in result.stderr
     assert not list((e2e_workdir / "runs").glob("grpo-rm-vocab-*"))
+
+
+def test_a_reward_model_changed_on_disk_refuses_the_resume_naming_both_hashes(e2e_workdir, reward_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    export = tmp_path / "rm-hf"
+    done = launch.run_module(e2e_workdir, ["training", "export", "--run", str(reward_model), "--to", str(export)])
+    assert done.returncode == 0, done.stderr
+    rewards = f"[{{name: exact_answer, weight: 1.0}}, {{name: model, path: '{export}', weight: 0.5}}]"
+    args = ["--config", str(GRPO_CONFIG), "run.name=grpo-rm-changed", "train.max_steps=2",
+            f"objective.grpo.rewards={rewards}"]
+    result = launch.train(e2e_workdir, args, nproc=1)
+    assert result.returncode == 0, result.stderr
+    run_dir = _run_dir(e2e_workdir, result)
+    tensors = load_file(str(export / "model.safetensors"))
+    tensors["score.weight"] = tensors["score.weight"] * 2  # the reward model changes on disk
+    save_file(tensors, str(export / "model.safetensors"), metadata={"format": "pt"})
+    resumed = launch.train(e2e_workdir, ["--resume", run_dir.name, "train.max_steps=4"], nproc=1)
+    assert resumed.returncode == 4, resumed.stderr
+    from training.checkpoint_manifest import state_file_name
+    from training.export import OBJECTIVE_PART
+
+    state = json.loads((run_dir / "checkpoints" / "step_00000002" / state_file_name(OBJECTIVE_PART)).read_text())
+    assert state["frozen"]["reward"]["sha256"] in resumed.stderr
+    assert "reward" in resumed.stderr and resumed.stderr.count("sha256") >= 2
