@@ -4,7 +4,9 @@ A 4-step reward-model run (tests/configs/e2e-rm.yaml) is the reward ``{name: mod
 run:RUN_DIR}`` of tests/configs/e2e-grpo.yaml's run, beside exact_answer. The reward model's
 score enters every completion's reward (the rewards are not the rule rewards alone), its identity
 (path and sha256) is recorded in the checkpoint like a reference's, and SIGKILL at random
-moments + resume by run ID gives a ledger identical line for line (rollout_hash included).
+moments + resume by run ID gives a ledger identical line for line (rollout_hash included), and
+replay of a step verifies. A reward model of another vocabulary is refused before any run dir
+(exit 2), one changed on disk refuses the resume (exit 4).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ def test_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, referen
     run_dir = launch.kill_and_resume(e2e_workdir, grpo_args(reward_model, name="grpo-rm-killed"),
                                      name="grpo-rm-killed", seed=47)
     assert launch.ledger(run_dir) == launch.ledger(reference)
+
+
+def test_replay_verifies_with_the_reward_model(e2e_workdir, reference):
+    launch.replay_verifies(e2e_workdir, reference, steps=(2, 3))
 
 
 def test_a_reward_model_of_another_vocabulary_is_refused_before_any_run_dir(e2e_workdir, reward_model):

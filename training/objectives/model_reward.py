@@ -32,7 +32,7 @@ from torch import nn
 from core.config import Config
 from core.distributed_context import DistributedContext
 from core.exceptions import ConfigError
-from training.objectives.frozen import RUN_PREFIX, FrozenModel, build_frozen, frozen_tokenizer
+from training.objectives.frozen import RUN_PREFIX, FrozenModel, build_frozen, frozen_tokenizer, run_checkpoint
 
 ROLE = "reward"
 
@@ -123,11 +123,7 @@ def _score_weight(config: Config, source: str, *, key: str) -> torch.Tensor:
     from training.objectives.reward_model_io import is_classifier, read_checkpoint_score, read_score_weight
 
     if source.startswith(RUN_PREFIX):
-        from training.export import checkpoint_dir
-        from training.objectives.frozen import _run_source
-
-        run, step = _run_source(config, source, key=key)
-        weight = read_checkpoint_score(checkpoint_dir(run.paths, step))
+        weight = read_checkpoint_score(run_checkpoint(config, source, key=key))
         if weight is None:
             raise ConfigError(f"{key}={source!r}: that run's checkpoint holds no score head (it is not a reward model)",
                               key=key, hint="name a run of objective.kind=reward_model")
