@@ -103,3 +103,23 @@ def test_a_reward_model_changed_on_disk_refuses_the_resume_naming_both_hashes(e2
     state = json.loads((run_dir / "checkpoints" / "step_00000002" / state_file_name(OBJECTIVE_PART)).read_text())
     assert state["frozen"]["reward"]["sha256"] in resumed.stderr
     assert "reward" in resumed.stderr and resumed.stderr.count("sha256") >= 2
+
+
+def test_a_sharded_reward_model_scores_as_the_replicated_one(e2e_workdir, reference, reward_model):
+    """Under fsdp the reward model is fully sharded like the policy (its forward collective): the
+    same identity, and the first step's rollouts and rewards match the ddp run's (reward_mean within
+    fp32 noise of the sharded reduction order)."""
+    from training.checkpoint_manifest import state_file_name
+    from training.export import OBJECTIVE_PART
+
+    args = [*grpo_args(reward_model, name="grpo-rm-fsdp"), "parallel.strategy=fsdp", "train.max_steps=2"]
+    result = launch.train(e2e_workdir, args, nproc=2)
+    assert result.returncode == 0, result.stderr
+    run_dir = _run_dir(e2e_workdir, result)
+    name = state_file_name(OBJECTIVE_PART)
+    sharded = json.loads((run_dir / "checkpoints" / "step_00000002" / name).read_text())["frozen"]["reward"]
+    replicated = json.loads((reference / "checkpoints" / "step_00000002" / name).read_text())["frozen"]["reward"]
+    assert sharded == replicated
+    first, theirs = launch.ledger(run_dir)[0], launch.ledger(reference)[0]
+    assert first["rollout_hash"] == theirs["rollout_hash"]
+    assert first["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
