@@ -1076,6 +1076,7 @@ def canonical_json(config: Config) -> str:
 
 # Keys added after runs and configs existed: while one holds its default it is left out of the
 # hashed text, so every earlier config keeps its hash (and its runs their IDs); set, it is hashed.
+# ``section.list[].key`` names a key of every entry of a list (compared with the default entry's).
 # An objective kind lists its own such keys (ObjectiveKind.hashed_only_when_set), and a kind
 # registered after the registry existed has its whole section treated so (hash_default_section).
 HASHED_ONLY_WHEN_SET = ("train.eval_generate", "data.template_clock")
@@ -1097,11 +1098,18 @@ def config_hash(config: Config) -> str:
     tree, defaults = to_dict(config), to_dict(Config())
     for key in _hashed_only_when_set():
         *parents, leaf = key.split(".")
-        node, default = tree, defaults
+        nodes, default = [tree], defaults
         for part in parents:
-            node, default = node[part], default[part]
-        if node[leaf] == default[leaf]:
-            del node[leaf], default[leaf]
+            if part.endswith("[]"):  # every entry of a list, against the default list's first entry
+                nodes, default = [entry for node in nodes for entry in node[part[:-2]]], default[part[:-2]][0]
+            else:
+                nodes, default = [node[part] for node in nodes], default[part]
+        for node in nodes:
+            if leaf in node and node[leaf] == default[leaf]:
+                del node[leaf]
+        # The default drops it too: a section compared later (a kind's, hashed only when set)
+        # still equals its default when this key was the only one at its default.
+        default.pop(leaf, None)
     return hashlib.sha256(json.dumps(tree, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

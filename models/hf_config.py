@@ -23,6 +23,9 @@ from core.exceptions import ConfigError
 from models.qwen.dims import QwenDims
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# A reward model's export (training/objectives/reward_model_io.py): the same trunk, with a score
+# head (score.weight) instead of the output head; the trunk loads as the causal LM's.
+CLASSIFIER_ARCHITECTURES = {"Qwen2ForSequenceClassification": "qwen2", "Qwen3ForSequenceClassification": "qwen3"}
 _MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # transformers' class defaults for keys a config.json may omit.
@@ -185,13 +188,14 @@ def _read_arch(reader: _FieldReader) -> str:
         if not isinstance(architectures, list) or len(architectures) != 1:
             raise reader.error("architectures", f"architectures must list one class, got {architectures!r}")
         name = architectures[0]
-        if name not in ARCHITECTURES:
+        known = {**ARCHITECTURES, **CLASSIFIER_ARCHITECTURES}
+        if name not in known:
             raise reader.error(
                 "architectures",
                 f"unsupported architecture {name!r}",
-                hint=f"supported: {', '.join(ARCHITECTURES)}",
+                hint=f"supported: {', '.join(known)}",
             )
-        return ARCHITECTURES[name]
+        return known[name]
     model_type = reader.get("model_type")
     if model_type not in _MODEL_TYPES:
         raise reader.error(

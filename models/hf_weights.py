@@ -34,8 +34,9 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
 _SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# Old exports stored RoPE's inverse frequencies; we recompute them.
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# Old exports stored RoPE's inverse frequencies; we recompute them. A sequence classifier's score
+# head is read by the reward model itself (training/objectives/reward_model_io.py).
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|score\.weight")
 _ZERO_PADDING = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.bias")
 
 

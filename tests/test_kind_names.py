@@ -30,6 +30,7 @@ OWN_MODULES = {
              "training/objectives/grpo_loss.py", "training/rollout/rewards.py"},
     "ppo": {"training/objectives/ppo.py", "training/objectives/ppo_settings.py", "training/objectives/ppo_loss.py",
             "training/objectives/critic.py"},
+    "reward_model": {"training/objectives/reward_model.py", "training/objectives/reward_model_settings.py"},
 }
 REGISTRATION = "training/registry.py"
 

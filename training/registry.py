@@ -13,12 +13,12 @@ from __future__ import annotations
 from core.objective_kinds import register_lora_targets, register_objective
 from models.qwen.lora_targets import LORA_TARGETS
 from training.objectives import (causal_lm_settings, distill_settings, dpo_settings, grpo_settings, ppo_settings,
-                                 sft_settings)
+                                 reward_model_settings, sft_settings)
 
 # The order is the schema's: causal_lm first (objective.kind's default), then the kinds whose
 # sections follow objective.kind in config.yaml and config.md.
 OBJECTIVE_KINDS = (causal_lm_settings.KIND, sft_settings.KIND, grpo_settings.KIND, dpo_settings.KIND,
-                   distill_settings.KIND, ppo_settings.KIND)
+                   distill_settings.KIND, ppo_settings.KIND, reward_model_settings.KIND)
 
 
 def register_all() -> None:

@@ -31,6 +31,7 @@ HASHES = {
     "configs/tiny-grpo.yaml": "225be4092f693e2fe238d7ebe1bde3d7ba4b3c343d8cecf0c13cc918d039c06e",
     "configs/tiny-lora.yaml": "3491e5be25d5a872a23f7490af0a5c063a9864bae86b988905e875f47021b68f",
     "configs/tiny-ppo.yaml": "7791584f3436b7ddd948dd191e1dc7e30094c1e9bc7f7a5bea4f80db8f90cf7e",
+    "configs/tiny-rm.yaml": "5f04f3f3469c411a920cd4639e1175a3e7e9c893b2c3808b3a48d7954e0e1c2a",
     "configs/tiny-qlora.yaml": "d5f0c5b2d64f2822769dcdd67e21e17617f90a5ba608ff62a427d591791ac9ab",
     "configs/tiny-sft.yaml": "9304890728027893d584835de6c554c1560b2ddef21134fcfb37e9c234d3df92",
     "configs/tiny.yaml": "ad92bf007bfd1592991d2307afe0be346f3acf5c227e59b3365208012f704754",

@@ -63,15 +63,15 @@ def _refused(*overrides: str) -> ConfigError:
 
 
 def test_the_registered_kinds_in_order_with_causal_lm_the_default():
-    assert [k.name for k in registry.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill"]
+    assert [k.name for k in registry.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill", "ppo", "reward_model"]
     assert registry.objective_kinds() == OBJECTIVE_KINDS
     objective = config_lib.Config().objective
-    assert [f.name for f in dataclasses.fields(objective)] == ["kind", "grpo", "dpo", "distill"]
+    assert [f.name for f in dataclasses.fields(objective)] == ["kind", "grpo", "dpo", "distill", "ppo", "reward_model"]
     assert objective.kind == "causal_lm"
 
 
 def test_an_unknown_kind_names_the_nearest_registered_one():
-    error = _refused("objective.kind=dpp")
+    error = _refused("objective.kind=dpoo")
     assert error.context["key"] == "objective.kind" and "did you mean 'dpo'?" in error.hint
     assert "'causal_lm' | 'sft' | 'grpo' | 'dpo' | 'distill'" in str(error)
 
@@ -85,7 +85,7 @@ def test_a_preference_loss_given_as_a_kind_gets_dpos_hint():
 def test_an_unknown_key_under_a_registered_section_names_the_nearest_key():
     error = _refused("objective.grpo.group_sise=4")
     assert error.context["key"] == "objective.grpo.group_sise" and "objective.grpo.group_size" in error.hint
-    error = _refused("objective.dpp.beta=0.1")
+    error = _refused("objective.dpoo.beta=0.1")
     assert "objective.dpo" in error.hint
 
 
@@ -142,7 +142,7 @@ def test_a_name_is_registered_once():
         registry.register_objective(dataclasses.replace(OBJECTIVE_KINDS[2], summary="another grpo"))
     with pytest.raises(ConfigError, match="must be a dataclass"):
         registry.register_objective(ObjectiveKind(name="bad", summary="", settings=dict))
-    assert [k.name for k in registry.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill"]
+    assert [k.name for k in registry.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill", "ppo", "reward_model"]
 
 
 def test_nothing_registered_is_an_error_saying_what_to_call(monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import models
+from models.qwen.forward import ModelInputs
 from core import config as config_lib
 from core import seeding
 from core.exceptions import CheckpointError, ConfigError
@@ -66,7 +67,7 @@ def test_the_critic_starts_as_the_policy_with_a_zero_value_head(tied):
     for (name, mine), (_, theirs) in zip(critic.trunk.state_dict().items(), policy.state_dict().items()):
         assert torch.equal(mine, theirs), name
     ids = torch.tensor([[1, 2, 3, 4]])
-    values = critic(ids, torch.arange(4)[None], torch.zeros_like(ids))
+    values = critic(ModelInputs(ids, torch.arange(4)[None], torch.zeros_like(ids)))
     assert values.shape == (1, 4) and values.dtype == torch.float32 and torch.equal(values, torch.zeros(1, 4))
     # the output projection is never used: trained only where it is the embedding
     assert critic.trunk.lm_head.weight.requires_grad == tied

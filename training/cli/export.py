@@ -24,6 +24,9 @@ when it differs). ``--merge`` (the default for such a run) writes the adapters m
 full directory as above; ``--adapter`` writes the PEFT adapter directory for the run's
 ``model.init_from`` base (docs/models.md, "LoRA and QLoRA"), named by absolute path.
 
+A reward model's checkpoint (one with a ``score`` part) exports as a Hugging Face sequence
+classifier (``Qwen2/Qwen3ForSequenceClassification``, training/objectives/reward_model_io.py).
+
 The target is checked and written by training/cli/export_target.py (never into a run directory,
 through a link or over a directory a run uses; atomically). ``generation_config.json`` and the
 tokenizer's eos end a chat-trained export's turns in ``transformers`` (``_write_tokenizer``).
@@ -54,6 +57,7 @@ from training.checkpoint.load import (
     load_checkpoint_model,
 )
 from training.cli.export_target import check_target, kill_point, staged_directory
+from training.objectives.reward_model_io import read_checkpoint_score, write_classifier
 from training.rollout.generator import stop_tokens
 
 def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.dtype | None = None,
@@ -97,6 +101,9 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
         kill_point("weights")
         _keep_source_architecture(paths, config, staging, state)
         _write_tokenizer(config, paths, staging)
+        score = read_checkpoint_score(path)
+        if score is not None:  # a reward model: a sequence classifier
+            write_classifier(staging, score)
     return path
 
 

@@ -9,6 +9,7 @@ from training.objectives.distill import DistillObjective
 from training.objectives.dpo import DPOObjective
 from training.objectives.grpo import GRPOObjective
 from training.objectives.ppo import PPOObjective
+from training.objectives.reward_model import RewardModelObjective
 from training.objectives.sft import SFTObjective
 
 OBJECTIVES = {
@@ -18,6 +19,7 @@ OBJECTIVES = {
     DistillObjective.name: DistillObjective,
     GRPOObjective.name: GRPOObjective,
     PPOObjective.name: PPOObjective,
+    RewardModelObjective.name: RewardModelObjective,
 }
 
 

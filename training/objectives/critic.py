@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from core.config import Config
+from models.qwen.forward import model_forward
 from training.objectives.frozen import source_model
 
 
@@ -35,11 +36,12 @@ class Critic(nn.Module):
         if trunk.lm_head.weight is not trunk.embed_tokens.weight:
             trunk.lm_head.weight.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch) -> torch.Tensor:
+        """(B, T) fp32 values of a placed batch (its ids, positions and documents)."""
         head = self.value_head
         # The trunk's one forward, its output projection replaced by the value head.
-        values = self.trunk(input_ids, position_ids=position_ids, document_ids=document_ids,
-                            head=lambda hidden, _weight: head(hidden.to(head.weight.dtype)))  # (B, T, 1)
+        values = model_forward(self.trunk, batch,
+                               head=lambda hidden, _weight: head(hidden.to(head.weight.dtype))).head  # (B, T, 1)
         return values[..., 0].float()
 
 

@@ -161,6 +161,15 @@ def _run_source(config: Config, source: str, *, key: str) -> tuple[_Run, int | N
     return _Run(paths, run_config), (int(step) if step else None)
 
 
+def run_checkpoint(config: Config, source: str, *, key: str) -> Path:
+    """The checkpoint directory a ``run:RUN_ID[@STEP]`` source names (its newest, or that step),
+    verified against its manifest."""
+    from training.checkpoint.load import checkpoint_dir
+
+    run, step = _run_source(config, source, key=key)
+    return checkpoint_dir(run.paths, step)
+
+
 def frozen_model_config(config: Config, source: str, *, key: str):
     """The model config a frozen ``source`` would be built with (no weights are read)."""
     return _model_config(config, source, key=key)

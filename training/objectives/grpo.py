@@ -81,7 +81,8 @@ from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.qwen.sampler import SamplingParams
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
-from training.objectives.grpo_settings import KIND, resolve_rewards
+from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
+from training.objectives.model_reward import build_model_reward
 from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.environment import RewardEnvironment, Task, batch_tasks
@@ -126,6 +127,7 @@ class GRPOObjective:
         # default one row per completion of a step; rollout_slots: fewer, refilled as they finish.
         self.rollout_rows = g.rollout_slots or g.group_size * config.train.global_batch_size // config.data.num_streams
         self.reference = None
+        self.model_rewards: list = []  # (weight, ModelReward) of each model reward, built in setup
         self.generator: Generator | None = None
         self.rollout: GroupRollout | None = None
         self._context: ObjectiveContext | None = None
@@ -151,14 +153,22 @@ class GRPOObjective:
 
     @staticmethod
     def frozen_sources(config: Config) -> dict[str, str]:
-        """{config key: source} of the frozen models setup builds (the reference, with kl_coef > 0)."""
+        """{config key: source} of the frozen models setup builds (the reference, with kl_coef > 0,
+        and each model reward's reward model)."""
         g = config.objective.grpo
-        return {"objective.grpo.reference": g.reference} if g.kl_coef > 0 else {}
+        sources = {"objective.grpo.reference": g.reference} if g.kl_coef > 0 else {}
+        return {**sources, **{key: reward.path for key, reward in model_rewards(config).items()}}
 
     @staticmethod
     def check_config(config: Config) -> list:
-        """The configured rewards, resolved (grpo_settings.resolve_rewards: a reward that does not
-        import is a ConfigError); the config's own checks are grpo_settings.validate, run at load."""
+        """The configured rule rewards, resolved (grpo_settings.resolve_rewards: a reward that does not
+        import is a ConfigError), and each model reward's vocabulary and tokenizer checked against the
+        policy's (model_reward.check_vocabulary); the config's own checks are grpo_settings.validate,
+        run at load."""
+        from training.objectives.model_reward import check_vocabulary
+
+        for key, reward in model_rewards(config).items():
+            check_vocabulary(config, reward.path, key=key)
         return resolve_rewards(config)
 
     # ------------------------------------------------------------------ seam
@@ -181,11 +191,15 @@ class GRPOObjective:
         if g.kl_coef > 0:
             self.reference = build_frozen(config, g.reference, role="reference", dist=context.dist,
                                           key="objective.grpo.reference")
+        self.model_rewards = [(reward.weight, build_model_reward(config, reward.path, dist=context.dist, key=key))
+                              for key, reward in model_rewards(config).items()]
 
     def prepare(self, batch: Batch) -> Batch:
         if batch.evaluation:
             return self._evaluation_batch(batch)
         experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step)
+        if self.model_rewards:
+            experience = experience.with_added_rewards(self._model_scores(experience))
         experience = experience.with_advantages(
             group_advantages(experience.shaped_rewards(), eps=self.g.std_eps, std=self.g.advantage_std))
         out = experience.batch(batch, seq_len=self.config.data.seq_len, mask_truncated=self.g.mask_truncated,
@@ -237,7 +251,22 @@ class GRPOObjective:
         check_state(self.name, state)
 
     def frozen_identity(self) -> dict[str, dict[str, str]]:
-        return {"reference": self.reference.identity} if self.reference is not None else {}
+        identities = {"reference": self.reference.identity} if self.reference is not None else {}
+        return {**identities, **{_reward_role(i): reward.identity for i, (_, reward) in enumerate(self.model_rewards)}}
+
+    def _model_scores(self, experience: Experience) -> np.ndarray:
+        """Per trajectory, the weighted sum of the reward models' scores of its prompt + completion,
+        in chunks of a fixed number of rows (every rank runs as many chunks: a sharded reward
+        model's forward is collective)."""
+        sequences = [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories]
+        rows = self.config.train.micro_batch_size * self.g.group_size
+        pad = getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)
+        total = np.zeros(len(sequences), dtype=np.float64)
+        for weight, reward in self.model_rewards:
+            scores = [s for lo in range(0, len(sequences), rows)
+                      for s in reward.scores(sequences[lo:lo + rows], device=self._context.parallel.device, pad_id=pad)]
+            total += weight * np.asarray(scores, dtype=np.float64)
+        return total
 
     # ------------------------------------------------------------------ evaluation
 
@@ -298,3 +327,8 @@ class GRPOObjective:
     def _token_logps(self, module: nn.Module, placed: Batch, *, fuse: bool) -> torch.Tensor:
         """(B, T) log-probs of the labels, 0 where there is none."""
         return label_logps(module, placed, fused=fuse, chunk_tokens=self.config.train.loss_chunk_tokens)
+
+
+def _reward_role(index: int) -> str:
+    """The frozen role of the index-th model reward (``frozen_identity``): reward, reward1, ..."""
+    return "reward" if index == 0 else f"reward{index}"

@@ -15,17 +15,22 @@ from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from training.rollout.rewards import resolve_reward
 
+MODEL_REWARD = "model"
+"""The reward name of a trained reward model (training/objectives/model_reward.py)."""
+
 
 @dataclass(frozen=True)
 class RewardSettings:
     name: str = "exact_answer"
-    """A built-in reward (exact_answer, numeric_tolerance, format_regex) or a user function 'package.module:function' (docs/post_training.md)."""
+    """A built-in reward (exact_answer, numeric_tolerance, format_regex), model (a trained reward model: path), or a user function 'package.module:function' (docs/post_training.md)."""
     weight: float = 1.0
     """Weight of this reward in the sum that scores a completion."""
     pattern: str = ""
     """format_regex: the pattern the whole stripped completion must match."""
     tol: float = 0.0
     """numeric_tolerance: largest absolute difference from the answer that still passes."""
+    path: str = ""
+    """model: the reward model, run:RUN_ID[@STEP] (a reward_model run) or its Hugging Face sequence-classification export; its score of the prompt + completion is the reward."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,15 @@ def validate(config: Config) -> None:
     for i, reward in enumerate(g.rewards):
         if not (math.isfinite(reward.weight)):
             raise ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight")
+        if (reward.name == MODEL_REWARD) != bool(reward.path):
+            raise ConfigError(f"{key}.rewards[{i}]: path names the reward model of a reward named {MODEL_REWARD!r}, "
+                              f"got name {reward.name!r} with path {reward.path!r}", key=f"{key}.rewards[{i}].path",
+                              hint="{name: model, path: run:RUN_ID | HF_DIR}; other rewards take no path")
+    if model_rewards(config) and g.dynamic_sampling_rounds > 0:
+        raise ConfigError(f"{key}.dynamic_sampling_rounds: a model reward scores a whole rollout batch after it is "
+                          "sampled, and dynamic sampling re-samples groups while the rollout is collected",
+                          key=f"{key}.dynamic_sampling_rounds",
+                          hint="dynamic_sampling_rounds: 0 with a model reward (its scores are rarely all equal)")
     if not any(s.record == "prompt" for s in config.data.sources) or any(
             s.record != "prompt" for s in config.data.sources):
         raise ConfigError("objective.kind=grpo needs prompt sources only (data.sources[i].record: prompt)",
@@ -133,7 +147,13 @@ def resolve_rewards(config: Config) -> list:
     import is a ConfigError naming objective.grpo.rewards[i].name (exit 2, before any process
     group or run dir: training.objectives.check_objective_config)."""
     return [resolve_reward(r.name, weight=r.weight, pattern=r.pattern, tol=r.tol, key=f"objective.grpo.rewards[{i}]")
-            for i, r in enumerate(config.objective.grpo.rewards)]
+            for i, r in enumerate(config.objective.grpo.rewards) if r.name != MODEL_REWARD]
+
+
+def model_rewards(config: Config) -> dict[str, RewardSettings]:
+    """{config key of its path: settings} of each configured model reward, in order."""
+    return {f"objective.grpo.rewards[{i}].path": r for i, r in enumerate(config.objective.grpo.rewards)
+            if r.name == MODEL_REWARD}
 
 
 KIND = ObjectiveKind(
@@ -146,6 +166,6 @@ KIND = ObjectiveKind(
     validate=validate,
     resumable=("eval_samples", "eval_temperature"),  # an evaluation only: the ledger does not depend on them
     hashed_only_when_set=("advantage_std", "overlong_buffer", "mask_truncated", "dynamic_sampling_rounds",
-                          "rollout_slots"),
+                          "rollout_slots", "rewards[].path"),
     hash_default_section=True,
 )

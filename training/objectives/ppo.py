@@ -73,7 +73,7 @@ from training.objectives.critic import Critic, build_critic
 from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_variance, gae, kl_estimate,
                                           masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
 from training.objectives.ppo_settings import KIND, resolve_rewards
-from training.objectives.token_logps import linear_token_logps, token_logps_from_logits
+from training.objectives.token_logps import label_logps
 from training.rollout.environment import RewardEnvironment, batch_tasks
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
@@ -321,17 +321,11 @@ class PPOObjective:
     def _values(self, placed: Batch, critic: nn.Module | None = None) -> torch.Tensor:
         """(B, T) the critic's values, aligned with the labels (critic.py)."""
         critic = self._critic if critic is None else critic
-        return critic(placed.input_ids, placed.position_ids, placed.document_ids)
+        return critic(placed)
 
     def _token_logps(self, module: nn.Module, placed: Batch) -> torch.Tensor:
         """(B, T) log-probs of the labels, 0 where there is none."""
-        kwargs = {"position_ids": placed.position_ids, "document_ids": placed.document_ids}
-        if self.fuse_head:
-            chunk = self.config.train.loss_chunk_tokens
-            return module(placed.input_ids, **kwargs,
-                          head=lambda hidden, weight: linear_token_logps(hidden, weight, placed.labels,
-                                                                         chunk_tokens=chunk))
-        return token_logps_from_logits(module(placed.input_ids, **kwargs), placed.labels)
+        return label_logps(module, placed, fused=self.fuse_head, chunk_tokens=self.config.train.loss_chunk_tokens)
 
     # ------------------------------------------------------------------ evaluation
 

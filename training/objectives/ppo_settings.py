@@ -97,6 +97,11 @@ def validate(config: Config) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(p, name)!r}", key=f"{key}.{name}")
+    for i, reward in enumerate(p.rewards):
+        if reward.path or reward.name == "model":
+            raise ConfigError(f"{key}.rewards[{i}]: PPO scores with rule rewards only; a trained reward model "
+                              f"(name: model, path) is a GRPO reward for now", key=f"{key}.rewards[{i}].path",
+                              hint="use exact_answer, numeric_tolerance, format_regex or a package.module:function")
     if p.kl_target > 0 and p.kl_coef == 0:
         raise ConfigError(f"{key}.kl_target={p.kl_target} needs a starting kl_coef > 0", key=f"{key}.kl_coef",
                           hint="the adaptive coefficient is scaled from kl_coef; it cannot leave 0")
@@ -139,4 +144,5 @@ KIND = ObjectiveKind(
     capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True),
     settings=PPOSettings,
     validate=validate,
+    hashed_only_when_set=("rewards[].path",),  # PPO takes none; its configs keep their hashes
 )

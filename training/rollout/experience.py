@@ -77,6 +77,15 @@ class Experience:
         """(prompts, group_size) float64: reward + shaping, what the advantages see."""
         return (self.rewards() + self.penalties()).reshape(-1, self.group_size)
 
+    def with_added_rewards(self, added: np.ndarray) -> "Experience":
+        """Each trajectory's reward plus ``added`` (one value per trajectory, in order): a reward
+        scored after the rollout, for the whole batch at once (a reward model's)."""
+        values = np.asarray(added, dtype=np.float64).reshape(-1)
+        if values.shape[0] != len(self.trajectories):
+            raise ValueError(f"{values.shape[0]} added rewards for {len(self.trajectories)} trajectories")
+        return dataclasses.replace(self, trajectories=tuple(
+            dataclasses.replace(t, reward=t.reward + float(v)) for t, v in zip(self.trajectories, values)))
+
     def with_advantages(self, advantages: np.ndarray) -> "Experience":
         return dataclasses.replace(self, advantages=np.asarray(advantages, dtype=np.float64).reshape(-1))
 

@@ -1,0 +1,164 @@
+"""A reward model's checkpoint exports as a Hugging Face sequence classifier that transformers'
+``AutoModelForSequenceClassification`` loads with Lockstep's scores (fp32, within 1e-5), padded
+batches included (transformers reads the last non-pad token, Lockstep the sequence's last token);
+the same directory imports back: ``model.init_from`` takes its trunk and the reward model its
+score head, with the same scores.
+
+As a reward (training/objectives/model_reward.py), the run and its export score alike and have one
+identity; a reward model changed on disk has another (a resume refuses it, exit 4, naming both
+hashes); one whose vocabulary or tokenizer differs from the policy's is refused (exit 2, naming both)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from core import config as config_lib
+from core.exceptions import CheckpointError, ConfigError, ExitCode
+from core.layout import RunPaths
+from models.hf_weights import load_pretrained
+from tests import launch
+from training.cli.export import checkpoint_dir, load_checkpoint_model
+from training.checkpoint.state import check_frozen
+from training.objectives.base import ObjectiveContext
+from training.objectives.model_reward import build_model_reward
+from training.objectives.reward_model import RewardModelObjective, sequence_scores
+from training.objectives.reward_model_io import SCORE_PART, read_checkpoint_score, read_score_weight
+
+pytestmark = pytest.mark.slow
+
+RM_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-rm.yaml"
+LENGTHS = (40, 23, 31)
+
+
+def _ours(model, head, ids: torch.Tensor, lengths) -> torch.Tensor:
+    """Each row's first ``lengths[r]`` tokens scored alone (one document per row)."""
+    out = []
+    with torch.no_grad():
+        for row, n in zip(ids, lengths):
+            out.append(sequence_scores(model, head, row[None, :n], torch.arange(n)[None],
+                                       torch.zeros(1, n, dtype=torch.long), torch.tensor([0]), torch.tensor([n - 1])))
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def exported(e2e_workdir, tmp_path_factory):
+    """A 4-step reward-model run on one rank, and its export."""
+    result = launch.train(e2e_workdir, ["--config", str(RM_CONFIG), "run.name=rm-export", "train.max_steps=4"],
+                          nproc=1)
+    assert result.returncode == 0, result.stderr
+    run_dir = result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
+    out = tmp_path_factory.mktemp("rm") / "rm-hf"
+    done = launch.run_module(e2e_workdir, ["training", "export", "--run", str(run_dir), "--to", str(out)])
+    assert done.returncode == 0, done.stderr
+    return run_dir, out
+
+
+def test_export_loads_in_transformers_with_equal_scores_and_imports_back(exported):
+    transformers = pytest.importorskip("transformers")
+    run_dir, out = exported
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["architectures"] == ["Qwen3ForSequenceClassification"] and hf_config["num_labels"] == 1
+    pad = hf_config["pad_token_id"]
+
+    paths = RunPaths(run_dir)
+    config = config_lib.load(paths.config)
+    checkpoint = checkpoint_dir(paths, None)
+    trunk = load_checkpoint_model(config, checkpoint).eval()
+    head = torch.nn.Linear(config.model.hidden_size, 1, bias=False)
+    head.weight.data.copy_(read_checkpoint_score(checkpoint))
+    ids = torch.randint(0, 256, (len(LENGTHS), max(LENGTHS)), generator=torch.Generator().manual_seed(1))
+    ours = _ours(trunk, head, ids, LENGTHS)
+
+    theirs_model = transformers.AutoModelForSequenceClassification.from_pretrained(str(out), dtype=torch.float32).eval()
+    padded = ids.clone()
+    for row, n in enumerate(LENGTHS):
+        padded[row, n:] = pad  # right padding: transformers reads the last non-pad token
+    mask = (padded != pad).long()
+    with torch.no_grad():
+        theirs = theirs_model(input_ids=padded, attention_mask=mask).logits[:, 0]
+    assert (ours - theirs).abs().max().item() < 1e-5
+    assert len(set(ours.tolist())) == len(LENGTHS)
+
+    # Import: the trunk through model.init_from's loader, the head through the reward model's parts.
+    imported = load_pretrained(out, base=config.model).eval()
+    assert torch.equal(read_score_weight(out, config.model.hidden_size), head.weight)
+    again = config_lib.load(str(RM_CONFIG), [f"model.init_from={out}"])
+    context = ObjectiveContext(config=again, dist=SimpleNamespace(), parallel=SimpleNamespace(), place=lambda t: t)
+    parts = RewardModelObjective(again).extra_parts(context)
+    assert torch.equal(parts[SCORE_PART].module.weight, head.weight)
+    assert (_ours(imported, parts[SCORE_PART].module, ids, LENGTHS) - ours).abs().max().item() < 1e-6
+
+
+def _dist():
+    return SimpleNamespace(rank=0, world_size=1, is_distributed=False, device=torch.device("cpu"), backend="gloo")
+
+
+def test_as_a_reward_the_run_and_its_export_score_alike_with_one_identity(exported):
+    run_dir, out = exported
+    config = config_lib.load(str(RM_CONFIG))
+    key = "objective.grpo.rewards[0].path"
+    from_run = build_model_reward(config, f"run:{run_dir}", dist=_dist(), key=key)
+    from_export = build_model_reward(config, str(out), dist=_dist(), key=key)
+    sequences = [list(range(3, 3 + n)) for n in LENGTHS]
+    scores = from_run.scores(sequences, device=torch.device("cpu"), pad_id=257)
+    assert scores == pytest.approx(from_export.scores(sequences, device=torch.device("cpu"), pad_id=257), abs=1e-6)
+    ids = torch.zeros(len(LENGTHS), max(LENGTHS), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, :len(sequence)] = torch.tensor(sequence)
+    alone = _ours(from_run.trunk.module, from_run.head, ids, LENGTHS)
+    assert scores == pytest.approx(alone.tolist(), abs=1e-6)  # padding rows change nothing
+    assert from_run.identity == {"path": f"run:{run_dir}", "sha256": from_run.identity["sha256"]}
+    assert from_run.identity["sha256"] == from_export.identity["sha256"]  # the same weights
+
+
+def test_a_reward_model_changed_on_disk_has_another_identity_and_a_resume_refuses_it(exported, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, out = exported
+    changed = tmp_path / "changed"
+    shutil.copytree(out, changed)
+    tensors = load_file(str(changed / "model.safetensors"))
+    tensors["score.weight"] = tensors["score.weight"] * 1.5
+    save_file(tensors, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    config = config_lib.load(str(RM_CONFIG))
+    key = "objective.grpo.rewards[0].path"
+    before = build_model_reward(config, str(changed), dist=_dist(), key=key).identity
+    shutil.copyfile(out / "model.safetensors", changed / "model.safetensors")  # changed again, in place
+    after = build_model_reward(config, str(changed), dist=_dist(), key=key).identity
+    assert before["path"] == after["path"] and before["sha256"] != after["sha256"]
+    with pytest.raises(CheckpointError) as error:
+        check_frozen({"reward": after}, {"reward": before})
+    assert error.value.exit_code == ExitCode.CHECKPOINT
+    assert before["sha256"] in str(error.value) and after["sha256"] in str(error.value)
+
+
+def test_a_reward_model_of_another_vocabulary_or_tokenizer_is_refused_naming_both(exported, tmp_path):
+    _, out = exported
+    key = "objective.grpo.rewards[0].path"
+    bigger = config_lib.load(str(RM_CONFIG), ["model.vocab_size=1024"])
+    with pytest.raises(ConfigError) as error:
+        build_model_reward(bigger, str(out), dist=_dist(), key=key)
+    assert error.value.exit_code == ExitCode.CONFIG
+    assert "512" in str(error.value) and "1024" in str(error.value) and key in str(error.value)
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(out, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError) as error:
+        build_model_reward(config_lib.load(str(RM_CONFIG)), str(other), dist=_dist(), key=key)
+    assert str(other / "tokenizer.json") in str(error.value) and "byte" in str(error.value)
+
+
+def test_a_source_without_a_score_head_is_refused(tmp_path):
+    config = config_lib.load(str(RM_CONFIG))
+    with pytest.raises(ConfigError) as error:
+        build_model_reward(config, str(tmp_path), dist=_dist(), key="objective.grpo.rewards[0].path")
+    assert "sequence-classification" in str(error.value)
