@@ -120,8 +120,13 @@ PPO = Method("ppo", "e2e-ppo.yaml", e2e_file="test_ppo_e2e.py", timeout_s=600,
              samples_from_weights=True, accumulation_steps=1,
              accumulation_close={"value_loss": (1e-4, 1e-6), "policy_loss": (1e-4, 1e-6), "kl": (1e-4, 1e-6)})
 
+REWARD_MODEL = Method("reward-model", "e2e-rm.yaml", e2e_file="test_reward_model_e2e.py",
+                      overrides=("train.eval_interval=8", "train.eval_batches=2"), kill=Kill(seed=47),
+                      one_rank_same=("batch_hash", "pairs", "accuracy"), accumulation_overrides=("parallel.strategy=none",),
+                      accumulation_close={"margin": (1e-4, 1e-7)})
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
-           FLOAT8_HEAD, PPO)
+           FLOAT8_HEAD, PPO, REWARD_MODEL)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}

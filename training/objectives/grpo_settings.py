@@ -126,20 +126,25 @@ def validate(config: Config) -> None:
                           "sampled, and dynamic sampling re-samples groups while the rollout is collected",
                           key=f"{key}.dynamic_sampling_rounds",
                           hint="dynamic_sampling_rounds: 0 with a model reward (its scores are rarely all equal)")
+    check_prompt_data(config, "grpo", eval_hint="use data.eval_source and objective.grpo.eval_samples with grpo")
+
+
+def check_prompt_data(config: Config, kind: str, *, eval_hint: str) -> None:
+    """What a method that samples from prompts (GRPO, PPO) needs of data.* and train.eval_generate:
+    prompt records only, a held-out source of prompts, and its own evaluation."""
     if not any(s.record == "prompt" for s in config.data.sources) or any(
             s.record != "prompt" for s in config.data.sources):
-        raise ConfigError("objective.kind=grpo needs prompt sources only (data.sources[i].record: prompt)",
+        raise ConfigError(f"objective.kind={kind} needs prompt sources only (data.sources[i].record: prompt)",
                           key="data.sources", hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl')
     held_out = config.data.eval_source
     if held_out is not None and config.train.eval_interval > 0 and held_out.record != "prompt":
         raise ConfigError(
-            f"objective.kind=grpo evaluates prompt records, data.eval_source is record: {held_out.record}",
+            f"objective.kind={kind} evaluates prompt records, data.eval_source is record: {held_out.record}",
             key="data.eval_source.record",
             hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval, or data.eval_source=null')
     if config.train.eval_generate.source is not None:
-        raise ConfigError("train.eval_generate: objective.kind=grpo evaluates its prompts itself (data.eval_source)",
-                          key="train.eval_generate.source",
-                          hint="use data.eval_source and objective.grpo.eval_samples with grpo")
+        raise ConfigError(f"train.eval_generate: objective.kind={kind} evaluates its prompts itself (data.eval_source)",
+                          key="train.eval_generate.source", hint=eval_hint)
 
 
 def resolve_rewards(config: Config) -> list:

@@ -14,7 +14,7 @@ from typing import Literal
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
-from training.objectives.grpo_settings import RewardSettings
+from training.objectives.grpo_settings import RewardSettings, check_prompt_data
 from training.rollout.rewards import resolve_reward
 
 
@@ -114,19 +114,7 @@ def validate(config: Config) -> None:
     for i, reward in enumerate(p.rewards):
         if not math.isfinite(reward.weight):
             raise ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight")
-    if not any(s.record == "prompt" for s in config.data.sources) or any(
-            s.record != "prompt" for s in config.data.sources):
-        raise ConfigError("objective.kind=ppo needs prompt sources only (data.sources[i].record: prompt)",
-                          key="data.sources", hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl')
-    held_out = config.data.eval_source
-    if held_out is not None and config.train.eval_interval > 0 and held_out.record != "prompt":
-        raise ConfigError(
-            f"objective.kind=ppo evaluates prompt records, data.eval_source is record: {held_out.record}",
-            key="data.eval_source.record",
-            hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval, or data.eval_source=null')
-    if config.train.eval_generate.source is not None:
-        raise ConfigError("train.eval_generate: objective.kind=ppo evaluates its prompts itself (data.eval_source)",
-                          key="train.eval_generate.source", hint="use data.eval_source with ppo")
+    check_prompt_data(config, "ppo", eval_hint="use data.eval_source with ppo")
 
 
 def resolve_rewards(config: Config) -> list:
