@@ -34,6 +34,8 @@ class ObjectiveCapabilities:
     """The trained model is used through the chat template: export makes the end of turn a stop token, generate renders prompts with it."""
     resumes_stateless_checkpoints: bool = False
     """May resume a checkpoint that holds no objective state (written before objectives existed: pretraining)."""
+    ledger_over_updates: bool = False
+    """Several updates per batch (PPO's epochs x minibatches): its ledger fields are means over every update's metric sums, not the first update's."""
 
 
 @dataclass(frozen=True)

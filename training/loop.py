@@ -90,7 +90,7 @@ class _Step:
     lr: float
     tokens: int
     targets: int
-    first_targets: int  # the global count of the first update's rows: its metric sums' divisor
+    first_targets: int  # the global count of the first update's rows (of every update's, ledger_over_updates): the metric sums' divisor
     updates: list[UpdateValues]  # the step's updates' values, read when it settles
     metric_names: list[str]  # the objective's metric sums among the first update's values
     maximum_names: list[str]  # then its maxima (LossOutput.maxima)
@@ -303,8 +303,9 @@ class Trainer:
         global_targets = int(self._all_reduce_sum(float(local_targets)))
         # Most objectives make one update per batch; GRPO with inner_updates > 1 makes several
         # on the same rollouts, PPO one per minibatch of each epoch (a MinibatchObjective picks
-        # each update's rows). The step's loss, grad_norm and metrics are the first update's
-        # (taken on the rollout policy); later updates' losses and norms go into the ledger.
+        # each update's rows). The step's loss and grad_norm are the first update's (taken on the
+        # rollout policy), its metrics too unless the objective declares ledger_over_updates (PPO:
+        # means over every update); later updates' losses and norms go into the ledger.
         shares = [self._update_rows(batch, u, global_targets) for u in range(self.objective.updates_per_batch)]
         updates = [self._update(step, rows, targets, first=u == 0, previous=previous if u == 0 else None)
                    for u, (rows, targets) in enumerate(shares)]
@@ -312,7 +313,8 @@ class Trainer:
         tokens = batch.input_ids.numel() * self.parallel.dp_size
         self.tokens_seen += tokens
         current = _Step(step=step, batch=batch, lr=lr, tokens=tokens, targets=global_targets,
-                        first_targets=shares[0][1],
+                        first_targets=(sum(t for _, t in shares) if self.objective.capabilities.ledger_over_updates
+                                       else shares[0][1]),
                         updates=[values for values, _, _ in updates], metric_names=updates[0][1],
                         maximum_names=updates[0][2], hashes=self._ledger_hashes(batch))
         current.checkpoint_due = self._checkpoint_due(step)
@@ -349,6 +351,12 @@ class Trainer:
         # The metric sums, then the maxima, then the other parts' gradient norms (enqueue_update).
         totals = dict(zip(done.metric_names, values[:n_metrics]))
         maxima = dict(zip(done.maximum_names, values[n_metrics:n_metrics + n_maxima]))
+        if self.objective.capabilities.ledger_over_updates:  # every update's sums (first_targets counts them all)
+            for *_, later in reads[1:]:
+                for i, name in enumerate(done.metric_names):
+                    totals[name] += later[i]
+                for i, name in enumerate(done.maximum_names):
+                    maxima[name] = max(maxima[name], later[n_metrics + i])
         record = {
             "step": done.step,
             "loss": loss,

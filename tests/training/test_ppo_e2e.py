@@ -50,7 +50,9 @@ def test_ppo_trains_actor_and_critic_with_its_ledger_fields(reference):
         for key in ("kl", "kl_coef", "value_loss", "policy_loss", "approx_kl", "dual_clip_fraction"):
             assert isinstance(line[key], float), key
     assert lines[0]["kl"] == 0.0  # the policy is the reference at its first rollouts
-    assert lines[0]["approx_kl"] == 0.0  # and the first update's ratio is exactly 1
+    # approx_kl and the clip fractions are means over all four updates (ledger_over_updates): the
+    # first update's ratio is exactly 1 on the CPU, the later ones' are not.
+    assert all(line["approx_kl"] > 0.0 for line in lines)
     assert len({r["kl_coef"] for r in lines}) > 1  # the adaptive coefficient moved
     hashed = [r for r in lines if "param_hash" in r]
     assert [r["step"] for r in hashed] == [4, 8]

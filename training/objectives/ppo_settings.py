@@ -129,7 +129,7 @@ KIND = ObjectiveKind(
     summary="reinforcement learning with a critic on prompts with checkable answers",
     # Rollouts decode at a new length every step (no CUDA graphs); the completions answer
     # through the chat template.
-    capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True),
+    capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True, ledger_over_updates=True),
     settings=PPOSettings,
     validate=validate,
     hashed_only_when_set=("rewards[].path",),  # PPO takes none; its configs keep their hashes
