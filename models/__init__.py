@@ -11,6 +11,7 @@ Public API:
 """
 
 from models.build import build
+from models.qwen import lora_targets as _lora_targets  # noqa: F401  (registers the family's LoRA names)
 from models.flops import flops_per_token, num_params
 from models.hf_config import model_config_from_hf
 from models.hf_weights import load_pretrained, save_pretrained

@@ -7,4 +7,11 @@ of the model itself.
 
 from __future__ import annotations
 
+from core.objective_kinds import register_lora_targets
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Registered as soon as the family is imported (models/__init__.py imports this module), so that a
+# process that builds a ModelConfig without an entry point (a spawned test worker, a notebook)
+# has the names; training/registry.py registers the same names again, which is allowed.
+register_lora_targets(LORA_TARGETS)

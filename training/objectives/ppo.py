@@ -276,7 +276,7 @@ class PPOObjective:
         values = torch.tensor([v for row in rows for v in row[2]], dtype=torch.float64)
         returns = torch.tensor([v for row in rows for v in row[3]], dtype=torch.float64)
         variance = explained_variance(values, returns, torch.ones_like(values)) if len(values) > 1 else float("nan")
-        tokens = max(count, 1)  # the first update's (its minibatch's) response tokens
+        tokens = max(count, 1)  # response tokens of every update's rows (ledger_over_updates)
         names = TOKEN_METRICS + (("dual_clip_fraction",) if self.p.dual_clip else ())
         fields.update(score_min=min(scores), score_max=max(scores), kl=kl, kl_coef=rollout.kl_coef,
                       explained_variance=None if np.isnan(variance) else variance,
