@@ -55,7 +55,7 @@ def test_the_reward_model_scores_every_completion_and_is_recorded(reference, rew
     # exact_answer gives 0 or 1 per completion: a mean that is no multiple of 1/16 holds model scores.
     assert any(abs(r["reward_mean"] * 16 - round(r["reward_mean"] * 16)) > 1e-6 for r in lines)
     from training.checkpoint.manifest import state_file_name
-    from training.cli.export import OBJECTIVE_PART
+    from training.checkpoint.load import OBJECTIVE_PART
 
     state = json.loads((reference / "checkpoints" / "step_00000002" / state_file_name(OBJECTIVE_PART)).read_text())
     recorded = state["frozen"]["reward"]
@@ -98,7 +98,7 @@ def test_a_reward_model_changed_on_disk_refuses_the_resume_naming_both_hashes(e2
     resumed = launch.train(e2e_workdir, ["--resume", run_dir.name, "train.max_steps=4"], nproc=1)
     assert resumed.returncode == 4, resumed.stderr
     from training.checkpoint.manifest import state_file_name
-    from training.cli.export import OBJECTIVE_PART
+    from training.checkpoint.load import OBJECTIVE_PART
 
     state = json.loads((run_dir / "checkpoints" / "step_00000002" / state_file_name(OBJECTIVE_PART)).read_text())
     assert state["frozen"]["reward"]["sha256"] in resumed.stderr
@@ -110,7 +110,7 @@ def test_a_sharded_reward_model_scores_as_the_replicated_one(e2e_workdir, refere
     same identity, and the first step's rollouts and rewards match the ddp run's (reward_mean within
     fp32 noise of the sharded reduction order)."""
     from training.checkpoint.manifest import state_file_name
-    from training.cli.export import OBJECTIVE_PART
+    from training.checkpoint.load import OBJECTIVE_PART
 
     args = [*grpo_args(reward_model, name="grpo-rm-fsdp"), "parallel.strategy=fsdp", "train.max_steps=2"]
     result = launch.train(e2e_workdir, args, nproc=2)

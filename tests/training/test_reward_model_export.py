@@ -22,7 +22,7 @@ from core.exceptions import CheckpointError, ConfigError, ExitCode
 from core.layout import RunPaths
 from models.hf_weights import load_pretrained
 from tests import launch
-from training.cli.export import checkpoint_dir, load_checkpoint_model
+from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
 from training.checkpoint.state import check_frozen
 from training.objectives.base import ObjectiveContext
 from training.objectives.model_reward import build_model_reward
