@@ -198,9 +198,10 @@ class ChatTemplate:
         self.__init__(state["source"], origin=state["origin"], special_tokens=state["special_tokens"],
                       clock=state["clock"], max_seconds=state["max_seconds"], max_chars=state["max_chars"])
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
+               tools: Optional[list[dict]] = None) -> str:
         template = self._template()  # a template that does not compile is a ConfigError, not a bad record
-        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                          documents=None, **self.special_tokens)
         try:
             return render_within(template, self._budget, variables)
@@ -232,6 +233,31 @@ class ChatTemplate:
                          "; it is recorded with the run, so resume and replay render the same text")
             self._compiled = compiled
         return self._compiled
+
+    def observation_text(self, tool_results: list[dict], *, tools: Optional[list[dict]] = None) -> str:
+        """The text the template writes after an assistant turn's end-of-turn marker for the tool
+        messages ``tool_results`` (``{"role": "tool", "content": ...}``), up to and including the
+        next assistant turn's generation prompt: what an episode appends, as ids, between a
+        sampled end-of-turn token and the model's next turn. It starts with whatever the template
+        writes right after the marker (ChatML's ``\n``), so that the episode's ids are the ids of
+        the whole conversation rendered at once.
+
+        Found from the template itself: a conversation of a placeholder user and assistant turn
+        and then ``tool_results`` is rendered with the generation prompt, and the text after the
+        placeholder assistant turn's end-of-turn marker is returned."""
+        marker = self.end_of_turn
+        if not marker:
+            raise RecordError(f"chat template ({self.origin}) has no end-of-turn marker (no <|im_end|> and "
+                              "no eos_token): cannot tell where an assistant turn ends")
+        probe = self._probe(list(tool_results))
+        messages = [{"role": "user", "content": probe[0]}, {"role": "assistant", "content": probe[1]},
+                    *tool_results]
+        text = self.render(messages, add_generation_prompt=True, tools=tools)
+        end = text.rfind(probe[1])
+        if end < 0 or not text.startswith(marker, end + 1):
+            raise RecordError(f"chat template ({self.origin}) does not end an assistant turn with {marker!r} "
+                              "right after its content: cannot append tool results to a sampled turn")
+        return text[end + 1 + len(marker):]
 
     def render_spans(self, messages: list[dict], first_completion: int, loss_on: str) -> Rendered:
         """Render and find the character spans that carry loss (module docstring)."""

@@ -189,3 +189,22 @@ def test_byte_offsets_cover_multibyte_characters():
     assert len(ids) == 1 + 3 + 4
     assert offsets[:, 0].tolist() == [0, 1, 1, 1, 2, 2, 2, 2]
     assert np.all(offsets[:, 1] == offsets[:, 0] + 1)
+
+
+@pytest.mark.parametrize("template", [QWEN2_STYLE, QWEN3_STYLE, CHATML_TEMPLATE], ids=["qwen2", "qwen3", "chatml"])
+def test_observation_text_is_what_the_whole_conversation_renders_after_a_sampled_turn(template):
+    """prefix + sampled turn (up to its end-of-turn marker) + observation text == the template's
+    rendering of the whole conversation with the generation prompt: what an episode appends.
+    The sampled turn is what the template renders for it (Qwen3-style: with its think block,
+    which the model writes itself after the generation prompt)."""
+    chat = ChatTemplate(template, origin="test")
+    results = [{"role": "tool", "content": "178377"}, {"role": "tool", "content": "error: division by zero"}]
+    question = [{"role": "user", "content": "What is 4821 * 37?"}]
+    turn = "Calling the calculator."
+    prefix = chat.render(question, add_generation_prompt=True)
+    whole = chat.render([*question, {"role": "assistant", "content": turn}, *results], add_generation_prompt=True)
+    observation = chat.observation_text(results)
+    sampled = whole[len(prefix):len(whole) - len(chat.end_of_turn + observation)]
+    assert whole == prefix + sampled + chat.end_of_turn + observation
+    assert sampled.endswith(turn) and chat.end_of_turn not in sampled
+    assert observation.startswith("\n")
