@@ -23,6 +23,7 @@ LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 DIAGNOSTICS_DIR = "diagnostics"
 ARTIFACTS_DIR = "artifacts"
+EPISODES_DIR = "episodes"  # a run with an environment: each step's episodes (training/rollout/episode_store.py)
 TENSORBOARD_DIR = "tensorboard"
 TRACES_DIR = "traces"
 PLOTS_FILE = "plots.png"
@@ -45,6 +46,11 @@ def step_dir_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"a checkpoint step is >= 0, got {step}")
     return f"{STEP_DIR_PREFIX}{step:08d}"
+
+
+def episodes_file_name(step: int) -> str:
+    """A step's episode record under EPISODES_DIR (training/rollout/episode_store.py)."""
+    return f"{step_dir_name(step)}.json"
 
 
 def parse_step_dir_name(name: str) -> int | None:

@@ -147,7 +147,8 @@ class Trainer:
         self.objective = objective or build_objective(config)
         signals = getattr(guards, "signals", None)
         context = ObjectiveContext(config=config, dist=dist, parallel=parallel, place=parallel.place_batch,
-                                   fuse_head=parallel.output_weight_is_local)
+                                   fuse_head=parallel.output_weight_is_local, run_dir=run.paths.root,
+                                   records=self.recorder.records)
         with signals.at_once() if signals is not None else contextlib.nullcontext():  # frozen models: minutes
             self.objective.setup(model, context)
         tracker.show(self.objective.console.step)  # the method's unit and fields on the step line

@@ -48,7 +48,8 @@ docs/architecture.md walks through adding a method.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -85,6 +86,11 @@ class ObjectiveContext:
     """Moves a host tensor of the batch to the step's device (``ParallelPlan.place_batch``)."""
     fuse_head: bool = False
     """The output projection may be fused into the loss (``CausalLMLoss.head_loss``)."""
+    run_dir: Optional[Path] = None
+    """The run's directory, where a method keeps per-step records beside the ledger (GRPO's
+    episodes); None where there is none (a test, a benchmark)."""
+    records: bool = True
+    """False in a replay: the run is only read, never written."""
 
 
 class Objective(Protocol):

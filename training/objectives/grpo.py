@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from core.config import Config
+from core.exceptions import ResumeError
 from data.batch import IGNORE_INDEX, Batch
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
@@ -86,10 +87,13 @@ from training.objectives.model_reward import build_model_reward
 from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.environment import RewardEnvironment, Task, batch_tasks
-from training.rollout.experience import Experience, rollout_fields
+from training.rollout.episode_store import episodes_path, read_episodes, write_episodes
+from training.rollout.episodes import EpisodeLimits, EpisodeRunner
+from training.rollout.experience import Experience, episode_records, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
 from training.rollout.rewards import exact_answer
+from training.rollout.tool_environment import resolve_environment
 
 PURPOSE = "grpo"
 EVAL_PURPOSE = "grpo-eval"
@@ -111,9 +115,15 @@ class GRPOObjective:
         self.rewards = self.check_config(config)
         self.console = self._console_lines(g)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
-        self.decoder = Decoder(self.tokenizer, ChatTemplate.for_tokenizer(config.data.tokenizer,
-                                                                           config.data.chat_template))
-        self.environment = RewardEnvironment(self.rewards, on_error=g.on_reward_error)
+        self.template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
+        self.decoder = Decoder(self.tokenizer, self.template)
+        self.environment = (RewardEnvironment(self.rewards, on_error=g.on_reward_error) if g.environment is None else
+                            resolve_environment(g.environment.name, rewards=self.rewards,
+                                                on_reward_error=g.on_reward_error,
+                                                max_calls_per_turn=g.environment.max_calls_per_turn,
+                                                key="objective.grpo.environment.name"))
+        # The loss's dr_grpo slots per completion: an episode may sample up to its whole budget.
+        self.slots = g.max_new_tokens if g.environment is None else g.environment.max_episode_tokens
         self.settings = SurrogateSettings(clip_low=g.clip_eps_low, clip_high=g.clip_eps_high, kl_coef=g.kl_coef,
                                           importance=g.importance, loss_norm=g.loss_norm)
         stop = self.decoder.stop_ids
@@ -126,6 +136,7 @@ class GRPOObjective:
         # config, not of the world size, so rollouts do not depend on how rows are spread. By
         # default one row per completion of a step; rollout_slots: fewer, refilled as they finish.
         self.rollout_rows = g.rollout_slots or g.group_size * config.train.global_batch_size // config.data.num_streams
+        self.episodes: EpisodeRunner | None = None
         self.reference = None
         self.model_rewards: list = []  # (weight, ModelReward) of each model reward, built in setup
         self.generator: Generator | None = None
@@ -169,7 +180,13 @@ class GRPOObjective:
 
         for key, reward in model_rewards(config).items():
             check_vocabulary(config, reward.path, key=key)
-        return resolve_rewards(config)
+        rewards = resolve_rewards(config)
+        environment = config.objective.grpo.environment
+        if environment is not None:  # a class path that does not import is refused now (exit 2)
+            resolve_environment(environment.name, rewards=rewards, on_reward_error="error",
+                                max_calls_per_turn=environment.max_calls_per_turn,
+                                key="objective.grpo.environment.name")
+        return rewards
 
     # ------------------------------------------------------------------ seam
 
@@ -184,10 +201,15 @@ class GRPOObjective:
         self.generator = Generator(rows=self.rollout_rows,
                                    max_len=config.data.seq_len, seed=config.train.seed,
                                    dtype=generation_dtype(config.parallel.precision, context.parallel.device))
+        if g.environment is not None:
+            self.episodes = EpisodeRunner(generator=self.generator, decoder=self.decoder, environment=self.environment,
+                                          limits=episode_limits(g.environment), render=self._observation_ids,
+                                          context=config.data.seq_len)
         self.rollout = GroupRollout(generator=self.generator, decoder=self.decoder, environment=self.environment,
                                     params=self.params, group_size=g.group_size, overlong_buffer=g.overlong_buffer,
                                     resample_rounds=g.dynamic_sampling_rounds, purpose=PURPOSE,
-                                    any_rank=lambda flag: any(context.dist.all_gather_object(flag)))
+                                    any_rank=lambda flag: any(context.dist.all_gather_object(flag)),
+                                    episodes=self.episodes)
         if g.kl_coef > 0:
             self.reference = build_frozen(config, g.reference, role="reference", dist=context.dist,
                                           key="objective.grpo.reference")
@@ -197,7 +219,8 @@ class GRPOObjective:
     def prepare(self, batch: Batch) -> Batch:
         if batch.evaluation:
             return self._evaluation_batch(batch)
-        experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step)
+        experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step,
+                                          **self._recorded_episodes(batch.step))
         if self.model_rewards:
             experience = experience.with_added_rewards(self._model_scores(experience))
         experience = experience.with_advantages(
@@ -212,7 +235,7 @@ class GRPOObjective:
 
     def num_targets(self, batch: Batch) -> int:
         """The global normalizer's share of these rows (grpo_loss.loss_count), from the host labels."""
-        return loss_count(batch.labels != IGNORE_INDEX, self.g.loss_norm, max_new_tokens=self.g.max_new_tokens)
+        return loss_count(batch.labels != IGNORE_INDEX, self.g.loss_norm, max_new_tokens=self.slots)
 
     def loss(self, model: nn.Module, micro: Batch) -> LossOutput:
         if micro.evaluation:
@@ -227,7 +250,7 @@ class GRPOObjective:
         total = reduce_loss(per_token, mask, self.g.loss_norm)
         with torch.no_grad():
             parity = ((logps.detach() - old).abs() * mask).max()
-            norm, slots = self.g.loss_norm, self.g.max_new_tokens
+            norm, slots = self.g.loss_norm, self.slots
             metrics = {"clip_fraction": reduce_metric(terms["clipped"], mask, norm, max_new_tokens=slots),
                        "entropy": reduce_metric(-logps.detach() * mask, mask, norm, max_new_tokens=slots)}
             if "kl" in terms:
@@ -238,9 +261,33 @@ class GRPOObjective:
         experience: Experience = batch.prepared
         g = self.g
         parts = self._context.dist.all_gather_object(experience.summary())  # every rank, at the same point
+        context = self._context
+        if self.episodes is not None and context.records and context.run_dir is not None and context.dist.is_main:
+            write_episodes(context.run_dir, batch.step,
+                           {row: record for row, (_, record) in episode_records(parts).items()})
         return {**rollout_fields(parts, group_size=g.group_size, shaping=g.overlong_buffer > 0,
-                                 masking=g.mask_truncated, resampling=g.dynamic_sampling_rounds > 0),
+                                 masking=g.mask_truncated, resampling=g.dynamic_sampling_rounds > 0,
+                                 episodes=self.episodes is not None),
                 PARITY: totals[PARITY]}
+
+    def _recorded_episodes(self, step: int) -> dict[str, Any]:
+        """The rollout's ``recorded`` and ``call_environment`` for step ``step`` (episode_store.py): a
+        replay appends the recorded observations without calling the environment; a recording run
+        compares with what an earlier attempt of the step recorded (a resume)."""
+        context = self._context
+        if self.episodes is None or context.run_dir is None:
+            return {}
+        recorded = read_episodes(context.run_dir, step, self.g.group_size)
+        if recorded is None and not context.records:
+            raise ResumeError(f"step {step} has no episode record ({episodes_path(context.run_dir, step)}): "
+                              "a replay appends the recorded observations and never calls the environment",
+                              step=step, hint="replay a step the run recorded with this version of the code")
+        return {"recorded": recorded, "call_environment": context.records}
+
+    def _observation_ids(self, messages: list[dict]) -> list[int]:
+        """The ids an episode appends for a turn's tool messages (the template's observation_text)."""
+        text = self.template.observation_text(messages, tools=self.environment.tools or None)
+        return [int(t) for t in self.tokenizer.encode_array(text)]
 
     def state_dict(self) -> dict[str, Any]:
         # Nothing else to keep: the prompts come from the data state, the sampling keys from the
@@ -292,10 +339,19 @@ class GRPOObjective:
         """Per prompt, the mean configured reward and the mean exact-answer score of ``samples``
         completions; sample ``j`` of held-out prompt ``i`` is keyed ``(seed, EVAL_PURPOSE, 0, i, j)``
         (greedy decoding draws nothing from its key)."""
-        flat = self.generator.generate_from(self._model, [t.prompt_ids for t in tasks], held_out, params,
-                                            purpose=EVAL_PURPOSE, step=0, samples=samples)
         rewards = np.zeros((len(tasks), samples), dtype=np.float64)
         exact = np.zeros((len(tasks), samples), dtype=np.float64)
+        if self.episodes is not None:  # each sample an episode; the answer is its last turn's text
+            results = self.episodes.play(
+                self._model, tasks, held_out, params, purpose=EVAL_PURPOSE, step=0, samples=samples,
+                where=lambda task, s: f"evaluation batch {batch.step}, prompt row {task.index}, sample {s}")
+            for i, (task, result) in enumerate(zip([t for t in tasks for _ in range(samples)], results)):
+                rewards[i // samples, i % samples] = result.reward
+                exact[i // samples, i % samples] = exact_answer(result.text, task.answer)
+            return (torch.tensor(rewards.mean(axis=1), dtype=torch.float32),
+                    torch.tensor(exact.mean(axis=1), dtype=torch.float32))
+        flat = self.generator.generate_from(self._model, [t.prompt_ids for t in tasks], held_out, params,
+                                            purpose=EVAL_PURPOSE, step=0, samples=samples)
         for p, task in enumerate(tasks):
             for s in range(samples):
                 completion = self.decoder.completion(flat[p * samples + s])
@@ -332,3 +388,9 @@ class GRPOObjective:
 def _reward_role(index: int) -> str:
     """The frozen role of the index-th model reward (``frozen_identity``): reward, reward1, ..."""
     return "reward" if index == 0 else f"reward{index}"
+
+
+def episode_limits(e) -> EpisodeLimits:
+    """The episode runner's limits from objective.grpo.environment (grpo_settings.EnvironmentSettings)."""
+    return EpisodeLimits(name=e.name, max_turns=e.max_turns, max_observation_tokens=e.max_observation_tokens,
+                         max_episode_tokens=e.max_episode_tokens, timeout_s=e.tool_timeout_s, on_error=e.on_env_error)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from core.config import Config
 from core.exceptions import ConfigError
@@ -31,6 +31,24 @@ class RewardSettings:
     """numeric_tolerance: largest absolute difference from the answer that still passes."""
     path: str = ""
     """model: the reward model, run:RUN_ID[@STEP] (a reward_model run) or its Hugging Face sequence-classification export; its score of the prompt + completion is the reward."""
+
+
+@dataclass(frozen=True)
+class EnvironmentSettings:
+    name: str = "calculator"
+    """The environment of multi-turn episodes: calculator (data/calculator.py's tool; the final answer scored by objective.grpo.rewards) or a class 'package.module:Class' (docs/post_training.md, Agentic rollouts)."""
+    max_turns: int = 4
+    """Assistant turns sampled per episode at most; the last one is scored as the answer."""
+    max_calls_per_turn: int = 4
+    """Tool calls answered per turn (calculator); further calls get an error message."""
+    max_observation_tokens: int = 64
+    """An observation (a turn's rendered tool messages) longer than this ends the episode (truncated)."""
+    max_episode_tokens: int = 256
+    """Sampled plus observation tokens after the prompt, at most (also bounded by data.seq_len)."""
+    tool_timeout_s: float = 30.0
+    """Wall-clock seconds the environment may take to answer one turn of one episode."""
+    on_env_error: Literal["error", "zero"] = "error"
+    """An environment that raises, answers with something other than a Transition or takes too long: stop with a typed error, or end the episode with reward 0 and count it (ledger env_errors)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,8 @@ class GRPOSettings:
     """A reward function that raises or returns a non-finite value: stop with a typed error, or score 0 and count it."""
     inner_updates: int = 1
     """Optimizer updates per rollout batch, within one loop step (the step's ledger line lists each one's loss)."""
+    environment: Optional[EnvironmentSettings] = None
+    """Multi-turn episodes with tools (docs/post_training.md, Agentic rollouts); null: one completion per sample, scored by the rewards."""
     rollout_slots: int = 0
     """Sampler rows (KV-cache rows per forward) of the rollouts; 0: one row per completion of a step (group_size x global_batch_size / data.num_streams). Fewer rows refill finished ones with pending completions (docs/models.md, Scheduling): less memory, and a step with mixed completion lengths costs about their mean; the completions may differ from those of another row count (last bits, and a token where they flip a draw)."""
 
@@ -126,7 +146,33 @@ def validate(config: Config) -> None:
                           "sampled, and dynamic sampling re-samples groups while the rollout is collected",
                           key=f"{key}.dynamic_sampling_rounds",
                           hint="dynamic_sampling_rounds: 0 with a model reward (its scores are rarely all equal)")
+    if g.environment is not None:
+        validate_environment(g.environment, f"{key}.environment", max_new_tokens=g.max_new_tokens)
+        if g.dynamic_sampling_rounds > 0:
+            raise ConfigError(f"{key}.dynamic_sampling_rounds: not with an environment (episodes are recorded per "
+                              "global row; a re-sampled group would need its own record)",
+                              key=f"{key}.dynamic_sampling_rounds", hint="dynamic_sampling_rounds: 0 with an environment")
+        if model_rewards(config):
+            raise ConfigError(f"{key}.rewards: a model reward scores one completion, not an episode of several turns",
+                              key=f"{key}.rewards", hint="rule rewards score an episode's final answer")
     check_prompt_data(config, "grpo", eval_hint="use data.eval_source and objective.grpo.eval_samples with grpo")
+
+
+def validate_environment(e: EnvironmentSettings, key: str, *, max_new_tokens: int) -> None:
+    """The limits of objective.<kind>.environment."""
+    checks = (
+        ("name", bool(e.name), "an environment name (calculator) or 'package.module:Class'"),
+        ("max_turns", 1 <= e.max_turns <= 64, "in 1..64"),
+        ("max_calls_per_turn", e.max_calls_per_turn >= 1, ">= 1"),
+        ("max_observation_tokens", e.max_observation_tokens >= 1, ">= 1"),
+        ("max_episode_tokens", e.max_episode_tokens >= max_new_tokens,
+         f">= max_new_tokens ({max_new_tokens}): one turn must fit"),
+        ("tool_timeout_s", math.isfinite(e.tool_timeout_s) and e.tool_timeout_s > 0, "> 0"),
+        ("on_env_error", e.on_env_error in ("error", "zero"), "error or zero"),
+    )
+    for name, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
 
 
 def check_prompt_data(config: Config, kind: str, *, eval_hint: str) -> None:
@@ -171,6 +217,6 @@ KIND = ObjectiveKind(
     validate=validate,
     resumable=("eval_samples", "eval_temperature"),  # an evaluation only: the ledger does not depend on them
     hashed_only_when_set=("advantage_std", "overlong_buffer", "mask_truncated", "dynamic_sampling_rounds",
-                          "rollout_slots", "rewards[].path"),
+                          "rollout_slots", "rewards[].path", "environment"),
     hash_default_section=True,
 )

@@ -1,14 +1,18 @@
 """What the policy acts in: an environment is reset with a task and answers each turn.
 
     episode = environment.reset(task, where=...)      # episode.observation: the prompt's tokens
-    transition = episode.step(turn)                   # the policy's completion of the observation
-    transition.reward, transition.done, transition.observation
+    transition = episode.step(turn, last=False)       # the policy's completion of the observation
+    transition.reward, transition.done, transition.messages
 
 One ``Environment`` serves many episodes at once (a rollout batch holds ``group_size`` of each
 prompt), so what belongs to one trajectory (its conversation so far, a tool's sandbox) lives in
 its ``Episode``, never in the environment. A single-turn environment ends every episode at its
-first turn; a multi-turn one (tool calls) answers a turn with the tokens to append (the tool's
-output) and ``done=False``, and the rollout feeds the trajectory back to the policy.
+first turn; a multi-turn one (tool calls, training/rollout/tool_environment.py) answers a turn
+with the tool messages to append (``{"role": "tool", "content": ...}``, rendered by the chat
+template into the observation's ids by the episode runner, training/rollout/episodes.py) and
+``done=False``, and the runner feeds the trajectory back to the policy. ``last=True`` says the
+runner will not sample another turn (a limit is reached): the episode must end (``done=True``)
+and give its reward.
 
 ``RewardEnvironment`` is today's environment: the task is a prompt record with a checkable
 answer, the one turn is scored with the configured reward functions (training/rollout/rewards.py,
@@ -20,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from core.exceptions import DataError
+from core.exceptions import DataError, DeterminismError
 from data.batch import Batch, DocSpan, prompt_and_answer
 from training.rollout.generator import Completion
 from training.rollout.rewards import RewardFunction, score
@@ -61,9 +65,16 @@ class Transition:
     reward: float
     done: bool
     observation: tuple[int, ...] = ()
-    """Tokens appended before the policy's next turn (none once done)."""
+    """Tokens appended before the policy's next turn (none once done); when empty and ``messages``
+    are given, the runner renders the messages with the chat template."""
     reward_errors: int = 0
     """Reward functions that failed and were scored 0 (``on_reward_error=zero``)."""
+    messages: tuple[dict, ...] = ()
+    """The tool messages answering the turn (``{"role": "tool", "content": str}``), in call order."""
+    calls: tuple[str, ...] = ()
+    """The tools the turn called, in order (``""`` for a malformed call): recorded with the episode."""
+    malformed: int = 0
+    """Calls of the turn that did not parse (training/rollout/tool_calls.py), answered with an error."""
 
 
 class Episode(Protocol):
@@ -72,10 +83,13 @@ class Episode(Protocol):
     observation: list[int]
     """The tokens the policy continues first (the rendered prompt)."""
 
-    def step(self, turn: Completion) -> Transition: ...
+    def step(self, turn: Completion, *, last: bool = False) -> Transition: ...
 
 
 class Environment(Protocol):
+    tools: list[dict]
+    """The JSON-schema specs of its tools, handed to the chat template with the observations (may be empty)."""
+
     def reset(self, task: Task, *, where: str) -> Episode:
         """A new episode of ``task``; ``where`` names it in errors (step, prompt row, sample, record)."""
         ...
@@ -94,7 +108,7 @@ class RewardEpisode:
     def observation(self) -> list[int]:
         return self.task.prompt_ids
 
-    def step(self, turn: Completion) -> Transition:
+    def step(self, turn: Completion, *, last: bool = False) -> Transition:
         value, failed = score(list(self.rewards), turn.text, self.task.answer, self.task.prompt_text,
                               on_error=self.on_error, where=self.where)
         return Transition(reward=value, done=True, reward_errors=failed)
@@ -104,8 +118,23 @@ class RewardEnvironment:
     """Single-turn prompts with checkable answers, scored by ``rewards`` (weighted sum); a reward
     function that fails stops the run (``on_error="error"``) or scores 0 and is counted (``"zero"``)."""
 
+    tools: list[dict] = []
+
     def __init__(self, rewards: list[RewardFunction], *, on_error: str) -> None:
         self.rewards, self.on_error = tuple(rewards), on_error
 
     def reset(self, task: Task, *, where: str) -> RewardEpisode:
         return RewardEpisode(task, where, self.rewards, self.on_error)
+
+
+class EnvironmentFailure(DataError):
+    """An environment raised, answered with something other than a ``Transition``, or took longer
+    than objective.grpo.environment.tool_timeout_s (``on_env_error=error``): exit 3, naming the
+    environment, step, prompt row, sample and turn."""
+
+    skippable = False
+
+
+class NondeterministicToolError(DeterminismError):
+    """A resumed step sampled the same turn as the recorded one, and the environment answered it
+    with other observation ids: the tool is not a function of its call (exit 5)."""

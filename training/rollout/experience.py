@@ -20,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
 from data.batch import IGNORE_INDEX, Batch
+
+if TYPE_CHECKING:
+    from training.rollout.episodes import EpisodeResult
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,15 @@ class Trajectory:
     penalty: float = 0.0
     """Shaping added to the reward before the advantages (DAPO's overlong penalty; 0 when off)."""
     reward_errors: int = 0
+    mask: tuple[int, ...] = ()
+    """Per token of ``tokens``: 1 sampled, 0 an observation (an episode's tool output); empty: all sampled."""
+    episode: Optional[EpisodeResult] = None
+    """The episode's turns, when an environment played several (training/rollout/episodes.py)."""
+
+    @property
+    def sampled(self) -> int:
+        """Sampled tokens (what the length statistics and penalties count)."""
+        return sum(self.mask) if self.mask else len(self.tokens)
 
     @property
     def digest(self) -> str:
@@ -106,9 +118,13 @@ class Experience:
             p, c = len(t.prompt_ids), len(t.tokens)
             input_ids[i, :p + c] = torch.tensor(t.prompt_ids + t.tokens)
             document_ids[i, :p + c] = 0
+            tokens, logprobs = torch.tensor(t.tokens), torch.tensor(t.logprobs, dtype=torch.float32)
+            if t.mask:  # an episode: only sampled tokens carry labels (and old log-probs)
+                sampled = torch.tensor(t.mask, dtype=torch.bool)
+                tokens, logprobs = tokens.masked_fill(~sampled, IGNORE_INDEX), logprobs.masked_fill(~sampled, 0.0)
             if not (t.truncated and mask_truncated):
-                labels[i, p - 1:p + c - 1] = torch.tensor(t.tokens)
-            old_logps[i, p - 1:p + c - 1] = torch.tensor(t.logprobs, dtype=torch.float32)
+                labels[i, p - 1:p + c - 1] = tokens
+            old_logps[i, p - 1:p + c - 1] = logprobs
         G = self.group_size
         return Batch(
             step=prompts.step, input_ids=input_ids, labels=labels,
@@ -123,17 +139,20 @@ class Experience:
         """This rank's share of the step's rollout statistics, small and picklable: per completion
         (global row, token digest, reward, length, penalty, shaped reward, truncated), and the counts."""
         shaped = self.rewards() + self.penalties()
-        return {
-            "rows": [(t.row, t.digest, t.reward, len(t.tokens), t.penalty, s, t.truncated)
+        summary = {
+            "rows": [(t.row, t.digest, t.reward, t.sampled, t.penalty, s, t.truncated)
                      for t, s in zip(self.trajectories, shaped.tolist())],
             "failures": sum(t.reward_errors for t in self.trajectories),
             "rounds": self.resample_rounds,
             "resampled": self.resampled_groups,
         }
+        if any(t.episode is not None for t in self.trajectories):  # (global row, digest, record) per episode
+            summary["episodes"] = [(t.row, t.episode.digest, t.episode.record()) for t in self.trajectories]
+        return summary
 
 
 def rollout_fields(parts: list[dict[str, Any]], *, group_size: int, shaping: bool, masking: bool,
-                   resampling: bool) -> dict[str, Any]:
+                   resampling: bool, episodes: bool = False) -> dict[str, Any]:
     """The step's rollout statistics from every rank's ``Experience.summary()``, keyed by global row
     (tensor-parallel peers hold the same rows: they count once), so they do not depend on the
     world size: ``rollout_hash`` (sha256 over the per-completion sha256 of the generated token ids,
@@ -141,7 +160,8 @@ def rollout_fields(parts: list[dict[str, Any]], *, group_size: int, shaping: boo
     rewards), ``reward_zero_var_groups`` (fraction of groups whose shaped rewards are all equal),
     ``completion_len_mean``, ``reward_errors``; with ``shaping`` ``overlong_penalty_mean``, with
     ``masking`` ``truncated_masked`` (fraction of completions truncated), with ``resampling``
-    ``resample_rounds`` and ``resampled_groups``."""
+    ``resample_rounds`` and ``resampled_groups``; with ``episodes`` (an environment is configured)
+    ``episodes_fields``'s. ``completion_len_mean`` counts sampled tokens only."""
     rows = sorted({row[0]: row for part in parts for row in part["rows"]}.values())
     copies = _copies(parts)
     digest = hashlib.sha256(b"".join(bytes.fromhex(row[1]) for row in rows)).hexdigest()
@@ -162,7 +182,29 @@ def rollout_fields(parts: list[dict[str, Any]], *, group_size: int, shaping: boo
     if resampling:
         fields["resample_rounds"] = max(part["rounds"] for part in parts)
         fields["resampled_groups"] = sum(part["resampled"] for part in parts) // copies
+    if episodes:
+        fields.update(episodes_fields(episode_records(parts)))
     return fields
+
+
+def episode_records(parts: list[dict[str, Any]]) -> dict[int, tuple[str, dict[str, Any]]]:
+    """{global row: (episode digest, record)} from every rank's summary (peers' copies count once)."""
+    return dict(sorted((row, (digest, record)) for part in parts for row, digest, record in part.get("episodes", ())))
+
+
+def episodes_fields(episodes: dict[int, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The ledger's episode fields: ``episodes_hash`` (sha256 over the episodes' digests in global
+    row order: every turn's sampled ids, observation ids and mask), ``turns_mean`` (sampled turns
+    per episode), ``tool_calls`` (calls written, malformed ones included), ``malformed_calls`` and
+    ``env_errors`` (episodes ended with reward 0 under on_env_error=zero)."""
+    records = [record for _, record in episodes.values()]
+    return {
+        "episodes_hash": hashlib.sha256(b"".join(bytes.fromhex(d) for d, _ in episodes.values())).hexdigest(),
+        "turns_mean": float(np.mean([len(r["turns"]) for r in records])),
+        "tool_calls": sum(len(turn["calls"]) for r in records for turn in r["turns"]),
+        "malformed_calls": sum(turn["malformed"] for r in records for turn in r["turns"]),
+        "env_errors": sum(r["env_errors"] for r in records),
+    }
 
 
 def _copies(parts: list[dict[str, Any]]) -> int:

@@ -30,7 +30,7 @@ from torch import nn
 
 from data.chat_template import ChatTemplate
 from models.generation import sample_prompts
-from models.qwen.sampler import Sample, Sampler, SamplingParams
+from models.qwen.sampler import Sample, SampleKey, Sampler, SamplingParams
 from training.rollout.generation_model import generation_model
 
 
@@ -71,6 +71,14 @@ class Generator:
             raise RuntimeError("Generator.generate before any weights were loaded (call load(model) first)")
         return sample_prompts(self._sampler, prompts, indices, params, seed=self.seed, purpose=purpose, step=step,
                               samples_per_prompt=samples)
+
+    def generate_keys(self, prompts: Sequence[Sequence[int]], keys: Sequence[SampleKey],
+                      params: SamplingParams) -> list[Sample]:
+        """One sample per (prompt, key), in order, with the weights last loaded: the episode runner's
+        call (each turn's keys name their turn, training/rollout/episodes.py)."""
+        if self._sampler is None:
+            raise RuntimeError("Generator.generate_keys before any weights were loaded (call load(model) first)")
+        return self._sampler.generate(prompts, keys, params)
 
     def generate_from(self, model: nn.Module, prompts: Sequence[Sequence[int]], indices: Sequence[int],
                       params: SamplingParams, *, purpose: str, step: int, samples: int) -> list[Sample]:

@@ -10,13 +10,18 @@ them with purpose ``<purpose>.resample<k>`` and replaces the group in place, unt
 any rank is uniform or the rounds are spent. Every rank runs every round (generation may be a
 collective), a rank without uniform groups on no prompts. The result is an ``Experience``
 without advantages (training/rollout/experience.py).
+
+With an ``EpisodeRunner`` (an environment of several turns, training/rollout/episodes.py) each
+completion is a whole episode: its tokens are the sampled and observation ids after the prompt,
+its mask says which were sampled, its reward is the episode's, and its overlong penalty counts
+the sampled tokens against the episode's budget (``max_episode_tokens``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 from torch import nn
@@ -25,6 +30,7 @@ from core.exceptions import ConfigError
 from models.qwen.sampler import SamplingParams
 from training.rollout.advantages import overlong_penalty
 from training.rollout.environment import Environment, Task
+from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, Trajectory
 from training.rollout.generator import Decoder, Generator
 
@@ -35,13 +41,20 @@ class GroupRollout:
 
     def __init__(self, *, generator: Generator, decoder: Decoder, environment: Environment, params: SamplingParams,
                  group_size: int, overlong_buffer: int, resample_rounds: int, any_rank: Callable[[bool], bool],
-                 purpose: str) -> None:
+                 purpose: str, episodes: Optional[EpisodeRunner] = None) -> None:
         self.generator, self.decoder, self.environment, self.params = generator, decoder, environment, params
         self.group_size, self.overlong_buffer, self.resample_rounds = group_size, overlong_buffer, resample_rounds
-        self.any_rank, self.purpose = any_rank, purpose
+        self.any_rank, self.purpose, self.episodes = any_rank, purpose, episodes
 
-    def collect(self, model: nn.Module, tasks: list[Task], step: int) -> Experience:
+    def collect(self, model: nn.Module, tasks: list[Task], step: int, *,
+                recorded: Optional[dict[tuple[int, int], dict]] = None, call_environment: bool = True) -> Experience:
+        """``recorded``, ``call_environment``: the step's recorded episodes and whether to call the
+        environment (EpisodeRunner.play; only with an episode runner)."""
         timings = {"rollout_s": 0.0, "rollout_tokens": 0}
+        if self.episodes is not None:
+            groups = self._episode_groups(model, tasks, step, recorded, call_environment, timings)
+            return Experience(trajectories=tuple(t for group in groups for t in group), group_size=self.group_size,
+                              timings=timings)
         groups = self._groups(model, tasks, step, purpose=self.purpose, resample_round=0, timings=timings)
         rounds, resampled = 0, 0
         for k in range(1, self.resample_rounds + 1):
@@ -87,10 +100,31 @@ class GroupRollout:
             groups.append(self._shaped_group(group))
         return groups
 
+    def _episode_groups(self, model: nn.Module, tasks: list[Task], step: int, recorded, call_environment: bool,
+                        timings: dict) -> list[list[Trajectory]]:
+        G = self.group_size
+
+        def where(task: Task, s: int) -> str:
+            return (f"step {step}, prompt row {task.index}, sample {s} "
+                    f"(file {task.source.shard}, record {task.source.record})")
+
+        results = self.episodes.play(model, tasks, [t.index for t in tasks], self.params, purpose=self.purpose,
+                                     step=step, samples=G, where=where, recorded=recorded,
+                                     call_environment=call_environment, timings=timings)
+        groups = []
+        for p, task in enumerate(tasks):
+            group = [Trajectory(row=task.index * G + s, prompt_ids=task.prompt_ids, tokens=e.tokens,
+                                logprobs=e.logprobs, truncated=e.truncated, reward=e.reward,
+                                reward_errors=e.reward_errors, mask=tuple(e.mask), episode=e)
+                     for s, e in enumerate(results[p * G:(p + 1) * G])]
+            groups.append(self._shaped_group(group))
+        return groups
+
     def _shaped_group(self, group: list[Trajectory]) -> list[Trajectory]:
-        """The group with DAPO's overlong penalty (0 when ``overlong_buffer`` is 0)."""
-        penalties = overlong_penalty([len(t.tokens) for t in group], max_new_tokens=self.params.max_new_tokens,
-                                     buffer=self.overlong_buffer)
+        """The group with DAPO's overlong penalty (0 when ``overlong_buffer`` is 0); an episode's
+        sampled tokens count against its budget (``max_episode_tokens``)."""
+        budget = self.episodes.limits.max_episode_tokens if self.episodes is not None else self.params.max_new_tokens
+        penalties = overlong_penalty([t.sampled for t in group], max_new_tokens=budget, buffer=self.overlong_buffer)
         return [replace(t, penalty=penalty) for t, penalty in zip(group, penalties.tolist())]
 
 

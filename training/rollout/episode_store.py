@@ -1,0 +1,57 @@
+"""Each step's episodes, kept in the run directory beside the ledger.
+
+``<run_dir>/episodes/step_<NNNNNNNN>.json`` holds, for a run with an environment, every episode
+of that step by global row (``prompt row * group_size + sample``): per turn the sampled ids,
+the observation ids, the tools called, the malformed calls and the outcome; the episode's
+reward and counts (``EpisodeResult.record``). Rank 0 writes it (atomically: a temporary file,
+then a rename) when the step's ledger fields are gathered, before the step's ledger line.
+
+A replay reads it and appends the recorded observations instead of calling the environment; a
+resumed step reads the file its first attempt wrote (if it got that far) and compares the
+environment's new answers with it (training/rollout/episodes.py). A resume overwrites it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from core.exceptions import DataError
+from core.layout import EPISODES_DIR, episodes_file_name
+
+VERSION = 1
+
+
+def episodes_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / EPISODES_DIR / episodes_file_name(step)
+
+
+def write_episodes(run_dir: Path, step: int, records: dict[int, dict[str, Any]]) -> Path:
+    """Write step ``step``'s episode records ({global row: record})."""
+    path = episodes_path(run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".json.tmp")
+    payload = {"version": VERSION, "step": step, "rows": {str(row): record for row, record in sorted(records.items())}}
+    temporary.write_text(json.dumps(payload, separators=(",", ":")))
+    os.replace(temporary, path)
+    return path
+
+
+def read_episodes(run_dir: Path, step: int, group_size: int) -> Optional[dict[tuple[int, int], dict[str, Any]]]:
+    """Step ``step``'s records as {(prompt row, sample): record}, or None when none was written.
+    A file that does not parse or is of another version is a DataError naming it."""
+    path = episodes_path(run_dir, step)
+    if not path.is_file():
+        return None
+    try:
+        payload = json.loads(path.read_text())
+        if payload.get("version") != VERSION or payload.get("step") != step:
+            raise ValueError(f"version {payload.get('version')!r} step {payload.get('step')!r}, "
+                             f"expected version {VERSION} step {step}")
+        return {(int(row) // group_size, int(row) % group_size): record for row, record in payload["rows"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DataError(f"the episode record {path} is unreadable: {exc}", file=str(path), step=step,
+                        hint="it is written by the run itself; restore it, or resume from a checkpoint before "
+                             "this step with the file removed") from None

@@ -1,0 +1,351 @@
+"""Multi-turn episodes, token in and token out: the policy samples a turn, the environment answers
+it, the answer's ids are appended, and the policy samples the next turn from the whole sequence.
+
+**One sequence per sample.** An episode is the prompt's ids, then turn 1's sampled ids, then
+the ids of the observation (the environment's tool messages rendered by the chat template's
+``observation_text``: what the template writes after the turn's end-of-turn marker, up to the
+next generation prompt), then turn 2's sampled ids, and so on. Sampled ids are never decoded
+and encoded again (a turn is decoded only to parse its tool calls), so the ids trained on are
+the ids sampled. The loss mask is 1 on sampled ids and 0 on observation ids (the prompt and
+padding carry no label at all).
+
+**Randomness.** Turn ``t`` of sample ``s`` of prompt row ``i`` is keyed
+``SampleKey(seed, purpose, step, i, s)`` for ``t = 0`` (a single-turn episode draws what a plain
+rollout draws) and ``(seed, f"{purpose}.turn{t}", step, i, s)`` after: each sample's draws are its
+own, whichever samples share a sampler call (the sampler's rows do not interact).
+
+**Limits** (``EpisodeLimits``): ``max_turns`` sampled turns; a turn samples at most the sampler's
+``max_new_tokens`` and never beyond ``max_episode_tokens`` ids after the prompt nor past the
+context (``data.seq_len``); an observation longer than ``max_observation_tokens``, or one that
+leaves no room for another sampled id, ends the episode there (``truncated``, the observation not
+appended, the reward the environment gave that turn). The last turn the runner allows is
+stepped with ``last=True``: the environment must end the episode and score it.
+
+**The environment's answers** are computed in a thread pool (one task per episode of a turn)
+and applied in sample order, whatever order they finish in. An environment that raises, answers
+with something other than a ``Transition`` or takes longer than ``timeout_s`` is an
+``EnvironmentFailure`` naming it, the step, prompt row, sample and turn (``on_error="error"``),
+or ends that episode with reward 0, counted in ``env_errors`` and recorded (``"zero"``). A
+timed-out call keeps running in its thread; its answer is ignored.
+
+**Records.** ``EpisodeResult.record()`` is a JSON-able value: per turn the sampled ids, the
+observation ids, the tools called and the outcome; the reward and counts. Given the recorded
+episodes of a step (``recorded``), the runner either replays them (``call_environment=False``:
+each turn's sampled ids must equal the recorded ones, a ``DeterminismError`` otherwise, and the
+recorded observation is appended without calling the environment) or, on a resumed step, calls
+the environment and compares (a turn sampled alike but answered with other ids is a
+``NondeterministicToolError`` naming the tools, the step, row, sample and turn).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+from torch import nn
+
+from core.exceptions import DeterminismError, LockstepError
+from models.qwen.sampler import Sample, SampleKey, SamplingParams
+from training.rollout.environment import EnvironmentFailure, NondeterministicToolError, Task, Transition
+from training.rollout.generator import Decoder, Generator
+
+ERROR_POLICIES = ("error", "zero")
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    name: str
+    """The environment's configured name (named by errors)."""
+    max_turns: int
+    max_observation_tokens: int
+    max_episode_tokens: int
+    timeout_s: float
+    on_error: str
+    """error: stop with EnvironmentFailure; zero: end the episode with reward 0, counted."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    sampled: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    observation: tuple[int, ...] = ()
+    calls: tuple[str, ...] = ()
+    """The tools the turn called, in order ("" for a malformed call)."""
+    outcome: str = "continue"
+    """continue (answered, the episode goes on), done (the environment ended it), limit (an
+    observation limit ended it), error or timeout (on_error=zero ended it)."""
+    malformed: int = 0
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    turns: tuple[Turn, ...]
+    reward: float
+    reward_errors: int = 0
+    env_errors: int = 0
+    truncated: bool = False
+    """A turn ran out of tokens without a stop, or a limit ended the episode."""
+    text: str = ""
+    """The last turn's text (what the final answer is read from)."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every id after the prompt: sampled and observation ids, in order."""
+        return [t for turn in self.turns for t in (*turn.sampled, *turn.observation)]
+
+    @property
+    def mask(self) -> list[int]:
+        """1 on each sampled id of ``tokens``, 0 on each observation id."""
+        return [m for turn in self.turns for m in ([1] * len(turn.sampled) + [0] * len(turn.observation))]
+
+    @property
+    def logprobs(self) -> list[float]:
+        """The sampler's log-prob of each sampled id, 0.0 on observation ids."""
+        return [p for turn in self.turns for p in (*turn.logprobs, *[0.0] * len(turn.observation))]
+
+    @property
+    def digest(self) -> str:
+        """sha256 over every turn's sampled ids and observation ids (each list prefixed by its
+        length, int64 little-endian) and the mask (uint8)."""
+        h = hashlib.sha256(np.asarray([len(self.turns)], dtype="<i8").tobytes())
+        for turn in self.turns:
+            h.update(np.asarray([len(turn.sampled), len(turn.observation)], dtype="<i8").tobytes())
+            h.update(np.asarray(turn.sampled, dtype="<i8").tobytes())
+            h.update(np.asarray(turn.observation, dtype="<i8").tobytes())
+        h.update(np.asarray(self.mask, dtype=np.uint8).tobytes())
+        return h.hexdigest()
+
+    def record(self) -> dict[str, Any]:
+        return {"turns": [{"sampled": list(t.sampled), "observation": list(t.observation), "calls": list(t.calls),
+                           "outcome": t.outcome, "malformed": t.malformed} for t in self.turns],
+                "reward": self.reward, "reward_errors": self.reward_errors, "env_errors": self.env_errors,
+                "truncated": self.truncated}
+
+
+@dataclass
+class _Playing:
+    """One episode while it is played."""
+
+    task: Task
+    sample: int
+    where: str
+    episode: Any
+    ids: list[int]
+    turns: list[Turn] = field(default_factory=list)
+    used: int = 0
+    """Ids appended after the prompt so far."""
+    result: Optional[EpisodeResult] = None
+    recorded: Optional[dict] = None
+
+
+class EpisodeRunner:
+    """Plays episodes of ``environment`` with ``generator`` (module docstring). ``render(messages)``
+    -> observation ids (the chat template's ``observation_text``, tokenized); ``context`` bounds an
+    episode's whole sequence (data.seq_len)."""
+
+    def __init__(self, *, generator: Generator, decoder: Decoder, environment, limits: EpisodeLimits,
+                 render: Callable[[list[dict]], list[int]], context: int) -> None:
+        self.generator, self.decoder, self.environment, self.limits = generator, decoder, environment, limits
+        self.render, self.context = render, context
+
+    def play(self, model: nn.Module, tasks: Sequence[Task], indices: Sequence[int], params: SamplingParams, *,
+             purpose: str, step: int, samples: int, where: Callable[[Task, int], str],
+             recorded: Optional[dict[tuple[int, int], dict]] = None, call_environment: bool = True,
+             timings: Optional[dict] = None) -> list[EpisodeResult]:
+        """``samples`` episodes of each task (task-major); task ``p``'s keys use ``indices[p]``.
+        ``recorded[(indices[p], s)]``: the recorded episode (module docstring, Records)."""
+        recorded = recorded or {}
+        playing = []
+        for task, index in zip(tasks, indices):
+            for s in range(samples):
+                place = where(task, s)
+                episode = self.environment.reset(task, where=place) if call_environment else None
+                playing.append(_Playing(task, s, place, episode, list(task.prompt_ids),
+                                        recorded=recorded.get((index, s))))
+        keyed = {id(p): index for p, index in zip(playing, [i for i in indices for _ in range(samples)])}
+        was_training = model.training
+        model.eval()
+        try:
+            self.generator.load(model)
+            for turn in range(self.limits.max_turns):
+                active = [p for p in playing if p.result is None]
+                if not active:
+                    break
+                turn_purpose = purpose if turn == 0 else f"{purpose}.turn{turn}"
+                keys = [SampleKey(self.generator.seed, turn_purpose, step, keyed[id(p)], p.sample) for p in active]
+                started = time.perf_counter()
+                drawn = self.generator.generate_keys([p.ids for p in active], keys, params)
+                if timings is not None:
+                    timings["rollout_s"] += time.perf_counter() - started
+                self._turn(active, drawn, turn, step, call_environment, timings)
+        finally:
+            model.train(was_training)
+        return [p.result for p in playing]
+
+    # ------------------------------------------------------------------ one turn
+
+    def _budget(self, p: _Playing) -> int:
+        return min(self.limits.max_episode_tokens - p.used, self.context - len(p.ids))
+
+    def _turn(self, active: list[_Playing], drawn: list[Sample], turn: int, step: int, call_environment: bool,
+              timings: Optional[dict]) -> None:
+        completions, lasts = [], []
+        for p, sample in zip(active, drawn):
+            budget = self._budget(p)
+            if len(sample.tokens) > budget:
+                sample = Sample(tokens=sample.tokens[:budget], logprobs=sample.logprobs[:budget], finish_reason="length")
+            completion = self.decoder.completion(sample)
+            completions.append(completion)
+            lasts.append(turn + 1 == self.limits.max_turns or completion.truncated
+                         or budget - len(completion.sample.tokens) <= 0)
+            if timings is not None:
+                timings["rollout_tokens"] += len(completion.sample.tokens)
+        if call_environment:
+            answers = self._answers(active, completions, lasts, turn, step)
+        else:
+            answers = [None] * len(active)
+        for p, completion, last, answer in zip(active, completions, lasts, answers):
+            sampled = tuple(int(t) for t in completion.sample.tokens)
+            logprobs = tuple(float(x) for x in completion.sample.logprobs[:len(sampled)])
+            if not call_environment:
+                self._replayed(p, sampled, logprobs, completion.text, turn, step)
+                continue
+            self._apply(p, sampled, logprobs, completion, answer, turn)
+            self._compare(p, turn, step)
+
+    def _answers(self, active: list[_Playing], completions, lasts, turn: int, step: int) -> list:
+        """Each episode's Transition (or the failure that ended it), in the order of ``active``."""
+        starts: list[Optional[float]] = [None] * len(active)
+
+        def timed(i: int, p: _Playing, completion, last: bool):
+            starts[i] = time.monotonic()
+            return p.episode.step(completion, last=last)
+
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(active)),
+                                                     thread_name_prefix="environment")
+        try:
+            futures = [pool.submit(timed, i, p, c, last) for i, (p, c, last) in enumerate(zip(active, completions, lasts))]
+            return [self._awaited(future, starts, i, active[i], turn, step, lasts[i])
+                    for i, future in enumerate(futures)]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _awaited(self, future, starts, i: int, p: _Playing, turn: int, step: int, last: bool):
+        timeout = self.limits.timeout_s
+        while True:
+            try:
+                answer = future.result(timeout=min(0.05, timeout))
+                break
+            except concurrent.futures.TimeoutError:
+                if starts[i] is not None and time.monotonic() - starts[i] > timeout:
+                    return self._failure("timeout", f"took longer than tool_timeout_s={timeout:g} s", p, turn, step)
+            except LockstepError:
+                raise  # the rewards' own typed errors (objective.grpo.on_reward_error), the record's
+            except Exception as exc:  # user code may raise anything: named, then stopped or counted
+                return self._failure("error", f"raised {type(exc).__name__}: {exc}", p, turn, step, cause=exc)
+        problem = _transition_problem(answer, last)
+        if problem:
+            return self._failure("error", problem, p, turn, step)
+        return answer
+
+    def _failure(self, outcome: str, what: str, p: _Playing, turn: int, step: int, cause=None) -> str:
+        if self.limits.on_error != "zero":
+            raise EnvironmentFailure(
+                f"environment {self.limits.name!r} {what} on {p.where}, turn {turn}",
+                environment=self.limits.name, step=step, sample=p.where, turn=turn,
+                hint="fix the environment, or set objective.grpo.environment.on_env_error=zero to end such "
+                     "episodes with reward 0 and count them") from cause
+        return outcome
+
+    def _apply(self, p: _Playing, sampled, logprobs, completion, answer, turn: int) -> None:
+        if isinstance(answer, str):  # on_error=zero: the failure ends the episode
+            p.turns.append(Turn(sampled, logprobs, outcome=answer))
+            p.result = self._result(p, reward=0.0, env_errors=1, truncated=completion.truncated, text=completion.text)
+            return
+        p.used += len(sampled)
+        p.ids += sampled
+        if answer.done:
+            p.turns.append(Turn(sampled, logprobs, calls=answer.calls, outcome="done", malformed=answer.malformed))
+            p.result = self._result(p, reward=float(answer.reward), reward_errors=answer.reward_errors,
+                                    truncated=completion.truncated, text=completion.text)
+            return
+        observation = list(answer.observation) or self.render(list(answer.messages))
+        if (len(observation) > self.limits.max_observation_tokens
+                or p.used + len(observation) >= self.limits.max_episode_tokens
+                or len(p.ids) + len(observation) >= self.context):
+            p.turns.append(Turn(sampled, logprobs, calls=answer.calls, outcome="limit", malformed=answer.malformed))
+            p.result = self._result(p, reward=float(answer.reward), reward_errors=answer.reward_errors, truncated=True,
+                                    text=completion.text)
+            return
+        p.turns.append(Turn(sampled, logprobs, tuple(int(t) for t in observation), answer.calls, "continue",
+                            answer.malformed))
+        p.used += len(observation)
+        p.ids += observation
+
+    def _result(self, p: _Playing, *, reward: float, truncated: bool, text: str, reward_errors: int = 0,
+                env_errors: int = 0) -> EpisodeResult:
+        return EpisodeResult(tuple(p.turns), reward, reward_errors=reward_errors, env_errors=env_errors,
+                             truncated=truncated, text=text)
+
+    def _compare(self, p: _Playing, turn: int, step: int) -> None:
+        """A resumed step: this turn against the recorded one (module docstring, Records)."""
+        if p.recorded is None or turn >= len(p.recorded["turns"]):
+            return
+        was, now = p.recorded["turns"][turn], p.turns[turn]
+        if was["sampled"] != list(now.sampled):
+            p.recorded = None  # the policy sampled otherwise (new weights): nothing to compare further
+            return
+        if was["observation"] != list(now.observation) or was["outcome"] != now.outcome:
+            tools = ", ".join(repr(name) for name in was["calls"] if name) or "(no tool)"
+            raise NondeterministicToolError(
+                f"environment {self.limits.name!r} answered turn {turn} of {p.where} with other observation ids "
+                f"than the recorded run (outcome {was['outcome']} -> {now.outcome}); tools called: {tools}",
+                environment=self.limits.name, tool=tools, step=step, sample=p.where, turn=turn,
+                hint="a tool must answer the same call with the same text (no clock, randomness or outside state); "
+                     "fix it, then resume from a checkpoint before this step")
+
+    def _replayed(self, p: _Playing, sampled, logprobs, text: str, turn: int, step: int) -> None:
+        """Replay: the recorded turn's observation, without calling the environment."""
+        if p.recorded is None:
+            raise DeterminismError(f"no recorded episode for {p.where}", step=step, sample=p.where,
+                                   hint="the run's episodes/ record of this step is missing or incomplete")
+        turns = p.recorded["turns"]
+        if turn >= len(turns) or turns[turn]["sampled"] != list(sampled):
+            raise DeterminismError(f"turn {turn} of {p.where} sampled other ids than the recorded episode",
+                                   field="episodes_hash", step=step, sample=p.where, turn=turn,
+                                   hint="the step is not reproduced; compare the run's meta.json environment with this one")
+        was = turns[turn]
+        observation = tuple(int(t) for t in was["observation"])
+        p.turns.append(Turn(sampled, logprobs, observation, tuple(was["calls"]), was["outcome"], was["malformed"]))
+        p.used += len(sampled) + len(observation)
+        p.ids += [*sampled, *observation]
+        if turn + 1 == len(turns):
+            p.result = EpisodeResult(tuple(p.turns), float(p.recorded["reward"]), p.recorded["reward_errors"],
+                                     p.recorded["env_errors"], p.recorded["truncated"], text)
+
+
+def _transition_problem(answer: Any, last: bool) -> str:
+    """Why ``answer`` is not a usable Transition ("" when it is)."""
+    if not isinstance(answer, Transition):
+        return f"returned {type(answer).__name__}, not a Transition"
+    if isinstance(answer.reward, bool) or not isinstance(answer.reward, (int, float)) or not math.isfinite(answer.reward):
+        return f"returned the reward {answer.reward!r}, not a finite number"
+    if not isinstance(answer.done, bool):
+        return f"returned done={answer.done!r}, not a bool"
+    if last and not answer.done:
+        return "continued an episode at its last allowed turn (last=True must end it)"
+    if not answer.done:
+        if not answer.observation and not answer.messages:
+            return "continued the episode with neither messages nor observation ids"
+        for message in answer.messages:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                return f"returned the message {message!r}, not {{'role': str, 'content': str}}"
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in answer.observation):
+            return "returned observation ids that are not all integers"
+    return ""
