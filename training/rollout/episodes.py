@@ -18,8 +18,10 @@ own, whichever samples share a sampler call (the sampler's rows do not interact)
 ``max_new_tokens`` and never beyond ``max_episode_tokens`` ids after the prompt nor past the
 context (``data.seq_len``); an observation longer than ``max_observation_tokens``, or one that
 leaves no room for another sampled id, ends the episode there (``truncated``, the observation not
-appended, the reward the environment gave that turn). The last turn the runner allows is
-stepped with ``last=True``: the environment must end the episode and score it.
+appended, the reward the environment gave that turn). The last turn the runner allows (the
+turn limit, or no room left) is stepped with ``last=True``: the environment must end the episode
+and score it. A turn cut off without a stop (``turn.truncated``) is the environment's to judge
+(the calculator environment takes it as the answer).
 
 **The environment's answers** are computed in a thread pool (one task per episode of a turn)
 and applied in sample order, whatever order they finish in. An environment that raises, answers
@@ -201,8 +203,7 @@ class EpisodeRunner:
                 sample = Sample(tokens=sample.tokens[:budget], logprobs=sample.logprobs[:budget], finish_reason="length")
             completion = self.decoder.completion(sample)
             completions.append(completion)
-            lasts.append(turn + 1 == self.limits.max_turns or completion.truncated
-                         or budget - len(completion.sample.tokens) <= 0)
+            lasts.append(turn + 1 == self.limits.max_turns or budget - len(completion.sample.tokens) <= 0)
             if timings is not None:
                 timings["rollout_tokens"] += len(completion.sample.tokens)
         if call_environment:

@@ -3,9 +3,9 @@
 A ``ToolEnvironment`` holds named tools (``fn(**arguments) -> str``) and the reward functions
 that score the final answer (training/rollout/rewards.py). Each turn of an episode:
 
-- the turn's calls are parsed (training/rollout/tool_calls.py). A turn that calls nothing, or
-  the last turn the runner allows (``last=True``), is the answer: its text is scored by the
-  rewards' weighted sum and the episode ends;
+- the turn's calls are parsed (training/rollout/tool_calls.py). A turn that calls nothing, one
+  cut off without a stop (``turn.truncated``) or the last turn the runner allows (``last=True``)
+  is the answer: its text is scored by the rewards' weighted sum and the episode ends;
 - otherwise each call is answered, in the order written, by one tool message: the tool's
   result, or ``error: <why>`` for a malformed call, a call beyond ``max_calls_per_turn`` or
   arguments the tool does not take. The episode continues with reward 0.
@@ -46,7 +46,7 @@ class ToolEpisode:
     def step(self, turn: Completion, *, last: bool = False) -> Transition:
         env = self.environment
         calls = parse_tool_calls(turn.text, env.functions)
-        if not calls or last:
+        if not calls or last or turn.truncated:
             value, failed = score(list(env.rewards), turn.text, self.task.answer, self.task.prompt_text,
                                   on_error=env.on_reward_error, where=self.where)
             return Transition(reward=value, done=True, reward_errors=failed,

@@ -1,0 +1,41 @@
+"""An environment for the agent e2e runs (tests/configs/e2e-agent-grpo.yaml): an untrained tiny
+model writes no tool calls, so this one answers every turn as if it were one, which makes every
+episode several turns long.
+
+A turn whose sampled token count is a multiple of 3, or the last turn, ends the episode; any
+other is answered by the calculator with ``<count> * 7``. Each answer's reward is 1 when the turn's
+text holds an odd number of lower-case letters, else 0, so a group's rewards vary. With the
+environment variable ``LOCKSTEP_TEST_FORBID_TOOLS`` set, starting an episode fails: a replay,
+which must not call the environment, runs with it set.
+"""
+
+from __future__ import annotations
+
+import os
+
+from data import calculator
+from training.rollout.environment import Transition
+
+FORBID = "LOCKSTEP_TEST_FORBID_TOOLS"
+
+
+class EveryTurnCalculator:
+    tools = [calculator.SPEC]
+
+    def reset(self, task, *, where):
+        if os.environ.get(FORBID):
+            raise AssertionError(f"the environment was called with {FORBID} set ({where})")
+        return _Episode()
+
+
+class _Episode:
+    def step(self, turn, *, last=False):
+        count = len(turn.sample.tokens)
+        if last or count % 3 == 0:
+            return Transition(reward=_parity(turn.text), done=True)
+        return Transition(reward=_parity(turn.text), done=False, calls=(calculator.NAME,),
+                          messages=({"role": "tool", "content": calculator.calculate(f"{count} * 7")},))
+
+
+def _parity(text: str) -> float:
+    return float(sum(c.islower() for c in text) % 2)
