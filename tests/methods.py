@@ -19,6 +19,10 @@ Notes on the rows that differ from the defaults:
   size, the first step's rollouts and batch are the same, later ones come from weights that
   were reduced in another order (the same prompts); its first update's loss is near zero.
 - QLoRA under FSDP is killed at a known point (step 5's data stalled), once.
+- Agent GRPO (tests/configs/e2e-agent-grpo.yaml) plays episodes of several turns with a test
+  environment that answers every turn (tests/agent_environment.py): kills land mid-episode, the
+  ledger's ``episodes_hash`` is compared with the rest, and a replay appends the recorded
+  observations (its e2e file replays with the environment made to fail if called).
 - PPO samples from the weights as GRPO does (rollouts, old log-probs and values, advantages);
   its accumulation check runs one step (four updates: two epochs of two minibatches).
 """
@@ -111,6 +115,11 @@ GRPO = Method("grpo", "e2e-grpo.yaml", e2e_file="test_grpo_e2e.py", steps=5, tim
               kill=Kill(seed=7, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),  # most kills land mid-rollout
               replay_steps=(3,), one_rank_step=2, one_rank_same=("rollout_hash", "batch_hash", "reward_mean"),
               samples_from_weights=True, accumulation_steps=1, accumulation_close={"grad_norm": (1e-5, 0.0)})
+AGENT_GRPO = Method("agent-grpo", "e2e-agent-grpo.yaml", e2e_file="test_agent_grpo_e2e.py", steps=4, timeout_s=600,
+                    kill=Kill(seed=48, kills=1, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),
+                    replay_steps=(3,), one_rank_step=2,
+                    one_rank_same=("rollout_hash", "episodes_hash", "batch_hash", "reward_mean"),
+                    samples_from_weights=True, accumulation_steps=1, accumulation_close={"grad_norm": (1e-5, 0.0)})
 FLOAT8_HEAD = Method("float8-head", "e2e.yaml", e2e_file="test_float8_head_e2e.py", steps=6, overrides=HEAD_IN_FLOAT8,
                      kill=Kill(seed=20), replay_steps=(3, 5), accumulation_loss_rel=1e-4)
 
@@ -126,7 +135,7 @@ REWARD_MODEL = Method("reward-model", "e2e-rm.yaml", e2e_file="test_reward_model
                       accumulation_close={"margin": (1e-4, 1e-7)})
 
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
-           FLOAT8_HEAD, PPO, REWARD_MODEL)
+           FLOAT8_HEAD, PPO, REWARD_MODEL, AGENT_GRPO)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}

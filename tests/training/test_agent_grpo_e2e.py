@@ -1,0 +1,68 @@
+"""Agent GRPO end to end on 2 CPU ranks (tests/configs/e2e-agent-grpo.yaml: episodes of up to
+three turns with tests/agent_environment.py). The four guarantees are the ``agent-grpo`` row of
+tests/training/test_guarantees.py: SIGKILL mid-episode then resume gives the uninterrupted ledger,
+``episodes_hash`` included; replay; 2 -> 1 ranks; accumulation. Here, what is particular to
+episodes:
+
+- every step's ledger line has the episode fields, and the step's episode record in the run dir
+  (``episodes/step_<N>.json``) hashes to the line's ``episodes_hash``;
+- a replay verifies a step without calling the environment (it fails if called);
+- a replay of a step whose episode record is gone is refused (exit 4), never run with the tools.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import pytest
+
+from tests import launch
+from tests.agent_environment import FORBID
+from tests.methods import AGENT_GRPO
+from training.rollout.episode_store import episodes_path, read_episodes
+from training.rollout.episodes import EpisodeResult, Turn
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def reference(reference_runs):
+    return reference_runs.run(AGENT_GRPO)
+
+
+def _digest(record: dict) -> str:
+    turns = tuple(Turn(tuple(t["sampled"]), (), tuple(t["observation"])) for t in record["turns"])
+    return EpisodeResult(turns, record["reward"]).digest
+
+
+def test_every_step_records_its_episodes_and_their_hash(reference):
+    lines = launch.ledger(reference)
+    group = 4  # e2e-grpo.yaml's group_size
+    for line in lines:
+        records = read_episodes(reference, line["step"], group)
+        rows = sorted(records, key=lambda key: key[0] * group + key[1])
+        digest = hashlib.sha256(b"".join(bytes.fromhex(_digest(records[key])) for key in rows)).hexdigest()
+        assert digest == line["episodes_hash"], line["step"]
+        assert line["turns_mean"] > 1.0 and line["tool_calls"] > 0 and line["env_errors"] == 0
+        assert line["completion_len_mean"] <= 8 * 3  # sampled tokens only: max_new_tokens x max_turns
+    assert len({line["episodes_hash"] for line in lines}) == len(lines)
+
+
+def test_replay_uses_the_recorded_observations_without_calling_the_environment(reference, reference_runs,
+                                                                                monkeypatch):
+    monkeypatch.setenv(FORBID, "1")
+    result = launch.train(reference_runs.workdir, ["--replay", reference.name, "--step", "2"], nproc=2,
+                          timeout=AGENT_GRPO.timeout_s)
+    assert result.returncode == 0, result.stderr
+    assert "match" in result.stdout
+
+
+def test_a_replay_without_the_step_record_is_refused(reference, reference_runs, tmp_path):
+    copy = launch.cut_back_copy(reference, 4, "-no-episodes")
+    episodes_path(copy, 3).unlink()
+    result = launch.train(reference_runs.workdir, ["--replay", copy.name, "--step", "3"], nproc=1,
+                          timeout=AGENT_GRPO.timeout_s)
+    assert result.returncode == 4, result.stderr
+    assert "has no episode record" in result.stderr
+    shutil.rmtree(copy)
