@@ -26,6 +26,7 @@ from training.rollout.tool_calls import MalformedCall, ToolCall, parse_tool_call
 from training.rollout.tool_environment import ToolEnvironment, resolve_environment
 
 QWEN = "datasets/tokenizers/qwen"
+QWEN25_TEMPLATE, QWEN3_TEMPLATE = "tests/data/templates/qwen2_5_instruct.jinja", "tests/data/templates/qwen3.jinja"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821 * 37"}}\n</tool_call>'
 
 
@@ -99,7 +100,7 @@ class Model:
 
 def _setup(tokenizer_name, script, *, environment=None, limits=None, template=None):
     tokenizer = build_tokenizer(tokenizer_name)
-    template = template or ChatTemplate.for_tokenizer(tokenizer_name, None)
+    template = ChatTemplate.for_tokenizer(tokenizer_name, template)
     rewards = [resolve_reward("exact_answer", weight=1.0)]
     environment = environment or ToolEnvironment({calculator.NAME: calculator.calculate}, [calculator.SPEC], rewards,
                                                  on_reward_error="error", max_calls_per_turn=2)
@@ -124,10 +125,13 @@ def _play(runner, tasks, samples=1, **kwargs):
                        **kwargs)
 
 
-@pytest.mark.parametrize("tokenizer_name", ["byte", QWEN])
-def test_episode_ids_are_the_sampled_and_observation_ids_and_match_the_rendered_conversation(tokenizer_name):
+@pytest.mark.parametrize("tokenizer_name, template_file, renders_alike", [
+    ("byte", None, True), (QWEN, None, True), (QWEN, QWEN25_TEMPLATE, True), (QWEN, QWEN3_TEMPLATE, False)])
+def test_episode_ids_are_the_sampled_and_observation_ids_and_match_the_rendered_conversation(tokenizer_name,
+                                                                                               template_file,
+                                                                                               renders_alike):
     script = [CALL + "<|im_end|>", "178377<|im_end|>"]
-    tokenizer, template, generator, runner, task, question = _setup(tokenizer_name, script)
+    tokenizer, template, generator, runner, task, question = _setup(tokenizer_name, script, template=template_file)
     (episode,) = _play(runner, [task])
     observation = [int(t) for t in tokenizer.encode_array(
         template.observation_text([{"role": "tool", "content": "178377"}], tools=[calculator.SPEC]))]
@@ -138,12 +142,18 @@ def test_episode_ids_are_the_sampled_and_observation_ids_and_match_the_rendered_
     assert episode.reward == 1.0 and [t.calls for t in episode.turns] == [("calculator",), ()]
     # The turn-2 prompt the sampler saw is the whole sequence so far.
     assert generator.keys[1][1] == len(task.prompt_ids) + len(first) + len(observation)
-    # Sampled with the template's own tokenization, the episode is the conversation rendered at once.
+    # Sampled with the template's own tokenization, the episode is the conversation rendered at once;
+    # but Qwen3's template writes an empty <think> block into the assistant turns after the last
+    # user turn, ids the model never sampled: a trainer that rendered the conversation again would
+    # train on them.
     whole = template.render([{"role": "user", "content": question}, {"role": "assistant", "content": CALL},
                              {"role": "tool", "content": "178377"}, {"role": "assistant", "content": "178377"}],
                             tools=[calculator.SPEC])
     ids = task.prompt_ids + episode.tokens
-    assert [int(t) for t in tokenizer.encode_array(whole)][:len(ids)] == ids
+    rendered = [int(t) for t in tokenizer.encode_array(whole)]
+    assert (rendered[:len(ids)] == ids) is renders_alike
+    if not renders_alike:
+        assert "<think>\n\n</think>" in whole and "<think>" not in tokenizer.decode(episode.tokens)
 
 
 def test_sampled_ids_are_kept_even_where_encoding_their_text_gives_other_ids():
@@ -156,6 +166,18 @@ def test_sampled_ids_are_kept_even_where_encoding_their_text_gives_other_ids():
     (episode,) = _play(runner, [task])
     assert episode.turns[0].sampled == tuple(spelled + end) and episode.turns[0].calls == ("calculator",)
     assert episode.tokens[:len(spelled) + len(end)] == spelled + end and episode.reward == 1.0
+
+
+def test_a_qwen3_think_block_of_an_earlier_turn_stays_in_the_episode():
+    """Qwen3's template drops the <think> block of an assistant turn before the last user turn
+    when it renders a conversation at once; the episode keeps the ids the model sampled."""
+    thinking = "<think>\nmultiply\n</think>\n\n" + CALL
+    tokenizer, template, _, runner, task, question = _setup(QWEN, [thinking + "<|im_end|>", "178377<|im_end|>"],
+                                                            template=QWEN3_TEMPLATE)
+    (episode,) = _play(runner, [task])
+    sampled = [int(t) for t in tokenizer.encode_array(thinking + "<|im_end|>")]
+    assert list(episode.turns[0].sampled) == sampled and episode.reward == 1.0
+    assert "multiply" in tokenizer.decode(episode.tokens)
 
 
 def test_each_turn_is_keyed_by_seed_step_row_sample_and_turn():
