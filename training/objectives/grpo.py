@@ -35,6 +35,18 @@ Per step (one loop step = one optimizer step), rollout -> advantages -> loss:
    ``reward_mean``/``reward_std`` are the rewards' scores; ``reward_zero_var_groups`` counts the
    groups whose shaped rewards (the advantages' input) are all equal.
 
+**Episodes.** With ``objective.grpo.environment`` each sample is an episode of several turns
+(training/rollout/episodes.py, docs/post_training.md "Agentic rollouts"): the tool environment
+answers each turn, the observation's ids are appended, the next turn is sampled from the whole
+sequence, keyed ``(train.seed, "grpo.turn<t>", step, prompt row, sample)`` after the first. A
+row's labels are its sampled ids only, so the loss, KL, normalizer and length statistics count
+them alone; ``dr_grpo`` counts ``max_episode_tokens`` slots per episode. The ledger adds
+``episodes_hash``, ``turns_mean``, ``tool_calls``, ``malformed_calls`` and ``env_errors``, and rank 0
+writes the step's episodes to the run dir (training/rollout/episode_store.py) in
+``ledger_fields``; a replay reads them and appends the recorded observations without calling the
+environment, a resumed step compares its new answers with them. Evaluation plays the episodes
+greedily and reads the answer from the last turn.
+
 Nothing travels between these calls on the objective: what ``loss`` and ``ledger_fields`` need
 is in the batch they are given.
 

@@ -134,6 +134,8 @@ class _Playing:
     """One episode while it is played."""
 
     task: Task
+    index: int
+    """The prompt index its keys use (a global prompt row, a held-out prompt's index)."""
     sample: int
     where: str
     episode: Any
@@ -167,9 +169,8 @@ class EpisodeRunner:
             for s in range(samples):
                 place = where(task, s)
                 episode = self.environment.reset(task, where=place) if call_environment else None
-                playing.append(_Playing(task, s, place, episode, list(task.prompt_ids),
+                playing.append(_Playing(task, index, s, place, episode, list(task.prompt_ids),
                                         recorded=recorded.get((index, s))))
-        keyed = {id(p): index for p, index in zip(playing, [i for i in indices for _ in range(samples)])}
         was_training = model.training
         model.eval()
         try:
@@ -179,7 +180,7 @@ class EpisodeRunner:
                 if not active:
                     break
                 turn_purpose = purpose if turn == 0 else f"{purpose}.turn{turn}"
-                keys = [SampleKey(self.generator.seed, turn_purpose, step, keyed[id(p)], p.sample) for p in active]
+                keys = [SampleKey(self.generator.seed, turn_purpose, step, p.index, p.sample) for p in active]
                 started = time.perf_counter()
                 drawn = self.generator.generate_keys([p.ids for p in active], keys, params)
                 if timings is not None:
