@@ -86,7 +86,6 @@ import torch
 from torch import nn
 
 from core.config import Config
-from core.exceptions import ResumeError
 from data.batch import IGNORE_INDEX, Batch
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
@@ -99,7 +98,7 @@ from training.objectives.model_reward import build_model_reward
 from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.environment import RewardEnvironment, Task, batch_tasks
-from training.rollout.episode_store import episodes_path, read_episodes, write_episodes
+from training.rollout.episode_store import step_records, write_episodes
 from training.rollout.episodes import EpisodeLimits, EpisodeRunner
 from training.rollout.experience import Experience, episode_records, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
@@ -283,18 +282,11 @@ class GRPOObjective:
                 PARITY: totals[PARITY]}
 
     def _recorded_episodes(self, step: int) -> dict[str, Any]:
-        """The rollout's ``recorded`` and ``call_environment`` for step ``step`` (episode_store.py): a
-        replay appends the recorded observations without calling the environment; a recording run
-        compares with what an earlier attempt of the step recorded (a resume)."""
+        """The rollout's ``recorded`` and ``call_environment`` for step ``step`` (episode_store.py)."""
         context = self._context
         if self.episodes is None or context.run_dir is None:
             return {}
-        recorded = read_episodes(context.run_dir, step, self.g.group_size)
-        if recorded is None and not context.records:
-            raise ResumeError(f"step {step} has no episode record ({episodes_path(context.run_dir, step)}): "
-                              "a replay appends the recorded observations and never calls the environment",
-                              step=step, hint="replay a step the run recorded with this version of the code")
-        return {"recorded": recorded, "call_environment": context.records}
+        return step_records(context.run_dir, step, self.g.group_size, replay=not context.records)
 
     def _observation_ids(self, messages: list[dict]) -> list[int]:
         """The ids an episode appends for a turn's tool messages (the template's observation_text)."""

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from core.exceptions import DataError
+from core.exceptions import DataError, ResumeError
 from core.layout import EPISODES_DIR, episodes_file_name
 
 VERSION = 1
@@ -55,3 +55,16 @@ def read_episodes(run_dir: Path, step: int, group_size: int) -> Optional[dict[tu
         raise DataError(f"the episode record {path} is unreadable: {exc}", file=str(path), step=step,
                         hint="it is written by the run itself; restore it, or resume from a checkpoint before "
                              "this step with the file removed") from None
+
+
+def step_records(run_dir: Path, step: int, group_size: int, *, replay: bool) -> dict[str, Any]:
+    """``GroupRollout.collect``'s ``recorded`` and ``call_environment`` for step ``step``: a replay
+    appends the recorded observations and never calls the environment (a step without its record
+    is a ResumeError, exit 4); a recording run compares its answers with what an earlier attempt
+    of the step recorded (a resume), or has nothing to compare."""
+    recorded = read_episodes(run_dir, step, group_size)
+    if recorded is None and replay:
+        raise ResumeError(f"step {step} has no episode record ({episodes_path(run_dir, step)}): a replay "
+                          "appends the recorded observations and never calls the environment",
+                          step=step, hint="replay a step the run recorded with this version of the code")
+    return {"recorded": recorded, "call_environment": not replay}
