@@ -99,7 +99,8 @@ from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.environment import RewardEnvironment, Task, batch_tasks
 from training.rollout.episode_store import step_records, write_episodes
-from training.rollout.episodes import EpisodeLimits, EpisodeRunner
+from training.rollout.environment_settings import episode_limits
+from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, episode_records, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
@@ -393,8 +394,3 @@ def _reward_role(index: int) -> str:
     """The frozen role of the index-th model reward (``frozen_identity``): reward, reward1, ..."""
     return "reward" if index == 0 else f"reward{index}"
 
-
-def episode_limits(e) -> EpisodeLimits:
-    """The episode runner's limits from objective.grpo.environment (grpo_settings.EnvironmentSettings)."""
-    return EpisodeLimits(name=e.name, max_turns=e.max_turns, max_observation_tokens=e.max_observation_tokens,
-                         max_episode_tokens=e.max_episode_tokens, timeout_s=e.tool_timeout_s, on_error=e.on_env_error)

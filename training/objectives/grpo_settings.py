@@ -13,6 +13,7 @@ from typing import Literal, Optional
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
+from training.rollout.environment_settings import EnvironmentSettings, validate_environment
 from training.rollout.rewards import resolve_reward
 
 MODEL_REWARD = "model"
@@ -31,24 +32,6 @@ class RewardSettings:
     """numeric_tolerance: largest absolute difference from the answer that still passes."""
     path: str = ""
     """model: the reward model, run:RUN_ID[@STEP] (a reward_model run) or its Hugging Face sequence-classification export; its score of the prompt + completion is the reward."""
-
-
-@dataclass(frozen=True)
-class EnvironmentSettings:
-    name: str = "calculator"
-    """The environment of multi-turn episodes: calculator (data/calculator.py's tool; the final answer scored by objective.grpo.rewards) or a class 'package.module:Class' (docs/post_training.md, Agentic rollouts)."""
-    max_turns: int = 4
-    """Assistant turns sampled per episode at most; the last one is scored as the answer."""
-    max_calls_per_turn: int = 4
-    """Tool calls answered per turn (calculator); further calls get an error message."""
-    max_observation_tokens: int = 64
-    """An observation (a turn's rendered tool messages) longer than this ends the episode (truncated)."""
-    max_episode_tokens: int = 256
-    """Sampled plus observation tokens after the prompt, at most (also bounded by data.seq_len)."""
-    tool_timeout_s: float = 30.0
-    """Wall-clock seconds the environment may take to answer one turn of one episode."""
-    on_env_error: Literal["error", "zero"] = "error"
-    """An environment that raises, answers with something other than a Transition or takes too long: stop with a typed error, or end the episode with reward 0 and count it (ledger env_errors)."""
 
 
 @dataclass(frozen=True)
@@ -156,23 +139,6 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key}.rewards: a model reward scores one completion, not an episode of several turns",
                               key=f"{key}.rewards", hint="rule rewards score an episode's final answer")
     check_prompt_data(config, "grpo", eval_hint="use data.eval_source and objective.grpo.eval_samples with grpo")
-
-
-def validate_environment(e: EnvironmentSettings, key: str, *, max_new_tokens: int) -> None:
-    """The limits of objective.<kind>.environment."""
-    checks = (
-        ("name", bool(e.name), "an environment name (calculator) or 'package.module:Class'"),
-        ("max_turns", 1 <= e.max_turns <= 64, "in 1..64"),
-        ("max_calls_per_turn", e.max_calls_per_turn >= 1, ">= 1"),
-        ("max_observation_tokens", e.max_observation_tokens >= 1, ">= 1"),
-        ("max_episode_tokens", e.max_episode_tokens >= max_new_tokens,
-         f">= max_new_tokens ({max_new_tokens}): one turn must fit"),
-        ("tool_timeout_s", math.isfinite(e.tool_timeout_s) and e.tool_timeout_s > 0, "> 0"),
-        ("on_env_error", e.on_env_error in ("error", "zero"), "error or zero"),
-    )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
 
 
 def check_prompt_data(config: Config, kind: str, *, eval_hint: str) -> None:
