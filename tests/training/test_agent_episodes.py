@@ -48,6 +48,7 @@ def test_parser_reads_one_and_several_calls_in_order():
     ('<tool_call>{"name": "calculator", "arguments": "1+1"}</tool_call>', "'arguments' is a JSON str"),
     ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', "unknown tool 'search'"),
     ('<tool_call>{"name": "calculator", "arguments": {}}', "is not closed"),
+    ("<tool_call>" + "[" * 100000 + "</tool_call>", "not JSON"),
 ])
 def test_parser_types_each_malformed_call(text, reason):
     (call,) = parse_tool_calls(text, {"calculator"})

@@ -64,6 +64,8 @@ def _parsed(body: str, tools: Collection[str]) -> ParsedCall:
         value = json.loads(body)
     except ValueError as exc:
         return MalformedCall(f"the call is not JSON ({exc.args[0] if exc.args else exc})", body)
+    except RecursionError:  # nesting deeper than the parser goes
+        return MalformedCall("the call is not JSON (nested too deeply)", body)
     if not isinstance(value, dict):
         return MalformedCall(f"the call is a JSON {type(value).__name__}, not an object", body)
     name = value.get("name")
