@@ -160,3 +160,11 @@ def test_environment_settings_are_checked_and_hashed_only_when_set():
         assert caught.value.context["key"] == key
     with pytest.raises(ConfigError, match="unknown environment"):
         GRPOObjective.check_config(_config(["objective.grpo.environment.name=search"]))
+
+
+def test_episode_fields_count_rows_held_by_tensor_parallel_peers_once(tmp_path):
+    objective, _, batch, _ = _prepared(tmp_path)
+    summary = batch.prepared.summary()
+    once = objective.ledger_fields(batch, {PARITY: 0.0}, 0)
+    objective._context.dist.all_gather_object = lambda obj: [obj, summary]  # a peer with the same rows
+    assert objective.ledger_fields(batch, {PARITY: 0.0}, 0) == once

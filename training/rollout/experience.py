@@ -189,7 +189,8 @@ def rollout_fields(parts: list[dict[str, Any]], *, group_size: int, shaping: boo
 
 def episode_records(parts: list[dict[str, Any]]) -> dict[int, tuple[str, dict[str, Any]]]:
     """{global row: (episode digest, record)} from every rank's summary (peers' copies count once)."""
-    return dict(sorted((row, (digest, record)) for part in parts for row, digest, record in part.get("episodes", ())))
+    unique = {row: (digest, record) for part in parts for row, digest, record in part.get("episodes", ())}
+    return dict(sorted(unique.items()))
 
 
 def episodes_fields(episodes: dict[int, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
