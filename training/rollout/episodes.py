@@ -23,8 +23,9 @@ turn limit, or no room left) is stepped with ``last=True``: the environment must
 and score it. A turn cut off without a stop (``turn.truncated``) is the environment's to judge
 (the calculator environment takes it as the answer).
 
-**The environment's answers** are computed in a thread pool (one task per episode of a turn)
-and applied in sample order, whatever order they finish in. An environment that raises, answers
+**The environment's answers** are computed in threads (one per episode of a turn, daemon threads:
+a call that never returns blocks neither the others nor the process's exit) and applied in
+sample order, whatever order they finish in. An environment that raises, answers
 with something other than a ``Transition`` or takes longer than ``timeout_s`` is an
 ``EnvironmentFailure`` naming it, the step, prompt row, sample and turn (``on_error="error"``),
 or ends that episode with reward 0, counted in ``env_errors`` and recorded (``"zero"``). A
@@ -41,9 +42,9 @@ the environment and compares (a turn sampled alike but answered with other ids i
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -221,39 +222,28 @@ class EpisodeRunner:
             self._compare(p, turn, step)
 
     def _answers(self, active: list[_Playing], completions, lasts, turn: int, step: int) -> list:
-        """Each episode's Transition (or the failure that ended it), in the order of ``active``."""
-        starts: list[Optional[float]] = [None] * len(active)
+        """Each episode's Transition (or the failure that ended it), in the order of ``active``: every
+        episode's step runs in a daemon thread of its own (a call that never returns neither blocks
+        the others nor the process's exit), and each is waited for at most ``timeout_s``."""
+        calls = [_Call(lambda p=p, c=c, last=last: p.episode.step(c, last=last))
+                 for p, c, last in zip(active, completions, lasts)]
+        for i, call in enumerate(calls):
+            threading.Thread(target=call.run, name=f"environment-{i}", daemon=True).start()
+        return [self._awaited(call, active[i], turn, step, lasts[i]) for i, call in enumerate(calls)]
 
-        def timed(i: int, p: _Playing, completion, last: bool):
-            starts[i] = time.monotonic()
-            return p.episode.step(completion, last=last)
-
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(active)),
-                                                     thread_name_prefix="environment")
-        try:
-            futures = [pool.submit(timed, i, p, c, last) for i, (p, c, last) in enumerate(zip(active, completions, lasts))]
-            return [self._awaited(future, starts, i, active[i], turn, step, lasts[i])
-                    for i, future in enumerate(futures)]
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _awaited(self, future, starts, i: int, p: _Playing, turn: int, step: int, last: bool):
+    def _awaited(self, call: "_Call", p: _Playing, turn: int, step: int, last: bool):
         timeout = self.limits.timeout_s
-        while True:
-            try:
-                answer = future.result(timeout=min(0.05, timeout))
-                break
-            except concurrent.futures.TimeoutError:
-                if starts[i] is not None and time.monotonic() - starts[i] > timeout:
-                    return self._failure("timeout", f"took longer than tool_timeout_s={timeout:g} s", p, turn, step)
-            except LockstepError:
-                raise  # the rewards' own typed errors (objective.grpo.on_reward_error), the record's
-            except Exception as exc:  # user code may raise anything: named, then stopped or counted
-                return self._failure("error", f"raised {type(exc).__name__}: {exc}", p, turn, step, cause=exc)
-        problem = _transition_problem(answer, last)
+        if not call.done.wait(timeout=max(0.0, call.started + timeout - time.monotonic())):
+            return self._failure("timeout", f"took longer than tool_timeout_s={timeout:g} s", p, turn, step)
+        if isinstance(call.error, LockstepError):
+            raise call.error  # the rewards' own typed errors (objective.grpo.on_reward_error), the record's
+        if call.error is not None:  # user code may raise anything: named, then stopped or counted
+            return self._failure("error", f"raised {type(call.error).__name__}: {call.error}", p, turn, step,
+                                 cause=call.error)
+        problem = _transition_problem(call.value, last)
         if problem:
             return self._failure("error", problem, p, turn, step)
-        return answer
+        return call.value
 
     def _failure(self, outcome: str, what: str, p: _Playing, turn: int, step: int, cause=None) -> str:
         if self.limits.on_error != "zero":
@@ -329,6 +319,25 @@ class EpisodeRunner:
         if turn + 1 == len(turns):
             p.result = EpisodeResult(tuple(p.turns), float(p.recorded["reward"]), p.recorded["reward_errors"],
                                      p.recorded["env_errors"], p.recorded["truncated"], text)
+
+
+class _Call:
+    """One environment step run in a thread: when it started, and its value or error once done."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.started = fn, time.monotonic()
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        self.started = time.monotonic()
+        try:
+            self.value = self.fn()
+        except BaseException as exc:  # handed to the waiting thread, which names it
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 def _transition_problem(answer: Any, last: bool) -> str:
