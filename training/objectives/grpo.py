@@ -89,7 +89,7 @@ from training.rollout.environment import RewardEnvironment, Task, batch_tasks
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
-from training.rollout.rewards import exact_answer
+from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 
 PURPOSE = "grpo"
 EVAL_PURPOSE = "grpo-eval"
@@ -274,11 +274,9 @@ class GRPOObjective:
         """The held-out prompt rows with the greedy completion's reward and exact-answer score
         (extras ``eval_reward``, ``eval_exact``, (B,) float32) and, with ``eval_samples > 0``, the
         means over the sampled completions (``eval_sampled_reward``, ``eval_sampled_exact``);
-        no training state is touched."""
+        no training state is touched (training/rollout/evaluation.py)."""
         tasks = batch_tasks(batch, self.tokenizer)
-        # A prompt's index in the evaluation (eval batches count from 1, rows within the global
-        # batch): the same for every world size and at every evaluation.
-        held_out = [(batch.step - 1) * self.config.train.global_batch_size + task.index for task in tasks]
+        held_out = held_out_indices(batch, tasks, self.config.train.global_batch_size)
         greedy = self._evaluation_scores(batch, tasks, held_out, self.eval_params, samples=1)
         extras = {"eval_reward": greedy[0], "eval_exact": greedy[1]}
         if self.g.eval_samples > 0:
@@ -289,31 +287,12 @@ class GRPOObjective:
 
     def _evaluation_scores(self, batch: Batch, tasks: list[Task], held_out: list[int], params: SamplingParams, *,
                            samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per prompt, the mean configured reward and the mean exact-answer score of ``samples``
-        completions; sample ``j`` of held-out prompt ``i`` is keyed ``(seed, EVAL_PURPOSE, 0, i, j)``
-        (greedy decoding draws nothing from its key)."""
-        flat = self.generator.generate_from(self._model, [t.prompt_ids for t in tasks], held_out, params,
-                                            purpose=EVAL_PURPOSE, step=0, samples=samples)
-        rewards = np.zeros((len(tasks), samples), dtype=np.float64)
-        exact = np.zeros((len(tasks), samples), dtype=np.float64)
-        for p, task in enumerate(tasks):
-            for s in range(samples):
-                completion = self.decoder.completion(flat[p * samples + s])
-                episode = self.environment.reset(
-                    task, where=f"evaluation batch {batch.step}, prompt row {task.index}, sample {s}")
-                rewards[p, s] = episode.step(completion).reward
-                exact[p, s] = exact_answer(completion.text, task.answer)
-        return (torch.tensor(rewards.mean(axis=1), dtype=torch.float32),
-                torch.tensor(exact.mean(axis=1), dtype=torch.float32))
+        return evaluation_scores(self.generator, self._model, self.decoder, self.environment, batch, tasks, held_out,
+                                 params, purpose=EVAL_PURPOSE, samples=samples)
 
     def _evaluation_loss(self, micro: Batch) -> LossOutput:
         """Per held-out prompt: minus its greedy reward, and the metric sums of the scores ``prepare`` put in its extras."""
-        reward, exact = micro.extras["eval_reward"], micro.extras["eval_exact"]
-        metrics = {"reward_mean": reward.sum(), "accuracy": exact.sum()}
-        if self.g.eval_samples > 0:  # per-prompt means over the eval_samples completions
-            metrics["sampled_reward_mean"] = micro.extras["eval_sampled_reward"].sum()
-            metrics["sampled_accuracy"] = micro.extras["eval_sampled_exact"].sum()
-        return LossOutput(-reward.sum(), int(reward.shape[0]), metrics)
+        return LossOutput(*evaluation_sums(micro.extras, sampled=self.g.eval_samples > 0))
 
     # ------------------------------------------------------------------ log-probs
 

@@ -78,7 +78,7 @@ from training.rollout.environment import RewardEnvironment, batch_tasks
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
-from training.rollout.rewards import exact_answer
+from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 
 PURPOSE = "ppo"
 EVAL_PURPOSE = "ppo-eval"
@@ -331,22 +331,14 @@ class PPOObjective:
 
     def _evaluation_batch(self, batch: Batch) -> Batch:
         """The held-out prompt rows with the greedy completion's reward and exact-answer score
-        (extras ``eval_reward``, ``eval_exact``, (B,) float32); no training state is touched."""
+        (extras ``eval_reward``, ``eval_exact``, (B,) float32; training/rollout/evaluation.py); no
+        training state is touched."""
         tasks = batch_tasks(batch, self.tokenizer)
-        # A prompt's index in the evaluation: the same for every world size and at every evaluation.
-        held_out = [(batch.step - 1) * self.config.train.global_batch_size + task.index for task in tasks]
-        flat = self.generator.generate_from(self._model, [t.prompt_ids for t in tasks], held_out, self.eval_params,
-                                            purpose=EVAL_PURPOSE, step=0, samples=1)
-        reward, exact = [], []
-        for task, sample in zip(tasks, flat):
-            completion = self.decoder.completion(sample)
-            episode = self.environment.reset(task, where=f"evaluation batch {batch.step}, prompt row {task.index}")
-            reward.append(episode.step(completion).reward)
-            exact.append(exact_answer(completion.text, task.answer))
-        return batch.with_extras(eval_reward=torch.tensor(reward, dtype=torch.float32),
-                                 eval_exact=torch.tensor(exact, dtype=torch.float32))
+        held_out = held_out_indices(batch, tasks, self.config.train.global_batch_size)
+        reward, exact = evaluation_scores(self.generator, self._model, self.decoder, self.environment, batch, tasks,
+                                          held_out, self.eval_params, purpose=EVAL_PURPOSE, samples=1)
+        return batch.with_extras(eval_reward=reward, eval_exact=exact)
 
     def _evaluation_loss(self, micro: Batch) -> LossOutput:
         """Per held-out prompt: minus its greedy reward, and the metric sums ``reward_mean`` and ``accuracy``."""
-        reward, exact = micro.extras["eval_reward"], micro.extras["eval_exact"]
-        return LossOutput(-reward.sum(), int(reward.shape[0]), {"reward_mean": reward.sum(), "accuracy": exact.sum()})
+        return LossOutput(*evaluation_sums(micro.extras, sampled=False))
