@@ -82,7 +82,7 @@ from models.qwen.sampler import SamplingParams
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
-from training.objectives.model_reward import build_model_reward
+from training.objectives.model_reward import build_model_rewards, reward_role, weighted_scores
 from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.environment import RewardEnvironment, Task, batch_tasks
@@ -191,8 +191,7 @@ class GRPOObjective:
         if g.kl_coef > 0:
             self.reference = build_frozen(config, g.reference, role="reference", dist=context.dist,
                                           key="objective.grpo.reference")
-        self.model_rewards = [(reward.weight, build_model_reward(config, reward.path, dist=context.dist, key=key))
-                              for key, reward in model_rewards(config).items()]
+        self.model_rewards = build_model_rewards(config, model_rewards(config), dist=context.dist)
 
     def prepare(self, batch: Batch) -> Batch:
         if batch.evaluation:
@@ -252,21 +251,14 @@ class GRPOObjective:
 
     def frozen_identity(self) -> dict[str, dict[str, str]]:
         identities = {"reference": self.reference.identity} if self.reference is not None else {}
-        return {**identities, **{_reward_role(i): reward.identity for i, (_, reward) in enumerate(self.model_rewards)}}
+        return {**identities, **{reward_role(i): reward.identity for i, (_, reward) in enumerate(self.model_rewards)}}
 
     def _model_scores(self, experience: Experience) -> np.ndarray:
-        """Per trajectory, the weighted sum of the reward models' scores of its prompt + completion,
-        in chunks of a fixed number of rows (every rank runs as many chunks: a sharded reward
-        model's forward is collective)."""
-        sequences = [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories]
-        rows = self.config.train.micro_batch_size * self.g.group_size
-        pad = getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)
-        total = np.zeros(len(sequences), dtype=np.float64)
-        for weight, reward in self.model_rewards:
-            scores = [s for lo in range(0, len(sequences), rows)
-                      for s in reward.scores(sequences[lo:lo + rows], device=self._context.parallel.device, pad_id=pad)]
-            total += weight * np.asarray(scores, dtype=np.float64)
-        return total
+        """Per trajectory, the weighted sum of the reward models' scores of its prompt + completion."""
+        return weighted_scores(self.model_rewards, [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories],
+                               rows=self.config.train.micro_batch_size * self.g.group_size,
+                               device=self._context.parallel.device,
+                               pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
 
     # ------------------------------------------------------------------ evaluation
 
@@ -307,7 +299,3 @@ class GRPOObjective:
         """(B, T) log-probs of the labels, 0 where there is none."""
         return label_logps(module, placed, fused=fuse, chunk_tokens=self.config.train.loss_chunk_tokens)
 
-
-def _reward_role(index: int) -> str:
-    """The frozen role of the index-th model reward (``frozen_identity``): reward, reward1, ..."""
-    return "reward" if index == 0 else f"reward{index}"

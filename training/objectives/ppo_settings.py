@@ -32,7 +32,7 @@ class PPOSettings:
     top_k: int = 0
     """Top-k filter of the rollouts (0 keeps all tokens)."""
     rewards: tuple[RewardSettings, ...] = (RewardSettings(),)
-    """Rewards summed with their weights into a completion's score (the same functions as objective.grpo.rewards)."""
+    """Rewards summed with their weights into a completion's score (the same rewards as objective.grpo.rewards, a trained reward model included)."""
     on_reward_error: Literal["error", "zero"] = "error"
     """A reward function that raises or returns a non-finite value: stop with a typed error, or score 0 and count it."""
     kl_coef: float = 0.05
@@ -98,11 +98,6 @@ def validate(config: Config) -> None:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(p, name)!r}", key=f"{key}.{name}")
     check_rewards(p, key)
-    for i, reward in enumerate(p.rewards):
-        if reward.path or reward.name == "model":
-            raise ConfigError(f"{key}.rewards[{i}]: PPO scores with rule rewards only; a trained reward model "
-                              f"(name: model, path) is a GRPO reward for now", key=f"{key}.rewards[{i}].path",
-                              hint="use exact_answer, numeric_tolerance, format_regex or a package.module:function")
     if p.kl_target > 0 and p.kl_coef == 0:
         raise ConfigError(f"{key}.kl_target={p.kl_target} needs a starting kl_coef > 0", key=f"{key}.kl_coef",
                           hint="the adaptive coefficient is scaled from kl_coef; it cannot leave 0")
@@ -134,5 +129,5 @@ KIND = ObjectiveKind(
     capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True, ledger_over_updates=True),
     settings=PPOSettings,
     validate=validate,
-    hashed_only_when_set=("rewards[].path",),  # PPO takes none; its configs keep their hashes
+    hashed_only_when_set=("rewards[].path",),  # added with model rewards: earlier configs keep their hashes
 )
