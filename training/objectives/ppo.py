@@ -54,6 +54,7 @@ once at temperature 0, ``loss`` minus its configured reward, metrics ``reward_me
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -103,6 +104,20 @@ class PPORollout:
 
     def summary(self) -> dict[str, Any]:
         return {"experience": self.experience.summary(), "rows": list(self.rows)}
+
+
+class _PhaseClock:
+    """Seconds between laps, by name (host time: each phase ends in a copy to the host)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str | None = None) -> None:
+        now = time.perf_counter()
+        if name is not None:
+            self.laps[name] = now - self._last
+        self._last = now
 
 
 class PPOObjective:
@@ -215,20 +230,26 @@ class PPOObjective:
             return self._evaluation_batch(batch)
         p = self.p
         experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step)
+        clock = _PhaseClock()  # seconds per phase, as the experience's timings (benchmarks/ppo_step.py)
         if self.model_rewards:
             experience = experience.with_added_rewards(weighted_scores(
                 self.model_rewards, [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories],
                 rows=self.config.train.micro_batch_size * p.group_size, device=self._context.parallel.device,
                 pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)))
+            clock.lap("reward_model_s")
         # The rollout room's sequence advantages are GRPO's; PPO's are per token, below.
         experience = experience.with_advantages(np.zeros(len(experience.trajectories)))
         out = experience.batch(batch, seq_len=self.config.data.seq_len, mask_truncated=False,
                                pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
         mask = out.labels != IGNORE_INDEX
+        clock.lap()
         old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, placed))
+        clock.lap("policy_logps_s")
         old_values = self._each_micro(out, self._values) * mask
+        clock.lap("critic_values_s")
         if self.reference is not None:
             ref_logps = self._each_micro(out, lambda placed: self._token_logps(self.reference.module, placed))
+            clock.lap("reference_s")
             kl = kl_estimate(old_logps, ref_logps, p.kl_estimator) * mask
         else:
             kl = torch.zeros_like(old_logps)
@@ -241,7 +262,8 @@ class PPOObjective:
             advantages = self._whiten(gathered, advantages, mask)
         rows = tuple((row, float(kl[r].sum()), old_values[r][mask[r]].tolist(), returns[r][mask[r]].tolist())
                      for r, row in enumerate(out.sequence_index))
-        prepared = PPORollout(experience=experience, kl_coef=self.kl.coef, rows=rows,
+        clock.lap("advantages_s")
+        prepared = PPORollout(experience=experience.with_timings(**clock.laps), kl_coef=self.kl.coef, rows=rows,
                               layout=tuple(tuple(sorted(part)) for part in gathered))
         out = out.with_extras(old_logps=old_logps, old_values=old_values, advantages=advantages, returns=returns)
         return dataclasses.replace(out, prepared=prepared)
