@@ -201,3 +201,27 @@ def test_margins_are_read_from_the_records_only_under_margin_from_record():
     assert "margin_from" in to_dict(fixed)["objective"]["reward_model"]
     explicit = load(None, [*TINY, "objective.reward_model.margin=0.5", "objective.reward_model.margin_from=fixed"])
     assert config_hash(explicit) == config_hash(fixed) != config_hash(record)
+
+
+def test_the_runs_pipelines_carry_the_records_margins_under_margin_from_record(tmp_path):
+    """training/builders.py builds the training and the held-out pipelines with the objective's
+    record fields: each pair's margin arrives as the extra pair_margin, read at its chosen end."""
+    import json
+
+    from training.builders import build_data
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": str(i + 2),
+                                        "margin": 0.25 * i}) + "\n" for i in range(16)))
+    source = f"{{path: {path}, record: preference}}"
+    config = load(None, [*TINY, "objective.reward_model.margin_from=record", f"data.sources=[{source}]",
+                         f"data.eval_source={source}", "data.num_streams=1", "train.global_batch_size=2",
+                         "data.seq_len=512", "data.workers=0"])
+    train, evaluation = build_data(config, SimpleNamespace(dp_rank=0, dp_size=1))
+    with train as pipe, evaluation() as held_out:
+        for batch in (next(pipe), next(held_out)):
+            layout = score_layout(batch)
+            margins = batch.extras["pair_margin"][layout.rows, layout.chosen].tolist()
+            records = [next(s.record for s in batch.provenance[r] if s.start <= end < s.end)
+                       for r, end in zip(layout.rows.tolist(), layout.chosen.tolist())]
+            assert margins == [0.25 * record for record in records] and len(records) >= 2
