@@ -7,8 +7,9 @@ A 4-step reward-model run (tests/configs/e2e-rm.yaml) and its Hugging Face expor
   the reward model's score of the sequence, from the run and from the export alike;
 - a reward of tests/configs/e2e-ppo.yaml's run (``{name: model, path}``, beside exact_answer):
   its score enters the completions' rewards, its identity (path and sha256) is recorded in the
-  checkpoint, and a run stopped at its step-2 checkpoint and resumed ends with the ledger of an
-  uninterrupted one; changed on disk, it refuses the resume (exit 4, naming both hashes); of
+  checkpoint, and on 2 CPU ranks SIGKILL at random moments (in the rollouts, the scoring, between
+  two of a step's four updates) + resume by run ID gives the ledger of an uninterrupted run, line
+  for line; changed on disk, it refuses the resume (exit 4, naming both hashes); of
   another vocabulary, it is refused before any run dir (exit 2, naming both sizes).
 """
 
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.slow
 PPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-ppo.yaml"
 RM_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-rm.yaml"
 LENGTHS = (40, 23, 31)
+STEPS = 6
 
 
 def _run_dir(workdir, result):
@@ -85,7 +87,7 @@ def ppo_args(export, *, name: str, steps: int) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(e2e_workdir, reward_model):
     _, export = reward_model
-    result = launch.train(e2e_workdir, ppo_args(export, name="ppo-rm", steps=4), nproc=1)
+    result = launch.train(e2e_workdir, ppo_args(export, name="ppo-rm", steps=STEPS), nproc=2)
     assert result.returncode == 0, result.stderr
     return _run_dir(e2e_workdir, result)
 
@@ -93,7 +95,7 @@ def reference(e2e_workdir, reward_model):
 def test_the_reward_model_scores_every_completion_and_is_recorded(reference, reward_model):
     _, export = reward_model
     lines = launch.ledger(reference)
-    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
     # exact_answer gives 0 or 1 per completion: a mean that is no multiple of 1/8 holds model scores
     assert any(abs(r["reward_mean"] * 8 - round(r["reward_mean"] * 8)) > 1e-6 for r in lines)
     state = json.loads((reference / "checkpoints" / "step_00000002" / state_file_name(OBJECTIVE_PART)).read_text())
@@ -102,13 +104,10 @@ def test_the_reward_model_scores_every_completion_and_is_recorded(reference, rew
     assert state["frozen"]["reward"] == expected == {"path": str(export), "sha256": expected["sha256"]}
 
 
-def test_a_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_ledger(e2e_workdir, reference, reward_model):
+def test_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference, reward_model):
     _, export = reward_model
-    first = launch.train(e2e_workdir, ppo_args(export, name="ppo-rm-resumed", steps=2), nproc=1)
-    assert first.returncode == 0, first.stderr
-    run_dir = _run_dir(e2e_workdir, first)
-    resumed = launch.train(e2e_workdir, ["--resume", run_dir.name, "train.max_steps=4"], nproc=1)
-    assert resumed.returncode == 0, resumed.stderr
+    run_dir = launch.kill_and_resume(e2e_workdir, ppo_args(export, name="ppo-rm-killed", steps=STEPS),
+                                     name="ppo-rm-killed", seed=47)
     assert launch.ledger(run_dir) == launch.ledger(reference)
 
 
