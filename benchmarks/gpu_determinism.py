@@ -20,6 +20,17 @@ For every GPU count G (``parallel.strategy=none`` on one GPU, ``fsdp`` on severa
    depend on the world size); the largest relative loss gap is reported (reduction order
    differs, so not bitwise).
 
+``--method ppo`` runs PPO (``METHODS["ppo"]``: the embedded RL prompts, the byte tokenizer, two
+completions per prompt, exact-answer and format rewards, a critic, a k1 KL penalty with its
+reference, two epochs of two minibatches per rollout batch) instead of language modelling: the ledgers then hold the rollout hashes, the
+critic's gradient norm and parameter hash, the KL and the value statistics, and a SIGKILL lands
+anywhere in a step (rollout, scoring, or between two of its four updates)::
+
+    python benchmarks/gpu_determinism.py --method ppo --gpus 1 --seq 256 --steps 6 --interval 2 \
+        --no-replay --out bench_out/gpu_determinism_ppo.json
+    python benchmarks/gpu_determinism.py --method ppo --config tests/configs/e2e.yaml --gpus 1 --seq 112 \
+        --steps 5 --interval 2 --override parallel.device=cpu --override parallel.precision=fp32   # CPU smoke
+
 Across GPU counts the batch_hash and data_state_hash sequences must be equal (the data order
 does not depend on the world size) and the losses close (reduction order differs, so not
 bitwise). The global batch is the same for every G (``--global-batch``), split into
@@ -56,6 +67,18 @@ def kill_job(proc: subprocess.Popen) -> None:
     _end_job(proc, escalation=((signal.SIGKILL, 60.0),))
 
 
+# What a method adds to the config (before --override, which may change any of it).
+METHODS: dict[str, tuple[str, ...]] = {
+    "lm": (),
+    "ppo": ("objective.kind=ppo", "data.sources=[{path: datasets/tasks/rl/train, name: tasks-rl, record: prompt}]",
+            "data.tokenizer=byte", "data.packing=whole", "objective.ppo.group_size=2",
+            "objective.ppo.max_new_tokens=32", "objective.ppo.kl_coef=0.05", "objective.ppo.ppo_epochs=2",
+            "objective.ppo.minibatches=2",
+            # an untrained model's answers are never exact: a format reward makes the scores vary
+            "objective.ppo.rewards=[{name: exact_answer}, {name: format_regex, pattern: '.*[a-z].*', weight: 0.5}]"),
+}
+
+
 def overrides(args: argparse.Namespace, gpus: int, run_root: Path) -> list[str]:
     micro = args.global_batch // gpus
     return [
@@ -75,6 +98,7 @@ def overrides(args: argparse.Namespace, gpus: int, run_root: Path) -> list[str]:
         "checkpoint.async_save=true",
         "metrics.tensorboard=false",
         "runtime.watchdog_timeout_s=600",
+        *METHODS[args.method],
         *args.override,
     ]
 
@@ -209,6 +233,8 @@ def first_difference(a: list[dict], b: list[dict]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/qwen2.5-0.5b.yaml")
+    p.add_argument("--method", choices=sorted(METHODS), default="lm",
+                   help="lm: the config's own objective; ppo: PPO on the embedded RL prompts (METHODS)")
     p.add_argument("--gpus", default="1,2")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--global-batch", type=int, default=4)
@@ -231,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return compare(args.compare)
     rng = random.Random(args.seed)
     # The evidence names its machine: GPUs, driver, torch, host CPU (train_throughput's probe).
-    results: dict = {"env": probe_environment(), "config": args.config, "overrides": args.override, "seq": args.seq,
+    results: dict = {"env": probe_environment(), "config": args.config, "method": args.method,
+                     "overrides": [*METHODS[args.method], *args.override], "seq": args.seq,
                      "global_batch": args.global_batch, "steps": args.steps, "interval": args.interval, "cases": {}}
     reference: dict[int, list[dict]] = {}
     failed = False

@@ -63,6 +63,9 @@ class ObjectiveKind:
     changes no other config's hash."""
     kind_hints: tuple[tuple[str, str], ...] = ()
     """(value, hint): objective.kind values that are not kinds but name something of this one (DPO's losses)."""
+    record_fields: Optional[Callable[[Any], tuple[str, ...]]] = None
+    """Given a loaded config, the optional record fields its data must carry beside the tokens (the reward
+    model's per-pair ``margin``: data/preference.py); None: none."""
 
 
 @dataclass
@@ -109,6 +112,13 @@ def objective_kind(name: str) -> ObjectiveKind:
         if kind.name == name:
             return kind
     raise ConfigError(f"objective.kind {name!r} is not registered", key="objective.kind", hint=ENTRY_POINT_HINT)
+
+
+def record_fields(config: Any) -> tuple[str, ...]:
+    """What the configured objective reads of the data records beside the tokens (ObjectiveKind.record_fields):
+    every pipeline of the run's data is built with it (training/builders.py, ``python -m data inspect``)."""
+    kind = objective_kind(config.objective.kind)
+    return tuple(kind.record_fields(config)) if kind.record_fields is not None else ()
 
 
 def register_lora_targets(names: tuple[str, ...]) -> None:

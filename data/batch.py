@@ -141,6 +141,7 @@ class Batch:
         masks: list[np.ndarray] | None = None,
         *,
         roles: list[np.ndarray] | None = None,
+        margins: list[np.ndarray] | None = None,
     ) -> "Batch":
         """Build the tensors from packed rows and their document spans (spans cover each row).
 
@@ -148,7 +149,9 @@ class Batch:
         next token is not a target gets no label, and the masks travel as ``target_mask``.
         ``roles``: per row, preference roles (1 chosen, 2 rejected, 0 neither); they travel as
         ``pair_role`` (B, T) int8 with ``pair_index`` (B, T) int64, the pair's number within its
-        row (-1 outside pairs): a pair is a chosen span and the rejected span after it."""
+        row (-1 outside pairs): a pair is a chosen span and the rejected span after it.
+        ``margins``: per row, each pair's margin on its tokens (0 elsewhere); they travel as
+        ``pair_margin`` (B, T) float32 (only where the pipeline reads margins: data/preference.py)."""
         input_ids = np.stack(tokens).astype(np.int64)  # (B, T)
         rows, width = input_ids.shape
         starts = np.array([r * width + sp.start for r, row in enumerate(spans) for sp in row], dtype=np.int64)
@@ -177,6 +180,8 @@ class Batch:
             pair_index[role == 0] = -1
             extras["pair_role"] = torch.from_numpy(role)
             extras["pair_index"] = torch.from_numpy(pair_index.astype(np.int64))
+        if margins is not None:
+            extras["pair_margin"] = torch.from_numpy(np.stack(margins).astype(np.float32))
         return cls(
             step=step,
             input_ids=torch.from_numpy(input_ids),

@@ -15,6 +15,7 @@ from core.config import Config
 from core.exceptions import UsageError
 from data.batch import IGNORE_INDEX, Batch
 from core.layout import CHECKPOINTS_DIR, list_steps, state_file_name, step_dir_name
+from core.objective_kinds import record_fields
 from data.hashing import batch_hash, state_hash
 from data.pipeline.pipeline import build
 
@@ -49,7 +50,7 @@ def global_batch(config: Config, step: int, start_state: dict | None = None) -> 
     if step < 1:
         raise UsageError(f"--step must be >= 1, got {step}")
     with build(config.data, seed=config.train.seed, global_batch_size=config.train.global_batch_size,
-               rank=0, world_size=1) as pipeline:
+               rank=0, world_size=1, record_fields=record_fields(config)) as pipeline:
         if start_state is not None:
             pipeline.load_state_dict(start_state)
             done = pipeline.stats()["step"]

@@ -11,13 +11,21 @@ The encoded pair is one pipeline document: the chosen ids followed by the reject
 two adjacent documents of one row (data/pipeline/packing.py ``WholeDocPacker``), so a pair
 never straddles micro-batches or ranks, whatever the world size.
 
+Margins: a record may hold ``margin``, a finite number, the score gap its pair's Bradley-Terry loss
+asks for (training/objectives/reward_model.py). The pipeline reads it only where the objective asks
+(``record_fields``: the reward model under ``margin_from: record``): then every record must hold one,
+``encode`` returns it as a fourth value, and the pair carries it (extra ``pair_margin``). Otherwise
+it is ignored, and a record with or without it encodes to the same three values.
+
 Bad records (``RecordError``: an error naming file and record, or skipped and counted under
-``data.on_bad_record=skip``): a missing field, an empty response, and a pair whose chosen and
-rejected responses render to the same tokens (a pair that cannot prefer anything).
+``data.on_bad_record=skip``): a missing field, an empty response, a pair whose chosen and
+rejected responses render to the same tokens (a pair that cannot prefer anything), and, where
+margins are read, a missing or non-finite ``margin``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -25,6 +33,19 @@ import numpy as np
 from data.chat_template import ChatTemplate, RecordError, _check_messages, token_mask
 
 FIELDS = ("prompt", "chosen", "rejected")
+MARGIN = "margin"
+"""The optional record field of a pair's margin (module docstring)."""
+
+
+def pair_margin(record: dict) -> float:
+    """A preference record's ``margin``: a finite number; RecordError if absent or not one."""
+    if MARGIN not in record:
+        raise RecordError(f"preference record has no {MARGIN!r}, and each pair's margin is read from its record "
+                          f"(objective.reward_model.margin_from: record) (keys: {', '.join(list(record)[:8])})")
+    value = record[MARGIN]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RecordError(f"{MARGIN!r} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def pair_messages(record: Any) -> tuple[list[dict], list[dict], list[dict]]:
@@ -56,21 +77,26 @@ def pair_messages(record: Any) -> tuple[list[dict], list[dict], list[dict]]:
 
 
 class PreferenceEncoder:
-    """Record -> (int32 ids of chosen then rejected, bool target mask, where rejected starts)."""
+    """Record -> (int32 ids of chosen then rejected, bool target mask, where rejected starts), and
+    with ``margins`` the record's margin as a fourth value."""
 
     kind = "preference"
 
-    def __init__(self, template: ChatTemplate, tokenizer) -> None:
+    def __init__(self, template: ChatTemplate, tokenizer, *, margins: bool = False) -> None:
         self.template = template
         self.tokenizer = tokenizer
+        self.margins = margins
 
-    def encode(self, record: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    def encode(self, record: Any) -> tuple:
         prompt, chosen, rejected = pair_messages(record)
+        margin = pair_margin(record) if self.margins else None
         sides = [self._side(prompt, response) for response in (chosen, rejected)]
         (c_ids, c_mask), (r_ids, r_mask) = sides
         if np.array_equal(c_ids, r_ids) and np.array_equal(c_mask, r_mask):
             raise RecordError("'chosen' and 'rejected' are identical: the pair prefers nothing")
         ids = np.concatenate([c_ids, r_ids]).astype(np.int32)
+        if margin is not None:
+            return ids, np.concatenate([c_mask, r_mask]), len(c_ids), margin
         return ids, np.concatenate([c_mask, r_mask]), len(c_ids)
 
     def check(self) -> None:

@@ -11,8 +11,9 @@ Series of a run (``run_series``), each a list of ``(step, value)``:
 A resumed run re-executes the steps after its last checkpoint; the last record of a step wins,
 so the curves show the run that continued.
 
-Panels are grouped (``GROUPS``: loss, optimisation, rewards and accuracy, log-probs, KL and
-clipping, counts, throughput and time, memory, other), one row of panels per group. An
+Panels are grouped (``GROUPS``: loss, optimisation, rewards and accuracy, log-probs, critic (a
+value model's loss, clipped fraction and explained variance: PPO's), KL and clipping, counts,
+throughput and time, memory, other), one row of panels per group. An
 evaluation metric is drawn on the panel of the training series of the same name (as markers,
 labelled ``eval``), or on a panel of its own; the eval loss has its own panel, since it may be
 averaged over other units than the training loss (pairs, prompts). Next to each PNG a JSON file
@@ -38,8 +39,9 @@ EVAL_PREFIX = "eval/"
 # (group title, words): a series belongs to the first group one of whose words is in its base
 # name (words of two letters, such as ``kl``, must be a whole ``_``-separated part of it).
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("rewards and accuracy", ("reward", "accurac", "margin", "pass@")),
+    ("rewards and accuracy", ("reward", "accurac", "margin", "pass@", "score_min", "score_max")),
     ("log-probs", ("logp", "entropy")),
+    ("critic", ("value_", "explained_variance")),
     ("KL and clipping", ("kl", "divergence", "clip")),
     ("throughput and time", ("tokens_per_s", "mfu", "step_time", "time_")),
     ("memory", ("mem", "gib")),
@@ -49,7 +51,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 OTHER = "other"
 # The rows' order in a figure.
-DISPLAY_ORDER = ("loss", "optimisation", "rewards and accuracy", "log-probs", "KL and clipping", "counts",
+DISPLAY_ORDER = ("loss", "optimisation", "rewards and accuracy", "log-probs", "critic", "KL and clipping", "counts",
                  "throughput and time", "memory", OTHER)
 COLUMNS = 4
 # The ledger's keys that are not series of the run's progress.

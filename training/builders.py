@@ -18,6 +18,7 @@ from core import seeding
 from core.config import Config
 from core.distributed_context import DistributedContext
 from core.logging import EventLog, get_logger
+from core.objective_kinds import record_fields
 from core.run_context import RunContext
 from data.pipeline import build as build_pipeline
 from distributed import parallelize, unwrap
@@ -102,6 +103,7 @@ def build_data(config: Config, plan: ParallelPlan) -> tuple[Any, Callable[[], An
             rank=plan.dp_rank,
             world_size=plan.dp_size,
             split=split,
+            record_fields=record_fields(config),
         )
 
     eval_factory = (lambda: pipeline("eval")) if config.data.eval_source is not None else None

@@ -3,8 +3,11 @@
 Every model a run builds is counted: the trained model (its fp32 parameters, their gradients
 and the optimizer's state; with LoRA the frozen base's weights, the adapters being small) and
 every frozen model its objective builds (``frozen_sources(config)`` of the objective class: a
-reference, a teacher), whose fp32 weights stay resident without gradients or optimizer state.
-Under ``fsdp`` each rank holds 1/world of every model. Activations are not counted: this is a
+reference, a teacher, a reward model), whose fp32 weights stay resident without gradients or
+optimizer state, and every model the objective trains beside the policy (``part_sources(config)``:
+PPO's critic), counted as the trained model is (its trunk and head, their gradients and the
+optimizer's state). Under ``fsdp`` each rank holds 1/world of the policy and of every frozen model;
+a part beside the policy is replicated on every rank (training/plan.py ``wrap_part``). Activations are not counted: this is a
 lower bound, so a refusal is certain, never a guess.
 
 ``check_run_fits`` runs before the process group and the run dir exist, so a model that cannot
@@ -47,13 +50,17 @@ class ModelFootprint:
     bytes_per_param: int
     weights: str | None = None
     """The Hugging Face directory its weights are read from (None: initialized, or a run's checkpoint)."""
+    sharded: bool = True
+    """Spread over the ranks under fsdp (False: a replica on every rank, as a part beside the policy)."""
+    frozen_params: int = 0
+    """Parameters of a trained model that are never trained (a critic's untied output projection): weights only."""
 
     @property
     def bytes(self) -> int:
-        return self.params * self.bytes_per_param
+        return self.params * self.bytes_per_param + self.frozen_params * FROZEN_BYTES_PER_PARAM
 
     def describe(self) -> str:
-        return f"{self.role} of {self.params / 1e6:,.1f}M parameters"
+        return f"{self.role} of {(self.params + self.frozen_params) / 1e6:,.1f}M parameters"
 
 
 def trained_model_config(config: Config) -> ModelConfig:
@@ -62,20 +69,42 @@ def trained_model_config(config: Config) -> ModelConfig:
 
 
 def run_footprints(config: Config) -> list[ModelFootprint]:
-    """The trained model, then every frozen model the objective builds (ConfigError for a bad source)."""
+    """The trained model, every frozen model the objective builds, then every model it trains beside
+    the policy (ConfigError for a bad source)."""
     from training.objectives import OBJECTIVES
-    from training.objectives.frozen import frozen_model_config
 
     model = trained_model_config(config)
-    per_param = 4 if model.lora.rank > 0 else 8 + _OPTIMIZER_STATE_BYTES.get(config.train.optimizer, 8)
-    out = [ModelFootprint("model", "a model", num_params(model), per_param, weights=model.init_from)]
-    declared = getattr(OBJECTIVES[config.objective.kind], "frozen_sources", None)
+    trained = 8 + _OPTIMIZER_STATE_BYTES.get(config.train.optimizer, 8)
+    out = [ModelFootprint("model", "a model", num_params(model), 4 if model.lora.rank > 0 else trained,
+                          weights=model.init_from)]
+    objective = OBJECTIVES[config.objective.kind]
+    declared = getattr(objective, "frozen_sources", None)
     for key, source in (declared(config) if declared is not None else {}).items():
-        # ``init`` is the trained model's starting point: its shape is init_from's config.json's, if set
-        frozen = model if source == "init" else frozen_model_config(config, source, key=key)
-        role = "a " + key.rsplit(".", 1)[-1]  # a reference, a teacher
-        out.append(ModelFootprint(key, role, num_params(frozen), FROZEN_BYTES_PER_PARAM, weights=frozen.init_from))
+        shape = _source_shape(config, model, source, key)
+        out.append(ModelFootprint(key, _role(key), num_params(shape), FROZEN_BYTES_PER_PARAM, weights=shape.init_from))
+    declared = getattr(objective, "part_sources", None)
+    for key, source in (declared(config) if declared is not None else {}).items():
+        shape = _source_shape(config, model, source, key)
+        head = shape.hidden_size + 1  # a scalar head, Linear(hidden, 1) with its bias (PPO's value head)
+        # An untied output projection is never used (the head replaces it) and so not trained.
+        unused = 0 if shape.tie_embeddings else shape.vocab_size * shape.hidden_size
+        out.append(ModelFootprint(key, _role(key), num_params(shape) - unused + head, trained,
+                                  weights=shape.init_from, sharded=False, frozen_params=unused))
     return out
+
+
+def _source_shape(config: Config, model: ModelConfig, source: str, key: str) -> ModelConfig:
+    """The model config of a frozen or part source; ``init`` is the trained model's starting point
+    (its shape is init_from's config.json's, if set)."""
+    from training.objectives.frozen import frozen_model_config
+
+    return model if source == "init" else frozen_model_config(config, source, key=key)
+
+
+def _role(key: str) -> str:
+    """What the model a config key names is: a reference, a teacher, a critic, a reward model (``...rewards[i].path``)."""
+    leaf = key.rsplit(".", 1)[-1]
+    return "a reward model" if leaf == "path" else f"a {leaf}"
 
 
 def check_run_fits(config: Config, device, info: ProcessInfo) -> None:
@@ -84,7 +113,7 @@ def check_run_fits(config: Config, device, info: ProcessInfo) -> None:
     shards = info.world_size if config.parallel.strategy == "fsdp" else 1
     largest = max(models, key=lambda m: m.bytes)
     check_training_state_fits(
-        sum(m.bytes for m in models) // shards,
+        sum(m.bytes for m in models if m.sharded) // shards + sum(m.bytes for m in models if not m.sharded),
         device,
         ranks_sharing=info.local_world_size if device.type != "cuda" else 1,
         what=" and ".join(m.describe() for m in models),

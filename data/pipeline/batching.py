@@ -18,7 +18,7 @@ class BatchAssembler:
         self._compat = compat
 
     def assemble(self, step: int, sequences: dict[int, list[PackedSequence]]) -> Batch:
-        tokens, spans, index, masks, roles = [], [], [], [], []
+        tokens, spans, index, masks, roles, margins = [], [], [], [], [], []
         states: dict[int, StreamState] = {}
         for s in self.owned:
             rows = sequences[s]
@@ -27,6 +27,7 @@ class BatchAssembler:
                 tokens.append(seq.tokens)
                 masks.append(seq.mask)
                 roles.append(seq.roles)
+                margins.append(seq.margins)
                 spans.append(seq.spans)
                 index.append(s * self.rows_per_stream + j)
             states[s] = rows[-1].state
@@ -37,5 +38,9 @@ class BatchAssembler:
             roles = [r if r is not None else np.zeros(len(t), dtype=np.int8) for r, t in zip(roles, tokens)]
         else:
             roles = None
+        if any(m is not None for m in margins):  # pairs whose margins are read
+            margins = [m if m is not None else np.zeros(len(t), dtype=np.float32) for m, t in zip(margins, tokens)]
+        else:
+            margins = None
         return Batch.from_rows(step, tokens, spans, index, state_dict(states, self._compat),
-                               masks if has_masks else None, roles=roles)
+                               masks if has_masks else None, roles=roles, margins=margins)

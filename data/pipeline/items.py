@@ -49,6 +49,8 @@ class Doc:
     """Chat records: (len(tokens),) bool, True where a token is a training target (data.loss_on)."""
     parts: Optional[int] = None
     """Preference pairs: the tokens are chosen + rejected; this is where the rejected one starts."""
+    margin: Optional[float] = None
+    """Preference pairs whose margins are read (data/preference.py): the record's ``margin``."""
 
 
 @dataclass(slots=True)

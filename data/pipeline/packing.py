@@ -34,6 +34,8 @@ class PackedSequence:
     """(seq_len,) bool training targets (whole-document packing only; None: every token)."""
     roles: np.ndarray | None = None
     """(seq_len,) int8 preference roles: 1 chosen, 2 rejected, 0 neither (None: a row without pairs)."""
+    margins: np.ndarray | None = None
+    """(seq_len,) float32: each pair's margin on its tokens, 0 elsewhere (None: no margins read)."""
 
 
 @dataclass(slots=True)
@@ -235,6 +237,7 @@ class WholeDocPacker:
         self._masks: list[np.ndarray] = []
         self._spans: list[DocSpan] = []
         self._roles: list[np.ndarray] = []  # preference rows only (data/preference.py)
+        self._margins: list[np.ndarray] = []  # preference rows whose margins are read
         self._fill = 0
         self._unusable = UnusableSources(stream, source_names, seq_len)
         self.failed = False
@@ -323,6 +326,8 @@ class WholeDocPacker:
             out.append(self._close_row())
         laid = sum(len(r) for r in self._roles)  # other documents of the row have no role
         self._roles.append(np.zeros(self._fill - laid, dtype=np.int8))
+        if doc.margin is not None:
+            self._margins.append(np.zeros(self._fill - sum(len(m) for m in self._margins), dtype=np.float32))
         offset = 0
         for ids, mask, role in pieces:
             piece = np.concatenate([ids, self._eos])
@@ -331,6 +336,8 @@ class WholeDocPacker:
             self._tokens.append(piece)
             self._masks.append(np.concatenate([mask, mask[-1:]]))
             self._roles.append(np.full(len(piece), role, dtype=np.int8))
+            if doc.margin is not None:
+                self._margins.append(np.full(len(piece), doc.margin, dtype=np.float32))
             self._fill += len(piece)
             offset += len(ids)
         self._used(doc)
@@ -381,7 +388,11 @@ class WholeDocPacker:
         if self._roles:
             self._roles.append(np.zeros(T - sum(len(r) for r in self._roles), dtype=np.int8))
             roles = np.concatenate(self._roles)
+        margins = None
+        if self._margins:
+            self._margins.append(np.zeros(T - sum(len(m) for m in self._margins), dtype=np.float32))
+            margins = np.concatenate(self._margins)
         row = PackedSequence(np.concatenate(self._tokens).astype(np.int32, copy=False), self._spans, state,
-                             np.concatenate(self._masks), roles)
-        self._tokens, self._masks, self._spans, self._fill, self._roles = [], [], [], 0, []
+                             np.concatenate(self._masks), roles, margins)
+        self._tokens, self._masks, self._spans, self._fill, self._roles, self._margins = [], [], [], 0, [], []
         return row

@@ -335,7 +335,8 @@ def read_ahead_tokens(plan: DataPlan) -> int:
 
 
 def build(config: DataConfig, *, seed: int, global_batch_size: int, rank: int, world_size: int,
-          split: str = "train") -> DataPipeline:
-    """This rank's pipeline. Raises DataError for bad data paths, ConfigError for bad shapes."""
+          split: str = "train", record_fields: tuple[str, ...] = ()) -> DataPipeline:
+    """This rank's pipeline. Raises DataError for bad data paths, ConfigError for bad shapes.
+    ``record_fields``: what the objective reads of the records beside the tokens (plan.make_plan)."""
     return DataPipeline(make_plan(config, seed=seed, global_batch_size=global_batch_size,
-                                  rank=rank, world_size=world_size, split=split))
+                                  rank=rank, world_size=world_size, split=split, record_fields=record_fields))

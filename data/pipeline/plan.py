@@ -13,7 +13,7 @@ from core.config import DataConfig
 from core.exceptions import ConfigError, DataError
 from data.pipeline.batching import BatchAssembler
 from data.chat_template import ChatEncoder, ChatTemplate
-from data.preference import PreferenceEncoder
+from data.preference import MARGIN, PreferenceEncoder
 from data.pipeline.packing import StreamPacker, WholeDocPacker
 from data.pipeline.reading import StreamReader
 from data.pipeline.augment import AugmentStage
@@ -85,9 +85,15 @@ class DataPlan:
 
 
 def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: int,
-              world_size: int, split: str = "train") -> DataPlan:
+              world_size: int, split: str = "train", record_fields: tuple[str, ...] = ()) -> DataPlan:
+    """``record_fields``: optional record fields the objective reads beside the tokens
+    (core.objective_kinds.record_fields; ``margin``: each preference pair's margin)."""
     if split not in SPLITS:
         raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
+    unknown = set(record_fields) - {MARGIN}
+    if unknown:
+        raise ConfigError(f"the data pipeline carries no record field {sorted(unknown)[0]!r} (only {MARGIN!r} of "
+                          "preference records)", key="objective.kind")
     if global_batch_size % config.num_streams:
         raise ConfigError(
             f"global batch size {global_batch_size} is not divisible by data.num_streams={config.num_streams}",
@@ -103,7 +109,7 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
         sources = open_sources(config.sources, label="data.sources")
     tokenizer = build_tokenizer(config.tokenizer)
     records = [s.config.record for s in sources]
-    chat = chat_encoders(config, sources, tokenizer)
+    chat = chat_encoders(config, sources, tokenizer, margins=MARGIN in record_fields)
     stages: list[Stage] = [DecodeStage([s.config.text_column for s in sources], records),
                            TokenizeStage(tokenizer, chat)]
     if AugmentStage.enabled(config.augment) and split == "train":
@@ -129,6 +135,8 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
                           "template": hashlib.sha256(template.source.encode()).hexdigest()[:16]}
     if packing_mode(config, sources) == "whole":
         compat["packing"] = "whole"
+    if record_fields:  # read from the records beside the tokens
+        compat["record_fields"] = sorted(record_fields)
     return DataPlan(
         config=config, seed=seed, split=split, owned=owned,
         rows_per_stream=global_batch_size // config.num_streams, sources=sources,
@@ -144,7 +152,8 @@ def packing_mode(config: DataConfig, sources: list[Source]) -> str:
     return "whole" if any(s.config.record != "text" for s in sources) else "split"
 
 
-def chat_encoders(config: DataConfig, sources: list[Source], tokenizer: Tokenizer) -> list[ChatEncoder | None]:
+def chat_encoders(config: DataConfig, sources: list[Source], tokenizer: Tokenizer, *,
+                  margins: bool = False) -> list[ChatEncoder | None]:
     """One encoder per structured source (None for text sources); checks the template once."""
     if all(s.config.record == "text" for s in sources):
         return [None] * len(sources)
@@ -160,7 +169,7 @@ def chat_encoders(config: DataConfig, sources: list[Source], tokenizer: Tokenize
             encoders.append(None)
             continue
         if s.config.record == "preference":
-            encoders.append(PreferenceEncoder(template, tokenizer))
+            encoders.append(PreferenceEncoder(template, tokenizer, margins=margins))
             continue
         encoder = ChatEncoder(template, tokenizer, kind=s.config.record, loss_on=config.loss_on)
         encoders.append(encoder)

@@ -148,6 +148,7 @@ class TokenizeStage:
             try:
                 ids, doc.mask, *parts = self.chat[doc.source].encode(doc.payload)
                 doc.parts = parts[0] if parts else None  # preference pairs (data/preference.py)
+                doc.margin = parts[1] if len(parts) > 1 else None  # and their margins, where read
             except RecordError as exc:
                 raise BadRecord(str(exc)) from None
             return ids

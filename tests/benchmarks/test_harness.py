@@ -142,3 +142,25 @@ def test_determinism_benchmark_compares_gpu_counts_by_their_batches():
     cross = det.across_world_sizes({1: one, 2: two})["1v2"]
     assert cross["same_batches"] and cross["max_rel_loss_diff"] == pytest.approx(1e-3)
     assert not det.across_world_sizes({1: one, 2: [two[0], dict(two[1], batch_hash="x")]})["1v2"]["same_batches"]
+
+
+def test_determinism_benchmark_ppo_method_is_a_valid_ppo_config_that_overrides_still_change(tmp_path):
+    """``--method ppo`` adds PPO's settings (METHODS) before ``--override``, and the result loads as PPO."""
+    from argparse import Namespace
+
+    from core.config import load
+    from training.objectives import check_objective_config
+
+    det = _module("gpu_determinism")
+    args = Namespace(config=str(ROOT / "tests" / "configs" / "e2e.yaml"), global_batch=4, seq=112, steps=5, interval=2,
+                     method="ppo", override=["parallel.device=cpu", "objective.ppo.kl_coef=0.1"])
+    flags = det.overrides(args, 1, tmp_path)
+    assert flags[:2] == ["--config", args.config]
+    config = load(flags[1], flags[2:])
+    check_objective_config(config)  # the rewards resolve, the critic's source exists
+    ppo = config.objective.ppo
+    assert config.objective.kind == "ppo" and ppo.ppo_epochs == 2 and ppo.minibatches == 2
+    assert [r.name for r in ppo.rewards] == ["exact_answer", "format_regex"]
+    assert ppo.kl_coef == 0.1 and config.parallel.device == "cpu"  # --override wins over the method's settings
+    assert det.METHODS["lm"] == () and det.overrides(Namespace(**{**vars(args), "method": "lm"}), 1, tmp_path)[-2:] \
+        == args.override

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 import pytest
 
 from core.config import load
@@ -151,3 +152,50 @@ def test_a_source_whose_every_pair_is_longer_than_a_row_is_a_data_error_not_a_lo
     assert info.value.exit_code == 3
     assert f"source {str(path)!r} has no usable record" in info.value.message
     assert "longer than data.seq_len" in info.value.message and "data.seq_len=128" in info.value.message
+
+
+def _batches(config, steps, **kwargs):
+    pipe = build(config.data, seed=0, global_batch_size=config.train.global_batch_size, rank=0, world_size=1,
+                 **kwargs)
+    try:
+        return [next(pipe) for _ in range(steps)]
+    finally:
+        pipe.close()
+
+
+def test_a_records_margin_travels_with_its_pair_only_where_margins_are_read(tmp_path):
+    margins = [0.5 * i - 3 for i in range(40)]  # record i (provenance counts from 0) has margin 0.5 i - 3
+    plain = _write(tmp_path / "plain.jsonl", [_good(i) for i in range(40)])
+    marked = _write(tmp_path / "marked.jsonl", [{**_good(i), "margin": m} for i, m in enumerate(margins)])
+    # Not read: a record with a margin gives the batches (ids, extras, hashes) a record without one gives.
+    for ours, theirs in zip(_batches(_config(marked, streams=1, batch=2), 3), _batches(_config(plain, streams=1,
+                                                                                               batch=2), 3)):
+        assert "pair_margin" not in ours.extras and ours.row_digests() == theirs.row_digests()
+    # Read: every token of a pair carries its record's margin, every other token 0.
+    read = _batches(_config(marked, streams=1, batch=2), 3, record_fields=("margin",))
+    checked = 0
+    for batch in read:
+        margin, role = batch.extras["pair_margin"], batch.extras["pair_role"]
+        assert margin.dtype == torch.float32 and margin.shape == role.shape
+        for r, row in enumerate(batch.provenance):
+            for span in row:
+                if span.record < 0:  # padding
+                    assert (margin[r, span.start:span.end] == 0).all()
+                    continue
+                assert (margin[r, span.start:span.end] == margins[span.record]).all()
+                checked += 1
+    assert checked >= 12  # both documents of at least six pairs
+
+
+@pytest.mark.parametrize("value, message", [(None, "no 'margin'"), ("1", "must be a finite number"),
+                                            (float("inf"), "must be a finite number"), (True, "must be a finite")])
+def test_where_margins_are_read_a_missing_or_bad_margin_names_the_record(tmp_path, value, message):
+    bad = _good(5) if value is None else {**_good(5), "margin": value}
+    rows = [{**_good(i), "margin": 1.0} for i in range(5)] + [bad] + [{**_good(i), "margin": 1.0} for i in range(6, 40)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in rows))
+    config = _config(path, streams=1, batch=2)
+    with pytest.raises(DataError) as info:
+        _batches(config, 10, record_fields=("margin",))
+    assert message in str(info.value) and info.value.context["record"] == 6
+    _batches(config, 10)  # not read: the same records are good

@@ -84,3 +84,35 @@ def test_runs_plot_of_an_unknown_run_is_a_usage_error(tmp_path, capsys):
     _write_run(tmp_path, "a-1", losses=[1.0], rewards=[0.0], eval_rewards=[])
     assert main(["runs", "plot", "a-1", "nope", "--root", str(tmp_path)]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
+
+
+def test_runs_plot_draws_ppos_ledger_fields(tmp_path, capsys):
+    """PPO's ledger (training/objectives/ppo.py ``ledger_fields``): the value loss, explained variance
+    and value clip fraction on the critic's panels, the KL, its coefficient, approx KL and the policy's
+    clip fractions on KL and clipping's; explained_variance is null where the returns did not vary."""
+    root = tmp_path / "runs"
+    run = _write_run(root, "ppo-1", losses=[0.5, 0.4, 0.3], rewards=[0.1, 0.2, 0.3], eval_rewards=[])
+    fields = [{"value_loss": 0.9, "explained_variance": None, "value_clip_fraction": 0.0, "kl": 0.0,
+               "kl_coef": 0.05, "approx_kl": 1e-9, "clip_fraction": 0.0, "dual_clip_fraction": 0.0,
+               "policy_loss": -0.1, "score_min": 0.0, "score_max": 1.0},
+              {"value_loss": 0.7, "explained_variance": 0.25, "value_clip_fraction": 0.5, "kl": 0.01,
+               "kl_coef": 0.051, "approx_kl": 0.002, "clip_fraction": 0.125, "dual_clip_fraction": 0.0625,
+               "policy_loss": -0.2, "score_min": 0.0, "score_max": 1.5},
+              {"value_loss": 0.5, "explained_variance": 0.5, "value_clip_fraction": 0.25, "kl": 0.02,
+               "kl_coef": 0.052, "approx_kl": 0.004, "clip_fraction": 0.25, "dual_clip_fraction": 0.0,
+               "policy_loss": -0.3, "score_min": 0.5, "score_max": 2.0}]
+    lines = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    (run / "ledger.jsonl").write_text("".join(json.dumps({**line, **extra}) + "\n" for line, extra in zip(lines, fields)))
+    assert main(["runs", "plot", "ppo-1", "--root", str(root)]) == 0
+    png = run / "artifacts" / "plots.png"
+    assert capsys.readouterr().out.split() == [str(png)]
+    drawn = {p["series"]: p for p in json.loads(series_path(png).read_text())["panels"]}
+    expected_groups = {"value_loss": "critic", "explained_variance": "critic", "value_clip_fraction": "critic",
+                       "kl": "KL and clipping", "kl_coef": "KL and clipping", "approx_kl": "KL and clipping",
+                       "clip_fraction": "KL and clipping", "dual_clip_fraction": "KL and clipping",
+                       "policy_loss": "loss", "score_min": "rewards and accuracy", "score_max": "rewards and accuracy"}
+    for name, group in expected_groups.items():
+        assert drawn[name]["group"] == group, name
+        values = [[step, f[name]] for step, f in enumerate(fields, start=1) if f[name] is not None]
+        assert drawn[name]["lines"] == {"train": values}, name
+    assert drawn["explained_variance"]["lines"] == {"train": [[2, 0.25], [3, 0.5]]}  # null: not drawn

@@ -166,3 +166,47 @@ def test_generate_refuses_a_model_that_cannot_fit_before_reading_weights(tmp_pat
     err = capsys.readouterr().err.strip()
     assert code == ExitCode.CONFIG and "GiB" in err and "key=--from" in err
     assert len(err.splitlines()) == 1
+
+
+def _ppo(*extra: str):
+    return config_lib.load(launch.ROOT / "configs" / "tiny-ppo.yaml", ["parallel.device=cpu", *extra])
+
+
+def test_ppo_counts_its_critic_as_trained_and_its_reference_and_reward_model_as_frozen(tmp_path):
+    from models.flops import num_params
+    from training.memory_estimate import run_footprints
+
+    reward = _teacher_dir(tmp_path, num_layers=3)  # a reward model's shape: 3 layers
+    config = _ppo(f"objective.ppo.rewards=[{{name: model, path: '{reward}'}}]")
+    model, reference, reward_model, critic = run_footprints(config)
+    params, hidden = model.params, config.model.hidden_size
+    assert [m.key for m in (model, reference, reward_model, critic)] == [
+        "model", "objective.ppo.reference", "objective.ppo.rewards[0].path", "objective.ppo.critic"]
+    assert reference.bytes == 4 * params and model.bytes == 16 * params  # fp32 weights; + grads and AdamW state
+    shape = config_lib.load(launch.ROOT / "configs" / "tiny.yaml", ["model.num_layers=3"]).model
+    assert reward_model.role == "a reward model" and reward_model.bytes == 4 * num_params(shape)
+    # the critic: the policy's trunk and a value head Linear(hidden, 1), trained (weights, grads, AdamW)
+    assert critic.role == "a critic" and critic.bytes == 16 * (params + hidden + 1) and not critic.sharded
+    untied = run_footprints(_ppo("model.tie_embeddings=false", "objective.ppo.kl_coef=0"))
+    policy, critic = untied
+    output = config.model.vocab_size * hidden  # never used by the critic: weights only
+    assert critic.bytes == 16 * (policy.params - output + hidden + 1) + 4 * output
+
+
+def test_a_huge_critic_is_refused_before_the_run_dir_naming_its_key(tmp_path):
+    config = _ppo(f"objective.ppo.critic={_teacher_dir(tmp_path, hidden_size=10_000_000)}")
+    with pytest.raises(ConfigError) as info:
+        session.check_model_fits(config, torch.device("cpu"), ONE)
+    assert info.value.context["key"] == "objective.ppo.critic"
+    assert "a critic of" in str(info.value) and "GiB" in str(info.value)
+
+
+def test_under_fsdp_the_critic_is_not_divided_over_the_ranks(monkeypatch):
+    from training import memory_estimate
+
+    seen = []
+    monkeypatch.setattr(memory_estimate, "check_training_state_fits", lambda total, *a, **k: seen.append(total))
+    config = _ppo("parallel.strategy=fsdp")
+    model, reference, critic = memory_estimate.run_footprints(config)
+    memory_estimate.check_run_fits(config, torch.device("cpu"), ProcessInfo(rank=0, world_size=2, local_rank=0))
+    assert seen == [(model.bytes + reference.bytes) // 2 + critic.bytes]  # the critic is a replica per rank

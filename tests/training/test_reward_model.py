@@ -27,20 +27,25 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
 DOCS = ([(0, 5, 8), (8, 13, 16), (16, 21, 24), (24, 29, 32)], [(0, 6, 10), (10, 16, 20)])
 
 
-def _batch() -> Batch:
+def _batch(pair_margins=None) -> Batch:
+    """``pair_margins``: per row, each pair's margin (the extra ``pair_margin``, as data/preference.py carries it)."""
     rng = np.random.default_rng(0)
-    tokens, spans, masks, roles = [], [], [], []
+    tokens, spans, masks, roles, margins = [], [], [], [], []
     for row, docs in enumerate(DOCS):
         ids = rng.integers(0, 256, T).astype(np.int32)
         mask, role, row_spans = np.zeros(T, dtype=bool), np.zeros(T, dtype=np.int8), []
+        margin = np.zeros(T, dtype=np.float32)
         for d, (lo, resp, hi) in enumerate(docs):
             mask[resp:hi] = True
             role[lo:hi] = 1 + d % 2
             row_spans.append(DocSpan("s", "f", row * 10 + d // 2, lo, hi, d % 2))
+            if pair_margins is not None:
+                margin[lo:hi] = pair_margins[row][d // 2]
         if docs[-1][2] < T:
             row_spans.append(DocSpan("<padding>", "", -1, docs[-1][2], T, 0))
-        tokens.append(ids), spans.append(row_spans), masks.append(mask), roles.append(role)
-    return Batch.from_rows(1, tokens, spans, [0, 1], {}, masks, roles=roles)
+        tokens.append(ids), spans.append(row_spans), masks.append(mask), roles.append(role), margins.append(margin)
+    return Batch.from_rows(1, tokens, spans, [0, 1], {}, masks, roles=roles,
+                           margins=margins if pair_margins is not None else None)
 
 
 def _objective(overrides=()):
@@ -97,19 +102,24 @@ def test_a_score_is_the_sequence_alone_at_its_last_token_whatever_follows_it():
         assert n == ids.numel() + 5
 
 
-def test_the_loss_is_bradley_terry_with_margin_and_centering_by_hand():
-    objective, model, parts = _objective()
-    batch, head = _batch(), parts[SCORE_PART]
+@pytest.mark.parametrize("per_record", [False, True])
+def test_the_loss_is_bradley_terry_with_margin_and_centering_by_hand(per_record):
+    """A fixed margin 0.25, or each pair's own (1.5 and -0.5 in row 0, 2.0 in row 1) under margin_from: record."""
+    own = ((1.5, -0.5), (2.0,))
+    record = ["objective.reward_model.margin=0", "objective.reward_model.margin_from=record"] if per_record else []
+    objective, model, parts = _objective(record)
+    batch, head = _batch(own if per_record else None), parts[SCORE_PART]
     out = objective.loss(model, batch, parts)
     assert out.count == 3 == objective.num_targets(batch)
     layout = score_layout(batch)
     expected, accuracy, margin = 0.0, 0.0, 0.0
-    for row, c_end, r_end in zip(layout.rows.tolist(), layout.chosen.tolist(), layout.rejected.tolist()):
+    wanted = [m for row in own for m in row] if per_record else [0.25] * 3  # pairs in row-major order
+    for row, c_end, r_end, m in zip(layout.rows.tolist(), layout.chosen.tolist(), layout.rejected.tolist(), wanted):
         c_start, r_start = c_end + 1 - _length(batch, row, c_end), r_end + 1 - _length(batch, row, r_end)
         chosen = _alone(model, head, batch.input_ids[row, c_start:c_end + 1])
         rejected = _alone(model, head, batch.input_ids[row, r_start:r_end + 1])
         gap = chosen - rejected
-        expected += -math.log(1 / (1 + math.exp(-(gap - 0.25)))) + 0.1 * (chosen + rejected) ** 2
+        expected += -math.log(1 / (1 + math.exp(-(gap - m)))) + 0.1 * (chosen + rejected) ** 2
         accuracy += float(gap > 0)
         margin += gap
     assert out.sum.item() == pytest.approx(expected, rel=1e-5)
@@ -143,10 +153,12 @@ def test_the_score_head_starts_from_the_run_seed():
     ("objective.reward_model.margin=.nan", "objective.reward_model.margin"),
     ("data.sources=[{path: datasets/tasks/sft/train, name: s, record: chat}]", "data.sources"),
     ("model.tie_embeddings=false", "model.tie_embeddings"),
+    ("objective.reward_model.margin_from=record", "objective.reward_model.margin"),  # with margin 0.5 set below
+    ("objective.reward_model.margin_from=pair", "objective.reward_model.margin_from"),
 ])
 def test_bad_settings_are_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError) as error:
-        load(None, [*TINY, override])
+        load(None, [*TINY, "objective.reward_model.margin=0.5", override])
     assert key in str(error.value)
 
 
@@ -176,3 +188,40 @@ def test_a_reward_path_enters_the_config_hash_only_when_set():
     other_model = load(None, [*GRPO, "objective.grpo.rewards=[{name: exact_answer}, {name: model, path: b/dir}]"])
     assert len({config_hash(plain), config_hash(with_model), config_hash(other_model)}) == 3
     assert "path" in to_dict(plain)["objective"]["grpo"]["rewards"][0]  # the key exists; the hash leaves it out
+
+
+def test_margins_are_read_from_the_records_only_under_margin_from_record():
+    from core.objective_kinds import record_fields
+
+    fixed = load(None, [*TINY, "objective.reward_model.margin=0.5"])
+    record = load(None, [*TINY, "objective.reward_model.margin_from=record"])
+    assert record_fields(fixed) == () and record_fields(record) == ("margin",)
+    assert record_fields(load(None, GRPO)) == ()
+    # margin_from enters the hash only when set: a config that never names it keeps its hash
+    assert "margin_from" in to_dict(fixed)["objective"]["reward_model"]
+    explicit = load(None, [*TINY, "objective.reward_model.margin=0.5", "objective.reward_model.margin_from=fixed"])
+    assert config_hash(explicit) == config_hash(fixed) != config_hash(record)
+
+
+def test_the_runs_pipelines_carry_the_records_margins_under_margin_from_record(tmp_path):
+    """training/builders.py builds the training and the held-out pipelines with the objective's
+    record fields: each pair's margin arrives as the extra pair_margin, read at its chosen end."""
+    import json
+
+    from training.builders import build_data
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": str(i + 2),
+                                        "margin": 0.25 * i}) + "\n" for i in range(16)))
+    source = f"{{path: {path}, record: preference}}"
+    config = load(None, [*TINY, "objective.reward_model.margin_from=record", f"data.sources=[{source}]",
+                         f"data.eval_source={source}", "data.num_streams=1", "train.global_batch_size=2",
+                         "data.seq_len=512", "data.workers=0"])
+    train, evaluation = build_data(config, SimpleNamespace(dp_rank=0, dp_size=1))
+    with train as pipe, evaluation() as held_out:
+        for batch in (next(pipe), next(held_out)):
+            layout = score_layout(batch)
+            margins = batch.extras["pair_margin"][layout.rows, layout.chosen].tolist()
+            records = [next(s.record for s in batch.provenance[r] if s.start <= end < s.end)
+                       for r, end in zip(layout.rows.tolist(), layout.chosen.tolist())]
+            assert margins == [0.25 * record for record in records] and len(records) >= 2

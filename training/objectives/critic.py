@@ -4,7 +4,11 @@ The trunk starts as a copy of the model ``objective.ppo.critic`` names (training
 frozen.py ``source_model``): ``init`` is the policy's own starting weights (``model.init_from``,
 else the seeded initialization), or a Hugging Face directory, or ``run:RUN_ID[@STEP]``. The
 value head ``Linear(hidden, 1)`` starts at zero, so the first values are 0 and the first
-advantages are the rewards' GAE alone.
+advantages are the rewards' GAE alone; except where the source is a reward model (a
+``reward_model`` run, whose checkpoint holds a ``score`` part, or its Hugging Face
+sequence-classification export): then the value head's weight is the reward model's score head and
+its bias 0, so before any update the critic's value at a sequence's last token is the reward
+model's score of that sequence (the trunk and the head are both the reward model's).
 
 ``values[b, t]`` is the value of the state that chooses token ``t + 1``, read from the trunk's
 final normed hidden state at position ``t``: aligned with the labels (``labels[b, t]`` is that
@@ -20,18 +24,22 @@ from torch import nn
 
 from core.config import Config
 from models.qwen.forward import model_forward
-from training.objectives.frozen import source_model
+from training.objectives.frozen import RUN_PREFIX, run_checkpoint, source_model
+from training.objectives.reward_model_io import is_classifier, read_checkpoint_score, read_score_weight
 
 
 class Critic(nn.Module):
     """(input_ids, position_ids, document_ids) (B, T) -> values (B, T), fp32."""
 
-    def __init__(self, trunk: nn.Module) -> None:
+    def __init__(self, trunk: nn.Module, head_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.trunk = trunk
         self.value_head = nn.Linear(trunk.dims.hidden_size, 1)
         with torch.no_grad():
-            self.value_head.weight.zero_()
+            if head_weight is None:
+                self.value_head.weight.zero_()
+            else:  # a reward model's score head (1, hidden)
+                self.value_head.weight.copy_(head_weight)
             self.value_head.bias.zero_()
         if trunk.lm_head.weight is not trunk.embed_tokens.weight:
             trunk.lm_head.weight.requires_grad_(False)
@@ -47,7 +55,18 @@ class Critic(nn.Module):
 
 def build_critic(config: Config) -> Critic:
     """The critic ``objective.ppo.critic`` names, on the host (the loop places and wraps it)."""
-    trunk = source_model(config, config.objective.ppo.critic, key="objective.ppo.critic")
+    source, key = config.objective.ppo.critic, "objective.ppo.critic"
+    trunk = source_model(config, source, key=key)
     for param in trunk.parameters():
         param.requires_grad_(True)
-    return Critic(trunk)
+    return Critic(trunk, reward_model_head(config, source, hidden_size=trunk.dims.hidden_size, key=key))
+
+
+def reward_model_head(config: Config, source: str, *, hidden_size: int, key: str) -> torch.Tensor | None:
+    """The score head's weight (1, hidden_size) fp32 where ``source`` is a reward model, else None."""
+    if source.startswith(RUN_PREFIX):
+        weight = read_checkpoint_score(run_checkpoint(config, source, key=key))
+        return None if weight is None else weight.float()
+    if source != "init" and is_classifier(source):
+        return read_score_weight(source, hidden_size)
+    return None

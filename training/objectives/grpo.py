@@ -94,7 +94,7 @@ from models.qwen.sampler import SamplingParams
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
-from training.objectives.model_reward import build_model_reward
+from training.objectives.model_reward import build_model_rewards, reward_role, weighted_scores
 from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.environment import RewardEnvironment, Task, batch_tasks
@@ -104,7 +104,7 @@ from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, episode_records, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
-from training.rollout.rewards import exact_answer
+from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 from training.rollout.tool_environment import resolve_environment
 
 PURPOSE = "grpo"
@@ -225,8 +225,7 @@ class GRPOObjective:
         if g.kl_coef > 0:
             self.reference = build_frozen(config, g.reference, role="reference", dist=context.dist,
                                           key="objective.grpo.reference")
-        self.model_rewards = [(reward.weight, build_model_reward(config, reward.path, dist=context.dist, key=key))
-                              for key, reward in model_rewards(config).items()]
+        self.model_rewards = build_model_rewards(config, model_rewards(config), dist=context.dist)
 
     def prepare(self, batch: Batch) -> Batch:
         if batch.evaluation:
@@ -304,21 +303,14 @@ class GRPOObjective:
 
     def frozen_identity(self) -> dict[str, dict[str, str]]:
         identities = {"reference": self.reference.identity} if self.reference is not None else {}
-        return {**identities, **{_reward_role(i): reward.identity for i, (_, reward) in enumerate(self.model_rewards)}}
+        return {**identities, **{reward_role(i): reward.identity for i, (_, reward) in enumerate(self.model_rewards)}}
 
     def _model_scores(self, experience: Experience) -> np.ndarray:
-        """Per trajectory, the weighted sum of the reward models' scores of its prompt + completion,
-        in chunks of a fixed number of rows (every rank runs as many chunks: a sharded reward
-        model's forward is collective)."""
-        sequences = [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories]
-        rows = self.config.train.micro_batch_size * self.g.group_size
-        pad = getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)
-        total = np.zeros(len(sequences), dtype=np.float64)
-        for weight, reward in self.model_rewards:
-            scores = [s for lo in range(0, len(sequences), rows)
-                      for s in reward.scores(sequences[lo:lo + rows], device=self._context.parallel.device, pad_id=pad)]
-            total += weight * np.asarray(scores, dtype=np.float64)
-        return total
+        """Per trajectory, the weighted sum of the reward models' scores of its prompt + completion."""
+        return weighted_scores(self.model_rewards, [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories],
+                               rows=self.config.train.micro_batch_size * self.g.group_size,
+                               device=self._context.parallel.device,
+                               pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
 
     # ------------------------------------------------------------------ evaluation
 
@@ -326,11 +318,9 @@ class GRPOObjective:
         """The held-out prompt rows with the greedy completion's reward and exact-answer score
         (extras ``eval_reward``, ``eval_exact``, (B,) float32) and, with ``eval_samples > 0``, the
         means over the sampled completions (``eval_sampled_reward``, ``eval_sampled_exact``);
-        no training state is touched."""
+        no training state is touched (training/rollout/evaluation.py)."""
         tasks = batch_tasks(batch, self.tokenizer)
-        # A prompt's index in the evaluation (eval batches count from 1, rows within the global
-        # batch): the same for every world size and at every evaluation.
-        held_out = [(batch.step - 1) * self.config.train.global_batch_size + task.index for task in tasks]
+        held_out = held_out_indices(batch, tasks, self.config.train.global_batch_size)
         greedy = self._evaluation_scores(batch, tasks, held_out, self.eval_params, samples=1)
         extras = {"eval_reward": greedy[0], "eval_exact": greedy[1]}
         if self.g.eval_samples > 0:
@@ -341,40 +331,13 @@ class GRPOObjective:
 
     def _evaluation_scores(self, batch: Batch, tasks: list[Task], held_out: list[int], params: SamplingParams, *,
                            samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per prompt, the mean configured reward and the mean exact-answer score of ``samples``
-        completions; sample ``j`` of held-out prompt ``i`` is keyed ``(seed, EVAL_PURPOSE, 0, i, j)``
-        (greedy decoding draws nothing from its key)."""
-        rewards = np.zeros((len(tasks), samples), dtype=np.float64)
-        exact = np.zeros((len(tasks), samples), dtype=np.float64)
-        if self.episodes is not None:  # each sample an episode; the answer is its last turn's text
-            results = self.episodes.play(
-                self._model, tasks, held_out, params, purpose=EVAL_PURPOSE, step=0, samples=samples,
-                where=lambda task, s: f"evaluation batch {batch.step}, prompt row {task.index}, sample {s}")
-            for i, (task, result) in enumerate(zip([t for t in tasks for _ in range(samples)], results)):
-                rewards[i // samples, i % samples] = result.reward
-                exact[i // samples, i % samples] = exact_answer(result.text, task.answer)
-            return (torch.tensor(rewards.mean(axis=1), dtype=torch.float32),
-                    torch.tensor(exact.mean(axis=1), dtype=torch.float32))
-        flat = self.generator.generate_from(self._model, [t.prompt_ids for t in tasks], held_out, params,
-                                            purpose=EVAL_PURPOSE, step=0, samples=samples)
-        for p, task in enumerate(tasks):
-            for s in range(samples):
-                completion = self.decoder.completion(flat[p * samples + s])
-                episode = self.environment.reset(
-                    task, where=f"evaluation batch {batch.step}, prompt row {task.index}, sample {s}")
-                rewards[p, s] = episode.step(completion).reward
-                exact[p, s] = exact_answer(completion.text, task.answer)
-        return (torch.tensor(rewards.mean(axis=1), dtype=torch.float32),
-                torch.tensor(exact.mean(axis=1), dtype=torch.float32))
+        return evaluation_scores(self.generator, self._model, self.decoder, self.environment, batch, tasks, held_out,
+                                 params, purpose=EVAL_PURPOSE, samples=samples,
+                                 episodes=self.episodes)
 
     def _evaluation_loss(self, micro: Batch) -> LossOutput:
         """Per held-out prompt: minus its greedy reward, and the metric sums of the scores ``prepare`` put in its extras."""
-        reward, exact = micro.extras["eval_reward"], micro.extras["eval_exact"]
-        metrics = {"reward_mean": reward.sum(), "accuracy": exact.sum()}
-        if self.g.eval_samples > 0:  # per-prompt means over the eval_samples completions
-            metrics["sampled_reward_mean"] = micro.extras["eval_sampled_reward"].sum()
-            metrics["sampled_accuracy"] = micro.extras["eval_sampled_exact"].sum()
-        return LossOutput(-reward.sum(), int(reward.shape[0]), metrics)
+        return LossOutput(*evaluation_sums(micro.extras, sampled=self.g.eval_samples > 0))
 
     # ------------------------------------------------------------------ log-probs
 
@@ -388,9 +351,4 @@ class GRPOObjective:
     def _token_logps(self, module: nn.Module, placed: Batch, *, fuse: bool) -> torch.Tensor:
         """(B, T) log-probs of the labels, 0 where there is none."""
         return label_logps(module, placed, fused=fuse, chunk_tokens=self.config.train.loss_chunk_tokens)
-
-
-def _reward_role(index: int) -> str:
-    """The frozen role of the index-th model reward (``frozen_identity``): reward, reward1, ..."""
-    return "reward" if index == 0 else f"reward{index}"
 

@@ -14,24 +14,8 @@ from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from training.rollout.environment_settings import EnvironmentSettings, validate_environment
-from training.rollout.rewards import resolve_reward
-
-MODEL_REWARD = "model"
-"""The reward name of a trained reward model (training/objectives/model_reward.py)."""
-
-
-@dataclass(frozen=True)
-class RewardSettings:
-    name: str = "exact_answer"
-    """A built-in reward (exact_answer, numeric_tolerance, format_regex), model (a trained reward model: path), or a user function 'package.module:function' (docs/post_training.md)."""
-    weight: float = 1.0
-    """Weight of this reward in the sum that scores a completion."""
-    pattern: str = ""
-    """format_regex: the pattern the whole stripped completion must match."""
-    tol: float = 0.0
-    """numeric_tolerance: largest absolute difference from the answer that still passes."""
-    path: str = ""
-    """model: the reward model, run:RUN_ID[@STEP] (a reward_model run) or its Hugging Face sequence-classification export; its score of the prompt + completion is the reward."""
+from training.rollout.reward_settings import RewardSettings, check_rewards, resolve_rule_rewards
+from training.rollout.reward_settings import model_rewards as _model_rewards
 
 
 @dataclass(frozen=True)
@@ -103,7 +87,6 @@ def validate(config: Config) -> None:
         ("overlong_buffer", 0 <= g.overlong_buffer <= g.max_new_tokens,
          f"in 0..max_new_tokens ({g.max_new_tokens}; 0: no overlong shaping)"),
         ("dynamic_sampling_rounds", 0 <= g.dynamic_sampling_rounds <= 16, "in 0..16 (0: no dynamic sampling)"),
-        ("rewards", len(g.rewards) >= 1, "a list of at least one reward"),
     )
     for name, ok, expected in checks:
         if not ok:
@@ -117,13 +100,7 @@ def validate(config: Config) -> None:
             key=f"{key}.inner_updates",
             hint="the optimizer updates made on each rollout batch; 1 is GRPO as published",
         )
-    for i, reward in enumerate(g.rewards):
-        if not (math.isfinite(reward.weight)):
-            raise ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight")
-        if (reward.name == MODEL_REWARD) != bool(reward.path):
-            raise ConfigError(f"{key}.rewards[{i}]: path names the reward model of a reward named {MODEL_REWARD!r}, "
-                              f"got name {reward.name!r} with path {reward.path!r}", key=f"{key}.rewards[{i}].path",
-                              hint="{name: model, path: run:RUN_ID | HF_DIR}; other rewards take no path")
+    check_rewards(g, key)
     if model_rewards(config) and g.dynamic_sampling_rounds > 0:
         raise ConfigError(f"{key}.dynamic_sampling_rounds: a model reward scores a whole rollout batch after it is "
                           "sampled, and dynamic sampling re-samples groups while the rollout is collected",
@@ -160,17 +137,15 @@ def check_prompt_data(config: Config, kind: str, *, eval_hint: str) -> None:
 
 
 def resolve_rewards(config: Config) -> list:
-    """The configured rewards, resolved: an unknown name or a function path that does not
+    """The configured rule rewards, resolved: an unknown name or a function path that does not
     import is a ConfigError naming objective.grpo.rewards[i].name (exit 2, before any process
     group or run dir: training.objectives.check_objective_config)."""
-    return [resolve_reward(r.name, weight=r.weight, pattern=r.pattern, tol=r.tol, key=f"objective.grpo.rewards[{i}]")
-            for i, r in enumerate(config.objective.grpo.rewards) if r.name != MODEL_REWARD]
+    return resolve_rule_rewards(config.objective.grpo, "objective.grpo")
 
 
 def model_rewards(config: Config) -> dict[str, RewardSettings]:
     """{config key of its path: settings} of each configured model reward, in order."""
-    return {f"objective.grpo.rewards[{i}].path": r for i, r in enumerate(config.objective.grpo.rewards)
-            if r.name == MODEL_REWARD}
+    return _model_rewards(config.objective.grpo, "objective.grpo")
 
 
 KIND = ObjectiveKind(

@@ -25,6 +25,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 from torch import nn
@@ -66,6 +67,31 @@ class ModelReward:
             out = sequence_scores(self.trunk.module, self.head, ids.to(device), positions.to(device),
                                   documents.to(device), torch.arange(len(sequences), device=device), last.to(device))
         return out.float().cpu().tolist()
+
+
+def build_model_rewards(config: Config, rewards: dict, *, dist: DistributedContext) -> list[tuple[float, ModelReward]]:
+    """(weight, ModelReward) of each model reward, ``rewards`` being {config key of its path: settings}
+    (training/rollout/reward_settings.py ``model_rewards``)."""
+    return [(reward.weight, build_model_reward(config, reward.path, dist=dist, key=key))
+            for key, reward in rewards.items()]
+
+
+def reward_role(index: int) -> str:
+    """The frozen role of the index-th model reward (``frozen_identity``): reward, reward1, ..."""
+    return ROLE if index == 0 else f"{ROLE}{index}"
+
+
+def weighted_scores(rewards: list[tuple[float, ModelReward]], sequences: list[list[int]], *, rows: int,
+                    device: torch.device, pad_id: int) -> np.ndarray:
+    """Per sequence (a prompt + completion's ids), the weighted sum of the reward models' scores, in
+    chunks of ``rows`` sequences (every rank runs as many chunks: a sharded reward model's forward
+    is collective)."""
+    total = np.zeros(len(sequences), dtype=np.float64)
+    for weight, reward in rewards:
+        scores = [s for lo in range(0, len(sequences), rows)
+                  for s in reward.scores(sequences[lo:lo + rows], device=device, pad_id=pad_id)]
+        total += weight * np.asarray(scores, dtype=np.float64)
+    return total
 
 
 def build_model_reward(config: Config, source: str, *, dist: DistributedContext, key: str) -> ModelReward:

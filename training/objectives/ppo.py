@@ -2,14 +2,15 @@
 
 The actor is the policy; the critic (critic.py) is a second trained part (``critic``: a value
 head on its own trunk, its own learning rate ``critic_lr``); a frozen reference (frozen.py)
-gives the KL penalty; the rewards are the rule functions GRPO uses (``objective.ppo.rewards``,
-training/rollout/rewards.py). Every formula is in ppo_loss.py. Per step (one loop step = one
+gives the KL penalty; the rewards are GRPO's (``objective.ppo.rewards``,
+training/rollout/reward_settings.py): rule functions and trained reward models (``{name: model,
+path}``, model_reward.py: scored without gradients, recorded by path and sha256 like the reference). Every formula is in ppo_loss.py. Per step (one loop step = one
 rollout batch):
 
 1. ``prepare`` (no gradients) rolls out this rank's prompt rows (training/rollout/group.py):
    ``group_size`` completions of each (1 by default: one episode per prompt, the critic is the
    baseline), keys ``(train.seed, "ppo", step, global prompt row, sample index)``, each scored by
-   the reward environment. On the experience laid out as a batch (one row per completion, global
+   the reward environment plus the weighted scores of the reward models of its prompt + completion. On the experience laid out as a batch (one row per completion, global
    row ``prompt row * group_size + sample``) it computes once, with the weights that sampled:
    the policy's log-probs (``old_logps``), the critic's values (``old_values``) and, with a KL
    term, the reference's log-probs; then per-token rewards ``token_rewards(kl_estimate(old_logps,
@@ -53,6 +54,7 @@ once at temperature 0, ``loss`` minus its configured reward, metrics ``reward_me
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -72,13 +74,14 @@ from training.objectives.base import (OBJECTIVE_STATE_VERSION, LossOutput, Objec
 from training.objectives.critic import Critic, build_critic
 from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_variance, gae, kl_estimate,
                                           masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
-from training.objectives.ppo_settings import KIND, resolve_rewards
+from training.objectives.model_reward import build_model_rewards, reward_role, weighted_scores
+from training.objectives.ppo_settings import KIND, model_rewards, resolve_rewards
 from training.objectives.token_logps import label_logps
 from training.rollout.environment import RewardEnvironment, batch_tasks
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
-from training.rollout.rewards import exact_answer
+from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 
 PURPOSE = "ppo"
 EVAL_PURPOSE = "ppo-eval"
@@ -103,6 +106,20 @@ class PPORollout:
         return {"experience": self.experience.summary(), "rows": list(self.rows)}
 
 
+class _PhaseClock:
+    """Seconds between laps, by name (host time: each phase ends in a copy to the host)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str | None = None) -> None:
+        now = time.perf_counter()
+        if name is not None:
+            self.laps[name] = now - self._last
+        self._last = now
+
+
 class PPOObjective:
     name = KIND.name
     capabilities = KIND.capabilities
@@ -125,6 +142,7 @@ class PPOObjective:
         self.kl = AdaptiveKL(coef=p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
         self.console = self._console_lines(p)
         self.reference = None
+        self.model_rewards: list = []  # (weight, ModelReward) of each model reward, built in setup
         self.generator: Generator | None = None
         self.rollout: GroupRollout | None = None
         self._context: ObjectiveContext | None = None
@@ -151,16 +169,28 @@ class PPOObjective:
 
     @staticmethod
     def frozen_sources(config: Config) -> dict[str, str]:
-        """{config key: source} of the frozen models setup builds (the reference, with a KL term)."""
+        """{config key: source} of the frozen models setup builds (the reference, with a KL term, and
+        each model reward's reward model)."""
         p = config.objective.ppo
-        return {"objective.ppo.reference": p.reference} if PPOObjective.uses_reference(config) else {}
+        sources = {"objective.ppo.reference": p.reference} if PPOObjective.uses_reference(config) else {}
+        return {**sources, **{key: reward.path for key, reward in model_rewards(config).items()}}
+
+    @staticmethod
+    def part_sources(config: Config) -> dict[str, str]:
+        """{config key: source} of the models it trains beside the policy (the critic's trunk), for the
+        memory estimate (training/memory_estimate.py)."""
+        return {"objective.ppo.critic": config.objective.ppo.critic}
 
     @staticmethod
     def check_config(config: Config) -> list:
-        """The configured rewards, resolved, and the critic's source checked (a path or run that does
-        not exist, or another vocabulary, is a ConfigError: exit 2 before any run dir)."""
+        """The configured rule rewards, resolved, each model reward's vocabulary and tokenizer checked
+        against the policy's (model_reward.check_vocabulary), and the critic's source checked (a path
+        or run that does not exist, or another vocabulary, is a ConfigError: exit 2 before any run dir)."""
         from training.objectives.frozen import frozen_model_config
+        from training.objectives.model_reward import check_vocabulary
 
+        for key, reward in model_rewards(config).items():
+            check_vocabulary(config, reward.path, key=key)
         rewards = resolve_rewards(config)
         critic = frozen_model_config(config, config.objective.ppo.critic, key="objective.ppo.critic")
         if critic.vocab_size != config.model.vocab_size:
@@ -187,6 +217,7 @@ class PPOObjective:
         if self.uses_reference(config):
             self.reference = build_frozen(config, p.reference, role="reference", dist=context.dist,
                                           key="objective.ppo.reference")
+        self.model_rewards = build_model_rewards(config, model_rewards(config), dist=context.dist)
 
     def extra_parts(self, context: ObjectiveContext) -> dict[str, PartSpec]:
         """The critic, with its own learning rate (train.* otherwise)."""
@@ -199,15 +230,26 @@ class PPOObjective:
             return self._evaluation_batch(batch)
         p = self.p
         experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step)
+        clock = _PhaseClock()  # seconds per phase, as the experience's timings (benchmarks/ppo_step.py)
+        if self.model_rewards:
+            experience = experience.with_added_rewards(weighted_scores(
+                self.model_rewards, [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories],
+                rows=self.config.train.micro_batch_size * p.group_size, device=self._context.parallel.device,
+                pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)))
+            clock.lap("reward_model_s")
         # The rollout room's sequence advantages are GRPO's; PPO's are per token, below.
         experience = experience.with_advantages(np.zeros(len(experience.trajectories)))
         out = experience.batch(batch, seq_len=self.config.data.seq_len, mask_truncated=False,
                                pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
         mask = out.labels != IGNORE_INDEX
+        clock.lap()
         old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, placed))
+        clock.lap("policy_logps_s")
         old_values = self._each_micro(out, self._values) * mask
+        clock.lap("critic_values_s")
         if self.reference is not None:
             ref_logps = self._each_micro(out, lambda placed: self._token_logps(self.reference.module, placed))
+            clock.lap("reference_s")
             kl = kl_estimate(old_logps, ref_logps, p.kl_estimator) * mask
         else:
             kl = torch.zeros_like(old_logps)
@@ -220,7 +262,8 @@ class PPOObjective:
             advantages = self._whiten(gathered, advantages, mask)
         rows = tuple((row, float(kl[r].sum()), old_values[r][mask[r]].tolist(), returns[r][mask[r]].tolist())
                      for r, row in enumerate(out.sequence_index))
-        prepared = PPORollout(experience=experience, kl_coef=self.kl.coef, rows=rows,
+        clock.lap("advantages_s")
+        prepared = PPORollout(experience=experience.with_timings(**clock.laps), kl_coef=self.kl.coef, rows=rows,
                               layout=tuple(tuple(sorted(part)) for part in gathered))
         out = out.with_extras(old_logps=old_logps, old_values=old_values, advantages=advantages, returns=returns)
         return dataclasses.replace(out, prepared=prepared)
@@ -295,7 +338,8 @@ class PPOObjective:
         self.kl.load_state_dict(state["kl"])
 
     def frozen_identity(self) -> dict[str, dict[str, str]]:
-        return {"reference": self.reference.identity} if self.reference is not None else {}
+        identities = {"reference": self.reference.identity} if self.reference is not None else {}
+        return {**identities, **{reward_role(i): reward.identity for i, (_, reward) in enumerate(self.model_rewards)}}
 
     # ------------------------------------------------------------------ rollout batch
 
@@ -331,22 +375,14 @@ class PPOObjective:
 
     def _evaluation_batch(self, batch: Batch) -> Batch:
         """The held-out prompt rows with the greedy completion's reward and exact-answer score
-        (extras ``eval_reward``, ``eval_exact``, (B,) float32); no training state is touched."""
+        (extras ``eval_reward``, ``eval_exact``, (B,) float32; training/rollout/evaluation.py); no
+        training state is touched."""
         tasks = batch_tasks(batch, self.tokenizer)
-        # A prompt's index in the evaluation: the same for every world size and at every evaluation.
-        held_out = [(batch.step - 1) * self.config.train.global_batch_size + task.index for task in tasks]
-        flat = self.generator.generate_from(self._model, [t.prompt_ids for t in tasks], held_out, self.eval_params,
-                                            purpose=EVAL_PURPOSE, step=0, samples=1)
-        reward, exact = [], []
-        for task, sample in zip(tasks, flat):
-            completion = self.decoder.completion(sample)
-            episode = self.environment.reset(task, where=f"evaluation batch {batch.step}, prompt row {task.index}")
-            reward.append(episode.step(completion).reward)
-            exact.append(exact_answer(completion.text, task.answer))
-        return batch.with_extras(eval_reward=torch.tensor(reward, dtype=torch.float32),
-                                 eval_exact=torch.tensor(exact, dtype=torch.float32))
+        held_out = held_out_indices(batch, tasks, self.config.train.global_batch_size)
+        reward, exact = evaluation_scores(self.generator, self._model, self.decoder, self.environment, batch, tasks,
+                                          held_out, self.eval_params, purpose=EVAL_PURPOSE, samples=1)
+        return batch.with_extras(eval_reward=reward, eval_exact=exact)
 
     def _evaluation_loss(self, micro: Batch) -> LossOutput:
         """Per held-out prompt: minus its greedy reward, and the metric sums ``reward_mean`` and ``accuracy``."""
-        reward, exact = micro.extras["eval_reward"], micro.extras["eval_exact"]
-        return LossOutput(-reward.sum(), int(reward.shape[0]), {"reward_mean": reward.sum(), "accuracy": exact.sum()})
+        return LossOutput(*evaluation_sums(micro.extras, sampled=False))

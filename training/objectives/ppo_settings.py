@@ -14,8 +14,9 @@ from typing import Literal
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
-from training.objectives.grpo_settings import RewardSettings, check_prompt_data
-from training.rollout.rewards import resolve_reward
+from training.objectives.grpo_settings import check_prompt_data
+from training.rollout.reward_settings import RewardSettings, check_rewards, resolve_rule_rewards
+from training.rollout.reward_settings import model_rewards as _model_rewards
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class PPOSettings:
     top_k: int = 0
     """Top-k filter of the rollouts (0 keeps all tokens)."""
     rewards: tuple[RewardSettings, ...] = (RewardSettings(),)
-    """Rewards summed with their weights into a completion's score (the same functions as objective.grpo.rewards)."""
+    """Rewards summed with their weights into a completion's score (the same rewards as objective.grpo.rewards, a trained reward model included)."""
     on_reward_error: Literal["error", "zero"] = "error"
     """A reward function that raises or returns a non-finite value: stop with a typed error, or score 0 and count it."""
     kl_coef: float = 0.05
@@ -79,7 +80,6 @@ def validate(config: Config) -> None:
         ("temperature", math.isfinite(p.temperature) and p.temperature > 0, "> 0"),
         ("top_p", 0 < p.top_p <= 1, "in (0, 1]"),
         ("top_k", p.top_k >= 0, ">= 0"),
-        ("rewards", len(p.rewards) >= 1, "a list of at least one reward"),
         ("kl_coef", math.isfinite(p.kl_coef) and p.kl_coef >= 0, ">= 0"),
         ("kl_target", math.isfinite(p.kl_target) and p.kl_target >= 0, ">= 0 (0: a fixed kl_coef)"),
         ("kl_horizon", p.kl_horizon >= 1, ">= 1"),
@@ -97,11 +97,7 @@ def validate(config: Config) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(p, name)!r}", key=f"{key}.{name}")
-    for i, reward in enumerate(p.rewards):
-        if reward.path or reward.name == "model":
-            raise ConfigError(f"{key}.rewards[{i}]: PPO scores with rule rewards only; a trained reward model "
-                              f"(name: model, path) is a GRPO reward for now", key=f"{key}.rewards[{i}].path",
-                              hint="use exact_answer, numeric_tolerance, format_regex or a package.module:function")
+    check_rewards(p, key)
     if p.kl_target > 0 and p.kl_coef == 0:
         raise ConfigError(f"{key}.kl_target={p.kl_target} needs a starting kl_coef > 0", key=f"{key}.kl_coef",
                           hint="the adaptive coefficient is scaled from kl_coef; it cannot leave 0")
@@ -111,17 +107,18 @@ def validate(config: Config) -> None:
             f"{key}.minibatches={p.minibatches} does not divide the rollout batch's {rows} completions "
             f"(train.global_batch_size {config.train.global_batch_size} x group_size {p.group_size})",
             key=f"{key}.minibatches", hint="choose a divisor of global_batch_size x group_size")
-    for i, reward in enumerate(p.rewards):
-        if not math.isfinite(reward.weight):
-            raise ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight")
     check_prompt_data(config, "ppo", eval_hint="use data.eval_source with ppo")
 
 
 def resolve_rewards(config: Config) -> list:
-    """The configured rewards, resolved: an unknown name or a function path that does not import is a
-    ConfigError naming objective.ppo.rewards[i].name (exit 2, before any process group or run dir)."""
-    return [resolve_reward(r.name, weight=r.weight, pattern=r.pattern, tol=r.tol, key=f"objective.ppo.rewards[{i}]")
-            for i, r in enumerate(config.objective.ppo.rewards)]
+    """The configured rule rewards, resolved: an unknown name or a function path that does not import
+    is a ConfigError naming objective.ppo.rewards[i].name (exit 2, before any process group or run dir)."""
+    return resolve_rule_rewards(config.objective.ppo, "objective.ppo")
+
+
+def model_rewards(config: Config) -> dict[str, RewardSettings]:
+    """{config key of its path: settings} of each configured model reward (a trained reward model), in order."""
+    return _model_rewards(config.objective.ppo, "objective.ppo")
 
 
 KIND = ObjectiveKind(
@@ -132,5 +129,5 @@ KIND = ObjectiveKind(
     capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True, ledger_over_updates=True),
     settings=PPOSettings,
     validate=validate,
-    hashed_only_when_set=("rewards[].path",),  # PPO takes none; its configs keep their hashes
+    hashed_only_when_set=("rewards[].path",),  # added with model rewards: earlier configs keep their hashes
 )

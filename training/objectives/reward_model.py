@@ -15,7 +15,9 @@ directory in ``model.init_from``), and trained with the run's ``train`` settings
 
 The loss is the mean over the global batch's pairs of the Bradley-Terry loss
 ``-log sigmoid(r_chosen - r_rejected - margin) + center_coef * (r_chosen + r_rejected)^2``
-(ppo_loss.bradley_terry). Metric sums over pairs: ``accuracies`` (chosen scored strictly higher),
+(ppo_loss.bradley_terry), ``margin`` the fixed ``margin`` or, under ``margin_from: record``, the
+pair's own (its record's ``margin``, carried by the data as the extra ``pair_margin``, read at the
+chosen sequence's last token). Metric sums over pairs: ``accuracies`` (chosen scored strictly higher),
 ``margins`` (r_chosen - r_rejected), ``chosen_scores``, ``rejected_scores``; the ledger holds their
 means per pair, and the eval event the held-out pairs' (``metrics.accuracies``: held-out preference
 accuracy).
@@ -145,7 +147,9 @@ class RewardModelObjective:
         scores = sequence_scores(model, parts[SCORE_PART], placed.input_ids, placed.position_ids,
                                  placed.document_ids, rows, ends)  # (2N,)
         chosen, rejected = scores[:layout.pairs], scores[layout.pairs:]
-        losses, stats = bradley_terry(chosen, rejected, margin=self.settings.margin, center=self.settings.center_coef)
+        losses, stats = bradley_terry(chosen, rejected, margin=self._margins(placed, rows[:layout.pairs],
+                                                                             ends[:layout.pairs]),
+                                      center=self.settings.center_coef)
         metrics = {
             "accuracies": stats["accuracy"].sum(),
             "margins": stats["margin"].sum(),
@@ -153,6 +157,12 @@ class RewardModelObjective:
             "rejected_scores": rejected.detach().sum(),
         }
         return LossOutput(losses.sum(), layout.pairs, metrics)
+
+    def _margins(self, placed, rows: torch.Tensor, chosen_ends: torch.Tensor) -> torch.Tensor | float:
+        """(N,) each pair's own margin under margin_from: record, else the fixed margin."""
+        if self.settings.margin_from == "record":
+            return placed.extras["pair_margin"][rows, chosen_ends]
+        return self.settings.margin
 
     def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         pairs = max(count, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from core.config import Config
 from core.exceptions import ConfigError
@@ -18,6 +19,8 @@ from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 class RewardModelSettings:
     margin: float = 0.0
     """Fixed margin m of every pair's Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - m): the score gap the loss asks for; finite."""
+    margin_from: Literal["fixed", "record"] = "fixed"
+    """fixed: every pair's margin is margin; record: each pair's own, its preference record's margin field (a finite number every record must hold; margin must stay 0)."""
     center_coef: float = 0.0
     """Weight c of the centering term c * (r_chosen + r_rejected)^2 added to each pair's loss (keeps the scores near zero); >= 0."""
 
@@ -28,6 +31,10 @@ def validate(config: Config) -> None:
     o, key = config.objective.reward_model, "objective.reward_model"
     if not math.isfinite(o.margin):
         raise ConfigError(f"{key}.margin must be finite, got {o.margin!r}", key=f"{key}.margin")
+    if o.margin_from == "record" and o.margin != 0:
+        raise ConfigError(f"{key}.margin={o.margin} is the fixed margin, and {key}.margin_from=record reads each "
+                          "pair's margin from its record", key=f"{key}.margin",
+                          hint="set margin: 0 with margin_from: record, or margin_from: fixed")
     if not (math.isfinite(o.center_coef) and o.center_coef >= 0):
         raise ConfigError(f"{key}.center_coef must be >= 0, got {o.center_coef!r}", key=f"{key}.center_coef")
     sources = list(config.data.sources) + ([config.data.eval_source] if config.data.eval_source else [])
@@ -46,6 +53,11 @@ def validate(config: Config) -> None:
                           hint="train a reward model with parallel.tp: 1 (ddp or fsdp)")
 
 
+def record_fields(config: Config) -> tuple[str, ...]:
+    """The preference records' ``margin`` under margin_from: record (data/preference.py), else nothing."""
+    return ("margin",) if config.objective.reward_model.margin_from == "record" else ()
+
+
 KIND = ObjectiveKind(
     name="reward_model",
     summary="a scalar score head on the trunk, trained on chosen/rejected pairs with the Bradley-Terry loss",
@@ -54,4 +66,6 @@ KIND = ObjectiveKind(
     capabilities=ObjectiveCapabilities(chat_model=True),
     settings=RewardModelSettings,
     validate=validate,
+    hashed_only_when_set=("margin_from",),  # added after tiny-rm: its config keeps its hash
+    record_fields=record_fields,
 )

@@ -11,6 +11,9 @@
 - ``experience.py``: the ``Experience`` a rollout returns, an explicit value (trajectories,
   rewards, advantages, counts, timings), and its layout as a training batch.
 - ``advantages.py``: shaped rewards -> group-normalized advantages.
+- ``reward_settings.py``: ``RewardSettings``, one entry of GRPO's and PPO's ``rewards``, and its checks.
+- ``evaluation.py``: the held-out evaluation GRPO and PPO share (keyed decoding, reward and
+  exact-answer scores, the loss and metric sums).
 
 The room imports no other part of ``training`` (tests/test_layering.py): objectives use it, it
 uses none of them.
