@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.04)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--prepare-precision", choices=("fp32", "bf16"), default="fp32",
+                        help="prepare's forwards (reference, reward model, old log-probs, values): fp32 as the loop "
+                             "runs them under parallel.strategy none; bf16 autocast as fsdp's bf16 parameters do")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     report = run(args)
@@ -92,6 +95,8 @@ def run(args) -> dict:
         place=lambda t: t.to(device, non_blocking=True), fuse_head=True))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    prepare_autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                                      enabled=cuda and getattr(args, "prepare_precision", "fp32") == "bf16")
 
     def sync():
         if cuda:
@@ -103,7 +108,7 @@ def run(args) -> dict:
             prompt_batch = next(pipe)
             sync()
             started = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), prepare_autocast:
                 batch = objective.prepare(prompt_batch)
             sync()
             prepare_s = time.perf_counter() - started
@@ -144,6 +149,7 @@ def run(args) -> dict:
         "max_new_tokens": args.max_new_tokens, "seq_len": args.seq, "micro_batch": args.micro_batch,
         "kl_coef": args.kl_coef, "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "precision": "bf16 autocast" if cuda else "fp32",
+        "prepare_precision": getattr(args, "prepare_precision", "fp32") if cuda else "fp32",
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "steps": steps,
     }

@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=4, help="PPO minibatches per epoch")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--prepare-precision", choices=("fp32", "bf16"), default="fp32",
+                        help="prepare's forwards (reference, reward model, old log-probs, values): fp32 as the loop "
+                             "runs them under parallel.strategy none; bf16 autocast as fsdp's bf16 parameters do")
     parser.add_argument("--tiny", action="store_true", help="smoke: the tiny model, 4 prompts x 2, 8 new tokens")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -78,7 +81,7 @@ def run(args) -> dict:
     return {"benchmark": "ppo_step", "shape": args.shape, "prompts": args.prompts, "group_size": args.group,
             "max_new_tokens": args.max_new_tokens, "seq_len": args.seq, "micro_batch": args.micro_batch,
             "kl_coef": args.kl_coef, "ppo_epochs": args.epochs, "minibatches": args.minibatches,
-            "device": grpo["device"], "torch": grpo["torch"], "precision": grpo["precision"],
+            "device": grpo["device"], "torch": grpo["torch"], "precision": grpo["precision"], "prepare_precision": grpo["prepare_precision"],
             "ratio": last_ppo["step_s"] / last_grpo["step_s"], "grpo": grpo, "ppo": ppo}
 
 
@@ -128,6 +131,8 @@ def run_ppo(args) -> dict:
     optimizers = [torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-6, fused=cuda)
                   for module in (model, critic)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    prepare_autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                                      enabled=cuda and getattr(args, "prepare_precision", "fp32") == "bf16")
 
     def sync():
         if cuda:
@@ -139,7 +144,7 @@ def run_ppo(args) -> dict:
             prompt_batch = next(pipe)
             sync()
             started = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), prepare_autocast:
                 batch = objective.prepare(prompt_batch)
             sync()
             prepare_s = time.perf_counter() - started

@@ -53,19 +53,19 @@ class ModelReward:
 
         if not sequences:
             return []
+        # Right-padded rows of one document each, no document mask: attention is causal, so no
+        # token of a sequence sees the padding after it, and the score read at the sequence's last
+        # token is the same as with the padding masked off, while the kernel stays plain causal
+        # attention (a document mask makes SDPA build a (B, 1, T, T) mask and leave its fused kernels).
         width = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-        documents = torch.ones((len(sequences), width), dtype=torch.long)  # padding: a document of its own
-        positions = torch.zeros((len(sequences), width), dtype=torch.long)
         for row, sequence in enumerate(sequences):
             ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-            documents[row, :len(sequence)] = 0
-            positions[row, :len(sequence)] = torch.arange(len(sequence))
-            positions[row, len(sequence):] = torch.arange(width - len(sequence))
+        positions = torch.arange(width).expand(len(sequences), width)
         last = torch.tensor([len(s) - 1 for s in sequences], dtype=torch.long)
         with torch.no_grad(), self.trunk.context():
             out = sequence_scores(self.trunk.module, self.head, ids.to(device), positions.to(device),
-                                  documents.to(device), torch.arange(len(sequences), device=device), last.to(device))
+                                  None, torch.arange(len(sequences), device=device), last.to(device))
         return out.float().cpu().tolist()
 
 

@@ -97,7 +97,7 @@ def score_head(hidden_size: int, *, generator: torch.Generator) -> nn.Linear:
 
 
 def sequence_scores(model: nn.Module, head: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                    document_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                    document_ids: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """(N,) fp32 scores of the sequences ending at ``(rows[k], positions[k])``: the model's final
     hidden states there, through ``head``. The one place a reward model runs its trunk."""
 
