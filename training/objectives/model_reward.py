@@ -38,6 +38,10 @@ from training.objectives.frozen import RUN_PREFIX, FrozenModel, build_frozen, fr
 ROLE = "reward"
 
 
+WIDTH_MULTIPLE = 128
+"""A chunk of sequences is right-padded to a multiple of this many tokens (the flex kernel's block)."""
+
+
 @dataclass
 class ModelReward:
     """A frozen reward model: its trunk (a ``FrozenModel``) and its score head."""
@@ -57,7 +61,9 @@ class ModelReward:
         # token of a sequence sees the padding after it, and the score read at the sequence's last
         # token is the same as with the padding masked off, while the kernel stays plain causal
         # attention (a document mask makes SDPA build a (B, 1, T, T) mask and leave its fused kernels).
-        width = max(len(s) for s in sequences)
+        # The width is rounded up to a multiple of WIDTH_MULTIPLE: a compiled attention kernel (flex)
+        # sees a few shapes, not one per chunk's longest sequence.
+        width = -(-max(len(s) for s in sequences) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
         ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
         for row, sequence in enumerate(sequences):
             ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
