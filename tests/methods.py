@@ -6,6 +6,26 @@ then tests only what is particular to it, reading the row's uninterrupted run th
 ``reference_runs`` fixture; ``make test`` runs that file and the row's checks on one worker
 (``worker_group``), so that the run is trained once.
 
+A row, in the order of its fields (``tests.guarantees.Method``; only ``name`` and ``config``
+are required, a field left out is the common case):
+
+    NAME = Method("name", "e2e-x.yaml",                 # row id (names its runs); tests/configs/ file
+                  steps=8, overrides=(...),             # train.max_steps; dotted overrides of every run
+                  entry="train.py",                     # the script the ranks run (a test kind: its own)
+                  prepare=fn,                           # fn(workdir) -> overrides naming what it wrote
+                  e2e_file="test_x_e2e.py",             # the method's own file in tests/training/
+                  timeout_s=300, needs=("torchao",),    # per run; optional packages (else skipped)
+                  kill=Kill(seed=7, ...), kill_overrides=fn,
+                  replay_steps=(3, 6),                  # one before and one after a checkpoint
+                  one_rank_step=4, one_rank_same=(...), one_rank_close={...}, one_rank_loss_rel=1e-4,
+                  samples_from_weights=False,           # GRPO/PPO: batches come from the weights
+                  accumulation_steps=2, accumulation_loss_rel=1e-5,
+                  accumulation_overrides=(...), accumulation_close={...})
+
+then the row's name in ``METHODS`` (appended at the end), and a note below if it differs from the
+defaults. tests/test_guarantee_table.py checks that its files exist and its steps reach past the
+checkpoints its checks resume from.
+
 Notes on the rows that differ from the defaults:
 
 - LoRA's adapter dropout draws its masks keyed by data-parallel rank and micro-batch
@@ -125,8 +145,14 @@ REWARD_MODEL = Method("reward-model", "e2e-rm.yaml", e2e_file="test_reward_model
                       one_rank_same=("batch_hash", "pairs", "accuracy"), accumulation_overrides=("parallel.strategy=none",),
                       accumulation_close={"margin": (1e-4, 1e-7)})
 
+# A test kind (tests/training/two_part_objective.py): the policy plus a value model, each its own
+# trained part; its ranks run two_part_train.py, which registers the kind.
+TWO_PART = Method("two-part", "e2e.yaml", entry="tests/training/two_part_train.py", e2e_file="test_two_part_e2e.py",
+                  overrides=("objective.kind=two_part",), kill=Kill(seed=45),
+                  one_rank_close={"value_loss": (1e-4, 1e-6), "grad_norm_value": (1e-3, 1e-6)})
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
-           FLOAT8_HEAD, PPO, REWARD_MODEL)
+           FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}

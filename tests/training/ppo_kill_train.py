@@ -3,7 +3,7 @@ launcher: the process group ``launch.start`` made) when an update of one step be
 kill lands in the middle of the PPO epochs over that step's rollout batch, between two
 optimizer updates, where a random kill may or may not land. ``KILL_AT`` (``STEP:UPDATE``) says
 where; the job is killed once (a marker file next to the run dirs), so a resume through this
-script runs on. tests/training/test_ppo_e2e.py starts its ranks with it (``launch.ENTRY_ENV``)."""
+script runs on. tests/training/test_ppo_e2e.py starts its ranks with it (``launch.start(..., entry=...)``)."""
 
 from __future__ import annotations
 

@@ -63,15 +63,15 @@ def test_ppo_trains_actor_and_critic_with_its_ledger_fields(reference):
 
 def test_ppo_sigkill_between_two_updates_of_one_step_then_resume_is_identical(e2e_workdir, reference):
     # Step 6 (after the step-4 checkpoint): killed as its third update (epoch 2, minibatch 1) begins.
+    entry = "tests/training/ppo_kill_train.py"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(launch.ENTRY_ENV, "tests/training/ppo_kill_train.py")
         patch.setenv("LOCKSTEP_TEST_PPO_KILL_AT", "6:2")
-        job = launch.start(e2e_workdir, ppo_args(name="ppo-mid-epoch"))
+        job = launch.start(e2e_workdir, ppo_args(name="ppo-mid-epoch"), entry=entry)
         job.communicate(timeout=600)
         assert job.returncode != 0 and (e2e_workdir / "ppo-killed-once").is_file()
         run_dir = next((e2e_workdir / "runs").glob("ppo-mid-epoch-*"))
         assert [r["step"] for r in launch.ledger(run_dir)] == [1, 2, 3, 4, 5]
-        resumed = launch.train(e2e_workdir, ["--resume", run_dir.name], nproc=2, timeout=600)
+        resumed = launch.train(e2e_workdir, ["--resume", run_dir.name], nproc=2, timeout=600, entry=entry)
     assert resumed.returncode == 0, resumed.stderr
     assert launch.ledger(run_dir) == launch.ledger(reference)
 

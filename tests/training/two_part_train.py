@@ -1,7 +1,7 @@
 """train.py with the two-part test objective (two_part_objective.py) registered as
-``objective.kind: two_part``: the entry point tests/training/test_two_part_e2e.py starts its ranks
-with (``launch.ENTRY_ENV``), so the kind exists in the spawned processes (train, resume, replay)
-and nowhere else."""
+``objective.kind: two_part``: the ``entry`` of the guarantee table's ``two-part`` row
+(tests/methods.py), so the kind exists in the spawned processes (train, resume, replay) and
+nowhere else."""
 
 from __future__ import annotations
 
