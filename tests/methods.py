@@ -39,8 +39,10 @@ Notes on the rows that differ from the defaults:
   size, the first step's rollouts and batch are the same, later ones come from weights that
   were reduced in another order (the same prompts); its first update's loss is near zero.
 - QLoRA under FSDP is killed at a known point (step 5's data stalled), once.
-- PPO samples from the weights as GRPO does (rollouts, old log-probs and values, advantages);
-  its accumulation check runs one step (four updates: two epochs of two minibatches).
+- PPO samples from the weights as GRPO does (rollouts, old log-probs and values, advantages).
+  Each step is four updates (two epochs of two minibatches), so 4 steps with a checkpoint every
+  2 give the kills, replays and the 1-rank resume what they need; its accumulation check runs
+  one step.
 """
 
 from __future__ import annotations
@@ -134,8 +136,9 @@ GRPO = Method("grpo", "e2e-grpo.yaml", e2e_file="test_grpo_e2e.py", steps=5, tim
 FLOAT8_HEAD = Method("float8-head", "e2e.yaml", e2e_file="test_float8_head_e2e.py", steps=6, overrides=HEAD_IN_FLOAT8,
                      kill=Kill(seed=20), replay_steps=(3, 5), accumulation_loss_rel=1e-4)
 
-PPO = Method("ppo", "e2e-ppo.yaml", e2e_file="test_ppo_e2e.py", timeout_s=600,
-             kill=Kill(seed=47, delay_s=1.0, wait_s=300, finish_s=600),  # four updates per step: kills land mid-epoch
+PPO = Method("ppo", "e2e-ppo.yaml", e2e_file="test_ppo_e2e.py", steps=4, overrides=("checkpoint.interval=2",),
+             timeout_s=600, kill=Kill(seed=47, delay_s=1.0, wait_s=300, finish_s=600),  # kills land mid-epoch
+             replay_steps=(1, 3), one_rank_step=2,
              one_rank_same=("rollout_hash", "batch_hash", "reward_mean", "kl_coef", "kl", "explained_variance"),
              samples_from_weights=True, accumulation_steps=1,
              accumulation_close={"value_loss": (1e-4, 1e-6), "policy_loss": (1e-4, 1e-6), "kl": (1e-4, 1e-6)})
