@@ -47,6 +47,9 @@ class ObjectiveKind:
     """The objective.kind value, and the key of its settings section (objective.<name>)."""
     summary: str
     """What it trains, in a few words, for objective.kind's doc."""
+    objective: str = ""
+    """Its objective class by import path, ``module:Class`` (training.objectives.dpo:DPOObjective):
+    what training.objectives builds for this kind. Core only carries it (it imports nothing above itself)."""
     capabilities: ObjectiveCapabilities = ObjectiveCapabilities()
     """What it declares about itself (ObjectiveCapabilities)."""
     settings: Optional[type] = None

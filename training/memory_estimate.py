@@ -63,13 +63,13 @@ def trained_model_config(config: Config) -> ModelConfig:
 
 def run_footprints(config: Config) -> list[ModelFootprint]:
     """The trained model, then every frozen model the objective builds (ConfigError for a bad source)."""
-    from training.objectives import OBJECTIVES
+    from training.objectives import objective_class
     from training.objectives.frozen import frozen_model_config
 
     model = trained_model_config(config)
     per_param = 4 if model.lora.rank > 0 else 8 + _OPTIMIZER_STATE_BYTES.get(config.train.optimizer, 8)
     out = [ModelFootprint("model", "a model", num_params(model), per_param, weights=model.init_from)]
-    declared = getattr(OBJECTIVES[config.objective.kind], "frozen_sources", None)
+    declared = getattr(objective_class(config.objective.kind), "frozen_sources", None)
     for key, source in (declared(config) if declared is not None else {}).items():
         # ``init`` is the trained model's starting point: its shape is init_from's config.json's, if set
         frozen = model if source == "init" else frozen_model_config(config, source, key=key)
