@@ -13,7 +13,6 @@ from pathlib import Path
 
 import train  # noqa: E402  (train.py: sets up the process as it does when run itself)
 from runtime.fast_exit import exit_process
-from training import objectives
 from training.objectives.ppo import PPOObjective
 from training.registry import register_all
 
@@ -30,6 +29,5 @@ class KilledPPOObjective(PPOObjective):
 
 
 if __name__ == "__main__":
-    register_all()
-    objectives.OBJECTIVES[PPOObjective.name] = KilledPPOObjective
+    register_all(objectives={PPOObjective.name: "tests.training.ppo_kill_train:KilledPPOObjective"})
     exit_process(train.main())
