@@ -94,6 +94,11 @@ def register_objective(kind: ObjectiveKind) -> None:
         _REGISTERED.kinds[kind.name] = kind
 
 
+def registered_names() -> frozenset[str]:
+    """The names registered so far (none before an entry point registered them)."""
+    return frozenset(_REGISTERED.kinds)
+
+
 def unregister_objective(name: str) -> None:
     """Remove a registered kind (a test's own kind, once the test is done)."""
     _REGISTERED.kinds.pop(name, None)

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Mapping
 
 from core.exceptions import ConfigError
-from core.objective_kinds import register_lora_targets, register_objective
+from core.objective_kinds import register_lora_targets, register_objective, registered_names
 from models.qwen.lora_targets import LORA_TARGETS
 from training.objectives import (causal_lm_settings, distill_settings, dpo_settings, grpo_settings, ppo_settings,
                                  reward_model_settings, sft_settings)
@@ -34,11 +34,14 @@ def register_all(*, objectives: Mapping[str, str] | None = None) -> None:
 
     ``objectives`` (kind name -> ``module:Class``) builds another class for a kind, in the kind's
     place in the order: a test's entry script (tests/training/ppo_kill_train.py) does, in its
-    own processes only."""
+    own processes only, before train.main()'s own call, which then keeps what is registered."""
     replaced = dict(objectives or {})
     unknown = set(replaced) - {kind.name for kind in OBJECTIVE_KINDS}
     if unknown:
         raise ConfigError(f"no objective kind {sorted(unknown)} to build another class for", key="objective.kind")
+    registered = registered_names()
     for kind in OBJECTIVE_KINDS:
+        if kind.name in registered:
+            continue  # registered before (a second call, or an entry script's own class for it): kept
         register_objective(dataclasses.replace(kind, objective=replaced[kind.name]) if kind.name in replaced else kind)
     register_lora_targets(LORA_TARGETS)

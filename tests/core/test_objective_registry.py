@@ -178,6 +178,8 @@ def test_an_entry_script_builds_another_class_for_a_kind_in_its_place(monkeypatc
     assert [k.name for k in registry.objective_kinds()] == [k.name for k in OBJECTIVE_KINDS]
     assert objective_class("ppo") is objective_class("causal_lm")
     assert registry.objective_kind("ppo").capabilities is OBJECTIVE_KINDS[5].capabilities
+    register_all()  # train.main()'s own call keeps what the entry script registered
+    assert objective_class("ppo") is objective_class("causal_lm")
 
 
 def test_nothing_registered_is_an_error_saying_what_to_call(monkeypatch):
