@@ -47,6 +47,9 @@ class ObjectiveKind:
     """The objective.kind value, and the key of its settings section (objective.<name>)."""
     summary: str
     """What it trains, in a few words, for objective.kind's doc."""
+    objective: str = ""
+    """Its objective class by import path, ``module:Class`` (training.objectives.dpo:DPOObjective):
+    what training.objectives builds for this kind. Core only carries it (it imports nothing above itself)."""
     capabilities: ObjectiveCapabilities = ObjectiveCapabilities()
     """What it declares about itself (ObjectiveCapabilities)."""
     settings: Optional[type] = None
@@ -92,6 +95,11 @@ def register_objective(kind: ObjectiveKind) -> None:
                           key=f"objective.{kind.name}")
     if known is None:
         _REGISTERED.kinds[kind.name] = kind
+
+
+def registered_names() -> frozenset[str]:
+    """The names registered so far (none before an entry point registered them)."""
+    return frozenset(_REGISTERED.kinds)
 
 
 def unregister_objective(name: str) -> None:

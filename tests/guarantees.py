@@ -37,6 +37,9 @@ import yaml
 from tests import launch
 
 CONFIGS = launch.ROOT / "tests" / "configs"
+DIRECT = "direct"
+"""The table's 2-rank jobs start their ranks without torchrun's agent (tests/ranks.py): the
+same ranks and environment, ~1.5 s of CPU less per job; tests/runtime/ covers torchrun itself."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class Method:
     name: str
     config: str
     steps: int = 8
+    entry: str = launch.TRAIN
+    """The script every run of the row starts (a path from the repository root): train.py, or
+    a test's copy of it that registers a kind of its own first (tests/training/two_part_train.py)."""
     overrides: tuple[str, ...] = ()
     prepare: Callable[[Path], tuple[str, ...]] | None = None
     """Writes what the runs read into the working directory (a base model, a teacher run)
@@ -85,6 +91,8 @@ class Method:
     one_rank_step: int = 4
     one_rank_same: tuple[str, ...] = ("batch_hash",)
     """Ledger fields the 1-rank resume keeps at every step (``data_state_hash`` always)."""
+    one_rank_close: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Ledger fields besides the loss that the 1-rank resume keeps within ``(rel, abs)``."""
     samples_from_weights: bool = False
     """The batches hold what the trained weights produced (GRPO: rollouts, old log-probs). Two
     runs that round an update differently (1 against 2 ranks, other micro-batch sizes) then
@@ -137,7 +145,8 @@ class References:
         """The row's uninterrupted 2-rank run (run.name ``ref-<row>``), trained on first use."""
         if method.name not in self._runs:
             self._runs[method.name] = launch.train(self.workdir, self.args(method, name=f"ref-{method.name}"),
-                                                   nproc=2, timeout=method.timeout_s)
+                                                   nproc=2, timeout=method.timeout_s, entry=method.entry,
+                                                   rendezvous=DIRECT)
         result = self._runs[method.name]
         assert result.returncode == 0, f"the {method.name} reference run failed:\n{result.stderr}"
         return result
@@ -165,11 +174,11 @@ def sigkill_then_resume_is_identical(refs: References, method: Method) -> None:
     args = refs.args(method, name=name, overrides=extra)
     kill = method.kill
     if kill.stall:
-        killed = launch.stall_kill_and_resume(refs.workdir, args, name=name)
+        killed = launch.stall_kill_and_resume(refs.workdir, args, name=name, entry=method.entry, rendezvous=DIRECT)
     else:
         killed = launch.kill_and_resume(refs.workdir, args, name=name, seed=kill.seed, kills=kill.kills,
                                         steps=kill.steps, delay_s=kill.delay_s, wait_s=kill.wait_s,
-                                        finish_s=kill.finish_s)
+                                        finish_s=kill.finish_s, entry=method.entry, rendezvous=DIRECT)
     assert launch.ledger(killed) == launch.ledger(reference)
     assert not (killed / ".lock").exists()
 
@@ -179,7 +188,7 @@ def replay_verifies(refs: References, method: Method, dumps: Path) -> None:
     for step in method.replay_steps:
         dump = dumps / f"step{step}"
         result = launch.train(refs.workdir, ["--replay", reference.name, "--step", str(step), "--dump", str(dump)],
-                              nproc=2, timeout=method.timeout_s)
+                              nproc=2, timeout=method.timeout_s, entry=method.entry, rendezvous=DIRECT)
         assert result.returncode == 0, result.stderr
         assert "match" in result.stdout, result.stdout
         summary = json.loads((dump / "rank0_step.json").read_text())
@@ -191,7 +200,8 @@ def replay_verifies(refs: References, method: Method, dumps: Path) -> None:
 def one_rank_resume_keeps_the_batches(refs: References, method: Method) -> None:
     reference, cut = refs.run(method), method.one_rank_step
     copy = launch.cut_back_copy(reference, cut, "-one-rank")
-    resumed = launch.train(refs.workdir, ["--resume", copy.name], nproc=1, timeout=method.timeout_s)
+    resumed = launch.train(refs.workdir, ["--resume", copy.name], nproc=1, timeout=method.timeout_s,
+                           entry=method.entry)
     assert resumed.returncode == 0, resumed.stderr
     ref, got = launch.ledger(reference), launch.ledger(copy)
     assert [r["step"] for r in got] == list(range(1, method.steps + 1))
@@ -202,6 +212,8 @@ def one_rank_resume_keeps_the_batches(refs: References, method: Method) -> None:
         assert [r[key] for r in got[cut:end]] == [r[key] for r in ref[cut:end]], key
     for a, b in zip(ref[cut:end], got[cut:end]):
         assert b["loss"] == pytest.approx(a["loss"], rel=method.one_rank_loss_rel, abs=1e-5), a["step"]
+        for key, (rel, abs_) in method.one_rank_close.items():
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=abs_), (key, a["step"])
 
 
 def accumulation_changes_nothing(refs: References, method: Method) -> None:
@@ -210,7 +222,7 @@ def accumulation_changes_nothing(refs: References, method: Method) -> None:
         result = launch.train(refs.workdir, refs.args(
             method, name=f"acc{micro}-{method.name}", max_steps=method.accumulation_steps,
             overrides=[f"train.micro_batch_size={micro}", *method.accumulation_overrides]),
-            nproc=1, timeout=method.timeout_s)
+            nproc=1, timeout=method.timeout_s, entry=method.entry)
         assert result.returncode == 0, result.stderr
         ledgers.append(launch.ledger(run_dir(refs.workdir, result)))
     by_one, by_four = ledgers

@@ -20,14 +20,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-ENTRY_ENV = "LOCKSTEP_TEST_ENTRY"
-"""Names the script a test's ranks run instead of train.py (a path from the repository root):
-a test sets it (``monkeypatch.setenv``) to start train.py with something of its own in place,
-e.g. tests/training/two_part_train.py's test objective."""
-
-
-def entry_script() -> Path:
-    return ROOT / os.environ.get(ENTRY_ENV, "train.py")
+TRAIN = "train.py"
+"""The script the ranks run (a path from the repository root). A test passes another as
+``entry=`` to start train.py with something of its own in place: a test objective registered
+(tests/training/two_part_train.py, a guarantee-table row's ``Method.entry``) or an objective
+that kills its job at a known point (tests/training/ppo_kill_train.py)."""
 
 
 @dataclass
@@ -66,24 +63,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(nproc: int, args: list[str], *, rendezvous: str = "static") -> list[str]:
-    """torchrun ``train.py args`` on ``nproc`` local ranks (one process without torchrun for 1).
+def command(nproc: int, args: list[str], *, rendezvous: str = "static", entry: str = TRAIN) -> list[str]:
+    """torchrun ``entry args`` (train.py unless named) on ``nproc`` local ranks (one process
+    without torchrun for 1).
 
     ``rendezvous="static"`` (a master address and port, as ``torchrun --master_port`` takes them)
     starts the ranks about 0.7 s sooner than ``"c10d"``, which a restarted job needs: its
-    agent rendezvouses again by ``--rdzv_id`` (tests/runtime/test_restart_continues_the_run.py)."""
+    agent rendezvouses again by ``--rdzv_id`` (tests/runtime/test_restart_continues_the_run.py).
+    ``rendezvous="direct"`` starts the ranks without torchrun (tests/ranks.py: the same
+    environment, rank 0 hosting the store, no agent importing torch): the guarantee table's jobs."""
     if nproc == 1:
-        return [PYTHON, str(entry_script()), *args]
+        return [PYTHON, str(ROOT / entry), *args]
     port = free_port()
+    if rendezvous == "direct":
+        return [PYTHON, str(ROOT / "tests" / "ranks.py"), str(nproc), str(port), str(ROOT / entry), *args]
     if rendezvous == "static":
         where = ["--master_addr=127.0.0.1", f"--master_port={port}"]
     elif rendezvous == "c10d":
         where = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
     else:
-        raise ValueError(f"rendezvous must be static or c10d, got {rendezvous!r}")
+        raise ValueError(f"rendezvous must be static, c10d or direct, got {rendezvous!r}")
     return [
         PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1", *where,
-        "--max_restarts=0", "--monitor_interval=0.1", str(entry_script()), *args,
+        "--max_restarts=0", "--monitor_interval=0.1", str(ROOT / entry), *args,
     ]
 
 
@@ -104,9 +106,11 @@ def env(cwd: Path) -> dict[str, str]:
     return out
 
 
-def train(cwd: Path, args: list[str], *, nproc: int = 2, timeout: float = 300) -> Result:
+def train(cwd: Path, args: list[str], *, nproc: int = 2, timeout: float = 300, entry: str = TRAIN,
+          rendezvous: str = "static") -> Result:
     proc = subprocess.run(
-        command(nproc, args), cwd=cwd, env=env(cwd), capture_output=True, text=True, timeout=timeout
+        command(nproc, args, entry=entry, rendezvous=rendezvous), cwd=cwd, env=env(cwd), capture_output=True,
+        text=True, timeout=timeout,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
@@ -119,11 +123,12 @@ def run_module(cwd: Path, args: list[str], *, timeout: float = 300) -> Result:
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
-def start(cwd: Path, args: list[str], *, nproc: int = 2) -> subprocess.Popen:
+def start(cwd: Path, args: list[str], *, nproc: int = 2, entry: str = TRAIN,
+          rendezvous: str = "static") -> subprocess.Popen:
     """Start a job in its own process group, so the whole job can be SIGKILLed at once."""
     return subprocess.Popen(
-        command(nproc, args), cwd=cwd, env=env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        command(nproc, args, entry=entry, rendezvous=rendezvous), cwd=cwd, env=env(cwd), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 
 
@@ -214,14 +219,14 @@ def spawn_json_ranks(target, out_dir: Path, *, world: int = 2, timeout: float = 
 
 def kill_and_resume(cwd: Path, args: list[str], *, name: str, seed: int, kills: int = 2,
                     steps: tuple[int, int] = (1, 3), delay_s: float = 0.2, wait_s: float = 120,
-                    finish_s: float = 300) -> Path:
+                    finish_s: float = 300, entry: str = TRAIN, rendezvous: str = "static") -> Path:
     """Start ``args`` (whose run.name is ``name``) on 2 ranks, SIGKILL the whole job at random
     moments ``kills`` times (``steps`` steps after each (re)start, then up to ``delay_s`` later:
     mid-step, mid-rollout or mid-checkpoint), resume it by run ID each time, and return its run dir
     once the last attempt has finished (exit 0, at least one kill landed). Tied to the run's
     progress, not to the clock: a short run can finish within any fixed window."""
     rng = random.Random(seed)
-    job = start(cwd, args)
+    job = start(cwd, args, entry=entry, rendezvous=rendezvous)
     assert wait_for(lambda: list((cwd / "runs").glob(f"{name}-*")), timeout=120)
     run_dir = next((cwd / "runs").glob(f"{name}-*"))
     done = 0
@@ -233,7 +238,7 @@ def kill_and_resume(cwd: Path, args: list[str], *, name: str, seed: int, kills: 
             break
         kill_job(job)
         done += 1
-        job = start(cwd, ["--resume", run_dir.name])
+        job = start(cwd, ["--resume", run_dir.name], entry=entry, rendezvous=rendezvous)
     _, err = job.communicate(timeout=finish_s)
     assert job.returncode == 0, err
     assert done >= 1
@@ -293,17 +298,19 @@ def gathered_embedding_grad_matches_dense(cwd: Path, args_for: Callable[[str], l
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
 
 
-def stall_kill_and_resume(cwd: Path, args: list[str], *, name: str) -> Path:
+def stall_kill_and_resume(cwd: Path, args: list[str], *, name: str, entry: str = TRAIN,
+                          rendezvous: str = "static") -> Path:
     """Start ``args`` (run.name ``name``, 6 steps, a checkpoint at step 4) with step 5's data
     stalled, SIGKILL the job there, after the step-4 line (the step-4 checkpoint may be complete
     or torn), resume it by run ID without the fault, and return its run dir."""
-    job = start(cwd, [*args, "runtime.faults=[slow_data@5]", "runtime.fault_slow_data_s=30"])
+    job = start(cwd, [*args, "runtime.faults=[slow_data@5]", "runtime.fault_slow_data_s=30"], entry=entry,
+                rendezvous=rendezvous)
     assert wait_for(lambda: list((cwd / "runs").glob(f"{name}-*")), timeout=120)
     run_dir = next((cwd / "runs").glob(f"{name}-*"))
     assert wait_for(lambda: len(ledger(run_dir)) >= 4, timeout=120), job.stderr
     assert job.poll() is None
     kill_job(job)
     assert len(ledger(run_dir)) == 4
-    resumed = train(cwd, ["--resume", run_dir.name, "runtime.faults=[]"])
+    resumed = train(cwd, ["--resume", run_dir.name, "runtime.faults=[]"], entry=entry, rendezvous=rendezvous)
     assert resumed.returncode == 0, resumed.stderr
     return run_dir

@@ -6,6 +6,26 @@ then tests only what is particular to it, reading the row's uninterrupted run th
 ``reference_runs`` fixture; ``make test`` runs that file and the row's checks on one worker
 (``worker_group``), so that the run is trained once.
 
+A row, in the order of its fields (``tests.guarantees.Method``; only ``name`` and ``config``
+are required, a field left out is the common case):
+
+    NAME = Method("name", "e2e-x.yaml",                 # row id (names its runs); tests/configs/ file
+                  steps=8, overrides=(...),             # train.max_steps; dotted overrides of every run
+                  entry="train.py",                     # the script the ranks run (a test kind: its own)
+                  prepare=fn,                           # fn(workdir) -> overrides naming what it wrote
+                  e2e_file="test_x_e2e.py",             # the method's own file in tests/training/
+                  timeout_s=300, needs=("torchao",),    # per run; optional packages (else skipped)
+                  kill=Kill(seed=7, ...), kill_overrides=fn,
+                  replay_steps=(3, 6),                  # one before and one after a checkpoint
+                  one_rank_step=4, one_rank_same=(...), one_rank_close={...}, one_rank_loss_rel=1e-4,
+                  samples_from_weights=False,           # GRPO/PPO: batches come from the weights
+                  accumulation_steps=2, accumulation_loss_rel=1e-5,
+                  accumulation_overrides=(...), accumulation_close={...})
+
+then the row's name in ``METHODS`` (appended at the end), and a note below if it differs from the
+defaults. tests/test_guarantee_table.py checks that its files exist and its steps reach past the
+checkpoints its checks resume from.
+
 Notes on the rows that differ from the defaults:
 
 - LoRA's adapter dropout draws its masks keyed by data-parallel rank and micro-batch
@@ -23,8 +43,10 @@ Notes on the rows that differ from the defaults:
   environment that answers every turn (tests/agent_environment.py): kills land mid-episode, the
   ledger's ``episodes_hash`` is compared with the rest, and a replay appends the recorded
   observations (its e2e file replays with the environment made to fail if called).
-- PPO samples from the weights as GRPO does (rollouts, old log-probs and values, advantages);
-  its accumulation check runs one step (four updates: two epochs of two minibatches).
+- PPO samples from the weights as GRPO does (rollouts, old log-probs and values, advantages).
+  Each step is four updates (two epochs of two minibatches), so 4 steps with a checkpoint every
+  2 give the kills, replays and the 1-rank resume what they need; its accumulation check runs
+  one step.
 """
 
 from __future__ import annotations
@@ -123,8 +145,9 @@ AGENT_GRPO = Method("agent-grpo", "e2e-agent-grpo.yaml", e2e_file="test_agent_gr
 FLOAT8_HEAD = Method("float8-head", "e2e.yaml", e2e_file="test_float8_head_e2e.py", steps=6, overrides=HEAD_IN_FLOAT8,
                      kill=Kill(seed=20), replay_steps=(3, 5), accumulation_loss_rel=1e-4)
 
-PPO = Method("ppo", "e2e-ppo.yaml", e2e_file="test_ppo_e2e.py", timeout_s=600,
-             kill=Kill(seed=47, delay_s=1.0, wait_s=300, finish_s=600),  # four updates per step: kills land mid-epoch
+PPO = Method("ppo", "e2e-ppo.yaml", e2e_file="test_ppo_e2e.py", steps=4, overrides=("checkpoint.interval=2",),
+             timeout_s=600, kill=Kill(seed=47, delay_s=1.0, wait_s=300, finish_s=600),  # kills land mid-epoch
+             replay_steps=(1, 3), one_rank_step=2,
              one_rank_same=("rollout_hash", "batch_hash", "reward_mean", "kl_coef", "kl", "explained_variance"),
              samples_from_weights=True, accumulation_steps=1,
              accumulation_close={"value_loss": (1e-4, 1e-6), "policy_loss": (1e-4, 1e-6), "kl": (1e-4, 1e-6)})
@@ -134,8 +157,14 @@ REWARD_MODEL = Method("reward-model", "e2e-rm.yaml", e2e_file="test_reward_model
                       one_rank_same=("batch_hash", "pairs", "accuracy"), accumulation_overrides=("parallel.strategy=none",),
                       accumulation_close={"margin": (1e-4, 1e-7)})
 
+# A test kind (tests/training/two_part_objective.py): the policy plus a value model, each its own
+# trained part; its ranks run two_part_train.py, which registers the kind.
+TWO_PART = Method("two-part", "e2e.yaml", entry="tests/training/two_part_train.py", e2e_file="test_two_part_e2e.py",
+                  overrides=("objective.kind=two_part",), kill=Kill(seed=45),
+                  one_rank_close={"value_loss": (1e-4, 1e-6), "grad_norm_value": (1e-3, 1e-6)})
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
-           FLOAT8_HEAD, PPO, REWARD_MODEL, AGENT_GRPO)
+           FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}

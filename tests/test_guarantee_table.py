@@ -1,6 +1,7 @@
 """The guarantee table (tests/methods.py) stays true to the files it names and to the runs its
-checks need: a row's method file exists and shares the row's worker group, row names are unique
-(they name the rows' runs), and every row's runs reach past the checkpoint its checks resume from."""
+checks need: a row's method file and entry script exist, the file shares the row's worker
+group, row names are unique (they name the rows' runs), and every row's runs reach past the
+checkpoint its checks resume from."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def test_a_rows_checks_and_its_method_file_share_a_worker_group(method):
     path = f"tests/training/{method.e2e_file}"
     assert (conftest.ROOT / path).is_file(), path
     assert worker_group(check) == worker_group(f"{path}::test_anything") == path
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_a_rows_entry_script_exists(method):
+    assert (conftest.ROOT / method.entry).is_file(), method.entry
 
 
 def test_other_tests_are_grouped_by_file():

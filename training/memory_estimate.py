@@ -71,13 +71,13 @@ def trained_model_config(config: Config) -> ModelConfig:
 def run_footprints(config: Config) -> list[ModelFootprint]:
     """The trained model, every frozen model the objective builds, then every model it trains beside
     the policy (ConfigError for a bad source)."""
-    from training.objectives import OBJECTIVES
+    from training.objectives import objective_class
 
     model = trained_model_config(config)
     trained = 8 + _OPTIMIZER_STATE_BYTES.get(config.train.optimizer, 8)
     out = [ModelFootprint("model", "a model", num_params(model), 4 if model.lora.rank > 0 else trained,
                           weights=model.init_from)]
-    objective = OBJECTIVES[config.objective.kind]
+    objective = objective_class(config.objective.kind)
     declared = getattr(objective, "frozen_sources", None)
     for key, source in (declared(config) if declared is not None else {}).items():
         shape = _source_shape(config, model, source, key)

@@ -145,6 +145,43 @@ def test_a_name_is_registered_once():
     assert [k.name for k in registry.objective_kinds()] == ["causal_lm", "sft", "grpo", "dpo", "distill", "ppo", "reward_model"]
 
 
+def test_every_kind_names_its_objective_class_once():
+    from training.objectives import objective_class
+
+    for kind in OBJECTIVE_KINDS:
+        built = objective_class(kind.name)
+        assert built.name == kind.name and built.capabilities is kind.capabilities, kind.objective
+
+
+def test_a_kind_naming_no_class_or_not_a_class_is_a_config_error(toy):
+    from training.objectives import objective_class
+
+    with pytest.raises(ConfigError, match="names no objective class") as error:
+        objective_class(TOY.name)  # TOY names none
+    assert error.value.context["key"] == "objective.kind" and "objective=" in error.value.hint
+    not_a_class = dataclasses.replace(TOY, name="toy_function", objective="core.config:load")
+    registry.register_objective(not_a_class)
+    try:
+        with pytest.raises(ConfigError, match="'core.config:load' is not a class"):
+            objective_class(not_a_class.name)
+    finally:
+        registry.unregister_objective(not_a_class.name)
+
+
+def test_an_entry_script_builds_another_class_for_a_kind_in_its_place(monkeypatch):
+    from training.objectives import objective_class
+
+    monkeypatch.setattr(registry, "_REGISTERED", registry._Registered())
+    with pytest.raises(ConfigError, match="no objective kind \\['nope'\\]"):
+        register_all(objectives={"nope": "training.objectives.causal_lm:CausalLMObjective"})
+    register_all(objectives={"ppo": "training.objectives.causal_lm:CausalLMObjective"})
+    assert [k.name for k in registry.objective_kinds()] == [k.name for k in OBJECTIVE_KINDS]
+    assert objective_class("ppo") is objective_class("causal_lm")
+    assert registry.objective_kind("ppo").capabilities is OBJECTIVE_KINDS[5].capabilities
+    register_all()  # train.main()'s own call keeps what the entry script registered
+    assert objective_class("ppo") is objective_class("causal_lm")
+
+
 def test_nothing_registered_is_an_error_saying_what_to_call(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTERED", registry._Registered())
     with pytest.raises(ConfigError, match="no LoRA target names are registered") as error:

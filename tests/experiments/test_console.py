@@ -12,7 +12,7 @@ from experiments.console import ConsoleField, ConsoleLine, Progress, eval_line
 from experiments.schema import MetricRecord, MetricStats
 from experiments.sinks import format_progress
 from experiments.tracking import MetricsTracker
-from training.objectives import OBJECTIVES
+from training.objectives import objective_class
 from training.objectives.grpo import GRPOObjective
 
 PAIRS = ConsoleLine(unit="pair", fields=(ConsoleField("accuracy", "objective/accuracies"),
@@ -92,9 +92,10 @@ def test_grpo_declares_its_fields_from_its_settings():
 
 
 def test_dpo_counts_pairs_and_pretraining_tokens():
-    assert OBJECTIVES["dpo"].console.step.unit == OBJECTIVES["dpo"].console.eval.unit == "pair"
-    assert OBJECTIVES["causal_lm"].console.eval.unit == "token" and not OBJECTIVES["causal_lm"].console.step.fields
-    assert _labels(OBJECTIVES["sft"].console.step) == ["trained tokens"]
+    dpo, causal_lm, sft = objective_class("dpo"), objective_class("causal_lm"), objective_class("sft")
+    assert dpo.console.step.unit == dpo.console.eval.unit == "pair"
+    assert causal_lm.console.eval.unit == "token" and not causal_lm.console.step.fields
+    assert _labels(sft.console.step) == ["trained tokens"]
 
 
 def _labels(line: ConsoleLine) -> list[str]:

@@ -3,7 +3,7 @@ launcher: the process group ``launch.start`` made) when an update of one step be
 kill lands in the middle of the PPO epochs over that step's rollout batch, between two
 optimizer updates, where a random kill may or may not land. ``KILL_AT`` (``STEP:UPDATE``) says
 where; the job is killed once (a marker file next to the run dirs), so a resume through this
-script runs on. tests/training/test_ppo_e2e.py starts its ranks with it (``launch.ENTRY_ENV``)."""
+script runs on. tests/training/test_ppo_e2e.py starts its ranks with it (``launch.start(..., entry=...)``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import train  # noqa: E402  (train.py: sets up the process as it does when run itself)
 from runtime.fast_exit import exit_process
-from training import objectives
 from training.objectives.ppo import PPOObjective
 from training.registry import register_all
 
@@ -30,6 +29,5 @@ class KilledPPOObjective(PPOObjective):
 
 
 if __name__ == "__main__":
-    register_all()
-    objectives.OBJECTIVES[PPOObjective.name] = KilledPPOObjective
+    register_all(objectives={PPOObjective.name: "tests.training.ppo_kill_train:KilledPPOObjective"})
     exit_process(train.main())

@@ -22,12 +22,13 @@ from tests.methods import PPO
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
-PPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-ppo.yaml"
+STEPS = PPO.steps  # 4, with a checkpoint every 2 steps (the row's overrides)
+PPO_CONFIG = PPO.config_path
 
 
 def ppo_args(*, name: str = "ppo", overrides=()) -> list[str]:
-    return ["--config", str(PPO_CONFIG), f"run.name={name}", f"train.max_steps={STEPS}", *overrides]
+    """The row's run (tests/methods.py, ``PPO``) under another name, with ``overrides``."""
+    return ["--config", str(PPO_CONFIG), f"run.name={name}", f"train.max_steps={STEPS}", *PPO.overrides, *overrides]
 
 
 @pytest.fixture(scope="module")
@@ -55,23 +56,23 @@ def test_ppo_trains_actor_and_critic_with_its_ledger_fields(reference):
     assert all(line["approx_kl"] > 0.0 for line in lines)
     assert len({r["kl_coef"] for r in lines}) > 1  # the adaptive coefficient moved
     hashed = [r for r in lines if "param_hash" in r]
-    assert [r["step"] for r in hashed] == [4, 8]
+    assert [r["step"] for r in hashed] == [2, 4]
     assert hashed[0]["param_hash_critic"] != hashed[1]["param_hash_critic"]
-    saved = SafeFileSystemReader(str(reference / "checkpoints" / "step_00000004" / "dcp")).read_metadata()
+    saved = SafeFileSystemReader(str(reference / "checkpoints" / "step_00000002" / "dcp")).read_metadata()
     assert saved_part_names(saved.state_dict_metadata) == {"critic"}
 
 
 def test_ppo_sigkill_between_two_updates_of_one_step_then_resume_is_identical(e2e_workdir, reference):
-    # Step 6 (after the step-4 checkpoint): killed as its third update (epoch 2, minibatch 1) begins.
+    # Step 3 (after the step-2 checkpoint): killed as its third update (epoch 2, minibatch 1) begins.
+    entry = "tests/training/ppo_kill_train.py"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(launch.ENTRY_ENV, "tests/training/ppo_kill_train.py")
-        patch.setenv("LOCKSTEP_TEST_PPO_KILL_AT", "6:2")
-        job = launch.start(e2e_workdir, ppo_args(name="ppo-mid-epoch"))
+        patch.setenv("LOCKSTEP_TEST_PPO_KILL_AT", "3:2")
+        job = launch.start(e2e_workdir, ppo_args(name="ppo-mid-epoch"), entry=entry)
         job.communicate(timeout=600)
         assert job.returncode != 0 and (e2e_workdir / "ppo-killed-once").is_file()
         run_dir = next((e2e_workdir / "runs").glob("ppo-mid-epoch-*"))
-        assert [r["step"] for r in launch.ledger(run_dir)] == [1, 2, 3, 4, 5]
-        resumed = launch.train(e2e_workdir, ["--resume", run_dir.name], nproc=2, timeout=600)
+        assert [r["step"] for r in launch.ledger(run_dir)] == [1, 2]
+        resumed = launch.train(e2e_workdir, ["--resume", run_dir.name], nproc=2, timeout=600, entry=entry)
     assert resumed.returncode == 0, resumed.stderr
     assert launch.ledger(run_dir) == launch.ledger(reference)
 

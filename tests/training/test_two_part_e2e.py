@@ -1,15 +1,15 @@
-"""A run that trains two parts keeps every guarantee, end to end on 2 CPU ranks.
+"""What is particular to a run that trains two parts, end to end on 2 CPU ranks.
 
 The test objective (two_part_objective.py) trains the policy and a value model with its own
 optimizer settings (training/parts.py). Its ranks run two_part_train.py, train.py with that
-objective in place (``launch.ENTRY_ENV``).
-
-- each part is trained, hashed and checkpointed as its own part (``grad_norm_value``,
-  ``param_hash_value``; DCP keys ``parts.value.*``);
-- SIGKILL of the whole job at random moments, then resume by run ID, gives a ledger identical
-  line for line to an uninterrupted run's (the value part's norm and hash included);
-- replay of a step before and after a checkpoint verifies;
-- 2 ranks -> resume on 1 rank keeps the batch hashes, and both parts' losses within fp32 noise.
+objective registered (the row's ``entry``). The four guarantees are its row of the guarantee
+table (tests/methods.py, ``TWO_PART``): SIGKILL at random moments + resume by run ID gives a
+ledger identical line for line to the uninterrupted run's (the value part's norm and hash
+included), replay of a step before and after a checkpoint verifies, 2 ranks -> resume on 1 rank
+keeps the batch hashes and both parts' losses within fp32 noise (``one_rank_close``), and
+accumulation keeps the batches and the loss. Here, on the row's run: each part is trained,
+hashed and checkpointed as its own part (``grad_norm_value``, ``param_hash_value``; DCP keys
+``parts.value.*``).
 """
 
 from __future__ import annotations
@@ -17,30 +17,17 @@ from __future__ import annotations
 import pytest
 
 from tests import launch
-from tests.e2e_config import e2e_args
+from tests.methods import TWO_PART
 from tests.training.two_part_objective import VALUE_PART
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
-
-
-def two_part_args(*, name: str = "two-part") -> list[str]:
-    return [*e2e_args(max_steps=STEPS, name=name), "objective.kind=two_part"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def two_part_entry():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(launch.ENTRY_ENV, "tests/training/two_part_train.py")
-        yield
+STEPS = TWO_PART.steps
 
 
 @pytest.fixture(scope="module")
-def reference(e2e_workdir, two_part_entry):
-    result = launch.train(e2e_workdir, two_part_args(), nproc=2)
-    assert result.returncode == 0, result.stderr
-    return result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
+def reference(reference_runs):
+    return reference_runs.run(TWO_PART)
 
 
 def test_both_parts_train_and_are_checkpointed_as_parts(reference):
@@ -59,20 +46,3 @@ def test_both_parts_train_and_are_checkpointed_as_parts(reference):
     assert lines[-1]["loss"] < lines[0]["loss"]
     saved = SafeFileSystemReader(str(reference / "checkpoints" / "step_00000004" / "dcp")).read_metadata()
     assert saved_part_names(saved.state_dict_metadata) == {VALUE_PART}
-
-
-def test_two_parts_sigkill_at_random_moments_then_resume_is_identical(e2e_workdir, reference):
-    run_dir = launch.kill_and_resume(e2e_workdir, two_part_args(name="two-part-killed"), name="two-part-killed",
-                                     seed=45)
-    assert launch.ledger(run_dir) == launch.ledger(reference)
-
-
-def test_two_parts_replay_verifies_before_and_after_a_checkpoint(e2e_workdir, reference):
-    launch.replay_verifies(e2e_workdir, reference)  # steps 3 and 6: checkpoints every 4 steps
-
-
-def test_two_parts_resume_on_one_rank_keeps_the_batch_hashes(e2e_workdir, reference):
-    got = launch.one_rank_resume_keeps_the_batches(e2e_workdir, reference)
-    for a, b in zip(launch.ledger(reference), got):
-        assert b["value_loss"] == pytest.approx(a["value_loss"], rel=1e-4, abs=1e-6)
-        assert b["grad_norm_value"] == pytest.approx(a["grad_norm_value"], rel=1e-3, abs=1e-6)

@@ -1,39 +1,45 @@
-"""Training objectives: one per method, all driven by the same loop (base.py: the seam)."""
+"""Training objectives: one per method, all driven by the same loop (base.py: the seam).
+
+A kind registers once: its ``KIND`` (``<kind>_settings.py``) names its objective class by import
+path (``ObjectiveKind.objective``), and training/registry.py hands every ``KIND`` to
+core.objective_kinds. The class is imported here, from the registered kind, when a run builds it."""
 
 from __future__ import annotations
 
-from core.config import Config
-from training.objectives.base import LossOutput, Objective, ObjectiveContext
-from training.objectives.causal_lm import CausalLMObjective
-from training.objectives.distill import DistillObjective
-from training.objectives.dpo import DPOObjective
-from training.objectives.grpo import GRPOObjective
-from training.objectives.ppo import PPOObjective
-from training.objectives.reward_model import RewardModelObjective
-from training.objectives.sft import SFTObjective
+import importlib
 
-OBJECTIVES = {
-    CausalLMObjective.name: CausalLMObjective,
-    SFTObjective.name: SFTObjective,
-    DPOObjective.name: DPOObjective,
-    DistillObjective.name: DistillObjective,
-    GRPOObjective.name: GRPOObjective,
-    PPOObjective.name: PPOObjective,
-    RewardModelObjective.name: RewardModelObjective,
-}
+from core.config import Config
+from core.exceptions import ConfigError
+from core.objective_kinds import objective_kind
+from training.objectives.base import LossOutput, Objective, ObjectiveContext
+
+
+def objective_class(kind: str) -> type:
+    """The objective class the registered kind ``kind`` names (``ObjectiveKind.objective``)."""
+    path = objective_kind(kind).objective
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ConfigError(f"objective.kind {kind!r} names no objective class ({path!r}); its KIND must name one "
+                          "as 'module:Class'", key="objective.kind", hint="set objective= in the kind's ObjectiveKind")
+    found = getattr(importlib.import_module(module), name, None)
+    if not isinstance(found, type):
+        raise ConfigError(f"objective.kind {kind!r}: {path!r} is not a class", key="objective.kind",
+                          hint="set objective= in the kind's ObjectiveKind to 'module:Class'")
+    return found
 
 
 def check_objective_config(config: Config) -> None:
     """What only the objective can check in a config, before any process group or run dir exists
     (a ConfigError, exit 2): an objective class may define ``check_config(config)``."""
-    check = getattr(OBJECTIVES[config.objective.kind], "check_config", None)
+    check = getattr(objective_class(config.objective.kind), "check_config", None)
     if check is not None:
         check(config)
 
 
 def build_objective(config: Config) -> Objective:
     """The objective ``objective.kind`` names (config validation has checked the name)."""
-    return OBJECTIVES[config.objective.kind](config)
+    return objective_class(config.objective.kind)(config)
 
 
-__all__ = ["LossOutput", "Objective", "ObjectiveContext", "build_objective", "check_objective_config", "OBJECTIVES"]
+__all__ = ["LossOutput", "Objective", "ObjectiveContext", "build_objective", "check_objective_config",
+           "objective_class"]

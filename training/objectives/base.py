@@ -180,6 +180,24 @@ def metric(name: str) -> str:
     return f"objective/{name}"
 
 
+class StatelessObjective:
+    """The checkpoint side of an objective that carries nothing from one step to the next (its
+    prompts or pairs come from the data state, its randomness from the step): its state is its
+    name and ``OBJECTIVE_STATE_VERSION``, and a state of another method or version is refused.
+    It records no frozen model unless it overrides ``frozen_identity``."""
+
+    name: str
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state(self.name, state)
+
+    def frozen_identity(self) -> dict[str, dict[str, str]]:
+        return {}
+
+
 def check_state(name: str, state: dict[str, Any]) -> None:
     """Refuse an objective state written by another method or version (CheckpointError)."""
     if state.get("objective") != name or state.get("version") != OBJECTIVE_STATE_VERSION:

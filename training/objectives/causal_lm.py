@@ -14,12 +14,12 @@ from torch import nn
 
 from core.config import Config
 from training.losses import CausalLMLoss
-from training.objectives.base import OBJECTIVE_STATE_VERSION, TOKEN_LINES, LossOutput, ObjectiveContext, check_state
+from training.objectives.base import TOKEN_LINES, LossOutput, ObjectiveContext, StatelessObjective
 from training.objectives.causal_lm_settings import KIND
 from training.step import model_loss
 
 
-class CausalLMObjective:
+class CausalLMObjective(StatelessObjective):
     name = KIND.name
     capabilities = KIND.capabilities
     updates_per_batch = 1
@@ -51,14 +51,6 @@ class CausalLMObjective:
     def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(self.name, state)
-
-    def frozen_identity(self) -> dict[str, dict[str, str]]:
-        return {}
 
 
 def _as_is(tensor):

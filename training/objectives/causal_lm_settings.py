@@ -13,4 +13,5 @@ CAPABILITIES = ObjectiveCapabilities(
     resumes_stateless_checkpoints=True,  # checkpoints from before objectives existed were pretraining
 )
 
-KIND = ObjectiveKind(name="causal_lm", summary="pretraining", capabilities=CAPABILITIES)
+KIND = ObjectiveKind(name="causal_lm", summary="pretraining", objective="training.objectives.causal_lm:CausalLMObjective",
+                     capabilities=CAPABILITIES)

@@ -28,14 +28,14 @@ from core.config import Config
 from data.batch import IGNORE_INDEX
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.qwen.forward import model_forward
-from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
+from training.objectives.base import LossOutput, ObjectiveContext, StatelessObjective, metric
 from training.objectives.distill_settings import KEY, KIND, check_teacher, check_vocab, student_vocab
 from training.objectives.distill_loss import distill_loss_from_logits, distill_loss_sum
 from training.objectives.frozen import FrozenModel, build_frozen, output_weight
 from training.objectives.token_logps import autocast_dtype
 
 
-class DistillObjective:
+class DistillObjective(StatelessObjective):
     name = KIND.name
     capabilities = KIND.capabilities
     updates_per_batch = 1
@@ -114,12 +114,6 @@ class DistillObjective:
 
     def ledger_fields(self, batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         return {"trained_tokens": count}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(self.name, state)
 
     def frozen_identity(self) -> dict[str, dict[str, str]]:
         return {"teacher": self.teacher.identity} if self.teacher is not None else {}

@@ -89,6 +89,7 @@ def check_vocab(student: int, teacher: int, source: str) -> None:
 KIND = ObjectiveKind(
     name="distill",
     summary="a frozen teacher's distribution",
+    objective="training.objectives.distill:DistillObjective",
     # One row of tokens per sequence, as pretraining; its own fused divergence, not the
     # cross-entropy head (parallel.float8_head).
     capabilities=ObjectiveCapabilities(bounded_tokens=True, chat_model=True),

@@ -40,7 +40,7 @@ from core.exceptions import NonFiniteError
 from data.batch import IGNORE_INDEX
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from training.objectives import preference_loss
-from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
+from training.objectives.base import LossOutput, ObjectiveContext, StatelessObjective, metric
 from training.objectives.dpo_settings import KIND
 from training.objectives.frozen import FrozenModel, adapter_off_reference, build_frozen
 from training.objectives.preference_loss import SequenceLogps
@@ -108,7 +108,7 @@ def count_pairs(batch) -> int:
     return int((index.max(dim=1).values + 1).sum()) if index.numel() else 0
 
 
-class DPOObjective:
+class DPOObjective(StatelessObjective):
     name = KIND.name
     capabilities = KIND.capabilities
     updates_per_batch = 1
@@ -291,12 +291,6 @@ class DPOObjective:
                 "accuracy": totals.get("accuracies", 0.0) / pairs,
                 "chosen_logps": totals.get("policy_chosen_logps", 0.0) / pairs,
                 "rejected_logps": totals.get("policy_rejected_logps", 0.0) / pairs}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(self.name, state)
 
     def frozen_identity(self) -> dict[str, dict[str, str]]:
         return {"reference": self.reference.identity} if self.reference is not None else {}

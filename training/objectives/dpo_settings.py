@@ -77,6 +77,7 @@ def validate(config: Config) -> None:
 KIND = ObjectiveKind(
     name="dpo",
     summary="preference optimization on chosen/rejected pairs; its loss, objective.dpo.loss, is sigmoid, ipo, simpo or orpo",
+    objective="training.objectives.dpo:DPOObjective",
     # A pair's two completions are scored by log-probs over full logits (no fused head), and a
     # step's tokens are a batch of pairs; the policy answers through the chat template.
     capabilities=ObjectiveCapabilities(chat_model=True),

@@ -151,6 +151,7 @@ def model_rewards(config: Config) -> dict[str, RewardSettings]:
 KIND = ObjectiveKind(
     name="grpo",
     summary="reinforcement learning on prompts with checkable answers",
+    objective="training.objectives.grpo:GRPOObjective",
     # Rollouts decode at a new length every step (no CUDA graphs); a step's tokens grow with
     # group_size; the completions answer through the chat template.
     capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True),

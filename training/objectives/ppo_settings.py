@@ -124,6 +124,7 @@ def model_rewards(config: Config) -> dict[str, RewardSettings]:
 KIND = ObjectiveKind(
     name="ppo",
     summary="reinforcement learning with a critic on prompts with checkable answers",
+    objective="training.objectives.ppo:PPOObjective",
     # Rollouts decode at a new length every step (no CUDA graphs); the completions answer
     # through the chat template.
     capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True, ledger_over_updates=True),

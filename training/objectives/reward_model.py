@@ -36,7 +36,7 @@ from core import seeding
 from core.config import Config
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.qwen.forward import ModelInputs, model_forward
-from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, PartSpec, check_state, metric
+from training.objectives.base import LossOutput, ObjectiveContext, PartSpec, StatelessObjective, metric
 from training.objectives.ppo_loss import bradley_terry
 from training.objectives.reward_model_io import SCORE_PART, is_classifier, read_score_weight
 from training.objectives.reward_model_settings import KIND
@@ -108,7 +108,7 @@ def sequence_scores(model: nn.Module, head: nn.Module, input_ids: torch.Tensor, 
     return head(hidden)[:, 0].float()  # (N,)
 
 
-class RewardModelObjective:
+class RewardModelObjective(StatelessObjective):
     name = KIND.name
     capabilities = KIND.capabilities
     updates_per_batch = 1
@@ -171,11 +171,3 @@ class RewardModelObjective:
                 "chosen_score": totals.get("chosen_scores", 0.0) / pairs,
                 "rejected_score": totals.get("rejected_scores", 0.0) / pairs}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"objective": self.name, "version": OBJECTIVE_STATE_VERSION}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(self.name, state)
-
-    def frozen_identity(self) -> dict[str, dict[str, str]]:
-        return {}

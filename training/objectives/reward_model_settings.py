@@ -61,6 +61,7 @@ def record_fields(config: Config) -> tuple[str, ...]:
 KIND = ObjectiveKind(
     name="reward_model",
     summary="a scalar score head on the trunk, trained on chosen/rejected pairs with the Bradley-Terry loss",
+    objective="training.objectives.reward_model:RewardModelObjective",
     # Its data is rendered with the chat template, as DPO's; the loss is on scores, not on
     # next-token logits (no fused head), over a batch of pairs.
     capabilities=ObjectiveCapabilities(chat_model=True),

@@ -24,6 +24,7 @@ def validate(config: Config) -> None:
 KIND = ObjectiveKind(
     name="sft",
     summary="supervised fine-tuning on chat data",
+    objective="training.objectives.sft:SFTObjective",
     # causal_lm's loss over the marked tokens: the same fused head and token bound.
     capabilities=ObjectiveCapabilities(fused_head=True, bounded_tokens=True, chat_model=True),
     validate=validate,
