@@ -107,8 +107,11 @@ def test_describe_has_a_row_for_every_field_of_every_registered_section():
     keys = [key for key, *_ in config_lib.describe()]
     for kind in registry.objective_kinds():
         if kind.settings is not None:
-            expected = [f"objective.{kind.name}.{f.name}" for f in dataclasses.fields(kind.settings)]
-            assert [k for k in keys if k.startswith(f"objective.{kind.name}.") and "[i]" not in k] == expected
+            expected = [f.name for f in dataclasses.fields(kind.settings)]
+            prefix = f"objective.{kind.name}."
+            rows = [k[len(prefix):] for k in keys if k.startswith(prefix) and "[i]" not in k]
+            # A nested section (objective.grpo.environment) has a row per field of its own.
+            assert list(dict.fromkeys(row.split(".")[0] for row in rows)) == expected
     kind_row = next(row for row in config_lib.describe() if row[0] == "objective.kind")
     assert all(f"{k.name} ({k.summary})" in kind_row[3] for k in registry.objective_kinds())
 
