@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from core.exceptions import ConfigError, DataError
 from models.qwen.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
-from models.qwen.scheduler import RowSlots, RowState
+from models.qwen.scheduler import EpisodeRows, RowSlots, RowState
 
 FinishReason = Literal["stop", "length"]
 Schedule = Literal["refill", "groups"]
@@ -158,6 +158,29 @@ class Sample:
     """The model's untempered log-probability of each generated token."""
     finish_reason: FinishReason
     """'stop' (a stop token was generated) or 'length' (max_new_tokens or the context ran out)."""
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """A turn of an episode that has ended (``Sampler.generate_episodes``)."""
+
+    episode: int
+    """The episode's index in the call."""
+    turn: int
+    """0 for the first turn."""
+    sample: Sample
+    """The ids the turn sampled, their log-probs, and why it ended."""
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """How an episode goes on after a turn: its whole sequence now, and the next turn's budget."""
+
+    ids: Sequence[int]
+    """The episode's ids so far (the prompt, every earlier turn and appended ids, then a prefix of
+    the turn just sampled, usually all of it) followed by the ids to append (an observation)."""
+    budget: int
+    """The next turn samples at most this many ids (and at most max_new_tokens, and never past max_len)."""
 
 
 # Probabilities become integers in units of 2^-32 before the CDF is summed: integer sums are
@@ -318,6 +341,37 @@ class Sampler:
                 samples.extend(self._generate_group(rows[group], list(keys[group]), params))
         return samples
 
+    def generate_episodes(
+        self, prompts: Sequence[Sequence[int]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
+        on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]],
+        budgets: Optional[Sequence[int]] = None,
+    ) -> None:
+        """Multi-turn episodes, each kept in one cache row from its prompt to its end.
+
+        Episode ``e`` starts from ``prompts[e]``; its turn ``t`` samples with ``key_of(e, t)``'s
+        uniforms at most ``budgets[e]`` ids (turn 0; default max_new_tokens). At every refill
+        point the turns that have ended go to ``on_turns`` in one list (by row); for each it
+        answers a ``Continuation`` (the episode goes on) or None (it is over: its row takes the
+        next pending episode, with a prefill). A continued row feeds the appended ids through
+        the decode step (forced steps: their keys/values are written, nothing is sampled) and
+        then samples the next turn: the ids before the turn are never computed again, and no
+        new shape runs (no prefill after the prompt, no recompilation).
+
+        A turn's ids and log-probs depend only on its episode's prompt, appended ids and keys,
+        and the sampler's settings: not on the other episodes, how many there are, their order
+        or which row it runs in. Turn 0 is the sample ``generate`` gives for ``key_of(e, 0)``
+        (the same prefill and decode steps); later turns differ from a ``generate`` call on the
+        whole sequence in the last bits (the earlier ids' keys/values come from decode steps,
+        not from a chunked prefill). Raises DataError (naming the episode) for a bad prompt
+        or a continuation that does not extend the episode or leaves no room within max_len.
+        """
+        rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
+        budgets = [params.max_new_tokens] * len(rows) if budgets is None else [int(b) for b in budgets]
+        if len(budgets) != len(rows):
+            raise ConfigError(f"generate_episodes got {len(rows)} prompts but {len(budgets)} budgets")
+        with torch.no_grad():
+            self._play(rows, key_of, params, on_turns, budgets)
+
     # ------------------------------------------------------------------ internals
 
     def _checked_prompt(self, index: int, prompt: Sequence[int]) -> list[int]:
@@ -408,6 +462,102 @@ class Sampler:
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
         state.load(rows, [prompts[i] for i in indices], [budgets[i] for i in indices],
                    counter_uniforms(streams, state.width))
+
+    def _play(self, prompts: list[list[int]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
+              on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]], budgets: list[int]) -> None:
+        """``generate_episodes``: episodes through the max_batch rows, continued in their rows' caches."""
+        if not prompts:
+            return
+        slots = RowSlots(self.max_batch, len(prompts))
+        state = EpisodeRows(self.max_batch, params.max_new_tokens, self.cache.slots, self.device)
+        stops = torch.tensor(params.stop_token_ids or [-1], device=self.device)
+        decode = self._decode_step(params)
+        held: list[Optional[list[int]]] = [None] * self.max_batch  # each row's ids before its current turn
+        turn_of = [0] * len(prompts)
+        step = 0
+        while True:
+            if step % self.refill_every == 0:  # a refill point: one host sync
+                done = state.done.cpu().numpy()
+                ended = [row for row, episode in enumerate(slots.occupant) if episode is not None and done[row]]
+                over = np.zeros(self.max_batch, dtype=bool)
+                if ended:
+                    over[self._turns_ended(state, ended, slots.occupant, held, turn_of, key_of, params, on_turns)] = True
+                _, assigned = slots.refill(over)
+                if assigned:
+                    self._begin(state, assigned, prompts, held, key_of, params, budgets)
+                if not slots.busy:
+                    return
+            next_token, logprob = decode(*state.inputs())
+            state.advance(next_token, logprob, stops)
+            step += 1
+
+    def _turns_ended(self, state: EpisodeRows, ended: list[int], occupant: list[Optional[int]],
+                     held: list[Optional[list[int]]], turn_of: list[int], key_of: Callable[[int, int], SampleKey],
+                     params: SamplingParams, on_turns: Callable) -> list[int]:
+        """Hand the ended turns of ``ended`` rows to ``on_turns``, start the continued ones' next
+        turns, and return the rows whose episodes are over."""
+        tokens, logprobs = state.turns(ended)
+        samples = _collect(tokens, logprobs, [len(t) for t in tokens], params.stop_token_ids)
+        episodes = [occupant[row] for row in ended]
+        answers = list(on_turns([TurnEnd(e, turn_of[e], s) for e, s in zip(episodes, samples)]))
+        if len(answers) != len(ended):
+            raise ConfigError(f"on_turns answered {len(answers)} of {len(ended)} ended turns; answer each")
+        over, rows, sequences, positions, budgets, streams = [], [], [], [], [], []
+        for row, episode, turn_ids, answer in zip(ended, episodes, tokens, answers):
+            if answer is None:
+                over.append(row)
+                continue
+            before, ids = held[row], [int(t) for t in answer.ids]
+            sampled = before + turn_ids
+            if ids[: len(before)] != before:
+                raise DataError(f"episode {episode}'s continuation after turn {turn_of[episode]} does not start "
+                                "with the episode's ids before that turn", record=episode,
+                                hint="continue an episode with its ids so far followed by the appended ids")
+            common = len(before)
+            while common < min(len(ids), len(sampled)) and ids[common] == sampled[common]:
+                common += 1
+            self._checked_continuation(episode, turn_of[episode], ids, answer.budget)
+            turn_of[episode] += 1
+            held[row] = ids
+            rows.append(row)
+            sequences.append(ids)
+            # The cache holds every id the row has fed: all but the turn's last sampled id.
+            positions.append(min(len(sampled) - 1, common, len(ids) - 1))
+            budgets.append(min(answer.budget, params.max_new_tokens, self.max_len - len(ids)))
+            streams.append(key_of(episode, turn_of[episode]).stream())
+        if rows:
+            state.start(rows, sequences, positions, budgets,
+                        counter_uniforms(np.array(streams, dtype=np.uint64), state.width))
+        return over
+
+    def _checked_continuation(self, episode: int, turn: int, ids: list[int], budget: int) -> None:
+        where = f"episode {episode}'s continuation after turn {turn}"
+        if len(ids) >= self.max_len:
+            raise DataError(f"{where} has {len(ids)} ids, which leaves no room for a new one within the sampler's "
+                            f"max_len={self.max_len}", record=episode,
+                            hint="end the episode (answer None) before it fills the context, or raise max_len")
+        vocab = self.model.dims.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise DataError(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab})", record=episode,
+                            hint="tokenize appended ids with the model's own tokenizer")
+        if budget < 1:
+            raise DataError(f"{where} has budget {budget}, below 1", record=episode,
+                            hint="end the episode (answer None) instead")
+
+    def _begin(self, state: EpisodeRows, assigned: list[tuple[int, int]], prompts: list[list[int]],
+               held: list[Optional[list[int]]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
+               budgets: list[int]) -> None:
+        """Prefill the assigned (row, episode) pairs' prompts into their rows and start their first turns."""
+        by_row: list[Optional[list[int]]] = [None] * self.max_batch
+        for row, episode in assigned:
+            by_row[row] = held[row] = prompts[episode]
+        self._prefill(by_row)
+        rows, episodes = [row for row, _ in assigned], [episode for _, episode in assigned]
+        streams = np.array([key_of(e, 0).stream() for e in episodes], dtype=np.uint64)
+        state.start(rows, [prompts[e] for e in episodes], [len(prompts[e]) - 1 for e in episodes],
+                    [max(1, min(budgets[e], params.max_new_tokens, self.max_len - len(prompts[e]))) for e in episodes],
+                    counter_uniforms(streams, state.width))
 
     def _prefill(self, prompts: list[Optional[list[int]]]) -> None:
         """Write keys/values of every prompt token but the last into cache row b of ``prompts[b]``.

@@ -53,7 +53,7 @@ import numpy as np
 from torch import nn
 
 from core.exceptions import DeterminismError, LockstepError
-from models.qwen.sampler import Sample, SampleKey, SamplingParams
+from models.qwen.sampler import Continuation, Sample, SampleKey, SamplingParams, TurnEnd
 from training.rollout.environment import EnvironmentFailure, NondeterministicToolError, Task, Transition
 from training.rollout.generator import Decoder, Generator
 
@@ -172,21 +172,30 @@ class EpisodeRunner:
                 episode = self.environment.reset(task, where=place) if call_environment else None
                 playing.append(_Playing(task, index, s, place, episode, list(task.prompt_ids),
                                         recorded=recorded.get((index, s))))
+        def key_of(episode: int, turn: int) -> SampleKey:
+            p = playing[episode]
+            return SampleKey(self.generator.seed, purpose if turn == 0 else f"{purpose}.turn{turn}", step, p.index,
+                             p.sample)
+
+        host = [0.0]
+
+        def on_turns(ended: list[TurnEnd]) -> list[Optional[Continuation]]:
+            started = time.perf_counter()
+            active = [playing[end.episode] for end in ended]
+            self._turn(active, [end.sample for end in ended], step, call_environment, timings)
+            host[0] += time.perf_counter() - started
+            return [None if p.result is not None or len(p.turns) >= self.limits.max_turns
+                    else Continuation(p.ids, max(1, self._budget(p))) for p in active]
+
         was_training = model.training
         model.eval()
         try:
             self.generator.load(model)
-            for turn in range(self.limits.max_turns):
-                active = [p for p in playing if p.result is None]
-                if not active:
-                    break
-                turn_purpose = purpose if turn == 0 else f"{purpose}.turn{turn}"
-                keys = [SampleKey(self.generator.seed, turn_purpose, step, p.index, p.sample) for p in active]
-                started = time.perf_counter()
-                drawn = self.generator.generate_keys([p.ids for p in active], keys, params)
-                if timings is not None:
-                    timings["rollout_s"] += time.perf_counter() - started
-                self._turn(active, drawn, turn, step, call_environment, timings)
+            started = time.perf_counter()
+            self.generator.play_episodes([p.ids for p in playing], key_of, params, on_turns,
+                                         [max(1, self._budget(p)) for p in playing])
+            if timings is not None:  # the sampler's seconds: the environment's and the host's left out
+                timings["rollout_s"] += time.perf_counter() - started - host[0]
         finally:
             model.train(was_training)
         return [p.result for p in playing]
@@ -196,10 +205,11 @@ class EpisodeRunner:
     def _budget(self, p: _Playing) -> int:
         return min(self.limits.max_episode_tokens - p.used, self.context - len(p.ids))
 
-    def _turn(self, active: list[_Playing], drawn: list[Sample], turn: int, step: int, call_environment: bool,
+    def _turn(self, active: list[_Playing], drawn: list[Sample], step: int, call_environment: bool,
               timings: Optional[dict]) -> None:
-        completions, lasts = [], []
-        for p, sample in zip(active, drawn):
+        """The ended turns of ``active`` (each at its own turn number): answered, applied, compared."""
+        completions, lasts, turns = [], [], [len(p.turns) for p in active]
+        for p, sample, turn in zip(active, drawn, turns):
             budget = self._budget(p)
             if len(sample.tokens) > budget:
                 sample = Sample(tokens=sample.tokens[:budget], logprobs=sample.logprobs[:budget], finish_reason="length")
@@ -209,10 +219,10 @@ class EpisodeRunner:
             if timings is not None:
                 timings["rollout_tokens"] += len(completion.sample.tokens)
         if call_environment:
-            answers = self._answers(active, completions, lasts, turn, step)
+            answers = self._answers(active, completions, lasts, turns, step)
         else:
             answers = [None] * len(active)
-        for p, completion, last, answer in zip(active, completions, lasts, answers):
+        for p, completion, turn, answer in zip(active, completions, turns, answers):
             sampled = tuple(int(t) for t in completion.sample.tokens)
             logprobs = tuple(float(x) for x in completion.sample.logprobs[:len(sampled)])
             if not call_environment:
@@ -221,7 +231,7 @@ class EpisodeRunner:
             self._apply(p, sampled, logprobs, completion, answer, turn)
             self._compare(p, turn, step)
 
-    def _answers(self, active: list[_Playing], completions, lasts, turn: int, step: int) -> list:
+    def _answers(self, active: list[_Playing], completions, lasts, turns: list[int], step: int) -> list:
         """Each episode's Transition (or the failure that ended it), in the order of ``active``: every
         episode's step runs in a daemon thread of its own (a call that never returns neither blocks
         the others nor the process's exit), and each is waited for at most ``timeout_s``."""
@@ -229,7 +239,7 @@ class EpisodeRunner:
                  for p, c, last in zip(active, completions, lasts)]
         for i, call in enumerate(calls):
             threading.Thread(target=call.run, name=f"environment-{i}", daemon=True).start()
-        return [self._awaited(call, active[i], turn, step, lasts[i]) for i, call in enumerate(calls)]
+        return [self._awaited(call, active[i], turns[i], step, lasts[i]) for i, call in enumerate(calls)]
 
     def _awaited(self, call: "_Call", p: _Playing, turn: int, step: int, last: bool):
         timeout = self.limits.timeout_s
