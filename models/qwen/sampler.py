@@ -473,27 +473,34 @@ class Sampler:
         stops = torch.tensor(params.stop_token_ids or [-1], device=self.device)
         decode = self._decode_step(params)
         held: list[Optional[list[int]]] = [None] * self.max_batch  # each row's ids before its current turn
+        # The step by which each row's turn has surely ended (its forced steps, then its whole budget):
+        # a refill point comes there at the latest, so a turn that runs to its budget waits for no
+        # regular point.
+        ends_by = np.full(self.max_batch, np.iinfo(np.int64).max, dtype=np.int64)
         turn_of = [0] * len(prompts)
-        step = 0
+        step = point = 0
         while True:
-            if step % self.refill_every == 0:  # a refill point: one host sync
+            if step == point:  # a refill point: one host sync
                 done = state.done.cpu().numpy()
                 ended = [row for row, episode in enumerate(slots.occupant) if episode is not None and done[row]]
                 over = np.zeros(self.max_batch, dtype=bool)
                 if ended:
-                    over[self._turns_ended(state, ended, slots.occupant, held, turn_of, key_of, params, on_turns)] = True
+                    over[self._turns_ended(state, ended, slots.occupant, held, turn_of, key_of, params, on_turns,
+                                           ends_by, step)] = True
                 _, assigned = slots.refill(over)
                 if assigned:
-                    self._begin(state, assigned, prompts, held, key_of, params, budgets)
+                    self._begin(state, assigned, prompts, held, key_of, params, budgets, ends_by, step)
                 if not slots.busy:
                     return
+                busy = [row for row, episode in enumerate(slots.occupant) if episode is not None]
+                point = min(step + self.refill_every, int(ends_by[busy].min()))
             next_token, logprob = decode(*state.inputs())
             state.advance(next_token, logprob, stops)
             step += 1
 
     def _turns_ended(self, state: EpisodeRows, ended: list[int], occupant: list[Optional[int]],
                      held: list[Optional[list[int]]], turn_of: list[int], key_of: Callable[[int, int], SampleKey],
-                     params: SamplingParams, on_turns: Callable) -> list[int]:
+                     params: SamplingParams, on_turns: Callable, ends_by: np.ndarray, step: int) -> list[int]:
         """Hand the ended turns of ``ended`` rows to ``on_turns``, start the continued ones' next
         turns, and return the rows whose episodes are over."""
         tokens, logprobs = state.turns(ended)
@@ -507,12 +514,13 @@ class Sampler:
             if answer is None:
                 over.append(row)
                 continue
-            before, ids = held[row], [int(t) for t in answer.ids]
+            before = held[row]
             sampled = before + turn_ids
-            if ids[: len(before)] != before:
+            if list(answer.ids[: len(before)]) != before:
                 raise DataError(f"episode {episode}'s continuation after turn {turn_of[episode]} does not start "
                                 "with the episode's ids before that turn", record=episode,
                                 hint="continue an episode with its ids so far followed by the appended ids")
+            ids = before + [int(t) for t in answer.ids[len(before):]]
             common = len(before)
             while common < min(len(ids), len(sampled)) and ids[common] == sampled[common]:
                 common += 1
@@ -524,6 +532,7 @@ class Sampler:
             # The cache holds every id the row has fed: all but the turn's last sampled id.
             positions.append(min(len(sampled) - 1, common, len(ids) - 1))
             budgets.append(min(answer.budget, params.max_new_tokens, self.max_len - len(ids)))
+            ends_by[row] = step + (len(ids) - 1 - positions[-1]) + budgets[-1]
             streams.append(key_of(episode, turn_of[episode]).stream())
         if rows:
             state.start(rows, sequences, positions, budgets,
@@ -547,7 +556,7 @@ class Sampler:
 
     def _begin(self, state: EpisodeRows, assigned: list[tuple[int, int]], prompts: list[list[int]],
                held: list[Optional[list[int]]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
-               budgets: list[int]) -> None:
+               budgets: list[int], ends_by: np.ndarray, step: int) -> None:
         """Prefill the assigned (row, episode) pairs' prompts into their rows and start their first turns."""
         by_row: list[Optional[list[int]]] = [None] * self.max_batch
         for row, episode in assigned:
@@ -555,9 +564,10 @@ class Sampler:
         self._prefill(by_row)
         rows, episodes = [row for row, _ in assigned], [episode for _, episode in assigned]
         streams = np.array([key_of(e, 0).stream() for e in episodes], dtype=np.uint64)
-        state.start(rows, [prompts[e] for e in episodes], [len(prompts[e]) - 1 for e in episodes],
-                    [max(1, min(budgets[e], params.max_new_tokens, self.max_len - len(prompts[e]))) for e in episodes],
+        first = [max(1, min(budgets[e], params.max_new_tokens, self.max_len - len(prompts[e]))) for e in episodes]
+        state.start(rows, [prompts[e] for e in episodes], [len(prompts[e]) - 1 for e in episodes], first,
                     counter_uniforms(streams, state.width))
+        ends_by[rows] = step + np.array(first)
 
     def _prefill(self, prompts: list[Optional[list[int]]]) -> None:
         """Write keys/values of every prompt token but the last into cache row b of ``prompts[b]``.

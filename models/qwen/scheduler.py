@@ -144,14 +144,15 @@ class EpisodeRows:
     def start(self, rows: list[int], sequences: list[list[int]], positions: list[int], budgets: list[int],
               uniforms: np.ndarray) -> None:
         """Start a turn in ``rows``: each row's whole sequence, the position it feeds from (its cache
-        holds every id before it), its budget and the turn's uniforms (k, width)."""
+        holds every id before it; only the ids from there on are written into ``seq``, the row
+        never feeds the others again), its budget and the turn's uniforms (k, width)."""
         device = self.seq.device
         index = torch.tensor(rows, device=device)
-        longest = max(len(s) for s in sequences)
-        padded = torch.zeros(len(rows), longest, dtype=torch.long)
-        for i, ids in enumerate(sequences):
-            padded[i, : len(ids)] = torch.tensor(ids)
-        self.seq[index, :longest] = padded.to(device)
+        counts = [len(ids) - p for ids, p in zip(sequences, positions)]
+        cells = (np.repeat(rows, counts), np.concatenate([np.arange(p, len(ids)) for ids, p in zip(sequences, positions)]))
+        values = np.concatenate([np.asarray(ids[p:], dtype=np.int64) for ids, p in zip(sequences, positions)])
+        self.seq[torch.from_numpy(cells[0]).to(device), torch.from_numpy(cells[1]).to(device)] = (
+            torch.from_numpy(values).to(device))
         self.pos[index] = torch.tensor(positions, device=device)
         self.length[index] = torch.tensor([len(s) for s in sequences], device=device)
         self.local[index] = 0
