@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -233,12 +234,12 @@ class EpisodeRunner:
 
     def _answers(self, active: list[_Playing], completions, lasts, turns: list[int], step: int) -> list:
         """Each episode's Transition (or the failure that ended it), in the order of ``active``: every
-        episode's step runs in a daemon thread of its own (a call that never returns neither blocks
-        the others nor the process's exit), and each is waited for at most ``timeout_s``."""
+        episode's step runs in a daemon thread of its own (``_Workers``: a call that never returns
+        neither blocks the others nor the process's exit), and each is waited for at most ``timeout_s``."""
         calls = [_Call(lambda p=p, c=c, last=last: p.episode.step(c, last=last))
                  for p, c, last in zip(active, completions, lasts)]
-        for i, call in enumerate(calls):
-            threading.Thread(target=call.run, name=f"environment-{i}", daemon=True).start()
+        for call in calls:
+            _WORKERS.submit(call)
         return [self._awaited(call, active[i], turns[i], step, lasts[i]) for i, call in enumerate(calls)]
 
     def _awaited(self, call: "_Call", p: _Playing, turn: int, step: int, last: bool):
@@ -329,6 +330,40 @@ class EpisodeRunner:
         if turn + 1 == len(turns):
             p.result = EpisodeResult(tuple(p.turns), float(p.recorded["reward"]), p.recorded["reward_errors"],
                                      p.recorded["env_errors"], p.recorded["truncated"], text)
+
+
+class _Workers:
+    """Daemon threads that run ``_Call``s, each call at once: a call taken by an idle thread, or by a
+    new one when none is idle. A thread goes back to waiting for calls once its call returns, so
+    calls cost no thread start (a start waits until the new thread runs: about a quarter of a
+    millisecond, for every episode of every turn); a call that never returns holds its thread and
+    nothing else."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.idle = 0
+        self.started = 0
+
+    def submit(self, call: "_Call") -> None:
+        with self.lock:
+            spawn = self.idle == 0
+            if not spawn:
+                self.idle -= 1  # this idle thread's next call is this one (or one as early)
+            else:
+                self.started += 1
+        if spawn:
+            threading.Thread(target=self._serve, name=f"environment-{self.started}", daemon=True).start()
+        self.calls.put(call)
+
+    def _serve(self) -> None:
+        while True:
+            self.calls.get().run()
+            with self.lock:
+                self.idle += 1
+
+
+_WORKERS = _Workers()
 
 
 class _Call:
