@@ -12,13 +12,14 @@ each, at temperature 1 with no stop token, so every turn samples exactly ``--tur
 - **multi-turn**: training/rollout/episodes.py's ``EpisodeRunner`` with a Python tool
   environment that answers every turn but the last with data/calculator.py's result (the turn's
   length times 7) rendered by the template's ``observation_text``: ``--turns`` turns per episode,
-  each turn one sampler call over every episode, then the tool calls in the runner's thread pool.
+  all in one sampler call (each episode continued in its cache row, the observation ids fed
+  through the decode step), the tool calls on the runner's daemon threads.
 - **single-turn**: one sampler call of ``turns x turn-tokens`` new tokens per sample from the same
   prompts (the same sampled total).
 
 tokens/s = sampled tokens (observations excluded) / wall time of the whole rollout (tool calls,
-tokenization and the sampler's prefills of each turn included); the sampler's own seconds are
-reported beside it. One warm-up of each (compilation, CUDA graphs) first, then the median of
+tokenization and the observations' decode steps included); the sampler's own seconds (the wall
+time less the host's work on ended turns) are reported beside it. One warm-up of each (compilation, CUDA graphs) first, then the median of
 ``--repeats``. The ratio multi/single is the issue's measure (target >= 0.7). JSON out.
 """
 

@@ -29,7 +29,9 @@ step. Slots a row has not written are masked out.
 **Scheduling.** A call with more samples than max_batch keeps every row busy: a row whose
 sample has finished takes the next pending one at the next refill point, with a prefill
 that leaves the other rows' caches alone (models/qwen/scheduler.py). Each row decodes at its
-own position with its own key's uniforms, so refill changes no sample.
+own position with its own key's uniforms, so refill changes no sample. Multi-turn episodes
+(``generate_episodes``) keep an episode in its row across turns: the ids appended after a turn
+go through the decode step as forced steps, and only prompts are ever prefilled.
 
 **Log-probs.** ``Sample.logprobs[i]`` is log softmax of the model's *untempered* logits
 (fp32) at the chosen token: what a trainer computes for the same tokens (up to kernel

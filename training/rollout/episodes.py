@@ -23,9 +23,15 @@ turn limit, or no room left) is stepped with ``last=True``: the environment must
 and score it. A turn cut off without a stop (``turn.truncated``) is the environment's to judge
 (the calculator environment takes it as the answer).
 
-**The environment's answers** are computed in threads (one per episode of a turn, daemon threads:
-a call that never returns blocks neither the others nor the process's exit) and applied in
-sample order, whatever order they finish in. An environment that raises, answers
+**One sampler call.** ``play`` hands every episode to ``Generator.play_episodes`` (the sampler's
+``generate_episodes``): each episode stays in one cache row across its turns, the turns that end
+at one refill point come back together (``_turn``, each at its own turn number), and an episode
+that goes on continues in its row with the observation ids fed through the cache; nothing before
+a turn is computed again. Which turns end together changes no id (docs/models.md).
+
+**The environment's answers** are computed in threads (one per episode whose turn ended, reused
+daemon threads: a call that never returns blocks neither the others nor the process's exit) and
+applied in the order of the ended turns, whatever order they finish in. An environment that raises, answers
 with something other than a ``Transition`` or takes longer than ``timeout_s`` is an
 ``EnvironmentFailure`` naming it, the step, prompt row, sample and turn (``on_error="error"``),
 or ends that episode with reward 0, counted in ``env_errors`` and recorded (``"zero"``). A
