@@ -65,6 +65,10 @@ Schedule = Literal["refill", "groups"]
 # How many decode steps run between checks (one host sync each) of which rows have finished:
 # under "refill", the points where finished rows take the next pending samples.
 _DONE_CHECK_INTERVAL = 16
+# An episode's continuation feeds its appended ids one decode step each, or, from this many on, by
+# forwards of this many positions (of every row, like a prefill): a forward costs a few decode
+# steps of the whole batch, a decode step of a row only that row's time.
+_EXTEND_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -306,6 +310,9 @@ class Sampler:
         self.schedule = schedule
         self.refill_every = refill_every
         self.prefill_chunk = min(prefill_chunk, max_len)
+        # Episodes' appended ids of at least this many go in by chunks of it (generate_episodes); it
+        # divides prefill_chunk, so aligned chunks never leave the cache's slots.
+        self.extend_chunk = math.gcd(_EXTEND_CHUNK, self.prefill_chunk)
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         on_cuda = self.device.type == "cuda"
@@ -534,12 +541,43 @@ class Sampler:
             # The cache holds every id the row has fed: all but the turn's last sampled id.
             positions.append(min(len(sampled) - 1, common, len(ids) - 1))
             budgets.append(min(answer.budget, params.max_new_tokens, self.max_len - len(ids)))
-            ends_by[row] = step + (len(ids) - 1 - positions[-1]) + budgets[-1]
             streams.append(key_of(episode, turn_of[episode]).stream())
+        # A row with at least extend_chunk ids to feed before it samples takes them in chunks
+        # (a rule of the row's own ids, so which rows share the forward changes nothing).
+        extended = [i for i, (ids, p) in enumerate(zip(sequences, positions)) if len(ids) - 1 - p >= self.extend_chunk]
+        if extended:
+            self._extend([rows[i] for i in extended], [sequences[i] for i in extended],
+                         [positions[i] for i in extended])
+            for i in extended:
+                positions[i] = len(sequences[i]) - 1
+        for row, ids, position, budget in zip(rows, sequences, positions, budgets):
+            ends_by[row] = step + (len(ids) - 1 - position) + budget
         if rows:
             state.start(rows, sequences, positions, budgets,
                         counter_uniforms(np.array(streams, dtype=np.uint64), state.width))
         return over
+
+    def _extend(self, rows: list[int], sequences: list[list[int]], positions: list[int]) -> None:
+        """Write the keys/values of each row's ids from its position up to its last id (which the
+        decode step feeds) by forwards of all max_batch rows, ``extend_chunk`` positions each, at
+        positions aligned to multiples of extend_chunk: a row's first chunk starts at the multiple
+        at or before its position (the ids of that chunk before the position are written again).
+        Rows not extended, and extended rows past their last chunk, write into the scratch row."""
+        batch, chunk = self.max_batch, self.extend_chunk
+        spans = [(p // chunk, (len(ids) - 2) // chunk) for ids, p in zip(sequences, positions)]
+        for k in range(max(last - first + 1 for first, last in spans)):
+            ids = torch.zeros(batch, chunk, dtype=torch.long)
+            starts = torch.zeros(batch, 1, dtype=torch.long)
+            fill = torch.zeros(batch, dtype=torch.bool)
+            for row, sequence, (first, last) in zip(rows, sequences, spans):
+                if first + k <= last:
+                    start = (first + k) * chunk
+                    part = sequence[start: start + chunk]
+                    ids[row, : len(part)] = torch.tensor(part)
+                    starts[row, 0], fill[row] = start, True
+            positions_k = (starts + torch.arange(chunk)[None, :]).to(self.device)
+            model_forward(self.model, ModelInputs(ids.to(self.device), positions_k),
+                          cache=self.cache.redirected(fill.to(self.device)))
 
     def _checked_continuation(self, episode: int, turn: int, ids: list[int], budget: int) -> None:
         where = f"episode {episode}'s continuation after turn {turn}"

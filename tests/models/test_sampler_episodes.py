@@ -48,14 +48,16 @@ def _prompts():
 
 
 def _observation(kept: list[int]) -> list[int]:
-    """What a deterministic tool answers to a turn: 1..5 ids computed from the turn's ids."""
-    return [(sum(kept) + 7 * k) % QWEN3.vocab_size for k in range(1 + len(kept) % 5)]
+    """What a deterministic tool answers to a turn: 1..13 ids computed from the turn's ids (from the
+    sampler's extend_chunk=8 on they go in by chunks, below by forced decode steps)."""
+    return [(sum(kept) + 7 * k) % QWEN3.vocab_size for k in range(1 + (5 * len(kept)) % 13)]
 
 
 def _play(sampler, params, episodes=range(len(LENGTHS))):
     """Play ``episodes`` (indices into _prompts, in the order given): turn 1 keeps only its first 3
     ids (a turn cut by its caller), each turn is followed by _observation's ids, and turn t's budget
-    is 10 - 3t. -> ({episode: [Sample per turn]}, {episode: final ids}, prefilled prompts)."""
+    is 10 - 3t. -> ({episode: [Sample per turn]}, {episode: final ids}, {"prefilled": the prompts
+    prefilled, "extended": how many continuations went in by chunks})."""
     episodes, prompts = list(episodes), _prompts()
     turns, ids = {e: [] for e in episodes}, {e: list(prompts[e]) for e in episodes}
 
@@ -78,14 +80,15 @@ def _play(sampler, params, episodes=range(len(LENGTHS))):
             answers.append(Continuation(ids[e], budget=10 - 3 * (end.turn + 1)))
         return answers
 
-    prefilled = []
-    prefill = sampler._prefill
-    sampler._prefill = lambda rows: (prefilled.extend(r for r in rows if r is not None), prefill(rows))
+    fed = {"prefilled": [], "extended": 0}
+    prefill, extend = sampler._prefill, sampler._extend
+    sampler._prefill = lambda rows: (fed["prefilled"].extend(r for r in rows if r is not None), prefill(rows))
+    sampler._extend = lambda rows, *args: (fed.__setitem__("extended", fed["extended"] + len(rows)), extend(rows, *args))
     try:
         sampler.generate_episodes([prompts[e] for e in episodes], key_of, params, on_turns)
     finally:
-        del sampler._prefill
-    return turns, ids, prefilled
+        del sampler._prefill, sampler._extend
+    return turns, ids, fed
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -133,9 +136,22 @@ def test_greedy_turns_are_the_argmax_of_a_full_forward_over_the_whole_episode(mo
         assert at == len(sequence)
 
 
-def test_only_prompts_are_prefilled(model):
-    _, _, prefilled = _play(_sampler(model), RULES["sampled"])
-    assert sorted(map(tuple, prefilled)) == sorted(map(tuple, _prompts()))
+def test_only_prompts_are_prefilled_and_long_continuations_go_in_by_chunks(model):
+    sampler = _sampler(model)
+    assert sampler.extend_chunk == 8  # gcd(16, prefill_chunk=8)
+    turns, _, fed = _play(sampler, RULES["sampled"])
+    assert sorted(map(tuple, fed["prefilled"])) == sorted(map(tuple, _prompts()))
+    # A continuation feeds from the first id the row's cache does not hold (the turn's last sampled
+    # id, or the first appended id after a cut) up to its last id but one: by chunks from
+    # extend_chunk ids on, by forced decode steps below.
+    fed_ids = []
+    for samples in turns.values():
+        for t, sample in enumerate(samples[:-1]):
+            kept = sample.tokens[:3] if t == 1 else sample.tokens
+            now = kept + _observation(kept)
+            common = next((i for i, (a, b) in enumerate(zip(now, sample.tokens)) if a != b), len(now))
+            fed_ids.append(len(now) - 1 - min(len(sample.tokens) - 1, common))
+    assert fed["extended"] == sum(n >= 8 for n in fed_ids) and 0 < fed["extended"] < len(fed_ids)
 
 
 @pytest.mark.parametrize("answer, what", [
