@@ -31,7 +31,8 @@ sample has finished takes the next pending one at the next refill point, with a 
 that leaves the other rows' caches alone (models/qwen/scheduler.py). Each row decodes at its
 own position with its own key's uniforms, so refill changes no sample. Multi-turn episodes
 (``generate_episodes``) keep an episode in its row across turns: the ids appended after a turn
-go through the decode step as forced steps, and only prompts are ever prefilled.
+go through the decode step as forced steps (from ``extend_chunk`` ids on, by chunked forwards),
+and only prompts are ever prefilled.
 
 **Log-probs.** ``Sample.logprobs[i]`` is log softmax of the model's *untempered* logits
 (fp32) at the chosen token: what a trainer computes for the same tokens (up to kernel
@@ -361,10 +362,11 @@ class Sampler:
         uniforms at most ``budgets[e]`` ids (turn 0; default max_new_tokens). At every refill
         point the turns that have ended go to ``on_turns`` in one list (by row); for each it
         answers a ``Continuation`` (the episode goes on) or None (it is over: its row takes the
-        next pending episode, with a prefill). A continued row feeds the appended ids through
-        the decode step (forced steps: their keys/values are written, nothing is sampled) and
-        then samples the next turn: the ids before the turn are never computed again, and no
-        new shape runs (no prefill after the prompt, no recompilation).
+        next pending episode, with a prefill). A continued row feeds the ids its cache does not
+        hold through the decode step (forced steps: their keys/values are written, nothing is
+        sampled; ``extend_chunk`` ids or more by chunked forwards, ``_extend``) and then samples
+        the next turn: the ids before the turn are never computed again, and the decode step
+        runs at no new shape (no recompilation).
 
         A turn's ids and log-probs depend only on its episode's prompt, appended ids and keys,
         and the sampler's settings: not on the other episodes, how many there are, their order
