@@ -72,14 +72,6 @@ class Generator:
         return sample_prompts(self._sampler, prompts, indices, params, seed=self.seed, purpose=purpose, step=step,
                               samples_per_prompt=samples)
 
-    def generate_keys(self, prompts: Sequence[Sequence[int]], keys: Sequence[SampleKey],
-                      params: SamplingParams) -> list[Sample]:
-        """One sample per (prompt, key), in order, with the weights last loaded: the episode runner's
-        call (each turn's keys name their turn, training/rollout/episodes.py)."""
-        if self._sampler is None:
-            raise RuntimeError("Generator.generate_keys before any weights were loaded (call load(model) first)")
-        return self._sampler.generate(prompts, keys, params)
-
     def play_episodes(self, prompts: Sequence[Sequence[int]], key_of: Callable[[int, int], SampleKey],
                       params: SamplingParams, on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]],
                       budgets: Sequence[int]) -> None:
