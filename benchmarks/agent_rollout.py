@@ -1,7 +1,7 @@
 """Multi-turn agent rollouts against single-turn rollouts of the same length, on one device.
 
     python benchmarks/agent_rollout.py --out bench_out/agent_rollout.json       # Qwen2.5-0.5B, 64 x 8, 4 turns x 64
-    python benchmarks/agent_rollout.py --device cpu --tiny                       # smoke test
+    python benchmarks/agent_rollout.py --device cpu --tiny [--repeats 7]        # smoke test
 
 The preset's architecture with random weights (``configs/<shape>.yaml``; the Qwen tokenizer of
 datasets/tokenizers/qwen and its chat template; ``--tiny``: configs/tiny.yaml with the byte
@@ -12,13 +12,14 @@ each, at temperature 1 with no stop token, so every turn samples exactly ``--tur
 - **multi-turn**: training/rollout/episodes.py's ``EpisodeRunner`` with a Python tool
   environment that answers every turn but the last with data/calculator.py's result (the turn's
   length times 7) rendered by the template's ``observation_text``: ``--turns`` turns per episode,
-  each turn one sampler call over every episode, then the tool calls in the runner's thread pool.
+  all in one sampler call (each episode continued in its cache row, the observation ids fed
+  through the decode step), the tool calls on the runner's daemon threads.
 - **single-turn**: one sampler call of ``turns x turn-tokens`` new tokens per sample from the same
   prompts (the same sampled total).
 
 tokens/s = sampled tokens (observations excluded) / wall time of the whole rollout (tool calls,
-tokenization and the sampler's prefills of each turn included); the sampler's own seconds are
-reported beside it. One warm-up of each (compilation, CUDA graphs) first, then the median of
+tokenization and the observations' decode steps included); the sampler's own seconds (the wall
+time less the host's work on ended turns) are reported beside it. One warm-up of each (compilation, CUDA graphs) first, then the median of
 ``--repeats``. The ratio multi/single is the issue's measure (target >= 0.7). JSON out.
 """
 
@@ -65,13 +66,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="measured runs (default 3; 1 with --tiny)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="configs/tiny.yaml, byte tokenizer, 4 x 2, 3 turns x 8")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.tiny:
-        args.shape, args.prompts, args.samples, args.turns, args.turn_tokens, args.repeats = "tiny", 4, 2, 3, 8, 1
+        args.shape, args.prompts, args.samples, args.turns, args.turn_tokens = "tiny", 4, 2, 3, 8
+    if args.repeats is None:
+        args.repeats = 1 if args.tiny else 3
     report = run(args)
     print_table(report)
     text = json.dumps(report, indent=2)

@@ -29,7 +29,10 @@ step. Slots a row has not written are masked out.
 **Scheduling.** A call with more samples than max_batch keeps every row busy: a row whose
 sample has finished takes the next pending one at the next refill point, with a prefill
 that leaves the other rows' caches alone (models/qwen/scheduler.py). Each row decodes at its
-own position with its own key's uniforms, so refill changes no sample.
+own position with its own key's uniforms, so refill changes no sample. Multi-turn episodes
+(``generate_episodes``) keep an episode in its row across turns: the ids appended after a turn
+go through the decode step as forced steps (from ``extend_chunk`` ids on, by chunked forwards),
+and only prompts are ever prefilled.
 
 **Log-probs.** ``Sample.logprobs[i]`` is log softmax of the model's *untempered* logits
 (fp32) at the chosen token: what a trainer computes for the same tokens (up to kernel
@@ -55,7 +58,7 @@ import torch.nn.functional as F
 from core.exceptions import ConfigError, DataError
 from models.qwen.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
-from models.qwen.scheduler import RowSlots, RowState
+from models.qwen.scheduler import EpisodeRows, RowSlots, RowState
 
 FinishReason = Literal["stop", "length"]
 Schedule = Literal["refill", "groups"]
@@ -63,6 +66,10 @@ Schedule = Literal["refill", "groups"]
 # How many decode steps run between checks (one host sync each) of which rows have finished:
 # under "refill", the points where finished rows take the next pending samples.
 _DONE_CHECK_INTERVAL = 16
+# An episode's continuation feeds its appended ids one decode step each, or, from this many on, by
+# forwards of this many positions (of every row, like a prefill): a forward costs a few decode
+# steps of the whole batch, a decode step of a row only that row's time.
+_EXTEND_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,29 @@ class Sample:
     """The model's untempered log-probability of each generated token."""
     finish_reason: FinishReason
     """'stop' (a stop token was generated) or 'length' (max_new_tokens or the context ran out)."""
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """A turn of an episode that has ended (``Sampler.generate_episodes``)."""
+
+    episode: int
+    """The episode's index in the call."""
+    turn: int
+    """0 for the first turn."""
+    sample: Sample
+    """The ids the turn sampled, their log-probs, and why it ended."""
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """How an episode goes on after a turn: its whole sequence now, and the next turn's budget."""
+
+    ids: Sequence[int]
+    """The episode's ids so far (the prompt, every earlier turn and appended ids, then a prefix of
+    the turn just sampled, usually all of it) followed by the ids to append (an observation)."""
+    budget: int
+    """The next turn samples at most this many ids (and at most max_new_tokens, and never past max_len)."""
 
 
 # Probabilities become integers in units of 2^-32 before the CDF is summed: integer sums are
@@ -281,6 +311,9 @@ class Sampler:
         self.schedule = schedule
         self.refill_every = refill_every
         self.prefill_chunk = min(prefill_chunk, max_len)
+        # Episodes' appended ids of at least this many go in by chunks of it (generate_episodes); it
+        # divides prefill_chunk, so aligned chunks never leave the cache's slots.
+        self.extend_chunk = math.gcd(_EXTEND_CHUNK, self.prefill_chunk)
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         on_cuda = self.device.type == "cuda"
@@ -317,6 +350,38 @@ class Sampler:
                 group = slice(start, start + self.max_batch)
                 samples.extend(self._generate_group(rows[group], list(keys[group]), params))
         return samples
+
+    def generate_episodes(
+        self, prompts: Sequence[Sequence[int]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
+        on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]],
+        budgets: Optional[Sequence[int]] = None,
+    ) -> None:
+        """Multi-turn episodes, each kept in one cache row from its prompt to its end.
+
+        Episode ``e`` starts from ``prompts[e]``; its turn ``t`` samples with ``key_of(e, t)``'s
+        uniforms at most ``budgets[e]`` ids (turn 0; default max_new_tokens). At every refill
+        point the turns that have ended go to ``on_turns`` in one list (by row); for each it
+        answers a ``Continuation`` (the episode goes on) or None (it is over: its row takes the
+        next pending episode, with a prefill). A continued row feeds the ids its cache does not
+        hold through the decode step (forced steps: their keys/values are written, nothing is
+        sampled; ``extend_chunk`` ids or more by chunked forwards, ``_extend``) and then samples
+        the next turn: the ids before the turn are never computed again, and the decode step
+        runs at no new shape (no recompilation).
+
+        A turn's ids and log-probs depend only on its episode's prompt, appended ids and keys,
+        and the sampler's settings: not on the other episodes, how many there are, their order
+        or which row it runs in. Turn 0 is the sample ``generate`` gives for ``key_of(e, 0)``
+        (the same prefill and decode steps); later turns differ from a ``generate`` call on the
+        whole sequence in the last bits (the earlier ids' keys/values come from decode steps,
+        not from a chunked prefill). Raises DataError (naming the episode) for a bad prompt
+        or a continuation that does not extend the episode or leaves no room within max_len.
+        """
+        rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
+        budgets = [params.max_new_tokens] * len(rows) if budgets is None else [int(b) for b in budgets]
+        if len(budgets) != len(rows):
+            raise ConfigError(f"generate_episodes got {len(rows)} prompts but {len(budgets)} budgets")
+        with torch.no_grad():
+            self._play(rows, key_of, params, on_turns, budgets)
 
     # ------------------------------------------------------------------ internals
 
@@ -408,6 +473,143 @@ class Sampler:
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
         state.load(rows, [prompts[i] for i in indices], [budgets[i] for i in indices],
                    counter_uniforms(streams, state.width))
+
+    def _play(self, prompts: list[list[int]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
+              on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]], budgets: list[int]) -> None:
+        """``generate_episodes``: episodes through the max_batch rows, continued in their rows' caches."""
+        if not prompts:
+            return
+        slots = RowSlots(self.max_batch, len(prompts))
+        state = EpisodeRows(self.max_batch, params.max_new_tokens, self.cache.slots, self.device)
+        stops = torch.tensor(params.stop_token_ids or [-1], device=self.device)
+        decode = self._decode_step(params)
+        held: list[Optional[list[int]]] = [None] * self.max_batch  # each row's ids before its current turn
+        # The step by which each row's turn has surely ended (its forced steps, then its whole budget):
+        # a refill point comes there at the latest, so a turn that runs to its budget waits for no
+        # regular point.
+        ends_by = np.full(self.max_batch, np.iinfo(np.int64).max, dtype=np.int64)
+        turn_of = [0] * len(prompts)
+        step = point = 0
+        while True:
+            if step == point:  # a refill point: one host sync
+                done = state.done.cpu().numpy()
+                ended = [row for row, episode in enumerate(slots.occupant) if episode is not None and done[row]]
+                over = np.zeros(self.max_batch, dtype=bool)
+                if ended:
+                    over[self._turns_ended(state, ended, slots.occupant, held, turn_of, key_of, params, on_turns,
+                                           ends_by, step)] = True
+                _, assigned = slots.refill(over)
+                if assigned:
+                    self._begin(state, assigned, prompts, held, key_of, params, budgets, ends_by, step)
+                if not slots.busy:
+                    return
+                busy = [row for row, episode in enumerate(slots.occupant) if episode is not None]
+                point = min(step + self.refill_every, int(ends_by[busy].min()))
+            next_token, logprob = decode(*state.inputs())
+            state.advance(next_token, logprob, stops)
+            step += 1
+
+    def _turns_ended(self, state: EpisodeRows, ended: list[int], occupant: list[Optional[int]],
+                     held: list[Optional[list[int]]], turn_of: list[int], key_of: Callable[[int, int], SampleKey],
+                     params: SamplingParams, on_turns: Callable, ends_by: np.ndarray, step: int) -> list[int]:
+        """Hand the ended turns of ``ended`` rows to ``on_turns``, start the continued ones' next
+        turns, and return the rows whose episodes are over."""
+        tokens, logprobs = state.turns(ended)
+        samples = _collect(tokens, logprobs, [len(t) for t in tokens], params.stop_token_ids)
+        episodes = [occupant[row] for row in ended]
+        answers = list(on_turns([TurnEnd(e, turn_of[e], s) for e, s in zip(episodes, samples)]))
+        if len(answers) != len(ended):
+            raise ConfigError(f"on_turns answered {len(answers)} of {len(ended)} ended turns; answer each")
+        over, rows, sequences, positions, budgets, streams = [], [], [], [], [], []
+        for row, episode, turn_ids, answer in zip(ended, episodes, tokens, answers):
+            if answer is None:
+                over.append(row)
+                continue
+            before = held[row]
+            sampled = before + turn_ids
+            if list(answer.ids[: len(before)]) != before:
+                raise DataError(f"episode {episode}'s continuation after turn {turn_of[episode]} does not start "
+                                "with the episode's ids before that turn", record=episode,
+                                hint="continue an episode with its ids so far followed by the appended ids")
+            ids = before + [int(t) for t in answer.ids[len(before):]]
+            common = len(before)
+            while common < min(len(ids), len(sampled)) and ids[common] == sampled[common]:
+                common += 1
+            self._checked_continuation(episode, turn_of[episode], ids, answer.budget)
+            turn_of[episode] += 1
+            held[row] = ids
+            rows.append(row)
+            sequences.append(ids)
+            # The cache holds every id the row has fed: all but the turn's last sampled id.
+            positions.append(min(len(sampled) - 1, common, len(ids) - 1))
+            budgets.append(min(answer.budget, params.max_new_tokens, self.max_len - len(ids)))
+            streams.append(key_of(episode, turn_of[episode]).stream())
+        # A row with at least extend_chunk ids to feed before it samples takes them in chunks
+        # (a rule of the row's own ids, so which rows share the forward changes nothing).
+        extended = [i for i, (ids, p) in enumerate(zip(sequences, positions)) if len(ids) - 1 - p >= self.extend_chunk]
+        if extended:
+            self._extend([rows[i] for i in extended], [sequences[i] for i in extended],
+                         [positions[i] for i in extended])
+            for i in extended:
+                positions[i] = len(sequences[i]) - 1
+        for row, ids, position, budget in zip(rows, sequences, positions, budgets):
+            ends_by[row] = step + (len(ids) - 1 - position) + budget
+        if rows:
+            state.start(rows, sequences, positions, budgets,
+                        counter_uniforms(np.array(streams, dtype=np.uint64), state.width))
+        return over
+
+    def _extend(self, rows: list[int], sequences: list[list[int]], positions: list[int]) -> None:
+        """Write the keys/values of each row's ids from its position up to its last id (which the
+        decode step feeds) by forwards of all max_batch rows, ``extend_chunk`` positions each, at
+        positions aligned to multiples of extend_chunk: a row's first chunk starts at the multiple
+        at or before its position (the ids of that chunk before the position are written again).
+        Rows not extended, and extended rows past their last chunk, write into the scratch row."""
+        batch, chunk = self.max_batch, self.extend_chunk
+        spans = [(p // chunk, (len(ids) - 2) // chunk) for ids, p in zip(sequences, positions)]
+        for k in range(max(last - first + 1 for first, last in spans)):
+            ids = torch.zeros(batch, chunk, dtype=torch.long)
+            starts = torch.zeros(batch, 1, dtype=torch.long)
+            fill = torch.zeros(batch, dtype=torch.bool)
+            for row, sequence, (first, last) in zip(rows, sequences, spans):
+                if first + k <= last:
+                    start = (first + k) * chunk
+                    part = sequence[start: start + chunk]
+                    ids[row, : len(part)] = torch.tensor(part)
+                    starts[row, 0], fill[row] = start, True
+            positions_k = (starts + torch.arange(chunk)[None, :]).to(self.device)
+            model_forward(self.model, ModelInputs(ids.to(self.device), positions_k),
+                          cache=self.cache.redirected(fill.to(self.device)))
+
+    def _checked_continuation(self, episode: int, turn: int, ids: list[int], budget: int) -> None:
+        where = f"episode {episode}'s continuation after turn {turn}"
+        if len(ids) >= self.max_len:
+            raise DataError(f"{where} has {len(ids)} ids, which leaves no room for a new one within the sampler's "
+                            f"max_len={self.max_len}", record=episode,
+                            hint="end the episode (answer None) before it fills the context, or raise max_len")
+        vocab = self.model.dims.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise DataError(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab})", record=episode,
+                            hint="tokenize appended ids with the model's own tokenizer")
+        if budget < 1:
+            raise DataError(f"{where} has budget {budget}, below 1", record=episode,
+                            hint="end the episode (answer None) instead")
+
+    def _begin(self, state: EpisodeRows, assigned: list[tuple[int, int]], prompts: list[list[int]],
+               held: list[Optional[list[int]]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
+               budgets: list[int], ends_by: np.ndarray, step: int) -> None:
+        """Prefill the assigned (row, episode) pairs' prompts into their rows and start their first turns."""
+        by_row: list[Optional[list[int]]] = [None] * self.max_batch
+        for row, episode in assigned:
+            by_row[row] = held[row] = prompts[episode]
+        self._prefill(by_row)
+        rows, episodes = [row for row, _ in assigned], [episode for _, episode in assigned]
+        streams = np.array([key_of(e, 0).stream() for e in episodes], dtype=np.uint64)
+        first = [max(1, min(budgets[e], params.max_new_tokens, self.max_len - len(prompts[e]))) for e in episodes]
+        state.start(rows, [prompts[e] for e in episodes], [len(prompts[e]) - 1 for e in episodes], first,
+                    counter_uniforms(streams, state.width))
+        ends_by[rows] = step + np.array(first)
 
     def _prefill(self, prompts: list[Optional[list[int]]]) -> None:
         """Write keys/values of every prompt token but the last into cache row b of ``prompts[b]``.

@@ -112,3 +112,74 @@ class RowState:
         """The tokens and log-probs written so far by ``rows`` (each ``width`` long; cut them at the sample's end)."""
         index = torch.tensor(rows, device=self.token.device)
         return (self.out_tokens[index, : self.width].tolist(), self.out_logprobs[index, : self.width].tolist())
+
+
+class EpisodeRows:
+    """Device state of B rows that play multi-turn episodes (``Sampler.generate_episodes``), fixed shapes.
+
+    Each row holds its episode's whole sequence so far (``seq``: prompt, sampled and appended
+    ids), how many of those ids are known (``length``) and the position it feeds next
+    (``pos``): every decode step feeds ``seq[pos]`` at ``pos``. Where ``pos + 1 < length`` the
+    step only writes that id's key/value into the cache (a forced step: the ids appended
+    after a turn go in this way); where ``pos + 1 == length`` it samples the next id with the
+    turn's uniform ``uniforms[row, local]``. A row is done once its turn has sampled a stop
+    token or ``budget`` ids; a done row keeps stepping (static shapes) without moving: it
+    feeds the same id at the same position, which writes the same key/value again, and its
+    outputs land in the spare columns.
+    """
+
+    def __init__(self, rows: int, width: int, slots: int, device: torch.device) -> None:
+        self.width = width  # the most ids one turn samples
+        self.spare = slots  # the column of seq that rows sampling nothing write into
+        self.seq = torch.zeros(rows, slots + 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=device)
+        self.length = torch.ones(rows, dtype=torch.long, device=device)
+        self.local = torch.zeros(rows, dtype=torch.long, device=device)  # ids sampled in this turn so far
+        self.budget = torch.zeros(rows, dtype=torch.long, device=device)
+        self.done = torch.ones(rows, dtype=torch.bool, device=device)  # no episode yet: free
+        self.uniforms = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        self.out_tokens = torch.zeros(rows, width + 1, dtype=torch.long, device=device)  # + a spare column
+        self.out_logprobs = torch.zeros(rows, width + 1, dtype=torch.float32, device=device)
+
+    def start(self, rows: list[int], sequences: list[list[int]], positions: list[int], budgets: list[int],
+              uniforms: np.ndarray) -> None:
+        """Start a turn in ``rows``: each row's whole sequence, the position it feeds from (its cache
+        holds every id before it; only the ids from there on are written into ``seq``, the row
+        never feeds the others again), its budget and the turn's uniforms (k, width)."""
+        device = self.seq.device
+        index = torch.tensor(rows, device=device)
+        counts = [len(ids) - p for ids, p in zip(sequences, positions)]
+        cells = (np.repeat(rows, counts), np.concatenate([np.arange(p, len(ids)) for ids, p in zip(sequences, positions)]))
+        values = np.concatenate([np.asarray(ids[p:], dtype=np.int64) for ids, p in zip(sequences, positions)])
+        self.seq[torch.from_numpy(cells[0]).to(device), torch.from_numpy(cells[1]).to(device)] = (
+            torch.from_numpy(values).to(device))
+        self.pos[index] = torch.tensor(positions, device=device)
+        self.length[index] = torch.tensor([len(s) for s in sequences], device=device)
+        self.local[index] = 0
+        self.budget[index] = torch.tensor(budgets, device=device)
+        self.done[index] = False
+        self.uniforms[index] = torch.from_numpy(uniforms).to(device)
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens (B, 1), positions (B, 1), uniforms (B,)) of the next decode step."""
+        uniforms = self.uniforms.gather(1, self.local.clamp(max=self.width - 1)[:, None]).squeeze(1)
+        return self.seq.gather(1, self.pos[:, None]), self.pos[:, None], uniforms
+
+    def advance(self, next_token: torch.Tensor, logprob: torch.Tensor, stops: torch.Tensor) -> None:
+        """Record one decode step's (B,) tokens and log-probs where rows sampled."""
+        sampling = ~self.done & (self.pos + 1 == self.length)
+        column = torch.where(sampling, self.local, self.width)[:, None]
+        self.out_tokens.scatter_(1, column, next_token[:, None])
+        self.out_logprobs.scatter_(1, column, logprob[:, None])
+        self.seq.scatter_(1, torch.where(sampling, self.length, self.spare)[:, None], next_token[:, None])
+        self.length += sampling
+        self.local += sampling
+        self.pos += ~self.done
+        self.done |= sampling & (torch.isin(next_token, stops) | (self.local >= self.budget))
+
+    def turns(self, rows: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """The ids and log-probs each of ``rows`` sampled in its current turn."""
+        index = torch.tensor(rows, device=self.seq.device)
+        counts = self.local[index].tolist()
+        tokens, logprobs = self.out_tokens[index].tolist(), self.out_logprobs[index].tolist()
+        return ([t[:n] for t, n in zip(tokens, counts)], [p[:n] for p, n in zip(logprobs, counts)])

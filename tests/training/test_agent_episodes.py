@@ -24,6 +24,7 @@ from training.rollout.generator import Decoder
 from training.rollout.rewards import resolve_reward
 from training.rollout.tool_calls import MalformedCall, ToolCall, parse_tool_calls
 from training.rollout.tool_environment import ToolEnvironment, resolve_environment
+from tests.scripted_episodes import turn_by_turn
 
 QWEN = "datasets/tokenizers/qwen"
 QWEN25_TEMPLATE, QWEN3_TEMPLATE = "tests/data/templates/qwen2_5_instruct.jinja", "tests/data/templates/qwen3.jinja"
@@ -87,6 +88,9 @@ class ScriptedGenerator:
             self.handed[(key.prompt_index, key.sample_index, turn)] = ids
             out.append(Sample(tokens=ids, logprobs=[-0.5] * len(ids), finish_reason="stop"))
         return out
+
+    def play_episodes(self, prompts, key_of, params, on_turns, budgets):
+        turn_by_turn(self.generate_keys)(prompts, key_of, params, on_turns, budgets)
 
 
 class Model:

@@ -25,6 +25,7 @@ from training.objectives.grpo import PARITY, GRPOObjective
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss
 from training.rollout.episode_store import episodes_path, read_episodes
 from tests import launch
+from tests.scripted_episodes import turn_by_turn
 
 PROMPTS, G = 4, 2
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call><|im_end|>'
@@ -73,7 +74,7 @@ def _prepared(tmp_path, overrides=()):
         return out
 
     objective.generator.load = lambda model: None
-    objective.generator.generate_keys = generate_keys
+    objective.generator.play_episodes = turn_by_turn(generate_keys)
     plan = make_plan(config.data, seed=config.train.seed, global_batch_size=PROMPTS, rank=0, world_size=1)
     with torch.no_grad():
         batch = objective.prepare(next(iterate_serial(plan)))

@@ -23,9 +23,15 @@ turn limit, or no room left) is stepped with ``last=True``: the environment must
 and score it. A turn cut off without a stop (``turn.truncated``) is the environment's to judge
 (the calculator environment takes it as the answer).
 
-**The environment's answers** are computed in threads (one per episode of a turn, daemon threads:
-a call that never returns blocks neither the others nor the process's exit) and applied in
-sample order, whatever order they finish in. An environment that raises, answers
+**One sampler call.** ``play`` hands every episode to ``Generator.play_episodes`` (the sampler's
+``generate_episodes``): each episode stays in one cache row across its turns, the turns that end
+at one refill point come back together (``_turn``, each at its own turn number), and an episode
+that goes on continues in its row with the observation ids fed through the cache; nothing before
+a turn is computed again. Which turns end together changes no id (docs/models.md).
+
+**The environment's answers** are computed in threads (one per episode whose turn ended, reused
+daemon threads: a call that never returns blocks neither the others nor the process's exit) and
+applied in the order of the ended turns, whatever order they finish in. An environment that raises, answers
 with something other than a ``Transition`` or takes longer than ``timeout_s`` is an
 ``EnvironmentFailure`` naming it, the step, prompt row, sample and turn (``on_error="error"``),
 or ends that episode with reward 0, counted in ``env_errors`` and recorded (``"zero"``). A
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +60,7 @@ import numpy as np
 from torch import nn
 
 from core.exceptions import DeterminismError, LockstepError
-from models.qwen.sampler import Sample, SampleKey, SamplingParams
+from models.qwen.sampler import Continuation, Sample, SampleKey, SamplingParams, TurnEnd
 from training.rollout.environment import EnvironmentFailure, NondeterministicToolError, Task, Transition
 from training.rollout.generator import Decoder, Generator
 
@@ -172,21 +179,30 @@ class EpisodeRunner:
                 episode = self.environment.reset(task, where=place) if call_environment else None
                 playing.append(_Playing(task, index, s, place, episode, list(task.prompt_ids),
                                         recorded=recorded.get((index, s))))
+        def key_of(episode: int, turn: int) -> SampleKey:
+            p = playing[episode]
+            return SampleKey(self.generator.seed, purpose if turn == 0 else f"{purpose}.turn{turn}", step, p.index,
+                             p.sample)
+
+        host = [0.0]
+
+        def on_turns(ended: list[TurnEnd]) -> list[Optional[Continuation]]:
+            started = time.perf_counter()
+            active = [playing[end.episode] for end in ended]
+            self._turn(active, [end.sample for end in ended], step, call_environment, timings)
+            host[0] += time.perf_counter() - started
+            return [None if p.result is not None or len(p.turns) >= self.limits.max_turns
+                    else Continuation(p.ids, max(1, self._budget(p))) for p in active]
+
         was_training = model.training
         model.eval()
         try:
             self.generator.load(model)
-            for turn in range(self.limits.max_turns):
-                active = [p for p in playing if p.result is None]
-                if not active:
-                    break
-                turn_purpose = purpose if turn == 0 else f"{purpose}.turn{turn}"
-                keys = [SampleKey(self.generator.seed, turn_purpose, step, p.index, p.sample) for p in active]
-                started = time.perf_counter()
-                drawn = self.generator.generate_keys([p.ids for p in active], keys, params)
-                if timings is not None:
-                    timings["rollout_s"] += time.perf_counter() - started
-                self._turn(active, drawn, turn, step, call_environment, timings)
+            started = time.perf_counter()
+            self.generator.play_episodes([p.ids for p in playing], key_of, params, on_turns,
+                                         [max(1, self._budget(p)) for p in playing])
+            if timings is not None:  # the sampler's seconds: the environment's and the host's left out
+                timings["rollout_s"] += time.perf_counter() - started - host[0]
         finally:
             model.train(was_training)
         return [p.result for p in playing]
@@ -196,10 +212,11 @@ class EpisodeRunner:
     def _budget(self, p: _Playing) -> int:
         return min(self.limits.max_episode_tokens - p.used, self.context - len(p.ids))
 
-    def _turn(self, active: list[_Playing], drawn: list[Sample], turn: int, step: int, call_environment: bool,
+    def _turn(self, active: list[_Playing], drawn: list[Sample], step: int, call_environment: bool,
               timings: Optional[dict]) -> None:
-        completions, lasts = [], []
-        for p, sample in zip(active, drawn):
+        """The ended turns of ``active`` (each at its own turn number): answered, applied, compared."""
+        completions, lasts, turns = [], [], [len(p.turns) for p in active]
+        for p, sample, turn in zip(active, drawn, turns):
             budget = self._budget(p)
             if len(sample.tokens) > budget:
                 sample = Sample(tokens=sample.tokens[:budget], logprobs=sample.logprobs[:budget], finish_reason="length")
@@ -209,10 +226,10 @@ class EpisodeRunner:
             if timings is not None:
                 timings["rollout_tokens"] += len(completion.sample.tokens)
         if call_environment:
-            answers = self._answers(active, completions, lasts, turn, step)
+            answers = self._answers(active, completions, lasts, turns, step)
         else:
             answers = [None] * len(active)
-        for p, completion, last, answer in zip(active, completions, lasts, answers):
+        for p, completion, turn, answer in zip(active, completions, turns, answers):
             sampled = tuple(int(t) for t in completion.sample.tokens)
             logprobs = tuple(float(x) for x in completion.sample.logprobs[:len(sampled)])
             if not call_environment:
@@ -221,15 +238,15 @@ class EpisodeRunner:
             self._apply(p, sampled, logprobs, completion, answer, turn)
             self._compare(p, turn, step)
 
-    def _answers(self, active: list[_Playing], completions, lasts, turn: int, step: int) -> list:
+    def _answers(self, active: list[_Playing], completions, lasts, turns: list[int], step: int) -> list:
         """Each episode's Transition (or the failure that ended it), in the order of ``active``: every
-        episode's step runs in a daemon thread of its own (a call that never returns neither blocks
-        the others nor the process's exit), and each is waited for at most ``timeout_s``."""
+        episode's step runs in a daemon thread of its own (``_Workers``: a call that never returns
+        neither blocks the others nor the process's exit), and each is waited for at most ``timeout_s``."""
         calls = [_Call(lambda p=p, c=c, last=last: p.episode.step(c, last=last))
                  for p, c, last in zip(active, completions, lasts)]
-        for i, call in enumerate(calls):
-            threading.Thread(target=call.run, name=f"environment-{i}", daemon=True).start()
-        return [self._awaited(call, active[i], turn, step, lasts[i]) for i, call in enumerate(calls)]
+        for call in calls:
+            _WORKERS.submit(call)
+        return [self._awaited(call, active[i], turns[i], step, lasts[i]) for i, call in enumerate(calls)]
 
     def _awaited(self, call: "_Call", p: _Playing, turn: int, step: int, last: bool):
         timeout = self.limits.timeout_s
@@ -319,6 +336,40 @@ class EpisodeRunner:
         if turn + 1 == len(turns):
             p.result = EpisodeResult(tuple(p.turns), float(p.recorded["reward"]), p.recorded["reward_errors"],
                                      p.recorded["env_errors"], p.recorded["truncated"], text)
+
+
+class _Workers:
+    """Daemon threads that run ``_Call``s, each call at once: a call taken by an idle thread, or by a
+    new one when none is idle. A thread goes back to waiting for calls once its call returns, so
+    calls cost no thread start (a start waits until the new thread runs: about a quarter of a
+    millisecond, for every episode of every turn); a call that never returns holds its thread and
+    nothing else."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.idle = 0
+        self.started = 0
+
+    def submit(self, call: "_Call") -> None:
+        with self.lock:
+            spawn = self.idle == 0
+            if not spawn:
+                self.idle -= 1  # this idle thread's next call is this one (or one as early)
+            else:
+                self.started += 1
+        if spawn:
+            threading.Thread(target=self._serve, name=f"environment-{self.started}", daemon=True).start()
+        self.calls.put(call)
+
+    def _serve(self) -> None:
+        while True:
+            self.calls.get().run()
+            with self.lock:
+                self.idle += 1
+
+
+_WORKERS = _Workers()
 
 
 class _Call:

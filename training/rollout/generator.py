@@ -23,14 +23,14 @@ generate`` all sample through a ``Generator``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from data.chat_template import ChatTemplate
 from models.generation import sample_prompts
-from models.qwen.sampler import Sample, SampleKey, Sampler, SamplingParams
+from models.qwen.sampler import Continuation, Sample, SampleKey, Sampler, SamplingParams, TurnEnd
 from training.rollout.generation_model import generation_model
 
 
@@ -72,13 +72,14 @@ class Generator:
         return sample_prompts(self._sampler, prompts, indices, params, seed=self.seed, purpose=purpose, step=step,
                               samples_per_prompt=samples)
 
-    def generate_keys(self, prompts: Sequence[Sequence[int]], keys: Sequence[SampleKey],
-                      params: SamplingParams) -> list[Sample]:
-        """One sample per (prompt, key), in order, with the weights last loaded: the episode runner's
-        call (each turn's keys name their turn, training/rollout/episodes.py)."""
+    def play_episodes(self, prompts: Sequence[Sequence[int]], key_of: Callable[[int, int], SampleKey],
+                      params: SamplingParams, on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]],
+                      budgets: Sequence[int]) -> None:
+        """Multi-turn episodes with the weights last loaded, each continued in its cache row across
+        turns (``Sampler.generate_episodes``): the episode runner's call (training/rollout/episodes.py)."""
         if self._sampler is None:
-            raise RuntimeError("Generator.generate_keys before any weights were loaded (call load(model) first)")
-        return self._sampler.generate(prompts, keys, params)
+            raise RuntimeError("Generator.play_episodes before any weights were loaded (call load(model) first)")
+        self._sampler.generate_episodes(prompts, key_of, params, on_turns, budgets)
 
     def generate_from(self, model: nn.Module, prompts: Sequence[Sequence[int]], indices: Sequence[int],
                       params: SamplingParams, *, purpose: str, step: int, samples: int) -> list[Sample]:
