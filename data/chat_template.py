@@ -448,7 +448,7 @@ class ChatTemplate:
     def _probe(self, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
         """A stand-in content whose characters occur nowhere else: where the rendering with it
         first and last differs from the real one bounds what the real content produced."""
-        used = self._source_chars.union(json.dumps([messages, tools], ensure_ascii=False))
+        used = self._source_chars.union(json.dumps([messages, tools], ensure_ascii=False, default=str))
         free = (chr(c) for c in PROBE_CHARS if chr(c) not in used)
         probe = next(free, "") + next(free, "")
         if len(probe) < 2:
