@@ -221,7 +221,7 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
                                      for k, call in enumerate(_non_empty_list(calls, f"{where}.tool_calls"))]
         if role == "tool":
             for key in ("name", "tool_call_id"):
-                if key in message:
+                if message.get(key) is not None:  # a columnar source fills absent keys with null
                     if not isinstance(message[key], str):
                         raise RecordError(f"{where} (tool) {key!r} is a {type(message[key]).__name__}, not a string")
                     checked[key] = message[key]
@@ -248,7 +248,7 @@ def _check_call(call: Any, where: str) -> dict:
         raise RecordError(f"{where} ({name}) arguments are a {type(arguments).__name__}, not an object "
                           "(a JSON string of the arguments must be parsed first)")
     checked = {"type": "function", "function": {"name": name, "arguments": arguments}}
-    if "id" in call:
+    if call.get("id") is not None:
         if not isinstance(call["id"], str):
             raise RecordError(f"{where} ({name}) 'id' is a {type(call['id']).__name__}, not a string")
         checked["id"] = call["id"]
