@@ -75,7 +75,8 @@ def write_agent_datasets(root: Path, *, seed: int, train_n: int, eval_n: int, sh
     root = Path(root)
     counts: dict[str, int] = {}
     for split, tasks in split_tasks(seed, train_n, eval_n, make=make_agent_task).items():
-        for name, records in (("sft", [sft_record(t) for t in tasks]), ("rl", [rl_record(t) for t in tasks])):
+        datasets = {"sft": [sft_record(t) for t in tasks], "rl": [rl_record(t) for t in tasks]}
+        for name, records in datasets.items():
             parts = {f"{name}/{split}.jsonl": records} if shards == 1 else {
                 f"{name}/{split}/part-{k:03d}.jsonl": records[k::shards] for k in range(shards)}
             for part, chunk in parts.items():
