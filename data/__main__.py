@@ -89,6 +89,7 @@ def _prepare(args) -> int:
     if not args.input:
         print("\nconfig section for these shards:\n" + recommended_data_section(out))
         _prepare_tasks(Path(out).parent / TASKS_DIR, force=args.force)  # beside the stdlib shards
+        _prepare_agent_tasks(Path(out).parent / TASKS_DIR / AGENT_DIR, force=args.force)
     return 0
 
 
@@ -109,6 +110,24 @@ def _prepare_tasks(out: Path, *, force: bool) -> None:
         return
     counts = write_task_datasets(out, **TASKS_SPEC)
     stamp.write_text(json.dumps(TASKS_SPEC))
+    print(f"wrote: {out} ({sum(counts.values())} records in {len(counts)} files)")
+
+
+AGENT_DIR = "agent"
+AGENT_SPEC = {"seed": 0, "train_n": 4000, "eval_n": 256, "shards": 16}
+"""The embedded agent tasks (data/agent_tasks.py): tool-use transcripts for SFT, prompts for agent rollouts."""
+
+
+def _prepare_agent_tasks(out: Path, *, force: bool) -> None:
+    """Write the agent task datasets once (their own stamp, so the other tasks stay as they are)."""
+    from data.agent_tasks import write_agent_datasets
+
+    stamp = out / ".complete"
+    if not force and stamp.is_file() and json.loads(stamp.read_text()) == AGENT_SPEC:
+        print(f"up to date: {out}")
+        return
+    counts = write_agent_datasets(out, **AGENT_SPEC)
+    stamp.write_text(json.dumps(AGENT_SPEC))
     print(f"wrote: {out} ({sum(counts.values())} records in {len(counts)} files)")
 
 

@@ -31,6 +31,15 @@ A trained span must contain the message's answer verbatim (the text after its ``
 so a template that rewrites the content (``| upper``) is refused rather than trained on.
 A token is trained when its characters overlap a trained span.
 
+Tool use: a record may list ``tools`` (JSON-schema function specs); an assistant message may
+carry ``tool_calls`` (``[{"type": "function", "function": {"name", "arguments": {...}}}]``,
+its content then possibly empty) and ``tool`` messages hold the results, one per call, in the
+order of the calls. The template gets ``tools`` as ``apply_chat_template(messages, tools=...)``
+passes it. A trained assistant turn is probed whole: it is replaced by a plain turn whose
+content is the probe, so the span covers what its content and its calls produced (the
+``<tool_call>`` text) up to its end-of-turn marker, and must contain its answer and the name
+of every function it calls. Tool results, like system and user turns, are never trained.
+
 ``data.loss_on``: ``assistant`` trains every assistant turn; ``completion`` trains the
 assistant turns of the completion (the last assistant turn of a chat record); ``all`` trains
 every token.
@@ -38,6 +47,7 @@ every token.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,15 +59,53 @@ from core.exceptions import ConfigError, DataError, LockstepError
 from data.chat_sandbox import MAX_CHARS, MAX_SECONDS, Budget, TemplateBudgetError, compile_template, environment, \
     parse_clock, render_within
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
-CHATML_TEMPLATE = (
+CHATML_PLAIN = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
+"""The built-in ChatML as it was before it rendered tools; what it renders is what
+CHATML_TEMPLATE renders for every record without tools, tool calls or tool results."""
+
+CHATML_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou can call these functions:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nTo call one, write its name and arguments as JSON inside <tool_call></tool_call>:\n'"
+    " + '<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n</tool_call>'"
+    " + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message['tool_calls'] %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, and tools in Qwen's
+format: the record's ``tools`` listed as JSON inside ``<tools></tools>`` in a system turn (after
+the record's own system prompt), an assistant's calls as ``<tool_call>\\n{"name": ..., "arguments":
+...}\\n</tool_call>`` after its content, one per line, and consecutive tool results as
+``<tool_response>\\n...\\n</tool_response>`` lines of one user turn. A record without tools
+renders exactly as CHATML_PLAIN renders it."""
 
 CHATML_END = "<|im_end|>"
 
@@ -104,6 +152,7 @@ def messages_of(record: Any, kind: str) -> tuple[list[dict], int]:
         if "messages" not in record:
             raise RecordError(f"chat record has no 'messages' (keys: {', '.join(list(record)[:8])})")
         messages = _check_messages(record["messages"], "messages")
+        _check_tool_turns(messages, "messages", tools_of(record))
         return messages, _last_assistant(messages)
     if kind == "prompt_completion":
         for key in ("prompt", "completion"):
@@ -117,11 +166,36 @@ def messages_of(record: Any, kind: str) -> tuple[list[dict], int]:
         prompt = _check_messages(prompt, "prompt") if not isinstance(prompt, str) else [
             {"role": "user", "content": prompt}]
         completion = _check_messages(completion, "completion")
+        _check_tool_turns(prompt + completion, "prompt+completion", tools_of(record))
         return prompt + completion, len(prompt)
     raise RecordError(f"unknown record kind {kind!r}")
 
 
+def tools_of(record: dict) -> Optional[list[dict]]:
+    """A record's ``tools`` (JSON-schema function specs, ``{"type": "function", "function":
+    {"name": ..., ...}}``), passed to the template as they are; None when the record has none.
+    RecordError naming the entry that is not such a spec."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise RecordError("'tools' must be a non-empty list of function specs "
+                          '({"type": "function", "function": {"name": ..., "parameters": {...}}})')
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function" \
+                or not isinstance(function.get("name"), str) or not function["name"]:
+            raise RecordError(f"tools[{i}] is not a function spec with a name "
+                              '({"type": "function", "function": {"name": ..., "parameters": {...}}}), '
+                              f"got {_short(tool)}")
+    return tools
+
+
 def _check_messages(messages: Any, field: str) -> list[dict]:
+    """The messages in the form the template sees: ``role`` and ``content`` (a string; ``""`` for an
+    assistant turn that only calls tools), an assistant's ``tool_calls`` as ``{"type": "function",
+    "function": {"name", "arguments"}}`` (with its ``id`` when it has one), a tool result's
+    ``name`` and ``tool_call_id`` when it has them. Other keys are dropped."""
     if not isinstance(messages, list) or not messages:
         raise RecordError(f"{field!r} must be a non-empty list of messages")
     out = []
@@ -132,12 +206,81 @@ def _check_messages(messages: Any, field: str) -> list[dict]:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise RecordError(f"{where} has unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        calls = message.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise RecordError(f"{where} ({role}) has 'tool_calls': only assistant turns call tools")
+        if calls is not None and content is None:
+            content = ""  # a turn that only calls tools
         if not isinstance(content, str):
             raise RecordError(f"{where} ({role}) content is a {type(content).__name__}, not a string")
-        if role == "assistant" and not content.strip():
-            raise RecordError(f"{where} (assistant) has empty content")
-        out.append({"role": role, "content": content})
+        if role == "assistant" and calls is None and not content.strip():
+            raise RecordError(f"{where} (assistant) has empty content and no tool_calls")
+        checked = {"role": role, "content": content}
+        if calls is not None:
+            checked["tool_calls"] = [_check_call(call, f"{where}.tool_calls[{k}]")
+                                     for k, call in enumerate(_non_empty_list(calls, f"{where}.tool_calls"))]
+        if role == "tool":
+            for key in ("name", "tool_call_id"):
+                if message.get(key) is not None:  # a columnar source fills absent keys with null
+                    if not isinstance(message[key], str):
+                        raise RecordError(f"{where} (tool) {key!r} is a {type(message[key]).__name__}, not a string")
+                    checked[key] = message[key]
+        out.append(checked)
     return out
+
+
+def _non_empty_list(value: Any, where: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise RecordError(f"{where} must be a non-empty list of calls "
+                          '([{"type": "function", "function": {"name": ..., "arguments": {...}}}])')
+    return value
+
+
+def _check_call(call: Any, where: str) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function":
+        raise RecordError(f'{where} is not {{"type": "function", "function": {{"name": ..., "arguments": {{...}}}}}}, '
+                          f"got {_short(call)}")
+    name, arguments = function.get("name"), function.get("arguments")
+    if not isinstance(name, str) or not name:
+        raise RecordError(f"{where} has no function name (function.name), got {_short(function)}")
+    if not isinstance(arguments, dict):
+        raise RecordError(f"{where} ({name}) arguments are a {type(arguments).__name__}, not an object "
+                          "(a JSON string of the arguments must be parsed first)")
+    checked = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call.get("id") is not None:
+        if not isinstance(call["id"], str):
+            raise RecordError(f"{where} ({name}) 'id' is a {type(call['id']).__name__}, not a string")
+        checked["id"] = call["id"]
+    return checked
+
+
+def _check_tool_turns(messages: list[dict], field: str, tools: Optional[list[dict]]) -> None:
+    """Tool results answer calls: each run of ``tool`` messages follows an assistant turn that
+    made as many calls, and every call names one of the record's ``tools`` (when it lists them)."""
+    names = None if tools is None else {tool["function"]["name"] for tool in tools}
+    calls = 0
+    for i, message in enumerate(messages):
+        if message["role"] == "tool":
+            if calls == 0:
+                raise RecordError(f"{field}[{i}] (tool) answers no call: a tool result must follow an assistant "
+                                  "turn with tool_calls (one result per call, in the order of the calls)")
+            calls -= 1
+            continue
+        if calls:
+            raise RecordError(f"{field}[{i}] ({message['role']}) comes before the results of {calls} more "
+                              f"tool call(s) of the assistant turn before it: give one tool result per call")
+        for k, call in enumerate(message.get("tool_calls", ())):
+            name = call["function"]["name"]
+            if names is not None and name not in names:
+                raise RecordError(f"{field}[{i}].tool_calls[{k}] calls {name!r}, which is not in the record's "
+                                  f"'tools' ({', '.join(sorted(names))})")
+            calls += 1
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _last_assistant(messages: list[dict]) -> int:
@@ -156,6 +299,10 @@ class ChatTemplate:
     def __init__(self, source: str, *, origin: str, special_tokens: Optional[dict[str, str]] = None,
                  clock: Optional[str] = None, max_seconds: float = MAX_SECONDS, max_chars: int = MAX_CHARS) -> None:
         self.source = source
+        self.fingerprint = hashlib.sha256((CHATML_PLAIN if source == CHATML_TEMPLATE else source).encode()).hexdigest()[:16]
+        """What the data state records of the template (its compat): a hash of the source. The
+        built-in ChatML keeps the one it had before it rendered tools, since every record without
+        tools renders to the same text: data states written before stay valid."""
         self.origin = origin
         self.special_tokens = dict(special_tokens or {})
         self.clock = clock
@@ -249,7 +396,7 @@ class ChatTemplate:
         if not marker:
             raise RecordError(f"chat template ({self.origin}) has no end-of-turn marker (no <|im_end|> and "
                               "no eos_token): cannot tell where an assistant turn ends")
-        probe = self._probe(list(tool_results))
+        probe = self._probe(list(tool_results), tools)
         messages = [{"role": "user", "content": probe[0]}, {"role": "assistant", "content": probe[1]},
                     *tool_results]
         text = self.render(messages, add_generation_prompt=True, tools=tools)
@@ -259,9 +406,11 @@ class ChatTemplate:
                               "right after its content: cannot append tool results to a sampled turn")
         return text[end + 1 + len(marker):]
 
-    def render_spans(self, messages: list[dict], first_completion: int, loss_on: str) -> Rendered:
-        """Render and find the character spans that carry loss (module docstring)."""
-        text = self.render(messages)
+    def render_spans(self, messages: list[dict], first_completion: int, loss_on: str, *,
+                     tools: Optional[list[dict]] = None) -> Rendered:
+        """Render (with the record's ``tools``) and find the character spans that carry loss
+        (module docstring)."""
+        text = self.render(messages, tools=tools)
         if loss_on == "all":
             return Rendered(text, ((0, len(text)),))
         trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"
@@ -269,33 +418,37 @@ class ChatTemplate:
         if not trained:
             raise RecordError("the record has no assistant turn to train (data.loss_on="
                               f"{loss_on}); use data.loss_on=all to train every token")
-        spans = [self._turn_span(messages, i, text) for i in trained]
+        spans = [self._turn_span(messages, i, text, tools) for i in trained]
         for (_, end), (start, _), i in zip(spans, spans[1:], trained[1:]):
             if start < end:
                 raise RecordError(f"chat template ({self.origin}) renders message {i}'s content inside an "
                                   "earlier turn: cannot tell which tokens to train")
         return Rendered(text, tuple(spans))
 
-    def _turn_span(self, messages: list[dict], i: int, text: str) -> tuple[int, int]:
-        """[start, end) of what message ``i``'s content produced in ``text``, with its end-of-turn marker."""
-        probe = self._probe(messages)
-        probed = self.render(_replace_content(messages, i, probe))
+    def _turn_span(self, messages: list[dict], i: int, text: str,
+                   tools: Optional[list[dict]]) -> tuple[int, int]:
+        """[start, end) of what message ``i`` (its content and its tool calls) produced in
+        ``text``, with its end-of-turn marker. The probe replaces the whole message by a plain
+        turn whose content is the probe, so the calls' text differs too."""
+        probe = self._probe(messages, tools)
+        probed = self.render(_replace_message(messages, i, probe), tools=tools)
         start = _common_prefix(text, probed)
         end = len(text) - _common_suffix(text, probed, start)
         answer = _answer(messages[i]["content"])
-        if end <= start or (answer and answer not in text[start:end]):
+        names = [call["function"]["name"] for call in messages[i].get("tool_calls", ())]
+        if end <= start or any(part not in text[start:end] for part in [answer, *names] if part):
             raise RecordError(f"chat template ({self.origin}) does not render message {i}'s content "
-                              "verbatim: cannot tell which tokens to train")
+                              "and tool calls verbatim: cannot tell which tokens to train")
         start = self._turn_start(text, start, probed, probed.find(probe))
         marker = self.end_of_turn
         if marker and text.startswith(marker, end):
             end += len(marker)
         return start, end
 
-    def _probe(self, messages: list[dict]) -> str:
+    def _probe(self, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
         """A stand-in content whose characters occur nowhere else: where the rendering with it
         first and last differs from the real one bounds what the real content produced."""
-        used = self._source_chars.union(*(m["content"] for m in messages))
+        used = self._source_chars.union(json.dumps([messages, tools], ensure_ascii=False, default=str))
         free = (chr(c) for c in PROBE_CHARS if chr(c) not in used)
         probe = next(free, "") + next(free, "")
         if len(probe) < 2:
@@ -328,8 +481,9 @@ class ChatTemplate:
         return self._header[0]
 
 
-def _replace_content(messages: list[dict], i: int, content: str) -> list[dict]:
-    return [{**m, "content": content} if j == i else m for j, m in enumerate(messages)]
+def _replace_message(messages: list[dict], i: int, content: str) -> list[dict]:
+    """``messages`` with message ``i`` a plain turn of the same role whose content is ``content``."""
+    return [{"role": m["role"], "content": content} if j == i else m for j, m in enumerate(messages)]
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -425,12 +579,13 @@ class ChatEncoder:
             spans = ((0, len(text)),) if self.loss_on == "all" else ((len(prompt), len(text)),)
             rendered = Rendered(text, spans)
         else:
-            rendered = self.template.render_spans(messages, first_completion, self.loss_on)
+            rendered = self.template.render_spans(messages, first_completion, self.loss_on, tools=tools_of(record))
         ids, offsets = self.tokenizer.encode_offsets(rendered.text)
         return ids, token_mask(offsets, rendered.spans)
 
     def _encode_prompt(self, record: Any) -> tuple[np.ndarray, np.ndarray]:
-        """A GRPO prompt record ``{"prompt", "answer"}``: the prompt rendered with the template and
+        """A GRPO prompt record ``{"prompt", "answer"}`` (and optionally ``tools``, function specs the
+        template renders): the prompt rendered with the template and
         ``add_generation_prompt`` (a string prompt is one user message), then the answer's tokens,
         which the mask marks; the objective splits them again (training/objectives/grpo.py)."""
         if not isinstance(record, dict):
@@ -446,7 +601,8 @@ class ChatEncoder:
             raise RecordError(f"prompt record needs a non-empty 'answer' (string or number), got {answer!r}")
         if isinstance(answer, float) and not np.isfinite(answer):
             raise RecordError(f"prompt record's 'answer' is {answer!r}, not a finite number")  # JSON NaN/Infinity
-        prompt_ids = self.tokenizer.encode_array(self.template.render(messages, add_generation_prompt=True))
+        text = self.template.render(messages, add_generation_prompt=True, tools=tools_of(record))
+        prompt_ids = self.tokenizer.encode_array(text)
         answer_ids = self.tokenizer.encode_array(str(answer))
         mask = np.concatenate([np.zeros(len(prompt_ids), dtype=bool), np.ones(len(answer_ids), dtype=bool)])
         return np.concatenate([prompt_ids, answer_ids]).astype(np.int32), mask

@@ -142,10 +142,11 @@ def make_task(seed: int, index: int) -> Task:
     return Task(family, prompt, answer, reward)
 
 
-def split_tasks(seed: int, train_n: int, eval_n: int) -> dict[str, list[Task]]:
+def split_tasks(seed: int, train_n: int, eval_n: int,
+                make: Callable[[int, int], Task] = make_task) -> dict[str, list[Task]]:
     """``train_n`` and ``eval_n`` tasks with distinct prompts; no prompt is in both splits.
 
-    Walks the task stream; a new prompt goes to eval with probability
+    Walks the task stream ``make(seed, index)``; a new prompt goes to eval with probability
     ``eval_n / (train_n + eval_n)`` (a draw keyed by the prompt) until that split is full.
     """
     if train_n < 0 or eval_n < 0 or train_n + eval_n == 0:
@@ -163,7 +164,7 @@ def split_tasks(seed: int, train_n: int, eval_n: int) -> dict[str, list[Task]]:
                 hint="ask for fewer tasks (the families hold a few hundred thousand distinct prompts)",
                 seed=seed,
             )
-        task = make_task(seed, index)
+        task = make(seed, index)
         index += 1
         if task.prompt in seen:
             continue
@@ -259,17 +260,17 @@ def write_task_datasets(root: Path, *, seed: int, train_n: int, eval_n: int, sha
         }
         for name, records in datasets.items():
             if shards == 1:
-                _write_jsonl(root / name / f"{split}.jsonl", records)
+                write_jsonl(root / name / f"{split}.jsonl", records)
                 counts[f"{name}/{split}.jsonl"] = len(records)
                 continue
             for k in range(shards):
                 part = f"{name}/{split}/part-{k:03d}.jsonl"
-                _write_jsonl(root / part, records[k::shards])
+                write_jsonl(root / part, records[k::shards])
                 counts[part] = len(records[k::shards])
     return counts
 
 
-def _write_jsonl(path: Path, records: list[dict]) -> None:
+def write_jsonl(path: Path, records: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8", newline="\n") as f:

@@ -6,7 +6,6 @@ both built on a plan, so they read, transform and pack with the very same compon
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from core.config import DataConfig
@@ -132,7 +131,7 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
     if any(c is not None for c in chat):  # what decides the tokens and masks of chat records
         template = next(c for c in chat if c is not None).template
         compat["chat"] = {"records": records, "loss_on": config.loss_on, "overlong": config.overlong,
-                          "template": hashlib.sha256(template.source.encode()).hexdigest()[:16]}
+                          "template": template.fingerprint}
     if packing_mode(config, sources) == "whole":
         compat["packing"] = "whole"
     if record_fields:  # read from the records beside the tokens

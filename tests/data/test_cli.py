@@ -147,3 +147,31 @@ def test_inspect_shows_which_tokens_of_each_conversation_are_trained(tmp_path, c
             assert span["trained_text"] == " | ".join(a + "<|im_end|>" for a in answers)
     assert main(["inspect", "--config", str(config_path), "--step", "1"]) == 0
     assert "trained:" in capsys.readouterr().out
+
+
+def test_inspect_shows_tool_calls_trained_and_tool_results_not(tmp_path, capsys):
+    from data.agent_tasks import write_agent_datasets
+
+    write_agent_datasets(tmp_path / "agent", seed=0, train_n=16, eval_n=0)
+    source = tmp_path / "agent" / "sft" / "train.jsonl"
+    config_path = tmp_path / "agent.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "data": {"sources": [{"path": str(source), "record": "chat"}], "seq_len": 896, "num_streams": 2},
+        "train": {"global_batch_size": 2},
+    }))
+    assert main(["inspect", "--config", str(config_path), "--step", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    records = [json.loads(line) for line in source.read_text().splitlines()]
+    spans = [s for row in report["sequences"] for s in row["provenance"] if s["source"] != "<padding>"]
+    assert spans
+    for span in spans:
+        user, call, result, answer = records[span["record"]]["messages"]
+        expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
+        # The call (with its end-of-turn marker) and the answer are trained; the tool's result is not.
+        assert span["trained_text"] == (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + expression + '"}}\n</tool_call>'
+            "<|im_end|> | " + answer["content"] + "<|im_end|>")
+        assert result["content"] == answer["content"]
+        assert span["trained_tokens"] == len(span["trained_text"]) - len(" | ")  # one byte per token
+    assert main(["inspect", "--config", str(config_path), "--step", "1"]) == 0
+    assert "trained: '<tool_call>" in capsys.readouterr().out
