@@ -26,7 +26,7 @@ HASHES = {
     "configs/qwen3-1.7b-qlora.yaml": "66abfce8379ac917ff28b4748ded9085e0197cd6bfbd8643fbcd0612cfb16b87",
     "configs/qwen3-1.7b.yaml": "e4fc3dccc012075a5644c5c7a80a4fbd6b2c18d7a9247581d7513c9c6ea10bb4",
     "configs/qwen3-8b.yaml": "ac7167fb1928cfaf5db91940390398f54d9d29afdd58adcf32cf5db21e1c98a5",
-    "configs/tiny-agent-grpo.yaml": "710511e64114c3f557869f50a802346f9c4cf5a097f65aaad095e58e092c3b8e",
+    "configs/tiny-agent-grpo.yaml": "cb1b0ff8636251affa47f545bfa3334b9ef5ae553e9c3d85dd1c600295eb344b",
     "configs/tiny-agent-sft.yaml": "149c6ab39040e39a270ba168d88d57e9b2bde14158575b9be47229ea96ca243e",
     "configs/tiny-distill.yaml": "81e2bc7a157160c6ad3cab41dc5797e6baf4d9958e175f8fa57fd45ef458d829",
     "configs/tiny-dpo.yaml": "cefa4af44e5f9ab346aff74333538845cf4ece72dd73768820a8fa8750d79c03",

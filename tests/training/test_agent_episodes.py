@@ -113,9 +113,9 @@ def _setup(tokenizer_name, script, *, environment=None, limits=None, template=No
     render = lambda messages: [int(t) for t in tokenizer.encode_array(  # noqa: E731
         template.observation_text(messages, tools=[calculator.SPEC]))]
     runner = EpisodeRunner(generator=generator, decoder=Decoder(tokenizer, template), environment=environment,
-                           limits=limits or EpisodeLimits("calculator", max_turns=4, max_observation_tokens=64,
+                           limits=limits or EpisodeLimits("calculator", max_turns=4, max_observation_tokens=128,
                                                           max_episode_tokens=400, timeout_s=5.0, on_error="error"),
-                           render=render, context=1024)
+                           render=render, context=2048)
     question = "What is 4821 * 37?"
     prompt_text = template.render([{"role": "user", "content": question}], add_generation_prompt=True,
                                   tools=[calculator.SPEC])
@@ -194,7 +194,7 @@ def test_each_turn_is_keyed_by_seed_step_row_sample_and_turn():
 
 def test_limits_end_episodes_turns_calls_and_observation_tokens():
     many = CALL * 3 + "<|im_end|>"
-    limits = EpisodeLimits("calculator", max_turns=2, max_observation_tokens=200, max_episode_tokens=2000,
+    limits = EpisodeLimits("calculator", max_turns=2, max_observation_tokens=300, max_episode_tokens=2000,
                            timeout_s=5.0, on_error="error")
     tokenizer, template, _, runner, task, _ = _setup("byte", [many, many], limits=limits)
     (episode,) = _play(runner, [task])
@@ -210,7 +210,7 @@ def test_limits_end_episodes_turns_calls_and_observation_tokens():
 
 
 def test_the_episode_budget_cuts_a_turn_and_ends_the_episode():
-    limits = EpisodeLimits("calculator", max_turns=4, max_observation_tokens=64, max_episode_tokens=20,
+    limits = EpisodeLimits("calculator", max_turns=4, max_observation_tokens=128, max_episode_tokens=20,
                            timeout_s=5.0, on_error="error")
     _, _, _, runner, task, _ = _setup("byte", [CALL + "<|im_end|>"], limits=limits)
     (episode,) = _play(runner, [task])
@@ -239,12 +239,12 @@ class _SleepyEpisode:
 
 
 def test_answers_apply_in_sample_order_whatever_order_they_finish_in():
-    limits = EpisodeLimits("sleepy", max_turns=2, max_observation_tokens=64, max_episode_tokens=400,
+    limits = EpisodeLimits("sleepy", max_turns=2, max_observation_tokens=128, max_episode_tokens=400,
                            timeout_s=5.0, on_error="error")
     tokenizer, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>", "b<|im_end|>"],
                                               environment=SlowFirstEnvironment(), limits=limits)
     episodes = _play(runner, [task], samples=3)
-    assert [tokenizer.decode(list(e.turns[0].observation)).split("\n")[2][:2] for e in episodes] == ["s0", "s1", "s2"]
+    assert [tokenizer.decode(list(e.turns[0].observation)).split("\n")[3][:2] for e in episodes] == ["s0", "s1", "s2"]
     assert [e.reward for e in episodes] == [0.0, 1.0, 2.0]
 
 
@@ -275,7 +275,7 @@ def _hangs():
                                           (lambda: Transition(reward=float("nan"), done=True), "not a finite number"),
                                           (_hangs, "took longer than tool_timeout_s=0.2 s")])
 def test_a_bad_environment_is_named_with_step_row_sample_and_turn_or_counted_as_zero(answer, what):
-    limits = EpisodeLimits("bad", max_turns=2, max_observation_tokens=64, max_episode_tokens=400, timeout_s=0.2,
+    limits = EpisodeLimits("bad", max_turns=2, max_observation_tokens=128, max_episode_tokens=400, timeout_s=0.2,
                            on_error="error")
     _, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>"], environment=BadEnvironment(answer), limits=limits)
     with pytest.raises(EnvironmentFailure) as caught:
@@ -283,7 +283,7 @@ def test_a_bad_environment_is_named_with_step_row_sample_and_turn_or_counted_as_
     assert what in str(caught.value) and "'bad'" in str(caught.value)
     assert "step 7, prompt row 3, sample 0, turn 0" in str(caught.value)
     assert caught.value.exit_code == 3
-    zero = EpisodeLimits("bad", max_turns=2, max_observation_tokens=64, max_episode_tokens=400, timeout_s=0.2,
+    zero = EpisodeLimits("bad", max_turns=2, max_observation_tokens=128, max_episode_tokens=400, timeout_s=0.2,
                          on_error="zero")
     _, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>"], environment=BadEnvironment(answer), limits=zero)
     (episode,) = _play(runner, [task])
@@ -336,7 +336,7 @@ class CountingEnvironment:
 
 
 def test_a_resumed_step_whose_tool_answers_otherwise_names_the_tool_and_turn():
-    limits = EpisodeLimits("counting", max_turns=2, max_observation_tokens=64, max_episode_tokens=400,
+    limits = EpisodeLimits("counting", max_turns=2, max_observation_tokens=128, max_episode_tokens=400,
                            timeout_s=5.0, on_error="error")
     environment = CountingEnvironment()
     _, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>", "b<|im_end|>"], environment=environment,

@@ -48,7 +48,8 @@ def _config(overrides=()):
         "objective.grpo.kl_coef=0", "parallel.strategy=none", f"train.global_batch_size={PROMPTS}",
         f"objective.grpo.group_size={G}", "objective.grpo.max_new_tokens=96", "data.seq_len=320",
         "objective.grpo.rewards=[{name: format_regex, pattern: '3.', weight: 1.0}]",
-        "objective.grpo.environment.name=calculator", *overrides])
+        "objective.grpo.environment.name=calculator", "objective.grpo.environment.max_observation_tokens=128",
+        *overrides])
 
 
 def _prepared(tmp_path, overrides=()):
