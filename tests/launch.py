@@ -1,4 +1,13 @@
-"""Launch real training processes for end-to-end tests (torchrun or a single process)."""
+"""Launch real training processes for end-to-end tests: 2 ranks through tests/ranks.py (the
+default), through torchrun where a test is about torchrun itself, or a single process.
+
+A job's ranks start without torchrun's agent unless the test asks for it (``rendezvous=
+"static"`` or ``"c10d"``): the agent imports torch, about 1.6 s more CPU per 2-rank job than
+tests/ranks.py on the 2-core test machine, and most end-to-end tests check the ranks' own work.
+The tests that stay on torchrun are those about it or the commands a user types: its restarts
+(tests/runtime/test_restart_continues_the_run.py), the ranks' watch of a killed agent
+(tests/runtime/test_launcher_exit.py), the CLI's exit codes through it (tests/test_train_cli.py),
+two agents as two nodes (tests/distributed/test_two_nodes_simulated.py)."""
 
 from __future__ import annotations
 
@@ -35,8 +44,8 @@ class Result:
 
     @property
     def exit_code(self) -> int:
-        """train.py's own exit code. torchrun itself exits 1 when a rank fails and names each
-        failed rank's exit code in its summary; the first failure's code is the job's."""
+        """train.py's own exit code. torchrun and tests/ranks.py exit 1 when a rank fails and
+        name each failed rank's exit code in an ``exitcode : N`` line; the first one is the job's."""
         if self.returncode in (0, None):
             return self.returncode
         codes = re.findall(r"exitcode\s*:\s*(-?\d+)", self.stderr)
@@ -63,15 +72,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(nproc: int, args: list[str], *, rendezvous: str = "static", entry: str = TRAIN) -> list[str]:
-    """torchrun ``entry args`` (train.py unless named) on ``nproc`` local ranks (one process
-    without torchrun for 1).
+def command(nproc: int, args: list[str], *, rendezvous: str = "direct", entry: str = TRAIN) -> list[str]:
+    """``entry args`` (train.py unless named) on ``nproc`` local ranks (one process for 1).
 
-    ``rendezvous="static"`` (a master address and port, as ``torchrun --master_port`` takes them)
-    starts the ranks about 0.7 s sooner than ``"c10d"``, which a restarted job needs: its
-    agent rendezvouses again by ``--rdzv_id`` (tests/runtime/test_restart_continues_the_run.py).
-    ``rendezvous="direct"`` starts the ranks without torchrun (tests/ranks.py: the same
-    environment, rank 0 hosting the store, no agent importing torch): the guarantee table's jobs."""
+    ``rendezvous="direct"`` (the default) starts the ranks without torchrun (tests/ranks.py: the
+    same environment, rank 0 hosting the store, no agent importing torch).
+    ``rendezvous="static"`` starts them through torchrun with a master address and port (as
+    ``torchrun --master_port`` takes them), about 0.7 s sooner than ``"c10d"``, which a
+    restarted job needs: its agent rendezvouses again by ``--rdzv_id``
+    (tests/runtime/test_restart_continues_the_run.py)."""
     if nproc == 1:
         return [PYTHON, str(ROOT / entry), *args]
     port = free_port()
@@ -107,7 +116,7 @@ def env(cwd: Path) -> dict[str, str]:
 
 
 def train(cwd: Path, args: list[str], *, nproc: int = 2, timeout: float = 300, entry: str = TRAIN,
-          rendezvous: str = "static") -> Result:
+          rendezvous: str = "direct") -> Result:
     proc = subprocess.run(
         command(nproc, args, entry=entry, rendezvous=rendezvous), cwd=cwd, env=env(cwd), capture_output=True,
         text=True, timeout=timeout,
@@ -124,7 +133,7 @@ def run_module(cwd: Path, args: list[str], *, timeout: float = 300) -> Result:
 
 
 def start(cwd: Path, args: list[str], *, nproc: int = 2, entry: str = TRAIN,
-          rendezvous: str = "static") -> subprocess.Popen:
+          rendezvous: str = "direct") -> subprocess.Popen:
     """Start a job in its own process group, so the whole job can be SIGKILLed at once."""
     return subprocess.Popen(
         command(nproc, args, entry=entry, rendezvous=rendezvous), cwd=cwd, env=env(cwd), stdout=subprocess.PIPE,
@@ -219,7 +228,7 @@ def spawn_json_ranks(target, out_dir: Path, *, world: int = 2, timeout: float = 
 
 def kill_and_resume(cwd: Path, args: list[str], *, name: str, seed: int, kills: int = 2,
                     steps: tuple[int, int] = (1, 3), delay_s: float = 0.2, wait_s: float = 120,
-                    finish_s: float = 300, entry: str = TRAIN, rendezvous: str = "static") -> Path:
+                    finish_s: float = 300, entry: str = TRAIN, rendezvous: str = "direct") -> Path:
     """Start ``args`` (whose run.name is ``name``) on 2 ranks, SIGKILL the whole job at random
     moments ``kills`` times (``steps`` steps after each (re)start, then up to ``delay_s`` later:
     mid-step, mid-rollout or mid-checkpoint), resume it by run ID each time, and return its run dir
@@ -299,7 +308,7 @@ def gathered_embedding_grad_matches_dense(cwd: Path, args_for: Callable[[str], l
 
 
 def stall_kill_and_resume(cwd: Path, args: list[str], *, name: str, entry: str = TRAIN,
-                          rendezvous: str = "static") -> Path:
+                          rendezvous: str = "direct") -> Path:
     """Start ``args`` (run.name ``name``, 6 steps, a checkpoint at step 4) with step 5's data
     stalled, SIGKILL the job there, after the step-4 line (the step-4 checkpoint may be complete
     or torn), resume it by run ID without the fault, and return its run dir."""

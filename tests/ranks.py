@@ -4,10 +4,11 @@ each with the environment torchrun gives a rank (``RANK``, ``LOCAL_RANK``, ``WOR
 hosts the store on PORT), without torchrun's elastic agent.
 
 The agent imports torch (about 1.5 s of CPU per job on the 2-core test machine) and polls its
-ranks; this launcher imports nothing but the standard library. tests/launch.py starts the
-guarantee table's jobs with it (``rendezvous="direct"``): those jobs are many, and what they
-check is the ranks' own work. A test of the launcher contract itself (torchrun's rendezvous,
-restarts, a killed agent) starts torchrun.
+ranks; this launcher imports nothing but the standard library. tests/launch.py starts every
+multi-rank job with it unless the test asks for torchrun (``rendezvous="direct"``, the
+default): those jobs are many, and what they check is the ranks' own work. A test of the
+launcher contract itself (torchrun's rendezvous, restarts, a killed agent, the CLI's exit codes
+through torchrun) starts torchrun.
 
 The job ends as torchrun's does: when a rank fails, the others get SIGTERM (SIGKILL 5 s later),
 each rank that failed on its own (not the ranks stopped after it) is named in a summary line

@@ -32,7 +32,7 @@ CONFIG_ERRORS = {
 @pytest.mark.parametrize("case", ["unknown-key", "cuda-without-a-gpu"])
 def test_config_errors_exit_2_on_two_ranks(tmp_path, case):
     overrides, needles = CONFIG_ERRORS[case]
-    result = launch.train(tmp_path, ["--config", TINY, *overrides], nproc=2, timeout=120)
+    result = launch.train(tmp_path, ["--config", TINY, *overrides], nproc=2, timeout=120, rendezvous="static")
     _assert_config_error(result, *needles, cwd=tmp_path)
 
 

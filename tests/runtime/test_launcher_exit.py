@@ -36,7 +36,7 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 def test_ranks_exit_within_seconds_of_the_launcher_and_the_run_resumes(e2e_workdir):
-    job = launch.start(e2e_workdir, e2e_args(max_steps=400, name="orphans"))
+    job = launch.start(e2e_workdir, e2e_args(max_steps=400, name="orphans"), rendezvous="static")
     ranks: list[psutil.Process] = []
     try:
         assert launch.wait_for(lambda: list((e2e_workdir / "runs").glob("orphans-*")), timeout=120)
@@ -64,7 +64,7 @@ def test_ranks_killed_while_still_importing_exit_too(e2e_workdir):
     killed job's pipes): the watch (a thread) starts before those imports, as train.py's first
     statement, and exits the rank even though its farewell line cannot be written. (Before that, the interpreter's own start, tens of milliseconds, is
     the one window in which a rank cannot yet tell its launcher.)"""
-    job = launch.start(e2e_workdir, e2e_args(max_steps=400, name="early-orphans"))
+    job = launch.start(e2e_workdir, e2e_args(max_steps=400, name="early-orphans"), rendezvous="static")
     ranks: list[psutil.Process] = []
     try:
         launcher = psutil.Process(job.pid)
