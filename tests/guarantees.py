@@ -37,9 +37,6 @@ import yaml
 from tests import launch
 
 CONFIGS = launch.ROOT / "tests" / "configs"
-DIRECT = "direct"
-"""The table's 2-rank jobs start their ranks without torchrun's agent (tests/ranks.py): the
-same ranks and environment, ~1.5 s of CPU less per job; tests/runtime/ covers torchrun itself."""
 
 
 @dataclass(frozen=True)
@@ -145,8 +142,7 @@ class References:
         """The row's uninterrupted 2-rank run (run.name ``ref-<row>``), trained on first use."""
         if method.name not in self._runs:
             self._runs[method.name] = launch.train(self.workdir, self.args(method, name=f"ref-{method.name}"),
-                                                   nproc=2, timeout=method.timeout_s, entry=method.entry,
-                                                   rendezvous=DIRECT)
+                                                   nproc=2, timeout=method.timeout_s, entry=method.entry)
         result = self._runs[method.name]
         assert result.returncode == 0, f"the {method.name} reference run failed:\n{result.stderr}"
         return result
@@ -174,11 +170,11 @@ def sigkill_then_resume_is_identical(refs: References, method: Method) -> None:
     args = refs.args(method, name=name, overrides=extra)
     kill = method.kill
     if kill.stall:
-        killed = launch.stall_kill_and_resume(refs.workdir, args, name=name, entry=method.entry, rendezvous=DIRECT)
+        killed = launch.stall_kill_and_resume(refs.workdir, args, name=name, entry=method.entry)
     else:
         killed = launch.kill_and_resume(refs.workdir, args, name=name, seed=kill.seed, kills=kill.kills,
                                         steps=kill.steps, delay_s=kill.delay_s, wait_s=kill.wait_s,
-                                        finish_s=kill.finish_s, entry=method.entry, rendezvous=DIRECT)
+                                        finish_s=kill.finish_s, entry=method.entry)
     assert launch.ledger(killed) == launch.ledger(reference)
     assert not (killed / ".lock").exists()
 
@@ -188,7 +184,7 @@ def replay_verifies(refs: References, method: Method, dumps: Path) -> None:
     for step in method.replay_steps:
         dump = dumps / f"step{step}"
         result = launch.train(refs.workdir, ["--replay", reference.name, "--step", str(step), "--dump", str(dump)],
-                              nproc=2, timeout=method.timeout_s, entry=method.entry, rendezvous=DIRECT)
+                              nproc=2, timeout=method.timeout_s, entry=method.entry)
         assert result.returncode == 0, result.stderr
         assert "match" in result.stdout, result.stdout
         summary = json.loads((dump / "rank0_step.json").read_text())

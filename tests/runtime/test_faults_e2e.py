@@ -1,4 +1,4 @@
-"""Runtime guards end to end, 2 ranks on CPU through torchrun, with injected faults:
+"""Runtime guards end to end, 2 ranks on CPU (tests/ranks.py, torchrun's rank environment), with injected faults:
 
 - hang@5:1 with a 5 s watchdog: the job ends well within a minute, non-zero, with the
   stacks of both ranks in diagnostics/ (the hung rank's shows where it hangs);

@@ -1,4 +1,4 @@
-"""Lockstep's central promise, end to end on CPU with 2 ranks (gloo, torchrun), beyond the four
+"""Lockstep's central promise, end to end on CPU with 2 ranks (gloo, started by tests/ranks.py), beyond the four
 guarantees every method keeps (SIGKILL + resume, replay, 2 -> 1 rank resume, accumulation:
 tests/training/test_guarantees.py, whose rows ``pretraining`` and ``pretraining-fsdp`` train
 this config, the latter with FSDP as the Qwen presets run it):
