@@ -114,7 +114,7 @@ def _prepare_tasks(out: Path, *, force: bool) -> None:
 
 
 AGENT_DIR = "agent"
-AGENT_SPEC = {"seed": 0, "train_n": 4000, "eval_n": 256, "shards": 16}
+AGENT_SPEC = {"seed": 0, "train_n": 16000, "eval_n": 256, "shards": 16}
 """The embedded agent tasks (data/agent_tasks.py): tool-use transcripts for SFT, prompts for agent rollouts."""
 
 

@@ -29,12 +29,12 @@ from data.tasks import EXACT, Draws, Task, write_jsonl, split_tasks
 
 
 def _product(d: Draws) -> tuple[str, str]:
-    a, b = d.between(100, 9999), d.between(10, 999)
+    a, b = d.between(100, 999), d.between(10, 99)
     return f"What is {a} * {b}?", f"{a} * {b}"
 
 
 def _sum3(d: Draws) -> tuple[str, str]:
-    a, b, c = d.between(100, 9999), d.between(100, 9999), d.between(100, 9999)
+    a, b, c = d.between(100, 999), d.between(100, 999), d.between(100, 999)
     return f"What is {a} + {b} + {c}?", f"{a} + {b} + {c}"
 
 

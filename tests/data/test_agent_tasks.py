@@ -31,25 +31,25 @@ def _records(root, name):
 
 def _solve(prompt: str) -> str:
     """The answer worked out from the prompt's wording, without the calculator."""
-    if m := re.fullmatch(r"What is (\d{3,4}) \* (\d{2,3})\?", prompt):
+    if m := re.fullmatch(r"What is (\d{3}) \* (\d{2})\?", prompt):
         return str(int(m[1]) * int(m[2]))
-    if m := re.fullmatch(r"What is (\d{3,4}) \+ (\d{3,4}) \+ (\d{3,4})\?", prompt):
+    if m := re.fullmatch(r"What is (\d{3}) \+ (\d{3}) \+ (\d{3})\?", prompt):
         return str(int(m[1]) + int(m[2]) + int(m[3]))
     raise AssertionError(f"unexpected prompt {prompt!r}")
 
 
 def test_generator_is_pinned_and_the_bytes_depend_on_the_seed_only(written, tmp_path):
     assert [(t.family, t.prompt, t.answer) for t in map(lambda i: make_agent_task(0, i), range(3))] == [
-        ("sum3", "What is 2054 + 6640 + 619?", "9313"),
-        ("product", "What is 9114 * 858?", "7819812"),
-        ("product", "What is 7269 * 554?", "4027026"),
+        ("sum3", "What is 254 + 340 + 619?", "1213"),
+        ("product", "What is 114 * 48?", "5472"),
+        ("product", "What is 969 * 14?", "13566"),
     ]
     root, counts = written
     assert counts == {name: 600 if "train" in name else 100 for name in FILES}
     write_agent_datasets(tmp_path, seed=3, train_n=600, eval_n=100)
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (root / name).read_bytes(), name
-    assert hashlib.sha256((root / "rl/eval.jsonl").read_bytes()).hexdigest()[:16] == "96bec2357007c2b3"
+    assert hashlib.sha256((root / "rl/eval.jsonl").read_bytes()).hexdigest()[:16] == "c51ac692cc0389da"
 
 
 def test_splits_are_disjoint_and_every_answer_is_the_tools_result(written):
@@ -97,4 +97,4 @@ def test_transcripts_train_the_call_and_the_answer_never_the_tool_result(written
             '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + expression + '"}}\n</tool_call>'
             "<|im_end|>", answer + "<|im_end|>"]
         longest = max(longest, len(ids))
-    assert longest <= 896  # configs/tiny-agent-sft.yaml's data.seq_len holds a whole transcript
+    assert longest <= 720  # configs/tiny-agent-sft.yaml's data.seq_len holds a whole transcript
