@@ -1,8 +1,8 @@
 """The embedded agent tasks: arithmetic a tiny model cannot do in its head, and can with the calculator.
 
-A task is a question on 3-4 digit integers whose answer is the calculator's result
-(data/calculator.py): a product ``What is 4821 * 37?`` (a 3-4 digit factor times a 2-3 digit
-one) or a sum of three ``What is 512 + 3071 + 988?``. A tiny byte-level model cannot compute
+A task is a question on 3-digit integers whose answer is the calculator's result
+(data/calculator.py): a product ``What is 725 * 95?`` (a 3-digit factor times a 2-digit one)
+or a sum of three ``What is 512 + 307 + 988?``. A tiny byte-level model cannot compute
 such answers, but it can learn to copy the expression into a ``calculator`` call and the
 tool's result into its answer.
 
