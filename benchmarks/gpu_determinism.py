@@ -9,7 +9,7 @@ For every GPU count G (``parallel.strategy=none`` on one GPU, ``fsdp`` on severa
 1. ``repeat``: two fresh runs of the same config; their ledgers must be equal line for line
    (loss, grad_norm, batch_hash, data_state_hash, param_hash at checkpoint steps).
 2. ``kill_resume``: a third run is SIGKILLed (the whole torchrun job) at a random moment
-   after its first checkpoint, then resumed with ``--resume RUN_ID``; its ledger must equal
+   after its first checkpoint is intact (``LATEST`` written, recorded as ``latest_at_kill``), then resumed with ``--resume RUN_ID``; its ledger must equal
    the first run's.
 3. ``replay``: ``--replay RUN_ID --step S`` of the first run, S the step after its last
    checkpoint before the end; it restores that checkpoint, re-executes step S and exits 0
@@ -150,7 +150,9 @@ def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log:
     run_dir = None
     while time.monotonic() < deadline and proc.poll() is None:
         made = sorted(run_dirs(run_root) - before)
-        if made and len(ledger(made[0].parent)) >= kill_after:
+        # Killed once a checkpoint is intact (LATEST written; an asynchronous save may finish
+        # steps after its ledger line), so the resume restores one rather than starting over.
+        if made and len(ledger(made[0].parent)) >= kill_after and (made[0].parent / "checkpoints" / "LATEST").is_file():
             run_dir = made[0].parent
             time.sleep(rng.uniform(0.0, 0.3))
             break
@@ -160,8 +162,10 @@ def killed_and_resumed(gpus: int, args: argparse.Namespace, run_root: Path, log:
         return {"ok": False, "error": "the run ended before it could be killed"}
     kill_job(proc)
     lines_at_kill = len(ledger(run_dir))
+    latest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
     code = finish(start(gpus, ["--resume", run_dir.name, f"run.root={run_root}"], log), args.timeout)
-    out = {"ok": code == 0, "killed_after_lines": lines_at_kill, "resume_exit": code, "run_dir": str(run_dir)}
+    out = {"ok": code == 0, "killed_after_lines": lines_at_kill, "latest_at_kill": latest, "resume_exit": code,
+           "run_dir": str(run_dir)}
     if code != 0:
         out["log_tail"] = log.read_text(errors="replace")[-4000:]
     return out

@@ -123,6 +123,7 @@ def test_determinism_benchmark_passes_its_checks_on_cpu_ranks(e2e_workdir, tmp_p
     assert set(case) == {"repeat", "kill_resume", "replay", "resume_on_1gpu"}
     assert all(check["ok"] for check in case.values()), case
     assert case["repeat"]["lines"] == 7 and case["replay"]["step"] == 7
+    assert case["kill_resume"]["latest_at_kill"].startswith("step_")  # killed after an intact checkpoint
     assert case["resume_on_1gpu"]["same_batches"] and case["resume_on_1gpu"]["lines"] == 7
 
 
