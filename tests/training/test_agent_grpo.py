@@ -96,7 +96,7 @@ def test_the_batch_trains_the_sampled_ids_of_every_turn_and_nothing_else(tmp_pat
         assert torch.all(batch.extras["old_logps"][i][batch.labels[i] == IGNORE_INDEX] == 0)
     first = experience.trajectories[0]
     assert first.episode is not None and len(first.episode.turns) == 2
-    observation = objective._observation_ids([{"role": "tool", "content": "36"}])
+    observation = objective.agent.observation_ids([{"role": "tool", "content": "36"}])
     assert list(first.episode.turns[0].observation) == observation
     assert first.tokens == handed[(0, 0, "grpo")] + observation + handed[(0, 0, "grpo.turn1")]
     assert [t.reward for t in experience.trajectories] == [1.0, 0.0] * PROMPTS
