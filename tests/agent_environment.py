@@ -7,6 +7,9 @@ other is answered by the calculator with ``<count> * 7``. Each answer's reward i
 text holds an odd number of lower-case letters, else 0, so a group's rewards vary. With the
 environment variable ``LOCKSTEP_TEST_FORBID_TOOLS`` set, starting an episode fails: a replay,
 which must not call the environment, runs with it set.
+
+``CrashingCalculator`` raises on every turn: a method's ``prepare`` must stop with the runner's
+typed error (``EnvironmentFailure``).
 """
 
 from __future__ import annotations
@@ -39,3 +42,13 @@ class _Episode:
 
 def _parity(text: str) -> float:
     return float(sum(c.islower() for c in text) % 2)
+
+
+class CrashingCalculator:
+    tools = [calculator.SPEC]
+
+    def reset(self, task, *, where):
+        return self
+
+    def step(self, turn, *, last=False):
+        raise RuntimeError("the calculator crashed")

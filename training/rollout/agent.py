@@ -35,7 +35,7 @@ class AgentRollouts:
 
     def __init__(self, settings: Optional[EnvironmentSettings], *, rewards: list[RewardFunction],
                  on_reward_error: str, section: str, tokenizer, template) -> None:
-        self.settings, self.tokenizer, self.template = settings, tokenizer, template
+        self.settings, self.section, self.tokenizer, self.template = settings, section, tokenizer, template
         self.environment: Environment = (
             RewardEnvironment(rewards, on_error=on_reward_error) if settings is None else
             resolve_environment(settings.name, rewards=rewards, on_reward_error=on_reward_error,
@@ -58,7 +58,7 @@ class AgentRollouts:
         if self.settings is None:
             return None
         return EpisodeRunner(generator=generator, decoder=decoder, environment=self.environment,
-                             limits=episode_limits(self.settings), render=self.observation_ids, context=context)
+                             limits=episode_limits(self.settings, self.section), render=self.observation_ids, context=context)
 
     def observation_ids(self, messages: list[dict]) -> list[int]:
         """The ids an episode appends for a turn's tool messages (the template's observation_text)."""

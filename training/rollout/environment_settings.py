@@ -53,7 +53,8 @@ def validate_environment(e: EnvironmentSettings, section: str, *, max_new_tokens
                           key=f"{section}.rewards", hint="rule rewards score an episode's final answer")
 
 
-def episode_limits(e: EnvironmentSettings) -> EpisodeLimits:
-    """The episode runner's limits from objective.<kind>.environment."""
+def episode_limits(e: EnvironmentSettings, section: str) -> EpisodeLimits:
+    """The episode runner's limits from ``<section>.environment`` (section: objective.<kind>)."""
     return EpisodeLimits(name=e.name, max_turns=e.max_turns, max_observation_tokens=e.max_observation_tokens,
-                         max_episode_tokens=e.max_episode_tokens, timeout_s=e.tool_timeout_s, on_error=e.on_env_error)
+                         max_episode_tokens=e.max_episode_tokens, timeout_s=e.tool_timeout_s, on_error=e.on_env_error,
+                         key=f"{section}.environment")
