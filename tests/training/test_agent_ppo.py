@@ -3,7 +3,7 @@ training/rollout/agent.py as GRPO's are): the rollout batch trains exactly the s
 turn; the policy's logits and the critic's values at observation, prompt and pad positions get
 exactly zero gradient; GAE runs over the sampled tokens as if the observations were not there; the
 KL, the loss's count and the length statistics count sampled tokens only; the ledger's episode
-fields and the step's episode record; a failing environment is the runner's typed error; the
+fields and the step's episode record; the held-out evaluation plays episodes; a failing environment is the runner's typed error; the
 settings are checked and hashed only when set."""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from data.tasks import write_task_datasets
 from training.objectives.base import ObjectiveContext
 from training.objectives.ppo import CRITIC, PPOObjective
 from training.objectives.ppo_loss import gae, kl_estimate, token_rewards
-from training.rollout.environment import EnvironmentFailure
+from training.rollout.environment import EnvironmentFailure, batch_tasks
 from training.rollout.episode_store import read_episodes
+from training.rollout.rewards import exact_answer
 from tests import launch
 from tests.scripted_episodes import script_sampler
 
@@ -172,6 +173,18 @@ def test_the_ledger_has_the_episode_fields_and_rank_0_records_the_episodes(prepa
     recorded = read_episodes(objective._context.run_dir, batch.step, G)
     assert recorded[(0, 0)]["turns"][0]["sampled"] == handed[(0, 0, "ppo")]
     assert recorded[(0, 0)]["turns"][0]["calls"] == ["calculator"]
+
+
+def test_the_held_out_evaluation_plays_the_episodes_greedily(tmp_path):
+    objective, _, _, _, config = _objective(tmp_path)
+    handed = script_sampler(objective, {(0, "ppo-eval"): CALL, (0, "ppo-eval.turn1"): "36<|im_end|>"})
+    prompts = _prompts(config).for_evaluation()
+    with torch.no_grad():
+        scored = objective.prepare(prompts)
+    assert sorted(handed) == sorted((i, 0, purpose) for i in range(PROMPTS) for purpose in ("ppo-eval", "ppo-eval.turn1"))
+    assert scored.extras["eval_reward"].tolist() == [1.0] * PROMPTS  # the last turn's "36" matches '3.'
+    answers = [task.answer for task in batch_tasks(prompts, objective.tokenizer)]
+    assert scored.extras["eval_exact"].tolist() == [exact_answer("36", answer) for answer in answers]
 
 
 def test_a_failing_environment_stops_ppo_with_the_runners_typed_error(tmp_path):
