@@ -265,7 +265,7 @@ class GRPOObjective:
         g = self.g
         parts = self._context.dist.all_gather_object(experience.summary())  # every rank, at the same point
         context = self._context
-        self.agent.write(context.run_dir, batch.step, parts, records=context.records, is_main=context.dist.is_main)
+        self.agent.write(context.run_dir, batch.step, parts, records=context.records, dist=context.dist)
         return {**rollout_fields(parts, group_size=g.group_size, shaping=g.overlong_buffer > 0,
                                  masking=g.mask_truncated, resampling=g.dynamic_sampling_rounds > 0,
                                  episodes=self.episodes is not None),

@@ -335,8 +335,7 @@ class PPOObjective:
         parts = self._context.dist.all_gather_object(rollout.summary())  # every rank, at the same point
         experiences = [part["experience"] for part in parts]
         context = self._context
-        self.agent.write(context.run_dir, batch.step, experiences, records=context.records,
-                         is_main=context.dist.is_main)
+        self.agent.write(context.run_dir, batch.step, experiences, records=context.records, dist=context.dist)
         fields = rollout_fields(experiences, group_size=self.p.group_size, shaping=False, masking=False,
                                 resampling=False, episodes=self.agent.plays_episodes)
         fields.pop("reward_zero_var_groups")  # GRPO's: the critic, not the group, is PPO's baseline

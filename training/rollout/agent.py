@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from core.distributed_context import DistributedContext
 from training.rollout.environment import Environment, RewardEnvironment
 from training.rollout.environment_settings import EnvironmentSettings, episode_limits
 from training.rollout.episode_store import step_records, write_episodes
@@ -73,10 +74,10 @@ class AgentRollouts:
         return step_records(run_dir, step, group_size, replay=replay)
 
     def write(self, run_dir: Optional[Path], step: int, parts: list[dict[str, Any]], *, records: bool,
-              is_main: bool) -> None:
+              dist: DistributedContext) -> None:
         """Write step ``step``'s episodes from every rank's ``Experience.summary()`` (rank 0 of a
         recording run with a run dir only)."""
-        if self.settings is not None and records and run_dir is not None and is_main:
+        if self.settings is not None and records and run_dir is not None and dist.is_main:
             write_episodes(run_dir, step, {row: record for row, (_, record) in episode_records(parts).items()})
 
 
