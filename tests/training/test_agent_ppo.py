@@ -122,8 +122,9 @@ def test_gae_runs_over_the_sampled_tokens_as_if_the_observations_were_not_there(
     values = batch.extras["old_values"][episode, positions][None]
     returns = batch.extras["returns"][episode, positions][None]
     logps = batch.extras["old_logps"][episode, positions][None]
-    reference = objective._each_micro(batch, lambda placed: objective._token_logps(objective.reference.module, placed))
-    ref = reference[episode, positions][None]  # computed as prepare does, micro-batch by micro-batch
+    first = batch.select(list(range(objective.config.train.micro_batch_size)))  # prepare's first micro-batch
+    reference = objective._each_micro(first, lambda placed: objective._token_logps(objective.reference.module, placed))
+    ref = reference[episode, positions][None]  # computed as prepare does, on the same rows
     kl = kl_estimate(logps, ref, p.kl_estimator)
     score = torch.tensor([batch.prepared.experience.trajectories[episode].reward], dtype=torch.float32)
     compact = torch.ones_like(values, dtype=torch.bool)
@@ -137,6 +138,7 @@ def test_gae_runs_over_the_sampled_tokens_as_if_the_observations_were_not_there(
 
 def test_observation_prompt_and_pad_positions_get_exactly_zero_gradient(prepared):
     objective, model, critic, batch, _ = prepared
+    batch = batch.select([0, 1])  # prompt 0's episodes: sample 0 with an observation, sample 1 without
     kept = {}
     hooks = [model.lm_head.register_forward_hook(lambda module, inputs, out: kept.update(logits=out)),
              critic.register_forward_hook(lambda module, inputs, out: kept.update(values=out))]
