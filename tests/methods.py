@@ -47,6 +47,11 @@ Notes on the rows that differ from the defaults:
   Each step is four updates (two epochs of two minibatches), so 4 steps with a checkpoint every
   2 give the kills, replays and the 1-rank resume what they need; its accumulation check runs
   one step.
+- Agent PPO (tests/configs/e2e-agent-ppo.yaml) plays agent GRPO's episodes with PPO's critic:
+  its kill lands mid-episode, ``episodes_hash`` is compared with the rest; one epoch of two
+  minibatches a step (kills between the updates of one step are the ppo row's), 3 steps with a
+  checkpoint at 2; its e2e file replays step 2 with the environment made to fail if called, the
+  row's replay step 3.
 """
 
 from __future__ import annotations
@@ -152,6 +157,15 @@ PPO = Method("ppo", "e2e-ppo.yaml", e2e_file="test_ppo_e2e.py", steps=4, overrid
              samples_from_weights=True, accumulation_steps=1,
              accumulation_close={"value_loss": (1e-4, 1e-6), "policy_loss": (1e-4, 1e-6), "kl": (1e-4, 1e-6)})
 
+# PPO's episodes as agent GRPO's: one epoch of two minibatches, 3 steps with a checkpoint at 2.
+AGENT_PPO = Method("agent-ppo", "e2e-agent-ppo.yaml", e2e_file="test_agent_ppo_e2e.py", steps=3, timeout_s=600,
+                   kill=Kill(seed=48, kills=1, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),
+                   replay_steps=(3,), one_rank_step=2,
+                   one_rank_same=("rollout_hash", "episodes_hash", "batch_hash", "reward_mean", "kl_coef", "kl",
+                                  "explained_variance"),
+                   samples_from_weights=True, accumulation_steps=1,
+                   accumulation_close={"value_loss": (1e-4, 1e-6), "policy_loss": (1e-4, 1e-6), "kl": (1e-4, 1e-6)})
+
 REWARD_MODEL = Method("reward-model", "e2e-rm.yaml", e2e_file="test_reward_model_e2e.py",
                       overrides=("train.eval_interval=8", "train.eval_batches=2"), kill=Kill(seed=47),
                       one_rank_same=("batch_hash", "pairs", "accuracy"), accumulation_overrides=("parallel.strategy=none",),
@@ -164,7 +178,7 @@ TWO_PART = Method("two-part", "e2e.yaml", entry="tests/training/two_part_train.p
                   one_rank_close={"value_loss": (1e-4, 1e-6), "grad_norm_value": (1e-3, 1e-6)})
 
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
-           FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO)
+           FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}

@@ -1,9 +1,11 @@
 """A scripted ``Generator.play_episodes`` for tests of the episode runner: turns come from a
-``generate_keys(prompts, keys, params) -> [Sample]`` function instead of a model."""
+``generate_keys(prompts, keys, params) -> [Sample]`` function instead of a model
+(``turn_by_turn``), or from a script of texts by sample and purpose (``script_sampler``, for a
+method's ``prepare``)."""
 
 from __future__ import annotations
 
-from models.qwen.sampler import TurnEnd
+from models.qwen.sampler import Sample, TurnEnd
 
 
 def turn_by_turn(generate_keys):
@@ -25,3 +27,23 @@ def turn_by_turn(generate_keys):
             live = going
 
     return play_episodes
+
+
+def script_sampler(objective, script: dict[tuple[int, str], str]) -> dict[tuple[int, int, str], list[int]]:
+    """Make ``objective``'s generator (GRPO's, PPO's) play turns from ``script`` instead of its model:
+    the turn of sample ``s`` keyed ``purpose`` draws the ids of ``script[(s, purpose)]`` with
+    log-probs ``-1 - 0.01 i``. Returns {(prompt row, sample, purpose): ids}, filled as turns are drawn."""
+    tok = objective.tokenizer
+    handed = {}
+
+    def generate_keys(prompts, keys, params):
+        out = []
+        for key in keys:
+            ids = [int(t) for t in tok.encode_array(script[(key.sample_index, key.purpose)])]
+            handed[(key.prompt_index, key.sample_index, key.purpose)] = ids
+            out.append(Sample(tokens=ids, logprobs=[-1.0 - 0.01 * i for i in range(len(ids))], finish_reason="stop"))
+        return out
+
+    objective.generator.load = lambda model: None
+    objective.generator.play_episodes = turn_by_turn(generate_keys)
+    return handed

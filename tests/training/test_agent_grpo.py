@@ -19,13 +19,12 @@ from data.batch import IGNORE_INDEX
 from data.pipeline.plan import make_plan
 from data.pipeline.serial import iterate_serial
 from data.tasks import write_task_datasets
-from models.qwen.sampler import Sample
 from training.objectives.base import ObjectiveContext
 from training.objectives.grpo import PARITY, GRPOObjective
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss
 from training.rollout.episode_store import episodes_path, read_episodes
 from tests import launch
-from tests.scripted_episodes import turn_by_turn
+from tests.scripted_episodes import script_sampler
 
 PROMPTS, G = 4, 2
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call><|im_end|>'
@@ -62,20 +61,8 @@ def _prepared(tmp_path, overrides=()):
     objective = GRPOObjective(config)
     objective.setup(model, ObjectiveContext(config=config, dist=dist, parallel=SimpleNamespace(device=dist.device),
                                             place=lambda t: t, run_dir=tmp_path))
-    tok = objective.tokenizer
-    script = {(0, "grpo"): CALL, (0, "grpo.turn1"): "36<|im_end|>", (1, "grpo"): "x5<|im_end|>"}
-    handed = {}
-
-    def generate_keys(prompts, keys, params):
-        out = []
-        for key in keys:
-            ids = [int(t) for t in tok.encode_array(script[(key.sample_index, key.purpose)])]
-            handed[(key.prompt_index, key.sample_index, key.purpose)] = ids
-            out.append(Sample(tokens=ids, logprobs=[-1.0 - 0.01 * i for i in range(len(ids))], finish_reason="stop"))
-        return out
-
-    objective.generator.load = lambda model: None
-    objective.generator.play_episodes = turn_by_turn(generate_keys)
+    handed = script_sampler(objective, {(0, "grpo"): CALL, (0, "grpo.turn1"): "36<|im_end|>",
+                                        (1, "grpo"): "x5<|im_end|>"})
     plan = make_plan(config.data, seed=config.train.seed, global_batch_size=PROMPTS, rank=0, world_size=1)
     with torch.no_grad():
         batch = objective.prepare(next(iterate_serial(plan)))
@@ -96,7 +83,7 @@ def test_the_batch_trains_the_sampled_ids_of_every_turn_and_nothing_else(tmp_pat
         assert torch.all(batch.extras["old_logps"][i][batch.labels[i] == IGNORE_INDEX] == 0)
     first = experience.trajectories[0]
     assert first.episode is not None and len(first.episode.turns) == 2
-    observation = objective._observation_ids([{"role": "tool", "content": "36"}])
+    observation = objective.agent.observation_ids([{"role": "tool", "content": "36"}])
     assert list(first.episode.turns[0].observation) == observation
     assert first.tokens == handed[(0, 0, "grpo")] + observation + handed[(0, 0, "grpo.turn1")]
     assert [t.reward for t in experience.trajectories] == [1.0, 0.0] * PROMPTS

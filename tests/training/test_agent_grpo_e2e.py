@@ -12,16 +12,14 @@ episodes:
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 
 import pytest
 
 from tests import launch
-from tests.agent_environment import FORBID
+from tests.agent_environment import FORBID, recorded_hash
 from tests.methods import AGENT_GRPO
-from training.rollout.episode_store import episodes_path, read_episodes
-from training.rollout.episodes import EpisodeResult, Turn
+from training.rollout.episode_store import episodes_path
 
 pytestmark = pytest.mark.slow
 
@@ -31,19 +29,11 @@ def reference(reference_runs):
     return reference_runs.run(AGENT_GRPO)
 
 
-def _digest(record: dict) -> str:
-    turns = tuple(Turn(tuple(t["sampled"]), (), tuple(t["observation"])) for t in record["turns"])
-    return EpisodeResult(turns, record["reward"]).digest
-
-
 def test_every_step_records_its_episodes_and_their_hash(reference):
     lines = launch.ledger(reference)
     group = 4  # e2e-grpo.yaml's group_size
     for line in lines:
-        records = read_episodes(reference, line["step"], group)
-        rows = sorted(records, key=lambda key: key[0] * group + key[1])
-        digest = hashlib.sha256(b"".join(bytes.fromhex(_digest(records[key])) for key in rows)).hexdigest()
-        assert digest == line["episodes_hash"], line["step"]
+        assert recorded_hash(reference, line["step"], group) == line["episodes_hash"], line["step"]
         assert line["turns_mean"] > 1.0 and line["tool_calls"] > 0 and line["env_errors"] == 0
         assert line["completion_len_mean"] <= 8 * 3  # sampled tokens only: max_new_tokens x max_turns
     assert len({line["episodes_hash"] for line in lines}) == len(lines)

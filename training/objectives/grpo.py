@@ -36,7 +36,8 @@ Per step (one loop step = one optimizer step), rollout -> advantages -> loss:
    groups whose shaped rewards (the advantages' input) are all equal.
 
 **Episodes.** With ``objective.grpo.environment`` each sample is an episode of several turns
-(training/rollout/episodes.py, docs/post_training.md "Agentic rollouts"): the tool environment
+(training/rollout/episodes.py, docs/post_training.md "Agentic rollouts"; the environment, its
+runner and the step records come from training/rollout/agent.py, as PPO's do): the tool environment
 answers each turn, the observation's ids are appended, the next turn is sampled from the whole
 sequence, keyed ``(train.seed, "grpo.turn<t>", step, prompt row, sample)`` after the first. A
 row's labels are its sampled ids only, so the loss, KL, normalizer and length statistics count
@@ -97,17 +98,16 @@ from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewar
 from training.objectives.model_reward import build_model_rewards, reward_role, weighted_scores
 from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
-from training.rollout.environment import RewardEnvironment, Task, batch_tasks
-from training.rollout.episode_store import step_records, write_episodes
-from training.rollout.environment_settings import episode_limits
+from training.rollout.agent import AgentRollouts
+from training.rollout.environment import Task, batch_tasks
 from training.rollout.episodes import EpisodeRunner
-from training.rollout.experience import Experience, episode_records, rollout_fields
+from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
 from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
-from training.rollout.tool_environment import resolve_environment
 
 PURPOSE = "grpo"
+SECTION = "objective.grpo"  # the settings' config section (errors name its keys)
 EVAL_PURPOSE = "grpo-eval"
 PARITY = "logprob_parity"  # the maximum loss() reports (LossOutput.maxima) and the ledger field it becomes
 LOSS_UNIT = {"sequence": "completion", "token": "token", "dr_grpo": "token slot"}  # what the step loss averages over
@@ -129,11 +129,9 @@ class GRPOObjective:
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
         self.decoder = Decoder(self.tokenizer, self.template)
-        self.environment = (RewardEnvironment(self.rewards, on_error=g.on_reward_error) if g.environment is None else
-                            resolve_environment(g.environment.name, rewards=self.rewards,
-                                                on_reward_error=g.on_reward_error,
-                                                max_calls_per_turn=g.environment.max_calls_per_turn,
-                                                key="objective.grpo.environment.name"))
+        self.agent = AgentRollouts(g.environment, rewards=self.rewards, on_reward_error=g.on_reward_error,
+                                   section=SECTION, tokenizer=self.tokenizer, template=self.template)
+        self.environment = self.agent.environment
         # The loss's dr_grpo slots per completion: an episode may sample up to its whole budget.
         self.slots = g.max_new_tokens if g.environment is None else g.environment.max_episode_tokens
         self.settings = SurrogateSettings(clip_low=g.clip_eps_low, clip_high=g.clip_eps_high, kl_coef=g.kl_coef,
@@ -193,11 +191,7 @@ class GRPOObjective:
         for key, reward in model_rewards(config).items():
             check_vocabulary(config, reward.path, key=key)
         rewards = resolve_rewards(config)
-        environment = config.objective.grpo.environment
-        if environment is not None:  # a class path that does not import is refused now (exit 2)
-            resolve_environment(environment.name, rewards=rewards, on_reward_error="error",
-                                max_calls_per_turn=environment.max_calls_per_turn,
-                                key="objective.grpo.environment.name")
+        AgentRollouts.check(config.objective.grpo.environment, rewards=rewards, section=SECTION)
         return rewards
 
     # ------------------------------------------------------------------ seam
@@ -213,10 +207,7 @@ class GRPOObjective:
         self.generator = Generator(rows=self.rollout_rows,
                                    max_len=config.data.seq_len, seed=config.train.seed,
                                    dtype=generation_dtype(config.parallel.precision, context.parallel.device))
-        if g.environment is not None:
-            self.episodes = EpisodeRunner(generator=self.generator, decoder=self.decoder, environment=self.environment,
-                                          limits=episode_limits(g.environment), render=self._observation_ids,
-                                          context=config.data.seq_len)
+        self.episodes = self.agent.runner(self.generator, self.decoder, context=config.data.seq_len)
         self.rollout = GroupRollout(generator=self.generator, decoder=self.decoder, environment=self.environment,
                                     params=self.params, group_size=g.group_size, overlong_buffer=g.overlong_buffer,
                                     resample_rounds=g.dynamic_sampling_rounds, purpose=PURPOSE,
@@ -231,7 +222,8 @@ class GRPOObjective:
         if batch.evaluation:
             return self._evaluation_batch(batch)
         experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step,
-                                          **self._recorded_episodes(batch.step))
+                                          **self.agent.recorded(self._context.run_dir, batch.step, self.g.group_size,
+                                                                replay=not self._context.records))
         if self.model_rewards:
             experience = experience.with_added_rewards(self._model_scores(experience))
         experience = experience.with_advantages(
@@ -273,25 +265,11 @@ class GRPOObjective:
         g = self.g
         parts = self._context.dist.all_gather_object(experience.summary())  # every rank, at the same point
         context = self._context
-        if self.episodes is not None and context.records and context.run_dir is not None and context.dist.is_main:
-            write_episodes(context.run_dir, batch.step,
-                           {row: record for row, (_, record) in episode_records(parts).items()})
+        self.agent.write(context.run_dir, batch.step, parts, records=context.records, dist=context.dist)
         return {**rollout_fields(parts, group_size=g.group_size, shaping=g.overlong_buffer > 0,
                                  masking=g.mask_truncated, resampling=g.dynamic_sampling_rounds > 0,
                                  episodes=self.episodes is not None),
                 PARITY: totals[PARITY]}
-
-    def _recorded_episodes(self, step: int) -> dict[str, Any]:
-        """The rollout's ``recorded`` and ``call_environment`` for step ``step`` (episode_store.py)."""
-        context = self._context
-        if self.episodes is None or context.run_dir is None:
-            return {}
-        return step_records(context.run_dir, step, self.g.group_size, replay=not context.records)
-
-    def _observation_ids(self, messages: list[dict]) -> list[int]:
-        """The ids an episode appends for a turn's tool messages (the template's observation_text)."""
-        text = self.template.observation_text(messages, tools=self.environment.tools or None)
-        return [int(t) for t in self.tokenizer.encode_array(text)]
 
     def state_dict(self) -> dict[str, Any]:
         # Nothing else to keep: the prompts come from the data state, the sampling keys from the

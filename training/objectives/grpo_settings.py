@@ -107,14 +107,12 @@ def validate(config: Config) -> None:
                           key=f"{key}.dynamic_sampling_rounds",
                           hint="dynamic_sampling_rounds: 0 with a model reward (its scores are rarely all equal)")
     if g.environment is not None:
-        validate_environment(g.environment, f"{key}.environment", max_new_tokens=g.max_new_tokens)
+        validate_environment(g.environment, key, max_new_tokens=g.max_new_tokens,
+                             model_rewards=bool(model_rewards(config)))
         if g.dynamic_sampling_rounds > 0:
             raise ConfigError(f"{key}.dynamic_sampling_rounds: not with an environment (episodes are recorded per "
                               "global row; a re-sampled group would need its own record)",
                               key=f"{key}.dynamic_sampling_rounds", hint="dynamic_sampling_rounds: 0 with an environment")
-        if model_rewards(config):
-            raise ConfigError(f"{key}.rewards: a model reward scores one completion, not an episode of several turns",
-                              key=f"{key}.rewards", hint="rule rewards score an episode's final answer")
     check_prompt_data(config, "grpo", eval_hint="use data.eval_source and objective.grpo.eval_samples with grpo")
 
 

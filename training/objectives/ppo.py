@@ -40,6 +40,18 @@ rollout batch):
    adaptive coefficient (``AdaptiveKL``) is then moved by this step's ``kl``: its value is the
    objective's checkpointed state, so a resumed run continues with it.
 
+**Episodes.** With ``objective.ppo.environment`` (GRPO's settings) each completion is an episode
+of several turns, played as GRPO's are (training/rollout/agent.py builds the environment, the
+runner and the step records for both; docs/post_training.md "Agentic rollouts"): turn ``t > 0``
+keyed ``(train.seed, "ppo.turn<t>", step, prompt row, sample)``, the observation ids appended
+between turns. A row's labels are its sampled ids only, so the old log-probs, the values, the KL
+estimate, the score (at the last sampled token), the losses and their count all sit on sampled
+tokens; GAE passes over the observations (ppo_loss.gae: a token off the mask is transparent), so
+an episode's advantages are those of its sampled tokens laid end to end. The ledger adds GRPO's
+``episodes_hash``, ``turns_mean``, ``tool_calls``, ``malformed_calls`` and ``env_errors``; rank 0
+writes the step's episodes in ``ledger_fields``, a replay appends the recorded observations
+without calling the environment, and evaluation plays the episodes greedily.
+
 Nothing travels between these calls on the objective: what ``loss`` and ``ledger_fields`` need
 is in the batch they are given; the one state is the KL coefficient. Checkpoints fall between
 steps, never between the updates of one, so a SIGKILL in the middle of the epochs replays the
@@ -77,13 +89,16 @@ from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_vari
 from training.objectives.model_reward import build_model_rewards, reward_role, weighted_scores
 from training.objectives.ppo_settings import KIND, model_rewards, resolve_rewards
 from training.objectives.token_logps import label_logps
-from training.rollout.environment import RewardEnvironment, batch_tasks
+from training.rollout.agent import AgentRollouts
+from training.rollout.environment import batch_tasks
+from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
 from training.rollout.group import GroupRollout
 from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 
 PURPOSE = "ppo"
+SECTION = "objective.ppo"  # the settings' config section (errors name its keys)
 EVAL_PURPOSE = "ppo-eval"
 CRITIC = "critic"  # the trained part's name: checkpoint keys parts.critic.*, ledger grad_norm_critic
 WHITEN_EPS = 1e-8
@@ -131,9 +146,11 @@ class PPOObjective:
         self.updates_per_batch = p.ppo_epochs * p.minibatches
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
-        self.decoder = Decoder(self.tokenizer, ChatTemplate.for_tokenizer(config.data.tokenizer,
-                                                                           config.data.chat_template))
-        self.environment = RewardEnvironment(self.rewards, on_error=p.on_reward_error)
+        template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
+        self.decoder = Decoder(self.tokenizer, template)
+        self.agent = AgentRollouts(p.environment, rewards=self.rewards, on_reward_error=p.on_reward_error,
+                                   section=SECTION, tokenizer=self.tokenizer, template=template)
+        self.environment = self.agent.environment
         stop = self.decoder.stop_ids
         self.params = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                      max_new_tokens=p.max_new_tokens, stop_token_ids=stop)
@@ -144,6 +161,7 @@ class PPOObjective:
         self.reference = None
         self.model_rewards: list = []  # (weight, ModelReward) of each model reward, built in setup
         self.generator: Generator | None = None
+        self.episodes: EpisodeRunner | None = None
         self.rollout: GroupRollout | None = None
         self._context: ObjectiveContext | None = None
         self._model: nn.Module | None = None
@@ -192,6 +210,7 @@ class PPOObjective:
         for key, reward in model_rewards(config).items():
             check_vocabulary(config, reward.path, key=key)
         rewards = resolve_rewards(config)
+        AgentRollouts.check(config.objective.ppo.environment, rewards=rewards, section=SECTION)
         critic = frozen_model_config(config, config.objective.ppo.critic, key="objective.ppo.critic")
         if critic.vocab_size != config.model.vocab_size:
             raise ConfigError(f"objective.ppo.critic={config.objective.ppo.critic!r} has vocabulary size "
@@ -211,9 +230,11 @@ class PPOObjective:
         self.generator = Generator(rows=p.group_size * config.train.global_batch_size // config.data.num_streams,
                                    max_len=config.data.seq_len, seed=config.train.seed,
                                    dtype=generation_dtype(config.parallel.precision, context.parallel.device))
+        self.episodes = self.agent.runner(self.generator, self.decoder, context=config.data.seq_len)
         self.rollout = GroupRollout(generator=self.generator, decoder=self.decoder, environment=self.environment,
                                     params=self.params, group_size=p.group_size, overlong_buffer=0,
-                                    resample_rounds=0, purpose=PURPOSE, any_rank=lambda flag: flag)
+                                    resample_rounds=0, purpose=PURPOSE, any_rank=lambda flag: flag,
+                                    episodes=self.episodes)
         if self.uses_reference(config):
             self.reference = build_frozen(config, p.reference, role="reference", dist=context.dist,
                                           key="objective.ppo.reference")
@@ -229,7 +250,9 @@ class PPOObjective:
         if batch.evaluation:
             return self._evaluation_batch(batch)
         p = self.p
-        experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step)
+        experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step,
+                                          **self.agent.recorded(self._context.run_dir, batch.step, p.group_size,
+                                                                replay=not self._context.records))
         clock = _PhaseClock()  # seconds per phase, as the experience's timings (benchmarks/ppo_step.py)
         if self.model_rewards:
             experience = experience.with_added_rewards(weighted_scores(
@@ -310,8 +333,11 @@ class PPOObjective:
     def ledger_fields(self, batch: Batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         rollout: PPORollout = batch.prepared
         parts = self._context.dist.all_gather_object(rollout.summary())  # every rank, at the same point
-        fields = rollout_fields([part["experience"] for part in parts], group_size=self.p.group_size,
-                                shaping=False, masking=False, resampling=False)
+        experiences = [part["experience"] for part in parts]
+        context = self._context
+        self.agent.write(context.run_dir, batch.step, experiences, records=context.records, dist=context.dist)
+        fields = rollout_fields(experiences, group_size=self.p.group_size, shaping=False, masking=False,
+                                resampling=False, episodes=self.agent.plays_episodes)
         fields.pop("reward_zero_var_groups")  # GRPO's: the critic, not the group, is PPO's baseline
         rows = sorted({row[0]: row for part in parts for row in part["rows"]}.values())
         scores = [r[5] for part in parts for r in part["experience"]["rows"]]
@@ -380,7 +406,8 @@ class PPOObjective:
         tasks = batch_tasks(batch, self.tokenizer)
         held_out = held_out_indices(batch, tasks, self.config.train.global_batch_size)
         reward, exact = evaluation_scores(self.generator, self._model, self.decoder, self.environment, batch, tasks,
-                                          held_out, self.eval_params, purpose=EVAL_PURPOSE, samples=1)
+                                          held_out, self.eval_params, purpose=EVAL_PURPOSE, samples=1,
+                                          episodes=self.episodes)
         return batch.with_extras(eval_reward=reward, eval_exact=exact)
 
     def _evaluation_loss(self, micro: Batch) -> LossOutput:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from training.objectives.grpo_settings import check_prompt_data
+from training.rollout.environment_settings import EnvironmentSettings, validate_environment
 from training.rollout.reward_settings import RewardSettings, check_rewards, resolve_rule_rewards
 from training.rollout.reward_settings import model_rewards as _model_rewards
 
@@ -69,6 +70,8 @@ class PPOSettings:
     """Passes over one rollout batch."""
     minibatches: int = 1
     """Minibatches per pass (one optimizer update each); the rollout batch's completions must divide evenly."""
+    environment: Optional[EnvironmentSettings] = None
+    """Multi-turn episodes with tools, as GRPO's (docs/post_training.md, Agentic rollouts); null: one completion per sample, scored by the rewards."""
 
 
 def validate(config: Config) -> None:
@@ -107,6 +110,9 @@ def validate(config: Config) -> None:
             f"{key}.minibatches={p.minibatches} does not divide the rollout batch's {rows} completions "
             f"(train.global_batch_size {config.train.global_batch_size} x group_size {p.group_size})",
             key=f"{key}.minibatches", hint="choose a divisor of global_batch_size x group_size")
+    if p.environment is not None:
+        validate_environment(p.environment, key, max_new_tokens=p.max_new_tokens,
+                             model_rewards=bool(model_rewards(config)))
     check_prompt_data(config, "ppo", eval_hint="use data.eval_source with ppo")
 
 
@@ -130,5 +136,6 @@ KIND = ObjectiveKind(
     capabilities=ObjectiveCapabilities(cuda_graph_safe=False, chat_model=True, ledger_over_updates=True),
     settings=PPOSettings,
     validate=validate,
-    hashed_only_when_set=("rewards[].path",),  # added with model rewards: earlier configs keep their hashes
+    # added later (model rewards, episodes): earlier configs keep their hashes
+    hashed_only_when_set=("rewards[].path", "environment"),
 )

@@ -12,6 +12,10 @@
   rewards, advantages, counts, timings), and its layout as a training batch.
 - ``advantages.py``: shaped rewards -> group-normalized advantages.
 - ``reward_settings.py``: ``RewardSettings``, one entry of GRPO's and PPO's ``rewards``, and its checks.
+- ``environment_settings.py``, ``tool_environment.py``, ``tool_calls.py``, ``episodes.py``,
+  ``episode_store.py``: multi-turn episodes with tools (their settings, the tool environments, the
+  ``EpisodeRunner``, each step's recorded episodes); ``agent.py`` builds them from a method's
+  ``environment`` settings, for GRPO and PPO alike.
 - ``evaluation.py``: the held-out evaluation GRPO and PPO share (keyed decoding, reward and
   exact-answer scores, the loss and metric sums).
 

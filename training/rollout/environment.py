@@ -129,7 +129,7 @@ class RewardEnvironment:
 
 class EnvironmentFailure(DataError):
     """An environment raised, answered with something other than a ``Transition``, or took longer
-    than objective.grpo.environment.tool_timeout_s (``on_env_error=error``): exit 3, naming the
+    than objective.<kind>.environment.tool_timeout_s (``on_env_error=error``): exit 3, naming the
     environment, step, prompt row, sample and turn."""
 
     skippable = False

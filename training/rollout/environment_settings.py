@@ -1,6 +1,6 @@
 """``objective.<kind>.environment``: the settings of multi-turn episodes (docs/post_training.md,
 Agentic rollouts), their checks, and the episode runner's limits made from them. A method that
-plays episodes (GRPO) holds an ``Optional[EnvironmentSettings]`` in its settings, hashed only when
+plays episodes (GRPO, PPO) holds an ``Optional[EnvironmentSettings]`` in its settings, hashed only when
 set, and calls ``validate_environment`` from its own checks."""
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ class EnvironmentSettings:
     """An environment that raises, answers with something other than a Transition or takes too long: stop with a typed error, or end the episode with reward 0 and count it (ledger env_errors)."""
 
 
-def validate_environment(e: EnvironmentSettings, key: str, *, max_new_tokens: int) -> None:
-    """The limits of objective.<kind>.environment."""
+def validate_environment(e: EnvironmentSettings, section: str, *, max_new_tokens: int, model_rewards: bool) -> None:
+    """The limits of ``<section>.environment`` (section: the method's settings, objective.<kind>), and
+    the method's rewards: rule rewards only (``model_rewards``: the method has a model reward)."""
+    key = f"{section}.environment"
     checks = (
         ("name", bool(e.name), "an environment name (calculator) or 'package.module:Class'"),
         ("max_turns", 1 <= e.max_turns <= 64, "in 1..64"),
@@ -46,9 +48,13 @@ def validate_environment(e: EnvironmentSettings, key: str, *, max_new_tokens: in
     for name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
+    if model_rewards:
+        raise ConfigError(f"{section}.rewards: a model reward scores one completion, not an episode of several turns",
+                          key=f"{section}.rewards", hint="rule rewards score an episode's final answer")
 
 
-def episode_limits(e: EnvironmentSettings) -> EpisodeLimits:
-    """The episode runner's limits from objective.<kind>.environment."""
+def episode_limits(e: EnvironmentSettings, section: str) -> EpisodeLimits:
+    """The episode runner's limits from ``<section>.environment`` (section: objective.<kind>)."""
     return EpisodeLimits(name=e.name, max_turns=e.max_turns, max_observation_tokens=e.max_observation_tokens,
-                         max_episode_tokens=e.max_episode_tokens, timeout_s=e.tool_timeout_s, on_error=e.on_env_error)
+                         max_episode_tokens=e.max_episode_tokens, timeout_s=e.tool_timeout_s, on_error=e.on_env_error,
+                         key=f"{section}.environment")

@@ -77,6 +77,8 @@ class EpisodeLimits:
     timeout_s: float
     on_error: str
     """error: stop with EnvironmentFailure; zero: end the episode with reward 0, counted."""
+    key: str = "objective.<kind>.environment"
+    """The settings' config key (objective.grpo.environment), named by the errors' hints."""
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,7 @@ class EpisodeRunner:
             raise EnvironmentFailure(
                 f"environment {self.limits.name!r} {what} on {p.where}, turn {turn}",
                 environment=self.limits.name, step=step, sample=p.where, turn=turn,
-                hint="fix the environment, or set objective.grpo.environment.on_env_error=zero to end such "
+                hint=f"fix the environment, or set {self.limits.key}.on_env_error=zero to end such "
                      "episodes with reward 0 and count them") from cause
         return outcome
 
