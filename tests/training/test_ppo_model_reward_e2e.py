@@ -27,7 +27,7 @@ from tests import launch
 from training.checkpoint.load import OBJECTIVE_PART
 from training.checkpoint.manifest import state_file_name
 from training.objectives.critic import build_critic
-from training.objectives.model_reward import build_model_reward
+from training.objectives.model_reward import ScoreShape, build_model_reward
 from training.objectives.reward_model_io import read_score_weight
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_a_critic_from_a_reward_model_values_a_sequence_at_its_score(reward_mode
     for name, theirs in reward.trunk.module.state_dict().items():  # the trunk is the reward model's
         assert torch.equal(critic.trunk.state_dict()[name], theirs), name
     sequences = [list(range(3, 3 + n)) for n in LENGTHS]
-    scores = reward.scores(sequences, device=torch.device("cpu"), pad_id=257)
+    scores = reward.scores(sequences, shape=ScoreShape(rows=4, width=128), device=torch.device("cpu"), pad_id=257)
     with torch.no_grad():
         values = [critic(ModelInputs(torch.tensor([s]), torch.arange(len(s))[None],
                                      torch.zeros(1, len(s), dtype=torch.long)))[0, -1].item() for s in sequences]
