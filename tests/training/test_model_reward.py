@@ -102,6 +102,14 @@ def test_the_same_rows_score_bitwise_alike_on_one_rank_two_ranks_and_alone(confi
     assert len(set(one_rank)) == len(one_rank)  # the scores differ: no constant reward passes
 
 
+def test_a_score_does_not_change_with_the_rows_per_forward(reward, sequences):
+    """``rows`` is micro_batch_size x group_size: 1 against 4 micro-batch rows score alike too."""
+    by_rows = {rows: reward.scores(sequences, shape=ScoreShape(rows=rows, width=128), device=CPU, pad_id=PAD)
+               for rows in (1, 2, 3, 5, 8, 16)}
+    assert all(scores == by_rows[8] for scores in by_rows.values()), {
+        rows: sum(a != b for a, b in zip(scores, by_rows[8])) for rows, scores in by_rows.items()}
+
+
 def test_a_sequence_longer_than_the_width_is_refused(config, reward):
     shape = ScoreShape(rows=2, width=8)
     with pytest.raises(ValueError, match="9 tokens.*width of 8"):

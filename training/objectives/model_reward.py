@@ -21,7 +21,8 @@ right-padded to ``width`` tokens, both constants of the config (``score_shape``)
 for one row changes with the matrix's shape (docs/models.md, "Batch invariance"), never with the
 other rows' values or the row's index; so at one shape a sequence's score depends on the weights
 and the sequence only, not on which sequences share its forward: not on the world size, not on
-how the rows are spread over the ranks. Under ``fsdp`` the forward is collective: every rank has as
+how the rows are spread over the ranks. The score head runs over every position, so on the CPU a
+score does not change with ``rows`` (micro_batch_size) either (``_chunk_scores``). Under ``fsdp`` the forward is collective: every rank has as
 many sequences, so every rank calls it as many times, with the same number of rows.
 """
 
@@ -95,15 +96,21 @@ class ModelReward:
         # attention (a document mask makes SDPA build a (B, 1, T, T) mask and leave its fused kernels).
         # Rows past the sequences are dummies (one pad token each): the shape stays ``shape``.
         ids = torch.full((shape.rows, shape.width), pad_id, dtype=torch.long)
-        last = torch.zeros(shape.rows, dtype=torch.long)
         for row, sequence in enumerate(sequences):
             ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-            last[row] = len(sequence) - 1
         positions = torch.arange(shape.width).expand(shape.rows, shape.width)
+        # The head scores every position, one (rows x width, hidden) GEMM, and each sequence's score
+        # is read at its last token: the head over the last tokens alone, a GEMM of ``rows`` rows,
+        # differs in the last bits between 1, 2, 3 or 5 rows and 8 on the CPU, the head over whole
+        # rows of a multiple of 128 positions does not, so a score does not change with ``rows``
+        # (train.micro_batch_size) either.
+        every_row = torch.arange(shape.rows).repeat_interleave(shape.width)
+        every_position = torch.arange(shape.width).repeat(shape.rows)
         with torch.no_grad(), self.trunk.context():
             out = sequence_scores(self.trunk.module, self.head, ids.to(device), positions.to(device),
-                                  None, torch.arange(shape.rows, device=device), last.to(device))
-        return out.float().cpu().tolist()[:len(sequences)]
+                                  None, every_row.to(device), every_position.to(device))
+        scores = out.float().cpu().view(shape.rows, shape.width)  # (rows * width,) -> (rows, width)
+        return [scores[row, len(sequence) - 1].item() for row, sequence in enumerate(sequences)]
 
 
 def build_model_rewards(config: Config, rewards: dict, *, dist: DistributedContext) -> list[tuple[float, ModelReward]]:
