@@ -1,11 +1,11 @@
-"""What the e2e files of GRPO and PPO with a trained reward model as a reward share
+"""The guarantee table's rows with a trained reward model as a reward, and what their e2e files share
 (tests/training/test_grpo_model_reward_e2e.py, test_ppo_model_reward_e2e.py).
 
-``with_model_reward`` turns a row of the guarantee table (tests/methods.py) into the same method
-with a reward model beside exact_answer, so those files run the table's checks
-(tests/guarantees.py) on it through the ``reference_runs`` fixture: its uninterrupted 2-rank run
-is trained once per session and read by every test of the file. ``changed_on_disk_refuses_the_resume``
-is the check both files make of a reward model whose weights change between a run and its resume.
+``with_model_reward`` turns a row of the table (tests/methods.py) into the same method with a
+reward model beside exact_answer: its ``prepare`` trains a 4-step reward-model run
+(tests/configs/e2e-rm.yaml) on one rank and names it, by ``run:RUN_DIR`` or by its export (a
+directory named after the run). ``changed_on_disk_refuses_the_resume`` is the check both files make
+of a reward model whose weights change between a run and its resume.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import yaml
 
 from tests import launch
-from tests.guarantees import Method, run_dir
+from tests.guarantees import Method, References, run_dir
 
 RM_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-rm.yaml"
 
@@ -43,11 +44,25 @@ def rewards_override(kind: str, path: str) -> str:
             f"{{name: model, path: '{path}', weight: 0.5}}]")
 
 
-def with_model_reward(row: Method, *, kind: str, path: str, **changes) -> Method:
-    """``row`` with the reward model at ``path`` as its second reward (``rewards_override``), named
-    ``<row>-model-reward``; not a row of the table (its e2e file runs the checks it needs)."""
-    return dataclasses.replace(row, name=f"{row.name}-model-reward", e2e_file=None,
-                               overrides=(*row.overrides, rewards_override(kind, path)), **changes)
+def with_model_reward(row: Method, *, kind: str, exported: bool, e2e_file: str, **changes) -> Method:
+    """``row`` with a reward model as its second reward (``rewards_override``), named
+    ``<row>-model-reward``: the reward-model run ``rm-<row>``, or its export when ``exported``."""
+    def prepare(workdir: Path) -> tuple[str, ...]:
+        run = train_reward_model(workdir, f"rm-{row.name}")
+        path = str(export(workdir, run, workdir / f"{run.name}-hf")) if exported else f"run:{run}"
+        return (rewards_override(kind, path),)
+
+    return dataclasses.replace(row, name=f"{row.name}-model-reward", prepare=prepare, e2e_file=e2e_file, **changes)
+
+
+def reward_model_path(refs: References, method: Method, *, kind: str) -> str:
+    """The reward model's ``path`` that ``method``'s ``prepare`` gave (``run:RUN_DIR`` or an export)."""
+    return yaml.safe_load(refs.prepared(method, f"objective.{kind}.rewards"))[1]["path"]
+
+
+def exported_run(export_dir: Path) -> Path:
+    """The reward-model run that ``with_model_reward(exported=True)`` exported to ``export_dir``."""
+    return export_dir.parent / "runs" / export_dir.name.removesuffix("-hf")
 
 
 def dist() -> SimpleNamespace:

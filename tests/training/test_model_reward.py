@@ -4,7 +4,8 @@ Every reward-model forward has the config's one shape (``score_shape``: micro_ba
 group_size rows of data.seq_len rounded up to 128 tokens, dummy rows filling the last chunk), so
 the same global rows scored as one rank's chunks, as two ranks' shards, a prompt's group alone or
 each sequence alone give bitwise-equal scores (a GEMM of 1 row differs in the last bits from the
-same row among 8 on the CPU: docs/models.md, "Batch invariance").
+same row among 8 on the CPU: docs/models.md, "Batch invariance"); and as the score head runs over
+every position, forwards of 1 to 16 rows (micro-batch sizes) give them too.
 """
 
 from __future__ import annotations

@@ -5,20 +5,22 @@ A 4-step reward-model run (tests/configs/e2e-rm.yaml) and its Hugging Face expor
 - the critic's source (``objective.ppo.critic``): the critic's trunk is the reward model's and its
   value head the score head (bias 0), so before any update its value at a sequence's last token is
   the reward model's score of the sequence, from the run and from the export alike;
-- a reward of the guarantee table's PPO row (tests/configs/e2e-ppo.yaml; ``{name: model, path}``
-  beside exact_answer, tests/reward_models.py ``with_model_reward``, run for 6 steps): its score
-  enters the completions' rewards, its identity (path and sha256) is recorded in the checkpoint,
-  and on 2 CPU ranks SIGKILL at random moments (in the rollouts, the scoring, between two of a
-  step's four updates) + resume by run ID gives the ledger of an uninterrupted run, line for line;
-  that run resumed on 1 rank keeps the ledger, the batches, the rollouts and the rewards (its
-  scores do not depend on the world size: training/objectives/model_reward.py); changed on disk,
-  it refuses the resume (exit 4, naming both hashes); of another vocabulary, it is refused before
-  any run dir (exit 2, naming both sizes).
+- a reward of the guarantee table's ``ppo-model-reward`` row (tests/methods.py,
+  tests/reward_models.py: tests/configs/e2e-ppo.yaml, the export ``{name: model, path}`` beside
+  exact_answer, 6 steps), whose checks on 2 CPU ranks are SIGKILL at random moments (in the
+  rollouts, the scoring, between two of a step's four updates) + resume by run ID giving the ledger
+  of an uninterrupted run, line for line, replay, the 1-rank resume keeping the ledger, the
+  batches, the rollouts and the rewards, and micro-batch sizes 1 and 4 agreeing (a reward model's
+  scores depend on neither: training/objectives/model_reward.py). This file reads the row's run:
+  the score enters the completions' rewards and its identity (path and sha256) is recorded in the
+  checkpoint; changed on disk, it refuses the resume (exit 4, naming both hashes); of another
+  vocabulary, it is refused before any run dir (exit 2, naming both sizes).
 """
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,38 +28,28 @@ import torch
 from core import config as config_lib
 from models.qwen.forward import ModelInputs
 from tests import launch, reward_models
-from tests.guarantees import Kill, one_rank_resume_keeps_the_batches, sigkill_then_resume_is_identical
-from tests.methods import PPO
+from tests.methods import PPO_MODEL_REWARD as METHOD
 from training.objectives.critic import build_critic
 from training.objectives.model_reward import ScoreShape, build_model_reward
 from training.objectives.reward_model_io import read_score_weight
 
 pytestmark = pytest.mark.slow
 
-PPO_CONFIG = PPO.config_path
+PPO_CONFIG = METHOD.config_path
 LENGTHS = (40, 23, 31)
-STEPS = 6
+STEPS = METHOD.steps
 
 
 @pytest.fixture(scope="module")
-def reward_model(e2e_workdir, tmp_path_factory):
-    """A 4-step reward-model run on one rank, and its export."""
-    run_dir = reward_models.train_reward_model(e2e_workdir, "rm-ppo")
-    return run_dir, reward_models.export(e2e_workdir, run_dir, tmp_path_factory.mktemp("rm") / "rm-hf")
+def reward_model(reference_runs):
+    """The reward-model run the row's ``prepare`` trained, and its export."""
+    export = Path(reward_models.reward_model_path(reference_runs, METHOD, kind="ppo"))
+    return reward_models.exported_run(export), export
 
 
 @pytest.fixture(scope="module")
-def method(reward_model):
-    """The PPO row with the exported reward model, for 6 steps (a checkpoint every 2); the kills as
-    this file always made them, the 1-rank resume from the step-4 checkpoint (two steps on 1 rank)."""
-    _, export = reward_model
-    return reward_models.with_model_reward(PPO, kind="ppo", path=str(export), steps=STEPS, kill=Kill(seed=47),
-                                           one_rank_step=4)
-
-
-@pytest.fixture(scope="module")
-def reference(reference_runs, method):
-    return reference_runs.run(method)
+def reference(reference_runs):
+    return reference_runs.run(METHOD)
 
 
 @pytest.mark.parametrize("source", ["run", "export"])
@@ -91,14 +83,6 @@ def test_the_reward_model_scores_every_completion_and_is_recorded(reference, rew
                                   key="objective.ppo.rewards[1].path").identity
     assert reward_models.checkpoint_frozen(reference, 2)["reward"] == expected == {"path": str(export),
                                                                                     "sha256": expected["sha256"]}
-
-
-def test_sigkill_at_random_moments_then_resume_is_identical(reference_runs, method):
-    sigkill_then_resume_is_identical(reference_runs, method)
-
-
-def test_the_two_rank_run_resumed_on_one_rank_keeps_the_batches_and_the_rewards(reference_runs, method):
-    one_rank_resume_keeps_the_batches(reference_runs, method)
 
 
 def test_a_reward_model_changed_on_disk_refuses_the_resume_naming_both_hashes(e2e_workdir, reward_model, tmp_path):
