@@ -52,6 +52,11 @@ Notes on the rows that differ from the defaults:
   minibatches a step (kills between the updates of one step are the ppo row's), 3 steps with a
   checkpoint at 2; its e2e file replays step 2 with the environment made to fail if called, the
   row's replay step 3.
+- GRPO and PPO with a reward model (``grpo-model-reward``, ``ppo-model-reward``) are those rows
+  with a 4-step reward-model run as their second reward (tests/reward_models.py), which the row's
+  ``prepare`` trains; the 1-rank resume and the accumulation check compare the rewards too
+  (``reward_mean``, and the advantages in ``batch_hash``): a reward model's score depends on
+  neither the world size nor the micro-batch size (training/objectives/model_reward.py).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from pathlib import Path
 
 from tests import launch
 from tests.guarantees import CONFIGS, Kill, Method, run_dir
+from tests.reward_models import with_model_reward
 
 TEACHER = ("model.hidden_size=96", "model.intermediate_size=192", "model.num_layers=3", "parallel.strategy=none")
 
@@ -177,8 +183,16 @@ TWO_PART = Method("two-part", "e2e.yaml", entry="tests/training/two_part_train.p
                   overrides=("objective.kind=two_part",), kill=Kill(seed=45),
                   one_rank_close={"value_loss": (1e-4, 1e-6), "grad_norm_value": (1e-3, 1e-6)})
 
+# GRPO and PPO with a trained reward model as their second reward (tests/reward_models.py): GRPO's
+# names the run, PPO's its export. Kills as their e2e files always made them; the 1-rank resume
+# from the last checkpoint; PPO runs 6 steps (the critic test reads them) and replays one.
+GRPO_MODEL_REWARD = with_model_reward(GRPO, kind="grpo", exported=False, e2e_file="test_grpo_model_reward_e2e.py",
+                                      kill=Kill(seed=47), replay_steps=(2, 3), one_rank_step=4)
+PPO_MODEL_REWARD = with_model_reward(PPO, kind="ppo", exported=True, e2e_file="test_ppo_model_reward_e2e.py",
+                                     steps=6, kill=Kill(seed=47), replay_steps=(3,), one_rank_step=4)
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
-           FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO)
+           FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO, GRPO_MODEL_REWARD, PPO_MODEL_REWARD)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}

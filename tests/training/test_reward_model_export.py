@@ -25,7 +25,7 @@ from tests import launch
 from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
 from training.checkpoint.state import check_frozen
 from training.objectives.base import ObjectiveContext
-from training.objectives.model_reward import build_model_reward
+from training.objectives.model_reward import ScoreShape, build_model_reward
 from training.objectives.reward_model import RewardModelObjective, sequence_scores
 from training.objectives.reward_model_io import SCORE_PART, read_checkpoint_score, read_score_weight
 
@@ -105,8 +105,10 @@ def test_as_a_reward_the_run_and_its_export_score_alike_with_one_identity(export
     from_run = build_model_reward(config, f"run:{run_dir}", dist=_dist(), key=key)
     from_export = build_model_reward(config, str(out), dist=_dist(), key=key)
     sequences = [list(range(3, 3 + n)) for n in LENGTHS]
-    scores = from_run.scores(sequences, device=torch.device("cpu"), pad_id=257)
-    assert scores == pytest.approx(from_export.scores(sequences, device=torch.device("cpu"), pad_id=257), abs=1e-6)
+    shape = ScoreShape(rows=4, width=128)  # one forward: the three sequences and a dummy row
+    scores = from_run.scores(sequences, shape=shape, device=torch.device("cpu"), pad_id=257)
+    assert scores == pytest.approx(from_export.scores(sequences, shape=shape, device=torch.device("cpu"), pad_id=257),
+                                   abs=1e-6)
     ids = torch.zeros(len(LENGTHS), max(LENGTHS), dtype=torch.long)
     for row, sequence in enumerate(sequences):
         ids[row, :len(sequence)] = torch.tensor(sequence)

@@ -95,7 +95,7 @@ from models.qwen.sampler import SamplingParams
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
-from training.objectives.model_reward import build_model_rewards, reward_role, weighted_scores
+from training.objectives.model_reward import build_model_rewards, reward_role, score_shape, weighted_scores
 from training.objectives.token_logps import label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.agent import AgentRollouts
@@ -286,7 +286,7 @@ class GRPOObjective:
     def _model_scores(self, experience: Experience) -> np.ndarray:
         """Per trajectory, the weighted sum of the reward models' scores of its prompt + completion."""
         return weighted_scores(self.model_rewards, [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories],
-                               rows=self.config.train.micro_batch_size * self.g.group_size,
+                               shape=score_shape(self.config, group_size=self.g.group_size),
                                device=self._context.parallel.device,
                                pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
 

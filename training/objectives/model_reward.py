@@ -13,10 +13,17 @@ Refused before any run dir (ConfigError, exit 2): a source that holds no score h
 model whose vocabulary or tokenizer differs from the policy's (both named), since it would read
 the policy's token ids as other words.
 
-``ModelReward.scores(sequences)`` scores token-id sequences (each a rendered prompt + completion)
-as the reward model was trained to: each sequence its own document, the score read at its last
-token (training/objectives/reward_model.py ``sequence_scores``). Under ``fsdp`` its forward is
-collective: every rank calls it at the same points, with the same number of rows.
+``ModelReward.scores(sequences, shape=...)`` scores token-id sequences (each a rendered prompt +
+completion) as the reward model was trained to: each sequence its own document, the score read at
+its last token (training/objectives/reward_model.py ``sequence_scores``). Every forward has one
+shape, ``ScoreShape``: ``rows`` sequences (the last chunk filled up with dummy rows), each
+right-padded to ``width`` tokens, both constants of the config (``score_shape``). A GEMM's result
+for one row changes with the matrix's shape (docs/models.md, "Batch invariance"), never with the
+other rows' values or the row's index; so at one shape a sequence's score depends on the weights
+and the sequence only, not on which sequences share its forward: not on the world size, not on
+how the rows are spread over the ranks. The score head runs over every position, so on the CPU a
+score does not change with ``rows`` (micro_batch_size) either (``_chunk_scores``). Under ``fsdp`` the forward is collective: every rank has as
+many sequences, so every rank calls it as many times, with the same number of rows.
 """
 
 from __future__ import annotations
@@ -39,7 +46,24 @@ ROLE = "reward"
 
 
 WIDTH_MULTIPLE = 128
-"""A chunk of sequences is right-padded to a multiple of this many tokens (the flex kernel's block)."""
+"""A sequence is right-padded to ``data.seq_len`` rounded up to a multiple of this many tokens (the
+flex kernel's block)."""
+
+
+@dataclass(frozen=True)
+class ScoreShape:
+    """The shape of every reward-model forward: ``rows`` sequences of ``width`` tokens."""
+
+    rows: int
+    width: int
+
+
+def score_shape(config: Config, *, group_size: int) -> ScoreShape:
+    """A rank's chunk of ``micro_batch_size`` prompts' completions (``group_size`` each; a rank holds
+    a multiple of micro_batch_size prompts, so its chunks are full), each padded to ``data.seq_len``
+    rounded up to WIDTH_MULTIPLE: a rollout's prompt + completion never exceeds ``data.seq_len``."""
+    width = -(-config.data.seq_len // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+    return ScoreShape(rows=config.train.micro_batch_size * group_size, width=width)
 
 
 @dataclass
@@ -51,28 +75,42 @@ class ModelReward:
     identity: dict[str, str]
     """{"path": its source, "sha256": hash of the trunk's weights and the head's}."""
 
-    def scores(self, sequences: list[list[int]], *, device: torch.device, pad_id: int) -> list[float]:
-        """The fp32 score of each token-id sequence, in order (no gradients)."""
+    def scores(self, sequences: list[list[int]], *, shape: ScoreShape, device: torch.device,
+               pad_id: int) -> list[float]:
+        """The fp32 score of each token-id sequence, in order (no gradients), in forwards of ``shape``."""
+        longest = max((len(s) for s in sequences), default=0)
+        if longest > shape.width:
+            raise ValueError(f"a sequence of {longest} tokens does not fit the reward model's width of "
+                             f"{shape.width} (data.seq_len rounded up to {WIDTH_MULTIPLE})")
+        return [score for lo in range(0, len(sequences), shape.rows)
+                for score in self._chunk_scores(sequences[lo:lo + shape.rows], shape, device, pad_id)]
+
+    def _chunk_scores(self, sequences: list[list[int]], shape: ScoreShape, device: torch.device,
+                      pad_id: int) -> list[float]:
+        """The scores of up to ``shape.rows`` sequences, from one forward of ``shape``."""
         from training.objectives.reward_model import sequence_scores
 
-        if not sequences:
-            return []
         # Right-padded rows of one document each, no document mask: attention is causal, so no
         # token of a sequence sees the padding after it, and the score read at the sequence's last
         # token is the same as with the padding masked off, while the kernel stays plain causal
         # attention (a document mask makes SDPA build a (B, 1, T, T) mask and leave its fused kernels).
-        # The width is rounded up to a multiple of WIDTH_MULTIPLE: a compiled attention kernel (flex)
-        # sees a few shapes, not one per chunk's longest sequence.
-        width = -(-max(len(s) for s in sequences) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
-        ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+        # Rows past the sequences are dummies (one pad token each): the shape stays ``shape``.
+        ids = torch.full((shape.rows, shape.width), pad_id, dtype=torch.long)
         for row, sequence in enumerate(sequences):
             ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-        positions = torch.arange(width).expand(len(sequences), width)
-        last = torch.tensor([len(s) - 1 for s in sequences], dtype=torch.long)
+        positions = torch.arange(shape.width).expand(shape.rows, shape.width)
+        # The head scores every position, one (rows x width, hidden) GEMM, and each sequence's score
+        # is read at its last token: the head over the last tokens alone, a GEMM of ``rows`` rows,
+        # differs in the last bits between 1, 2, 3 or 5 rows and 8 on the CPU, the head over whole
+        # rows of a multiple of 128 positions does not, so a score does not change with ``rows``
+        # (train.micro_batch_size) either.
+        every_row = torch.arange(shape.rows).repeat_interleave(shape.width)
+        every_position = torch.arange(shape.width).repeat(shape.rows)
         with torch.no_grad(), self.trunk.context():
             out = sequence_scores(self.trunk.module, self.head, ids.to(device), positions.to(device),
-                                  None, torch.arange(len(sequences), device=device), last.to(device))
-        return out.float().cpu().tolist()
+                                  None, every_row.to(device), every_position.to(device))
+        scores = out.float().cpu().view(shape.rows, shape.width)  # (rows * width,) -> (rows, width)
+        return [scores[row, len(sequence) - 1].item() for row, sequence in enumerate(sequences)]
 
 
 def build_model_rewards(config: Config, rewards: dict, *, dist: DistributedContext) -> list[tuple[float, ModelReward]]:
@@ -87,16 +125,15 @@ def reward_role(index: int) -> str:
     return ROLE if index == 0 else f"{ROLE}{index}"
 
 
-def weighted_scores(rewards: list[tuple[float, ModelReward]], sequences: list[list[int]], *, rows: int,
+def weighted_scores(rewards: list[tuple[float, ModelReward]], sequences: list[list[int]], *, shape: ScoreShape,
                     device: torch.device, pad_id: int) -> np.ndarray:
     """Per sequence (a prompt + completion's ids), the weighted sum of the reward models' scores, in
-    chunks of ``rows`` sequences (every rank runs as many chunks: a sharded reward model's forward
-    is collective)."""
+    forwards of ``shape`` (every rank has as many sequences, so runs as many: a sharded reward
+    model's forward is collective)."""
     total = np.zeros(len(sequences), dtype=np.float64)
     for weight, reward in rewards:
-        scores = [s for lo in range(0, len(sequences), rows)
-                  for s in reward.scores(sequences[lo:lo + rows], device=device, pad_id=pad_id)]
-        total += weight * np.asarray(scores, dtype=np.float64)
+        total += weight * np.asarray(reward.scores(sequences, shape=shape, device=device, pad_id=pad_id),
+                                     dtype=np.float64)
     return total
 
 

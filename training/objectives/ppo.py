@@ -86,7 +86,7 @@ from training.objectives.base import (OBJECTIVE_STATE_VERSION, LossOutput, Objec
 from training.objectives.critic import Critic, build_critic
 from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_variance, gae, kl_estimate,
                                           masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
-from training.objectives.model_reward import build_model_rewards, reward_role, weighted_scores
+from training.objectives.model_reward import build_model_rewards, reward_role, score_shape, weighted_scores
 from training.objectives.ppo_settings import KIND, model_rewards, resolve_rewards
 from training.objectives.token_logps import label_logps
 from training.rollout.agent import AgentRollouts
@@ -257,7 +257,7 @@ class PPOObjective:
         if self.model_rewards:
             experience = experience.with_added_rewards(weighted_scores(
                 self.model_rewards, [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories],
-                rows=self.config.train.micro_batch_size * p.group_size, device=self._context.parallel.device,
+                shape=score_shape(self.config, group_size=p.group_size), device=self._context.parallel.device,
                 pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)))
             clock.lap("reward_model_s")
         # The rollout room's sequence advantages are GRPO's; PPO's are per token, below.
