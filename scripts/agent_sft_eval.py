@@ -1,6 +1,6 @@
 """Held-out tool use of a model fine-tuned on the agent transcripts (configs/tiny-agent-sft.yaml).
 
-    .venv/bin/python scripts/agent_sft_eval.py --from RUN_ID [--root runs] [--prompts N]
+    .venv/bin/python scripts/agent_sft_eval.py --from RUN_ID|HF_DIR [--root runs] [--step S] [--prompts N]
 
 For each prompt of ``datasets/tasks/agent/rl/eval`` (the first N), greedy, two turns, the way an
 agent episode runs them: the prompt is rendered with the calculator listed as a tool and the
@@ -54,12 +54,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="from_", required=True)
     parser.add_argument("--root", default="runs")
+    parser.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
     register_all()
     torch.set_num_threads(2)
-    source = load_source(args.from_, root=args.root, step=None, device=torch.device("cpu"))
+    source = load_source(args.from_, root=args.root, step=args.step, device=torch.device("cpu"))
     model = source.model.eval()
     tokenizer = build_tokenizer(source.tokenizer_spec)
     template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template, clock=source.template_clock)
