@@ -141,25 +141,30 @@ def starts_processes(item) -> bool:
     return bool(listed & (names | {getattr(item, "originalname", item.name)}))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-group-costs", metavar="PATH", default=None,
+                     help="measure each worker group's CPU seconds and write them into PATH "
+                          "(tests/group_costs.json; tests/group_costs.py)")
+
+
+def pytest_configure(config):
+    from tests import group_costs
+
+    config.pluginmanager.register(group_costs.Order(), "group-costs-order")
+    path = config.getoption("record_group_costs")
+    if path:
+        config.pluginmanager.register(group_costs.Recorder(), "group-costs-recorder")
+        if not hasattr(config, "workerinput"):  # the controller, or the only process
+            config.pluginmanager.register(group_costs.Writer(Path(path)), "group-costs-writer")
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests that start processes ``slow`` (above), then orders the worker groups.
-
-    Groups (``tests.methods.worker_group``: a file, or a guarantee-table row with its method's
-    e2e file) with more multi-process tests run earlier. Spread over pytest-xdist workers
-    (``make test``: whole groups per worker, in this order), the long groups start first and
-    the short in-process ones fill the workers in at the end, instead of one worker finishing
-    a long group alone. The sort is stable: a group's tests keep their order."""
-    from tests.methods import worker_group
-
+    """Marks the tests that start processes ``slow`` (above). The worker groups are then ordered
+    longest first (tests/group_costs.py), after ``-m`` and ``-k`` have deselected."""
     for item in items:
         if item.get_closest_marker("slow") is None and starts_processes(item):
             item.add_marker(pytest.mark.slow)
-    slow: dict = {}
-    for item in items:
-        group = worker_group(item.nodeid)
-        slow[group] = slow.get(group, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[worker_group(item.nodeid)])
 
 
 @pytest.hookimpl(optionalhook=True)
