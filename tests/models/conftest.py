@@ -4,7 +4,8 @@ They are the reference the model is checked against: if our forward, key names o
 translation drift from transformers', the parity tests in test_hf_weights.py fail.
 
 And the tiny model the sampler tests generate with (test_sampler.py, test_scheduler.py,
-test_sampler_episodes.py: ``sampler_model``, on one intra-op thread: ``one_thread``).
+test_sampler_episodes.py: ``sampler_model``; on one intra-op thread, as every test process runs,
+tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -86,12 +87,3 @@ def token_ids():
 @pytest.fixture(scope="module")
 def sampler_model():
     return build_sampler_model().eval()
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matmuls: with several intra-op threads on a busy machine each step waits on the others (20x here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

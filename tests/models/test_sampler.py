@@ -25,9 +25,6 @@ SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12)
 FILTERED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, max_new_tokens=12)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
-
-
 @pytest.fixture(scope="module")
 def sampler(sampler_model):
     return Sampler(sampler_model, max_batch=8, max_len=40, prefill_chunk=8)

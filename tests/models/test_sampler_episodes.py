@@ -24,9 +24,6 @@ RULES = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
-
-
 def _sampler(model, **kwargs):
     return Sampler(model, max_batch=4, max_len=96, prefill_chunk=8, **kwargs)
 

@@ -20,9 +20,6 @@ RULES = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
-
-
 def _sampler(model, schedule):
     return Sampler(model, max_batch=4, max_len=40, prefill_chunk=8, schedule=schedule)
 
