@@ -34,9 +34,10 @@ import pytest
 
 TABLE = Path(__file__).with_name("group_costs.json")
 SLOW, IN_PROCESS = "slow", "in_process"
-# The fallback per test. In-process: the measured groups' mean (0.23 CPU-s). Slow: below the
-# measured groups' mean (10.8 CPU-s, the heaviest files were measured first); 314 slow tests
-# in a suite of 19m20s on 2 cores put the mean near 7.
+# The fallback per test. In-process: the measured groups' mean (0.23 CPU-s with 2 intra-op
+# threads, 0.12 with one). Slow: below the measured groups' mean (9.9 CPU-s over 107 tests; the
+# heaviest files were measured first); 314 slow tests in a suite of 19m20s on 2 cores put the
+# mean near 7.
 SLOW_TEST_S = 8.0
 FAST_TEST_S = 0.25
 _MARK = pytest.StashKey[float]()
