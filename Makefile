@@ -37,8 +37,8 @@ lint: $(STAMP)
 
 # Tests run on TEST_WORKERS pytest workers (pytest-xdist) in groups: a file, or a guarantee-table
 # row with its method's e2e file (tests/methods.py, worker_group), each group on one worker so
-# that its shared reference runs are trained once, the groups in tests/conftest.py's order
-# (longest first); TEST_WORKERS=0 runs them in this process.
+# that its shared reference runs are trained once, the groups longest first by their measured
+# CPU seconds (tests/group_costs.py, tests/group_costs.json); TEST_WORKERS=0 runs them in this process.
 XDIST := --dist loadgroup --no-loadscope-reorder
 
 test: lint

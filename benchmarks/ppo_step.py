@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -90,39 +87,20 @@ def run_ppo(args) -> dict:
 
     import models
     from core import seeding
-    from core.config import load
     from data.batch import IGNORE_INDEX
-    from data.pipeline.pipeline import build
-    from data.tasks import make_task, rl_record
-    from training.objectives.base import ObjectiveContext
     from training.objectives.frozen import FrozenModel
     from training.objectives.model_reward import ModelReward
     from training.objectives.ppo import CRITIC, PPOObjective
     from training.objectives.reward_model import SCORE_INIT_STD
-    from training.registry import register_all
 
-    register_all()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    tmp = Path(tempfile.mkdtemp(prefix="ppo-bench-"))
-    prompts_file = tmp / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps(rl_record(make_task(0, i))) + "\n"
-                                    for i in range(args.prompts * (args.steps + 1))))
-    config = load(ROOT / "configs" / f"{args.shape}.yaml", [
-        f"data.sources=[{{path: {prompts_file}, record: prompt}}]", "data.eval_source=null", "data.tokenizer=byte",
-        f"data.seq_len={args.seq}", "data.num_streams=1", f"train.global_batch_size={args.prompts}",
-        f"train.micro_batch_size={args.micro_batch}", "train.loss_chunk_tokens=4096",
-        f"parallel.precision={'bf16' if cuda else 'fp32'}", "parallel.strategy=none", "parallel.compile=false",
-        "objective.kind=ppo", f"objective.ppo.group_size={args.group}",
-        f"objective.ppo.max_new_tokens={args.max_new_tokens}", f"objective.ppo.kl_coef={args.kl_coef}",
-        f"objective.ppo.ppo_epochs={args.epochs}", f"objective.ppo.minibatches={args.minibatches}",
-        "model.init_from=null",
-    ])
+    config = grpo_step.load_config(args, "ppo", [
+        f"objective.ppo.group_size={args.group}", f"objective.ppo.max_new_tokens={args.max_new_tokens}",
+        f"objective.ppo.kl_coef={args.kl_coef}", f"objective.ppo.ppo_epochs={args.epochs}",
+        f"objective.ppo.minibatches={args.minibatches}"])
     model = models.build(config.model, generator=seeding.generator(0, "model_init")).to(device)
-    dist = SimpleNamespace(rank=0, world_size=1, is_distributed=False, device=device,
-                           all_gather_object=lambda obj: [obj])
-    context = ObjectiveContext(config=config, dist=dist, parallel=SimpleNamespace(device=device),
-                               place=lambda t: t.to(device, non_blocking=True), fuse_head=True)
+    context = grpo_step.objective_context(config, device)
     objective = PPOObjective(config)
     objective.setup(model, context)
     objective.model_rewards = [(1.0, random_reward_model(config, device, FrozenModel, ModelReward, SCORE_INIT_STD))]
@@ -131,60 +109,46 @@ def run_ppo(args) -> dict:
     optimizers = [torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-6, fused=cuda)
                   for module in (model, critic)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
-    prepare_autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                                      enabled=cuda and getattr(args, "prepare_precision", "fp32") == "bf16")
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    def update(batch) -> tuple[dict, int]:
+        totals: dict[str, torch.Tensor] = {}
+        counted = 0
+        for update in range(objective.updates_per_batch):
+            share = objective.update_batch(batch, update)
+            count = objective.num_targets(share)
+            for micro in share.micro_batches(config.train.micro_batch_size):
+                with autocast:
+                    out = objective.loss(model, micro, parts)
+                (out.sum / count).backward()
+                for name, value in out.metrics.items():
+                    totals[name] = totals.get(name, 0) + value.detach()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            counted += count
+        return totals, counted
 
     steps = []
-    with build(config.data, seed=0, global_batch_size=args.prompts, rank=0, world_size=1) as pipe:
-        for _ in range(args.steps):
-            prompt_batch = next(pipe)
-            sync()
-            started = time.perf_counter()
-            with torch.no_grad(), prepare_autocast:
-                batch = objective.prepare(prompt_batch)
-            sync()
-            prepare_s = time.perf_counter() - started
-            timings = batch.prepared.experience.timings
-            tokens = int((batch.document_ids == 0).sum())  # prompt + completion, no padding
-            started = time.perf_counter()
-            totals: dict[str, torch.Tensor] = {}
-            counted = 0
-            for update in range(objective.updates_per_batch):
-                share = objective.update_batch(batch, update)
-                count = objective.num_targets(share)
-                for micro in share.micro_batches(config.train.micro_batch_size):
-                    with autocast:
-                        out = objective.loss(model, micro, parts)
-                    (out.sum / count).backward()
-                    for name, value in out.metrics.items():
-                        totals[name] = totals.get(name, 0) + value.detach()
-                for optimizer in optimizers:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                counted += count
-            sync()
-            update_s = time.perf_counter() - started
-            fields = objective.ledger_fields(batch, {k: float(v) for k, v in totals.items()}, counted)
-            phases = {name: timings.get(name, 0.0) for name in PPO_PHASES if name != "update_s"}
-            steps.append({
-                **phases,
-                "update_s": update_s,
-                "updates": objective.updates_per_batch,
-                "update_tokens_per_s": tokens * args.epochs / update_s,
-                "prepare_other_s": prepare_s - sum(phases.values()),
-                "step_s": prepare_s + update_s,
-                "rollout_generated_tokens": timings["rollout_tokens"],
-                "rollout_tokens_per_s": timings["rollout_tokens"] / timings["rollout_s"],
-                "sequence_tokens": tokens,
-                "completion_tokens": int((batch.labels != IGNORE_INDEX).sum()),
-                **{name: fields[name] for name in ("completion_len_mean", "reward_mean", "kl", "value_loss",
-                                                   "clip_fraction", "approx_kl", "explained_variance",
-                                                   "rollout_hash")},
-            })
+    for batch, prepare_s, update_s, (totals, counted) in grpo_step.timed_steps(args, config, objective, update):
+        timings = batch.prepared.experience.timings
+        tokens = int((batch.document_ids == 0).sum())  # prompt + completion, no padding
+        fields = objective.ledger_fields(batch, {k: float(v) for k, v in totals.items()}, counted)
+        phases = {name: timings.get(name, 0.0) for name in PPO_PHASES if name != "update_s"}
+        steps.append({
+            **phases,
+            "update_s": update_s,
+            "updates": objective.updates_per_batch,
+            "update_tokens_per_s": tokens * args.epochs / update_s,
+            "prepare_other_s": prepare_s - sum(phases.values()),
+            "step_s": prepare_s + update_s,
+            "rollout_generated_tokens": timings["rollout_tokens"],
+            "rollout_tokens_per_s": timings["rollout_tokens"] / timings["rollout_s"],
+            "sequence_tokens": tokens,
+            "completion_tokens": int((batch.labels != IGNORE_INDEX).sum()),
+            **{name: fields[name] for name in ("completion_len_mean", "reward_mean", "kl", "value_loss",
+                                               "clip_fraction", "approx_kl", "explained_variance",
+                                               "rollout_hash")},
+        })
     return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "steps": steps}
 
 

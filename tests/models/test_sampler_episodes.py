@@ -10,10 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-import models
 from core.exceptions import DataError
 from models.qwen.sampler import Continuation, SampleKey, Sampler, SamplingParams
-from tests.models.test_sampler import QWEN3
+from tests.models.sampler_model import QWEN3
 
 STOPS = tuple(range(0, QWEN3.vocab_size, 8))  # turns end after ~8 ids, at different steps
 LENGTHS = (3, 9, 1, 17, 5, 12, 7)  # 7 episodes through 4 rows: refilled
@@ -23,19 +22,6 @@ RULES = {
     "sampled": SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=STOPS),
     "filtered": SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=10, stop_token_ids=STOPS),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return models.build(QWEN3, generator=torch.Generator().manual_seed(5)).eval()
 
 
 def _sampler(model, **kwargs):
@@ -92,11 +78,11 @@ def _play(sampler, params, episodes=range(len(LENGTHS))):
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_an_episode_does_not_depend_on_its_batch_mates_their_order_or_the_refill_interval(model, rule):
-    sampler, params = _sampler(model), RULES[rule]
+def test_an_episode_does_not_depend_on_its_batch_mates_their_order_or_the_refill_interval(sampler_model, rule):
+    sampler, params = _sampler(sampler_model), RULES[rule]
     batched, _, _ = _play(sampler, params)
     shuffled, _, _ = _play(sampler, params, [5, 2, 6, 0, 3, 1, 4])
-    every_step, _, _ = _play(_sampler(model, refill_every=1), params)
+    every_step, _, _ = _play(_sampler(sampler_model, refill_every=1), params)
     assert shuffled == batched and every_step == batched  # Sample equality: ids, exact log-probs, finish
     for e in (3, 0, 6):
         alone, _, _ = _play(sampler, params, [e])
@@ -107,8 +93,8 @@ def test_an_episode_does_not_depend_on_its_batch_mates_their_order_or_the_refill
 
 
 @pytest.mark.parametrize("rule", ["sampled", "filtered"])
-def test_turn_0_is_the_sample_generate_gives_and_later_turns_have_keys_of_their_own(model, rule):
-    sampler, params = _sampler(model), RULES[rule]
+def test_turn_0_is_the_sample_generate_gives_and_later_turns_have_keys_of_their_own(sampler_model, rule):
+    sampler, params = _sampler(sampler_model), RULES[rule]
     turns, _, _ = _play(sampler, params)
     keys = [SampleKey(1, "test", 3, e, 0) for e in range(len(LENGTHS))]
     assert [turns[e][0] for e in range(len(LENGTHS))] == sampler.generate(_prompts(), keys, params)
@@ -117,14 +103,14 @@ def test_turn_0_is_the_sample_generate_gives_and_later_turns_have_keys_of_their_
     assert all(len({tuple(s.tokens[:3]) for s in first[e]}) == TURNS for e in first)
 
 
-def test_greedy_turns_are_the_argmax_of_a_full_forward_over_the_whole_episode(model):
+def test_greedy_turns_are_the_argmax_of_a_full_forward_over_the_whole_episode(sampler_model):
     """The appended ids and the kept ids before each turn are in the cache exactly as a forward of
     the whole sequence sees them; the cut-off ids of turn 1 are not."""
-    turns, ids, _ = _play(_sampler(model), RULES["greedy"])
+    turns, ids, _ = _play(_sampler(sampler_model), RULES["greedy"])
     prompts = _prompts()
     for e, sequence in ids.items():
         with torch.no_grad():
-            logits = model(torch.tensor([sequence]))[0]
+            logits = sampler_model(torch.tensor([sequence]))[0]
         at = len(prompts[e])
         for t, sample in enumerate(turns[e]):
             kept = sample.tokens[:3] if t == 1 else sample.tokens
@@ -136,8 +122,8 @@ def test_greedy_turns_are_the_argmax_of_a_full_forward_over_the_whole_episode(mo
         assert at == len(sequence)
 
 
-def test_only_prompts_are_prefilled_and_long_continuations_go_in_by_chunks(model):
-    sampler = _sampler(model)
+def test_only_prompts_are_prefilled_and_long_continuations_go_in_by_chunks(sampler_model):
+    sampler = _sampler(sampler_model)
     assert sampler.extend_chunk == 8  # gcd(16, prefill_chunk=8)
     turns, _, fed = _play(sampler, RULES["sampled"])
     assert sorted(map(tuple, fed["prefilled"])) == sorted(map(tuple, _prompts()))
@@ -160,13 +146,13 @@ def test_only_prompts_are_prefilled_and_long_continuations_go_in_by_chunks(model
     (lambda ids: Continuation(ids + [1] * 96, 4), "no room"),
     (lambda ids: Continuation(ids + [QWEN3.vocab_size], 4), "outside the vocabulary"),
 ])
-def test_a_bad_continuation_is_a_data_error_naming_the_episode(model, answer, what):
+def test_a_bad_continuation_is_a_data_error_naming_the_episode(sampler_model, answer, what):
     prompts = _prompts()[:2]
 
     def on_turns(ended):
         return [answer(prompts[end.episode] + end.sample.tokens) if end.episode == 1 else None for end in ended]
 
     with pytest.raises(DataError, match=what) as error:
-        _sampler(model).generate_episodes(prompts, lambda e, t: SampleKey(1, "test", 3, e, t), RULES["sampled"],
+        _sampler(sampler_model).generate_episodes(prompts, lambda e, t: SampleKey(1, "test", 3, e, t), RULES["sampled"],
                                           on_turns)
     assert "episode 1's continuation after turn 0" in str(error.value) and error.value.context["record"] == 1

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-import models
 from models.qwen.sampler import SampleKey, Sampler, SamplingParams
 from models.qwen.scheduler import RowSlots
-from tests.models.test_sampler import QWEN3
+from tests.models.sampler_model import QWEN3
 
 STOPS = tuple(range(0, QWEN3.vocab_size, 8))  # 12 of 96 tokens: sampled completions end after ~8 tokens
 LENGTHS = (3, 9, 1, 17, 5, 2, 12, 7, 4, 6, 15, 2, 8, 1, 11, 3, 5, 9, 2)  # 19 samples through 4 rows
@@ -19,19 +18,6 @@ RULES = {
     "sampled": SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=STOPS),
     "filtered": SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=24, stop_token_ids=STOPS),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return models.build(QWEN3, generator=torch.Generator().manual_seed(5)).eval()
 
 
 def _sampler(model, schedule):
@@ -48,9 +34,9 @@ def _keys():
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(model, rule):
+def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sampler_model, rule):
     params, prompts, keys = RULES[rule], _prompts(), _keys()
-    refill, groups = _sampler(model, "refill"), _sampler(model, "groups")
+    refill, groups = _sampler(sampler_model, "refill"), _sampler(sampler_model, "groups")
     expected = groups.generate(prompts, keys, params)
     got = refill.generate(prompts, keys, params)
     assert got == expected  # tokens, log-probs (exact floats) and finish reasons
@@ -65,20 +51,20 @@ def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(model,
 
 
 @pytest.mark.parametrize("every", [1, 7])
-def test_the_refill_interval_changes_no_sample(model, every):
+def test_the_refill_interval_changes_no_sample(sampler_model, every):
     params, prompts, keys = RULES["filtered"], _prompts(), _keys()
-    refill = Sampler(model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every)
-    assert refill.generate(prompts, keys, params) == _sampler(model, "groups").generate(prompts, keys, params)
+    refill = Sampler(sampler_model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every)
+    assert refill.generate(prompts, keys, params) == _sampler(sampler_model, "groups").generate(prompts, keys, params)
 
 
-def test_finished_rows_take_the_next_samples_and_save_decode_steps(model):
+def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model):
     """Counted model forwards: refill decodes about the mean completion length per row, groups the longest."""
     # 3 stop tokens of 96: completions end after ~32 tokens, up to 96; refill points come every 16 steps.
     params = SamplingParams(temperature=1.0, max_new_tokens=96, stop_token_ids=(5, 40, 77))
     prompts, keys = _prompts(), _keys()
     counts = {}
     for schedule in ("refill", "groups"):
-        sampler = Sampler(model, max_batch=4, max_len=112, prefill_chunk=8, schedule=schedule)
+        sampler = Sampler(sampler_model, max_batch=4, max_len=112, prefill_chunk=8, schedule=schedule)
         calls = []
         forward = sampler.model._forward_cached
 
@@ -95,8 +81,8 @@ def test_finished_rows_take_the_next_samples_and_save_decode_steps(model):
     assert counts["refill"] < 0.6 * counts["groups"], counts
 
 
-def test_a_refill_prefill_leaves_the_other_rows_caches_untouched(model):
-    sampler = _sampler(model, "refill")
+def test_a_refill_prefill_leaves_the_other_rows_caches_untouched(sampler_model):
+    sampler = _sampler(sampler_model, "refill")
     for layer in range(sampler.cache.num_layers):
         for buffer in sampler.cache.read(layer):
             buffer.normal_(generator=torch.Generator().manual_seed(layer))
@@ -118,10 +104,10 @@ def test_row_slots_hand_back_finished_rows_and_fill_free_ones_in_call_order():
     assert not slots.busy
 
 
-def test_an_unknown_schedule_or_a_refill_interval_below_one_is_a_config_error(model):
+def test_an_unknown_schedule_or_a_refill_interval_below_one_is_a_config_error(sampler_model):
     from core.exceptions import ConfigError
 
     with pytest.raises(ConfigError, match="schedule"):
-        Sampler(model, max_batch=2, max_len=8, schedule="compact")
+        Sampler(sampler_model, max_batch=2, max_len=8, schedule="compact")
     with pytest.raises(ConfigError, match="refill_every"):
-        Sampler(model, max_batch=2, max_len=8, refill_every=0)
+        Sampler(sampler_model, max_batch=2, max_len=8, refill_every=0)

