@@ -65,6 +65,22 @@ def qwen_vocabulary(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tasks_workdir(tmp_path_factory):
+    """A working directory holding a small task set (datasets/tasks), for a method's ``prepare`` in
+    process (the agent tests of GRPO and PPO: ``pytest.mark.usefixtures("in_tasks_workdir")``)."""
+    from data.tasks import write_task_datasets
+
+    root = tmp_path_factory.mktemp("tasks")
+    write_task_datasets(root / "datasets" / "tasks", seed=0, train_n=64, eval_n=8, shards=4)
+    return root
+
+
+@pytest.fixture
+def in_tasks_workdir(tasks_workdir, monkeypatch):
+    monkeypatch.chdir(tasks_workdir)
+
+
 @pytest.fixture(scope="session")
 def reference_runs(e2e_workdir):
     """The guarantee table's uninterrupted 2-rank runs (tests/guarantees.py, ``References``),

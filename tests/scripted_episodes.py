@@ -1,11 +1,14 @@
 """A scripted ``Generator.play_episodes`` for tests of the episode runner: turns come from a
 ``generate_keys(prompts, keys, params) -> [Sample]`` function instead of a model
 (``turn_by_turn``), or from a script of texts by sample and purpose (``script_sampler``, for a
-method's ``prepare``)."""
+method's ``prepare``), and the scripted calculator call the agent tests of GRPO and PPO share
+(``CALL``)."""
 
 from __future__ import annotations
 
 from models.qwen.sampler import Sample, TurnEnd
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call><|im_end|>'
 
 
 def turn_by_turn(generate_keys):

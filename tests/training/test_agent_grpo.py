@@ -18,28 +18,17 @@ from core.exceptions import ConfigError
 from data.batch import IGNORE_INDEX
 from data.pipeline.plan import make_plan
 from data.pipeline.serial import iterate_serial
-from data.tasks import write_task_datasets
 from training.objectives.base import ObjectiveContext
 from training.objectives.grpo import PARITY, GRPOObjective
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss
 from training.rollout.episode_store import episodes_path, read_episodes
 from tests import launch
-from tests.scripted_episodes import script_sampler
+from tests.scripted_episodes import CALL, script_sampler
 
 PROMPTS, G = 4, 2
-CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call><|im_end|>'
 
 
-@pytest.fixture(scope="module")
-def tasks_workdir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("agent-grpo")
-    write_task_datasets(root / "datasets" / "tasks", seed=0, train_n=64, eval_n=8, shards=4)
-    return root
-
-
-@pytest.fixture(autouse=True)
-def in_tasks_workdir(tasks_workdir, monkeypatch):
-    monkeypatch.chdir(tasks_workdir)
+pytestmark = pytest.mark.usefixtures("in_tasks_workdir")
 
 
 def _config(overrides=()):

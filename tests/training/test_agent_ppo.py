@@ -21,7 +21,6 @@ from core.exceptions import ConfigError
 from data.batch import IGNORE_INDEX
 from data.pipeline.plan import make_plan
 from data.pipeline.serial import iterate_serial
-from data.tasks import write_task_datasets
 from training.objectives.base import ObjectiveContext
 from training.objectives.ppo import CRITIC, PPOObjective
 from training.objectives.ppo_loss import gae, kl_estimate, token_rewards
@@ -29,10 +28,9 @@ from training.rollout.environment import EnvironmentFailure, batch_tasks
 from training.rollout.episode_store import read_episodes
 from training.rollout.rewards import exact_answer
 from tests import launch
-from tests.scripted_episodes import script_sampler
+from tests.scripted_episodes import CALL, script_sampler
 
 PROMPTS, G = 4, 2
-CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call><|im_end|>'
 SCRIPT = {(0, "ppo"): CALL, (0, "ppo.turn1"): "36<|im_end|>", (1, "ppo"): "x5<|im_end|>"}
 PPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-ppo.yaml"
 SETTINGS = ("parallel.strategy=none", f"train.global_batch_size={PROMPTS}", f"objective.ppo.group_size={G}",
@@ -40,16 +38,7 @@ SETTINGS = ("parallel.strategy=none", f"train.global_batch_size={PROMPTS}", f"ob
             "objective.ppo.minibatches=1", "objective.ppo.rewards=[{name: format_regex, pattern: '3.', weight: 1.0}]")
 
 
-@pytest.fixture(scope="module")
-def tasks_workdir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("agent-ppo")
-    write_task_datasets(root / "datasets" / "tasks", seed=0, train_n=64, eval_n=8, shards=4)
-    return root
-
-
-@pytest.fixture(autouse=True)
-def in_tasks_workdir(tasks_workdir, monkeypatch):
-    monkeypatch.chdir(tasks_workdir)
+pytestmark = pytest.mark.usefixtures("in_tasks_workdir")
 
 
 def _config(overrides=()):

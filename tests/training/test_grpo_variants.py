@@ -154,11 +154,6 @@ def tasks_workdir(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def in_tasks_workdir(tasks_workdir, monkeypatch):
-    monkeypatch.chdir(tasks_workdir)
-
-
 pytestmark = pytest.mark.usefixtures("in_tasks_workdir")
 
 
