@@ -67,9 +67,29 @@ class Result:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a job's store that no connection can take before the job listens on it: one free
+    now, drawn below the kernel's ephemeral range (from which every outgoing connection, of this
+    job's ranks or another test's, gets its local port: a port handed out by ``bind(0)`` is one of
+    those, and a connection opened meanwhile may hold it when rank 0 listens, EADDRINUSE)."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{low - 1} after 100 draws")
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts here
+    return max(low, 10001)
 
 
 def command(nproc: int, args: list[str], *, rendezvous: str = "direct", entry: str = TRAIN) -> list[str]:

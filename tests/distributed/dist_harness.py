@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -13,18 +12,13 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from tests import launch
 from training.registry import register_all
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``fn(*args)`` on every rank (with torchrun's env set); returns the results by rank."""
-    port = free_port()
+    port = launch.free_port()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_entry, args=(world_size, port, tmp, fn, args), nprocs=world_size, join=True)
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from core.config import CheckpointConfig, ParallelConfig
 from core.distributed_context import DistributedContext
 from core.exceptions import CheckpointError
 from training.checkpoint.manifest import read_manifest
+from tests import launch
 from training.checkpoint.state import DeviceSnapshot, HostBuffers, SnapshotBuffers
 from training.checkpoint.manager import (
     CheckpointFormatError,
@@ -705,14 +705,8 @@ def test_async_failure_surfaces_at_wait_and_next_save_works(tmp_path, monkeypatc
 # --------------------------------------------------------------------------- several ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_on_two_ranks(fn, *args) -> list:
-    port = _free_port()
+    port = launch.free_port()
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank_entry, args=(port, out, fn, args), nprocs=2, join=True)
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(2)]
