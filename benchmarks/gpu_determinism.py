@@ -15,10 +15,15 @@ For every GPU count G (``parallel.strategy=none`` on one GPU, ``fsdp`` on severa
    checkpoint before the end; it restores that checkpoint, re-executes step S and exits 0
    only if loss, grad_norm, batch and data-state hashes equal the ledger's (exit 5 if not).
 4. ``resume_on_<G'>gpu`` (``--resume-on G'``): a copy of the first run, cut back to its first
-   checkpoint, resumed by run ID on G' GPUs (``parallel.strategy`` as for G'): the batch and
-   data-state hashes of every step must equal the first run's (the data order does not
-   depend on the world size); the largest relative loss gap is reported (reduction order
-   differs, so not bitwise).
+   checkpoint, resumed by run ID on G' GPUs. It keeps the run's ``parallel.strategy`` (FSDP2
+   runs on one GPU too), so a frozen model's forward and the policy's log-probs run the same
+   arithmetic; ``--resume-strategy auto`` takes ``none`` on one GPU instead. The data-state
+   hashes of every step must equal the first run's, and so must the batch hashes: of every
+   step where the batch is data and a frozen model's outputs (SFT, DPO's reference log-probs,
+   distillation), of the first resumed step where it is sampled from the trained weights
+   (GRPO, PPO: later steps sample weights that were updated with another reduction order;
+   whether they still matched is reported as ``all_steps_same_batches``). The largest
+   relative loss gap is reported.
 
 ``--method ppo`` runs PPO (``METHODS["ppo"]``: the embedded RL prompts, the byte tokenizer, two
 completions per prompt, exact-answer and format rewards, a critic, a k1 KL penalty with its
@@ -199,17 +204,58 @@ def resumed_on_other_count(gpus: int, other: int, run_dir: Path, args: argparse.
             shutil.rmtree(path)
     (checkpoints / "LATEST").write_text(f"step_{args.interval:08d}")
     # The micro-batch is not resumable: the same global batch in more or fewer micro-batches.
-    strategy = "none" if other == 1 else "fsdp"
-    code = finish(start(other, ["--resume", copy.name, f"run.root={run_root}", f"parallel.strategy={strategy}"], log),
-                  args.timeout)
-    out: dict = {"ok": False, "from_gpus": gpus, "resumed_at_step": args.interval, "exit": code}
+    resume = ["--resume", copy.name, f"run.root={run_root}"]
+    if args.resume_strategy == "auto":
+        resume.append(f"parallel.strategy={'none' if other == 1 else 'fsdp'}")
+    code = finish(start(other, resume, log), args.timeout)
+    out: dict = {"ok": False, "from_gpus": gpus, "resumed_at_step": args.interval, "exit": code,
+                 "strategy": args.resume_strategy}
     if code != 0:
         out["log_tail"] = log.read_text(errors="replace")[-4000:]
         return out
     ref, got = ledger(run_dir), ledger(copy)
-    same = same_data(ref, got)
-    out.update(ok=same, same_batches=same, lines=len(got), max_rel_loss_diff=max_rel_loss_gap(ref, got))
+    out.update(resume_verdict(ref, got, sampled=samples_from_weights(run_dir), resumed_at=args.interval))
+    first = args.interval  # the first resumed step's line: every field that differs there
+    if len(got) > first and len(ref) > first:
+        out["first_resumed_step_differs"] = sorted(k for k in set(ref[first]) | set(got[first])
+                                                   if ref[first].get(k) != got[first].get(k))
+    out["resumed_ledger"] = got
     return out
+
+
+def resume_verdict(ref: list[dict], got: list[dict], *, sampled: bool, resumed_at: int) -> dict:
+    """Whether a run resumed at step ``resumed_at`` on another GPU count kept the batches: the
+    data states of every step, the batches of every step, or of the first resumed step only where
+    they are ``sampled`` from the trained weights (module docstring, check 4)."""
+    checked = resumed_at + 1 if sampled else len(ref)  # steps 1..checked must see the same batches
+    same = len(got) == len(ref) and same_data(ref[:checked], got[:checked]) and same_states(ref, got)
+    return {"ok": same, "same_batches": same, "samples_from_weights": sampled, "checked_steps": checked,
+            "all_steps_same_batches": same_data(ref, got), "lines": len(got),
+            "first_difference": first_batch_difference(ref, got), "max_rel_loss_diff": max_rel_loss_gap(ref, got)}
+
+
+SAMPLING_KINDS = ("grpo", "ppo")
+
+
+def samples_from_weights(run_dir: Path) -> bool:
+    """Whether the run's batches are sampled from the trained weights (its recorded objective)."""
+    import yaml
+
+    recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return recorded.get("objective", {}).get("kind") in SAMPLING_KINDS
+
+
+def same_states(ref: list[dict], got: list[dict]) -> bool:
+    return len(ref) == len(got) and all(a["data_state_hash"] == b["data_state_hash"] for a, b in zip(ref, got))
+
+
+def first_batch_difference(ref: list[dict], got: list[dict]) -> str | None:
+    """The first step whose batch hash (or rollout/episodes hash) differs, or None."""
+    for a, b in zip(ref, got):
+        for key in ("batch_hash", "rollout_hash", "episodes_hash"):
+            if a.get(key) != b.get(key):
+                return f"step {a['step']}: {key}"
+    return None if len(ref) == len(got) else f"{len(ref)} lines vs {len(got)}"
 
 
 def same_data(ref: list[dict], got: list[dict]) -> bool:
@@ -250,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-replay", action="store_true", help="skip the replay check")
     p.add_argument("--resume-on", type=int, default=0, metavar="G",
                    help="also resume each run's first checkpoint on G GPUs (same batches expected)")
+    p.add_argument("--resume-strategy", choices=("keep", "auto"), default="keep",
+                   help="keep: the run's parallel.strategy on the other GPU count; auto: none on one GPU, fsdp on more")
     p.add_argument("--run-root", default="/tmp/lockstep-determinism")
     p.add_argument("--workdir", default=str(ROOT), help="the runs' working directory (default: the repository)")
     p.add_argument("--out", default="bench_out/gpu_determinism.json")

@@ -38,12 +38,14 @@ def offload_policy(parallel: ParallelConfig, device: torch.device) -> OffloadPol
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, device: torch.device) -> None:
-    """Shard ``model`` in place: every block bottom-up, then the root."""
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, device: torch.device, *,
+               cast_parameters: bool = True) -> None:
+    """Shard ``model`` in place: every block bottom-up, then the root. ``cast_parameters=False``:
+    no mixed-precision policy (the parameters are gathered as stored, fp32)."""
     options = dict(
         mesh=dp_mesh,
         reshard_after_forward=parallel.reshard_after_forward,
-        mp_policy=mixed_precision_policy(parallel),
+        mp_policy=mixed_precision_policy(parallel) if cast_parameters else MixedPrecisionPolicy(),
         offload_policy=offload_policy(parallel, device),
     )
     tied = has_tied_embeddings(model)

@@ -19,7 +19,8 @@ from distributed.tp import apply_tensor_parallel
 
 
 def parallelize(
-    model: nn.Module, parallel: ParallelConfig, dist: DistributedContext, topology: Topology
+    model: nn.Module, parallel: ParallelConfig, dist: DistributedContext, topology: Topology, *,
+    cast_parameters: bool = True,
 ) -> nn.Module:
     """Apply FP8, TP, activation checkpointing, compile and FSDP/DDP to ``model``, in that order.
 
@@ -27,6 +28,9 @@ def parallelize(
     seed); its blocks are modified in place and the returned module is what the loop
     trains: the model itself, or its DDP wrapper. Use ``distributed.params.unwrap`` to get
     back to the model.
+
+    ``cast_parameters=False`` (frozen models): FSDP gathers the fp32 parameters and leaves the
+    casting to the caller's autocast, as a plain model computes, on any number of ranks.
     """
     if parallel.strategy == "xla_spmd":
         raise ValueError("parallel.strategy=xla_spmd is set up by distributed.xla_spmd.setup_xla_spmd")
@@ -58,7 +62,7 @@ def parallelize(
     #    (the wrappers above), and DDP must wrap the finished model to see every parameter.
     if topology.mesh is not None:
         if parallel.strategy == "fsdp":
-            apply_fsdp(model, topology.dp_mesh, parallel, dist.device)
+            apply_fsdp(model, topology.dp_mesh, parallel, dist.device, cast_parameters=cast_parameters)
             # 5. FP8 all-gather scales in one all-reduce per forward, in front of the hook
             #    fully_shard just registered on the root (distributed/float8.py says why).
             if parallel.float8 != "none":

@@ -186,7 +186,7 @@ class QwenForCausalLM(nn.Module):
 
     def attention_mask(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> AttentionMask:
         """The mask every block receives for this batch (built once per forward)."""
-        kernel = select_kernel(self.config.attention, device)
+        kernel = select_kernel(self.config.attention, device, seq_len)
         return build_attention_mask(document_ids, kernel, seq_len=seq_len, device=device)
 
     def rotary_table(self, position_ids: torch.Tensor) -> RotaryTable:

@@ -136,6 +136,26 @@ def test_determinism_benchmark_tells_other_batches_apart():
     assert not det.same_data(ref, [*ref[:2], dict(ref[2], data_state_hash="other")])
 
 
+def test_determinism_benchmark_checks_sampled_batches_at_the_first_resumed_step_only():
+    """A GRPO/PPO batch comes from the weights: after the first resumed step they were updated
+    with another reduction order, so only that step's batch must match; data batches all must."""
+    det = _module("gpu_determinism")
+    ref = [{"step": s, "batch_hash": f"b{s}", "rollout_hash": f"r{s}", "data_state_hash": f"d{s}", "loss": 1.0}
+           for s in (1, 2, 3, 4)]
+    later_differs = [*ref[:3], dict(ref[3], batch_hash="x", rollout_hash="y")]
+    sampled = det.resume_verdict(ref, later_differs, sampled=True, resumed_at=2)
+    assert sampled["ok"] and sampled["checked_steps"] == 3 and not sampled["all_steps_same_batches"]
+    assert sampled["first_difference"] == "step 4: batch_hash"
+    assert not det.resume_verdict(ref, later_differs, sampled=False, resumed_at=2)["ok"]
+    first_differs = [*ref[:2], dict(ref[2], rollout_hash="y"), ref[3]]
+    assert det.resume_verdict(ref, first_differs, sampled=True, resumed_at=2)["first_difference"] == "step 3: rollout_hash"
+    assert not det.resume_verdict(ref, [*ref[:2], dict(ref[2], batch_hash="x"), ref[3]], sampled=True,
+                                  resumed_at=2)["ok"]
+    assert not det.resume_verdict(ref, [*ref[:3], dict(ref[3], data_state_hash="x")], sampled=True,
+                                  resumed_at=2)["ok"]  # the data position always
+    assert not det.resume_verdict(ref, ref[:3], sampled=True, resumed_at=2)["ok"]
+
+
 def test_determinism_benchmark_compares_gpu_counts_by_their_batches():
     det = _module("gpu_determinism")
     one = [{"step": s, "batch_hash": f"b{s}", "data_state_hash": f"d{s}", "loss": 2.0} for s in (1, 2)]

@@ -109,6 +109,9 @@ def test_grouped_query_heads_share_their_kv_head():
 def test_kernel_selection():
     assert select_kernel("auto", torch.device("cpu")) == "sdpa"
     assert select_kernel("auto", torch.device("cuda", 0)) == "flex"
+    assert select_kernel("auto", torch.device("cuda", 0), 256) == "flex"
+    assert select_kernel("auto", torch.device("cuda", 0), 112) == "sdpa"  # no flex kernel for it (H200)
+    assert select_kernel("flex", torch.device("cuda", 0), 112) == "flex"  # asked for: as asked
     assert select_kernel("sdpa", torch.device("cuda", 0)) == "sdpa"
     assert select_kernel("flex", torch.device("cpu")) == "flex"
     with pytest.raises(ValueError):

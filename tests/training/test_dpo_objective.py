@@ -202,3 +202,24 @@ def test_nll_coef_is_checked_and_hashed_only_when_set():
         with pytest.raises(ConfigError) as error:
             load(tiny_dpo, [f"objective.dpo.nll_coef={value}", f"objective.dpo.loss={loss}"])
         assert "objective.dpo.nll_coef" in str(error.value)
+
+
+def test_a_pairs_sums_depend_on_its_own_tokens_only_not_on_the_rows_beside_it():
+    """The reference's sums are batch contents: the same pair in a micro-batch of other rows and
+    more pair slots (another GPU count spreads rows differently) sums to the same bits, by one
+    fixed tree over the positions (a library sum picks its order by the whole shape on CUDA)."""
+    from training.objectives.dpo import sequence_sums
+    from training.objectives.token_logps import pairwise_sum
+
+    a, b, c = torch.tensor(1.0), torch.tensor(1e-8), torch.tensor(-1.0)
+    assert pairwise_sum(torch.stack([a, b, c])) == (a + b) + (c + 0.0)  # the tree, padded to 4
+    assert pairwise_sum(torch.zeros(2, 0)).tolist() == [0.0, 0.0]
+    values = torch.randn(5, 7, 113, dtype=torch.float64)
+    assert torch.allclose(pairwise_sum(values), values.sum(-1))
+    generator = torch.Generator().manual_seed(3)
+    token_logps = -torch.rand(6, 256, generator=generator) * 9
+    segments = (torch.rand(6, 8, 256, generator=generator) > 0.6).float()
+    together = sequence_sums(token_logps, segments)
+    for row in range(6):
+        alone = sequence_sums(token_logps[row:row + 1], segments[row:row + 1, :2])
+        assert torch.equal(alone, together[row:row + 1, :2])

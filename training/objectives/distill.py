@@ -92,12 +92,12 @@ class DistillObjective(StatelessObjective):
         options = dict(kind=s.loss, temperature=s.temperature, alpha=s.alpha, beta=s.beta)
         labels = placed.labels  # also with alpha = 0: the CE is reported (and is the eval loss)
         if not self.fuse_head:
-            with torch.no_grad():
+            with torch.no_grad(), self.teacher.context():
                 teacher_logits = model_forward(self.teacher.module, placed).logits
             total, _, stats = distill_loss_from_logits(model_forward(model, placed).logits, teacher_logits,
                                                        labels, mask, **options)
         else:
-            with torch.no_grad():
+            with torch.no_grad(), self.teacher.context():
                 teacher_hidden = model_forward(self.teacher.module, placed, hidden=True).hidden
             teacher_hidden = teacher_hidden.to(self._teacher_weight.dtype)
 

@@ -42,10 +42,10 @@ from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from training.objectives import preference_loss
 from training.objectives.base import LossOutput, ObjectiveContext, StatelessObjective, metric
 from training.objectives.dpo_settings import KIND
-from training.objectives.frozen import FrozenModel, adapter_off_reference, build_frozen
+from training.objectives.frozen import FrozenModel, adapter_off_reference, build_frozen, compute_autocast
 from training.objectives.preference_loss import SequenceLogps
 from training.objectives.reference_cache import ReferenceCache, fingerprint, pair_tokens
-from training.objectives.token_logps import autocast_dtype, label_logps
+from training.objectives.token_logps import autocast_dtype, label_logps, pairwise_sum
 
 KEY = "objective.dpo.reference"
 REFERENCE_FREE = ("simpo", "orpo")
@@ -99,8 +99,13 @@ def pair_layout(batch) -> PairLayout:
 
 
 def sequence_sums(token_values: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-    """(B, T) per-token values, (B, S, T) 0/1 segments -> (B, S) sums (a fixed-order reduction)."""
-    return (token_values.unsqueeze(1) * segments).sum(-1)
+    """(B, T) per-token values, (B, S, T) 0/1 segments -> (B, S) sums.
+
+    The sum is ``pairwise_sum``'s fixed tree: ``S`` is the most pairs of any row of the
+    micro-batch, so it changes with the rows a micro-batch holds (with the GPU count, which
+    spreads rows over ranks), and a library reduction picks its CUDA kernel, and so its order,
+    by the number of sums it makes. A pair's sums then depend on its own tokens only."""
+    return pairwise_sum(token_values.unsqueeze(1) * segments)
 
 
 def count_pairs(batch) -> int:
@@ -164,6 +169,7 @@ class DPOObjective(StatelessObjective):
             "precision": self.config.parallel.precision,
             "device": context.dist.device.type,
             "compiled": self.config.parallel.compile,  # a compiled reference rounds differently
+            "sums": "pairwise",  # sequence_sums' fixed tree (older caches hold sums of another order)
         }
         data = {s.name: s.content_digest() for s in sources}  # the records: checked, not part of the directory name
         directory = Path(self.settings.cache_dir) if self.settings.cache_dir else (
@@ -210,16 +216,13 @@ class DPOObjective(StatelessObjective):
         module = self.reference.module
         for micro in batch.micro_batches(self.config.train.micro_batch_size):
             layout = pair_layout(micro)
-            with torch.no_grad(), self._autocast(), self.reference.context():
+            with torch.no_grad(), self._autocast(), self.reference.context():  # built: its own autocast too
                 sums = self._pair_sums(module, micro, layout)  # (N, 2)
             out.extend((float(c), float(r)) for c, r in sums.float().cpu().tolist())
         return out
 
     def _autocast(self):
-        precision, device = self.config.parallel.precision, self._context.parallel.device
-        if precision == "fp32":
-            return torch.autocast(device_type=device.type, enabled=False)
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+        return compute_autocast(self.config.parallel.precision, self._context.parallel.device)
 
     def _token_logps(self, model: nn.Module, placed) -> torch.Tensor:
         """(B, T) fp32 log-probs of the labels (0 where none)."""

@@ -14,8 +14,18 @@ config before the run dir exists, so that error, and a model too large to fit, c
 
 It is spread like the trained model: fully sharded under ``fsdp`` (no optimizer, no
 gradients), a plain replica on the rank's device otherwise; with ``parallel.compile`` its
-blocks are compiled as the trained model's are. It is never saved: checkpoints
-record its identity, ``{"path": source, "sha256": <param_hash of its weights>}``, and a resume
+blocks are compiled as the trained model's are.
+
+Its outputs are batch contents (a reference's log-probs, a reward model's scores), so they
+must not depend on the number of GPUs. It computes one way under every strategy and world
+size: fp32 parameters (FSDP gathers them as stored, with no mixed-precision cast) under the
+autocast of ``parallel.precision``, which its ``context()`` enters. Under FSDP2's bf16 policy
+a sharded model would compute with bf16 parameters and activations, while one GPU, where
+nothing is sharded, computes with fp32 parameters under autocast: the same reference gave
+other log-probs after a 2 -> 1 GPU resume (docs/performance.md, "GPU count"). The price under
+FSDP is fp32 gathers, twice the bytes of bf16 ones, for the frozen forward only.
+
+It is never saved: checkpoints record its identity, ``{"path": source, "sha256": <param_hash of its weights>}``, and a resume
 refuses a frozen model whose identity differs (training/checkpoint/state.py ``check_frozen``).
 """
 
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -55,7 +66,8 @@ class FrozenModel:
     collective: bool = False
     """Its forward is collective (sharded weights): every rank must run it when any rank does."""
     context: Callable[[], ContextManager] = field(default=contextlib.nullcontext)
-    """Entered around each of its forwards (``adapter_off``: the adapters switched off)."""
+    """Entered around each of its forwards: the precision's autocast (built models), the
+    adapters switched off (``adapter_off``)."""
 
 
 def build_frozen(config: Config, source: str, *, role: str, dist: DistributedContext, key: str) -> FrozenModel:
@@ -68,7 +80,7 @@ def build_frozen(config: Config, source: str, *, role: str, dist: DistributedCon
     if config.parallel.strategy == "fsdp":
         topology = build_mesh(config.parallel, dist)
         frozen_parallel = dataclasses.replace(config.parallel, activation_checkpointing="none")
-        model = parallelize(model, frozen_parallel, dist, topology)
+        model = parallelize(model, frozen_parallel, dist, topology, cast_parameters=False)
     else:
         model = model.to(dist.device)
         if config.parallel.compile:  # its forward costs the host as much as the policy's
@@ -76,7 +88,15 @@ def build_frozen(config: Config, source: str, *, role: str, dist: DistributedCon
     identity = {"path": source if source != "init" else f"init:{config.model.init_from or 'seed'}",
                 "sha256": param_hash(model)}
     return FrozenModel(role=role, module=model, identity=identity, vocab_size=model_config.vocab_size,
-                       collective=dist.is_distributed and config.parallel.strategy == "fsdp")
+                       collective=dist.is_distributed and config.parallel.strategy == "fsdp",
+                       context=functools.partial(compute_autocast, config.parallel.precision, dist.device))
+
+
+def compute_autocast(precision: str, device: torch.device) -> ContextManager:
+    """The autocast a frozen model's forward runs under: off for fp32, else ``precision``'s dtype."""
+    if precision == "fp32":
+        return torch.autocast(device_type=device.type, enabled=False)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 def source_model(config: Config, source: str, *, key: str) -> nn.Module:

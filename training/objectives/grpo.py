@@ -96,7 +96,7 @@ from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, Object
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
 from training.objectives.model_reward import build_model_rewards, reward_role, score_shape, weighted_scores
-from training.objectives.token_logps import label_logps
+from training.objectives.token_logps import autocast_dtype, label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.agent import AgentRollouts
 from training.rollout.environment import Task, batch_tasks
@@ -322,11 +322,17 @@ class GRPOObjective:
     def _reference_logps(self, batch: Batch) -> torch.Tensor:
         place = self._context.place
         fuse = self.config.parallel.tp == 1 and self.config.train.loss_chunk_tokens > 0
-        parts = [self._token_logps(self.reference.module, micro.placed(place), fuse=fuse).float().cpu()
-                 for micro in batch.micro_batches(self.config.train.micro_batch_size)]
+        parts = []
+        for micro in batch.micro_batches(self.config.train.micro_batch_size):
+            placed = micro.placed(place)
+            with self.reference.context():  # frozen.py: one arithmetic on any number of GPUs
+                parts.append(self._token_logps(self.reference.module, placed, fuse=fuse,
+                                               compute_dtype=autocast_dtype(placed.input_ids.device)).float().cpu())
         return torch.cat(parts)
 
-    def _token_logps(self, module: nn.Module, placed: Batch, *, fuse: bool) -> torch.Tensor:
+    def _token_logps(self, module: nn.Module, placed: Batch, *, fuse: bool,
+                     compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """(B, T) log-probs of the labels, 0 where there is none."""
-        return label_logps(module, placed, fused=fuse, chunk_tokens=self.config.train.loss_chunk_tokens)
+        return label_logps(module, placed, fused=fuse, chunk_tokens=self.config.train.loss_chunk_tokens,
+                           compute_dtype=compute_dtype)
 

@@ -88,7 +88,7 @@ from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_vari
                                           masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
 from training.objectives.model_reward import build_model_rewards, reward_role, score_shape, weighted_scores
 from training.objectives.ppo_settings import KIND, model_rewards, resolve_rewards
-from training.objectives.token_logps import label_logps
+from training.objectives.token_logps import autocast_dtype, label_logps
 from training.rollout.agent import AgentRollouts
 from training.rollout.environment import batch_tasks
 from training.rollout.episodes import EpisodeRunner
@@ -271,7 +271,7 @@ class PPOObjective:
         old_values = self._each_micro(out, self._values) * mask
         clock.lap("critic_values_s")
         if self.reference is not None:
-            ref_logps = self._each_micro(out, lambda placed: self._token_logps(self.reference.module, placed))
+            ref_logps = self._each_micro(out, self._reference_logps)
             clock.lap("reference_s")
             kl = kl_estimate(old_logps, ref_logps, p.kl_estimator) * mask
         else:
@@ -393,9 +393,15 @@ class PPOObjective:
         critic = self._critic if critic is None else critic
         return critic(placed)
 
-    def _token_logps(self, module: nn.Module, placed: Batch) -> torch.Tensor:
+    def _token_logps(self, module: nn.Module, placed: Batch, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """(B, T) log-probs of the labels, 0 where there is none."""
-        return label_logps(module, placed, fused=self.fuse_head, chunk_tokens=self.config.train.loss_chunk_tokens)
+        return label_logps(module, placed, fused=self.fuse_head, chunk_tokens=self.config.train.loss_chunk_tokens,
+                           compute_dtype=compute_dtype)
+
+    def _reference_logps(self, placed: Batch) -> torch.Tensor:
+        """The frozen reference's, under its context (frozen.py: one arithmetic on any number of GPUs)."""
+        with self.reference.context():
+            return self._token_logps(self.reference.module, placed, autocast_dtype(placed.input_ids.device))
 
     # ------------------------------------------------------------------ evaluation
 

@@ -28,6 +28,20 @@ from data.batch import IGNORE_INDEX
 from models.qwen.forward import model_forward
 
 
+def pairwise_sum(values: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension by one fixed tree: padded with zeros to a power of two,
+    then neighbours added level by level. Each level is an elementwise add, so a sum's bits
+    depend on its own values and the dimension's length only, not on the tensor's other
+    dimensions (a library reduction's order follows the kernel it picks for the whole shape)."""
+    length = values.shape[-1]
+    width = 1 << max(length - 1, 0).bit_length()
+    if width != length:
+        values = torch.nn.functional.pad(values, (0, width - length))
+    while values.shape[-1] > 1:
+        values = values[..., 0::2] + values[..., 1::2]
+    return values[..., 0]
+
+
 def linear_token_logps(
     hidden: torch.Tensor,
     weight: torch.Tensor,
