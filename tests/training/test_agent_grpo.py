@@ -23,6 +23,7 @@ from training.objectives.grpo import PARITY, GRPOObjective
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss
 from training.rollout.episode_store import episodes_path, read_episodes
 from tests import launch
+from tests.agent_runs import assert_trains_the_sampled_ids
 from tests.scripted_episodes import CALL, script_sampler
 
 PROMPTS, G = 4, 2
@@ -61,15 +62,8 @@ def _prepared(tmp_path, overrides=()):
 def test_the_batch_trains_the_sampled_ids_of_every_turn_and_nothing_else(tmp_path):
     objective, _, batch, handed = _prepared(tmp_path)
     experience = batch.prepared
-    for i, t in enumerate(experience.trajectories):
-        prompt, sample = t.row // G, t.row % G
-        turns = ("grpo", "grpo.turn1") if sample == 0 else ("grpo",)
-        labelled = batch.labels[i][batch.labels[i] != IGNORE_INDEX].tolist()
-        assert labelled == [token for turn in turns for token in handed[(prompt, sample, turn)]]
-        # every label is the next input id, so the trained inputs are the sampled ids
-        positions = (batch.labels[i] != IGNORE_INDEX).nonzero().squeeze(1)
-        assert torch.equal(batch.input_ids[i][positions + 1], batch.labels[i][positions])
-        assert torch.all(batch.extras["old_logps"][i][batch.labels[i] == IGNORE_INDEX] == 0)
+    assert_trains_the_sampled_ids(batch, experience.trajectories, handed, purpose="grpo", group_size=G,
+                                  zero_off_labels=("old_logps",))
     first = experience.trajectories[0]
     assert first.episode is not None and len(first.episode.turns) == 2
     observation = objective.agent.observation_ids([{"role": "tool", "content": "36"}])

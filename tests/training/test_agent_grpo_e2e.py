@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 from tests import launch
-from tests.agent_environment import FORBID, recorded_hash
+from tests.agent_runs import checked_episode_lines, replay_verifies_without_the_environment
 from tests.methods import AGENT_GRPO
 from training.rollout.episode_store import episodes_path
 
@@ -30,22 +30,12 @@ def reference(reference_runs):
 
 
 def test_every_step_records_its_episodes_and_their_hash(reference):
-    lines = launch.ledger(reference)
-    group = 4  # e2e-grpo.yaml's group_size
-    for line in lines:
-        assert recorded_hash(reference, line["step"], group) == line["episodes_hash"], line["step"]
-        assert line["turns_mean"] > 1.0 and line["tool_calls"] > 0 and line["env_errors"] == 0
-        assert line["completion_len_mean"] <= 8 * 3  # sampled tokens only: max_new_tokens x max_turns
-    assert len({line["episodes_hash"] for line in lines}) == len(lines)
+    checked_episode_lines(reference, group_size=4)  # e2e-grpo.yaml's group_size
 
 
 def test_replay_uses_the_recorded_observations_without_calling_the_environment(reference, reference_runs,
                                                                                 monkeypatch):
-    monkeypatch.setenv(FORBID, "1")
-    result = launch.train(reference_runs.workdir, ["--replay", reference.name, "--step", "2"], nproc=2,
-                          timeout=AGENT_GRPO.timeout_s)
-    assert result.returncode == 0, result.stderr
-    assert "match" in result.stdout
+    replay_verifies_without_the_environment(reference_runs, reference, AGENT_GRPO.timeout_s, monkeypatch)
 
 
 def test_a_replay_without_the_step_record_is_refused(reference, reference_runs, tmp_path):

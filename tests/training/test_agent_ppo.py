@@ -28,6 +28,7 @@ from training.rollout.environment import EnvironmentFailure, batch_tasks
 from training.rollout.episode_store import read_episodes
 from training.rollout.rewards import exact_answer
 from tests import launch
+from tests.agent_runs import assert_trains_the_sampled_ids
 from tests.scripted_episodes import CALL, script_sampler
 
 PROMPTS, G = 4, 2
@@ -82,16 +83,8 @@ def prepared(tmp_path_factory, tasks_workdir):
 def test_the_batch_trains_the_sampled_ids_of_every_turn_and_nothing_else(prepared):
     objective, _, _, batch, handed = prepared
     trajectories = batch.prepared.experience.trajectories
-    for i, t in enumerate(trajectories):
-        prompt, sample = t.row // G, t.row % G
-        turns = ("ppo", "ppo.turn1") if sample == 0 else ("ppo",)
-        labelled = batch.labels[i][batch.labels[i] != IGNORE_INDEX].tolist()
-        assert labelled == [token for turn in turns for token in handed[(prompt, sample, turn)]]
-        positions = (batch.labels[i] != IGNORE_INDEX).nonzero().squeeze(1)
-        assert torch.equal(batch.input_ids[i][positions + 1], batch.labels[i][positions])
-        off = batch.labels[i] == IGNORE_INDEX
-        for name in ("old_logps", "old_values", "advantages"):
-            assert torch.count_nonzero(batch.extras[name][i][off]) == 0, name
+    assert_trains_the_sampled_ids(batch, trajectories, handed, purpose="ppo", group_size=G,
+                                  zero_off_labels=("old_logps", "old_values", "advantages"))
     first = trajectories[0]
     observation = objective.agent.observation_ids([{"role": "tool", "content": "36"}])
     assert list(first.episode.turns[0].observation) == observation

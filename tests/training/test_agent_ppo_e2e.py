@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import launch
-from tests.agent_environment import FORBID, recorded_hash
+from tests.agent_runs import checked_episode_lines, replay_verifies_without_the_environment
 from tests.methods import AGENT_PPO
 
 pytestmark = pytest.mark.slow
@@ -26,22 +25,12 @@ def reference(reference_runs):
 
 
 def test_every_step_records_its_episodes_and_their_hash(reference):
-    lines = launch.ledger(reference)
-    group = 2  # e2e-ppo.yaml's group_size
-    for line in lines:
-        assert recorded_hash(reference, line["step"], group) == line["episodes_hash"], line["step"]
-        assert line["turns_mean"] > 1.0 and line["tool_calls"] > 0 and line["env_errors"] == 0
-        assert line["completion_len_mean"] <= 8 * 3  # sampled tokens only: max_new_tokens x max_turns
-        assert len(line["inner_losses"]) == 2  # 1 epoch x 2 minibatches
-    assert len({line["episodes_hash"] for line in lines}) == len(lines)
+    lines = checked_episode_lines(reference, group_size=2)  # e2e-ppo.yaml's group_size
+    assert all(len(line["inner_losses"]) == 2 for line in lines)  # 1 epoch x 2 minibatches
     # the critic trains (step 1's first minibatch holds only episodes scored 0: no value gradient yet)
     assert all(line["grad_norm_critic"] > 0 for line in lines[1:])
 
 
 def test_replay_uses_the_recorded_observations_without_calling_the_environment(reference, reference_runs,
                                                                                 monkeypatch):
-    monkeypatch.setenv(FORBID, "1")
-    result = launch.train(reference_runs.workdir, ["--replay", reference.name, "--step", "2"], nproc=2,
-                          timeout=AGENT_PPO.timeout_s)
-    assert result.returncode == 0, result.stderr
-    assert "match" in result.stdout
+    replay_verifies_without_the_environment(reference_runs, reference, AGENT_PPO.timeout_s, monkeypatch)
