@@ -26,7 +26,7 @@ HASHES = {
     "configs/qwen3-1.7b-qlora.yaml": "66abfce8379ac917ff28b4748ded9085e0197cd6bfbd8643fbcd0612cfb16b87",
     "configs/qwen3-1.7b.yaml": "e4fc3dccc012075a5644c5c7a80a4fbd6b2c18d7a9247581d7513c9c6ea10bb4",
     "configs/qwen3-8b.yaml": "ac7167fb1928cfaf5db91940390398f54d9d29afdd58adcf32cf5db21e1c98a5",
-    "configs/tiny-agent-grpo.yaml": "cb1b0ff8636251affa47f545bfa3334b9ef5ae553e9c3d85dd1c600295eb344b",
+    "configs/tiny-agent-grpo.yaml": "68241d729c8e5bd12ea900326c2e24c81c446453dcef6b6b7cfb6240561f2760",
     "configs/tiny-agent-sft.yaml": "a1ef8f9c36bfe839d70f6aab71955057cf450f95991958408a79447fdb7c94bb",
     "configs/tiny-distill.yaml": "81e2bc7a157160c6ad3cab41dc5797e6baf4d9958e175f8fa57fd45ef458d829",
     "configs/tiny-dpo.yaml": "cefa4af44e5f9ab346aff74333538845cf4ece72dd73768820a8fa8750d79c03",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from core import config as config_lib
@@ -50,6 +51,7 @@ def _on_this_process() -> torch.Tensor:
         return _reference_logps(frozen, config)
 
 
+@pytest.mark.slow  # two spawned ranks
 def test_a_frozen_reference_gives_the_same_log_probs_on_two_ranks_and_on_one():
     torch.set_num_threads(1)
     one = _on_this_process()  # world size 1: a plain model, nothing sharded
