@@ -7,8 +7,9 @@
 position, derived on the host from its ``SampleKey`` (seed, purpose, step, prompt index,
 sample index) with a counter-based 64-bit hash, and nothing else: no generator state is
 shared between rows or calls. A token is drawn by inverting the CDF of the (tempered,
-filtered) next-token distribution at that uniform, summed exactly in integers (probabilities
-in units of 2^-32). The model runs every forward at one
+filtered) next-token distribution at that uniform, in vocabulary order, summed exactly in
+integers (probabilities in units of 2^-32; the filters' kept sets without a sort,
+models/qwen/nucleus.py). The model runs every forward at one
 static shape, ``max_batch`` rows (a call with fewer prompts is padded with dummy rows) and
 prompts fed in chunks of ``prefill_chunk`` positions into a cache of fixed size, so the
 arithmetic a row goes through does not depend on which prompts share its batch, how many
@@ -58,6 +59,7 @@ import torch.nn.functional as F
 from core.exceptions import ConfigError, DataError
 from models.qwen.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
+from models.qwen.nucleus import fixed_point, nucleus_cut, nucleus_cut_for
 from models.qwen.scheduler import EpisodeRows, RowSlots, RowState
 
 FinishReason = Literal["stop", "length"]
@@ -190,22 +192,22 @@ class Continuation:
     """The next turn samples at most this many ids (and at most max_new_tokens, and never past max_len)."""
 
 
-# Probabilities become integers in units of 2^-32 before the CDF is summed: integer sums are
-# exact and so independent of the summation order, and torch.cumsum of a floating-point CUDA
-# tensor has no deterministic implementation (it raises under use_deterministic_algorithms).
-# A token less likely than 2^-32 (2.3e-10) is never drawn.
-_PROB_BITS = 32
+# Probabilities become integers in units of 2^-32 before the CDF is summed (models/qwen/nucleus.py):
+# integer sums are exact and so independent of the summation order, and torch.cumsum of a
+# floating-point CUDA tensor has no deterministic implementation (it raises under
+# use_deterministic_algorithms). A token less likely than 2^-32 (2.3e-10) is never drawn.
 _UNIFORM_BITS = 24  # counter_uniforms' resolution: k / 2^24
 
 
 def sample_next(
-    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
+    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, *, cut: Callable = nucleus_cut
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, vocab), uniforms (B,) -> (tokens (B,) int64, untempered log-probs (B,) fp32).
 
     Every operation is row-wise, so a row's token depends on its own logits and uniform only.
-    Sampling inverts the CDF at the uniform: over the tokens in descending probability when
-    a filter applies (the kept tokens are then a prefix), else in vocabulary order.
+    Sampling inverts the CDF at the uniform over the kept tokens in vocabulary order (a filter
+    zeroes the weights of the tokens it removes), so ``top_p=1`` draws what no filter draws.
+    ``cut`` finds top-p's cut (``nucleus_cut``, or the Sampler's ``nucleus_cut_for`` its device).
     """
     logits = logits.to(torch.float32)
     logprobs = F.log_softmax(logits, dim=-1)
@@ -214,15 +216,11 @@ def sample_next(
     else:
         probs = F.softmax(logits / params.temperature, dim=-1)
         steps = (uniforms.to(torch.float64) * 2**_UNIFORM_BITS).to(torch.int64)  # exact: u = k / 2^24
+        weights = fixed_point(probs)
         if params.filtered:
-            tokens = _filtered_draw(probs, steps, params)
-        else:
-            tokens = _draw(_fixed_point(probs), steps)
+            weights = weights * _kept(probs, params, cut)
+        tokens = _draw(weights, steps)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _fixed_point(probs: torch.Tensor) -> torch.Tensor:
-    return (probs.to(torch.float64) * 2**_PROB_BITS).to(torch.int64)  # floor, >= 0
 
 
 def _draw(weights: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -235,21 +233,30 @@ def _draw(weights: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
 
 
-def _filtered_draw(probs: torch.Tensor, steps: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (B, vocab)
-    weights = _fixed_point(sorted_probs)
-    keep = torch.ones_like(weights, dtype=torch.bool)
-    if params.top_k > 0:
-        keep &= torch.arange(probs.shape[-1], device=probs.device) < params.top_k
+def _kept(probs: torch.Tensor, params: SamplingParams, cut: Callable) -> torch.Tensor:
+    """(B, vocab) bool: the tokens the filters keep.
+
+    Each filter keeps a prefix of the tokens ranked by descending probability, ties by
+    ascending id (as a stable sort ranks them), and the kept set is the shortest of those
+    prefixes. A prefix is found without sorting: every token more likely than a cut
+    probability plus the first few (by id) of the tokens exactly at it (models/qwen/nucleus.py).
+    """
+    bits = probs.view(torch.int32)
+    keep = torch.ones_like(bits, dtype=torch.bool)
+    if 0 < params.top_k < probs.shape[-1]:
+        at = probs.topk(params.top_k, dim=-1).values[:, -1:].view(torch.int32)  # the k-th probability
+        keep &= _prefix(bits, at, params.top_k - (bits > at).sum(dim=-1, keepdim=True))
     if params.top_p < 1:
-        before = weights.cumsum(dim=-1) - weights  # mass of the more likely tokens, exact
-        keep &= before.to(torch.float64) < params.top_p * weights.sum(dim=-1, keepdim=True).to(torch.float64)
+        keep &= _prefix(bits, *cut(probs, params.top_p))
     if params.min_p > 0:
-        keep &= sorted_probs >= params.min_p * sorted_probs[:, :1]
-    # Every condition keeps the most likely token and is monotone in rank: the kept tokens
-    # are a prefix of the sorted order, and only they carry weight.
-    position = _draw(weights * keep, steps)
-    return order.gather(-1, position[:, None]).squeeze(-1)
+        keep &= probs >= params.min_p * probs.amax(dim=-1, keepdim=True)
+    return keep
+
+
+def _prefix(bits: torch.Tensor, at: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
+    """The tokens above probability bits ``at`` (B, 1), and the first ``ties`` (B, 1) of those at it."""
+    tied = bits == at
+    return (bits > at) | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= ties))
 
 
 class Sampler:
@@ -657,8 +664,11 @@ class Sampler:
             else:
                 decode_logits = compiled
 
+        shape = (self.max_batch, self.model.lm_head.out_features)  # every decode step's logits
+        cut = nucleus_cut_for(self.device, shape, params.top_p, graphs=self.cuda_graphs)
+
         def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
-            return sample_next(decode_logits(tokens, positions), uniforms, params)
+            return sample_next(decode_logits(tokens, positions), uniforms, params, cut=cut)
 
         self._decode_steps[rule] = step
         return step
