@@ -4,8 +4,8 @@ A ``Method`` is one row of the table in tests/methods.py: a config, its override
 run needs prepared (a base model, a teacher), and the few per-method parameters of the checks
 below. tests/training/test_guarantees.py runs the four checks on every row:
 
-1. ``sigkill_then_resume_is_identical``: the 2-rank job SIGKILLed at random moments (mid-step,
-   mid-rollout, mid-checkpoint), resumed by run ID each time, ends with the uninterrupted
+1. ``sigkill_then_resume_is_identical``: the 2-rank job SIGKILLed at a random moment (mid-step,
+   mid-rollout, mid-checkpoint; the pretraining rows several times), resumed by run ID each time, ends with the uninterrupted
    run's ledger, line for line and bit for bit (every field: loss, grad_norm, param_hash,
    rollout_hash, ...), and leaves no run-dir lock behind;
 2. ``replay_verifies``: ``--replay`` of steps before and after a checkpoint matches the ledger,
@@ -44,13 +44,16 @@ class Kill:
     """How the kill/resume check interrupts the job.
 
     ``kills`` SIGKILLs of the whole job, each ``steps`` (a random count in the range) ledger lines
-    after a (re)start, then up to ``delay_s`` later (tests/launch.py, ``kill_and_resume``).
+    after a (re)start, then up to ``delay_s`` later (tests/launch.py, ``kill_and_resume``). One
+    kill gives a method's own state (a cache, a critic, a rollout) one interrupted resume; the
+    pretraining rows kill a resumed job again (``kills`` 3 and 2): the resume path is one for
+    every method, and each start of the job is a process launch, the suite's main cost.
     ``stall``: instead, one kill at a known point: step 5's data is stalled and the job killed
     there, after the step-4 line, with the step-4 checkpoint complete or torn
     (``stall_kill_and_resume``; the run needs 6 steps and a checkpoint at step 4)."""
 
     seed: int
-    kills: int = 2
+    kills: int = 1
     steps: tuple[int, int] = (1, 3)
     delay_s: float = 0.2
     wait_s: float = 120

@@ -121,7 +121,8 @@ HEAD_IN_FLOAT8 = ("parallel.float8_head=true", "parallel.strategy=fsdp", "checkp
 PRETRAINING = Method("pretraining", "e2e.yaml", e2e_file="test_determinism_e2e.py", steps=12,
                      kill=Kill(seed=1234, kills=3), accumulation_steps=3,
                      accumulation_close={"grad_norm": (1e-4, 0.0)})
-PRETRAINING_FSDP = Method("pretraining-fsdp", "e2e.yaml", overrides=QWEN_FSDP, kill=Kill(seed=5), replay_steps=(5,))
+PRETRAINING_FSDP = Method("pretraining-fsdp", "e2e.yaml", overrides=QWEN_FSDP, kill=Kill(seed=5, kills=2),
+                          replay_steps=(5,))
 SFT = Method("sft", "e2e-sft.yaml", e2e_file="test_sft_e2e.py", kill=Kill(seed=99),
              one_rank_same=("batch_hash", "trained_tokens"), accumulation_overrides=("parallel.strategy=none",))
 # The reference log-probs come from a cache the uninterrupted run fills; the killed run fills
@@ -132,7 +133,7 @@ DPO = Method("dpo", "e2e-dpo.yaml", e2e_file="test_dpo_e2e.py",
              one_rank_same=("batch_hash", "pairs"), accumulation_overrides=("parallel.strategy=none",),
              accumulation_close={"rewards_margin": (1e-4, 1e-7)})
 DPO_LORA_ADAPTER_OFF = Method("dpo-lora-adapter-off", "e2e-dpo.yaml", e2e_file="test_dpo_e2e.py", steps=6,
-                              overrides=DPO_LORA, kill=Kill(seed=11, kills=1), replay_steps=(6,),
+                              overrides=DPO_LORA, kill=Kill(seed=11), replay_steps=(6,),
                               one_rank_loss_rel=1e-2, accumulation_overrides=("model.lora.dropout=0.0",))
 DISTILL = Method("distill", "e2e-distill.yaml", e2e_file="test_distill_e2e.py", prepare=_teacher, kill=Kill(seed=11),
                  accumulation_overrides=("parallel.strategy=none",))
@@ -149,7 +150,7 @@ GRPO = Method("grpo", "e2e-grpo.yaml", e2e_file="test_grpo_e2e.py", steps=5, tim
               replay_steps=(3,), one_rank_step=2, one_rank_same=("rollout_hash", "batch_hash", "reward_mean"),
               samples_from_weights=True, accumulation_steps=1, accumulation_close={"grad_norm": (1e-5, 0.0)})
 AGENT_GRPO = Method("agent-grpo", "e2e-agent-grpo.yaml", e2e_file="test_agent_grpo_e2e.py", steps=4, timeout_s=600,
-                    kill=Kill(seed=48, kills=1, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),
+                    kill=Kill(seed=48, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),
                     replay_steps=(3,), one_rank_step=2,
                     one_rank_same=("rollout_hash", "episodes_hash", "batch_hash", "reward_mean"),
                     samples_from_weights=True, accumulation_steps=1, accumulation_close={"grad_norm": (1e-5, 0.0)})
@@ -165,7 +166,7 @@ PPO = Method("ppo", "e2e-ppo.yaml", e2e_file="test_ppo_e2e.py", steps=4, overrid
 
 # PPO's episodes as agent GRPO's: one epoch of two minibatches, 3 steps with a checkpoint at 2.
 AGENT_PPO = Method("agent-ppo", "e2e-agent-ppo.yaml", e2e_file="test_agent_ppo_e2e.py", steps=3, timeout_s=600,
-                   kill=Kill(seed=48, kills=1, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),
+                   kill=Kill(seed=48, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),
                    replay_steps=(3,), one_rank_step=2,
                    one_rank_same=("rollout_hash", "episodes_hash", "batch_hash", "reward_mean", "kl_coef", "kl",
                                   "explained_variance"),

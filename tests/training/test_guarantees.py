@@ -1,8 +1,8 @@
 """The guarantee table: every training method (tests/methods.py, one row each) keeps the four
 guarantees end to end on 2 CPU ranks (tests/guarantees.py says exactly what each asserts):
 
-- SIGKILL of the whole job at random moments, then resume by run ID: the uninterrupted run's
-  ledger, line for line and bit for bit;
+- SIGKILL of the whole job at a random moment (the pretraining rows: of the resumed job again),
+  then resume by run ID: the uninterrupted run's ledger, line for line and bit for bit;
 - replay of a step before and after a checkpoint verifies;
 - the 2-rank run's checkpoint resumed on 1 rank keeps the batches and the data position;
 - micro-batch size 1 against 4 (accumulation): the same batches and loss.
