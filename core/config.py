@@ -147,7 +147,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal init of linear and embedding weights."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
-    """Attention kernel: sdpa (exact, runs anywhere), flex (compiled flex_attention, GPU), auto."""
+    """Attention kernel: sdpa (exact, anywhere), flex (compiled, GPU), auto (flex on CUDA at lengths k * 128)."""
     init_from: Optional[str] = None
     """Local Hugging Face directory to start from; its config.json overrides the shape."""
     sdpa_backends: Literal["deterministic", "all"] = "deterministic"

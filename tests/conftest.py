@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     # ranks here. Children inherit the variable. models/nf4.py does the same for users.
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
-# One intra-op thread in the test processes. ``make test`` runs 2 workers on 2 cores, and the
+# One intra-op thread in the test processes. ``make test`` runs 3 workers on 2 cores, and the
 # ranks they start already get OMP_NUM_THREADS=1 (tests/launch.py). The tests' tensors are tiny:
 # with more threads than free cores, each op's threads wait on each other. Measured on the busy
 # 2-core machine (pytest -n 0 -m "not slow"): the in-process tests took 160 CPU-s with one

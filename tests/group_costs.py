@@ -2,9 +2,9 @@
 is measured.
 
 ``make test`` hands whole worker groups (``tests.methods.worker_group``: a file, or a guarantee-
-table row with its method's e2e file) to its 2 workers in collection order, a worker taking the
+table row with its method's e2e file) to its workers (3) in collection order, a worker taking the
 next group as it nears the end of its last. The longest groups go first, so that the short ones
-fill both workers in at the end and the two finish together. How long a group is comes from
+fill the workers in at the end and they finish together. How long a group is comes from
 tests/group_costs.json: the CPU seconds of its tests that start processes (``slow``) and of its
 in-process tests, each the pytest process's and its waited-for children's (ranks and commands
 included), fixtures charged to the test that set them up, measured on the 2-core test machine.
