@@ -4,10 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPROC ?= 2
-# Four workers on the 2-core test machine: a worker often waits (a rank's rendezvous, a kill
-# timed to the ledger, a watchdog's timeout), and more workers keep the cores busier: the same
-# tests took 19m45s on 3 against 20m34s on 2 (docs/performance.md).
-TEST_WORKERS ?= 4
+# Three workers on the 2-core test machine: a worker often waits (a rank's rendezvous, a kill
+# timed to the ledger, a watchdog's timeout), and the third keeps the cores busier: the same
+# tests took 19m45s on 3 against 20m34s on 2, and 20m21s on 4 (docs/performance.md).
+TEST_WORKERS ?= 3
 TINY_DATA := datasets/stdlib/.complete
 QWEN_TOKENIZER := datasets/tokenizers/qwen/manifest.json
 
