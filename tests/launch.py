@@ -4,6 +4,9 @@ default), through torchrun where a test is about torchrun itself, or a single pr
 A job's ranks start without torchrun's agent unless the test asks for it (``rendezvous=
 "static"`` or ``"c10d"``): the agent imports torch, about 1.6 s more CPU per 2-rank job than
 tests/ranks.py on the 2-core test machine, and most end-to-end tests check the ranks' own work.
+tests/ranks.py imports train.py's modules once and forks the ranks from there (``--preload
+train``: every script the ranks run is train.py or imports it), about 1.9 s less CPU per
+2-rank job than a fresh interpreter per rank.
 The tests that stay on torchrun are those about it or the commands a user types: its restarts
 (tests/runtime/test_restart_continues_the_run.py), the ranks' watch of a killed agent
 (tests/runtime/test_launcher_exit.py), the CLI's exit codes through it (tests/test_train_cli.py),
@@ -105,7 +108,8 @@ def command(nproc: int, args: list[str], *, rendezvous: str = "direct", entry: s
         return [PYTHON, str(ROOT / entry), *args]
     port = free_port()
     if rendezvous == "direct":
-        return [PYTHON, str(ROOT / "tests" / "ranks.py"), str(nproc), str(port), str(ROOT / entry), *args]
+        return [PYTHON, str(ROOT / "tests" / "ranks.py"), "--preload", "train", str(nproc), str(port),
+                str(ROOT / entry), *args]
     if rendezvous == "static":
         where = ["--master_addr=127.0.0.1", f"--master_port={port}"]
     elif rendezvous == "c10d":

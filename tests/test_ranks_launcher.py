@@ -1,7 +1,8 @@
 """tests/ranks.py, the guarantee table's launcher without torchrun's agent: each rank gets
-torchrun's environment, a failing rank ends the job as torchrun ends it (the others stopped, its
-code in an ``exitcode : N`` line that ``launch.Result.exit_code`` reads), and a job whose ranks
-all exit 0 exits 0."""
+torchrun's environment, and the module path and the imports of ``--preload`` (a forked rank runs
+its script as ``python SCRIPT`` would, with that module imported), a failing rank ends the job as
+torchrun ends it (the others stopped, its code in an ``exitcode : N`` line that
+``launch.Result.exit_code`` reads), and a job whose ranks all exit 0 exits 0."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import json, os, sys, time
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
 rank = int(os.environ["RANK"])
 with open(f"rank{rank}.json", "w") as out:
-    json.dump({key: os.environ[key] for key in keys}, out)
+    json.dump({"env": {key: os.environ[key] for key in keys}, "path0": sys.path[0], "__name__": __name__,
+               "preloaded": "colorsys" in sys.modules}, out)
 if sys.argv[1] == "fail" and rank == 1:
     sys.exit(3)
 if sys.argv[1] == "fail":
@@ -27,10 +29,10 @@ if sys.argv[1] == "fail":
 """
 
 
-def _run(tmp_path, mode: str) -> launch.Result:
+def _run(tmp_path, mode: str, preload: tuple[str, ...] = ()) -> launch.Result:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    argv = [sys.executable, str(launch.ROOT / "tests" / "ranks.py"), "2", "29999", str(script), mode]
+    argv = [sys.executable, str(launch.ROOT / "tests" / "ranks.py"), *preload, "2", "29999", str(script), mode]
     proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     return launch.Result(proc.returncode, proc.stdout, proc.stderr)
 
@@ -38,11 +40,12 @@ def _run(tmp_path, mode: str) -> launch.Result:
 def test_every_rank_gets_torchruns_environment_and_the_job_exits_0(tmp_path):
     import json
 
-    result = _run(tmp_path, "ok")
+    result = _run(tmp_path, "ok", preload=("--preload", "colorsys"))  # a small module no rank imports itself
     assert result.returncode == 0 and result.exit_code == 0, result.stderr
     for rank in (0, 1):
-        env = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert env == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["path0"] == str(tmp_path.resolve()) and seen["__name__"] == "__main__" and seen["preloaded"]
+        assert seen["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                        "GROUP_RANK": "0", "ROLE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
 
 
@@ -59,5 +62,5 @@ def test_a_failing_rank_stops_the_others_and_its_code_is_the_jobs(tmp_path):
 
 def test_the_table_starts_its_jobs_through_it():
     command = launch.command(2, ["--config", "x.yaml"], rendezvous="direct")
-    assert command[1:3] == [str(launch.ROOT / "tests" / "ranks.py"), "2"]
-    assert command[4:] == [str(launch.ROOT / "train.py"), "--config", "x.yaml"]
+    assert command[1:5] == [str(launch.ROOT / "tests" / "ranks.py"), "--preload", "train", "2"]
+    assert command[6:] == [str(launch.ROOT / "train.py"), "--config", "x.yaml"]
