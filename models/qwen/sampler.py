@@ -40,9 +40,11 @@ and only prompts are ever prefilled.
 differences between the cached and the training forward), whatever the sampling
 temperature or filters were.
 
-**Speed (CUDA).** The decode step (model + sampling) is compiled with static shapes and, by
-default, replayed as a CUDA graph (``mode="reduce-overhead"``); the prefill runs eagerly.
-On other devices everything runs eagerly.
+**Speed (CUDA).** The decode step's model forward is compiled with static shapes and, by
+default, replayed as a CUDA graph (``mode="reduce-overhead"``); the sampling rule (softmax,
+top-p's cut and the draw: Triton kernels where Triton is installed, models/qwen/nucleus.py)
+is captured as a second graph. The prefill runs eagerly. On other devices everything runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -59,7 +61,17 @@ import torch.nn.functional as F
 from core.exceptions import ConfigError, DataError
 from models.qwen.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
-from models.qwen.nucleus import fixed_point, nucleus_cut, nucleus_cut_for
+from models.qwen.nucleus import (
+    UNIFORM_BITS,
+    CapturedGraph,
+    draw_kept,
+    draw_kept_cuda,
+    fixed_point,
+    inverse_cdf,
+    nucleus_cut,
+    nucleus_cut_cuda,
+    triton_available,
+)
 from models.qwen.scheduler import EpisodeRows, RowSlots, RowState
 
 FinishReason = Literal["stop", "length"]
@@ -192,22 +204,18 @@ class Continuation:
     """The next turn samples at most this many ids (and at most max_new_tokens, and never past max_len)."""
 
 
-# Probabilities become integers in units of 2^-32 before the CDF is summed (models/qwen/nucleus.py):
-# integer sums are exact and so independent of the summation order, and torch.cumsum of a
-# floating-point CUDA tensor has no deterministic implementation (it raises under
-# use_deterministic_algorithms). A token less likely than 2^-32 (2.3e-10) is never drawn.
-_UNIFORM_BITS = 24  # counter_uniforms' resolution: k / 2^24
-
-
 def sample_next(
-    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, *, cut: Callable = nucleus_cut
+    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, *, cut: Callable = nucleus_cut,
+    draw: Callable = draw_kept,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, vocab), uniforms (B,) -> (tokens (B,) int64, untempered log-probs (B,) fp32).
 
     Every operation is row-wise, so a row's token depends on its own logits and uniform only.
     Sampling inverts the CDF at the uniform over the kept tokens in vocabulary order (a filter
     zeroes the weights of the tokens it removes), so ``top_p=1`` draws what no filter draws.
-    ``cut`` finds top-p's cut (``nucleus_cut``, or the Sampler's ``nucleus_cut_for`` its device).
+    ``cut`` finds top-p's cut and ``draw`` inverts the CDF over the tokens a cut keeps: the
+    torch references (``nucleus_cut``, ``draw_kept``) or, on CUDA, the Triton kernels
+    (``nucleus_cut_cuda``, ``draw_kept_cuda``); top-k and min-p go through a kept mask in torch.
     """
     logits = logits.to(torch.float32)
     logprobs = F.log_softmax(logits, dim=-1)
@@ -215,22 +223,16 @@ def sample_next(
         tokens = logits.argmax(dim=-1)
     else:
         probs = F.softmax(logits / params.temperature, dim=-1)
-        steps = (uniforms.to(torch.float64) * 2**_UNIFORM_BITS).to(torch.int64)  # exact: u = k / 2^24
-        weights = fixed_point(probs)
-        if params.filtered:
-            weights = weights * _kept(probs, params, cut)
-        tokens = _draw(weights, steps)
+        steps = (uniforms.to(torch.float64) * 2**UNIFORM_BITS).to(torch.int64)  # exact: u = k / 2^24
+        if params.top_k > 0 or params.min_p > 0:
+            tokens = inverse_cdf(fixed_point(probs) * _kept(probs, params, cut), steps)
+        elif params.top_p < 1:
+            tokens = draw(probs, *cut(probs, params.top_p), steps)
+        else:  # cut -1 keeps every token
+            rows = probs.shape[0]
+            everything = torch.full((rows, 1), -1, dtype=torch.int32, device=probs.device)
+            tokens = draw(probs, everything, torch.zeros(rows, 1, dtype=torch.int64, device=probs.device), steps)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _draw(weights: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF of integer weights (B, n) at k / 2^24: the first index whose CDF exceeds k * total / 2^24.
-
-    The target is below the total, so the index exists, and its weight is positive.
-    """
-    cdf = weights.cumsum(dim=-1)  # (B, n) int64, exact
-    target = (steps * cdf[:, -1]) >> _UNIFORM_BITS  # k < 2^24, total <= 2^32 * (1 + eps): no overflow
-    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
 
 
 def _kept(probs: torch.Tensor, params: SamplingParams, cut: Callable) -> torch.Tensor:
@@ -653,8 +655,9 @@ class Sampler:
 
         if self.compile:
             # Only the model's decode forward is compiled (and replayed as a CUDA graph): the
-            # sampling rule's exact int64 prefix sums over the vocabulary run eagerly, a few
-            # kernels per step (torch 2.11's Inductor failed to generate code for them).
+            # sampling rule's exact int64 prefix sums over the vocabulary are Triton kernels of
+            # their own (or torch; torch 2.11's Inductor failed to generate code for them), captured
+            # as a graph of their own.
             mode = "reduce-overhead" if self.cuda_graphs else "default"
             compiled = torch.compile(decode_logits, mode=mode, fullgraph=True, dynamic=False)
             if self.cuda_graphs:
@@ -664,11 +667,16 @@ class Sampler:
             else:
                 decode_logits = compiled
 
-        shape = (self.max_batch, self.model.lm_head.out_features)  # every decode step's logits
-        cut = nucleus_cut_for(self.device, shape, params.top_p, graphs=self.cuda_graphs)
+        kernels = (nucleus_cut_cuda, draw_kept_cuda) if triton_available(self.device) else (nucleus_cut, draw_kept)
+
+        def rule(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return sample_next(logits, uniforms, params, cut=kernels[0], draw=kernels[1])
+
+        if self.cuda_graphs:  # the rule's kernels and small reductions, one launch
+            rule = CapturedGraph(rule)
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
-            return sample_next(decode_logits(tokens, positions), uniforms, params, cut=cut)
+            return rule(decode_logits(tokens, positions), uniforms)
 
         self._decode_steps[rule] = step
         return step

@@ -6,7 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from models.qwen.nucleus import CapturedCut, fixed_point, nucleus_cut, nucleus_cut_cuda
+from functools import partial
+
+from models.qwen.nucleus import (
+    CapturedGraph,
+    draw_kept,
+    draw_kept_cuda,
+    fixed_point,
+    inverse_cdf,
+    nucleus_cut,
+    nucleus_cut_cuda,
+)
 from models.qwen.sampler import SamplingParams, _kept, counter_uniforms, sample_next
 
 
@@ -58,15 +68,58 @@ def test_top_p_one_keeps_the_whole_mass_and_draws_what_no_filter_draws():
     assert torch.equal(plain, filtered)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA (benchmarks on a GPU)")
+def _steps(rows: int, device: str = "cpu") -> torch.Tensor:
+    """Each row's draw at k / 2^24 (counter_uniforms' resolution), as the sampler computes it."""
+    uniforms = torch.from_numpy(counter_uniforms(np.arange(rows, dtype=np.uint64), 1)[:, 0]).to(torch.float64)
+    return (uniforms * 2**24).to(torch.int64).to(device)
+
+
+def test_draw_inverts_the_kept_tokens_cdf():
+    probs = _probabilities(1000)
+    steps = _steps(probs.shape[0])
+    for top_p in (0.01, 0.5, 0.95):
+        cut, ties = nucleus_cut(probs, top_p)
+        kept = _kept(probs, SamplingParams(top_p=top_p), nucleus_cut)
+        tokens = draw_kept(probs, cut, ties, steps)
+        assert kept.gather(1, tokens[:, None]).all()
+        assert torch.equal(tokens, inverse_cdf(fixed_point(probs) * kept, steps))
+    everything = torch.full((probs.shape[0], 1), -1, dtype=torch.int32)
+    none_tied = torch.zeros(probs.shape[0], 1, dtype=torch.int64)
+    assert torch.equal(draw_kept(probs, everything, none_tied, steps), inverse_cdf(fixed_point(probs), steps))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA (benchmarks on a GPU)")
+
+
+@cuda
 @pytest.mark.parametrize("vocab", [1000, 151936])
-def test_cuda_kernel_gives_the_reference_cut(vocab):
+def test_cuda_kernels_give_the_reference_cut_and_draw(vocab):
     probs = _probabilities(vocab, "cuda")
+    rows = probs.shape[0]
+    step_sets = (_steps(rows, "cuda"), torch.zeros(rows, dtype=torch.int64, device="cuda"),
+                 torch.full((rows,), 2**24 - 1, dtype=torch.int64, device="cuda"))
     for top_p in (0.01, 0.3, 0.9, 0.95, 0.999999, 1.0):
         expected = nucleus_cut(probs, top_p)
-        captured = CapturedCut(tuple(probs.shape), top_p, probs.device)
-        eager, replayed = nucleus_cut_cuda(probs, top_p), captured(probs, top_p)
+        captured = CapturedGraph(partial(nucleus_cut_cuda, top_p=top_p))
+        eager, replayed = nucleus_cut_cuda(probs, top_p), captured(probs)
         assert torch.equal(eager[0], expected[0]) and torch.equal(eager[1], expected[1]), top_p
         assert torch.equal(replayed[0], expected[0]) and torch.equal(replayed[1], expected[1]), top_p
-        flipped = captured(probs.flip(0), top_p)  # a replay reads its new input
+        flipped = captured(probs.flip(0))  # a replay reads its new input
         assert torch.equal(flipped[0], expected[0].flip(0)) and torch.equal(flipped[1], expected[1].flip(0)), top_p
+        for steps in step_sets:
+            assert torch.equal(draw_kept_cuda(probs, *expected, steps), draw_kept(probs, *expected, steps)), top_p
+    cut, ties = nucleus_cut(probs, 0.5)
+    for tied in (1, 2, 5, 50):  # more or fewer tokens at the cut kept than it holds
+        ties = torch.full_like(ties, tied)
+        assert torch.equal(draw_kept_cuda(probs, cut, ties, step_sets[0]), draw_kept(probs, cut, ties, step_sets[0]))
+
+
+@cuda
+def test_cuda_sampling_rule_gives_the_reference_tokens():
+    logits = torch.randn(64, 151936, generator=torch.Generator().manual_seed(5)).cuda() * 4
+    uniforms = torch.from_numpy(counter_uniforms(np.arange(64, dtype=np.uint64), 1)[:, 0]).cuda()
+    for params in (SamplingParams(), SamplingParams(top_p=0.95), SamplingParams(temperature=0.7, top_p=0.5)):
+        expected = sample_next(logits, uniforms, params)
+        rule = CapturedGraph(partial(sample_next, params=params, cut=nucleus_cut_cuda, draw=draw_kept_cuda))
+        got = rule(logits, uniforms)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), params
