@@ -216,12 +216,13 @@ def one_rank_resume_keeps_the_batches(refs: References, method: Method) -> None:
 
 
 def accumulation_changes_nothing(refs: References, method: Method) -> None:
+    # The two runs share one import of train.py's modules (launch.train_in_turn).
+    results = launch.train_in_turn(refs.workdir, [refs.args(
+        method, name=f"acc{micro}-{method.name}", max_steps=method.accumulation_steps,
+        overrides=[f"train.micro_batch_size={micro}", *method.accumulation_overrides]) for micro in (1, 4)],
+        timeout=method.timeout_s, entry=method.entry)
     ledgers = []
-    for micro in (1, 4):
-        result = launch.train(refs.workdir, refs.args(
-            method, name=f"acc{micro}-{method.name}", max_steps=method.accumulation_steps,
-            overrides=[f"train.micro_batch_size={micro}", *method.accumulation_overrides]),
-            nproc=1, timeout=method.timeout_s, entry=method.entry)
+    for result in results:
         assert result.returncode == 0, result.stderr
         ledgers.append(launch.ledger(run_dir(refs.workdir, result)))
     by_one, by_four = ledgers
