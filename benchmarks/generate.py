@@ -34,6 +34,9 @@ continuous refill (``schedule="refill"``) and once with the group-by-group sched
 it (``"groups"``: each group of ``--batch`` decodes until its longest sample ends), both the
 first of our variants in ``--variants``, in the same call; refill once per value of
 ``--refill-every`` (decode steps between refill points), the fastest reported as ``refill``.
+Both prefill ``--prefill-rows`` prompts per forward; the group schedule runs once more as it
+ran before that setting existed, a group's prompts in one forward of all ``--batch`` rows
+(``groups_prefill_all_rows``), and refill's speedup is reported against both.
 It reports each schedule's tokens/s
 (generated tokens, stop tokens included) and median wall time, refill's speedup, the
 completion-length distribution, whether the two schedules give bitwise the same samples, and
@@ -113,7 +116,7 @@ def ours_variant(model, args, name: str):
 
     compile_, graphs = {"eager": (False, False), "compiled": (True, False), "graphs": (True, True)}[name]
     return Sampler(model, max_batch=args.batch, max_len=args.prompt_len + args.new_tokens,
-                   prefill_chunk=args.prompt_len, compile=compile_, cuda_graphs=graphs)
+                   prefill_chunk=args.prompt_len, prefill_rows=args.prefill_rows, compile=compile_, cuda_graphs=graphs)
 
 
 def run_ours(sampler, prompts, keys, params):
@@ -209,29 +212,36 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
     report: dict[str, Any] = {"variant": variant, "samples": samples, "rows": args.batch, "new_tokens": new_tokens,
                               "stop_tokens": len(params.stop_token_ids), "vocab": vocab}
     intervals = [int(k) for k in str(args.refill_every).split(",") if k]
-    runs = [("groups", "groups", 16)] + [(f"refill_every_{k}", "refill", k) for k in intervals]
+    # (name, schedule, refill interval, prefill rows): the group schedule also as it ran before
+    # prefills of prefill_rows, every prompt of a group in one forward of all rows.
+    runs = [("groups", "groups", 16, args.prefill_rows), ("groups_prefill_all_rows", "groups", 16, args.batch)]
+    runs += [(f"refill_every_{k}", "refill", k, args.prefill_rows) for k in intervals]
     outputs = {}
-    for name, schedule, every in runs:
+    for name, schedule, every, prefill_rows in runs:
         print(f"[generate] rollout phase, {name} ...", flush=True)
         sampler = Sampler(model, max_batch=args.batch, max_len=args.prompt_len + new_tokens,
-                          prefill_chunk=args.prompt_len, schedule=schedule, refill_every=every,
-                          compile=compile_, cuda_graphs=graphs)
+                          prefill_chunk=args.prompt_len, prefill_rows=prefill_rows, schedule=schedule,
+                          refill_every=every, compile=compile_, cuda_graphs=graphs)
+        report.setdefault("prefill_rows", sampler.prefill_rows)
         measured = _measure(lambda: sampler.generate(prompts, keys, params), device, args.repeats, 1)
         outputs[name] = measured.pop("result")
         measured["tokens_per_s"] = sum(len(s.tokens) for s in outputs[name]) / measured["median_s"]
         report[name] = measured
-        if name == runs[1][0]:
+        if name == runs[2][0]:
             report["determinism_refill"] = check_determinism(sampler, prompts, keys, params,
                                                              min(args.probe, samples))
-    best = min((name for name, schedule, _ in runs if schedule == "refill"), key=lambda n: report[n]["median_s"])
+    best = min((name for name, schedule, _, _ in runs if schedule == "refill"), key=lambda n: report[n]["median_s"])
     report["refill"] = report[best]
     report["refill_best"] = best
     lengths = [len(s.tokens) for s in outputs["groups"]]
     report["lengths"] = {"min": min(lengths), "mean": statistics.mean(lengths), "max": max(lengths),
                          "median": statistics.median(lengths), "tokens": sum(lengths),
                          "stopped": sum(s.finish_reason == "stop" for s in outputs["groups"])}
-    report["refill_equals_groups"] = all(outputs[name] == outputs["groups"] for name, _, _ in runs[1:])
+    report["refill_equals_groups"] = all(outputs[name] == outputs["groups"] for name, *_ in runs[2:])
+    report["groups_prefill_all_rows_equals_groups"] = outputs["groups_prefill_all_rows"] == outputs["groups"]
     report["speedup_refill_vs_groups"] = report["groups"]["median_s"] / report["refill"]["median_s"]
+    report["speedup_refill_vs_groups_prefill_all_rows"] = (report["groups_prefill_all_rows"]["median_s"]
+                                                           / report["refill"]["median_s"])
     return report
 
 
@@ -277,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refill-every", default="16", metavar="K[,K...]",
                         help="rollout phase: decode steps between refill points; refill is measured for each")
     parser.add_argument("--samples", type=int, default=None, help="rollout phase: samples (default 4 x --batch)")
+    parser.add_argument("--prefill-rows", type=int, default=None,
+                        help="our sampler's rows per prefill forward (default: the Sampler's, 16 or --batch if fewer)")
     parser.add_argument("--rollout-new-tokens", type=int, default=None,
                         help="rollout phase: the cap on a completion's length (default --new-tokens)")
     parser.add_argument("--device", default=None)
@@ -410,9 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollout phase ({rollout['variant']}, {rollout['samples']} samples through {rollout['rows']} rows, "
               f"lengths min {lengths['min']} mean {lengths['mean']:.1f} max {lengths['max']}):")
         for name, r in rollout.items():
-            if name == "groups" or name.startswith("refill_every_"):
+            if name.startswith("groups") and isinstance(r, dict) or name.startswith("refill_every_"):
                 print(f"  {name}: {r['tokens_per_s']:.0f} tokens/s, {r['median_s']:.3f} s")
-        print(f"  refill ({rollout['refill_best']}) {rollout['speedup_refill_vs_groups']:.2f}x groups; bitwise equal: {rollout['refill_equals_groups']}; "
+        print(f"  refill ({rollout['refill_best']}, prefill {rollout['prefill_rows']} rows) "
+              f"{rollout['speedup_refill_vs_groups']:.2f}x groups, "
+              f"{rollout['speedup_refill_vs_groups_prefill_all_rows']:.2f}x groups prefilling all rows at once; "
+              f"bitwise equal: {rollout['refill_equals_groups']}; "
               "determinism under refill: " + ", ".join(f"{k}={v['equal']}" for k, v in rollout["determinism_refill"].items()))
     print(f"wrote {args.out}")
     return 0

@@ -190,8 +190,9 @@ class KVCache(torch.nn.Module):
 
     Each buffer has one row more than ``batch``: the scratch row (index ``batch``), which
     ``read`` never returns. A forward that must leave some rows' caches untouched (the
-    sampler's refill prefill, models/qwen/scheduler.py) still runs all ``batch`` rows, and
-    sends the writes of the rows it does not fill into the scratch row (``redirected``).
+    sampler's chunked continuation of some episodes, ``Sampler._extend``) still runs all
+    ``batch`` rows, and sends the writes of the rows it does not fill into the scratch row
+    (``redirected``).
     """
 
     def __init__(
@@ -236,6 +237,12 @@ class KVCache(torch.nn.Module):
         tensor, so kernels see exactly what they saw before the scratch row existed.
         """
         return getattr(self, f"k{layer}")[: self.batch], getattr(self, f"v{layer}")[: self.batch]
+
+    def copy_rows(self, source: "KVCache", count: int, rows: torch.Tensor) -> None:
+        """Copy the first ``count`` rows of ``source`` (a cache of the same slots) into rows ``rows`` ((count,) int64)."""
+        for layer in range(self.num_layers):
+            for name in (f"k{layer}", f"v{layer}"):
+                getattr(self, name)[rows] = getattr(source, name)[:count]
 
     def redirected(self, fill: torch.Tensor) -> "RedirectedKVCache":
         """This cache as seen by a forward that fills only the rows where ``fill`` ((B,) bool) is set.

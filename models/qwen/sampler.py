@@ -11,10 +11,11 @@ filtered) next-token distribution at that uniform, in vocabulary order, summed e
 integers (probabilities in units of 2^-32; the filters' kept sets without a sort,
 models/qwen/nucleus.py). The model runs every forward at one
 static shape, ``max_batch`` rows (a call with fewer prompts is padded with dummy rows) and
-prompts fed in chunks of ``prefill_chunk`` positions into a cache of fixed size, so the
+prompts fed ``prefill_rows`` at a time in chunks of ``prefill_chunk`` positions into a cache of
+fixed size, so the
 arithmetic a row goes through does not depend on which prompts share its batch, how many
 there are, or in which order they come; only on the Sampler's own settings (max_batch,
-max_len, prefill_chunk, device, dtype, compile). That holds bitwise wherever a kernel's
+max_len, prefill_chunk, prefill_rows, device, dtype, compile). That holds bitwise wherever a kernel's
 result for one row depends on the tensor's shape but not on the other rows' values or the
 row's index (measured on the CPU, tests/models/test_sampler.py; on the GPU,
 benchmarks/generate.py --check-determinism measures it). A CPU GEMM's row results *do*
@@ -77,6 +78,9 @@ from models.qwen.scheduler import EpisodeRows, RowSlots, RowState
 FinishReason = Literal["stop", "length"]
 Schedule = Literal["refill", "groups"]
 
+# Prompts prefilled per forward (at most max_batch): a refill point's prefill costs about the rows it
+# fills, in forwards of this many rows, and the shape stays the same whatever the number of rows.
+_PREFILL_ROWS = 16
 # How many decode steps run between checks (one host sync each) of which rows have finished:
 # under "refill", the points where finished rows take the next pending samples.
 _DONE_CHECK_INTERVAL = 16
@@ -277,8 +281,10 @@ class Sampler:
     sample ends (the schedule before refill, kept to check and measure refill against).
     Both give every sample bitwise the same tokens and log-probs. ``refill_every`` is the
     number of decode steps between refill points (one host sync and, where rows are free
-    and samples pending, one prefill of max_batch rows each): fewer points cost fewer
-    prefills, more leave finished rows idle for fewer steps. It changes no sample.
+    and samples pending, a prefill of the free rows, ``prefill_rows`` per forward): fewer
+    points cost fewer host syncs and prefill forwards, more leave finished rows idle for fewer
+    steps. It changes no sample. ``prefill_rows`` (default: 16, at most max_batch) is the
+    rows of every prefill forward: a shape, so it is one of the settings a sample depends on.
 
     ``compile`` (default: on CUDA) compiles the decode step with static shapes;
     ``cuda_graphs`` (default: with compile on CUDA) replays it as a CUDA graph.
@@ -291,6 +297,7 @@ class Sampler:
         max_batch: int,
         max_len: int,
         prefill_chunk: int = 128,
+        prefill_rows: Optional[int] = None,
         schedule: Schedule = "refill",
         refill_every: int = _DONE_CHECK_INTERVAL,
         compile: Optional[bool] = None,
@@ -304,10 +311,14 @@ class Sampler:
                 f"Sampler needs a plain, unsharded QwenForCausalLM, got {type(model).__name__}",
                 hint="pass a plain local copy (training/rollout/generation_model.py makes one of a wrapped or sharded model)",
             )
+        prefill_rows = min(max_batch, _PREFILL_ROWS) if prefill_rows is None else prefill_rows
         for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
-                            ("refill_every", refill_every)):
+                            ("prefill_rows", prefill_rows), ("refill_every", refill_every)):
             if value < 1:
                 raise ConfigError(f"sampler {name} must be >= 1, got {value}", key=f"sampler.{name}")
+        if prefill_rows > max_batch:
+            raise ConfigError(f"sampler prefill_rows ({prefill_rows}) must be at most max_batch ({max_batch})",
+                              key="sampler.prefill_rows")
         if schedule not in ("refill", "groups"):
             raise ConfigError(f"sampler schedule must be 'refill' or 'groups', got {schedule!r}",
                               key="sampler.schedule")
@@ -330,8 +341,11 @@ class Sampler:
         self.cuda_graphs = (self.compile and on_cuda) if cuda_graphs is None else cuda_graphs
         # Slots rounded up to whole prefill chunks: chunk positions never leave the cache.
         slots = math.ceil(max_len / self.prefill_chunk) * self.prefill_chunk
+        self.prefill_rows = prefill_rows
         with torch.no_grad():
             self.cache = model.new_kv_cache(batch=max_batch, slots=slots)
+            # Prompts are prefilled here, prefill_rows at a time, and their rows copied into the cache.
+            self.prefill_cache = model.new_kv_cache(batch=prefill_rows, slots=slots)
         if self.cuda_graphs:
             for buffer in self.cache.tensors():
                 torch._dynamo.mark_static_address(buffer)
@@ -417,7 +431,7 @@ class Sampler:
         lengths = [len(p) for p in prompts] + [1] * (batch - rows)  # padding rows: one token
         budgets = [min(params.max_new_tokens, self.max_len - n) for n in lengths[:rows]]
         steps = max(budgets)
-        self._prefill(prompts + [None] * (batch - rows))
+        self._prefill(list(range(rows)), prompts)
 
         streams = np.array([k.stream() for k in keys] + [0] * (batch - rows), dtype=np.uint64)
         # (steps, B): row t is contiguous, so the compiled step sees the same strides whatever `steps` is.
@@ -474,11 +488,8 @@ class Sampler:
     def _refill(self, state: RowState, assigned: list[tuple[int, int]], prompts: list[list[int]],
                 keys: list[SampleKey], budgets: list[int]) -> None:
         """Prefill the assigned (row, sample) pairs' prompts into their rows and start them decoding."""
-        by_row: list[Optional[list[int]]] = [None] * self.max_batch
-        for row, sample in assigned:
-            by_row[row] = prompts[sample]
-        self._prefill(by_row)
         rows, indices = [row for row, _ in assigned], [sample for _, sample in assigned]
+        self._prefill(rows, [prompts[i] for i in indices])
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
         state.load(rows, [prompts[i] for i in indices], [budgets[i] for i in indices],
                    counter_uniforms(streams, state.width))
@@ -609,38 +620,41 @@ class Sampler:
                held: list[Optional[list[int]]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
                budgets: list[int], ends_by: np.ndarray, step: int) -> None:
         """Prefill the assigned (row, episode) pairs' prompts into their rows and start their first turns."""
-        by_row: list[Optional[list[int]]] = [None] * self.max_batch
-        for row, episode in assigned:
-            by_row[row] = held[row] = prompts[episode]
-        self._prefill(by_row)
         rows, episodes = [row for row, _ in assigned], [episode for _, episode in assigned]
+        for row, episode in assigned:
+            held[row] = prompts[episode]
+        self._prefill(rows, [prompts[e] for e in episodes])
         streams = np.array([key_of(e, 0).stream() for e in episodes], dtype=np.uint64)
         first = [max(1, min(budgets[e], params.max_new_tokens, self.max_len - len(prompts[e]))) for e in episodes]
         state.start(rows, [prompts[e] for e in episodes], [len(prompts[e]) - 1 for e in episodes], first,
                     counter_uniforms(streams, state.width))
         ends_by[rows] = step + np.array(first)
 
-    def _prefill(self, prompts: list[Optional[list[int]]]) -> None:
-        """Write keys/values of every prompt token but the last into cache row b of ``prompts[b]``.
+    def _prefill(self, rows: list[int], prompts: list[list[int]]) -> None:
+        """Write keys/values of every prompt token but the last into cache row ``rows[i]`` of ``prompts[i]``.
 
-        In chunks of fixed shape, all max_batch rows: a row whose entry is None computes
-        padding and its cache keeps what it holds (its writes go to the scratch row).
+        By forwards of one fixed shape, ``prefill_rows`` rows (the prompts in their order, the
+        last group padded with dummy rows) by ``prefill_chunk`` positions, into the prefill
+        cache; then each group's rows are copied into their cache rows. So a prefill costs
+        about the rows it fills, and the other rows' caches keep what they hold.
         """
-        batch, chunk = self.max_batch, self.prefill_chunk
-        width = max(len(p) for p in prompts if p is not None) - 1
-        if width == 0:
-            return
-        chunks = math.ceil(width / chunk)
-        ids = torch.zeros(batch, chunks * chunk, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            if prompt is not None:
-                ids[row, : len(prompt) - 1] = torch.tensor(prompt[:-1])
-        ids = ids.to(self.device)
-        fill = torch.tensor([p is not None for p in prompts], device=self.device)
-        cache = self.cache.redirected(fill)
-        for c in range(chunks):
-            positions = torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(batch, chunk)
-            model_forward(self.model, ModelInputs(ids[:, c * chunk : (c + 1) * chunk], positions), cache=cache)
+        group, chunk = self.prefill_rows, self.prefill_chunk
+        for first in range(0, len(rows), group):
+            batch = prompts[first: first + group]
+            width = max(len(p) for p in batch) - 1
+            if width == 0:  # one-token prompts: nothing to write
+                continue
+            chunks = math.ceil(width / chunk)
+            ids = torch.zeros(group, chunks * chunk, dtype=torch.long)
+            for i, prompt in enumerate(batch):
+                ids[i, : len(prompt) - 1] = torch.tensor(prompt[:-1])
+            ids = ids.to(self.device)
+            for c in range(chunks):
+                positions = torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk)
+                model_forward(self.model, ModelInputs(ids[:, c * chunk : (c + 1) * chunk], positions),
+                              cache=self.prefill_cache)
+            self.cache.copy_rows(self.prefill_cache, len(batch),
+                                 torch.tensor(rows[first: first + group], device=self.device))
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""

@@ -8,10 +8,10 @@ sample ends: with completion lengths spread 16..256, most rows idle most of the 
 flags) the finished rows hand back their samples and take the next pending ones. Shapes
 stay fixed, because a row's result may change with the number of rows in a forward:
 
-- the refill prefill runs all max_batch rows, in the same fixed chunks as a first fill;
-  the rows that are not refilled write their keys/values into the cache's scratch row
-  (``KVCache.redirected``), so their own caches are untouched and their (discarded) outputs
-  cost no more than padding rows did;
+- a prefill (a first fill or a refill) runs forwards of ``Sampler.prefill_rows`` rows, the
+  prompts of the rows it fills, in fixed chunks, into a prefill cache of that many rows, and
+  copies those rows into the cache: the other rows' caches are untouched, and a refill point
+  costs about the rows it fills, not max_batch;
 - the decode step is the same compiled (CUDA-graphed) function of (B, 1) tokens and
   positions: every row carries its own position, local step and budget in device tensors.
 

@@ -56,10 +56,11 @@ def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path
 
     out = tmp_path / "generate.json"
     assert bench.main(["--tiny", "--variants", "eager", "--stop-fraction", "0.125", "--samples", "10", "--rollout-new-tokens", "24",
-                       "--refill-every", "4,16",
+                       "--refill-every", "4,16", "--prefill-rows", "2",
                        "--out", str(out)]) == 0
     rollout = json.loads(out.read_text())["rollout"]
-    assert rollout["refill_equals_groups"] is True
+    assert rollout["refill_equals_groups"] is True and rollout["prefill_rows"] == 2
+    assert rollout["groups_prefill_all_rows"]["tokens_per_s"] > 0
     assert all(check["equal"] for check in rollout["determinism_refill"].values()), rollout["determinism_refill"]
     lengths = rollout["lengths"]
     assert lengths["min"] < lengths["mean"] < lengths["max"] <= 24

@@ -68,7 +68,7 @@ def _play(sampler, params, episodes=range(len(LENGTHS))):
 
     fed = {"prefilled": [], "extended": 0}
     prefill, extend = sampler._prefill, sampler._extend
-    sampler._prefill = lambda rows: (fed["prefilled"].extend(r for r in rows if r is not None), prefill(rows))
+    sampler._prefill = lambda rows, prompts: (fed["prefilled"].extend(prompts), prefill(rows, prompts))
     sampler._extend = lambda rows, *args: (fed.__setitem__("extended", fed["extended"] + len(rows)), extend(rows, *args))
     try:
         sampler.generate_episodes([prompts[e] for e in episodes], key_of, params, on_turns)

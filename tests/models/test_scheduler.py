@@ -20,8 +20,8 @@ RULES = {
 }
 
 
-def _sampler(model, schedule):
-    return Sampler(model, max_batch=4, max_len=40, prefill_chunk=8, schedule=schedule)
+def _sampler(model, schedule, prefill_rows=None):
+    return Sampler(model, max_batch=4, max_len=40, prefill_chunk=8, schedule=schedule, prefill_rows=prefill_rows)
 
 
 def _prompts(seed=0):
@@ -33,10 +33,12 @@ def _keys():
     return [SampleKey(1, "test", 3, prompt_index, prompt_index % 2) for prompt_index in range(len(LENGTHS))]
 
 
-@pytest.mark.parametrize("rule", sorted(RULES))
-def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sampler_model, rule):
+@pytest.mark.parametrize("rule,prefill_rows", [(rule, None) for rule in sorted(RULES)] + [("filtered", 1), ("sampled", 3)])
+def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sampler_model, rule, prefill_rows):
+    """Also with prefills of fewer rows than the cache has: 1 (a prompt per forward) and 3 (a
+    refill point's prompts split across forwards, the last padded)."""
     params, prompts, keys = RULES[rule], _prompts(), _keys()
-    refill, groups = _sampler(sampler_model, "refill"), _sampler(sampler_model, "groups")
+    refill, groups = _sampler(sampler_model, "refill", prefill_rows), _sampler(sampler_model, "groups", prefill_rows)
     expected = groups.generate(prompts, keys, params)
     got = refill.generate(prompts, keys, params)
     assert got == expected  # tokens, log-probs (exact floats) and finish reasons
@@ -81,17 +83,27 @@ def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model
     assert counts["refill"] < 0.6 * counts["groups"], counts
 
 
-def test_a_refill_prefill_leaves_the_other_rows_caches_untouched(sampler_model):
-    sampler = _sampler(sampler_model, "refill")
+@pytest.mark.parametrize("prefill_rows", [1, 2, 4])
+def test_a_refill_prefill_writes_its_rows_and_leaves_the_others_untouched(sampler_model, prefill_rows):
+    sampler = _sampler(sampler_model, "refill", prefill_rows)
     for layer in range(sampler.cache.num_layers):
         for buffer in sampler.cache.read(layer):
             buffer.normal_(generator=torch.Generator().manual_seed(layer))
     before = [buffer.clone() for buffer in sampler.cache.tensors()]
-    sampler._prefill([None, [5, 6, 7, 8, 9], None, [1, 2, 3]])
-    for old, new in zip(before, sampler.cache.tensors()):
-        assert torch.equal(old[[0, 2]], new[[0, 2]])  # rows not refilled: bitwise unchanged
-        assert not torch.equal(old[1, :, :4], new[1, :, :4])  # row 1's prompt (but its last token) written
-        assert not torch.equal(old[4], new[4])  # the scratch row took the other rows' writes
+    sampler._prefill([3, 1], [[1, 2, 3], [5, 6, 7, 8, 9]])
+    alone = _sampler(sampler_model, "refill", prefill_rows)
+    alone._prefill([0], [[5, 6, 7, 8, 9]])
+    for old, new, single in zip(before, sampler.cache.tensors(), alone.cache.tensors()):
+        assert torch.equal(old[[0, 2, 4]], new[[0, 2, 4]])  # rows not refilled and the scratch row: unchanged
+        assert torch.equal(new[1, :, :4], single[0, :, :4])  # row 1's prompt (but its last token), as alone
+        assert not torch.equal(old[3, :, :2], new[3, :, :2])  # and row 3's
+
+
+def test_prefill_rows_above_max_batch_is_a_config_error(sampler_model):
+    from core.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match="prefill_rows"):
+        _sampler(sampler_model, "refill", prefill_rows=5)
 
 
 def test_row_slots_hand_back_finished_rows_and_fill_free_ones_in_call_order():
