@@ -44,8 +44,8 @@ temperature or filters were.
 **Speed (CUDA).** The decode step's model forward is compiled with static shapes and, by
 default, replayed as a CUDA graph (``mode="reduce-overhead"``); the sampling rule (softmax,
 top-p's cut and the draw: Triton kernels where Triton is installed, models/qwen/nucleus.py)
-is captured as a second graph. The prefill runs eagerly. On other devices everything runs
-eagerly.
+is captured as a second graph. The prefill's forward (``prefill_rows`` x ``prefill_chunk``)
+is compiled and replayed the same way. On other devices everything runs eagerly.
 """
 
 from __future__ import annotations
@@ -347,9 +347,10 @@ class Sampler:
             # Prompts are prefilled here, prefill_rows at a time, and their rows copied into the cache.
             self.prefill_cache = model.new_kv_cache(batch=prefill_rows, slots=slots)
         if self.cuda_graphs:
-            for buffer in self.cache.tensors():
+            for buffer in self.cache.tensors() + self.prefill_cache.tensors():
                 torch._dynamo.mark_static_address(buffer)
         self._decode_steps: dict[SamplingParams, Callable] = {}
+        self._prefill_chunk_forward: Optional[Callable] = None
 
     # ------------------------------------------------------------------ public
 
@@ -636,25 +637,48 @@ class Sampler:
         By forwards of one fixed shape, ``prefill_rows`` rows (the prompts in their order, the
         last group padded with dummy rows) by ``prefill_chunk`` positions, into the prefill
         cache; then each group's rows are copied into their cache rows. So a prefill costs
-        about the rows it fills, and the other rows' caches keep what they hold.
+        about the rows it fills, and the other rows' caches keep what they hold. The ids go to
+        the device in one copy (a copy from pageable memory waits for the device), and the
+        forwards are compiled like the decode step.
         """
-        group, chunk = self.prefill_rows, self.prefill_chunk
-        for first in range(0, len(rows), group):
-            batch = prompts[first: first + group]
-            width = max(len(p) for p in batch) - 1
-            if width == 0:  # one-token prompts: nothing to write
-                continue
-            chunks = math.ceil(width / chunk)
-            ids = torch.zeros(group, chunks * chunk, dtype=torch.long)
-            for i, prompt in enumerate(batch):
-                ids[i, : len(prompt) - 1] = torch.tensor(prompt[:-1])
-            ids = ids.to(self.device)
-            for c in range(chunks):
-                positions = torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk)
-                model_forward(self.model, ModelInputs(ids[:, c * chunk : (c + 1) * chunk], positions),
-                              cache=self.prefill_cache)
-            self.cache.copy_rows(self.prefill_cache, len(batch),
-                                 torch.tensor(rows[first: first + group], device=self.device))
+        group, chunk, device = self.prefill_rows, self.prefill_chunk, self.device
+        firsts = range(0, len(rows), group)
+        chunks = [math.ceil((max(len(p) for p in prompts[f: f + group]) - 1) / chunk) for f in firsts]
+        if max(chunks) == 0:  # one-token prompts: nothing to write
+            return
+        ids = torch.zeros(len(firsts), max(chunks) * chunk, group, dtype=torch.long)  # (groups, positions, rows)
+        for i, prompt in enumerate(prompts):
+            ids[i // group, : len(prompt) - 1, i % group] = torch.tensor(prompt[:-1])
+        ids = ids.view(len(firsts), max(chunks), chunk, group).transpose(2, 3).contiguous()  # (g, c, rows, chunk)
+        packed = torch.cat([ids.flatten(), torch.tensor(rows)]).to(device)
+        ids, targets = packed[: ids.numel()].view(ids.shape), packed[ids.numel():]
+        prefill_chunk = self._prefill_forward()
+        for g, first in enumerate(firsts):
+            for c in range(chunks[g]):
+                positions = torch.arange(c * chunk, (c + 1) * chunk, device=device).expand(group, chunk)
+                prefill_chunk(ids[g, c], positions)
+            count = min(group, len(rows) - first)
+            self.cache.copy_rows(self.prefill_cache, count, targets[first: first + count])
+
+    def _prefill_forward(self) -> Callable:
+        """(ids (prefill_rows, prefill_chunk), positions (same)) -> None: one chunk into the prefill cache."""
+        if self._prefill_chunk_forward is not None:
+            return self._prefill_chunk_forward
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model_forward(self.model, ModelInputs(ids, positions), cache=self.prefill_cache).logits
+
+        if self.compile:
+            compiled = torch.compile(forward, mode="reduce-overhead" if self.cuda_graphs else "default",
+                                     fullgraph=True, dynamic=False)
+            if self.cuda_graphs:
+                def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                    torch.compiler.cudagraph_mark_step_begin()
+                    return compiled(ids, positions)
+            else:
+                forward = compiled
+        self._prefill_chunk_forward = forward
+        return forward
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""
