@@ -102,6 +102,7 @@ def build_models(args, device):
     from models.qwen.model import empty_model
 
     model_config = load_model_config(args.shape, args.config)
+    torch.manual_seed(0)  # the same random weights in every call, so that calls' rollouts compare
     hf_model, class_name = build_hf_model(model_config, device)
     hf_model.config.use_cache = True
     hf_model.eval()
