@@ -668,43 +668,41 @@ class Sampler:
         def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model_forward(self.model, ModelInputs(ids, positions), cache=self.prefill_cache).logits
 
-        if self.compile:
-            compiled = torch.compile(forward, mode="reduce-overhead" if self.cuda_graphs else "default",
-                                     fullgraph=True, dynamic=False)
-            if self.cuda_graphs:
-                def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-                    torch.compiler.cudagraph_mark_step_begin()
-                    return compiled(ids, positions)
-            else:
-                forward = compiled
-        self._prefill_chunk_forward = forward
-        return forward
+        self._prefill_chunk_forward = self._compiled(forward)
+        return self._prefill_chunk_forward
+
+    def _compiled(self, forward: Callable) -> Callable:
+        """A model forward of static shapes as the Sampler runs it: compiled where ``compile``, and
+        replayed as a CUDA graph where ``cuda_graphs``; as it is otherwise."""
+        if not self.compile:
+            return forward
+        compiled = torch.compile(forward, mode="reduce-overhead" if self.cuda_graphs else "default",
+                                 fullgraph=True, dynamic=False)
+        if not self.cuda_graphs:
+            return compiled
+
+        def replayed(*inputs: torch.Tensor) -> torch.Tensor:
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*inputs)
+
+        return replayed
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""
         # Keyed by what the step computes with, so max_new_tokens or stop tokens never recompile it.
-        rule = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
-        if rule in self._decode_steps:
-            return self._decode_steps[rule]
-        params = rule
+        key = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+        if key in self._decode_steps:
+            return self._decode_steps[key]
+        params = key
 
-        def decode_logits(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model_forward(self.model, ModelInputs(tokens, positions), cache=self.cache).logits  # (B, vocab)
 
-        if self.compile:
-            # Only the model's decode forward is compiled (and replayed as a CUDA graph): the
-            # sampling rule's exact int64 prefix sums over the vocabulary are Triton kernels of
-            # their own (or torch; torch 2.11's Inductor failed to generate code for them), captured
-            # as a graph of their own.
-            mode = "reduce-overhead" if self.cuda_graphs else "default"
-            compiled = torch.compile(decode_logits, mode=mode, fullgraph=True, dynamic=False)
-            if self.cuda_graphs:
-                def decode_logits(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-                    torch.compiler.cudagraph_mark_step_begin()
-                    return compiled(tokens, positions)
-            else:
-                decode_logits = compiled
-
+        # Only the model's decode forward is compiled (and replayed as a CUDA graph): the sampling
+        # rule's exact int64 prefix sums over the vocabulary are Triton kernels of their own (or
+        # torch; torch 2.11's Inductor failed to generate code for them), captured as a graph of
+        # their own.
+        decode_logits = self._compiled(forward)
         kernels = (nucleus_cut_cuda, draw_kept_cuda) if triton_available(self.device) else (nucleus_cut, draw_kept)
 
         def rule(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -716,7 +714,7 @@ class Sampler:
         def step(tokens: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor):
             return rule(decode_logits(tokens, positions), uniforms)
 
-        self._decode_steps[rule] = step
+        self._decode_steps[key] = step
         return step
 
 

@@ -110,6 +110,17 @@ def test_stop_tokens_end_a_sample_and_are_kept(sampler):
     assert len(stopped[2].tokens) <= 5 and stopped[2].finish_reason == "stop"
 
 
+def test_one_decode_step_per_sampling_rule_whatever_the_budget_or_stop_tokens(sampler_model):
+    """A rule's step (its compiled forward and captured rule, on CUDA) is built once and reused."""
+    sampler = Sampler(sampler_model, max_batch=4, max_len=24, prefill_chunk=8)
+    prompts = _prompts((3, 5))
+    for params in (SAMPLED, dataclasses.replace(SAMPLED, max_new_tokens=3, stop_token_ids=(7,)), SAMPLED):
+        sampler.generate(prompts, _keys(2), params)
+    assert len(sampler._decode_steps) == 1
+    sampler.generate(prompts, _keys(2), dataclasses.replace(SAMPLED, top_p=0.5))
+    assert len(sampler._decode_steps) == 2
+
+
 def test_max_new_tokens_and_the_context_end_bound_a_sample(sampler):
     short, long = _prompts((3, 36), seed=6)
     samples = sampler.generate([short, long], _keys(2), dataclasses.replace(SAMPLED, max_new_tokens=7))
