@@ -110,6 +110,19 @@ def test_stop_tokens_end_a_sample_and_are_kept(sampler):
     assert len(stopped[2].tokens) <= 5 and stopped[2].finish_reason == "stop"
 
 
+def test_the_compiled_sampler_is_batch_invariant_and_draws_the_eager_tokens(sampler_model):
+    """compile=True (the CUDA default; on the CPU without graphs): the decode step's and the
+    prefill's forwards compile whole (fullgraph), a sample alone equals it in the batch bitwise,
+    and every token equals the eager sampler's (log-probs may differ in the last bits)."""
+    prompts, keys = _prompts(), _keys(len(LENGTHS))
+    compiled = Sampler(sampler_model, max_batch=4, max_len=40, prefill_chunk=8, prefill_rows=2, compile=True)
+    eager = Sampler(sampler_model, max_batch=4, max_len=40, prefill_chunk=8, prefill_rows=2)
+    for params in (SAMPLED, FILTERED):
+        batched = compiled.generate(prompts, keys, params)
+        assert [s.tokens for s in batched] == [s.tokens for s in eager.generate(prompts, keys, params)]
+        assert compiled.generate(prompts[3:4], keys[3:4], params) == batched[3:4]
+
+
 def test_one_decode_step_per_sampling_rule_whatever_the_budget_or_stop_tokens(sampler_model):
     """A rule's step (its compiled forward and captured rule, on CUDA) is built once and reused."""
     sampler = Sampler(sampler_model, max_batch=4, max_len=24, prefill_chunk=8)
