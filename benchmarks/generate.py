@@ -36,7 +36,9 @@ first of our variants in ``--variants``, in the same call; refill once per value
 ``--refill-every`` (decode steps between refill points), the fastest reported as ``refill``.
 Both prefill ``--prefill-rows`` prompts per forward; the group schedule runs once more as it
 ran before that setting existed, a group's prompts in one forward of all ``--batch`` rows
-(``groups_prefill_all_rows``), and refill's speedup is reported against both.
+(``groups_prefill_all_rows``), and refill's speedup is reported against both, with the decode
+steps each schedule ran for these completion lengths (``models.qwen.scheduler.decode_steps``):
+their ratio bounds the speedup refill can give, since a step costs the same in both.
 It reports each schedule's tokens/s
 (generated tokens, stop tokens included) and median wall time, refill's speedup, the
 completion-length distribution, whether the two schedules give bitwise the same samples, and
@@ -199,6 +201,7 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
     import torch
 
     from models.qwen.sampler import SampleKey, Sampler, SamplingParams
+    from models.qwen.scheduler import decode_steps
 
     vocab = model.dims.vocab_size
     every = max(1, round(1 / args.stop_fraction))
@@ -243,6 +246,12 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
     report["speedup_refill_vs_groups"] = report["groups"]["median_s"] / report["refill"]["median_s"]
     report["speedup_refill_vs_groups_prefill_all_rows"] = (report["groups_prefill_all_rows"]["median_s"]
                                                            / report["refill"]["median_s"])
+    # The decode steps each schedule ran for these lengths: their ratio bounds refill's speedup
+    # (a refill step costs a group step; prefills, host syncs and the tail are the rest).
+    steps = {name: decode_steps(lengths, args.batch, every, schedule, budget=new_tokens)
+             for name, schedule, every, _ in runs}
+    report["decode_steps"] = steps
+    report["step_bound_refill_vs_groups"] = steps["groups"] / steps[best]
     return report
 
 
@@ -427,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}: {r['tokens_per_s']:.0f} tokens/s, {r['median_s']:.3f} s")
         print(f"  refill ({rollout['refill_best']}, prefill {rollout['prefill_rows']} rows) "
               f"{rollout['speedup_refill_vs_groups']:.2f}x groups, "
-              f"{rollout['speedup_refill_vs_groups_prefill_all_rows']:.2f}x groups prefilling all rows at once; "
+              f"{rollout['speedup_refill_vs_groups_prefill_all_rows']:.2f}x groups prefilling all rows at once "
+              f"(decode steps {rollout['decode_steps']['groups']} against "
+              f"{rollout['decode_steps'][rollout['refill_best']]}: at most "
+              f"{rollout['step_bound_refill_vs_groups']:.2f}x); "
               f"bitwise equal: {rollout['refill_equals_groups']}; "
               "determinism under refill: " + ", ".join(f"{k}={v['equal']}" for k, v in rollout["determinism_refill"].items()))
     print(f"wrote {args.out}")

@@ -23,6 +23,7 @@ compares them bitwise with the group-by-group schedule).
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -58,6 +59,29 @@ class RowSlots:
                 self.occupant[row] = self.pending.popleft()
                 assigned.append((row, self.occupant[row]))
         return handed_back, assigned
+
+
+def decode_steps(lengths: Sequence[int], rows: int, every: int, schedule: str, budget: int) -> int:
+    """The decode steps a ``Sampler`` runs for samples that generate ``lengths`` tokens each (stop
+    tokens included; at most ``budget``): under "refill" with a refill point every ``every`` steps,
+    or under "groups" (``rows`` samples at a time, each group until its longest has ended, checked
+    every ``every`` steps). The least a schedule can cost: a rollout's time over its steps is the
+    cost of a step, and the two schedules' step counts bound the speedup refill can give.
+    """
+    if schedule == "groups":
+        return sum(min(budget, -(-max(lengths[first: first + rows]) // every) * every)
+                   for first in range(0, len(lengths), rows))
+    slots = RowSlots(rows, len(lengths))
+    ends = np.zeros(rows, dtype=np.int64)  # the step after each row's last token
+    step = 0
+    while True:
+        if step % every == 0:
+            _, assigned = slots.refill(ends <= step)
+            for row, sample in assigned:
+                ends[row] = step + lengths[sample]
+            if not slots.busy:
+                return step
+        step += 1
 
 
 class RowState:

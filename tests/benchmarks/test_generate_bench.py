@@ -61,6 +61,8 @@ def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path
     rollout = json.loads(out.read_text())["rollout"]
     assert rollout["refill_equals_groups"] is True and rollout["prefill_rows"] == 2
     assert rollout["groups_prefill_all_rows"]["tokens_per_s"] > 0
+    steps = rollout["decode_steps"]
+    assert steps["refill_every_4"] < steps["groups"] and rollout["step_bound_refill_vs_groups"] > 1
     assert all(check["equal"] for check in rollout["determinism_refill"].values()), rollout["determinism_refill"]
     lengths = rollout["lengths"]
     assert lengths["min"] < lengths["mean"] < lengths["max"] <= 24

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.qwen.sampler import SampleKey, Sampler, SamplingParams
-from models.qwen.scheduler import RowSlots
+from models.qwen.scheduler import RowSlots, decode_steps
 from tests.models.sampler_model import QWEN3
 
 STOPS = tuple(range(0, QWEN3.vocab_size, 8))  # 12 of 96 tokens: sampled completions end after ~8 tokens
@@ -80,6 +80,8 @@ def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model
         finally:
             del sampler.model._forward_cached
         counts[schedule] = sum(1 for width in calls if width == 1)  # decode steps (prefill chunks are 8 wide)
+        lengths = [len(s.tokens) for s in sampler.generate(prompts, keys, params)]
+        assert counts[schedule] == decode_steps(lengths, 4, 16, schedule, budget=96), (schedule, counts)
     assert counts["refill"] < 0.6 * counts["groups"], counts
 
 
