@@ -21,21 +21,29 @@ each rank that failed on its own (not the ranks stopped after it) is named in a 
 ``exitcode : N`` on stderr (what ``launch.Result.exit_code`` reads; a rank killed by signal N:
 -N), and the job exits 1; 0 when every rank exits 0. The ranks stay in this process's session,
 so killing its process group kills the whole job.
+
+``python tests/ranks.py --call CALL RESULT`` runs a function's ranks instead (tests/launch.py,
+``in_fresh_process``): it loads the call that CALL holds (the caller's module path, then the
+function and its arguments, whose modules the loading imports), calls it (it forks the ranks and
+waits for them) and writes what it returned, or the exception it raised, to RESULT.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import runpy
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 POLL_S = 0.05
 GRACE_S = 5.0
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD_FLAG = "--preload"
+CALL_FLAG = "--call"
 
 
 def rank_env(rank: int, nproc: int, port: str) -> dict[str, str]:
@@ -103,8 +111,33 @@ def run(nproc: int, port: str, script: str, args: list[str], *, preloaded: str |
     return 1
 
 
+def serve_call(call: Path, result: Path) -> None:
+    """``--call``: the pickled call in ``call`` made here; ``(True, value)`` or ``(False,
+    exception)`` pickled to ``result``, the exception with its traceback here as a note (what
+    cannot be pickled comes back as a RuntimeError naming it)."""
+    path, blob = pickle.loads(call.read_bytes())
+    sys.path[:] = path
+    trace = ""
+    try:
+        fn, args = pickle.loads(blob)
+        out = (True, fn(*args))
+    except BaseException as error:  # handed back to the caller, which raises it
+        trace = traceback.format_exc()
+        error.add_note(f"raised in tests/ranks.py {CALL_FLAG}:\n{trace}")
+        out = (False, error)
+    try:
+        data = pickle.dumps(out)
+    except Exception as unpicklable:
+        data = pickle.dumps((False, RuntimeError(
+            f"tests/ranks.py {CALL_FLAG} cannot hand back {out[1]!r} ({unpicklable!r})\n{trace}")))
+    result.write_bytes(data)
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    if argv[0] == CALL_FLAG:
+        serve_call(Path(argv[1]), Path(argv[2]))
+        sys.exit(0)
     module = None
     if argv[0] == PRELOAD_FLAG:
         module, argv = argv[1], argv[2:]

@@ -2,12 +2,16 @@
 torchrun's environment, and the module path and the imports of ``--preload`` (a forked rank runs
 its script as ``python SCRIPT`` would, with that module imported), a failing rank ends the job as
 torchrun ends it (the others stopped, its code in an ``exitcode : N`` line that
-``launch.Result.exit_code`` reads), and a job whose ranks all exit 0 exits 0."""
+``launch.Result.exit_code`` reads), and a job whose ranks all exit 0 exits 0. Its ``--call``
+(``launch.spawn_ranks``, ``dist_harness.run_on_ranks``) forks a function's ranks, separate
+processes, from one fresh process, and their exit codes come back."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +68,16 @@ def test_the_table_starts_its_jobs_through_it():
     command = launch.command(2, ["--config", "x.yaml"], rendezvous="direct")
     assert command[1:5] == [str(launch.ROOT / "tests" / "ranks.py"), "--preload", "train", "2"]
     assert command[6:] == [str(launch.ROOT / "train.py"), "--config", "x.yaml"]
+
+
+def _write_pids(rank: int, out: str) -> None:
+    Path(out, f"rank{rank}").write_text(f"{os.getpid()} {os.getppid()}")
+    if rank == 1:
+        raise SystemExit(3)
+
+
+def test_spawn_ranks_forks_separate_ranks_from_one_fresh_process(tmp_path):
+    assert launch.spawn_ranks(_write_pids, lambda rank: (rank, str(tmp_path))) == [0, 3]
+    (pid0, parent0), (pid1, parent1) = ((tmp_path / f"rank{rank}").read_text().split() for rank in (0, 1))
+    assert pid0 != pid1 and parent0 == parent1 != str(os.getpid())
+

@@ -17,11 +17,24 @@ from training.registry import register_all
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """``fn(*args)`` on every rank (with torchrun's env set); returns the results by rank."""
+    """``fn(*args)`` on every rank (with torchrun's env set); returns the results by rank.
+
+    The ranks are forked, as ``torch.multiprocessing``'s processes, from one fresh process that
+    has imported ``fn``'s module (``launch.in_fresh_process``): a rank's exception is raised here
+    as torch's ``ProcessRaisedException``, whose message holds the rank's traceback, as
+    ``mp.spawn`` raises it."""
     port = launch.free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world_size, port, tmp, fn, args), nprocs=world_size, join=True)
+        launch.in_fresh_process(_fork_ranks, world_size, port, tmp, fn, args)
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _fork_ranks(world_size: int, port: int, out_dir: str, fn, args) -> None:
+    # The configs a rank loads need the registered kinds (tests/conftest.py): registered here
+    # once, in the fresh process, for every rank forked from it.
+    register_all()
+    mp.start_processes(_entry, args=(world_size, port, out_dir, fn, args), nprocs=world_size, join=True,
+                       start_method="fork")
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
@@ -35,7 +48,6 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
     )
     torch.set_num_threads(1)
     faulthandler.enable(all_threads=True)  # a native crash shows its Python stacks in the test's output
-    register_all()  # a fresh interpreter: the configs a rank loads need the registered kinds (tests/conftest.py)
     result = fn(*args)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     # The result is on disk. Skip interpreter teardown: gloo's C++ threads occasionally

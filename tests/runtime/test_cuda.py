@@ -213,7 +213,7 @@ def test_nccl_two_ranks_one_hung_both_dump_and_exit_6(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    codes = launch.spawn_ranks(_nccl_hang_worker, lambda r: (r, port, str(tmp_path)), timeout=180)
+    codes = launch.spawn_ranks(_nccl_hang_worker, lambda r: (r, port, str(tmp_path)), timeout=180, fresh=True)
     errors = [f.read_text() for f in tmp_path.glob("rank*_error.txt")]
     assert codes == [6, 6], errors
     diag = tmp_path / "diagnostics"
