@@ -8,7 +8,8 @@ ranks. This launcher imports MODULE (tests/launch.py names ``train``: torch and 
 then forks each rank, which runs SCRIPT as ``__main__`` (as ``python SCRIPT ARGS`` would) with
 those imports already done: a 2-rank job of train.py costs one import instead of two, about 1.9 s
 of CPU less on the test machine (6.1 -> 4.2 s for 2 steps of tests/configs/e2e.yaml), with the
-same ledger bit for bit. No thread runs here when the ranks fork (the imports start none).
+same ledger bit for bit. The imports start no thread of torch's own when the ranks fork (numpy's
+OpenBLAS pool may run; it handles a fork).
 Without ``--preload`` nothing is imported ahead (a script that imports no Lockstep, as
 tests/test_ranks_launcher.py's, pays for nothing it does not use). tests/launch.py starts every
 multi-rank job with it unless the test asks for torchrun (``rendezvous="direct"``, the default):
