@@ -186,7 +186,7 @@ def _kernels() -> dict:
 
     @triton.jit
     def masses(probs_ptr, low_ptr, out_ptr, vocab, step, chunk, BLOCK: tl.constexpr, FANOUT: tl.constexpr):
-        """Masses above 8 cuts of a row, float64, one partial per (row, part)."""
+        """Masses above FANOUT cuts of a row, float64, one partial per (row, part)."""
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         parts = tl.num_programs(1)

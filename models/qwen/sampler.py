@@ -657,11 +657,13 @@ class Sampler:
             for c in range(chunks[g]):
                 positions = torch.arange(c * chunk, (c + 1) * chunk, device=device).expand(group, chunk)
                 prefill_chunk(ids[g, c], positions)
-            count = min(group, len(rows) - first)
-            self.cache.copy_rows(self.prefill_cache, count, targets[first: first + count])
+            if chunks[g]:  # a group of one-token prompts wrote nothing
+                count = min(group, len(rows) - first)
+                self.cache.copy_rows(self.prefill_cache, count, targets[first: first + count])
 
     def _prefill_forward(self) -> Callable:
-        """(ids (prefill_rows, prefill_chunk), positions (same)) -> None: one chunk into the prefill cache."""
+        """(ids (prefill_rows, prefill_chunk), positions (same)) -> the chunk's last logits (unused): one
+        chunk's keys/values into the prefill cache."""
         if self._prefill_chunk_forward is not None:
             return self._prefill_chunk_forward
 
