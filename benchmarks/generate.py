@@ -220,12 +220,13 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
     # prefills of prefill_rows, every prompt of a group in one forward of all rows.
     runs = [("groups", "groups", 16, args.prefill_rows), ("groups_prefill_all_rows", "groups", 16, args.batch)]
     runs += [(f"refill_every_{k}", "refill", k, args.prefill_rows) for k in intervals]
-    outputs = {}
+    outputs, samplers = {}, {}
     for name, schedule, every, prefill_rows in runs:
         print(f"[generate] rollout phase, {name} ...", flush=True)
         sampler = Sampler(model, max_batch=args.batch, max_len=args.prompt_len + new_tokens,
                           prefill_chunk=args.prompt_len, prefill_rows=prefill_rows, schedule=schedule,
                           refill_every=every, compile=compile_, cuda_graphs=graphs)
+        samplers[name] = sampler
         report.setdefault("prefill_rows", sampler.prefill_rows)
         measured = _measure(lambda: sampler.generate(prompts, keys, params), device, args.repeats, 1)
         outputs[name] = measured.pop("result")
@@ -252,19 +253,25 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
              for name, schedule, every, _ in runs}
     report["decode_steps"] = steps
     report["step_bound_refill_vs_groups"] = steps["groups"] / steps[best]
+    # Wall time per decode step: what a schedule pays beyond its steps (prefills, refill points) shows here.
+    report["ms_per_decode_step"] = {name: 1e3 * report[name]["median_s"] / steps[name] for name, *_ in runs}
+    if args.profile_rollout:
+        write_profiles(args.profile_rollout, {n: (lambda s=samplers[n]: s.generate(prompts, keys, params))
+                                              for n in ("groups_prefill_all_rows", best)}, device)
     return report
 
 
-def write_profiles(path: str, samplers: dict[str, Any], prompts, keys, params, device) -> None:
-    """Where one ``generate`` call's time goes, per variant: the profiler's table of device kernels and
-    host operators (sorted by device time, then by host time), with the wall time of the profiled call."""
+def write_profiles(path: str, calls: dict[str, Callable[[], Any]], device) -> None:
+    """Where one call's time goes, per variant (``calls``: name -> one ``generate`` call): the profiler's
+    table of device kernels and host operators (sorted by device time, then by host time), with the
+    wall time of the profiled call."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sections = []
-    for name, sampler in samplers.items():
+    for name, call in calls.items():
         with profile(activities=activities) as prof:
-            wall, _ = _timed(lambda: run_ours(sampler, prompts, keys, params), device)
+            wall, _ = _timed(call, device)
         events = prof.key_averages()
         sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         sections.append(f"## {name}: one generate call, {wall:.3f} s wall (profiled)\n\n"
@@ -292,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", type=int, default=4, help="prompts checked alone in --check-determinism")
     parser.add_argument("--profile", default=None, metavar="TXT",
                         help="profile one call of each of our measured variants; kernel tables go to TXT")
+    parser.add_argument("--profile-rollout", default=None, metavar="TXT",
+                        help="rollout phase: profile one call of the fastest refill and of groups_prefill_all_rows")
     parser.add_argument("--stop-fraction", type=float, default=None, metavar="F",
                         help="add the mixed-length rollout phase: this fraction of the vocabulary stops a sample")
     parser.add_argument("--refill-every", default="16", metavar="K[,K...]",
@@ -299,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="rollout phase: samples (default 4 x --batch)")
     parser.add_argument("--prefill-rows", type=int, default=None,
                         help="our sampler's rows per prefill forward (default: the Sampler's, 16 or --batch if fewer)")
+    parser.add_argument("--rollout-only", action="store_true",
+                        help="run only the rollout phase (with the first of --variants), not the throughput variants")
     parser.add_argument("--rollout-new-tokens", type=int, default=None,
                         help="rollout phase: the cap on a completion's length (default --new-tokens)")
     parser.add_argument("--device", default=None)
@@ -307,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.stop_fraction is not None and not 0 < args.stop_fraction <= 1:
         parser.error(f"--stop-fraction must be in (0, 1], got {args.stop_fraction}")
+    if args.rollout_only and args.stop_fraction is None:
+        parser.error("--rollout-only needs --stop-fraction (the rollout phase)")
     if args.tiny:
         for key, value in TINY.items():
             setattr(args, key, value)
@@ -335,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[str, Any] = {}
     fastest = None
     samplers: dict[str, Any] = {}
-    for name in variants:
+    for name in [] if args.rollout_only else variants:
         print(f"[generate] {name} ...", flush=True)
         try:
             if name.startswith("hf"):
@@ -360,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
 
     if args.profile:
-        write_profiles(args.profile, samplers, prompts, keys, params, device)
+        write_profiles(args.profile, {n: (lambda s=s: run_ours(s, prompts, keys, params)) for n, s in samplers.items()},
+                       device)
 
     determinism = {}
     if args.check_determinism and fastest is not None:

@@ -440,7 +440,7 @@ class Sampler:
         last = torch.tensor([p[-1] for p in prompts] + [0] * (batch - rows), device=device)
         start = torch.tensor([n - 1 for n in lengths], device=device)  # position of the last prompt token
         budget = torch.tensor(budgets + [0] * (batch - rows), device=device)
-        stops = torch.tensor(params.stop_token_ids or [-1], device=device)
+        stops = self._stop_table(params)
         out_tokens = torch.zeros(batch, steps, dtype=torch.long, device=device)
         out_logprobs = torch.zeros(batch, steps, dtype=torch.float32, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -454,37 +454,57 @@ class Sampler:
             out_tokens[:, t] = next_token
             out_logprobs[:, t] = logprob
             token = next_token[:, None].clone()  # the graph's output buffer is reused by its next replay
-            done |= torch.isin(next_token, stops) | (t + 1 >= budget)
+            done |= stops[next_token] | (t + 1 >= budget)
             if (t + 1) % _DONE_CHECK_INTERVAL == 0 and bool(done.all()):
                 break
         return _collect(out_tokens[:rows].tolist(), out_logprobs[:rows].tolist(), budgets, params.stop_token_ids)
 
     def _generate_refill(self, prompts: list[list[int]], keys: list[SampleKey], params: SamplingParams) -> list[Sample]:
-        """Every sample through the max_batch cache rows, a finished row taking the next pending sample."""
+        """Every sample through the max_batch cache rows, a finished row taking the next pending sample.
+
+        A refill point waits for the device once, to read which rows are done; everything else it
+        sends or fetches is a copy queued behind the decode steps (page-locked host memory): the
+        finished rows' outputs come back by the next refill point, where they are collected.
+        """
         budgets = [min(params.max_new_tokens, self.max_len - len(p)) for p in prompts]
         if not prompts:
             return []
         slots, state = RowSlots(self.max_batch, len(prompts)), RowState(self.max_batch, max(budgets), self.device)
-        stops = torch.tensor(params.stop_token_ids or [-1], device=self.device)
+        stops = self._stop_table(params)
         decode = self._decode_step(params)
         samples: list[Optional[Sample]] = [None] * len(prompts)
+        in_flight: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (samples, tokens, log-probs)
+
+        def landed() -> None:  # the rows handed back at the last refill point: their copies are on the host
+            for indices, tokens, logprobs in in_flight:
+                ended = _collect(tokens.tolist(), logprobs.tolist(), [budgets[i] for i in indices],
+                                 params.stop_token_ids)
+                for i, sample in zip(indices, ended):
+                    samples[i] = sample
+
         step = 0
         while True:
             if step % self.refill_every == 0:  # a refill point: one host sync
-                handed_back, assigned = slots.refill(state.done.cpu().numpy())
-                if handed_back:
-                    rows, indices = zip(*handed_back)
-                    tokens, logprobs = state.outputs(list(rows))
-                    ended = _collect(tokens, logprobs, [budgets[i] for i in indices], params.stop_token_ids)
-                    for i, sample in zip(indices, ended):
-                        samples[i] = sample
-                if assigned:
-                    self._refill(state, assigned, prompts, keys, budgets)
+                with torch.profiler.record_function("sampler.refill_point"):
+                    handed_back, assigned = slots.refill(state.done.cpu().numpy())  # the copies in flight landed
+                    landed()
+                    in_flight = [self._hand_back(state, handed_back)] if handed_back else []
+                    if assigned:
+                        self._refill(state, assigned, prompts, keys, budgets)
                 if not slots.busy:
-                    return samples
+                    break
             next_token, logprob = decode(*state.inputs(self.cache.slots))
             state.advance(next_token, logprob, stops)
             step += 1
+        _synchronize(self.device)
+        landed()
+        return samples
+
+    def _hand_back(self, state: RowState, handed_back: list[tuple[int, int]]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(samples, tokens (k, width), log-probs) of the finished (row, sample) pairs, on their way to the host."""
+        (rows,) = _upload([np.array([row for row, _ in handed_back], dtype=np.int64)], self.device)
+        tokens, logprobs = state.outputs(rows)
+        return [sample for _, sample in handed_back], _to_host(tokens), _to_host(logprobs)
 
     def _refill(self, state: RowState, assigned: list[tuple[int, int]], prompts: list[list[int]],
                 keys: list[SampleKey], budgets: list[int]) -> None:
@@ -492,8 +512,11 @@ class Sampler:
         rows, indices = [row for row, _ in assigned], [sample for _, sample in assigned]
         self._prefill(rows, [prompts[i] for i in indices])
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
-        state.load(rows, [prompts[i] for i in indices], [budgets[i] for i in indices],
-                   counter_uniforms(streams, state.width))
+        index, last, start, budget = _upload([np.array(rows), np.array([prompts[i][-1] for i in indices]),
+                                              np.array([len(prompts[i]) - 1 for i in indices]),
+                                              np.array([budgets[i] for i in indices])], self.device, np.int64)
+        (uniforms,) = _upload([counter_uniforms(streams, state.width)], self.device)
+        state.load(index, last, start, budget, uniforms)
 
     def _play(self, prompts: list[list[int]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
               on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]], budgets: list[int]) -> None:
@@ -502,7 +525,7 @@ class Sampler:
             return
         slots = RowSlots(self.max_batch, len(prompts))
         state = EpisodeRows(self.max_batch, params.max_new_tokens, self.cache.slots, self.device)
-        stops = torch.tensor(params.stop_token_ids or [-1], device=self.device)
+        stops = self._stop_table(params)
         decode = self._decode_step(params)
         held: list[Optional[list[int]]] = [None] * self.max_batch  # each row's ids before its current turn
         # The step by which each row's turn has surely ended (its forced steps, then its whole budget):
@@ -631,6 +654,14 @@ class Sampler:
                     counter_uniforms(streams, state.width))
         ends_by[rows] = step + np.array(first)
 
+    def _stop_table(self, params: SamplingParams) -> torch.Tensor:
+        """(vocab,) bool on the device: which sampled ids end a sample. A lookup, not ``torch.isin``,
+        whose sort-based path (more than a handful of stop ids) waits for the device every step."""
+        table = torch.zeros(self.model.dims.vocab_size, dtype=torch.bool)
+        ids = [t for t in params.stop_token_ids if 0 <= t < len(table)]  # others are never sampled
+        table[ids] = True
+        return table.to(self.device)
+
     def _prefill(self, rows: list[int], prompts: list[list[int]]) -> None:
         """Write keys/values of every prompt token but the last into cache row ``rows[i]`` of ``prompts[i]``.
 
@@ -641,17 +672,20 @@ class Sampler:
         the device in one copy (a copy from pageable memory waits for the device), and the
         forwards are compiled like the decode step.
         """
+        with torch.profiler.record_function("sampler.prefill"):
+            self._prefill_groups(rows, prompts)
+
+    def _prefill_groups(self, rows: list[int], prompts: list[list[int]]) -> None:
         group, chunk, device = self.prefill_rows, self.prefill_chunk, self.device
         firsts = range(0, len(rows), group)
         chunks = [math.ceil((max(len(p) for p in prompts[f: f + group]) - 1) / chunk) for f in firsts]
         if max(chunks) == 0:  # one-token prompts: nothing to write
             return
-        ids = torch.zeros(len(firsts), max(chunks) * chunk, group, dtype=torch.long)  # (groups, positions, rows)
+        ids = np.zeros((len(firsts), max(chunks) * chunk, group), dtype=np.int64)  # (groups, positions, rows)
         for i, prompt in enumerate(prompts):
-            ids[i // group, : len(prompt) - 1, i % group] = torch.tensor(prompt[:-1])
-        ids = ids.view(len(firsts), max(chunks), chunk, group).transpose(2, 3).contiguous()  # (g, c, rows, chunk)
-        packed = torch.cat([ids.flatten(), torch.tensor(rows)]).to(device)
-        ids, targets = packed[: ids.numel()].view(ids.shape), packed[ids.numel():]
+            ids[i // group, : len(prompt) - 1, i % group] = prompt[:-1]
+        ids = ids.reshape(len(firsts), max(chunks), chunk, group).transpose(0, 1, 3, 2)  # (g, c, rows, chunk)
+        ids, targets = _upload([ids, np.array(rows)], device, np.int64)
         prefill_chunk = self._prefill_forward()
         for g, first in enumerate(firsts):
             for c in range(chunks[g]):
@@ -718,6 +752,36 @@ class Sampler:
 
         self._decode_steps[key] = step
         return step
+
+
+def _upload(arrays: Sequence[np.ndarray], device: torch.device, dtype: Optional[type] = None) -> list[torch.Tensor]:
+    """Host arrays -> tensors of their shapes on ``device``, in one copy queued behind the device's work.
+
+    On CUDA the copy goes from page-locked memory, so it does not wait for the stream (a copy from
+    pageable memory does). ``dtype``: the arrays' common numpy dtype (default the first's).
+    """
+    dtype = dtype or arrays[0].dtype
+    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=dtype).ravel() for a in arrays]))
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    views, at = [], 0
+    for a in arrays:
+        views.append(flat[at: at + a.size].view(a.shape))
+        at += a.size
+    return views
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy on the host; on CUDA still in flight (page-locked) until the stream gets there."""
+    if tensor.device.type != "cuda":
+        return tensor.cpu()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _collect(

@@ -106,16 +106,16 @@ class RowState:
         self.out_tokens = torch.zeros(rows, width + 1, dtype=torch.long, device=device)  # + a spare column
         self.out_logprobs = torch.zeros(rows, width + 1, dtype=torch.float32, device=device)
 
-    def load(self, rows: list[int], prompts: list[list[int]], budgets: list[int], uniforms: np.ndarray) -> None:
-        """Start the samples of ``prompts`` in ``rows`` (their caches already prefilled); uniforms (k, width)."""
-        device = self.token.device
-        index = torch.tensor(rows, device=device)
-        self.token[index, 0] = torch.tensor([p[-1] for p in prompts], device=device)
-        self.start[index] = torch.tensor([len(p) - 1 for p in prompts], device=device)
-        self.local[index] = 0
-        self.budget[index] = torch.tensor(budgets, device=device)
-        self.done[index] = False
-        self.uniforms[index] = torch.from_numpy(uniforms).to(device)
+    def load(self, rows: torch.Tensor, last: torch.Tensor, start: torch.Tensor, budget: torch.Tensor,
+             uniforms: torch.Tensor) -> None:
+        """Start samples in ``rows`` (k,) (their caches already prefilled), device tensors: each one's last
+        prompt token, that token's position and its budget (k,), and its uniforms (k, width)."""
+        self.token[rows, 0] = last
+        self.start[rows] = start
+        self.local[rows] = 0
+        self.budget[rows] = budget
+        self.done[rows] = False
+        self.uniforms[rows] = uniforms
 
     def inputs(self, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) of the next decode step."""
@@ -124,18 +124,17 @@ class RowState:
         return self.token, positions, uniforms
 
     def advance(self, next_token: torch.Tensor, logprob: torch.Tensor, stops: torch.Tensor) -> None:
-        """Record one decode step's (B,) tokens and log-probs."""
+        """Record one decode step's (B,) tokens and log-probs; ``stops`` (vocab,) bool marks the ids that end a sample."""
         column = self.local.clamp(max=self.width)[:, None]
         self.out_tokens.scatter_(1, column, next_token[:, None])
         self.out_logprobs.scatter_(1, column, logprob[:, None])
         self.token = next_token[:, None].clone()  # the graph's output buffer is reused by its next replay
         self.local += 1
-        self.done |= torch.isin(next_token, stops) | (self.local >= self.budget)
+        self.done |= stops[next_token] | (self.local >= self.budget)
 
-    def outputs(self, rows: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-        """The tokens and log-probs written so far by ``rows`` (each ``width`` long; cut them at the sample's end)."""
-        index = torch.tensor(rows, device=self.token.device)
-        return (self.out_tokens[index, : self.width].tolist(), self.out_logprobs[index, : self.width].tolist())
+    def outputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, log-probs), each (k, width): what ``rows`` (k,) wrote so far (cut them at the sample's end)."""
+        return self.out_tokens[rows, : self.width], self.out_logprobs[rows, : self.width]
 
 
 class EpisodeRows:
@@ -190,7 +189,7 @@ class EpisodeRows:
         return self.seq.gather(1, self.pos[:, None]), self.pos[:, None], uniforms
 
     def advance(self, next_token: torch.Tensor, logprob: torch.Tensor, stops: torch.Tensor) -> None:
-        """Record one decode step's (B,) tokens and log-probs where rows sampled."""
+        """Record one decode step's (B,) tokens and log-probs where rows sampled; ``stops`` as in ``RowState.advance``."""
         sampling = ~self.done & (self.pos + 1 == self.length)
         column = torch.where(sampling, self.local, self.width)[:, None]
         self.out_tokens.scatter_(1, column, next_token[:, None])
@@ -199,7 +198,7 @@ class EpisodeRows:
         self.length += sampling
         self.local += sampling
         self.pos += ~self.done
-        self.done |= sampling & (torch.isin(next_token, stops) | (self.local >= self.budget))
+        self.done |= sampling & (stops[next_token] | (self.local >= self.budget))
 
     def turns(self, rows: list[int]) -> tuple[list[list[int]], list[list[float]]]:
         """The ids and log-probs each of ``rows`` sampled in its current turn."""

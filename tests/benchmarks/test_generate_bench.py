@@ -54,11 +54,16 @@ def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path
     torch.set_num_threads(1)  # tiny matmuls: threads on a busy machine wait on each other
     request.addfinalizer(lambda: torch.set_num_threads(threads))
 
-    out = tmp_path / "generate.json"
-    assert bench.main(["--tiny", "--variants", "eager", "--stop-fraction", "0.125", "--samples", "10", "--rollout-new-tokens", "24",
-                       "--refill-every", "4,16", "--prefill-rows", "2",
-                       "--out", str(out)]) == 0
-    rollout = json.loads(out.read_text())["rollout"]
+    out, profile = tmp_path / "generate.json", tmp_path / "profile.txt"
+    assert bench.main(["--tiny", "--variants", "eager", "--rollout-only", "--stop-fraction", "0.125", "--samples", "10",
+                       "--rollout-new-tokens", "24", "--refill-every", "4,16", "--prefill-rows", "2",
+                       "--profile-rollout", str(profile), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["results"] == {}  # --rollout-only: no throughput variants
+    rollout = report["rollout"]
+    assert set(rollout["ms_per_decode_step"]) == {"groups", "groups_prefill_all_rows", "refill_every_4", "refill_every_16"}
+    sections = [line for line in profile.read_text().splitlines() if line.startswith("## ")]
+    assert [line.split(":")[0] for line in sections] == ["## groups_prefill_all_rows", f"## {rollout['refill_best']}"]
     assert rollout["refill_equals_groups"] is True and rollout["prefill_rows"] == 2
     assert rollout["groups_prefill_all_rows"]["tokens_per_s"] > 0
     steps = rollout["decode_steps"]

@@ -59,10 +59,13 @@ def test_the_refill_interval_changes_no_sample(sampler_model, every):
     assert refill.generate(prompts, keys, params) == _sampler(sampler_model, "groups").generate(prompts, keys, params)
 
 
-def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model):
-    """Counted model forwards: refill decodes about the mean completion length per row, groups the longest."""
-    # 3 stop tokens of 96: completions end after ~32 tokens, up to 96; refill points come every 16 steps.
-    params = SamplingParams(temperature=1.0, max_new_tokens=96, stop_token_ids=(5, 40, 77))
+# 3 stop tokens of 96: completions end after ~32 tokens, up to 96. The second set adds 41 ids outside
+# the vocabulary, which are never sampled (more than a few stop ids took torch.isin's sort-based path).
+@pytest.mark.parametrize("stops", [(5, 40, 77), (5, 40, 77) + tuple(range(200, 240)) + (-1,)])
+def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model, stops):
+    """Counted model forwards: refill decodes about the mean completion length per row, groups the longest;
+    a row is done exactly when it samples a stop id (refill points come every 16 steps)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=96, stop_token_ids=stops)
     prompts, keys = _prompts(), _keys()
     counts = {}
     for schedule in ("refill", "groups"):
