@@ -487,10 +487,11 @@ class Sampler:
             if step % self.refill_every == 0:  # a refill point: one host sync
                 with torch.profiler.record_function("sampler.refill_point"):
                     handed_back, assigned = slots.refill(state.done.cpu().numpy())  # the copies in flight landed
-                    landed()
-                    in_flight = [self._hand_back(state, handed_back)] if handed_back else []
-                    if assigned:
+                    if assigned:  # first, so that the device works while the host collects
                         self._refill(state, assigned, prompts, keys, budgets)
+                    landed()
+                    # Fetched after the refill's kernels but before the next decode step writes these rows.
+                    in_flight = [self._hand_back(state, handed_back)] if handed_back else []
                 if not slots.busy:
                     break
             next_token, logprob = decode(*state.inputs(self.cache.slots))
