@@ -486,7 +486,9 @@ class Sampler:
         while True:
             if step % self.refill_every == 0:  # a refill point: one host sync
                 with torch.profiler.record_function("sampler.refill_point"):
-                    handed_back, assigned = slots.refill(state.done.cpu().numpy())  # the copies in flight landed
+                    with torch.profiler.record_function("sampler.done_flags"):  # the copies in flight land too
+                        done = state.done.cpu().numpy()
+                    handed_back, assigned = slots.refill(done)
                     if assigned:  # first, so that the device works while the host collects
                         self._refill(state, assigned, prompts, keys, budgets)
                     landed()
