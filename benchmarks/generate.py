@@ -33,7 +33,8 @@ token id is a stop token, so sampled completions of the random-weight model end 
 continuous refill (``schedule="refill"``) and once with the group-by-group schedule before
 it (``"groups"``: each group of ``--batch`` decodes until its longest sample ends), both the
 first of our variants in ``--variants``, in the same call; refill once per value of
-``--refill-every`` (decode steps between refill points), the fastest reported as ``refill``.
+``--refill-every`` (decode steps between refill points; with ``--prefill-ahead both``, with and
+without the Sampler's ``prefill_ahead``), the fastest reported as ``refill``.
 Both prefill ``--prefill-rows`` prompts per forward; the group schedule runs once more as it
 ran before that setting existed, a group's prompts in one forward of all ``--batch`` rows
 (``groups_prefill_all_rows``), and refill's speedup is reported against both, with the decode
@@ -216,16 +217,18 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
     report: dict[str, Any] = {"variant": variant, "samples": samples, "rows": args.batch, "new_tokens": new_tokens,
                               "stop_tokens": len(params.stop_token_ids), "vocab": vocab}
     intervals = [int(k) for k in str(args.refill_every).split(",") if k]
-    # (name, schedule, refill interval, prefill rows): the group schedule also as it ran before
-    # prefills of prefill_rows, every prompt of a group in one forward of all rows.
-    runs = [("groups", "groups", 16, args.prefill_rows), ("groups_prefill_all_rows", "groups", 16, args.batch)]
-    runs += [(f"refill_every_{k}", "refill", k, args.prefill_rows) for k in intervals]
+    aheads = {"default": [(None, "")], "on": [(True, "")], "off": [(False, "")],
+              "both": [(True, "_ahead"), (False, "_not_ahead")]}[args.prefill_ahead]
+    # (name, schedule, refill interval, prefill ahead, prefill rows): the group schedule also as it
+    # ran before prefills of prefill_rows, every prompt of a group in one forward of all rows.
+    runs = [("groups", "groups", 16, None, args.prefill_rows), ("groups_prefill_all_rows", "groups", 16, None, args.batch)]
+    runs += [(f"refill_every_{k}{suffix}", "refill", k, ahead, args.prefill_rows) for k in intervals for ahead, suffix in aheads]
     outputs, samplers = {}, {}
-    for name, schedule, every, prefill_rows in runs:
+    for name, schedule, every, ahead, prefill_rows in runs:
         print(f"[generate] rollout phase, {name} ...", flush=True)
         sampler = Sampler(model, max_batch=args.batch, max_len=args.prompt_len + new_tokens,
                           prefill_chunk=args.prompt_len, prefill_rows=prefill_rows, schedule=schedule,
-                          refill_every=every, compile=compile_, cuda_graphs=graphs)
+                          refill_every=every, prefill_ahead=ahead, compile=compile_, cuda_graphs=graphs)
         samplers[name] = sampler
         report.setdefault("prefill_rows", sampler.prefill_rows)
         measured = _measure(lambda: sampler.generate(prompts, keys, params), device, args.repeats, 1)
@@ -235,7 +238,7 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
         if name == runs[2][0]:
             report["determinism_refill"] = check_determinism(sampler, prompts, keys, params,
                                                              min(args.probe, samples))
-    best = min((name for name, schedule, _, _ in runs if schedule == "refill"), key=lambda n: report[n]["median_s"])
+    best = min((name for name, schedule, *_ in runs if schedule == "refill"), key=lambda n: report[n]["median_s"])
     report["refill"] = report[best]
     report["refill_best"] = best
     lengths = [len(s.tokens) for s in outputs["groups"]]
@@ -250,7 +253,8 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
     # The decode steps each schedule ran for these lengths: their ratio bounds refill's speedup
     # (a refill step costs a group step; prefills, host syncs and the tail are the rest).
     steps = {name: decode_steps(lengths, args.batch, every, schedule, budget=new_tokens)
-             for name, schedule, every, _ in runs}
+             for name, schedule, every, *_ in runs}
+    report["prefill_ahead"] = {name: samplers[name].prefill_ahead for name, schedule, *_ in runs if schedule == "refill"}
     report["decode_steps"] = steps
     report["step_bound_refill_vs_groups"] = steps["groups"] / steps[best]
     # Wall time per decode step: what a schedule pays beyond its steps (prefills, refill points) shows here.
@@ -305,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="add the mixed-length rollout phase: this fraction of the vocabulary stops a sample")
     parser.add_argument("--refill-every", default="16", metavar="K[,K...]",
                         help="rollout phase: decode steps between refill points; refill is measured for each")
+    parser.add_argument("--prefill-ahead", choices=("default", "on", "off", "both"), default="default",
+                        help="rollout phase: the Sampler's prefill_ahead for refill (default its own: on CUDA); "
+                             "both: each refill interval with and without")
     parser.add_argument("--samples", type=int, default=None, help="rollout phase: samples (default 4 x --batch)")
     parser.add_argument("--prefill-rows", type=int, default=None,
                         help="our sampler's rows per prefill forward (default: the Sampler's, 16 or --batch if fewer)")

@@ -51,6 +51,7 @@ is compiled and replayed the same way. On other devices everything runs eagerly.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
@@ -283,8 +284,12 @@ class Sampler:
     number of decode steps between refill points (one host sync and, where rows are free
     and samples pending, a prefill of the free rows, ``prefill_rows`` per forward): fewer
     points cost fewer host syncs and prefill forwards, more leave finished rows idle for fewer
-    steps. It changes no sample. ``prefill_rows`` (default: 16, at most max_batch) is the
-    rows of every prefill forward: a shape, so it is one of the settings a sample depends on.
+    steps. It changes no sample. ``prefill_ahead`` (default: on CUDA) has a refill point launch
+    the prefill of the next ``prefill_rows`` pending prompts before it reads which rows are
+    free, so the device computes it while the host waits and decides; a prefilled sample that
+    finds no free row is prefilled again later. It changes no sample either. ``prefill_rows``
+    (default: 16, at most max_batch) is the rows of every prefill forward: a shape, so it is one
+    of the settings a sample depends on.
 
     ``compile`` (default: on CUDA) compiles the decode step with static shapes;
     ``cuda_graphs`` (default: with compile on CUDA) replays it as a CUDA graph.
@@ -300,6 +305,7 @@ class Sampler:
         prefill_rows: Optional[int] = None,
         schedule: Schedule = "refill",
         refill_every: int = _DONE_CHECK_INTERVAL,
+        prefill_ahead: Optional[bool] = None,
         compile: Optional[bool] = None,
         cuda_graphs: Optional[bool] = None,
     ) -> None:
@@ -337,6 +343,7 @@ class Sampler:
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         on_cuda = self.device.type == "cuda"
+        self.prefill_ahead = on_cuda if prefill_ahead is None else prefill_ahead
         self.compile = on_cuda if compile is None else compile
         self.cuda_graphs = (self.compile and on_cuda) if cuda_graphs is None else cuda_graphs
         # Slots rounded up to whole prefill chunks: chunk positions never leave the cache.
@@ -486,11 +493,19 @@ class Sampler:
         while True:
             if step % self.refill_every == 0:  # a refill point: one host sync
                 with torch.profiler.record_function("sampler.refill_point"):
+                    done, landing = _fetch(state.done)
+                    # Ahead of the read, the next pending prompts' prefill: the device runs it while the
+                    # host waits for the flags and decides; a sample it holds that finds no free row
+                    # is prefilled again at a later point (the same keys/values: the shape is fixed).
+                    ahead = self.prefill_ahead and slots.busy  # not at the first fill: the device is idle
+                    staged = list(itertools.islice(slots.pending, self.prefill_rows)) if ahead else []
+                    if staged and not self._prefill_group([prompts[i] for i in staged]):
+                        staged = []  # one-token prompts: nothing to write
                     with torch.profiler.record_function("sampler.done_flags"):  # the copies in flight land too
-                        done = state.done.cpu().numpy()
-                    handed_back, assigned = slots.refill(done)
+                        landing()
+                    handed_back, assigned = slots.refill(done.numpy())
                     if assigned:  # first, so that the device works while the host collects
-                        self._refill(state, assigned, prompts, keys, budgets)
+                        self._refill(state, assigned, prompts, keys, budgets, staged)
                     landed()
                     # Fetched after the refill's kernels but before the next decode step writes these rows.
                     in_flight = [self._hand_back(state, handed_back)] if handed_back else []
@@ -510,10 +525,19 @@ class Sampler:
         return [sample for _, sample in handed_back], _to_host(tokens), _to_host(logprobs)
 
     def _refill(self, state: RowState, assigned: list[tuple[int, int]], prompts: list[list[int]],
-                keys: list[SampleKey], budgets: list[int]) -> None:
-        """Prefill the assigned (row, sample) pairs' prompts into their rows and start them decoding."""
+                keys: list[SampleKey], budgets: list[int], staged: list[int]) -> None:
+        """Prefill the assigned (row, sample) pairs' prompts into their rows and start them decoding.
+
+        ``staged``: the samples whose prompts the prefill cache already holds, in its first rows; the
+        queue's order, so they are the first assigned ones.
+        """
         rows, indices = [row for row, _ in assigned], [sample for _, sample in assigned]
-        self._prefill(rows, [prompts[i] for i in indices])
+        held = min(len(staged), len(indices))
+        assert indices[:held] == staged[:held], "samples are assigned in the queue's order"
+        if held:
+            self._copy_prefilled(rows[:held])
+        if len(rows) > held:
+            self._prefill(rows[held:], [prompts[i] for i in indices[held:]])
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
         index, last, start, budget = _upload([np.array(rows), np.array([prompts[i][-1] for i in indices]),
                                               np.array([len(prompts[i]) - 1 for i in indices]),
@@ -672,31 +696,34 @@ class Sampler:
         last group padded with dummy rows) by ``prefill_chunk`` positions, into the prefill
         cache; then each group's rows are copied into their cache rows. So a prefill costs
         about the rows it fills, and the other rows' caches keep what they hold. The ids go to
-        the device in one copy (a copy from pageable memory waits for the device), and the
-        forwards are compiled like the decode step.
+        the device in page-locked copies that do not wait for it, and the forwards are compiled
+        like the decode step.
         """
         with torch.profiler.record_function("sampler.prefill"):
-            self._prefill_groups(rows, prompts)
+            for first in range(0, len(rows), self.prefill_rows):
+                if self._prefill_group(prompts[first: first + self.prefill_rows]):
+                    self._copy_prefilled(rows[first: first + self.prefill_rows])
 
-    def _prefill_groups(self, rows: list[int], prompts: list[list[int]]) -> None:
-        group, chunk, device = self.prefill_rows, self.prefill_chunk, self.device
-        firsts = range(0, len(rows), group)
-        chunks = [math.ceil((max(len(p) for p in prompts[f: f + group]) - 1) / chunk) for f in firsts]
-        if max(chunks) == 0:  # one-token prompts: nothing to write
-            return
-        ids = np.zeros((len(firsts), max(chunks) * chunk, group), dtype=np.int64)  # (groups, positions, rows)
+    def _prefill_group(self, prompts: list[list[int]]) -> bool:
+        """Prefill up to ``prefill_rows`` prompts into the prefill cache's first rows; False where every
+        prompt is one token (nothing to write)."""
+        group, chunk = self.prefill_rows, self.prefill_chunk
+        chunks = math.ceil((max(len(p) for p in prompts) - 1) / chunk)
+        if chunks == 0:
+            return False
+        ids = np.zeros((chunks * chunk, group), dtype=np.int64)  # (positions, rows), dummy rows all zeros
         for i, prompt in enumerate(prompts):
-            ids[i // group, : len(prompt) - 1, i % group] = prompt[:-1]
-        ids = ids.reshape(len(firsts), max(chunks), chunk, group).transpose(0, 1, 3, 2)  # (g, c, rows, chunk)
-        ids, targets = _upload([ids, np.array(rows)], device, np.int64)
-        prefill_chunk = self._prefill_forward()
-        for g, first in enumerate(firsts):
-            for c in range(chunks[g]):
-                positions = torch.arange(c * chunk, (c + 1) * chunk, device=device).expand(group, chunk)
-                prefill_chunk(ids[g, c], positions)
-            if chunks[g]:  # a group of one-token prompts wrote nothing
-                count = min(group, len(rows) - first)
-                self.cache.copy_rows(self.prefill_cache, count, targets[first: first + count])
+            ids[: len(prompt) - 1, i] = prompt[:-1]
+        (ids,) = _upload([ids.reshape(chunks, chunk, group).transpose(0, 2, 1)], self.device)  # (c, rows, chunk)
+        forward = self._prefill_forward()
+        for c in range(chunks):
+            forward(ids[c], torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk))
+        return True
+
+    def _copy_prefilled(self, rows: list[int]) -> None:
+        """Copy the prefill cache's first ``len(rows)`` rows into cache rows ``rows``."""
+        (targets,) = _upload([np.array(rows, dtype=np.int64)], self.device)
+        self.cache.copy_rows(self.prefill_cache, len(rows), targets)
 
     def _prefill_forward(self) -> Callable:
         """(ids (prefill_rows, prefill_chunk), positions (same)) -> the chunk's last logits (unused): one
@@ -775,11 +802,22 @@ def _upload(arrays: Sequence[np.ndarray], device: torch.device, dtype: Optional[
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A device tensor's copy on the host; on CUDA still in flight (page-locked) until the stream gets there."""
+    """A copy of a device tensor on the host; on CUDA still in flight (page-locked) until the stream gets there."""
     if tensor.device.type != "cuda":
-        return tensor.cpu()
+        return tensor.clone()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
+
+
+def _fetch(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """(a host copy of ``tensor`` as it is now, wait): ``wait()`` returns once the copy has landed,
+    while the work queued after it may still run."""
+    host = _to_host(tensor)
+    if tensor.device.type != "cuda":
+        return host, lambda: None
+    landed = torch.cuda.Event()
+    landed.record()
+    return host, landed.synchronize
 
 
 def _synchronize(device: torch.device) -> None:

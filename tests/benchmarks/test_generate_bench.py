@@ -56,20 +56,22 @@ def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path
 
     out, profile = tmp_path / "generate.json", tmp_path / "profile.txt"
     assert bench.main(["--tiny", "--variants", "eager", "--rollout-only", "--stop-fraction", "0.125", "--samples", "10",
-                       "--rollout-new-tokens", "24", "--refill-every", "4,16", "--prefill-rows", "2",
+                       "--rollout-new-tokens", "24", "--refill-every", "4,16", "--prefill-ahead", "both", "--prefill-rows", "2",
                        "--profile-rollout", str(profile), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["results"] == {}  # --rollout-only: no throughput variants
     rollout = report["rollout"]
-    assert set(rollout["ms_per_decode_step"]) == {"groups", "groups_prefill_all_rows", "refill_every_4", "refill_every_16"}
+    refills = {f"refill_every_{k}{suffix}" for k in (4, 16) for suffix in ("_ahead", "_not_ahead")}
+    assert set(rollout["ms_per_decode_step"]) == {"groups", "groups_prefill_all_rows"} | refills
+    assert rollout["prefill_ahead"] == {name: not name.endswith("_not_ahead") for name in refills}
     sections = [line for line in profile.read_text().splitlines() if line.startswith("## ")]
     assert [line.split(":")[0] for line in sections] == ["## groups_prefill_all_rows", f"## {rollout['refill_best']}"]
     assert rollout["refill_equals_groups"] is True and rollout["prefill_rows"] == 2
     assert rollout["groups_prefill_all_rows"]["tokens_per_s"] > 0
     steps = rollout["decode_steps"]
-    assert steps["refill_every_4"] < steps["groups"] and rollout["step_bound_refill_vs_groups"] > 1
+    assert steps["refill_every_4_ahead"] < steps["groups"] and rollout["step_bound_refill_vs_groups"] > 1
     assert all(check["equal"] for check in rollout["determinism_refill"].values()), rollout["determinism_refill"]
     lengths = rollout["lengths"]
     assert lengths["min"] < lengths["mean"] < lengths["max"] <= 24
-    assert rollout["refill_best"] in ("refill_every_4", "refill_every_16")
-    assert all(rollout[name]["tokens_per_s"] > 0 for name in ("refill_every_4", "refill_every_16", "groups"))
+    assert rollout["refill_best"] in refills
+    assert all(rollout[name]["tokens_per_s"] > 0 for name in refills | {"groups"})

@@ -52,24 +52,31 @@ def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sample
     assert min(lengths) < 6 and max(lengths) >= 20, lengths
 
 
-@pytest.mark.parametrize("every", [1, 7])
-def test_the_refill_interval_changes_no_sample(sampler_model, every):
+# prefill_ahead: every refill point prefills the next prompts before it knows the free rows; with
+# 3 prompts per prefill and a point every step, most of them find no free row and go again later.
+@pytest.mark.parametrize("every,ahead,prefill_rows", [(1, False, None), (7, False, None), (1, True, 3), (7, True, 2),
+                                                      (16, True, None)])
+def test_the_refill_interval_and_prefilling_ahead_change_no_sample(sampler_model, every, ahead, prefill_rows):
     params, prompts, keys = RULES["filtered"], _prompts(), _keys()
-    refill = Sampler(sampler_model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every)
+    refill = Sampler(sampler_model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every,
+                     prefill_ahead=ahead, prefill_rows=prefill_rows)
     assert refill.generate(prompts, keys, params) == _sampler(sampler_model, "groups").generate(prompts, keys, params)
 
 
 # 3 stop tokens of 96: completions end after ~32 tokens, up to 96. The second set adds 41 ids outside
 # the vocabulary, which are never sampled (more than a few stop ids took torch.isin's sort-based path).
-@pytest.mark.parametrize("stops", [(5, 40, 77), (5, 40, 77) + tuple(range(200, 240)) + (-1,)])
-def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model, stops):
+@pytest.mark.parametrize("stops,ahead", [((5, 40, 77), False), ((5, 40, 77) + tuple(range(200, 240)) + (-1,), False),
+                                         ((5, 40, 77), True)])
+def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model, stops, ahead):
     """Counted model forwards: refill decodes about the mean completion length per row, groups the longest;
-    a row is done exactly when it samples a stop id (refill points come every 16 steps)."""
+    a row is done exactly when it samples a stop id (refill points come every 16 steps). Prefilling
+    ahead changes no decode step."""
     params = SamplingParams(temperature=1.0, max_new_tokens=96, stop_token_ids=stops)
     prompts, keys = _prompts(), _keys()
     counts = {}
     for schedule in ("refill", "groups"):
-        sampler = Sampler(sampler_model, max_batch=4, max_len=112, prefill_chunk=8, schedule=schedule)
+        sampler = Sampler(sampler_model, max_batch=4, max_len=112, prefill_chunk=8, schedule=schedule,
+                          prefill_ahead=ahead)
         calls = []
         forward = sampler.model._forward_cached
 
