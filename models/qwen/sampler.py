@@ -74,7 +74,7 @@ from models.qwen.nucleus import (
     nucleus_cut_cuda,
     triton_available,
 )
-from models.qwen.scheduler import EpisodeRows, RowSlots, RowState
+from models.qwen.scheduler import EpisodeRows, RowSlots, RowState, upload
 
 FinishReason = Literal["stop", "length"]
 Schedule = Literal["refill", "groups"]
@@ -520,7 +520,7 @@ class Sampler:
 
     def _hand_back(self, state: RowState, handed_back: list[tuple[int, int]]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """(samples, tokens (k, width), log-probs) of the finished (row, sample) pairs, on their way to the host."""
-        (rows,) = _upload([np.array([row for row, _ in handed_back], dtype=np.int64)], self.device)
+        (rows,) = upload([np.array([row for row, _ in handed_back], dtype=np.int64)], self.device)
         tokens, logprobs = state.outputs(rows)
         return [sample for _, sample in handed_back], _to_host(tokens), _to_host(logprobs)
 
@@ -539,10 +539,10 @@ class Sampler:
         if len(rows) > held:
             self._prefill(rows[held:], [prompts[i] for i in indices[held:]])
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
-        index, last, start, budget = _upload([np.array(rows), np.array([prompts[i][-1] for i in indices]),
+        index, last, start, budget = upload([np.array(rows), np.array([prompts[i][-1] for i in indices]),
                                               np.array([len(prompts[i]) - 1 for i in indices]),
                                               np.array([budgets[i] for i in indices])], self.device, np.int64)
-        (uniforms,) = _upload([counter_uniforms(streams, state.width)], self.device)
+        (uniforms,) = upload([counter_uniforms(streams, state.width)], self.device)
         state.load(index, last, start, budget, uniforms)
 
     def _play(self, prompts: list[list[int]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
@@ -714,7 +714,7 @@ class Sampler:
         ids = np.zeros((chunks * chunk, group), dtype=np.int64)  # (positions, rows), dummy rows all zeros
         for i, prompt in enumerate(prompts):
             ids[: len(prompt) - 1, i] = prompt[:-1]
-        (ids,) = _upload([ids.reshape(chunks, chunk, group).transpose(0, 2, 1)], self.device)  # (c, rows, chunk)
+        (ids,) = upload([ids.reshape(chunks, chunk, group).transpose(0, 2, 1)], self.device)  # (c, rows, chunk)
         forward = self._prefill_forward()
         for c in range(chunks):
             forward(ids[c], torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk))
@@ -722,7 +722,7 @@ class Sampler:
 
     def _copy_prefilled(self, rows: list[int]) -> None:
         """Copy the prefill cache's first ``len(rows)`` rows into cache rows ``rows``."""
-        (targets,) = _upload([np.array(rows, dtype=np.int64)], self.device)
+        (targets,) = upload([np.array(rows, dtype=np.int64)], self.device)
         self.cache.copy_rows(self.prefill_cache, len(rows), targets)
 
     def _prefill_forward(self) -> Callable:
@@ -782,23 +782,6 @@ class Sampler:
 
         self._decode_steps[key] = step
         return step
-
-
-def _upload(arrays: Sequence[np.ndarray], device: torch.device, dtype: Optional[type] = None) -> list[torch.Tensor]:
-    """Host arrays -> tensors of their shapes on ``device``, in one copy queued behind the device's work.
-
-    On CUDA the copy goes from page-locked memory, so it does not wait for the stream (a copy from
-    pageable memory does). ``dtype``: the arrays' common numpy dtype (default the first's).
-    """
-    dtype = dtype or arrays[0].dtype
-    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=dtype).ravel() for a in arrays]))
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    views, at = [], 0
-    for a in arrays:
-        views.append(flat[at: at + a.size].view(a.shape))
-        at += a.size
-    return views
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

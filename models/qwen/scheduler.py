@@ -23,10 +23,27 @@ compares them bitwise with the group-by-group schedule).
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+
+def upload(arrays: Sequence[np.ndarray], device: torch.device, dtype: Optional[type] = None) -> list[torch.Tensor]:
+    """Host arrays -> tensors of their shapes on ``device``, in one copy queued behind the device's work.
+
+    On CUDA the copy goes from page-locked memory, so it does not wait for the stream (a copy from
+    pageable memory does). ``dtype``: the arrays' common numpy dtype (default the first's).
+    """
+    dtype = dtype or arrays[0].dtype
+    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=dtype).ravel() for a in arrays]))
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    views, at = [], 0
+    for a in arrays:
+        views.append(flat[at: at + a.size].view(a.shape))
+        at += a.size
+    return views
 
 
 class RowSlots:
@@ -169,19 +186,20 @@ class EpisodeRows:
         """Start a turn in ``rows``: each row's whole sequence, the position it feeds from (its cache
         holds every id before it; only the ids from there on are written into ``seq``, the row
         never feeds the others again), its budget and the turn's uniforms (k, width)."""
-        device = self.seq.device
-        index = torch.tensor(rows, device=device)
         counts = [len(ids) - p for ids, p in zip(sequences, positions)]
-        cells = (np.repeat(rows, counts), np.concatenate([np.arange(p, len(ids)) for ids, p in zip(sequences, positions)]))
+        cells_rows = np.repeat(rows, counts)
+        cells_cols = np.concatenate([np.arange(p, len(ids)) for ids, p in zip(sequences, positions)])
         values = np.concatenate([np.asarray(ids[p:], dtype=np.int64) for ids, p in zip(sequences, positions)])
-        self.seq[torch.from_numpy(cells[0]).to(device), torch.from_numpy(cells[1]).to(device)] = (
-            torch.from_numpy(values).to(device))
-        self.pos[index] = torch.tensor(positions, device=device)
-        self.length[index] = torch.tensor([len(s) for s in sequences], device=device)
+        index, cells_rows, cells_cols, values, pos, length, budget = upload(
+            [np.array(rows), cells_rows, cells_cols, values, np.array(positions), np.array([len(s) for s in sequences]),
+             np.array(budgets)], self.seq.device, np.int64)
+        self.seq[cells_rows, cells_cols] = values
+        self.pos[index] = pos
+        self.length[index] = length
         self.local[index] = 0
-        self.budget[index] = torch.tensor(budgets, device=device)
+        self.budget[index] = budget
         self.done[index] = False
-        self.uniforms[index] = torch.from_numpy(uniforms).to(device)
+        self.uniforms[index] = upload([uniforms], self.seq.device)[0]
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) of the next decode step."""
