@@ -45,7 +45,10 @@ temperature or filters were.
 default, replayed as a CUDA graph (``mode="reduce-overhead"``); the sampling rule (softmax,
 top-p's cut and the draw: Triton kernels where Triton is installed, models/qwen/nucleus.py)
 is captured as a second graph. The prefill's forward (``prefill_rows`` x ``prefill_chunk``)
-is compiled and replayed the same way. On other devices everything runs eagerly.
+is compiled and replayed the same way. A refill point waits for the device once, for the done
+flags; what it sends and fetches goes in page-locked copies that do not, and with
+``prefill_ahead`` the next prompts' prefill runs while it waits. On other devices everything
+runs eagerly.
 """
 
 from __future__ import annotations
