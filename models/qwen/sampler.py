@@ -718,9 +718,9 @@ class Sampler:
         for i, prompt in enumerate(prompts):
             ids[: len(prompt) - 1, i] = prompt[:-1]
         (ids,) = upload([ids.reshape(chunks, chunk, group).transpose(0, 2, 1)], self.device)  # (c, rows, chunk)
-        forward = self._prefill_forward()
+        prefill_chunk = self._prefill_forward()
         for c in range(chunks):
-            forward(ids[c], torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk))
+            prefill_chunk(ids[c], torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk))
         return True
 
     def _copy_prefilled(self, rows: list[int]) -> None:
