@@ -46,9 +46,12 @@ def test_sampling_settings_reach_both_generators():
     assert config.use_cache
 
 
-def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path, request):
+def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path, request, monkeypatch):
     """--tiny --stop-fraction on the CPU: both schedules give bitwise the same samples, and the checks hold."""
     import json
+
+    profiled = {}  # --profile-rollout's calls (the profiler's own cost is write_profiles' test's)
+    monkeypatch.setattr(bench, "write_profiles", lambda path, calls, device: profiled.update(path=path, calls=calls))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: threads on a busy machine wait on each other
@@ -64,8 +67,9 @@ def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path
     refills = {f"refill_every_{k}{suffix}" for k in (4, 16) for suffix in ("_ahead", "_not_ahead")}
     assert set(rollout["ms_per_decode_step"]) == {"groups", "groups_prefill_all_rows"} | refills
     assert rollout["prefill_ahead"] == {name: not name.endswith("_not_ahead") for name in refills}
-    sections = [line for line in profile.read_text().splitlines() if line.startswith("## ")]
-    assert [line.split(":")[0] for line in sections] == ["## groups_prefill_all_rows", f"## {rollout['refill_best']}"]
+    assert profiled["path"] == str(profile)
+    assert list(profiled["calls"]) == ["groups_prefill_all_rows", rollout["refill_best"]]
+    assert len(profiled["calls"]["groups_prefill_all_rows"]()) == 10  # one generate call: every sample
     assert rollout["refill_equals_groups"] is True and rollout["prefill_rows"] == 2
     assert rollout["groups_prefill_all_rows"]["tokens_per_s"] > 0
     steps = rollout["decode_steps"]
@@ -75,3 +79,12 @@ def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path
     assert lengths["min"] < lengths["mean"] < lengths["max"] <= 24
     assert rollout["refill_best"] in refills
     assert all(rollout[name]["tokens_per_s"] > 0 for name in refills | {"groups"})
+
+
+def test_write_profiles_tables_each_call_by_device_and_host_time(tmp_path):
+    path = tmp_path / "profile.txt"
+    bench.write_profiles(str(path), {"first": lambda: torch.ones(8, 8) @ torch.ones(8, 8),
+                                     "second": lambda: torch.ones(4).sum()}, torch.device("cpu"))
+    text = path.read_text()
+    assert [line.split(":")[0] for line in text.splitlines() if line.startswith("## ")] == ["## first", "## second"]
+    assert "aten::mm" in text and "aten::sum" in text
