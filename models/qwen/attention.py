@@ -238,12 +238,13 @@ class KVCache(torch.nn.Module):
         """
         return getattr(self, f"k{layer}")[: self.batch], getattr(self, f"v{layer}")[: self.batch]
 
-    def copy_rows(self, source: "KVCache", count: int, rows: torch.Tensor) -> None:
-        """Copy the first ``count`` rows of ``source`` (a cache of the same slots) into rows ``rows`` ((count,) int64).
+    def copy_rows(self, source: "KVCache", rows: torch.Tensor) -> None:
+        """Copy the first k rows of ``source`` (a cache of the same slots) into rows ``rows`` ((k,) int64).
 
         One ``index_copy_`` per buffer (two per layer), fewer host operations than indexed
         assignment, whose ``index_put_`` took about 70 us of host time per buffer on an H200 under
         the profiler; deterministic under ``use_deterministic_algorithms`` (the rows are distinct)."""
+        count = rows.shape[0]
         for layer in range(self.num_layers):
             for name in (f"k{layer}", f"v{layer}"):
                 getattr(self, name).index_copy_(0, rows, getattr(source, name)[:count])

@@ -45,10 +45,10 @@ temperature or filters were.
 default, replayed as a CUDA graph (``mode="reduce-overhead"``); the sampling rule (softmax,
 top-p's cut and the draw: Triton kernels where Triton is installed, models/qwen/nucleus.py)
 is captured as a second graph. The prefill's forward (``prefill_rows`` x ``prefill_chunk``)
-is compiled and replayed the same way. A refill point waits for the device once, for the done
-flags; what it sends and fetches goes in page-locked copies that do not, and with
-``prefill_ahead`` the next prompts' prefill runs while it waits. On other devices everything
-runs eagerly.
+is compiled and replayed as a graph with its own memory pool. A refill point waits for the
+device once, for the done flags; what it sends and fetches goes in page-locked copies that do
+not, and with ``prefill_ahead`` the next point's prompts are prefilled on a second stream,
+beside the decode steps. On other devices everything runs eagerly.
 """
 
 from __future__ import annotations
@@ -287,10 +287,11 @@ class Sampler:
     number of decode steps between refill points (one host sync and, where rows are free
     and samples pending, a prefill of the free rows, ``prefill_rows`` per forward): fewer
     points cost fewer host syncs and prefill forwards, more leave finished rows idle for fewer
-    steps. It changes no sample. ``prefill_ahead`` (default: on CUDA) has a refill point launch
-    the prefill of the next ``prefill_rows`` pending prompts before it reads which rows are
-    free, so the device computes it while the host waits and decides; a prefilled sample that
-    finds no free row is prefilled again later. It changes no sample either. ``prefill_rows``
+    steps. It changes no sample. ``prefill_ahead`` (default: on CUDA) has every refill point
+    launch the prefill of the next ``prefill_rows`` pending prompts for the next point, on CUDA
+    on a stream of its own, so it runs beside the decode steps in between (whose small kernels
+    leave most of the device free) instead of between them; a prefilled sample that finds no
+    free row there is prefilled again later. It changes no sample either. ``prefill_rows``
     (default: 16, at most max_batch) is the rows of every prefill forward: a shape, so it is one
     of the settings a sample depends on.
 
@@ -347,6 +348,8 @@ class Sampler:
         self.device, self.dtype = weight.device, weight.dtype
         on_cuda = self.device.type == "cuda"
         self.prefill_ahead = on_cuda if prefill_ahead is None else prefill_ahead
+        # Where prompts are prefilled ahead on CUDA: their stream, beside the decode steps'.
+        self._side = torch.cuda.Stream(self.device) if on_cuda and self.prefill_ahead else None
         self.compile = on_cuda if compile is None else compile
         self.cuda_graphs = (self.compile and on_cuda) if cuda_graphs is None else cuda_graphs
         # Slots rounded up to whole prefill chunks: chunk positions never leave the cache.
@@ -492,31 +495,35 @@ class Sampler:
                 for i, sample in zip(indices, ended):
                     samples[i] = sample
 
+        # Samples whose prompts the prefill cache holds, in its first rows: the next pending ones,
+        # prefilled ahead at the last point (on CUDA on a stream of their own, beside the decode steps).
+        staged: list[int] = []
         step = 0
         while True:
             if step % self.refill_every == 0:  # a refill point: one host sync
                 with torch.profiler.record_function("sampler.refill_point"):
                     done, landing = _fetch(state.done)
-                    # Ahead of the read, the next pending prompts' prefill: the device runs it while the
-                    # host waits for the flags and decides; a sample it holds that finds no free row
-                    # is prefilled again at a later point (the same keys/values: the shape is fixed).
-                    ahead = self.prefill_ahead and slots.busy  # not at the first fill: the device is idle
-                    staged = list(itertools.islice(slots.pending, self.prefill_rows)) if ahead else []
-                    if staged and not self._prefill_group([prompts[i] for i in staged]):
-                        staged = []  # one-token prompts: nothing to write
                     with torch.profiler.record_function("sampler.done_flags"):  # the copies in flight land too
                         landing()
                     handed_back, assigned = slots.refill(done.numpy())
                     if assigned:  # first, so that the device works while the host collects
                         self._refill(state, assigned, prompts, keys, budgets, staged)
+                        staged = []  # taken, or overwritten by the prefill of the others
                     landed()
                     # Fetched after the refill's kernels but before the next decode step writes these rows.
                     in_flight = [self._hand_back(state, handed_back)] if handed_back else []
+                    if self.prefill_ahead and slots.pending and not staged:
+                        # The next pending prompts, for the next point; a staged sample that finds no free
+                        # row there is prefilled again later (the same keys/values: the shape is fixed).
+                        staged = list(itertools.islice(slots.pending, self.prefill_rows))
+                        if not self._stage([prompts[i] for i in staged]):
+                            staged = []  # one-token prompts: nothing to write
                 if not slots.busy:
                     break
             next_token, logprob = decode(*state.inputs(self.cache.slots))
             state.advance(next_token, logprob, stops)
             step += 1
+        self._await_staged()
         _synchronize(self.device)
         landed()
         return samples
@@ -532,7 +539,8 @@ class Sampler:
         """Prefill the assigned (row, sample) pairs' prompts into their rows and start them decoding.
 
         ``staged``: the samples whose prompts the prefill cache already holds, in its first rows; the
-        queue's order, so they are the first assigned ones.
+        queue's order, so they are the first assigned ones. The others are prefilled now (which
+        overwrites the prefill cache).
         """
         rows, indices = [row for row, _ in assigned], [sample for _, sample in assigned]
         held = min(len(staged), len(indices))
@@ -704,8 +712,25 @@ class Sampler:
         """
         with torch.profiler.record_function("sampler.prefill"):
             for first in range(0, len(rows), self.prefill_rows):
+                self._await_staged()
                 if self._prefill_group(prompts[first: first + self.prefill_rows]):
                     self._copy_prefilled(rows[first: first + self.prefill_rows])
+
+    def _stage(self, prompts: list[list[int]]) -> bool:
+        """``_prefill_group`` of the next pending prompts, ahead of the refill point that takes them: on
+        CUDA on the side stream, after the work queued so far, so that it runs beside the decode steps
+        (whose small kernels leave most of the device free)."""
+        with torch.profiler.record_function("sampler.prefill_ahead"):
+            if self._side is None:
+                return self._prefill_group(prompts)
+            self._side.wait_stream(torch.cuda.current_stream(self.device))  # the prefill cache's last readers
+            with torch.cuda.stream(self._side):
+                return self._prefill_group(prompts)
+
+    def _await_staged(self) -> None:
+        """Work queued from here on (reading or rewriting the prefill cache) waits for the staged prefill."""
+        if self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def _prefill_group(self, prompts: list[list[int]]) -> bool:
         """Prefill up to ``prefill_rows`` prompts into the prefill cache's first rows; False where every
@@ -725,19 +750,28 @@ class Sampler:
 
     def _copy_prefilled(self, rows: list[int]) -> None:
         """Copy the prefill cache's first ``len(rows)`` rows into cache rows ``rows``."""
+        self._await_staged()
         (targets,) = upload([np.array(rows, dtype=np.int64)], self.device)
-        self.cache.copy_rows(self.prefill_cache, len(rows), targets)
+        self.cache.copy_rows(self.prefill_cache, targets)
 
     def _prefill_forward(self) -> Callable:
         """(ids (prefill_rows, prefill_chunk), positions (same)) -> the chunk's last logits (unused): one
-        chunk's keys/values into the prefill cache."""
+        chunk's keys/values into the prefill cache.
+
+        With CUDA graphs, a graph of its own (``CapturedGraph``: its own memory pool), not one of
+        torch.compile's, whose graphs share a pool and must not run beside each other: it may run
+        on the side stream while the decode step's graph runs.
+        """
         if self._prefill_chunk_forward is not None:
             return self._prefill_chunk_forward
 
         def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model_forward(self.model, ModelInputs(ids, positions), cache=self.prefill_cache).logits
 
-        self._prefill_chunk_forward = self._compiled(forward)
+        if self.cuda_graphs:
+            self._prefill_chunk_forward = CapturedGraph(torch.compile(forward, fullgraph=True, dynamic=False))
+        else:
+            self._prefill_chunk_forward = self._compiled(forward)
         return self._prefill_chunk_forward
 
     def _compiled(self, forward: Callable) -> Callable:

@@ -52,15 +52,36 @@ def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sample
     assert min(lengths) < 6 and max(lengths) >= 20, lengths
 
 
-# prefill_ahead: every refill point prefills the next prompts before it knows the free rows; with
-# 3 prompts per prefill and a point every step, most of them find no free row and go again later.
+# prefill_ahead: every refill point prefills the next prompts for the next point, before it knows
+# the free rows there; with 3 prompts per prefill and a point every step, many of them find no
+# free row and go again later, and with 2 per prefill and a point every 7 steps most points fill
+# more rows than were prefilled ahead (the others are prefilled at the point).
 @pytest.mark.parametrize("every,ahead,prefill_rows", [(1, False, None), (7, False, None), (1, True, 3), (7, True, 2),
                                                       (16, True, None)])
 def test_the_refill_interval_and_prefilling_ahead_change_no_sample(sampler_model, every, ahead, prefill_rows):
     params, prompts, keys = RULES["filtered"], _prompts(), _keys()
     refill = Sampler(sampler_model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every,
                      prefill_ahead=ahead, prefill_rows=prefill_rows)
+    staged, taken, topped_up = [], [], []  # per prefill ahead: its samples; per refill point: those taken, the rest
+    stage, refill_rows = refill._stage, refill._refill
+
+    def counted_stage(group):
+        staged.append(len(group))
+        return stage(group)
+
+    def counted_refill(state, assigned, prompts, keys, budgets, held):
+        taken.append(min(len(held), len(assigned)))
+        topped_up.append(len(assigned) - taken[-1] if held else 0)
+        return refill_rows(state, assigned, prompts, keys, budgets, held)
+
+    refill._stage, refill._refill = counted_stage, counted_refill
     assert refill.generate(prompts, keys, params) == _sampler(sampler_model, "groups").generate(prompts, keys, params)
+    if not ahead:
+        assert not staged and not any(taken), (staged, taken)
+    elif (every, prefill_rows) == (1, 3):  # many staged samples find no free row and are prefilled again
+        assert sum(taken) == len(prompts) - 4 and sum(staged) > 1.5 * sum(taken), (staged, taken)
+    elif (every, prefill_rows) == (7, 2):  # most points free more rows than were staged: the rest go there
+        assert sum(1 for n in topped_up if n) >= 3 and sum(taken) >= 8, (taken, topped_up)
 
 
 # 3 stop tokens of 96: completions end after ~32 tokens, up to 96. The second set adds 41 ids outside
