@@ -39,7 +39,8 @@ Both prefill ``--prefill-rows`` prompts per forward; the group schedule runs onc
 ran before that setting existed, a group's prompts in one forward of all ``--batch`` rows
 (``groups_prefill_all_rows``), and refill's speedup is reported against both, with the decode
 steps each schedule ran for these completion lengths (``models.qwen.scheduler.decode_steps``):
-their ratio bounds the speedup refill can give, since a step costs the same in both.
+their ratio bounds the speedup refill can give, since a step costs about the same in both
+(refill's a little more where the next prompts' prefill runs beside it, ``prefill_ahead``).
 It reports each schedule's tokens/s
 (generated tokens, stop tokens included) and median wall time, refill's speedup, the
 completion-length distribution, whether the two schedules give bitwise the same samples, and
