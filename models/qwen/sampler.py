@@ -768,7 +768,7 @@ class Sampler:
         def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model_forward(self.model, ModelInputs(ids, positions), cache=self.prefill_cache).logits
 
-        if self.cuda_graphs:
+        if self.compile and self.cuda_graphs:
             self._prefill_chunk_forward = CapturedGraph(torch.compile(forward, fullgraph=True, dynamic=False))
         else:
             self._prefill_chunk_forward = self._compiled(forward)
