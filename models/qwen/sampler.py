@@ -711,8 +711,8 @@ class Sampler:
         like the decode step.
         """
         with torch.profiler.record_function("sampler.prefill"):
+            self._await_staged()  # the prefill cache is rewritten here
             for first in range(0, len(rows), self.prefill_rows):
-                self._await_staged()
                 if self._prefill_group(prompts[first: first + self.prefill_rows]):
                     self._copy_prefilled(rows[first: first + self.prefill_rows])
 
