@@ -46,15 +46,16 @@ default, replayed as a CUDA graph (``mode="reduce-overhead"``); the sampling rul
 top-p's cut and the draw: Triton kernels where Triton is installed, models/qwen/nucleus.py)
 is captured as a second graph. The prefill's forward (``prefill_rows`` x ``prefill_chunk``)
 is compiled and replayed as a graph with its own memory pool. A refill point waits for the
-device once, for the done flags; what it sends and fetches goes in page-locked copies that do
-not, and with ``prefill_ahead`` the next point's prompts are prefilled on a second stream,
-beside the decode steps. On other devices everything runs eagerly.
+device once, for done flags fetched a step before it (so the device runs that step
+meanwhile); what it sends and fetches goes in page-locked copies that do not, and with
+``prefill_ahead`` the next pending prompts wait prefilled in a staging pool, filled on a
+second stream beside the decode steps. On other devices everything runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
@@ -77,7 +78,7 @@ from models.qwen.nucleus import (
     nucleus_cut_cuda,
     triton_available,
 )
-from models.qwen.scheduler import EpisodeRows, RowSlots, RowState, upload
+from models.qwen.scheduler import EpisodeRows, RowSlots, RowState, StagingPool, done_lag, upload
 
 FinishReason = Literal["stop", "length"]
 Schedule = Literal["refill", "groups"]
@@ -287,11 +288,15 @@ class Sampler:
     number of decode steps between refill points (one host sync and, where rows are free
     and samples pending, a prefill of the free rows, ``prefill_rows`` per forward): fewer
     points cost fewer host syncs and prefill forwards, more leave finished rows idle for fewer
-    steps. It changes no sample. ``prefill_ahead`` (default: on CUDA) has every refill point
-    launch the prefill of the next ``prefill_rows`` pending prompts for the next point, on CUDA
-    on a stream of its own, so it runs beside the decode steps in between (whose small kernels
-    leave most of the device free) instead of between them; a prefilled sample that finds no
-    free row there is prefilled again later. It changes no sample either. ``prefill_rows``
+    steps. A point sees the rows done one step before it (``scheduler.done_lag``), so the
+    device runs that step while the host waits. It changes no sample. ``prefill_ahead``
+    (default: on CUDA) keeps the prompts of the next pending samples prefilled in a staging
+    pool of ``2 * prefill_rows`` cache rows (``scheduler.StagingPool``): a refill point copies
+    them into its free rows (prefilling at the point only the rows beyond them) and prefills
+    the next ones into the slots it freed, for the points to come, on CUDA on a stream of its
+    own, so that they run beside the decode steps (whose small kernels leave most of the
+    device free) instead of between them. Every prompt is prefilled once. It changes no
+    sample either; the pool costs ``2 * prefill_rows`` rows of keys/values. ``prefill_rows``
     (default: 16, at most max_batch) is the rows of every prefill forward: a shape, so it is one
     of the settings a sample depends on.
 
@@ -359,6 +364,8 @@ class Sampler:
             self.cache = model.new_kv_cache(batch=max_batch, slots=slots)
             # Prompts are prefilled here, prefill_rows at a time, and their rows copied into the cache.
             self.prefill_cache = model.new_kv_cache(batch=prefill_rows, slots=slots)
+            # Prompts prefilled ahead wait here (StagingPool) for the refill points that take them.
+            self.pool = model.new_kv_cache(batch=2 * prefill_rows, slots=slots) if self.prefill_ahead else None
         if self.cuda_graphs:
             for buffer in self.cache.tensors() + self.prefill_cache.tensors():
                 torch._dynamo.mark_static_address(buffer)
@@ -483,6 +490,7 @@ class Sampler:
         if not prompts:
             return []
         slots, state = RowSlots(self.max_batch, len(prompts)), RowState(self.max_batch, max(budgets), self.device)
+        pool = StagingPool(self.pool.batch, self.prefill_rows) if self.pool is not None else None
         stops = self._stop_table(params)
         decode = self._decode_step(params)
         samples: list[Optional[Sample]] = [None] * len(prompts)
@@ -495,34 +503,42 @@ class Sampler:
                 for i, sample in zip(indices, ended):
                     samples[i] = sample
 
-        # Samples whose prompts the prefill cache holds, in its first rows: the next pending ones,
-        # prefilled ahead at the last point (on CUDA on a stream of their own, beside the decode steps).
-        staged: list[int] = []
+        # A point's done flags are fetched done_lag steps before it, so that the device still has a
+        # step to run while the host waits for them and queues the point's work.
+        every, lag = self.refill_every, done_lag(self.refill_every)
+        flags: dict[int, tuple[torch.Tensor, Callable[[], None]]] = {}  # point -> (done, wait)
+        # The step by which each row has surely finished (its budget's end): not seen late.
+        ends_by = np.zeros(self.max_batch, dtype=np.int64)
         step = 0
         while True:
-            if step % self.refill_every == 0:  # a refill point: one host sync
+            if step % every == 0:  # a refill point: one wait for the device, a step behind it
                 with torch.profiler.record_function("sampler.refill_point"):
-                    done, landing = _fetch(state.done)
-                    with torch.profiler.record_function("sampler.done_flags"):  # the copies in flight land too
-                        landing()
-                    handed_back, assigned = slots.refill(done.numpy())
+                    finished = ends_by <= step  # at step 0 every row: free
+                    if step:
+                        done, landing = flags.pop(step)
+                        with torch.profiler.record_function("sampler.done_flags"):  # the copies in flight land too
+                            landing()
+                        finished |= done.numpy()
+                    handed_back, assigned = slots.refill(finished)
+                    for row, sample in assigned:
+                        ends_by[row] = step + budgets[sample]
                     if assigned:  # first, so that the device works while the host collects
-                        self._refill(state, assigned, prompts, keys, budgets, staged)
-                        staged = []  # taken, or overwritten by the prefill of the others
+                        taken = pool.take([sample for _, sample in assigned]) if pool is not None else []
+                        self._refill(state, assigned, prompts, keys, budgets, taken)
                     landed()
                     # Fetched after the refill's kernels but before the next decode step writes these rows.
                     in_flight = [self._hand_back(state, handed_back)] if handed_back else []
-                    if self.prefill_ahead and slots.pending and not staged:
-                        # The next pending prompts, for the next point; a staged sample that finds no free
-                        # row there is prefilled again later (the same keys/values: the shape is fixed).
-                        staged = list(itertools.islice(slots.pending, self.prefill_rows))
-                        if not self._stage([prompts[i] for i in staged]):
-                            staged = []  # one-token prompts: nothing to write
+                    if pool is not None:  # the next pending prompts, for the points to come
+                        groups = pool.next_groups(slots.pending)
+                        if groups:
+                            self._stage([([prompts[i] for i in samples], rows) for samples, rows in groups])
                 if not slots.busy:
                     break
             next_token, logprob = decode(*state.inputs(self.cache.slots))
             state.advance(next_token, logprob, stops)
             step += 1
+            if (step + lag) % every == 0:
+                flags[step + lag] = _fetch(state.done)
         self._await_staged()
         _synchronize(self.device)
         landed()
@@ -535,18 +551,18 @@ class Sampler:
         return [sample for _, sample in handed_back], _to_host(tokens), _to_host(logprobs)
 
     def _refill(self, state: RowState, assigned: list[tuple[int, int]], prompts: list[list[int]],
-                keys: list[SampleKey], budgets: list[int], staged: list[int]) -> None:
-        """Prefill the assigned (row, sample) pairs' prompts into their rows and start them decoding.
+                keys: list[SampleKey], budgets: list[int], taken: list[int]) -> None:
+        """Put the assigned (row, sample) pairs' prompts into their rows and start them decoding.
 
-        ``staged``: the samples whose prompts the prefill cache already holds, in its first rows; the
-        queue's order, so they are the first assigned ones. The others are prefilled now (which
-        overwrites the prefill cache).
+        ``taken``: the staging pool's slots that hold the first ``len(taken)`` assigned samples'
+        prompts (prefilled ahead); they are copied into their rows, and the others are prefilled now.
         """
         rows, indices = [row for row, _ in assigned], [sample for _, sample in assigned]
-        held = min(len(staged), len(indices))
-        assert indices[:held] == staged[:held], "samples are assigned in the queue's order"
+        held = len(taken)
         if held:
-            self._copy_prefilled(rows[:held])
+            self._await_staged()
+            targets, sources = upload([np.array(rows[:held]), np.array(taken)], self.device, np.int64)
+            self.cache.copy_rows(self.pool, targets, sources)
         if len(rows) > held:
             self._prefill(rows[held:], [prompts[i] for i in indices[held:]])
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
@@ -716,16 +732,19 @@ class Sampler:
                 if self._prefill_group(prompts[first: first + self.prefill_rows]):
                     self._copy_prefilled(rows[first: first + self.prefill_rows])
 
-    def _stage(self, prompts: list[list[int]]) -> bool:
-        """``_prefill_group`` of the next pending prompts, ahead of the refill point that takes them: on
-        CUDA on the side stream, after the work queued so far, so that it runs beside the decode steps
-        (whose small kernels leave most of the device free)."""
+    def _stage(self, groups: list[tuple[list[list[int]], list[int]]]) -> None:
+        """Prefill each group's prompts (at most ``prefill_rows``) into the staging pool's slots, ahead of
+        the refill points that take them: on CUDA on the side stream, after the work queued so far
+        (the last readers of the prefill cache and of those slots), so that it runs beside the decode
+        steps (whose small kernels leave most of the device free)."""
         with torch.profiler.record_function("sampler.prefill_ahead"):
-            if self._side is None:
-                return self._prefill_group(prompts)
-            self._side.wait_stream(torch.cuda.current_stream(self.device))  # the prefill cache's last readers
-            with torch.cuda.stream(self._side):
-                return self._prefill_group(prompts)
+            if self._side is not None:
+                self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
+                for prompts, slots in groups:
+                    if self._prefill_group(prompts):  # else one-token prompts: nothing to write
+                        (targets,) = upload([np.array(slots, dtype=np.int64)], self.device)
+                        self.pool.copy_rows(self.prefill_cache, targets)
 
     def _await_staged(self) -> None:
         """Work queued from here on (reading or rewriting the prefill cache) waits for the staged prefill."""
@@ -750,7 +769,6 @@ class Sampler:
 
     def _copy_prefilled(self, rows: list[int]) -> None:
         """Copy the prefill cache's first ``len(rows)`` rows into cache rows ``rows``."""
-        self._await_staged()
         (targets,) = upload([np.array(rows, dtype=np.int64)], self.device)
         self.cache.copy_rows(self.prefill_cache, targets)
 

@@ -22,6 +22,7 @@ compares them bitwise with the group-by-group schedule).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Optional, Sequence
 
@@ -78,24 +79,80 @@ class RowSlots:
         return handed_back, assigned
 
 
+class StagingPool:
+    """Host bookkeeping of the staging pool: cache rows (slots) that hold the prompts of the next
+    pending samples, prefilled ahead of the refill points that take them.
+
+    Its samples are always the first ones of ``RowSlots.pending`` (the queue's order), so at a
+    refill point the samples it holds are the first assigned ones. ``next_groups`` stages the
+    pending samples after them in groups of ``group`` (a prefill forward's rows) while the pool
+    has room for a whole group (or for all that is left). A sample is staged once and taken
+    once: none is prefilled twice.
+    """
+
+    def __init__(self, slots: int, group: int) -> None:
+        self.free = list(range(slots))
+        self.group = group
+        self.staged: dict[int, int] = {}  # sample -> its slot, in the queue's order
+
+    def take(self, samples: Sequence[int]) -> list[int]:
+        """The slots of the leading ``samples`` (a refill point's assigned ones, in order) that the pool
+        holds; those slots are free again (the copy out of them is queued before anything rewrites them)."""
+        slots = []
+        for sample in samples:
+            if sample not in self.staged:
+                break
+            slots.append(self.staged.pop(sample))
+        assert not any(s in self.staged for s in samples[len(slots):]), "staged samples are taken in order"
+        self.free.extend(slots)
+        self.free.sort()
+        return slots
+
+    def next_groups(self, pending: deque) -> list[tuple[list[int], list[int]]]:
+        """(samples, slots) of each group to prefill into the pool now."""
+        waiting = list(itertools.islice(pending, len(self.staged), None))
+        groups = []
+        while waiting and len(self.free) >= min(self.group, len(waiting)):
+            samples, waiting = waiting[: self.group], waiting[self.group:]
+            slots, self.free = self.free[: len(samples)], self.free[len(samples):]
+            self.staged.update(zip(samples, slots))
+            groups.append((samples, slots))
+        return groups
+
+
+def done_lag(every: int) -> int:
+    """The decode steps by which a refill point's done flags trail it, with a point every ``every`` steps.
+
+    The flags are fetched one step before the point, so that the host waits for them while the
+    device still runs that last step, and its work at the point (bookkeeping, queuing copies and
+    prefills) hides behind it. A row whose sample stops at that last step is seen at the next
+    point; one that reaches its budget there is not late (the host knows when a budget ends).
+    With a point every step there is no step between, and the point waits for its own flags.
+    """
+    return 1 if every > 1 else 0
+
+
 def decode_steps(lengths: Sequence[int], rows: int, every: int, schedule: str, budget: int) -> int:
     """The decode steps a ``Sampler`` runs for samples that generate ``lengths`` tokens each (stop
-    tokens included; at most ``budget``): under "refill" with a refill point every ``every`` steps,
-    or under "groups" (``rows`` samples at a time, each group until its longest has ended, checked
-    every ``every`` steps). The least a schedule can cost: a rollout's time over its steps is the
-    cost of a step, and the two schedules' step counts bound the speedup refill can give.
+    tokens included; at most ``budget``): under "refill" with a refill point every ``every`` steps
+    (seeing the rows done ``done_lag(every)`` steps before it), or under "groups" (``rows`` samples
+    at a time, each group until its longest has ended, checked every ``every`` steps). The least a
+    schedule can cost: a rollout's time over its steps is the cost of a step, and the two
+    schedules' step counts bound the speedup refill can give. Prefilling ahead (``StagingPool``)
+    changes no step: every point fills all its free rows, from the pool first.
     """
     if schedule == "groups":
         return sum(min(budget, -(-max(lengths[first: first + rows]) // every) * every)
                    for first in range(0, len(lengths), rows))
     slots = RowSlots(rows, len(lengths))
     ends = np.zeros(rows, dtype=np.int64)  # the step after each row's last token
-    step = 0
+    ends_by = np.zeros(rows, dtype=np.int64)  # the step after its budget's last token: known ahead
+    lag, step = done_lag(every), 0
     while True:
         if step % every == 0:
-            _, assigned = slots.refill(ends <= step)
+            _, assigned = slots.refill((ends <= step - lag) | (ends_by <= step))
             for row, sample in assigned:
-                ends[row] = step + lengths[sample]
+                ends[row], ends_by[row] = step + lengths[sample], step + budget
             if not slots.busy:
                 return step
         step += 1

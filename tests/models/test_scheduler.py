@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.qwen.sampler import SampleKey, Sampler, SamplingParams
-from models.qwen.scheduler import RowSlots, decode_steps
+from models.qwen.scheduler import RowSlots, StagingPool, decode_steps
 from tests.models.sampler_model import QWEN3
 
 STOPS = tuple(range(0, QWEN3.vocab_size, 8))  # 12 of 96 tokens: sampled completions end after ~8 tokens
@@ -52,36 +52,67 @@ def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sample
     assert min(lengths) < 6 and max(lengths) >= 20, lengths
 
 
-# prefill_ahead: every refill point prefills the next prompts for the next point, before it knows
-# the free rows there; with 3 prompts per prefill and a point every step, many of them find no
-# free row and go again later, and with 2 per prefill and a point every 7 steps most points fill
-# more rows than were prefilled ahead (the others are prefilled at the point).
-@pytest.mark.parametrize("every,ahead,prefill_rows", [(1, False, None), (7, False, None), (1, True, 3), (7, True, 2),
+# prefill_ahead: the next pending prompts wait prefilled in a staging pool of 2 * prefill_rows rows;
+# a refill point takes what it holds and prefills the rest of its free rows itself. With 3 prompts
+# per prefill and a point every step, the pool serves every point after the first; with 1 per
+# prefill and a point every 7 steps, some points free more rows than the pool holds.
+@pytest.mark.parametrize("every,ahead,prefill_rows", [(1, False, None), (7, False, None), (1, True, 3), (7, True, 1),
                                                       (16, True, None)])
 def test_the_refill_interval_and_prefilling_ahead_change_no_sample(sampler_model, every, ahead, prefill_rows):
     params, prompts, keys = RULES["filtered"], _prompts(), _keys()
     refill = Sampler(sampler_model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every,
                      prefill_ahead=ahead, prefill_rows=prefill_rows)
-    staged, taken, topped_up = [], [], []  # per prefill ahead: its samples; per refill point: those taken, the rest
+    staged, taken, topped_up = [], [], []  # per staged group: its samples; per refill point: from the pool, the rest
     stage, refill_rows = refill._stage, refill._refill
 
-    def counted_stage(group):
-        staged.append(len(group))
-        return stage(group)
+    def counted_stage(groups):
+        staged.extend(len(group) for group, _ in groups)
+        return stage(groups)
 
     def counted_refill(state, assigned, prompts, keys, budgets, held):
-        taken.append(min(len(held), len(assigned)))
-        topped_up.append(len(assigned) - taken[-1] if held else 0)
+        taken.append(len(held))
+        topped_up.append(len(assigned) - len(held))
         return refill_rows(state, assigned, prompts, keys, budgets, held)
 
     refill._stage, refill._refill = counted_stage, counted_refill
     assert refill.generate(prompts, keys, params) == _sampler(sampler_model, "groups").generate(prompts, keys, params)
+    assert sum(taken) + sum(topped_up) == len(prompts)  # every sample starts once
     if not ahead:
         assert not staged and not any(taken), (staged, taken)
-    elif (every, prefill_rows) == (1, 3):  # many staged samples find no free row and are prefilled again
-        assert sum(taken) == len(prompts) - 4 and sum(staged) > 1.5 * sum(taken), (staged, taken)
-    elif (every, prefill_rows) == (7, 2):  # most points free more rows than were staged: the rest go there
-        assert sum(1 for n in topped_up if n) >= 3 and sum(taken) >= 8, (taken, topped_up)
+        return
+    assert sum(staged) == sum(taken), (staged, taken)  # every staged sample is taken: none is prefilled twice
+    assert topped_up[0] == 4  # the first point fills every row itself
+    if (every, prefill_rows) == (1, 3):  # the pool (6 rows) serves every point after the first
+        assert sum(taken) == len(prompts) - 4 and not any(topped_up[1:]), (taken, topped_up)
+    elif (every, prefill_rows) == (7, 1):  # the pool (2 rows) is short at some points: the rest are prefilled there
+        assert sum(1 for n in topped_up[1:] if n) >= 2 and sum(taken) >= 8, (taken, topped_up)
+
+
+def test_the_staging_pool_stages_the_next_pending_samples_once_and_hands_them_out_in_order():
+    slots, pool = RowSlots(2, 8), StagingPool(4, 2)
+    _, assigned = slots.refill(np.ones(2, dtype=bool))
+    assert assigned == [(0, 0), (1, 1)] and pool.take([0, 1]) == []  # the first point: nothing staged yet
+    assert pool.next_groups(slots.pending) == [([2, 3], [0, 1]), ([4, 5], [2, 3])]
+    assert pool.next_groups(slots.pending) == []  # full
+    _, assigned = slots.refill(np.array([False, True]))
+    assert assigned == [(1, 2)] and pool.take([2]) == [0]
+    assert pool.next_groups(slots.pending) == []  # one slot free: less than a group, and two are pending
+    _, assigned = slots.refill(np.array([True, True]))
+    assert assigned == [(0, 3), (1, 4)] and pool.take([3, 4]) == [1, 2]
+    assert pool.next_groups(slots.pending) == [([6, 7], [0, 1])]
+    _, assigned = slots.refill(np.array([True, False]))
+    assert assigned == [(0, 5)] and pool.take([5]) == [3]
+    _, assigned = slots.refill(np.array([True, True]))
+    assert assigned == [(0, 6), (1, 7)] and pool.take([6, 7]) == [0, 1] and pool.free == [0, 1, 2, 3]
+    assert not slots.pending and pool.next_groups(slots.pending) == []
+
+
+def test_a_refill_point_sees_the_rows_done_a_step_before_it():
+    """One sample of 4 tokens through one row, a point every 2 steps: done after step 4, seen at
+    point 6 (flags of step 5); with a point every step, at point 4 itself."""
+    assert decode_steps([4, 1], 1, 2, "refill", budget=8) == 6 + 2
+    assert decode_steps([4, 1], 1, 1, "refill", budget=8) == 4 + 1
+    assert decode_steps([3, 1], 1, 2, "refill", budget=8) == 4 + 2  # done after step 3, seen at point 4
 
 
 # 3 stop tokens of 96: completions end after ~32 tokens, up to 96. The second set adds 41 ids outside
