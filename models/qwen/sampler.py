@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from core.exceptions import ConfigError, DataError
+from models.qwen.attention import KVCache
 from models.qwen.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
 from models.qwen.nucleus import (
@@ -371,6 +372,7 @@ class Sampler:
                 torch._dynamo.mark_static_address(buffer)
         self._decode_steps: dict[SamplingParams, Callable] = {}
         self._prefill_chunk_forward: Optional[Callable] = None
+        self._row_copies: dict[tuple[int, int, int], CapturedGraph] = {}  # (target, source, rows) -> its copy
 
     # ------------------------------------------------------------------ public
 
@@ -525,17 +527,21 @@ class Sampler:
                     if assigned:  # first, so that the device works while the host collects
                         taken = pool.take([sample for _, sample in assigned]) if pool is not None else []
                         self._refill(state, assigned, prompts, keys, budgets, taken)
-                    landed()
                     # Fetched after the refill's kernels but before the next decode step writes these rows.
-                    in_flight = [self._hand_back(state, handed_back)] if handed_back else []
-                    if pool is not None:  # the next pending prompts, for the points to come
-                        groups = pool.next_groups(slots.pending)
-                        if groups:
-                            self._stage([([prompts[i] for i in samples], rows) for samples, rows in groups])
+                    handing = [self._hand_back(state, handed_back)] if handed_back else []
+                    # The next pending prompts, for the points to come: staged once the next step is queued.
+                    groups = pool.next_groups(slots.pending) if pool is not None else []
                 if not slots.busy:
+                    landed()
+                    in_flight = handing
                     break
             next_token, logprob = decode(*state.inputs(self.cache.slots))
             state.advance(next_token, logprob, stops)
+            if step % every == 0:  # the point's work that can wait until the device has a step to run
+                landed()
+                in_flight = handing
+                if groups:
+                    self._stage([([prompts[i] for i in samples], rows) for samples, rows in groups])
             step += 1
             if (step + lag) % every == 0:
                 flags[step + lag] = _fetch(state.done)
@@ -561,8 +567,7 @@ class Sampler:
         held = len(taken)
         if held:
             self._await_staged()
-            targets, sources = upload([np.array(rows[:held]), np.array(taken)], self.device, np.int64)
-            self.cache.copy_rows(self.pool, targets, sources)
+            self._copy_rows(self.cache, self.pool, rows[:held], taken)
         if len(rows) > held:
             self._prefill(rows[held:], [prompts[i] for i in indices[held:]])
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
@@ -743,8 +748,7 @@ class Sampler:
             with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
                 for prompts, slots in groups:
                     if self._prefill_group(prompts):  # else one-token prompts: nothing to write
-                        (targets,) = upload([np.array(slots, dtype=np.int64)], self.device)
-                        self.pool.copy_rows(self.prefill_cache, targets)
+                        self._copy_rows(self.pool, self.prefill_cache, slots)
 
     def _await_staged(self) -> None:
         """Work queued from here on (reading or rewriting the prefill cache) waits for the staged prefill."""
@@ -769,8 +773,26 @@ class Sampler:
 
     def _copy_prefilled(self, rows: list[int]) -> None:
         """Copy the prefill cache's first ``len(rows)`` rows into cache rows ``rows``."""
-        (targets,) = upload([np.array(rows, dtype=np.int64)], self.device)
-        self.cache.copy_rows(self.prefill_cache, targets)
+        self._copy_rows(self.cache, self.prefill_cache, rows)
+
+    def _copy_rows(self, target: KVCache, source: KVCache, rows: Sequence[int],
+                   source_rows: Optional[Sequence[int]] = None) -> None:
+        """``target``'s rows ``rows`` := ``source``'s rows ``source_rows`` (default its first ``len(rows)``).
+
+        With CUDA graphs, one replay of a graph captured per (caches, row count) instead of two
+        kernel launches per layer's key and value buffer (a hundred for a 24-layer model): host
+        time that a refill point would otherwise spend while the device waits for its next step.
+        """
+        count = len(rows)
+        sources = range(count) if source_rows is None else source_rows
+        targets, sources = upload([np.asarray(rows), np.asarray(sources)], self.device, np.int64)
+        if not self.cuda_graphs:
+            target.copy_rows(source, targets, None if source_rows is None else sources)
+            return
+        key = (id(target), id(source), count)
+        if key not in self._row_copies:
+            self._row_copies[key] = CapturedGraph(lambda into, out_of: target.copy_rows(source, into, out_of))
+        self._row_copies[key](targets, sources)
 
     def _prefill_forward(self) -> Callable:
         """(ids (prefill_rows, prefill_chunk), positions (same)) -> the chunk's last logits (unused): one
