@@ -238,23 +238,20 @@ class KVCache(torch.nn.Module):
         """
         return getattr(self, f"k{layer}")[: self.batch], getattr(self, f"v{layer}")[: self.batch]
 
-    def copy_rows(self, source: "KVCache", rows: torch.Tensor, source_rows: torch.Tensor | None = None,
-                  positions: int | None = None) -> None:
+    def copy_rows(self, source: "KVCache", rows: torch.Tensor, source_rows: torch.Tensor | None = None) -> None:
         """Copy rows of ``source`` (a cache of the same slots) into rows ``rows`` ((k,) int64): its rows
-        ``source_rows`` ((k,) int64), or its first k rows; only their first ``positions`` slots where
-        given (the slots a prefill wrote: the others are never read before the row writes them).
+        ``source_rows`` ((k,) int64), or its first k rows.
 
         One ``index_copy_`` per buffer (two per layer; with ``source_rows`` an ``index_select`` too),
         fewer host operations than indexed assignment, whose ``index_put_`` took about 70 us of host
         time per buffer on an H200 under the profiler; deterministic under
         ``use_deterministic_algorithms`` (the rows are distinct)."""
         count = rows.shape[0]
-        span = slice(None) if positions is None else slice(0, positions)
         for layer in range(self.num_layers):
             for name in (f"k{layer}", f"v{layer}"):
-                held = getattr(source, name)[:, :, span]
+                held = getattr(source, name)
                 held = held[:count] if source_rows is None else held.index_select(0, source_rows)
-                getattr(self, name)[:, :, span].index_copy_(0, rows, held)
+                getattr(self, name).index_copy_(0, rows, held)
 
     def redirected(self, fill: torch.Tensor) -> "RedirectedKVCache":
         """This cache as seen by a forward that fills only the rows where ``fill`` ((B,) bool) is set.

@@ -372,7 +372,7 @@ class Sampler:
                 torch._dynamo.mark_static_address(buffer)
         self._decode_steps: dict[SamplingParams, Callable] = {}
         self._prefill_chunk_forward: Optional[Callable] = None
-        self._row_copies: dict[tuple[int, int, int, int], CapturedGraph] = {}  # (target, source, rows, slots) -> copy
+        self._row_copies: dict[tuple[int, int, int], CapturedGraph] = {}  # (target, source, rows) -> its copy
 
     # ------------------------------------------------------------------ public
 
@@ -565,10 +565,9 @@ class Sampler:
         """
         rows, indices = [row for row, _ in assigned], [sample for _, sample in assigned]
         held = len(taken)
-        written = max((self._written(len(prompts[i])) for i in indices[:held]), default=0)
-        if written:
+        if held:
             self._await_staged()
-            self._copy_rows(self.cache, self.pool, rows[:held], taken, positions=written)
+            self._copy_rows(self.cache, self.pool, rows[:held], taken)
         if len(rows) > held:
             self._prefill(rows[held:], [prompts[i] for i in indices[held:]])
         streams = np.array([keys[i].stream() for i in indices], dtype=np.uint64)
@@ -735,9 +734,8 @@ class Sampler:
         with torch.profiler.record_function("sampler.prefill"):
             self._await_staged()  # the prefill cache is rewritten here
             for first in range(0, len(rows), self.prefill_rows):
-                written = self._prefill_group(prompts[first: first + self.prefill_rows])
-                if written:
-                    self._copy_prefilled(rows[first: first + self.prefill_rows], written)
+                if self._prefill_group(prompts[first: first + self.prefill_rows]):
+                    self._copy_prefilled(rows[first: first + self.prefill_rows])
 
     def _stage(self, groups: list[tuple[list[list[int]], list[int]]]) -> None:
         """Prefill each group's prompts (at most ``prefill_rows``) into the staging pool's slots, ahead of
@@ -749,22 +747,21 @@ class Sampler:
                 self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
                 for prompts, slots in groups:
-                    written = self._prefill_group(prompts)
-                    if written:  # else one-token prompts: nothing to write
-                        self._copy_rows(self.pool, self.prefill_cache, slots, positions=written)
+                    if self._prefill_group(prompts):  # else one-token prompts: nothing to write
+                        self._copy_rows(self.pool, self.prefill_cache, slots)
 
     def _await_staged(self) -> None:
         """Work queued from here on (reading or rewriting the prefill cache) waits for the staged prefill."""
         if self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def _prefill_group(self, prompts: list[list[int]]) -> int:
-        """Prefill up to ``prefill_rows`` prompts into the prefill cache's first rows; the slots written
-        (whole chunks), 0 where every prompt is one token (nothing to write)."""
+    def _prefill_group(self, prompts: list[list[int]]) -> bool:
+        """Prefill up to ``prefill_rows`` prompts into the prefill cache's first rows; False where every
+        prompt is one token (nothing to write)."""
         group, chunk = self.prefill_rows, self.prefill_chunk
-        chunks = self._written(max(len(p) for p in prompts)) // chunk
+        chunks = math.ceil((max(len(p) for p in prompts) - 1) / chunk)
         if chunks == 0:
-            return 0
+            return False
         ids = np.zeros((chunks * chunk, group), dtype=np.int64)  # (positions, rows), dummy rows all zeros
         for i, prompt in enumerate(prompts):
             ids[: len(prompt) - 1, i] = prompt[:-1]
@@ -772,20 +769,15 @@ class Sampler:
         prefill_chunk = self._prefill_forward()
         for c in range(chunks):
             prefill_chunk(ids[c], torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk))
-        return chunks * chunk
+        return True
 
-    def _written(self, length: int) -> int:
-        """The slots a prefill of a prompt of ``length`` tokens writes: every token but the last, in whole chunks."""
-        return math.ceil((length - 1) / self.prefill_chunk) * self.prefill_chunk
-
-    def _copy_prefilled(self, rows: list[int], written: int) -> None:
-        """Copy the prefill cache's first ``len(rows)`` rows (their first ``written`` slots) into cache rows ``rows``."""
-        self._copy_rows(self.cache, self.prefill_cache, rows, positions=written)
+    def _copy_prefilled(self, rows: list[int]) -> None:
+        """Copy the prefill cache's first ``len(rows)`` rows into cache rows ``rows``."""
+        self._copy_rows(self.cache, self.prefill_cache, rows)
 
     def _copy_rows(self, target: KVCache, source: KVCache, rows: Sequence[int],
-                   source_rows: Optional[Sequence[int]] = None, *, positions: int) -> None:
-        """``target``'s rows ``rows`` := ``source``'s rows ``source_rows`` (default its first ``len(rows)``),
-        their first ``positions`` slots (what a prefill wrote).
+                   source_rows: Optional[Sequence[int]] = None) -> None:
+        """``target``'s rows ``rows`` := ``source``'s rows ``source_rows`` (default its first ``len(rows)``).
 
         With CUDA graphs, one replay of a graph captured per (caches, row count) instead of two
         kernel launches per layer's key and value buffer (a hundred for a 24-layer model): host
@@ -795,12 +787,11 @@ class Sampler:
         sources = range(count) if source_rows is None else source_rows
         targets, sources = upload([np.asarray(rows), np.asarray(sources)], self.device, np.int64)
         if not self.cuda_graphs:
-            target.copy_rows(source, targets, None if source_rows is None else sources, positions)
+            target.copy_rows(source, targets, None if source_rows is None else sources)
             return
-        key = (id(target), id(source), count, positions)
+        key = (id(target), id(source), count)
         if key not in self._row_copies:
-            self._row_copies[key] = CapturedGraph(
-                lambda into, out_of: target.copy_rows(source, into, out_of, positions))
+            self._row_copies[key] = CapturedGraph(lambda into, out_of: target.copy_rows(source, into, out_of))
         self._row_copies[key](targets, sources)
 
     def _prefill_forward(self) -> Callable:
