@@ -242,15 +242,17 @@ class KVCache(torch.nn.Module):
         """Copy rows of ``source`` (a cache of the same slots) into rows ``rows`` ((k,) int64): its rows
         ``source_rows`` ((k,) int64), or its first k rows.
 
-        One ``index_copy_`` per buffer (two per layer; with ``source_rows`` an ``index_select`` too),
-        fewer host operations than indexed assignment, whose ``index_put_`` took about 70 us of host
-        time per buffer on an H200 under the profiler; deterministic under
-        ``use_deterministic_algorithms`` (the rows are distinct)."""
+        One ``index_copy_`` per buffer (two per layer; with ``source_rows`` a gather too), fewer host
+        operations than indexed assignment, whose ``index_put_`` took about 70 us of host time per
+        buffer on an H200 under the profiler; deterministic under ``use_deterministic_algorithms``
+        (the rows are distinct). The gather is advanced indexing, not ``index_select``: in a CUDA
+        graph on an H200, 8 rows of 48 buffers took 269 us that way and 501 us with ``index_select``
+        (docs/bench/log.md, 2026-11-30d)."""
         count = rows.shape[0]
         for layer in range(self.num_layers):
             for name in (f"k{layer}", f"v{layer}"):
                 held = getattr(source, name)
-                held = held[:count] if source_rows is None else held.index_select(0, source_rows)
+                held = held[:count] if source_rows is None else held[source_rows]
                 getattr(self, name).index_copy_(0, rows, held)
 
     def redirected(self, fill: torch.Tensor) -> "RedirectedKVCache":

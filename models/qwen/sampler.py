@@ -87,9 +87,12 @@ Schedule = Literal["refill", "groups"]
 # Prompts prefilled per forward (at most max_batch): a refill point's prefill costs about the rows it
 # fills, in forwards of this many rows, and the shape stays the same whatever the number of rows.
 _PREFILL_ROWS = 16
-# How many decode steps run between checks (one host sync each) of which rows have finished:
-# under "refill", the points where finished rows take the next pending samples.
+# How many decode steps the group schedule runs between checks (one host sync each) of whether
+# every row has finished.
 _DONE_CHECK_INTERVAL = 16
+# Under "refill", the decode steps between refill points, where finished rows take the next pending
+# samples: 8 was the fastest of 2, 4, 8 and 16 in the rollout benchmark on an H200 (docs/performance.md).
+_REFILL_EVERY = 8
 # An episode's continuation feeds its appended ids one decode step each, or, from this many on, by
 # forwards of this many positions (of every row, like a prefill): a forward costs a few decode
 # steps of the whole batch, a decode step of a row only that row's time.
@@ -314,7 +317,7 @@ class Sampler:
         prefill_chunk: int = 128,
         prefill_rows: Optional[int] = None,
         schedule: Schedule = "refill",
-        refill_every: int = _DONE_CHECK_INTERVAL,
+        refill_every: int = _REFILL_EVERY,
         prefill_ahead: Optional[bool] = None,
         compile: Optional[bool] = None,
         cuda_graphs: Optional[bool] = None,
@@ -372,7 +375,7 @@ class Sampler:
                 torch._dynamo.mark_static_address(buffer)
         self._decode_steps: dict[SamplingParams, Callable] = {}
         self._prefill_chunk_forward: Optional[Callable] = None
-        self._row_copies: dict[tuple[int, int, int], CapturedGraph] = {}  # (target, source, rows) -> its copy
+        self._row_copies: dict[tuple[int, int, int, bool], CapturedGraph] = {}  # (target, source, rows, first) -> copy
 
     # ------------------------------------------------------------------ public
 
@@ -789,9 +792,10 @@ class Sampler:
         if not self.cuda_graphs:
             target.copy_rows(source, targets, None if source_rows is None else sources)
             return
-        key = (id(target), id(source), count)
+        key = (id(target), id(source), count, source_rows is None)
         if key not in self._row_copies:
-            self._row_copies[key] = CapturedGraph(lambda into, out_of: target.copy_rows(source, into, out_of))
+            self._row_copies[key] = CapturedGraph(
+                lambda into, out_of: target.copy_rows(source, into, None if source_rows is None else out_of))
         self._row_copies[key](targets, sources)
 
     def _prefill_forward(self) -> Callable:

@@ -121,7 +121,7 @@ def test_a_refill_point_sees_the_rows_done_a_step_before_it():
                                          ((5, 40, 77), True)])
 def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model, stops, ahead):
     """Counted model forwards: refill decodes about the mean completion length per row, groups the longest;
-    a row is done exactly when it samples a stop id (refill points come every 16 steps). Prefilling
+    a row is done exactly when it samples a stop id (refill points every refill_every steps). Prefilling
     ahead changes no decode step."""
     params = SamplingParams(temperature=1.0, max_new_tokens=96, stop_token_ids=stops)
     prompts, keys = _prompts(), _keys()
@@ -143,7 +143,8 @@ def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model
             del sampler.model._forward_cached
         counts[schedule] = sum(1 for width in calls if width == 1)  # decode steps (prefill chunks are 8 wide)
         lengths = [len(s.tokens) for s in sampler.generate(prompts, keys, params)]
-        assert counts[schedule] == decode_steps(lengths, 4, 16, schedule, budget=96), (schedule, counts)
+        every = sampler.refill_every if schedule == "refill" else 16
+        assert counts[schedule] == decode_steps(lengths, 4, every, schedule, budget=96), (schedule, counts)
     assert counts["refill"] < 0.6 * counts["groups"], counts
 
 
