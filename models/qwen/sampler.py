@@ -785,11 +785,14 @@ class Sampler:
         With CUDA graphs, one replay of a graph captured per (caches, row count) instead of two
         kernel launches per layer's key and value buffer (a hundred for a 24-layer model): host
         time that a refill point would otherwise spend while the device waits for its next step.
+        Not under ``use_deterministic_algorithms`` (bitwise training runs): there ``index_copy_``
+        on CUDA is ``index_put_``'s deterministic path, which sorts the indices with CUB, and a
+        sort inside a graph capture is not known to be safe; the copies stay eager there.
         """
         count = len(rows)
         sources = range(count) if source_rows is None else source_rows
         targets, sources = upload([np.asarray(rows), np.asarray(sources)], self.device, np.int64)
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or torch.are_deterministic_algorithms_enabled():
             target.copy_rows(source, targets, None if source_rows is None else sources)
             return
         key = (id(target), id(source), count, source_rows is None)
