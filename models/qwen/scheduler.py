@@ -4,14 +4,16 @@ The Sampler (models/qwen/sampler.py) runs every forward at ``max_batch`` rows. W
 scheduler, samples go through in groups of max_batch and a group decodes until its longest
 sample ends: with completion lengths spread 16..256, most rows idle most of the time.
 ``RowSlots`` keeps a queue of pending samples instead; at every refill point (every
-``Sampler.refill_every`` decode steps, default 16, where the host already reads the finished
+``Sampler.refill_every`` decode steps, default 8, where the host already reads the finished
 flags) the finished rows hand back their samples and take the next pending ones. Shapes
 stay fixed, because a row's result may change with the number of rows in a forward:
 
 - a prefill (a first fill or a refill) runs forwards of ``Sampler.prefill_rows`` rows, the
   prompts of the rows it fills, in fixed chunks, into a prefill cache of that many rows, and
   copies those rows into the cache: the other rows' caches are untouched, and a refill point
-  costs about the rows it fills, not max_batch;
+  costs about the rows it fills, not max_batch; with ``Sampler.prefill_ahead`` the next
+  pending prompts wait prefilled in a staging pool (``StagingPool``), and a point copies
+  them into its free rows;
 - the decode step is the same compiled (CUDA-graphed) function of (B, 1) tokens and
   positions: every row carries its own position, local step and budget in device tensors.
 
