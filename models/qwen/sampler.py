@@ -754,7 +754,8 @@ class Sampler:
                         self._copy_rows(self.pool, self.prefill_cache, slots)
 
     def _await_staged(self) -> None:
-        """Work queued from here on (reading or rewriting the prefill cache) waits for the staged prefill."""
+        """Work queued from here on (reading the staging pool, rewriting the prefill cache) waits for the
+        prefills staged on the side stream."""
         if self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
