@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from models.qwen.row_copy import RowCopy
+
 # What a block receives as its mask: None (plain causal), a boolean SDPA mask, or a BlockMask.
 AttentionMask = Optional[Union[torch.Tensor, BlockMask]]
 Kernel = Literal["sdpa", "flex"]
@@ -206,6 +208,7 @@ class KVCache(torch.nn.Module):
                 self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.num_layers = num_layers
         self.batch = batch
+        self._row_copies: dict[int, RowCopy] = {}  # id(source cache) -> its copy into this one (CUDA)
 
     @property
     def slots(self) -> int:
@@ -242,18 +245,31 @@ class KVCache(torch.nn.Module):
         """Copy rows of ``source`` (a cache of the same slots) into rows ``rows`` ((k,) int64): its rows
         ``source_rows`` ((k,) int64), or its first k rows.
 
-        One ``index_copy_`` per buffer (two per layer; with ``source_rows`` a gather too), fewer host
-        operations than indexed assignment, whose ``index_put_`` took about 70 us of host time per
-        buffer on an H200 under the profiler; deterministic under ``use_deterministic_algorithms``
-        (the rows are distinct). The gather is advanced indexing, not ``index_select``: in a CUDA
-        graph on an H200, 8 rows of 48 buffers took 269 us that way and 501 us with ``index_select``
-        (docs/bench/log.md, 2026-11-30d)."""
+        On CUDA with Triton, one kernel for every layer's buffers (``models/qwen/row_copy.py``);
+        otherwise one ``index_copy_`` per buffer (two per layer; with ``source_rows`` a gather too),
+        fewer host operations than indexed assignment, deterministic under
+        ``use_deterministic_algorithms`` (the rows are distinct). Either way the rows' bytes."""
         count = rows.shape[0]
+        copy = self._row_copy(source)
+        if copy is not None:
+            copy(rows, torch.arange(count, device=rows.device) if source_rows is None else source_rows)
+            return
         for layer in range(self.num_layers):
             for name in (f"k{layer}", f"v{layer}"):
                 held = getattr(source, name)
                 held = held[:count] if source_rows is None else held[source_rows]
                 getattr(self, name).index_copy_(0, rows, held)
+
+    def _row_copy(self, source: "KVCache") -> RowCopy | None:
+        """The one-kernel copy from ``source`` into this cache, where it runs (built once per pair)."""
+        targets, sources = self.tensors(), source.tensors()
+        if not RowCopy.fits(targets + sources):
+            return None
+        addresses = (tuple(t.data_ptr() for t in targets), tuple(s.data_ptr() for s in sources))
+        copy = self._row_copies.get(id(source))
+        if copy is None or copy.addresses != addresses:
+            copy = self._row_copies[id(source)] = RowCopy(targets, sources)
+        return copy
 
     def redirected(self, fill: torch.Tensor) -> "RedirectedKVCache":
         """This cache as seen by a forward that fills only the rows where ``fill`` ((B,) bool) is set.

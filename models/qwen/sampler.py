@@ -375,7 +375,6 @@ class Sampler:
                 torch._dynamo.mark_static_address(buffer)
         self._decode_steps: dict[SamplingParams, Callable] = {}
         self._prefill_chunk_forward: Optional[Callable] = None
-        self._row_copies: dict[tuple[int, int, int, bool], CapturedGraph] = {}  # (target, source, rows, first) -> copy
 
     # ------------------------------------------------------------------ public
 
@@ -781,26 +780,12 @@ class Sampler:
 
     def _copy_rows(self, target: KVCache, source: KVCache, rows: Sequence[int],
                    source_rows: Optional[Sequence[int]] = None) -> None:
-        """``target``'s rows ``rows`` := ``source``'s rows ``source_rows`` (default its first ``len(rows)``).
-
-        With CUDA graphs, one replay of a graph captured per (caches, row count) instead of two
-        kernel launches per layer's key and value buffer (a hundred for a 24-layer model): host
-        time that a refill point would otherwise spend while the device waits for its next step.
-        Not under ``use_deterministic_algorithms`` (bitwise training runs): there ``index_copy_``
-        on CUDA is ``index_put_``'s deterministic path, which sorts the indices with CUB, and a
-        sort inside a graph capture is not known to be safe; the copies stay eager there.
-        """
-        count = len(rows)
-        sources = range(count) if source_rows is None else source_rows
+        """``target``'s rows ``rows`` := ``source``'s rows ``source_rows`` (default its first ``len(rows)``):
+        on CUDA one kernel for every layer's buffers (``KVCache.copy_rows``), the rows' indices sent
+        in one page-locked copy that does not wait for the device."""
+        sources = range(len(rows)) if source_rows is None else source_rows
         targets, sources = upload([np.asarray(rows), np.asarray(sources)], self.device, np.int64)
-        if not self.cuda_graphs or torch.are_deterministic_algorithms_enabled():
-            target.copy_rows(source, targets, None if source_rows is None else sources)
-            return
-        key = (id(target), id(source), count, source_rows is None)
-        if key not in self._row_copies:
-            self._row_copies[key] = CapturedGraph(
-                lambda into, out_of: target.copy_rows(source, into, None if source_rows is None else out_of))
-        self._row_copies[key](targets, sources)
+        target.copy_rows(source, targets, None if source_rows is None else sources)
 
     def _prefill_forward(self) -> Callable:
         """(ids (prefill_rows, prefill_chunk), positions (same)) -> the chunk's last logits (unused): one
