@@ -45,7 +45,10 @@ It reports each schedule's tokens/s
 (generated tokens, stop tokens included) and median wall time, refill's speedup, the
 completion-length distribution, whether the two schedules give bitwise the same samples, and
 the determinism checks above under refill (the whole rollout twice, the first ``--probe``
-prompts alone, shuffled order):
+prompts alone, shuffled order). ``--step-times`` adds one more call of the fastest refill and of
+the groups prefilling all rows, timing each decode step from its start to the next's (CUDA events
+on the GPU, so the device's idle time counts) by its place between refill points: where a
+refill's extra time goes, at its points or at every step:
 
     python benchmarks/generate.py --variants graphs --batch 64 --prompt-len 128 --new-tokens 256 \
         --stop-fraction 0.015625 --samples 1024 --refill-every 8,16,32 --out bench_out/generate-rollout.json
@@ -260,10 +263,58 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
     report["step_bound_refill_vs_groups"] = steps["groups"] / steps[best]
     # Wall time per decode step: what a schedule pays beyond its steps (prefills, refill points) shows here.
     report["ms_per_decode_step"] = {name: 1e3 * report[name]["median_s"] / steps[name] for name, *_ in runs}
+    if args.step_times:
+        report["step_times"] = {name: step_times(samplers[name], lambda s=samplers[name]: s.generate(prompts, keys, params),
+                                                 device, every=samplers[name].refill_every if name == best else 16)
+                                for name in ("groups_prefill_all_rows", best)}
     if args.profile_rollout:
         write_profiles(args.profile_rollout, {n: (lambda s=samplers[n]: s.generate(prompts, keys, params))
                                               for n in ("groups_prefill_all_rows", best)}, device)
     return report
+
+
+def step_times(sampler, call: Callable[[], Any], device, every: int) -> dict[str, Any]:
+    """Where one ``generate`` call's time goes between decode steps: the time from each decode step's
+    start to the next's (on CUDA by events on the stream, so the device's idle time between them
+    counts; elsewhere by the host's clock), in ms, their mean and median, and their means by the
+    step's place between refill points (``step % every``; the groups: between done checks)."""
+    import torch
+
+    stamps: list[Any] = []
+    on_cuda = device.type == "cuda"
+
+    def stamp() -> None:
+        if on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            stamps.append(event)
+        else:
+            stamps.append(time.perf_counter())
+
+    build = sampler._decode_step
+
+    def stamped(params):
+        step = build(params)
+
+        def timed(*inputs):
+            stamp()
+            return step(*inputs)
+
+        return timed
+
+    sampler._decode_step = stamped
+    try:
+        wall, _ = _timed(call, device)
+    finally:
+        del sampler._decode_step  # the class's method again
+    stamp()  # the end of the last step's work (and of whatever followed it)
+    _sync(device)
+    gaps = ([a.elapsed_time(b) for a, b in zip(stamps, stamps[1:])] if on_cuda
+            else [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])])
+    by_place = [statistics.mean(gaps[i::every]) if gaps[i::every] else None for i in range(every)]
+    return {"clock": "cuda events" if on_cuda else "host", "steps": len(gaps), "wall_s": wall,
+            "mean_ms": statistics.mean(gaps), "median_ms": statistics.median(gaps), "every": every,
+            "mean_ms_by_place": by_place}
 
 
 def write_profiles(path: str, calls: dict[str, Callable[[], Any]], device) -> None:
@@ -306,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one call of each of our measured variants; kernel tables go to TXT")
     parser.add_argument("--profile-rollout", default=None, metavar="TXT",
                         help="rollout phase: profile one call of the fastest refill and of groups_prefill_all_rows")
+    parser.add_argument("--step-times", action="store_true",
+                        help="rollout phase: time each decode step of one more call of the fastest refill and of "
+                             "groups_prefill_all_rows, by its place between refill points (step_times)")
     parser.add_argument("--stop-fraction", type=float, default=None, metavar="F",
                         help="add the mixed-length rollout phase: this fraction of the vocabulary stops a sample")
     parser.add_argument("--refill-every", default="16", metavar="K[,K...]",
@@ -464,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{rollout['step_bound_refill_vs_groups']:.2f}x); "
               f"bitwise equal: {rollout['refill_equals_groups']}; "
               "determinism under refill: " + ", ".join(f"{k}={v['equal']}" for k, v in rollout["determinism_refill"].items()))
+        for name, times in rollout.get("step_times", {}).items():
+            places = " / ".join(f"{t:.3f}" for t in times["mean_ms_by_place"] if t is not None)
+            print(f"  step times, {name} ({times['clock']}): mean {times['mean_ms']:.3f} ms, median "
+                  f"{times['median_ms']:.3f} ms; by place between points (every {times['every']}): {places}")
     print(f"wrote {args.out}")
     return 0
 

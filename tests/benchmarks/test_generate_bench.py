@@ -60,7 +60,7 @@ def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path
     out, profile = tmp_path / "generate.json", tmp_path / "profile.txt"
     assert bench.main(["--tiny", "--variants", "eager", "--rollout-only", "--stop-fraction", "0.125", "--samples", "10",
                        "--rollout-new-tokens", "24", "--refill-every", "4,16", "--prefill-ahead", "both", "--prefill-rows", "2",
-                       "--profile-rollout", str(profile), "--out", str(out)]) == 0
+                       "--profile-rollout", str(profile), "--step-times", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["results"] == {}  # --rollout-only: no throughput variants
     rollout = report["rollout"]
@@ -78,6 +78,12 @@ def test_the_rollout_phase_compares_refill_with_groups_on_mixed_lengths(tmp_path
     lengths = rollout["lengths"]
     assert lengths["min"] < lengths["mean"] < lengths["max"] <= 24
     assert rollout["refill_best"] in refills
+    # --step-times: one timed interval per decode step the schedule ran, by place between points
+    times = rollout["step_times"]
+    assert list(times) == ["groups_prefill_all_rows", rollout["refill_best"]]
+    for name, timed in times.items():
+        assert timed["clock"] == "host" and timed["steps"] == steps[name], name
+        assert len(timed["mean_ms_by_place"]) == timed["every"] and timed["mean_ms"] > 0
     assert all(rollout[name]["tokens_per_s"] > 0 for name in refills | {"groups"})
 
 
