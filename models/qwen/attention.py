@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from models.qwen.row_copy import RowCopy
+from models.qwen.row_copy import RowCopy, addresses
 
 # What a block receives as its mask: None (plain causal), a boolean SDPA mask, or a BlockMask.
 AttentionMask = Optional[Union[torch.Tensor, BlockMask]]
@@ -265,9 +265,8 @@ class KVCache(torch.nn.Module):
         targets, sources = self.tensors(), source.tensors()
         if not RowCopy.fits(targets + sources):
             return None
-        addresses = (tuple(t.data_ptr() for t in targets), tuple(s.data_ptr() for s in sources))
         copy = self._row_copies.get(id(source))
-        if copy is None or copy.addresses != addresses:
+        if copy is None or copy.addresses != (addresses(targets), addresses(sources)):
             copy = self._row_copies[id(source)] = RowCopy(targets, sources)
         return copy
 

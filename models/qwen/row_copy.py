@@ -38,10 +38,9 @@ class RowCopy:
                 raise ValueError("RowCopy's buffers must be contiguous, of one dtype and row shape")
         self.row_words = sources[0][0].numel() * sources[0].element_size() // _WORD
         self.buffers = len(targets)
-        device = targets[0].device
-        self.targets = torch.tensor([t.data_ptr() for t in targets], dtype=torch.int64, device=device)
-        self.sources = torch.tensor([s.data_ptr() for s in sources], dtype=torch.int64, device=device)
-        self.addresses = (tuple(t.data_ptr() for t in targets), tuple(s.data_ptr() for s in sources))
+        self.addresses = addresses(targets), addresses(sources)
+        self.targets, self.sources = (torch.tensor(a, dtype=torch.int64, device=targets[0].device)
+                                      for a in self.addresses)
 
     @staticmethod
     def fits(buffers: list[torch.Tensor]) -> bool:
@@ -59,6 +58,11 @@ class RowCopy:
         grid = (self.buffers * count, -(-self.row_words // _BLOCK))
         _kernel()[grid](self.targets, self.sources, rows, source_rows, count, self.row_words, BLOCK=_BLOCK,
                         num_warps=4)
+
+
+def addresses(buffers: list[torch.Tensor]) -> tuple[int, ...]:
+    """The buffers' data addresses: what a ``RowCopy`` built for them holds (``RowCopy.addresses``)."""
+    return tuple(b.data_ptr() for b in buffers)
 
 
 _KERNEL: list = []
