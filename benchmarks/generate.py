@@ -291,22 +291,27 @@ def step_times(sampler, call: Callable[[], Any], device, every: int) -> dict[str
         else:
             stamps.append(time.perf_counter())
 
-    build = sampler._decode_step
+    def stamped(build: Callable) -> Callable:  # a builder of decode steps -> one of timed steps
+        def built(params):
+            step = build(params)
 
-    def stamped(params):
-        step = build(params)
+            def timed(*inputs):
+                stamp()
+                return step(*inputs)
 
-        def timed(*inputs):
-            stamp()
-            return step(*inputs)
+            return timed
 
-        return timed
+        return built
 
-    sampler._decode_step = stamped
+    # The groups' decode step is a function of the step's inputs; refill's, of none (the rows' state).
+    builders = ("_decode_step", "_refill_step")
+    for name in builders:
+        setattr(sampler, name, stamped(getattr(sampler, name)))
     try:
         wall, _ = _timed(call, device)
     finally:
-        del sampler._decode_step  # the class's method again
+        for name in builders:
+            delattr(sampler, name)  # the class's methods again
     stamp()  # the end of the last step's work (and of whatever followed it)
     _sync(device)
     gaps = ([a.elapsed_time(b) for a, b in zip(stamps, stamps[1:])] if on_cuda

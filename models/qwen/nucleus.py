@@ -28,6 +28,7 @@ ms for 256, the unfiltered rule whole (softmax included), the same tokens bitwis
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -266,21 +267,35 @@ class CapturedGraph:
     def __init__(self, fn) -> None:
         self.fn = fn
         self.inputs: tuple[torch.Tensor, ...] = ()
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
 
-    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> None:
+    def capture(self, *inputs: torch.Tensor) -> None:
+        """Run ``fn`` once on ``inputs`` (on a stream of its own: kernels compile, caches warm up), then
+        capture it (a capture runs nothing). A function of no inputs, but the tensors it reads and
+        writes, runs once here, and each call replays it.
+
+        Its matmuls get a cuBLAS workspace of their own, allocated in the graph's memory pool while
+        it is captured. PyTorch keeps one workspace per stream and hands it to every matmul on that
+        stream: graphs captured on one stream would share one, and two of them replayed at once on
+        two streams (the sampler's decode step beside a prefill ahead) race on it, changing results
+        from run to run; a workspace allocated before the capture can be freed (torch.compile's
+        CUDA graphs clear them) while the graph still writes into it.
+        """
         self.inputs = tuple(x.clone() for x in inputs)
-        side = torch.cuda.Stream(inputs[0].device)
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.fn(*self.inputs)  # compiles the kernels outside the capture
+            self.fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
+        _clear_cublas_workspaces()
         with torch.cuda.graph(self.graph):
             self.result = self.fn(*self.inputs)
+        _clear_cublas_workspaces()  # this graph's stays in its pool; the next capture allocates its own
 
     def __call__(self, *inputs: torch.Tensor):
-        if not self.inputs:
-            self._capture(inputs)
+        if self.graph is None:
+            self.capture(*inputs)
         for held, given in zip(self.inputs, inputs, strict=True):
             if held.shape != given.shape or held.dtype != given.dtype:
                 raise ValueError(f"captured for inputs {[(tuple(x.shape), x.dtype) for x in self.inputs]}, "
@@ -288,6 +303,13 @@ class CapturedGraph:
             held.copy_(given)
         self.graph.replay()
         return self.result
+
+
+def _clear_cublas_workspaces() -> None:
+    """Drop PyTorch's cuBLAS workspaces (the next matmul on a stream allocates a new one)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def triton_available(device: torch.device) -> bool:

@@ -55,6 +55,7 @@ second stream beside the decode steps. On other devices everything runs eagerly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -375,6 +376,11 @@ class Sampler:
                 torch._dynamo.mark_static_address(buffer)
         self._decode_steps: dict[SamplingParams, Callable] = {}
         self._prefill_chunk_forward: Optional[Callable] = None
+        # The refill schedule's rows and stop table, kept from call to call (reset by each), and its
+        # whole decode steps, by sampling rule: with CUDA graphs, each a graph that reads and writes them.
+        self._rows: Optional[RowState] = None
+        self._stops = torch.zeros(model.dims.vocab_size, dtype=torch.bool, device=self.device)
+        self._refill_steps: dict[SamplingParams, Callable[[], None]] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -493,10 +499,11 @@ class Sampler:
         budgets = [min(params.max_new_tokens, self.max_len - len(p)) for p in prompts]
         if not prompts:
             return []
-        slots, state = RowSlots(self.max_batch, len(prompts)), RowState(self.max_batch, max(budgets), self.device)
+        width = max(budgets)
+        slots, state = RowSlots(self.max_batch, len(prompts)), self._row_state()
         pool = StagingPool(self.pool.batch, self.prefill_rows) if self.pool is not None else None
-        stops = self._stop_table(params)
-        decode = self._decode_step(params)
+        self._stops.copy_(self._stop_table(params))
+        decode = self._refill_step(params)  # before any row is filled: capturing it runs one step
         samples: list[Optional[Sample]] = [None] * len(prompts)
         in_flight: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (samples, tokens, log-probs)
 
@@ -528,17 +535,16 @@ class Sampler:
                         ends_by[row] = step + budgets[sample]
                     if assigned:  # first, so that the device works while the host collects
                         taken = pool.take([sample for _, sample in assigned]) if pool is not None else []
-                        self._refill(state, assigned, prompts, keys, budgets, taken)
+                        self._refill(state, assigned, prompts, keys, budgets, taken, width)
                     # Fetched after the refill's kernels but before the next decode step writes these rows.
-                    handing = [self._hand_back(state, handed_back)] if handed_back else []
+                    handing = [self._hand_back(state, handed_back, width)] if handed_back else []
                     # The next pending prompts, for the points to come: staged once the next step is queued.
                     groups = pool.next_groups(slots.pending) if pool is not None else []
                 if not slots.busy:
                     landed()
                     in_flight = handing
                     break
-            next_token, logprob = decode(*state.inputs(self.cache.slots))
-            state.advance(next_token, logprob, stops)
+            decode()
             if step % every == 0:  # the point's work that can wait until the device has a step to run
                 landed()
                 in_flight = handing
@@ -552,14 +558,15 @@ class Sampler:
         landed()
         return samples
 
-    def _hand_back(self, state: RowState, handed_back: list[tuple[int, int]]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    def _hand_back(self, state: RowState, handed_back: list[tuple[int, int]],
+                   width: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """(samples, tokens (k, width), log-probs) of the finished (row, sample) pairs, on their way to the host."""
         (rows,) = upload([np.array([row for row, _ in handed_back], dtype=np.int64)], self.device)
-        tokens, logprobs = state.outputs(rows)
+        tokens, logprobs = state.outputs(rows, width)
         return [sample for _, sample in handed_back], _to_host(tokens), _to_host(logprobs)
 
     def _refill(self, state: RowState, assigned: list[tuple[int, int]], prompts: list[list[int]],
-                keys: list[SampleKey], budgets: list[int], taken: list[int]) -> None:
+                keys: list[SampleKey], budgets: list[int], taken: list[int], width: int) -> None:
         """Put the assigned (row, sample) pairs' prompts into their rows and start them decoding.
 
         ``taken``: the staging pool's slots that hold the first ``len(taken)`` assigned samples'
@@ -576,7 +583,7 @@ class Sampler:
         index, last, start, budget = upload([np.array(rows), np.array([prompts[i][-1] for i in indices]),
                                               np.array([len(prompts[i]) - 1 for i in indices]),
                                               np.array([budgets[i] for i in indices])], self.device, np.int64)
-        (uniforms,) = upload([counter_uniforms(streams, state.width)], self.device)
+        (uniforms,) = upload([counter_uniforms(streams, width)], self.device)
         state.load(index, last, start, budget, uniforms)
 
     def _play(self, prompts: list[list[int]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
@@ -823,27 +830,69 @@ class Sampler:
 
         return replayed
 
+    def _row_state(self) -> RowState:
+        """The refill schedule's rows, every one free (``RowState.reset``)."""
+        if self._rows is None:
+            # The longest budget a prompt (of at least one token) leaves within max_len.
+            self._rows = RowState(self.max_batch, self.max_len - 1, self.device)
+            if self.cuda_graphs:
+                self._rows.compile()
+        self._rows.reset()
+        return self._rows
+
+    def _refill_step(self, params: SamplingParams) -> Callable[[], None]:
+        """One decode step of the refill schedule's rows (``self._rows``, reset just before: no row filled).
+
+        With CUDA graphs: the step's inputs from the rows' state, the model's forward, the
+        sampling rule and the state's update, captured as one graph (``CapturedGraph``): one
+        launch a step, where the rows' bookkeeping alone was a dozen small kernels. Capturing
+        runs the step once; it writes position 0 of free rows' caches, which a prefill or the
+        first step rewrites before anything reads it, and the state is reset after it.
+        """
+        key = _rule_key(params)
+        if key in self._refill_steps:
+            return self._refill_steps[key]
+        state, stops, slots = self._rows, self._stops, self.cache.slots
+        assert state is not None, "_row_state() first"
+        if not self.cuda_graphs:
+            decode = self._decode_step(params)
+
+            def step() -> None:
+                state.advance(*decode(*state.inputs(slots)), stops)
+        else:
+            logits = torch.compile(self._decode_forward, fullgraph=True, dynamic=False)
+            rule = self._rule(key)
+
+            def whole() -> None:
+                tokens, positions, uniforms = state.inputs(slots)
+                state.advance(*rule(logits(tokens, positions), uniforms), stops)
+
+            step = CapturedGraph(whole)
+            step.capture()
+            state.reset()
+        self._refill_steps[key] = step
+        return step
+
+    def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decode step's model forward: (B, 1) tokens and positions -> (B, vocab) logits, into ``cache``."""
+        return model_forward(self.model, ModelInputs(tokens, positions), cache=self.cache).logits
+
+    def _rule(self, params: SamplingParams) -> Callable:
+        """(logits (B, vocab), uniforms (B,)) -> (next tokens (B,), log-probs (B,)) by ``params``' rule."""
+        kernels = (nucleus_cut_cuda, draw_kept_cuda) if triton_available(self.device) else (nucleus_cut, draw_kept)
+        return functools.partial(sample_next, params=params, cut=kernels[0], draw=kernels[1])
+
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""
-        # Keyed by what the step computes with, so max_new_tokens or stop tokens never recompile it.
-        key = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+        key = _rule_key(params)
         if key in self._decode_steps:
             return self._decode_steps[key]
-        params = key
-
-        def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return model_forward(self.model, ModelInputs(tokens, positions), cache=self.cache).logits  # (B, vocab)
-
         # Only the model's decode forward is compiled (and replayed as a CUDA graph): the sampling
         # rule's exact int64 prefix sums over the vocabulary are Triton kernels of their own (or
         # torch; torch 2.11's Inductor failed to generate code for them), captured as a graph of
         # their own.
-        decode_logits = self._compiled(forward)
-        kernels = (nucleus_cut_cuda, draw_kept_cuda) if triton_available(self.device) else (nucleus_cut, draw_kept)
-
-        def rule(logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return sample_next(logits, uniforms, params, cut=kernels[0], draw=kernels[1])
-
+        decode_logits = self._compiled(self._decode_forward)
+        rule = self._rule(key)
         if self.cuda_graphs:  # the rule's kernels and small reductions, one launch
             rule = CapturedGraph(rule)
 
@@ -852,6 +901,12 @@ class Sampler:
 
         self._decode_steps[key] = step
         return step
+
+
+def _rule_key(params: SamplingParams) -> SamplingParams:
+    """What a decode step computes with: steps are kept by it, so max_new_tokens or stop tokens never
+    recompile one."""
+    return SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -169,10 +169,14 @@ class RowState:
     (static shapes) until it is refilled: its position and uniform index are clamped, its
     outputs land in the spare last column, and its cache writes go to slots it rewrites
     before reading them after a refill.
+
+    Its tensors keep their storage for its whole life (a step is changed in place), so a CUDA
+    graph of a whole decode step (``Sampler``) reads and writes them; ``reset`` frees every
+    row for the next call. ``width`` is the longest budget it can hold.
     """
 
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.width = width  # the longest budget of the call
+        self.width = width
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)  # (B, 1) the token to feed
         self.start = torch.zeros(rows, dtype=torch.long, device=device)  # position of the last prompt token
         self.local = torch.zeros(rows, dtype=torch.long, device=device)  # tokens generated so far
@@ -181,36 +185,61 @@ class RowState:
         self.uniforms = torch.zeros(rows, width, dtype=torch.float32, device=device)
         self.out_tokens = torch.zeros(rows, width + 1, dtype=torch.long, device=device)  # + a spare column
         self.out_logprobs = torch.zeros(rows, width + 1, dtype=torch.float32, device=device)
+        self._inputs, self._advance = row_inputs, row_advance
+
+    def compile(self) -> None:
+        """Run ``inputs`` and ``advance`` as compiled kernels (a few fused ones instead of a dozen)."""
+        self._inputs = torch.compile(row_inputs, fullgraph=True, dynamic=False)
+        self._advance = torch.compile(row_advance, fullgraph=True, dynamic=False)
+
+    def reset(self) -> None:
+        """Every row free, at position 0: the state of a new call."""
+        for tensor in (self.token, self.start, self.local, self.budget):
+            tensor.zero_()
+        self.done.fill_(True)
 
     def load(self, rows: torch.Tensor, last: torch.Tensor, start: torch.Tensor, budget: torch.Tensor,
              uniforms: torch.Tensor) -> None:
         """Start samples in ``rows`` (k,) (their caches already prefilled), device tensors: each one's last
-        prompt token, that token's position and its budget (k,), and its uniforms (k, width)."""
+        prompt token, that token's position and its budget (k,), and its uniforms (k, n), n <= width."""
         self.token[rows, 0] = last
         self.start[rows] = start
         self.local[rows] = 0
         self.budget[rows] = budget
         self.done[rows] = False
-        self.uniforms[rows] = uniforms
+        self.uniforms[rows, : uniforms.shape[1]] = uniforms
 
     def inputs(self, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) of the next decode step."""
-        positions = (self.start + self.local).clamp(max=slots - 1)[:, None]
-        uniforms = self.uniforms.gather(1, self.local.clamp(max=self.width - 1)[:, None]).squeeze(1)
-        return self.token, positions, uniforms
+        return (self.token, *self._inputs(self.start, self.local, self.uniforms, slots))
 
     def advance(self, next_token: torch.Tensor, logprob: torch.Tensor, stops: torch.Tensor) -> None:
         """Record one decode step's (B,) tokens and log-probs; ``stops`` (vocab,) bool marks the ids that end a sample."""
-        column = self.local.clamp(max=self.width)[:, None]
-        self.out_tokens.scatter_(1, column, next_token[:, None])
-        self.out_logprobs.scatter_(1, column, logprob[:, None])
-        self.token = next_token[:, None].clone()  # the graph's output buffer is reused by its next replay
-        self.local += 1
-        self.done |= stops[next_token] | (self.local >= self.budget)
+        self._advance(self.out_tokens, self.out_logprobs, self.token, self.local, self.done, self.budget,
+                      next_token, logprob, stops)
 
-    def outputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def outputs(self, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, log-probs), each (k, width): what ``rows`` (k,) wrote so far (cut them at the sample's end)."""
-        return self.out_tokens[rows, : self.width], self.out_logprobs[rows, : self.width]
+        return self.out_tokens[rows, :width], self.out_logprobs[rows, :width]
+
+
+def row_inputs(start: torch.Tensor, local: torch.Tensor, uniforms: torch.Tensor,
+               slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RowState.inputs``' positions (B, 1) and uniforms (B,)."""
+    positions = (start + local).clamp(max=slots - 1)[:, None]
+    return positions, uniforms.gather(1, local.clamp(max=uniforms.shape[1] - 1)[:, None]).squeeze(1)
+
+
+def row_advance(out_tokens: torch.Tensor, out_logprobs: torch.Tensor, token: torch.Tensor, local: torch.Tensor,
+                done: torch.Tensor, budget: torch.Tensor, next_token: torch.Tensor, logprob: torch.Tensor,
+                stops: torch.Tensor) -> None:
+    """``RowState.advance``, in place."""
+    column = local.clamp(max=out_tokens.shape[1] - 1)[:, None]
+    out_tokens.scatter_(1, column, next_token[:, None])
+    out_logprobs.scatter_(1, column, logprob[:, None])
+    token.copy_(next_token[:, None])  # not a view of next_token: a graph's output buffer is reused by its next replay
+    local.add_(1)
+    done.logical_or_(stops[next_token] | (local >= budget))
 
 
 class EpisodeRows:

@@ -3,10 +3,13 @@ the sample alone, in any order, and finished rows stop costing decode steps."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
+from models.qwen.nucleus import triton_available
 from models.qwen.sampler import SampleKey, Sampler, SamplingParams
 from models.qwen.scheduler import RowSlots, StagingPool, decode_steps
 from tests.models.sampler_model import QWEN3
@@ -52,6 +55,21 @@ def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sample
     assert min(lengths) < 6 and max(lengths) >= 20, lengths
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(torch.device("cuda")),
+                    reason="compiled CUDA-graph steps run on CUDA (benchmarks on a GPU)")
+def test_refill_steps_captured_as_one_graph_give_the_group_schedules_samples(sampler_model):
+    """On CUDA a refill decode step (the rows' bookkeeping, the forward, the rule) is one graph per
+    rule, kept from call to call with the rows' state: calls under other rules between two calls
+    under one change none of its samples."""
+    model, prompts, keys = copy.deepcopy(sampler_model).cuda(), _prompts(), _keys()
+    refill, groups = _sampler(model, "refill"), _sampler(model, "groups")
+    expected = {rule: groups.generate(prompts, keys, params) for rule, params in RULES.items()}
+    for rule in [*sorted(RULES), *sorted(RULES)]:
+        assert refill.generate(prompts, keys, RULES[rule]) == expected[rule], rule
+    assert len(refill._refill_steps) == len(RULES)  # one graph per rule, captured once
+    assert refill.generate([prompts[3]], [keys[3]], RULES["filtered"]) == [expected["filtered"][3]]
+
+
 # prefill_ahead: the next pending prompts wait prefilled in a staging pool of 2 * prefill_rows rows;
 # a refill point takes what it holds and prefills the rest of its free rows itself. With 3 prompts
 # per prefill and a point every step, the pool serves every point after the first; with 1 per
@@ -69,10 +87,10 @@ def test_the_refill_interval_and_prefilling_ahead_change_no_sample(sampler_model
         staged.extend(len(group) for group, _ in groups)
         return stage(groups)
 
-    def counted_refill(state, assigned, prompts, keys, budgets, held):
+    def counted_refill(state, assigned, prompts, keys, budgets, held, width):
         taken.append(len(held))
         topped_up.append(len(assigned) - len(held))
-        return refill_rows(state, assigned, prompts, keys, budgets, held)
+        return refill_rows(state, assigned, prompts, keys, budgets, held, width)
 
     refill._stage, refill._refill = counted_stage, counted_refill
     assert refill.generate(prompts, keys, params) == _sampler(sampler_model, "groups").generate(prompts, keys, params)
