@@ -14,6 +14,7 @@ two agents as two nodes (tests/distributed/test_two_nodes_simulated.py)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+
+from tests.zygote import Job, Zygote, ZygoteGone
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -142,13 +145,70 @@ def env(cwd: Path) -> dict[str, str]:
     return out
 
 
+_zygotes: list[Zygote] = []
+_ZYGOTES_AT_MOST = 4
+
+
+def _zygote_for(cmd: list[str], environment: dict[str, str]) -> Zygote | None:
+    """A zygote (tests/zygote.py) of this process for ``cmd`` in ``environment``, or None where a
+    fresh process must start it. A zygote starts on first use. One whose import saw another
+    environment (a test changed this process's) stays for the jobs it runs, and another imports
+    in this one, up to ``_ZYGOTES_AT_MOST``."""
+    if os.environ.get("LOCKSTEP_TEST_ZYGOTE", "1") == "0" or not Zygote.runs(cmd, PYTHON):
+        return None
+    for zygote in _zygotes:
+        if zygote.alive() and zygote.matches(environment):
+            return zygote
+    if len(_zygotes) >= _ZYGOTES_AT_MOST:
+        return None
+    zygote = Zygote(PYTHON, ROOT / "tests" / "zygote.py", "train",
+                    {k: v for k, v in environment.items() if k != "TMPDIR"})
+    _zygotes.append(zygote)
+    return zygote
+
+
+def zygote_pids() -> list[int]:
+    """The process ids of this process's zygotes (children that live as long as it)."""
+    return [zygote.proc.pid for zygote in _zygotes]
+
+
+@atexit.register
+def _close_zygotes() -> None:
+    for zygote in _zygotes:
+        zygote.close()
+
+
+def popen(cmd: list[str], cwd: Path, environment: dict[str, str], *, capture: bool = True) -> subprocess.Popen | Job:
+    """``cmd`` started in a session of its own (``start_new_session``), its stdout and stderr in text
+    pipes (``capture``): as a fork of this process's zygote where it can (``python SCRIPT.py ...`` in
+    ``env``'s environment: tests/zygote.py), else as a fresh process."""
+    zygote = _zygote_for(cmd, environment)
+    if zygote is not None:
+        try:
+            return zygote.start(cmd, cwd, environment, capture=capture)
+        except ZygoteGone:  # its import failed (a fresh process shows why) or it was killed
+            pass
+    pipe = subprocess.PIPE if capture else None
+    return subprocess.Popen(cmd, cwd=cwd, env=environment, stdout=pipe, stderr=pipe, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def finish(job: subprocess.Popen | Job, timeout: float) -> tuple[str, str]:
+    """``job``'s stdout and stderr once it has ended; past ``timeout`` its whole process group is killed
+    and ``subprocess.TimeoutExpired`` raised (as ``subprocess.run``)."""
+    try:
+        return job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(job)
+        job.communicate()
+        raise
+
+
 def train(cwd: Path, args: list[str], *, nproc: int = 2, timeout: float = 300, entry: str = TRAIN,
           rendezvous: str = "direct") -> Result:
-    proc = subprocess.run(
-        command(nproc, args, entry=entry, rendezvous=rendezvous), cwd=cwd, env=env(cwd), capture_output=True,
-        text=True, timeout=timeout,
-    )
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+    job = popen(command(nproc, args, entry=entry, rendezvous=rendezvous), cwd, env(cwd))
+    out, err = finish(job, timeout)
+    return Result(job.returncode, out, err)
 
 
 def train_in_turn(cwd: Path, runs: list[list[str]], *, timeout: float = 300, entry: str = TRAIN) -> list[Result]:
@@ -160,9 +220,9 @@ def train_in_turn(cwd: Path, runs: list[list[str]], *, timeout: float = 300, ent
     command = [PYTHON, str(ROOT / "tests" / "in_turn.py"), "--preload", "train", str(out_dir), str(ROOT / entry)]
     for args in runs:
         command += ["--", *args]
-    proc = subprocess.run(command, cwd=cwd, env=env(cwd), capture_output=True, text=True,
-                          timeout=timeout * len(runs))
-    assert proc.returncode == 0, proc.stderr
+    job = popen(command, cwd, env(cwd))
+    _, err = finish(job, timeout * len(runs))
+    assert job.returncode == 0, err
     return [Result(int((out_dir / f"{i}.code").read_text()), (out_dir / f"{i}.out").read_text(),
                    (out_dir / f"{i}.err").read_text()) for i in range(len(runs))]
 
@@ -176,15 +236,12 @@ def run_module(cwd: Path, args: list[str], *, timeout: float = 300) -> Result:
 
 
 def start(cwd: Path, args: list[str], *, nproc: int = 2, entry: str = TRAIN,
-          rendezvous: str = "direct") -> subprocess.Popen:
+          rendezvous: str = "direct") -> subprocess.Popen | Job:
     """Start a job in its own process group, so the whole job can be SIGKILLed at once."""
-    return subprocess.Popen(
-        command(nproc, args, entry=entry, rendezvous=rendezvous), cwd=cwd, env=env(cwd), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+    return popen(command(nproc, args, entry=entry, rendezvous=rendezvous), cwd, env(cwd))
 
 
-def kill_job(proc: subprocess.Popen) -> None:
+def kill_job(proc: subprocess.Popen | Job) -> None:
     with_suppress = getattr(os, "killpg")
     try:
         with_suppress(proc.pid, signal.SIGKILL)
