@@ -7,6 +7,9 @@ tests/ranks.py on the 2-core test machine, and most end-to-end tests check the r
 tests/ranks.py imports train.py's modules once and forks the ranks from there (``--preload
 train``: every script the ranks run is train.py or imports it), about 1.9 s less CPU per
 2-rank job than a fresh interpreter per rank.
+Every job started as ``python SCRIPT.py ...`` (ranks.py, in_turn.py, train.py alone) is a fork of
+this pytest process's zygote (tests/zygote.py, ``popen``), which imported train.py's modules once:
+about 4 s of CPU less per job again, the suite's largest single cost before it.
 The tests that stay on torchrun are those about it or the commands a user types: its restarts
 (tests/runtime/test_restart_continues_the_run.py), the ranks' watch of a killed agent
 (tests/runtime/test_launcher_exit.py), the CLI's exit codes through it (tests/test_train_cli.py),
