@@ -31,11 +31,14 @@ divides by the global count, so neither micro-batches nor ranks change a loss.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from core.exceptions import ConfigError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -163,6 +166,10 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 class AdaptiveKL:
     """The KL coefficient that steers the measured KL toward ``target`` (Ziegler et al.'s rule):
     ``e = clip(kl / target - 1, -0.2, 0.2)``, ``coef *= 1 + e * n / horizon`` after ``n`` samples.
+    With ``n <= horizon`` (checked: ``objective.ppo.kl_horizon`` against the completions per step)
+    the factor lies in [0.8, 1.2], so the coefficient stays positive; it is held inside the
+    positive normal floats, so a long run of steps at one clip bound neither rounds it to 0 nor
+    to inf, and a step whose KL is not finite (a skipped step) leaves it as it was.
     Its state (one float) goes into the checkpoint with the objective's state."""
 
     coef: float
@@ -170,8 +177,16 @@ class AdaptiveKL:
     horizon: int
 
     def update(self, kl: float, samples: int) -> None:
+        if samples > self.horizon:  # validate() refuses such a config; a factor could reach <= 0
+            raise ConfigError(
+                f"objective.ppo.kl_horizon={self.horizon} is below the {samples} completions of a step: "
+                f"the adaptive KL coefficient's factor 1 + e * {samples} / {self.horizon} can reach <= 0",
+                key="objective.ppo.kl_horizon", hint=f"set objective.ppo.kl_horizon >= {samples}")
+        if not math.isfinite(kl):
+            return
         error = min(max(kl / self.target - 1.0, -0.2), 0.2)
-        self.coef *= 1.0 + error * samples / self.horizon
+        self.coef = min(max(self.coef * (1.0 + error * samples / self.horizon), sys.float_info.min),
+                        sys.float_info.max)
 
     def state_dict(self) -> dict[str, float]:
         return {"coef": self.coef}

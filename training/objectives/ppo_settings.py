@@ -105,6 +105,12 @@ def validate(config: Config) -> None:
         raise ConfigError(f"{key}.kl_target={p.kl_target} needs a starting kl_coef > 0", key=f"{key}.kl_coef",
                           hint="the adaptive coefficient is scaled from kl_coef; it cannot leave 0")
     rows = config.train.global_batch_size * p.group_size
+    if p.kl_target > 0 and p.kl_horizon < rows:
+        raise ConfigError(
+            f"{key}.kl_horizon={p.kl_horizon} is below a step's {rows} completions (train.global_batch_size "
+            f"{config.train.global_batch_size} x group_size {p.group_size}): the adaptive KL coefficient is "
+            f"multiplied by 1 + e * {rows} / kl_horizon, e in [-0.2, 0.2], after each step, which must stay in [0.8, 1.2]",
+            key=f"{key}.kl_horizon", hint=f"set kl_horizon >= {rows} (Ziegler et al. use 10000), or kl_target 0")
     if rows % p.minibatches:
         raise ConfigError(
             f"{key}.minibatches={p.minibatches} does not divide the rollout batch's {rows} completions "
