@@ -27,7 +27,7 @@ from core.layout import RunPaths
 from tests import launch
 from training.__main__ import main
 from training.checkpoint.manifest import CheckpointManifest, hash_file, read_manifest
-from training.cli.export_target import KILL_AT_ENV
+from training.cli.export_target import EXPORT_MARKER, KILL_AT_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -79,19 +79,38 @@ def _one_line(err: str) -> None:
 def test_a_non_empty_target_is_replaced_only_with_overwrite(export, tmp_path):
     out = tmp_path / "merged"
     assert export("--to", str(out))[0] == 0
-    (out / "stray.txt").write_text("from the previous export")
+    assert "model.safetensors" in json.loads((out / EXPORT_MARKER).read_text())["files"]
+    (out / "stray.txt").write_text("not written by the export")
     code, err = export("--to", str(out))
     assert code == 2 and "not empty" in err and "--overwrite" in err
     _one_line(err)
-    assert (out / "stray.txt").is_file()
-    assert export("--to", str(out), "--overwrite")[0] == 0
-    assert not (out / "stray.txt").exists()  # replaced as a whole, not written into
+    code, err = export("--to", str(out), "--overwrite")  # what the export did not write would be lost
+    assert code == 2 and "did not write (stray.txt)" in err and (out / "stray.txt").is_file()
+    _one_line(err)
+    (out / "stray.txt").unlink()
+    (out / "model.safetensors").write_bytes(b"changed")
+    assert export("--to", str(out), "--overwrite")[0] == 0  # an earlier export: replaced as a whole
+    assert (out / "model.safetensors").read_bytes() != b"changed"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("mine")
     code, err = export("--to", str(notes), "--overwrite")
-    assert code == 2 and "not a model directory" in err and (notes / "todo.txt").read_text() == "mine"
+    assert code == 2 and "not a Lockstep export" in err and (notes / "todo.txt").read_text() == "mine"
+
+
+def test_overwrite_never_deletes_a_directory_that_merely_holds_a_config_json(export, run, tmp_path):
+    """The probe: --overwrite deleted a directory with a config.json, nested run directories and all."""
+    _, run_dir = run
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text("{}")
+    shutil.copytree(run_dir, project / "runs" / run_dir.name)
+    before = _tree_digest(project)
+    code, err = export("--to", str(project), "--overwrite")
+    assert code == 2 and f"--to {project} is not a Lockstep export" in err
+    _one_line(err)
+    assert _tree_digest(project) == before
 
 
 def test_a_directory_a_known_run_uses_is_never_replaced(export, run):

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from core.exceptions import UsageError
-from training.cli.export_target import check_target
+from training.cli.export_target import check_target, write_export_marker
 
 
 def _model_dir(path):
@@ -49,6 +49,7 @@ def test_a_frozen_model_of_a_run_started_elsewhere_is_protected(tmp_path, monkey
 def test_a_run_reference_by_id_and_unrelated_values_protect_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     target = _model_dir(tmp_path / "exports" / "tiny")
+    write_export_marker(target, {"run": "earlier"})  # an earlier export: replaceable with --overwrite
     _run(tmp_path / "runs", "other", {"objective": {"dpo": {"reference": "run:exports"}},
                                       "data": {"tokenizer": "byte"}, "run": {"name": "tiny"}}, tmp_path)
     assert check_target(target, overwrite=True, run_roots=[tmp_path / "runs"]) == target.resolve()

@@ -28,7 +28,8 @@ A reward model's checkpoint (one with a ``score`` part) exports as a Hugging Fac
 classifier (``Qwen2/Qwen3ForSequenceClassification``, training/objectives/reward_model_io.py).
 
 The target is checked and written by training/cli/export_target.py (never into a run directory,
-through a link or over a directory a run uses; atomically). ``generation_config.json`` and the
+through a link or over a directory a run uses; over an existing directory only with ``--overwrite``
+and only if it is an earlier export holding nothing else; atomically). ``generation_config.json`` and the
 tokenizer's eos end a chat-trained export's turns in ``transformers`` (``_write_tokenizer``).
 """
 
@@ -69,7 +70,8 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
     adapter_config.json naming the base by absolute path) plus the tokenizer files. ``out`` is
     checked and written as training/cli/export_target.py says: never into a run directory or
     through a link, never over a directory a run under ``run_roots``, the run's own parent or its
-    ``run.root`` uses, over a non-empty one only with ``overwrite``, and atomically."""
+    ``run.root`` uses, over a non-empty one only with ``overwrite`` and only if it is an earlier
+    export holding nothing it did not write, and atomically."""
     config = load_recorded_config(paths)  # verified against meta.json before anything in it is used
     lora = config.model.lora.rank > 0
     if adapter and not lora:
@@ -80,13 +82,16 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
     check_tokenizer_config(config.data.tokenizer)
     path = checkpoint_dir(paths, step)
     model = load_checkpoint_model(config, path)
+    about = {"run": paths.root.name, "checkpoint": str(path.resolve()),
+             "form": "adapter" if adapter else "merged" if lora else "model"}
     if adapter:
         if dtype is not None:  # the adapters only (an NF4 base does not convert)
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.to(dtype)
         trained = [p for p in model.parameters() if p.requires_grad]
-        with staged_directory(target, need_bytes=sum(p.numel() * p.element_size() for p in trained)) as staging:
+        with staged_directory(target, need_bytes=sum(p.numel() * p.element_size() for p in trained),
+                              about=about) as staging:
             save_peft_adapter(model, staging, base_model_name_or_path=peft_base_reference(paths, config))
             kill_point("weights")
             _write_tokenizer(config, paths, staging)
@@ -96,7 +101,8 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
     state = model.state_dict()
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
-    with staged_directory(target, need_bytes=sum(v.numel() * v.element_size() for v in state.values())) as staging:
+    with staged_directory(target, need_bytes=sum(v.numel() * v.element_size() for v in state.values()),
+                          about=about) as staging:
         save_pretrained(model, staging, state_dict=state)
         kill_point("weights")
         _keep_source_architecture(paths, config, staging, state)

@@ -7,8 +7,12 @@ built or written:
 - ``--to`` must not be a symbolic link or a file, nor lie inside a run directory (one holding
   ``config.yaml`` beside ``meta.json`` / ``ledger.jsonl`` / ``events.jsonl``; e.g.
   ``runs/<id>/artifacts/init_from``, whose files that run's own exports read);
-- a non-empty ``--to`` is replaced only with ``--overwrite``, and only if it is a model or
-  adapter directory (``config.json`` / ``adapter_config.json``);
+- a non-empty ``--to`` is replaced only with ``--overwrite``, and only if it is a Lockstep export:
+  it holds the ``lockstep_export.json`` every export writes (``EXPORT_MARKER``: the run, the
+  checkpoint and the list of files it wrote), no run directory anywhere inside it, and no file the
+  export did not write (a README, evaluation results, a copied run: whatever replacing would lose).
+  A directory that merely holds a ``config.json`` (a base model, a project, a run root) is never
+  replaced; nor is an export from before the marker existed: delete it yourself or pick a new path;
 - a directory that a known run (any run dir under the run roots) names in its config, such as
   ``model.init_from``, ``objective.dpo.reference`` or ``objective.distill.teacher``, is never
   replaced: the error names the run and the key. Relative paths in a run's config are resolved
@@ -43,9 +47,12 @@ import yaml
 from safetensors import SafetensorError
 
 from core.exceptions import CheckpointError, UsageError
-from core.layout import CONFIG_FILE, EVENTS_FILE, LEDGER_FILE, META_FILE
+from core.layout import CONFIG_FILE, EVENTS_FILE, LEDGER_FILE, META_FILE, RUN_MARKERS
 
-MODEL_MARKERS = ("config.json", "adapter_config.json")
+EXPORT_MARKER = "lockstep_export.json"
+"""Written last into every export: what it is and the files it wrote; only such a directory is replaced."""
+EXPORT_MARKER_VERSION = 1
+_LISTED_AT_MOST = 3
 _RUN_EVIDENCE = (META_FILE, LEDGER_FILE, EVENTS_FILE)
 _STAGING_TAG = ".export-"
 _PREVIOUS_TAG = ".previous-"
@@ -83,15 +90,73 @@ def check_target(to: Path, *, overwrite: bool, run_roots: list[Path]) -> Path:
         raise UsageError(f"--to {to} exists and is not empty",
                          hint="pass --overwrite to replace it (the old directory stays until the new one is "
                               "complete), or pick a new directory")
-    if not any((resolved / name).is_file() for name in MODEL_MARKERS):
-        raise UsageError(f"--to {to} is not a model directory (no {' or '.join(MODEL_MARKERS)}); "
-                         "refusing to replace it even with --overwrite", hint="pick a new or empty directory")
     user = _run_using(resolved, run_roots)
     if user is not None:
         run, keys = user
         raise UsageError(f"--to {to} is used by run {run} as {', '.join(keys)}; replacing it would break that "
                          "run's resume, replay and exports", hint="export to another directory")
+    _check_replaceable(to, resolved)
     return resolved
+
+
+def _check_replaceable(to: Path, target: Path) -> None:
+    """A UsageError unless ``target`` is a Lockstep export holding only what the export wrote."""
+    listed = _exported_files(target / EXPORT_MARKER)
+    if listed is None:
+        raise UsageError(f"--to {to} is not a Lockstep export (it has no {EXPORT_MARKER}, which every export "
+                         "writes); refusing to replace it even with --overwrite", path=str(target),
+                         hint="pick a new or empty directory; if it is an export from an older Lockstep and "
+                              "nothing in it is needed, delete it yourself first")
+    run_dirs, extras = _foreign_entries(target, listed | {EXPORT_MARKER})
+    if run_dirs:
+        raise UsageError(f"--to {to} holds the run directory {run_dirs[0]}; refusing to replace it even with "
+                         "--overwrite", path=str(target),
+                         hint="move the run directory out of it, or export to a new directory")
+    if extras:
+        more = f" and {len(extras) - _LISTED_AT_MOST} more" if len(extras) > _LISTED_AT_MOST else ""
+        raise UsageError(f"--to {to} holds files the export did not write ({', '.join(extras[:_LISTED_AT_MOST])}"
+                         f"{more}); replacing it would delete them", path=str(target),
+                         hint="move them out of the directory, or export to a new directory")
+
+
+def _exported_files(marker: Path) -> set[str] | None:
+    """The relative paths an export's marker lists; None where there is no readable marker."""
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        raw = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    files = raw.get("files") if isinstance(raw, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return set(files)
+
+
+def _foreign_entries(target: Path, listed: set[str]) -> tuple[list[Path], list[str]]:
+    """(run directories inside ``target``, its non-directory entries ``listed`` lacks), sorted; links
+    are entries, never followed."""
+    run_dirs: list[Path] = []
+    extras: list[str] = []
+    for directory, dirnames, filenames in os.walk(target):
+        here = Path(directory)
+        if any(name in RUN_MARKERS for name in filenames):
+            run_dirs.append(here)
+        links = [name for name in dirnames if (here / name).is_symlink()]
+        for name in (*filenames, *links):
+            relative = (here / name).relative_to(target).as_posix()
+            if relative not in listed:
+                extras.append(relative)
+    return sorted(run_dirs), sorted(extras)
+
+
+def write_export_marker(directory: Path, about: dict[str, Any]) -> None:
+    """Write ``EXPORT_MARKER`` into a finished export: ``about`` (run, checkpoint, form) and every file
+    the export wrote, so a later ``--overwrite`` replaces only what an export made."""
+    files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                   if (p.is_file() or p.is_symlink()) and p.name != EXPORT_MARKER)
+    record = {"lockstep_export": EXPORT_MARKER_VERSION, **about, "files": files}
+    (directory / EXPORT_MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def _enclosing_run_dir(path: Path) -> Path | None:
@@ -149,8 +214,9 @@ def _string_leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def staged_directory(target: Path, *, need_bytes: int) -> Iterator[Path]:
-    """A fresh sibling of ``target`` to write the export into; on a clean exit it replaces ``target``."""
+def staged_directory(target: Path, *, need_bytes: int, about: dict[str, Any]) -> Iterator[Path]:
+    """A fresh sibling of ``target`` to write the export into; on a clean exit it gets the export
+    marker (``about`` plus the files written) and replaces ``target``."""
     parent = target.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +229,7 @@ def staged_directory(target: Path, *, need_bytes: int) -> Iterator[Path]:
         raise _write_error(exc, target) from None
     try:
         yield staging
+        write_export_marker(staging, about)
         _fsync_tree(staging)
         kill_point("staged")
         _publish(staging, target)
