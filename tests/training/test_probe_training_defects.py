@@ -5,14 +5,29 @@ episode record changed, and a SIGTERM while a frozen model loads."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
+import models
 from core import config as config_lib
+from core import seeding
 from core.exceptions import ConfigError
+from models.hf_weights import WEIGHTS_NAME, save_pretrained
+from tests import launch
+from tests.reward_models import dist
+from training.objectives.critic import build_critic
+from training.objectives.frozen import check_finite_weights
+from training.objectives.model_reward import build_model_reward
 from training.objectives.ppo_loss import AdaptiveKL
+from training.objectives.reward_model_io import SCORE_WEIGHT
+
+PPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-ppo.yaml"
 
 PROMPTS = {"sources": [{"path": "datasets/tasks/rl/train", "record": "prompt"}], "num_streams": 4}
 
@@ -62,3 +77,71 @@ def test_a_kl_horizon_below_a_steps_completions_is_a_config_error():
     with pytest.raises(ConfigError) as info:  # the controller itself refuses such a step
         AdaptiveKL(coef=0.1, target=1.0, horizon=1).update(0.0, samples=8)
     assert info.value.context["key"] == "objective.ppo.kl_horizon"
+
+
+# ---------------------------------------------------------------- 2. reward models' and critics' weights
+
+
+def _classifier(directory: Path, config, *, nan_score: bool = False, truncate: bool = False) -> Path:
+    """A Hugging Face sequence classifier of the e2e policy's shape with seeded weights (as
+    `python -m training export` writes a reward model), its score head NaN or its file cut short."""
+    model = models.build(config.model, generator=seeding.generator(5, "reward_init"))
+    save_pretrained(model, directory)
+    raw = json.loads((directory / "config.json").read_text())
+    raw["architectures"] = [raw["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
+    raw["num_labels"] = 1
+    (directory / "config.json").write_text(json.dumps(raw))
+    file = directory / WEIGHTS_NAME
+    tensors = load_file(str(file))
+    score = torch.full((1, config.model.hidden_size), 0.25)
+    if nan_score:
+        score[0, 3] = math.nan
+    tensors[SCORE_WEIGHT] = score
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    if truncate:  # the probe: a copy cut short
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ppo_config():
+    return config_lib.load(str(PPO_CONFIG))
+
+
+def _critic_config(config, source: Path):
+    return config_lib.from_dict({**config_lib.to_dict(config),
+                                 "objective": {"kind": "ppo", "ppo": {"critic": str(source)}}})
+
+
+@pytest.mark.parametrize("damage", ["truncate", "nan_score"])
+def test_a_damaged_reward_model_or_critic_is_a_config_error_naming_its_file(tmp_path, ppo_config, damage):
+    # The probe: a truncated model.safetensors was exit 1 "SafetensorError" naming no file; a NaN
+    # in the score head was exit 7 at the first loss ("inspect the batch").
+    source = _classifier(tmp_path / "rm", ppo_config, **{damage: True})
+    file = str(source / WEIGHTS_NAME)
+    with pytest.raises(ConfigError) as info:
+        build_model_reward(ppo_config, str(source), dist=dist(), key="objective.ppo.rewards[1].path")
+    assert info.value.exit_code == 2 and info.value.context["file"] == file
+    if damage == "nan_score":
+        assert info.value.context["key"] == SCORE_WEIGHT and "non-finite" in info.value.message
+    with pytest.raises(ConfigError) as info:  # the same file as PPO's critic
+        build_critic(_critic_config(ppo_config, source))
+    assert info.value.exit_code == 2 and info.value.context["file"] == file
+
+
+def test_a_sound_reward_model_still_builds(tmp_path, ppo_config):
+    source = _classifier(tmp_path / "rm", ppo_config)
+    reward = build_model_reward(ppo_config, str(source), dist=dist(), key="objective.ppo.rewards[1].path")
+    assert torch.equal(reward.head.weight, torch.full((1, ppo_config.model.hidden_size), 0.25))
+    assert torch.equal(build_critic(_critic_config(ppo_config, source)).value_head.weight, reward.head.weight)
+
+
+def test_a_checkpoints_model_with_a_nan_is_a_config_error_naming_the_checkpoint(tmp_path, ppo_config):
+    model = models.build(ppo_config.model, generator=seeding.generator(5, "reward_init"))
+    check_finite_weights(model, source="run:rm", path=tmp_path, key="objective.ppo.critic")
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight[0, 0] = math.inf
+    with pytest.raises(ConfigError) as info:
+        check_finite_weights(model, source="run:rm", path=tmp_path, key="objective.ppo.critic")
+    assert info.value.context == {"key": "objective.ppo.critic", "file": str(tmp_path),
+                                  "tensor": "layers.1.mlp.down_proj.weight"}

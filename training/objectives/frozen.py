@@ -106,10 +106,25 @@ def source_model(config: Config, source: str, *, key: str) -> nn.Module:
         from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
 
         run, step = _run_source(config, source, key=key)
-        return load_checkpoint_model(run.config, checkpoint_dir(run.paths, step))
+        path = checkpoint_dir(run.paths, step)
+        model = load_checkpoint_model(run.config, path)
+        check_finite_weights(model, source=source, path=path, key=key)
+        return model
     # the same seeded initialization (or init_from weights) as the trained model's
     return models.build(_model_config(config, source, key=key),
                         generator=seeding.generator(config.train.seed, "model_init"))
+
+
+def check_finite_weights(model: nn.Module, *, source: str, path: Path, key: str) -> None:
+    """Refuse a checkpoint's model that holds NaN or Inf, as a Hugging Face directory's weights are
+    refused when they load (models/hf_weights.py): a frozen model's or critic's NaN would only show
+    as a non-finite loss, naming no file."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+            bad = int((~torch.isfinite(param)).sum())
+            raise ConfigError(f"{key}={source!r}: tensor {name!r} of the checkpoint's model holds {bad} non-finite "
+                              "value(s) (NaN or Inf)", key=key, file=str(path), tensor=name,
+                              hint="the weights are damaged or came from a diverged run; name another checkpoint (@STEP)")
 
 
 def adapter_off_reference(model: nn.Module, config: Config, *, dist: DistributedContext,

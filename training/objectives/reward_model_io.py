@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from core.exceptions import CheckpointError, ConfigError
@@ -52,7 +52,19 @@ def read_checkpoint_score(checkpoint: Path) -> torch.Tensor | None:
     shape = metadata.state_dict_metadata[key].size
     state = {key: torch.empty(tuple(shape), dtype=torch.float32)}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint / DCP_DIR)), no_dist=True)
+    check_finite_weight(state[key], name=key, file=checkpoint / DCP_DIR)
     return state[key]
+
+
+def check_finite_weight(weight: torch.Tensor, *, name: str, file: Path) -> None:
+    """Refuse a reward model's or critic's weight that holds NaN or Inf, as every frozen model's
+    weights are refused (models/hf_weights.py): its scores would be NaN, and the run would stop at
+    the first loss with nothing naming the file."""
+    if not weight.is_floating_point() or bool(torch.isfinite(weight).all()):
+        return
+    bad = int((~torch.isfinite(weight)).sum())
+    raise ConfigError(f"tensor {name!r} in {file} holds {bad} non-finite value(s) (NaN or Inf)", file=str(file),
+                      key=name, hint="the weights are damaged or came from a diverged run; use another checkpoint")
 
 
 def write_classifier(directory: Path, weight: torch.Tensor) -> None:
@@ -115,16 +127,29 @@ def read_score_weight(path: str | Path, hidden_size: int) -> torch.Tensor:
     name = json.loads(index.read_text())["weight_map"].get(SCORE_WEIGHT) if index.is_file() else WEIGHTS_NAME
     file = directory / name if name else None
     if file is not None and file.is_file():
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            if SCORE_WEIGHT in reader.keys():
-                weight = reader.get_tensor(SCORE_WEIGHT).float()
-                if tuple(weight.shape) != (1, hidden_size):
-                    raise ConfigError(f"{file.name}'s {SCORE_WEIGHT} has shape {tuple(weight.shape)}, a reward "
-                                      f"model's score head is (1, {hidden_size})", file=str(file), key=SCORE_WEIGHT,
-                                      hint="export a reward model with num_labels 1")
-                return weight
+        weight = _read_tensor(file, SCORE_WEIGHT)
+        if weight is not None:
+            weight = weight.float()
+            if tuple(weight.shape) != (1, hidden_size):
+                raise ConfigError(f"{file.name}'s {SCORE_WEIGHT} has shape {tuple(weight.shape)}, a reward "
+                                  f"model's score head is (1, {hidden_size})", file=str(file), key=SCORE_WEIGHT,
+                                  hint="export a reward model with num_labels 1")
+            check_finite_weight(weight, name=SCORE_WEIGHT, file=file)
+            return weight
     raise ConfigError(f"{directory} is a sequence classifier without {SCORE_WEIGHT}", file=str(directory),
                       key=SCORE_WEIGHT, hint="export the reward model again")
+
+
+def _read_tensor(file: Path, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of the safetensors ``file`` as stored, or None where the file has no such tensor;
+    a file safetensors cannot read (truncated, damaged) is a ConfigError naming it, as a frozen
+    model's weight file is (models/hf_weights.py)."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            return reader.get_tensor(name) if name in reader.keys() else None
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(f"{file.name} is not a readable safetensors file: {exc}", file=str(file),
+                          hint="the file is damaged or truncated; copy or export the model directory again") from None
 
 
 def _weights_dtype(directory: Path) -> torch.dtype:
