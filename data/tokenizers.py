@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from core.exceptions import DataError
+from data.chat_template import RecordError
 from data.qwen_vocab import DEFAULT_DIR as QWEN_DIR
 from data.qwen_vocab import QWEN_SPEC
 
@@ -24,6 +25,28 @@ BYTE_SPEC = "byte"
 
 # Hugging Face end-of-text tokens, tried in this order when tokenizer_config.json names none.
 _EOS_CANDIDATES = ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+class UnencodableTextError(RecordError):
+    """Text that is not encodable as UTF-8: it holds a lone surrogate (``"\\ud83d"`` is valid JSON
+    and a valid Python string, but no UTF-8 byte sequence). A bad record, like any other: the
+    pipeline names its file and record, or skips and counts it under data.on_bad_record=skip."""
+
+
+def check_encodable(text: str, error: BaseException | None = None) -> None:
+    """Raise UnencodableTextError if ``text`` is not encodable as UTF-8; else re-raise ``error``
+    (what the encoder raised: it was not the text's fault), or return."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        raise UnencodableTextError(
+            f"text holds a lone surrogate U+{ord(text[bad.start]):04X} at character {bad.start} "
+            "(a \\ud800-\\udfff escape not paired with another): it is not encodable as UTF-8"
+        ) from None
+    except AttributeError:  # not a string: the encoder's own error says so
+        pass
+    if error is not None:
+        raise error
 
 
 @runtime_checkable
@@ -35,7 +58,9 @@ class Tokenizer(Protocol):
     fingerprint: str
     """Identifies the vocabulary; a resume with a different one is refused."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids; UnencodableTextError (a RecordError) for text that is not encodable as UTF-8."""
+        ...
 
     def encode_array(self, text: str) -> np.ndarray:
         """Like encode, as an int32 array (the pipeline's fast path)."""
@@ -62,10 +87,10 @@ class ByteTokenizer:
     fingerprint = "byte-v1"
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(_utf8(text))
 
     def encode_array(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+        return np.frombuffer(_utf8(text), dtype=np.uint8).astype(np.int32)
 
     def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         ids = self.encode_array(text)
@@ -102,6 +127,14 @@ class ByteTokenizer:
             out.append(self.SPECIALS[special] if 0 <= special < len(self.SPECIALS) else f"<|{i}|>")
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        check_encodable(text, exc)
+        raise
 
 
 def _byte_characters() -> list[str]:
@@ -157,15 +190,22 @@ class HFTokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encoding(text).ids
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int32)
 
     def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        encoding = self._tok.encode(text, add_special_tokens=False)
+        encoding = self._encoding(text)
         offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         return np.asarray(encoding.ids, dtype=np.int32), offsets
+
+    def _encoding(self, text: str):
+        try:
+            return self._tok.encode(text, add_special_tokens=False)
+        except TypeError as exc:  # tokenizers' error for a lone surrogate: "TextInputSequence must be str"
+            check_encodable(text, exc)
+            raise
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -149,14 +149,10 @@ class TokenizeStage:
                 ids, doc.mask, *parts = self.chat[doc.source].encode(doc.payload)
                 doc.parts = parts[0] if parts else None  # preference pairs (data/preference.py)
                 doc.margin = parts[1] if len(parts) > 1 else None  # and their margins, where read
-            except RecordError as exc:
+            except RecordError as exc:  # a malformed record, one its template refuses, or text not UTF-8
                 raise BadRecord(str(exc)) from None
             return ids
         try:
             return self.tokenizer.encode_array(doc.payload)
-        except (UnicodeEncodeError, TypeError) as exc:  # tokenizers raises TypeError for surrogates
-            try:
-                doc.payload.encode("utf-8")
-            except UnicodeEncodeError as bad:
-                raise BadRecord(f"text is not valid Unicode (lone surrogate at {bad.start})") from None
-            raise exc
+        except RecordError as exc:  # text not encodable as UTF-8 (a lone surrogate): data/tokenizers.py
+            raise BadRecord(str(exc)) from None
