@@ -7,12 +7,15 @@ can hand the trainer the exact position to resume from.
 
 The packer is the first stage that sees a stream's documents in order, so it is where a bad
 document either stops the stream (``on_bad_record: error``, reported when the batch that
-needs it is assembled) or is skipped and counted (``skip``).
+needs it is assembled) or is skipped (``skip``). A skipped record travels with the row whose
+stream state first counts it as read (``PackedSequence.skipped``), so the pipeline counts it
+when it hands that row to the trainer: never for rows read ahead and not yet consumed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,6 +23,20 @@ from core.exceptions import DataError
 from data.batch import DocSpan
 from data.pipeline.items import Doc
 from data.state import StreamState
+
+
+class BadRecordKey(NamedTuple):
+    """A skipped bad record: the same record read again (another epoch, a stream that repeats its
+    unit) has the same key, so the pipeline counts it once."""
+
+    source: int
+    shard: str
+    record: int
+    """0-based index in the shard (Doc.record)."""
+
+    @classmethod
+    def of(cls, doc: Doc) -> "BadRecordKey":
+        return cls(doc.source, doc.shard, doc.record)
 
 
 @dataclass(slots=True)
@@ -36,6 +53,9 @@ class PackedSequence:
     """(seq_len,) int8 preference roles: 1 chosen, 2 rejected, 0 neither (None: a row without pairs)."""
     margins: np.ndarray | None = None
     """(seq_len,) float32: each pair's margin on its tokens, 0 elsewhere (None: no margins read)."""
+    skipped: tuple[BadRecordKey, ...] = ()
+    """Bad records skipped (``on_bad_record: skip``) after the previous row and up to this row's
+    state: counted when the row is consumed."""
 
 
 @dataclass(slots=True)
@@ -105,6 +125,7 @@ class StreamPacker:
         self._sequences = state.sequences
         self._carry = np.empty(0, dtype=np.int32)  # tokens of the unfinished sequence
         self._carry_spans: list[DocSpan] = []
+        self._carry_skipped: list[BadRecordKey] = []  # skipped bad records of the unfinished sequence
         self._unusable = UnusableSources(stream, source_names, seq_len)
         self.failed = False
         self.bad_records = 0
@@ -121,11 +142,12 @@ class StreamPacker:
         full = len(flat) // T
         spans: list[list[DocSpan]] = [self._carry_spans] + [[] for _ in range(full)]
         states = self._walk(entries, spans, full)
+        skipped = self._skipped_by_row(entries, full)
         rows = flat[: full * T].reshape(full, T)
         out: list[PackedSequence | StreamFailure] = [
-            PackedSequence(rows[i], spans[i], states.get(i)) for i in range(full)
+            PackedSequence(rows[i], spans[i], states.get(i), skipped=tuple(skipped[i])) for i in range(full)
         ]
-        self._carry, self._carry_spans = flat[full * T:].copy(), spans[full]
+        self._carry, self._carry_spans, self._carry_skipped = flat[full * T:].copy(), spans[full], skipped[full]
         self._sequences += full
         if failure is not None:
             out.append(failure)
@@ -162,6 +184,17 @@ class StreamPacker:
             entries.append((doc, cursor, end, first))
             cursor = end
         return pieces, entries, None
+
+    def _skipped_by_row(self, entries: list[tuple], full: int) -> list[list[BadRecordKey]]:
+        """The skipped bad records of each row (the last: of the unfinished one). A skipped record
+        adds no token, at the cursor where it was read: the row holding that cursor is the one
+        whose state first counts it as read (a record right after a row that ends exactly at a
+        document's end belongs to the next row, as the state of that row does not include it)."""
+        skipped: list[list[BadRecordKey]] = [self._carry_skipped] + [[] for _ in range(full)]
+        for doc, start, _, _ in entries:
+            if doc.error is not None:
+                skipped[start // self._seq_len].append(BadRecordKey.of(doc))
+        return skipped
 
     def _walk(self, entries: list[tuple], spans: list[list[DocSpan]], full: int) -> dict[int, StreamState]:
         """Fill each sequence's spans; return the states of the sequences that end a batch."""
@@ -238,6 +271,7 @@ class WholeDocPacker:
         self._spans: list[DocSpan] = []
         self._roles: list[np.ndarray] = []  # preference rows only (data/preference.py)
         self._margins: list[np.ndarray] = []  # preference rows whose margins are read
+        self._skipped: list[BadRecordKey] = []  # bad records skipped since the last row closed
         self._fill = 0
         self._unusable = UnusableSources(stream, source_names, seq_len)
         self.failed = False
@@ -353,6 +387,7 @@ class WholeDocPacker:
             return StreamFailure(DataError(doc.error, file=doc.shard, record=doc.record + 1, stream=self.stream,
                                            hint=doc.hint))
         self.bad_records += 1
+        self._skipped.append(BadRecordKey.of(doc))
         return self._not_used(doc, "bad")
 
     def _consumed(self, doc: Doc) -> None:
@@ -393,6 +428,7 @@ class WholeDocPacker:
             self._margins.append(np.zeros(T - sum(len(m) for m in self._margins), dtype=np.float32))
             margins = np.concatenate(self._margins)
         row = PackedSequence(np.concatenate(self._tokens).astype(np.int32, copy=False), self._spans, state,
-                             np.concatenate(self._masks), roles, margins)
+                             np.concatenate(self._masks), roles, margins, tuple(self._skipped))
         self._tokens, self._masks, self._spans, self._fill, self._roles, self._margins = [], [], [], 0, [], []
+        self._skipped = []
         return row

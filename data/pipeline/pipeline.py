@@ -20,7 +20,7 @@ packer; the read-ahead budget stops reading for a stream that holds ``prefetch_b
 batches' worth of sequences (at least READ_AHEAD_SEQUENCES) ahead of the trainer.
 
 A bad record travels in order and surfaces from ``next()`` at the batch that needs it (or is
-skipped and counted); any other failure in a thread closes the pipeline and is raised from
+skipped, and counted once, when the first batch that reads past it is returned); any other failure in a thread closes the pipeline and is raised from
 the next ``next()``. ``close()`` joins every thread and worker process.
 """
 
@@ -36,7 +36,7 @@ from core.exceptions import DataError
 from data.batch import Batch
 from data.pipeline.backpressure import InFlightLimiter, ReadAheadBudget
 from data.pipeline.items import Chunk
-from data.pipeline.packing import StreamFailure
+from data.pipeline.packing import BadRecordKey, StreamFailure
 from data.pipeline.plan import DataPlan, make_plan
 from data.pipeline.procpool import ProcessPool
 from data.pipeline.queues import BoundedQueue, Closed, ReorderBuffer, SequenceBuffers
@@ -85,6 +85,7 @@ class DataPipeline:
         self._pool: Optional[ProcessPool] = None
         self._queues: list[BoundedQueue] = []
         self._docs_read = 0
+        self._skipped: set[BadRecordKey] = set()  # distinct bad records the returned batches skipped
         self._light, self._heavy = _placement(plan.stages, plan.config.workers)
         self._busy = {name: _BusyClock() for name in ["source", *(s.name for s in plan.stages), "pack", "batch"]}
 
@@ -126,6 +127,9 @@ class DataPipeline:
             self.close()
             raise failures[0].error
         self._budget.add({s: -plan.rows_per_stream * plan.seq_len for s in plan.owned})
+        for s in plan.owned:
+            for row in rows[s]:
+                self._skipped.update(row.skipped)
         self._step += 1
         batch = self._assembler.assemble(self._step, rows)
         self._state = batch.state
@@ -151,7 +155,9 @@ class DataPipeline:
             "busy_s": {name: round(clock.seconds, 6) for name, clock in self._busy.items()},
             "docs_read": self._docs_read,
             "tokens_packed": sum(p.tokens for p in self._packers.values()) if started else 0,
-            "bad_records_skipped": sum(p.bad_records for p in self._packers.values()) if started else 0,
+            # Distinct bad records in what the batches returned so far consumed: never those of
+            # rows read ahead (timing), once however often a record is read (epochs, streams).
+            "bad_records_skipped": len(self._skipped),
             **(self._whole_doc_counts() if started and self._plan.whole_documents else {}),
             "error": str(self._error) if self._error else None,
         }

@@ -3,6 +3,8 @@
 - a lone surrogate (``"\\ud83d"``, valid JSON) in a text, chat, prompt/completion, prompt or
   preference record is a bad record naming file and record (skipped and counted under
   ``data.on_bad_record=skip``), never a "bug in the data pipeline";
+- ``bad_records_skipped`` counts each bad record once (not once per stream, epoch and read-ahead),
+  and only when a batch the pipeline returned has read past it: the same count for any timing.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 
 import pytest
 
-from core.config import load
+from core.config import DataConfig, SourceConfig, load
 from core.exceptions import DataError
 from data.pipeline.pipeline import build
 from data.tokenizers import ByteTokenizer, HFTokenizer, UnencodableTextError
@@ -88,5 +90,46 @@ def test_a_lone_surrogate_is_a_bad_record_naming_file_and_record_or_a_counted_sk
     with build(_data_config(path, kind, f"data.tokenizer={spec}", "data.on_bad_record=skip"), seed=0,
                global_batch_size=2, rank=0, world_size=1) as pipe:
         seen = {span.record for _ in range(8) for row in next(pipe).provenance for span in row}
-        assert pipe.stats()["bad_records_skipped"] >= 1 and pipe.stats()["error"] is None
+        assert pipe.stats()["bad_records_skipped"] == 1 and pipe.stats()["error"] is None
     assert 3 not in seen and {2, 4} <= seen
+
+
+# --------------------------------------------------------------------------- the skipped count
+
+def _with_bad_lines(path, good: int, bad_at: list[int]):
+    lines = [b'{"text": "document number %d, a few words long"}' % i for i in range(good + len(bad_at))]
+    for i in bad_at:
+        lines[i] = b'{"text": "unterminated'
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def _skip_counts(path, batches: int, **data) -> list[int]:
+    """``bad_records_skipped`` after each of ``batches`` batches of 8 streams (one unit: every
+    stream reads the same records, epoch after epoch)."""
+    config = DataConfig(sources=(SourceConfig(path=str(path)),), seq_len=32, num_streams=8,
+                        on_bad_record="skip", **data)
+    with build(config, seed=0, global_batch_size=16, rank=0, world_size=1) as pipe:
+        counts = []
+        for _ in range(batches):
+            next(pipe)
+            counts.append(pipe.stats()["bad_records_skipped"])
+        assert pipe.stats()["error"] is None
+    return counts
+
+
+def test_each_bad_record_is_counted_once_whatever_the_epochs_streams_and_timing(tmp_path):
+    path = _with_bad_lines(tmp_path / "data.jsonl", good=40, bad_at=[1, 5, 9, 17, 23, 30, 41, 47])
+    counts = _skip_counts(path, 60, workers=0)  # 60 batches: every stream reads the file ~5 times
+    assert counts[-1] == 8  # was 140-147 (per stream and epoch, plus whatever was read ahead)
+    assert counts == sorted(counts) and counts[0] < 8  # batch 1 has not read every record yet
+    for data in ({"workers": 2, "process_pool": False}, {"workers": 1, "prefetch_batches": 1}):
+        assert _skip_counts(path, 60, **data) == counts
+
+
+def test_a_bad_record_read_ahead_is_not_counted_before_a_batch_reads_past_it(tmp_path):
+    # The bad records are the file's last two lines: batch 1 (16 rows of 32 tokens over 8
+    # streams, ~3 documents a stream) reads none of them, though the read-ahead does.
+    path = _with_bad_lines(tmp_path / "data.jsonl", good=60, bad_at=[60, 61])
+    counts = _skip_counts(path, 40, workers=0)
+    assert counts[0] == 0 and counts[-1] == 2
