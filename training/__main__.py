@@ -1,4 +1,4 @@
-"""``python -m training {export, generate}``: the training layer's command line.
+"""``python -m training {export, generate, score}``: the training layer's command line.
 
     python -m training export --run RUN_ID [--step S] --to DIR [--overwrite] [--dtype fp32|bf16|fp16]
                               [--root runs] [--adapter | --merge]  (LoRA runs: PEFT adapter dir, or merged model)
@@ -7,6 +7,9 @@
     python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
                                 [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--out FILE.jsonl]
                                 (training/cli/generate.py)
+
+    python -m training score --from RUN_ID|RUN_DIR|HF_DIR --pairs FILE.jsonl [--step S] [--json]
+                             (a reward model's scores of preference pairs: training/cli/score.py)
 
 ``--run`` takes a run ID (under ``--root``) or a run directory. Errors print one line and exit
 with the code of their type (2 usage/config, 3 data, 4 checkpoint); see core/exceptions.py.
@@ -34,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "score":
+            from training.cli.score import run_score
+
+            return run_score(args)
         if args.command == "generate":
             from training.cli.generate import check_sampling, run_generate
 
@@ -67,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     from training.cli.generate import add_arguments
 
     add_arguments(g)
+    from training.cli import score
+
+    score.add_arguments(sub.add_parser("score", help="a reward model's scores and accuracy on preference pairs"))
     return parser
 
 

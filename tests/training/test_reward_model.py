@@ -69,11 +69,13 @@ def _alone(model, head, ids: torch.Tensor) -> float:
                                      torch.tensor([0]), torch.tensor([n - 1]))[0])
 
 
-def test_the_layout_marks_the_last_token_of_each_side_of_each_pair():
+def test_the_layout_reads_each_side_of_each_pair_before_its_separator():
+    # Each side ends with the separator the packer lays after it (positions 7, 15, 23, 31 and 9, 19):
+    # the read position is the token before it, the rendered conversation's last token.
     layout = score_layout(_batch())
     assert layout.rows.tolist() == [0, 0, 1]
-    assert layout.chosen.tolist() == [7, 23, 9]
-    assert layout.rejected.tolist() == [15, 31, 19]
+    assert layout.chosen.tolist() == [6, 22, 8]
+    assert layout.rejected.tolist() == [14, 30, 18]
 
 
 def test_a_score_is_the_sequence_alone_at_its_last_token_whatever_follows_it():
@@ -115,7 +117,7 @@ def test_the_loss_is_bradley_terry_with_margin_and_centering_by_hand(per_record)
     expected, accuracy, margin = 0.0, 0.0, 0.0
     wanted = [m for row in own for m in row] if per_record else [0.25] * 3  # pairs in row-major order
     for row, c_end, r_end, m in zip(layout.rows.tolist(), layout.chosen.tolist(), layout.rejected.tolist(), wanted):
-        c_start, r_start = c_end + 1 - _length(batch, row, c_end), r_end + 1 - _length(batch, row, r_end)
+        c_start, r_start = _start(batch, row, c_end), _start(batch, row, r_end)
         chosen = _alone(model, head, batch.input_ids[row, c_start:c_end + 1])
         rejected = _alone(model, head, batch.input_ids[row, r_start:r_end + 1])
         gap = chosen - rejected
@@ -130,8 +132,9 @@ def test_the_loss_is_bradley_terry_with_margin_and_centering_by_hand(per_record)
     assert fields["margin"] == pytest.approx(margin / 3, abs=1e-5)
 
 
-def _length(batch: Batch, row: int, end: int) -> int:
-    return next(s.end - s.start for s in batch.provenance[row] if s.start <= end < s.end)
+def _start(batch: Batch, row: int, end: int) -> int:
+    """Where the document holding position ``end`` of ``row`` starts."""
+    return next(s.start for s in batch.provenance[row] if s.start <= end < s.end)
 
 
 def test_the_gradient_reaches_the_trunk_and_the_score_head():

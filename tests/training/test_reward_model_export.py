@@ -14,6 +14,7 @@ import json
 import shutil
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,3 +165,106 @@ def test_a_source_without_a_score_head_is_refused(tmp_path):
     with pytest.raises(ConfigError) as error:
         build_model_reward(config, str(tmp_path), dist=_dist(), key="objective.grpo.rewards[0].path")
     assert "sequence-classification" in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# One read position (training/objectives/reward_model.py): one conversation, one score, on every path.
+
+CONVERSATION = {"prompt": "What is 6 * 7?", "chosen": "42", "rejected": "41"}
+
+
+def _recorded(run_dir):
+    from core.run_context import load_recorded_config
+    from data.chat_template import ChatTemplate
+    from data.tokenizers import build_tokenizer
+
+    config = load_recorded_config(RunPaths(run_dir))
+    tokenizer = build_tokenizer(config.data.tokenizer)
+    return config, tokenizer, ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
+
+
+def _packed_pair(chosen: list[int], rejected: list[int], eos: int, width: int):
+    """One row holding the pair as the packer lays it (data/pipeline/packing.py ``_accept_pair``):
+    each side followed by the separator, then padding."""
+    from data.batch import Batch, DocSpan
+
+    c, r = len(chosen) + 1, len(rejected) + 1
+    ids = np.full(width, eos, dtype=np.int32)
+    ids[:c - 1], ids[c:c + r - 1] = chosen, rejected
+    role = np.zeros(width, dtype=np.int8)
+    role[:c], role[c:c + r] = 1, 2
+    mask = np.zeros(width, dtype=bool)
+    spans = [DocSpan("p", "f", 0, 0, c, 0), DocSpan("p", "f", 0, c, c + r, c - 1), DocSpan("<padding>", "", -1, c + r, width, 0)]
+    return Batch.from_rows(1, [ids], [spans], [0], {}, [mask], roles=[role])
+
+
+def test_one_conversation_gets_one_score_on_every_path(exported):
+    """Training, held-out evaluation, a model reward in GRPO/PPO (a completion ended by its
+    end-of-turn marker, by EOS, or truncated), ``python -m training score`` and the export in
+    transformers on ``apply_chat_template``'s ids: one number, within 1e-5 in fp32."""
+    transformers = pytest.importorskip("transformers")
+    from data.preference import PreferenceEncoder
+    from training.cli.score import read_pairs, reward_source, score_pairs
+    from training.objectives.model_reward import ReadPosition, rollout_scores
+
+    run_dir, out = exported
+    config, tokenizer, template = _recorded(run_dir)
+    checkpoint = checkpoint_dir(RunPaths(run_dir), None)
+    trunk = load_checkpoint_model(config, checkpoint).eval()
+    head = torch.nn.Linear(config.model.hidden_size, 1, bias=False)
+    head.weight.data.copy_(read_checkpoint_score(checkpoint))
+    messages = [{"role": "user", "content": CONVERSATION["prompt"]},
+                {"role": "assistant", "content": CONVERSATION["chosen"]}]
+    conversation = [int(t) for t in tokenizer.encode_array(template.render(messages))]
+    assert template.render(messages).endswith("<|im_end|>\n")
+
+    # 1, 2. Training and held-out evaluation: the objective's loss on the pair as the packer packs it.
+    ids, _, cut = PreferenceEncoder(template, tokenizer).encode(CONVERSATION)
+    assert ids[:cut].tolist() == conversation
+    objective = RewardModelObjective(config)
+    context = ObjectiveContext(config=config, dist=_dist(), parallel=SimpleNamespace(device=torch.device("cpu")),
+                               place=lambda t: t)
+    objective.setup(trunk, context)
+    batch = _packed_pair(ids[:cut].tolist(), ids[cut:].tolist(), tokenizer.eos_id, width=256)
+    with torch.no_grad():
+        trained = objective.loss(trunk, batch, {SCORE_PART: head}).metrics["chosen_scores"].item()
+        evaluated = objective.loss(trunk, batch.for_evaluation(), {SCORE_PART: head}).metrics["chosen_scores"].item()
+
+    # 3. A model reward in GRPO and PPO: the rendered prompt + the sampled completion, as it stopped.
+    reward = build_model_reward(config, f"run:{run_dir}", dist=_dist(), key="objective.grpo.rewards[1].path")
+    read = ReadPosition(tokenizer, template)
+    prompt = [int(t) for t in tokenizer.encode_array(template.render(messages[:1], add_generation_prompt=True))]
+    content = [int(t) for t in tokenizer.encode_array(CONVERSATION["chosen"])]
+    marker = [int(t) for t in tokenizer.encode_array("<|im_end|>")]
+    endings = {"marker": content + marker, "eos": content + [tokenizer.eos_id], "truncated": content}
+    trajectories = [SimpleNamespace(prompt_ids=prompt, tokens=tokens) for tokens in endings.values()]
+    assert all(read.sequence(t.prompt_ids, t.tokens) == conversation for t in trajectories)
+    rollout = rollout_scores([(1.0, reward)], read, trajectories, config=config, group_size=2,
+                             device=torch.device("cpu"), pad_id=tokenizer.eos_id)
+
+    # 4. python -m training score's code, on the record.
+    pairs_file = out.parent / "one-pair.jsonl"
+    pairs_file.write_text(json.dumps(CONVERSATION) + "\n")
+    score_config, source = reward_source(str(run_dir), root="runs", step=None)
+    pairs = read_pairs(pairs_file, PreferenceEncoder(template, tokenizer))
+    (scored, _), = score_pairs(build_model_reward(score_config, source, dist=_dist(), key="--from"), pairs,
+                               shape=ScoreShape(rows=8, width=128), device=torch.device("cpu"),
+                               pad_id=tokenizer.eos_id)
+
+    # 5. The export in transformers, on the ids its tokenizer's chat template gives.
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    hf_ids = hf_tokenizer.apply_chat_template(messages, tokenize=True)
+    hf_ids = hf_ids["input_ids"] if isinstance(hf_ids, dict) or hasattr(hf_ids, "keys") else hf_ids
+    assert list(hf_ids) == conversation
+    classifier = transformers.AutoModelForSequenceClassification.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        exported_score = classifier(input_ids=torch.tensor([conversation])).logits[0, 0].item()
+
+    scores = {"training": trained, "evaluation": evaluated, **dict(zip(("rollout " + k for k in endings), rollout)),
+              "score command": scored, "transformers": exported_score}
+    assert max(scores.values()) - min(scores.values()) < 1e-5, scores
+    # ... and that number is the conversation's last token's: the separator after it, or the
+    # end-of-turn marker before it (where each path read until 2026-12-01), score otherwise.
+    elsewhere = reward.scores([conversation + [tokenizer.eos_id], conversation[:-1]], shape=ScoreShape(rows=8, width=128),
+                              device=torch.device("cpu"), pad_id=tokenizer.eos_id)
+    assert all(abs(score - trained) > 1e-4 for score in elsewhere), (elsewhere, trained)

@@ -95,7 +95,7 @@ from models.qwen.sampler import SamplingParams
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
-from training.objectives.model_reward import build_model_rewards, reward_role, score_shape, weighted_scores
+from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
 from training.objectives.token_logps import autocast_dtype, label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.agent import AgentRollouts
@@ -285,10 +285,9 @@ class GRPOObjective:
 
     def _model_scores(self, experience: Experience) -> np.ndarray:
         """Per trajectory, the weighted sum of the reward models' scores of its prompt + completion."""
-        return weighted_scores(self.model_rewards, [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories],
-                               shape=score_shape(self.config, group_size=self.g.group_size),
-                               device=self._context.parallel.device,
-                               pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
+        return rollout_scores(self.model_rewards, ReadPosition(self.tokenizer, self.template), experience.trajectories,
+                              config=self.config, group_size=self.g.group_size, device=self._context.parallel.device,
+                              pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
 
     # ------------------------------------------------------------------ evaluation
 

@@ -13,9 +13,15 @@ Refused before any run dir (ConfigError, exit 2): a source that holds no score h
 model whose vocabulary or tokenizer differs from the policy's (both named), since it would read
 the policy's token ids as other words.
 
-``ModelReward.scores(sequences, shape=...)`` scores token-id sequences (each a rendered prompt +
-completion) as the reward model was trained to: each sequence its own document, the score read at
-its last token (training/objectives/reward_model.py ``sequence_scores``). Every forward has one
+``ModelReward.scores(sequences, shape=...)`` scores token-id sequences as the reward model was
+trained to: each sequence its own document, the score read at its last token
+(training/objectives/reward_model.py ``sequence_scores``). ``ReadPosition.sequence`` makes that
+last token the read position every path shares: a rollout's prompt + completion is closed as the
+chat template closes the conversation (a completion that stopped at its end-of-turn marker gets the
+text the template writes after it, ChatML's ``\n``; one that stopped at EOS or ran out of tokens
+gets the marker too), so the reward model reads the token it was trained at and a Hugging Face
+classifier reads on ``apply_chat_template``'s ids. ``python -m training score`` scores preference
+pairs through the same ``ModelReward.scores`` (training/cli/score.py). Every forward has one
 shape, ``ScoreShape``: ``rows`` sequences (the last chunk filled up with dummy rows), each
 right-padded to ``width`` tokens, both constants of the config (``score_shape``). A GEMM's result
 for one row changes with the matrix's shape (docs/models.md, "Batch invariance"), never with the
@@ -40,9 +46,57 @@ from torch import nn
 from core.config import Config
 from core.distributed_context import DistributedContext
 from core.exceptions import ConfigError
+from data.chat_template import ChatTemplate
 from training.objectives.frozen import RUN_PREFIX, FrozenModel, build_frozen, frozen_tokenizer, run_checkpoint
 
 ROLE = "reward"
+
+
+class ReadPosition:
+    """Token ids of a prompt + completion as the reward model reads them: the conversation as the chat
+    template renders it, ending at the last token of the closed assistant turn (module docstring).
+
+    ``end``: the end-of-turn marker's ids (none for a template without one); ``after``: the ids of
+    what the template writes after an assistant turn's marker when the conversation ends there."""
+
+    def __init__(self, tokenizer, template: ChatTemplate) -> None:
+        self.tokenizer = tokenizer
+        self.marker = template.end_of_turn
+        self.end = [int(t) for t in tokenizer.encode_array(self.marker)] if self.marker else []
+        self.after = [int(t) for t in tokenizer.encode_array(closing_text(template))] if self.marker else []
+        self.eos = tokenizer.eos_id
+
+    @property
+    def closing(self) -> int:
+        """The most tokens ``sequence`` adds to a prompt + completion."""
+        return len(self.end) + len(self.after)
+
+    def sequence(self, prompt_ids, tokens) -> list[int]:
+        """``prompt_ids + tokens`` closed as the template closes the conversation."""
+        tokens = [int(t) for t in tokens]
+        if self.end and (tokens[-len(self.end):] == self.end or self._ends_at_marker(tokens)):
+            closed = tokens  # stopped at its end-of-turn marker (a sampled one, or cut after it)
+        else:  # stopped at EOS, or truncated: the template closes the turn with its marker
+            closed = (tokens[:-1] if tokens and tokens[-1] == self.eos else tokens) + self.end
+        return [int(t) for t in prompt_ids] + closed + self.after
+
+    def _ends_at_marker(self, tokens: list[int]) -> bool:
+        """A several-token marker the sampler's text cut stopped at (training/rollout/generator.py
+        ``cut_at_marker``), whose ids may merge with the content's."""
+        return len(self.end) > 1 and self.tokenizer.decode(tokens).endswith(self.marker)
+
+
+def closing_text(template: ChatTemplate) -> str:
+    """What ``template`` writes after the end-of-turn marker of an assistant turn that ends the
+    conversation (ChatML's ``\n``), found by rendering one user and one assistant turn."""
+    content = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in template.source)  # private use
+    text = template.render([{"role": "user", "content": "?"}, {"role": "assistant", "content": content}])
+    at = text.rfind(content) + len(content)
+    if at < len(content) or not text.startswith(template.end_of_turn, at):
+        raise ConfigError(f"chat template ({template.origin}) does not end an assistant turn with "
+                          f"{template.end_of_turn!r} right after its content: cannot tell where a reward model reads",
+                          key="data.chat_template", file=template.origin)
+    return text[at + len(template.end_of_turn):]
 
 
 WIDTH_MULTIPLE = 128
@@ -58,11 +112,12 @@ class ScoreShape:
     width: int
 
 
-def score_shape(config: Config, *, group_size: int) -> ScoreShape:
+def score_shape(config: Config, *, group_size: int, closing: int = 0) -> ScoreShape:
     """A rank's chunk of ``micro_batch_size`` prompts' completions (``group_size`` each; a rank holds
     a multiple of micro_batch_size prompts, so its chunks are full), each padded to ``data.seq_len``
-    rounded up to WIDTH_MULTIPLE: a rollout's prompt + completion never exceeds ``data.seq_len``."""
-    width = -(-config.data.seq_len // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+    plus ``closing`` (``ReadPosition.closing``) rounded up to WIDTH_MULTIPLE: a rollout's prompt +
+    completion never exceeds ``data.seq_len``, and its closing adds at most ``closing`` tokens."""
+    width = -(-(config.data.seq_len + closing) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
     return ScoreShape(rows=config.train.micro_batch_size * group_size, width=width)
 
 
@@ -135,6 +190,16 @@ def weighted_scores(rewards: list[tuple[float, ModelReward]], sequences: list[li
         total += weight * np.asarray(reward.scores(sequences, shape=shape, device=device, pad_id=pad_id),
                                      dtype=np.float64)
     return total
+
+
+def rollout_scores(rewards: list[tuple[float, ModelReward]], read: ReadPosition, trajectories, *, config: Config,
+                   group_size: int, device: torch.device, pad_id: int) -> np.ndarray:
+    """Per trajectory (``prompt_ids``, ``tokens``: training/rollout/experience.py), the weighted sum of
+    the reward models' scores of its prompt + completion closed at the read position (``read``), in
+    forwards of ``score_shape``: what GRPO and PPO add to the environment's rewards."""
+    return weighted_scores(rewards, [read.sequence(t.prompt_ids, t.tokens) for t in trajectories],
+                           shape=score_shape(config, group_size=group_size, closing=read.closing),
+                           device=device, pad_id=pad_id)
 
 
 def build_model_reward(config: Config, source: str, *, dist: DistributedContext, key: str) -> ModelReward:

@@ -86,7 +86,7 @@ from training.objectives.base import (OBJECTIVE_STATE_VERSION, LossOutput, Objec
 from training.objectives.critic import Critic, build_critic
 from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_variance, gae, kl_estimate,
                                           masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
-from training.objectives.model_reward import build_model_rewards, reward_role, score_shape, weighted_scores
+from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
 from training.objectives.ppo_settings import KIND, model_rewards, resolve_rewards
 from training.objectives.token_logps import autocast_dtype, label_logps
 from training.rollout.agent import AgentRollouts
@@ -146,7 +146,7 @@ class PPOObjective:
         self.updates_per_batch = p.ppo_epochs * p.minibatches
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
-        template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
+        self.template = template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
         self.decoder = Decoder(self.tokenizer, template)
         self.agent = AgentRollouts(p.environment, rewards=self.rewards, on_reward_error=p.on_reward_error,
                                    section=SECTION, tokenizer=self.tokenizer, template=template)
@@ -255,9 +255,9 @@ class PPOObjective:
                                                                 replay=not self._context.records))
         clock = _PhaseClock()  # seconds per phase, as the experience's timings (benchmarks/ppo_step.py)
         if self.model_rewards:
-            experience = experience.with_added_rewards(weighted_scores(
-                self.model_rewards, [list(t.prompt_ids) + list(t.tokens) for t in experience.trajectories],
-                shape=score_shape(self.config, group_size=p.group_size), device=self._context.parallel.device,
+            experience = experience.with_added_rewards(rollout_scores(
+                self.model_rewards, ReadPosition(self.tokenizer, self.template), experience.trajectories,
+                config=self.config, group_size=p.group_size, device=self._context.parallel.device,
                 pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)))
             clock.lap("reward_model_s")
         # The rollout room's sequence advantages are GRPO's; PPO's are per token, below.

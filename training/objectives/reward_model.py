@@ -5,10 +5,14 @@ adjacent documents of one row (prompt + chosen, then prompt + rejected), marked 
 ``pair_role``/``pair_index`` extras.
 
 The score of a sequence is ``score(h)``, a ``Linear(hidden_size, 1, bias=False)`` applied to the
-trunk's final normed hidden state at the sequence's last token (its end-of-turn marker: the last
-token of its document). The row's other documents and padding come after it or attend only within
-their own document, so they never change it; this is what a Hugging Face sequence classifier reads
-too (the last non-pad token), so an export scores the same (training/cli/export.py). The head is a
+trunk's final normed hidden state at the **read position**: the last token of the conversation as the
+chat template renders it (ChatML's ``<|im_end|>\n``: the ``\n``), which is the token before the
+end-of-text separator the packer adds after each side of a pair. Every path reads there: training and
+held-out evaluation (here), a model reward in GRPO and PPO and ``python -m training score``
+(training/objectives/model_reward.py ``ReadPosition``), and a Hugging Face sequence classifier
+(the last non-pad token of ``apply_chat_template``'s ids), so an export scores the same
+(training/cli/export.py). The row's other documents and padding come after it or attend only within
+their own document, so they never change it. The head is a
 trained part of its own, ``score`` (training/parts.py): it is checkpointed as ``parts.score.*``,
 initialized from the run's seed (or from the ``score.weight`` of a Hugging Face sequence-classification
 directory in ``model.init_from``), and trained with the run's ``train`` settings.
@@ -51,24 +55,29 @@ _PAIR_LINE = ConsoleLine(unit="pair", fields=(
 
 @dataclasses.dataclass(frozen=True)
 class ScoreLayout:
-    """Where a (micro-)batch's pairs end, computed on the host from its extras: pair k's chosen
-    sequence ends at ``(rows[k], chosen[k])``, its rejected one at ``(rows[k], rejected[k])``."""
+    """Where a (micro-)batch's pairs are read, computed on the host from its extras: pair k's chosen
+    sequence at ``(rows[k], chosen[k])``, its rejected one at ``(rows[k], rejected[k])``."""
 
     rows: torch.Tensor
     """(N,) int64 row of each pair, row-major order."""
     chosen: torch.Tensor
-    """(N,) int64 position of the chosen sequence's last token."""
+    """(N,) int64 read position of the chosen sequence: its rendered conversation's last token."""
     rejected: torch.Tensor
-    """(N,) int64 position of the rejected sequence's last token."""
+    """(N,) int64 read position of the rejected sequence."""
 
     @property
     def pairs(self) -> int:
         return int(self.rows.numel())
 
 
+SEPARATORS = 1
+"""Tokens the packer lays after each side of a pair (its end-of-text separator,
+data/pipeline/packing.py ``_accept_pair``): the read position is this many tokens before a side's end."""
+
+
 def score_layout(batch) -> ScoreLayout:
-    """The last token of each side of each pair (``pair_role`` 1 chosen, 2 rejected; ``pair_index``
-    the pair's number in its row, -1 outside pairs)."""
+    """The read position of each side of each pair (``pair_role`` 1 chosen, 2 rejected; ``pair_index``
+    the pair's number in its row, -1 outside pairs): the side's last token before its separator."""
     role = batch.extras["pair_role"].numpy()  # (B, T)
     index = batch.extras["pair_index"].numpy()  # (B, T)
     rows, ends = [], []
@@ -77,8 +86,10 @@ def score_layout(batch) -> ScoreLayout:
             last = [np.flatnonzero((role[r] == side) & (index[r] == p)) for side in (1, 2)]
             if any(len(positions) == 0 for positions in last):
                 raise ValueError(f"row {r} pair {p} has no {'chosen' if len(last[0]) == 0 else 'rejected'} sequence")
+            if any(len(positions) <= SEPARATORS for positions in last):
+                raise ValueError(f"row {r} pair {p} has a side of no token before its separator")
             rows.append(r)
-            ends.append((int(last[0][-1]), int(last[1][-1])))
+            ends.append((int(last[0][-1 - SEPARATORS]), int(last[1][-1 - SEPARATORS])))
     ends_t = torch.tensor(ends, dtype=torch.long).reshape(-1, 2)
     return ScoreLayout(torch.tensor(rows, dtype=torch.long), ends_t[:, 0], ends_t[:, 1])
 
