@@ -41,13 +41,27 @@ class Prompt:
     messages: Optional[tuple[dict[str, str], ...]] = None
 
 
-def read_prompts(path: str | Path) -> list[Prompt]:
+PROMPTS_MAX_BYTES = 64 * 1024**2
+"""A prompts file is read whole; a larger one (or an endless one such as /dev/zero) is refused."""
+
+
+def read_prompts(path: str | Path, *, max_bytes: int = PROMPTS_MAX_BYTES) -> list[Prompt]:
     """Parse a prompts JSONL file; a bad line is a DataError naming the file and line (from 1)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read prompts file {path}: {exc}", file=str(path)) from exc
+        with open(path, "rb") as file:
+            raw = file.read(max_bytes + 1)  # bounded: a device or a pipe may never end
+    except OSError as exc:
+        raise DataError(f"cannot read prompts file {path}: {exc.strerror or exc}", file=str(path)) from None
+    if len(raw) > max_bytes:
+        raise DataError(f"prompts file {path} is larger than {max_bytes // 1024**2} MiB", file=str(path),
+                        hint="split it into several files and run generate on each")
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DataError(f"{path.name} line {line}: not UTF-8 ({exc.reason} at byte {exc.start})", file=str(path),
+                        record=line, hint="save the prompts file as UTF-8") from None
     prompts = []
     for number, line in enumerate(lines):
         if not line.strip():
@@ -74,13 +88,24 @@ def _parse_prompt(line: str, number: int, path: Path) -> Prompt:
     if isinstance(value, str):
         if not value:
             raise fail("the prompt is empty")
+        _check_text(value, "the prompt", fail)
         return Prompt(index=number, text=value)
     if isinstance(value, list) and value:
         for i, message in enumerate(value):
             if not (isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)):
                 raise fail(f"message {i} is not {{'role': one of {', '.join(ROLES)}, 'content': str}}")
+            _check_text(message["content"], f"message {i}'s content", fail)
         return Prompt(index=number, messages=tuple({"role": m["role"], "content": m["content"]} for m in value))
     raise fail("has no non-empty 'prompt' (text or messages) or 'messages'")
+
+
+def _check_text(text: str, what: str, fail) -> None:
+    """``"\\ud83d"`` is valid JSON and a valid Python string, but no text: no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise fail(f"{what} holds a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start} "
+                   "(a \\ud800-\\udfff escape not paired with another), which is not text") from None
 
 
 def context_length(prompt_lengths: Sequence[int], max_new_tokens: int, *, limit: int, multiple: int = 256) -> int:

@@ -5,7 +5,8 @@
                               (where it may write and how: training/cli/export_target.py)
 
     python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
-                                [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--out FILE.jsonl]
+                                [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S]
+                                [--out FILE.jsonl [--overwrite]]  (never inside a run directory)
                                 (training/cli/generate.py)
 
     python -m training score --from RUN_ID|RUN_DIR|HF_DIR --pairs FILE.jsonl [--step S] [--json]

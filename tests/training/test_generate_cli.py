@@ -148,3 +148,96 @@ def test_an_out_path_that_cannot_be_written_is_one_line(model_dir, tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert code == exit_code and words in err, err
     assert "\n" not in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- what --out may replace
+
+
+def _fake_run_dir(path):
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text("run: {name: r}\n")
+    (path / "ledger.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    return path
+
+
+def _main_err(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(list(args))
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return code, err
+
+
+def test_an_existing_out_file_is_replaced_only_with_overwrite(model_dir, tmp_path, capsys):
+    out = tmp_path / "samples.jsonl"
+    out.write_text("earlier samples\n")
+    base = ["generate", "--from", str(model_dir), "--device", "cpu", "--prompt", "hi", "--no-chat",
+            "--max-new-tokens", "2", "--out", str(out)]
+    code, err = _main_err(capsys, *base)
+    assert code == 2 and f"--out {out} exists" in err and "--overwrite" in err
+    assert out.read_text() == "earlier samples\n"
+    code, _ = _main_err(capsys, *base, "--overwrite")
+    assert code == 0 and json.loads(out.read_text())["prompt"] == "hi"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl"]  # no staging left
+
+
+def test_out_inside_a_run_directory_is_refused_even_with_overwrite(model_dir, tmp_path, capsys):
+    """The probe: --out runs/<id>/ledger.jsonl replaced the run's ledger."""
+    run_dir = _fake_run_dir(tmp_path / "runs" / "user-20260101-000000-abcd1234")
+    ledger = run_dir / "ledger.jsonl"
+    (tmp_path / "link.jsonl").symlink_to(ledger)
+    for out in (ledger, run_dir / "artifacts" / "samples.jsonl", tmp_path / "link.jsonl"):
+        out.parent.mkdir(exist_ok=True)
+        code, err = _main_err(capsys, "generate", "--from", str(model_dir), "--device", "cpu", "--prompt", "hi",
+                              "--max-new-tokens", "2", "--out", str(out), "--overwrite")
+        assert code == 2 and f"inside the run directory {run_dir.resolve()}" in err, err
+    assert ledger.read_text() == '{"step": 1, "loss": 2.5}\n'
+    assert not (run_dir / "artifacts" / "samples.jsonl").exists()
+
+
+def test_a_failed_write_leaves_the_previous_file_whole(model_dir, tmp_path, capsys, monkeypatch):
+    import errno
+
+    import training.cli.generate as generate_cli
+
+    def failing(*args):
+        yield '{"partial": true}'
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(generate_cli, "_record_lines", failing)
+    out = tmp_path / "samples.jsonl"
+    out.write_text("earlier samples\n")
+    code, err = _main_err(capsys, "generate", "--from", str(model_dir), "--device", "cpu", "--prompt", "hi",
+                          "--max-new-tokens", "2", "--out", str(out), "--overwrite")
+    assert code == 1 and "No space left on device" in err
+    assert out.read_text() == "earlier samples\n" and sorted(p.name for p in tmp_path.iterdir()) == ["samples.jsonl"]
+
+
+# --------------------------------------------------------------------------- prompts that are not text
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"prompt": "a\\ud83d b"}', "line 2: the prompt holds a lone surrogate U+D83D at character 1"),
+    ('{"messages": [{"role": "user", "content": "\\udc00"}]}', "line 2: message 0's content holds a lone surrogate"),
+    (b'{"prompt": "caf\xe9"}', "line 2: not UTF-8"),
+], ids=["prompt", "message", "latin-1"])
+def test_a_prompt_that_is_not_text_is_one_line_naming_file_and_line(model_dir, tmp_path, capsys, line, words):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "ok"}\n' + (line if isinstance(line, bytes) else line.encode()) + b"\n")
+    code, err = _main_err(capsys, "generate", "--from", str(model_dir), "--device", "cpu", "--prompts", str(prompts),
+                          "--max-new-tokens", "2")
+    assert code == 3 and f"p.jsonl {words}" in err and f"file={prompts}" in err, err
+
+
+def test_a_prompt_argument_that_is_not_text_is_one_line(model_dir, capsys):
+    for prompt in ("\ud83d", "a" + os.fsdecode(b"\xff")):  # a lone surrogate; a non-UTF-8 byte of argv
+        code, err = _main_err(capsys, "generate", "--from", str(model_dir), "--device", "cpu", "--prompt", prompt,
+                              "--max-new-tokens", "2")
+        assert code == 3 and "--prompt holds a character that is not text" in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero (an endless file)")
+def test_an_endless_or_huge_prompts_file_is_refused(model_dir, capsys):
+    code, err = _main_err(capsys, "generate", "--from", str(model_dir), "--device", "cpu", "--prompts", "/dev/zero",
+                          "--max-new-tokens", "2")
+    assert code == 3 and "prompts file /dev/zero is larger than 64 MiB" in err and "split it" in err, err

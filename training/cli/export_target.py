@@ -80,7 +80,7 @@ def check_target(to: Path, *, overwrite: bool, run_roots: list[Path]) -> Path:
             _recover_or_remove_leftovers(resolved)
         except OSError as exc:
             raise _write_error(exc, resolved) from None
-    run_dir = _enclosing_run_dir(resolved)
+    run_dir = enclosing_run_dir(resolved)
     if run_dir is not None:
         raise UsageError(f"--to {to} is inside the run directory {run_dir}; exports never write into a run",
                          hint="export to a directory outside run directories (e.g. exports/<name>)")
@@ -159,7 +159,8 @@ def write_export_marker(directory: Path, about: dict[str, Any]) -> None:
     (directory / EXPORT_MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
-def _enclosing_run_dir(path: Path) -> Path | None:
+def enclosing_run_dir(path: Path) -> Path | None:
+    """The run directory ``path`` is, or lies inside; None if none (pass a resolved path)."""
     for directory in (path, *path.parents):
         if _is_run_dir(directory):
             return directory

@@ -2,7 +2,7 @@
 
     python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--samples N] [--seed S]
-        [--chat | --no-chat] [--out FILE.jsonl] [--root runs]
+        [--chat | --no-chat] [--out FILE.jsonl [--overwrite]] [--root runs]
 
 - ``--from``: a run directory (it holds ``config.yaml``), a Hugging Face directory (``config.json``
   and safetensors), else a run ID under ``--root``. A run gives the weights of its newest
@@ -21,6 +21,14 @@
 - **Stopping.** A sample ends at the tokenizer's EOS, or at the template's end-of-turn marker
   (a single token such as Qwen's ``<|im_end|>``; a marker of several tokens, as with the byte
   tokenizer, is cut on the host: the tokens after it are dropped).
+- **Prompts.** A prompts file larger than 64 MiB (or endless, like ``/dev/zero``) is refused, and so
+  is a prompt holding a lone surrogate (``"\\ud83d"``: valid JSON, but no text), naming the file
+  and line, or ``--prompt``; both before the model is loaded.
+- **``--out``.** Never a path inside a run directory (its ``ledger.jsonl``, ``meta.json``, ...: what
+  replay and resume read), even through a link; an existing file only with ``--overwrite``. The
+  samples are written into a sibling ``.<name>.generate-<pid>`` that replaces ``--out`` when all
+  are written, so a failed run leaves the previous file whole (a device such as ``/dev/null`` is
+  written directly).
 - **Output.** One JSON line per sample (stdout, or ``--out``): ``prompt_index``,
   ``sample_index``, ``prompt`` (the text fed to the model), ``completion`` (decoded, without
   stop tokens and end-of-turn marker), ``token_ids``, ``logprobs`` (the model's untempered
@@ -30,24 +38,27 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from core.exceptions import ConfigError, LockstepError, UsageError
+from core.exceptions import ConfigError, DataError, LockstepError, UsageError
 from core.objective_kinds import objective_kind
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from models.generation import Prompt, context_length, read_prompts, sample_record
 from models.hf_config import model_config_from_hf
 from models.qwen.sampler import SamplingParams
+from training.cli.export_target import enclosing_run_dir
 from training.memory_estimate import check_model_fits_for_inference, trained_model_config
 from training.rollout.generator import Decoder, Generator
 
 PURPOSE = "generate"
+_STAGING_TAG = ".generate-"
 
 
 @dataclass
@@ -105,13 +116,11 @@ def run_generate(args) -> int:
         raise UsageError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if args.samples < 1:
         raise UsageError(f"--samples must be >= 1, got {args.samples}")
+    if args.prompt is not None:
+        check_prompt_argument(args.prompt)
     prompts = [Prompt(index=0, text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
-    if args.prompt is not None and not args.prompt:
-        from core.exceptions import DataError
-
-        raise DataError("--prompt is empty", hint="give the text to continue")
     if args.out is not None:
-        check_out(args.out)  # before minutes of loading and sampling
+        check_out(args.out, overwrite=args.overwrite)  # before minutes of loading and sampling
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     source = load_source(args.from_, root=args.root, step=args.step, device=device)
     model = source.model.eval()
@@ -128,30 +137,81 @@ def run_generate(args) -> int:
                                max_len=context_length([len(i) for i in ids], args.max_new_tokens, limit=limit))
     samples = generator.generate(ids, [p.index for p in prompts], params, purpose=PURPOSE, samples=args.samples)
     by_index = {p.index: text for p, text in zip(prompts, texts)}
+    lines = _record_lines(samples, decoder, by_index)
     try:
-        out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
-        try:
-            for prompt_index, sample_index, sample in samples:
-                completion = decoder.completion(sample)
-                record = {"prompt": by_index[prompt_index],
-                          **sample_record(prompt_index, sample_index, completion.sample, completion=completion.text)}
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        finally:
-            if out is not sys.stdout:
-                out.close()
+        if args.out is None:
+            sys.stdout.writelines(line + "\n" for line in lines)
+        else:
+            write_out(args.out, lines, overwrite=args.overwrite)
     except OSError as exc:  # a full disk, a vanished directory: one line, not a traceback
         raise LockstepError(f"could not write the samples: {exc.strerror or exc}", file=str(args.out or "stdout"),
                             hint="free disk space or pass --out on another disk, then run generate again") from None
     return 0
 
 
-def check_out(path: Path) -> None:
-    """``--out`` must name a file whose directory exists (a UsageError before anything is loaded)."""
+def _record_lines(samples, decoder: Decoder, prompt_texts: dict[int, str]) -> Iterator[str]:
+    """One JSON line per sample, decoded as it comes."""
+    for prompt_index, sample_index, sample in samples:
+        completion = decoder.completion(sample)
+        record = {"prompt": prompt_texts[prompt_index],
+                  **sample_record(prompt_index, sample_index, completion.sample, completion=completion.text)}
+        yield json.dumps(record, ensure_ascii=False)
+
+
+def check_prompt_argument(text: str) -> None:
+    """``--prompt`` must be non-empty text: bytes that are not UTF-8 reach Python as lone surrogates."""
+    if not text:
+        raise DataError("--prompt is empty", hint="give the text to continue")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"--prompt holds a character that is not text (U+{ord(text[exc.start]):04X} at character "
+                        f"{exc.start}: a byte that is not UTF-8, or a lone surrogate)",
+                        hint="pass the prompt as UTF-8 text, or put it in a --prompts file") from None
+
+
+def check_out(path: Path, *, overwrite: bool) -> None:
+    """``--out`` must name a file whose directory exists, outside every run directory, and a new one
+    unless ``overwrite`` (a UsageError before anything is loaded)."""
     if path.is_dir():
         raise UsageError(f"--out {path} is a directory", hint="pass a file path, e.g. samples.jsonl")
     if not path.parent.is_dir():
         raise UsageError(f"--out {path}: the directory {path.parent} does not exist",
                          hint="create it first or pass a path in an existing directory")
+    run_dir = enclosing_run_dir(path.resolve())
+    if run_dir is not None:
+        raise UsageError(f"--out {path} is inside the run directory {run_dir}; generate never writes into a run "
+                         "(its ledger, config and checkpoints are what resume and replay read)",
+                         hint="pass a path outside run directories, e.g. samples.jsonl")
+    if path.is_file() and not overwrite:
+        raise UsageError(f"--out {path} exists", hint="pass --overwrite to replace it, or pick a new file")
+
+
+def write_out(path: Path, lines: Iterator[str], *, overwrite: bool) -> None:
+    """Write ``lines`` to ``path``: a regular file through a sibling that replaces it at the end (its
+    previous content stays whole until then), anything else (a device, a pipe) directly."""
+    if path.exists() and not path.is_file():
+        with open(path, "w", encoding="utf-8") as out:
+            out.writelines(line + "\n" for line in lines)
+        return
+    target = path.resolve()  # a link is replaced at what it points to, as open() would write
+    staging = target.parent / f".{target.name}{_STAGING_TAG}{os.getpid()}"
+    try:
+        with open(staging, "w", encoding="utf-8") as out:
+            out.writelines(line + "\n" for line in lines)
+            out.flush()
+            os.fsync(out.fileno())
+        if overwrite:
+            os.replace(staging, target)
+        else:  # no-clobber: a file that appeared while this one sampled is kept
+            os.link(staging, target)
+            staging.unlink()
+    except FileExistsError:
+        raise UsageError(f"--out {path} appeared while generate ran; it was kept, and the samples are in {staging}",
+                         hint="move them where you want them, or run again with --overwrite") from None
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
 
 
 def _prompt_text(prompt: Prompt, template: ChatTemplate, chat: bool) -> str:
@@ -181,7 +241,9 @@ def add_arguments(p) -> None:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="render text prompts with the chat template")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send text prompts as they are")
-    p.add_argument("--out", type=Path, default=None, help="output JSONL (default: stdout)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output JSONL (default: stdout); never inside a run directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
 
 def check_sampling(args) -> None:
