@@ -19,13 +19,17 @@ from core import config as config_lib
 from core import seeding
 from core.exceptions import ConfigError
 from models.hf_weights import WEIGHTS_NAME, save_pretrained
-from tests import launch
+from tests import launch, probe_environments
 from tests.reward_models import dist
+from tests.training.test_agent_episodes import _play, _setup
 from training.objectives.critic import build_critic
 from training.objectives.frozen import check_finite_weights
 from training.objectives.model_reward import build_model_reward
 from training.objectives.ppo_loss import AdaptiveKL
 from training.objectives.reward_model_io import SCORE_WEIGHT
+from training.rollout.environment import EnvironmentFailure
+from training.rollout.episodes import EpisodeLimits
+from training.rollout.tool_environment import resolve_environment
 
 PPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-ppo.yaml"
 
@@ -145,3 +149,59 @@ def test_a_checkpoints_model_with_a_nan_is_a_config_error_naming_the_checkpoint(
         check_finite_weights(model, source="run:rm", path=tmp_path, key="objective.ppo.critic")
     assert info.value.context == {"key": "objective.ppo.critic", "file": str(tmp_path),
                                   "tensor": "layers.1.mlp.down_proj.weight"}
+
+
+# ---------------------------------------------------------------- 3. environments failing outside a step
+
+
+def _limits(on_error: str) -> EpisodeLimits:
+    return EpisodeLimits("probe", max_turns=2, max_observation_tokens=128, max_episode_tokens=400, timeout_s=5.0,
+                         on_error=on_error)
+
+
+def test_an_environment_whose_constructor_raises_is_a_config_error_naming_its_key():
+    # The probe: exit 1 "RuntimeError", naming neither the environment nor its key.
+    with pytest.raises(ConfigError) as info:
+        resolve_environment("tests.probe_environments:ConstructorRaises", rewards=[], on_reward_error="error",
+                            max_calls_per_turn=1, key="objective.grpo.environment.name")
+    assert info.value.context["key"] == "objective.grpo.environment.name" and info.value.exit_code == 2
+    assert "ConstructorRaises" in str(info.value) and "no connection to the tool server" in str(info.value)
+
+
+def test_a_reset_that_raises_follows_on_env_error_as_a_step_that_raises():
+    # The probe: exit 1 whatever on_env_error said.
+    _, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>"], environment=probe_environments.ResetRaises(),
+                                      limits=_limits("error"))
+    with pytest.raises(EnvironmentFailure) as caught:
+        _play(runner, [task])
+    assert caught.value.exit_code == 3 and "'probe'" in str(caught.value) and "reset() raised RuntimeError" in str(caught.value)
+    assert "step 7, prompt row 3, sample 0, turn 0" in str(caught.value)
+    _, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>"], environment=probe_environments.ResetRaises(),
+                                      limits=_limits("zero"))
+    episodes = _play(runner, [task], samples=2)
+    for episode in episodes:  # the first turn is sampled, then the failure ends the episode
+        assert episode.reward == 0.0 and episode.env_errors == 1 and len(episode.turns) == 1
+        assert episode.turns[0].outcome == "error" and episode.turns[0].sampled and episode.record()["env_errors"] == 1
+
+
+@pytest.mark.parametrize("on_error", ["error", "zero"])
+def test_a_tool_output_past_the_templates_budget_ends_only_its_episode(on_error):
+    # The probe: a 16M-character tool output stopped the run with exit 3 naming no environment.
+    _, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>", "b<|im_end|>"],
+                                      environment=probe_environments.HugeOutput(), limits=_limits(on_error))
+    (episode,) = _play(runner, [task])
+    assert episode.truncated and episode.env_errors == 0 and episode.reward == 0.5
+    assert [t.outcome for t in episode.turns] == ["limit"] and episode.turns[0].observation == ()
+
+
+def test_a_tool_output_with_a_lone_surrogate_is_an_environment_error():
+    _, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>", "b<|im_end|>"],
+                                      environment=probe_environments.SurrogateOutput(), limits=_limits("error"))
+    with pytest.raises(EnvironmentFailure) as caught:
+        _play(runner, [task])
+    assert caught.value.exit_code == 3 and "lone surrogate" in str(caught.value) and "'probe'" in str(caught.value)
+    assert "step 7, prompt row 3, sample 0, turn 0" in str(caught.value)
+    _, _, _, runner, task, _ = _setup("byte", ["a<|im_end|>", "b<|im_end|>"],
+                                      environment=probe_environments.SurrogateOutput(), limits=_limits("zero"))
+    (episode,) = _play(runner, [task])
+    assert episode.reward == 0.0 and episode.env_errors == 1 and [t.outcome for t in episode.turns] == ["error"]

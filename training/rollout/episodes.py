@@ -17,7 +17,8 @@ own, whichever samples share a sampler call (the sampler's rows do not interact)
 **Limits** (``EpisodeLimits``): ``max_turns`` sampled turns; a turn samples at most the sampler's
 ``max_new_tokens`` and never beyond ``max_episode_tokens`` ids after the prompt nor past the
 context (``data.seq_len``); an observation longer than ``max_observation_tokens``, or one that
-leaves no room for another sampled id, ends the episode there (``truncated``, the observation not
+leaves no room for another sampled id, or tool messages too long for the chat template to render
+at all (past its size or time budget), ends the episode there (``truncated``, the observation not
 appended, the reward the environment gave that turn). The last turn the runner allows (the
 turn limit, or no room left) is stepped with ``last=True``: the environment must end the episode
 and score it. A turn cut off without a stop (``turn.truncated``) is the environment's to judge
@@ -31,10 +32,12 @@ a turn is computed again. Which turns end together changes no id (docs/models.md
 
 **The environment's answers** are computed in threads (one per episode whose turn ended, reused
 daemon threads: a call that never returns blocks neither the others nor the process's exit) and
-applied in the order of the ended turns, whatever order they finish in. An environment that raises, answers
-with something other than a ``Transition`` or takes longer than ``timeout_s`` is an
+applied in the order of the ended turns, whatever order they finish in. An environment whose
+``reset`` or step raises, that answers with something other than a ``Transition`` or with tool
+messages that do not render or tokenize (a lone surrogate), or takes longer than ``timeout_s`` is an
 ``EnvironmentFailure`` naming it, the step, prompt row, sample and turn (``on_error="error"``),
-or ends that episode with reward 0, counted in ``env_errors`` and recorded (``"zero"``). A
+or ends that episode with reward 0, counted in ``env_errors`` and recorded (``"zero"``; a failed
+``reset`` ends it at its first sampled turn). A
 timed-out call keeps running in its thread; its answer is ignored.
 
 **Records.** ``EpisodeResult.record()`` is a JSON-able value: per turn the sampled ids, the
@@ -60,6 +63,7 @@ import numpy as np
 from torch import nn
 
 from core.exceptions import DeterminismError, LockstepError
+from data.chat_template import RecordError, TemplateLimitError
 from models.qwen.sampler import Continuation, Sample, SampleKey, SamplingParams, TurnEnd
 from training.rollout.environment import EnvironmentFailure, NondeterministicToolError, Task, Transition
 from training.rollout.generator import Decoder, Generator
@@ -177,10 +181,10 @@ class EpisodeRunner:
         playing = []
         for task, index in zip(tasks, indices):
             for s in range(samples):
-                place = where(task, s)
-                episode = self.environment.reset(task, where=place) if call_environment else None
-                playing.append(_Playing(task, index, s, place, episode, list(task.prompt_ids),
-                                        recorded=recorded.get((index, s))))
+                p = _Playing(task, index, s, where(task, s), None, list(task.prompt_ids), recorded=recorded.get((index, s)))
+                if call_environment:
+                    p.episode = self._reset(p, step)
+                playing.append(p)
         def key_of(episode: int, turn: int) -> SampleKey:
             p = playing[episode]
             return SampleKey(self.generator.seed, purpose if turn == 0 else f"{purpose}.turn{turn}", step, p.index,
@@ -211,6 +215,18 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ one turn
 
+    def _reset(self, p: _Playing, step: int):
+        """The environment's episode for ``p``. A ``reset`` that raises is a failure of turn 0, as a
+        step's is (``_failure``): an EnvironmentFailure naming it, or (on_error=zero) an episode
+        whose first turn is sampled and then ends it with reward 0, counted and recorded."""
+        try:
+            return self.environment.reset(p.task, where=p.where)
+        except LockstepError:
+            raise  # the environment's own typed errors, as from its steps
+        except Exception as exc:  # user code may raise anything
+            return _ResetFailed(self._failure("error", f"reset() raised {type(exc).__name__}: {exc}", p, 0, step,
+                                              cause=exc))
+
     def _budget(self, p: _Playing) -> int:
         return min(self.limits.max_episode_tokens - p.used, self.context - len(p.ids))
 
@@ -237,18 +253,21 @@ class EpisodeRunner:
             if not call_environment:
                 self._replayed(p, sampled, logprobs, completion.text, turn, step)
                 continue
-            self._apply(p, sampled, logprobs, completion, answer, turn)
+            self._apply(p, sampled, logprobs, completion, answer, turn, step)
             self._compare(p, turn, step)
 
     def _answers(self, active: list[_Playing], completions, lasts, turns: list[int], step: int) -> list:
         """Each episode's Transition (or the failure that ended it), in the order of ``active``: every
         episode's step runs in a daemon thread of its own (``_Workers``: a call that never returns
         neither blocks the others nor the process's exit), and each is waited for at most ``timeout_s``."""
-        calls = [_Call(lambda p=p, c=c, last=last: p.episode.step(c, last=last))
+        calls = [None if isinstance(p.episode, _ResetFailed)  # its reset failed: the turn ends it
+                 else _Call(lambda p=p, c=c, last=last: p.episode.step(c, last=last))
                  for p, c, last in zip(active, completions, lasts)]
         for call in calls:
-            _WORKERS.submit(call)
-        return [self._awaited(call, active[i], turns[i], step, lasts[i]) for i, call in enumerate(calls)]
+            if call is not None:
+                _WORKERS.submit(call)
+        return [active[i].episode.outcome if call is None else self._awaited(call, active[i], turns[i], step, lasts[i])
+                for i, call in enumerate(calls)]
 
     def _awaited(self, call: "_Call", p: _Playing, turn: int, step: int, last: bool):
         timeout = self.limits.timeout_s
@@ -273,7 +292,14 @@ class EpisodeRunner:
                      "episodes with reward 0 and count them") from cause
         return outcome
 
-    def _apply(self, p: _Playing, sampled, logprobs, completion, answer, turn: int) -> None:
+    def _apply(self, p: _Playing, sampled, logprobs, completion, answer, turn: int, step: int) -> None:
+        observation: Optional[list[int]] = None
+        if not isinstance(answer, str) and not answer.done:
+            observed = self._observation(answer, p, turn, step)
+            if isinstance(observed, str):
+                answer = observed
+            else:
+                observation = observed
         if isinstance(answer, str):  # on_error=zero: the failure ends the episode
             p.turns.append(Turn(sampled, logprobs, outcome=answer))
             p.result = self._result(p, reward=0.0, env_errors=1, truncated=completion.truncated, text=completion.text)
@@ -285,8 +311,7 @@ class EpisodeRunner:
             p.result = self._result(p, reward=float(answer.reward), reward_errors=answer.reward_errors,
                                     truncated=completion.truncated, text=completion.text)
             return
-        observation = list(answer.observation) or self.render(list(answer.messages))
-        if (len(observation) > self.limits.max_observation_tokens
+        if (observation is None or len(observation) > self.limits.max_observation_tokens
                 or p.used + len(observation) >= self.limits.max_episode_tokens
                 or len(p.ids) + len(observation) >= self.context):
             p.turns.append(Turn(sampled, logprobs, calls=answer.calls, outcome="limit", malformed=answer.malformed))
@@ -297,6 +322,27 @@ class EpisodeRunner:
                             answer.malformed))
         p.used += len(observation)
         p.ids += observation
+
+    def _observation(self, answer: Transition, p: _Playing, turn: int, step: int):
+        """The ids of ``answer``'s observation; None where its tool messages are too long for the chat
+        template to render (over its size or time budget: an observation far over any
+        max_observation_tokens, which ends the episode as a longer one does); a failure
+        (``_failure``) where they do not render or tokenize (a lone surrogate, a template refusing
+        them): the environment answered with text no model can read."""
+        if answer.observation:
+            return list(answer.observation)
+        try:
+            return self.render(list(answer.messages))
+        except TemplateLimitError:
+            return None
+        except RecordError as exc:  # the template's or the tokenizer's refusal of this text
+            return self._failure("error", f"answered with tool messages that do not render: {exc.message}", p, turn,
+                                 step, cause=exc)
+        except LockstepError:
+            raise
+        except Exception as exc:
+            return self._failure("error", f"answered with tool messages that do not render: {type(exc).__name__}: "
+                                 f"{exc}", p, turn, step, cause=exc)
 
     def _result(self, p: _Playing, *, reward: float, truncated: bool, text: str, reward_errors: int = 0,
                 env_errors: int = 0) -> EpisodeResult:
@@ -338,6 +384,13 @@ class EpisodeRunner:
         if turn + 1 == len(turns):
             p.result = EpisodeResult(tuple(p.turns), float(p.recorded["reward"]), p.recorded["reward_errors"],
                                      p.recorded["env_errors"], p.recorded["truncated"], text)
+
+
+@dataclass(frozen=True)
+class _ResetFailed:
+    """An episode whose ``reset`` raised under on_error=zero: its first turn ends it with ``outcome``."""
+
+    outcome: str
 
 
 class _Workers:

@@ -23,7 +23,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from core.exceptions import ConfigError
+from core.exceptions import ConfigError, LockstepError
 from data import calculator
 from training.rollout.environment import Task, Transition
 from training.rollout.generator import Completion
@@ -81,8 +81,8 @@ class ToolEnvironment:
 def resolve_environment(name: str, *, rewards: list[RewardFunction], on_reward_error: str, max_calls_per_turn: int,
                         key: str):
     """The environment ``name`` names: ``calculator``, or an instance of ``package.module:Class``
-    (imported now; never from a run directory). An unknown name, a path that does not import or
-    a class that is not there is a ConfigError naming ``key``."""
+    (imported now; never from a run directory). An unknown name, a path that does not import, a
+    class that is not there or whose constructor raises is a ConfigError naming ``key``."""
     if name == "calculator":
         return ToolEnvironment({calculator.NAME: calculator.calculate}, [calculator.SPEC], rewards,
                                on_reward_error=on_reward_error, max_calls_per_turn=max_calls_per_turn)
@@ -100,7 +100,13 @@ def resolve_environment(name: str, *, rewards: list[RewardFunction], on_reward_e
     if not callable(cls):
         raise ConfigError(f"environment {name!r}: module {module_name!r} has no class {attr!r}", key=key,
                           hint="name a class whose objects have tools and reset(task, *, where)")
-    environment = cls()
+    try:
+        environment = cls()
+    except LockstepError:
+        raise  # already typed and named (a config error of its own, a data error)
+    except Exception as exc:  # user code may raise anything: named with the key, before any run dir
+        raise ConfigError(f"environment {name!r}: constructing {attr}() raised {type(exc).__name__}: {exc}", key=key,
+                          hint="fix the environment class (it is built with no arguments, once per rank)") from exc
     if not callable(getattr(environment, "reset", None)):
         raise ConfigError(f"environment {name!r}: {attr} objects have no reset(task, *, where) method", key=key)
     return environment
