@@ -219,7 +219,7 @@ class DataConfig:
     overlong: Literal["truncate", "drop"] = "truncate"
     """whole packing: a document longer than seq_len is truncated to it or dropped (both counted)."""
     chat_template: Optional[str] = None
-    """A Jinja2 chat template file overriding the tokenizer directory's (default: its tokenizer_config.json, else ChatML)."""
+    """A chat template preset (qwen2.5, qwen3, chatml: data/templates/) or a Jinja2 template file, overriding the tokenizer's (default: qwen's is qwen2.5, a directory's its tokenizer_config.json's, else ChatML)."""
     template_clock: Optional[str] = None
     """The fixed instant a chat template's strftime_now reads (ISO 8601, e.g. '2026-01-01T00:00:00'; quote it in YAML); unset: templates that call it are refused."""
 
