@@ -238,6 +238,9 @@ class Trainer:
                 )
             if self.run.resumed and self.recorder.records:
                 self.log.info("no intact checkpoint: the resumed run starts from step 1")
+            recorded = self.recorder.recorded_frozen()
+            if recorded is not None:  # a replay from step 1: the frozen models the run's checkpoints record
+                check_frozen(self.frozen_identity(), recorded)
             self.recorder.restored(0)
             return 0
         step, path = found

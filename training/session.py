@@ -248,7 +248,7 @@ def replay_spec(args: Args, run: RunContext, dist: DistributedContext):
         return None
     recorded = replay_lib.recorded_ledger(run.paths, args.step)
     dump = replay_lib.StepDump(Path(args.dump), rank=dist.rank) if args.dump else None
-    return ReplaySpec(step=args.step, recorded=recorded, dump=dump)
+    return ReplaySpec(step=args.step, recorded=recorded, dump=dump, frozen=replay_lib.recorded_frozen(run.paths))
 
 
 # --------------------------------------------------------------------------- endings

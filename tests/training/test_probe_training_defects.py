@@ -28,10 +28,12 @@ from training.objectives.model_reward import build_model_reward
 from training.objectives.ppo_loss import AdaptiveKL
 from training.objectives.reward_model_io import SCORE_WEIGHT
 from training.rollout.environment import EnvironmentFailure
+from training.rollout.episode_store import episodes_path
 from training.rollout.episodes import EpisodeLimits
 from training.rollout.tool_environment import resolve_environment
 
 PPO_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-ppo.yaml"
+AGENT_CONFIG = launch.ROOT / "tests" / "configs" / "e2e-agent-grpo.yaml"
 
 PROMPTS = {"sources": [{"path": "datasets/tasks/rl/train", "record": "prompt"}], "num_streams": 4}
 
@@ -86,7 +88,8 @@ def test_a_kl_horizon_below_a_steps_completions_is_a_config_error():
 # ---------------------------------------------------------------- 2. reward models' and critics' weights
 
 
-def _classifier(directory: Path, config, *, nan_score: bool = False, truncate: bool = False) -> Path:
+def _classifier(directory: Path, config, *, nan_score: bool = False, truncate: bool = False,
+                score: float = 0.25) -> Path:
     """A Hugging Face sequence classifier of the e2e policy's shape with seeded weights (as
     `python -m training export` writes a reward model), its score head NaN or its file cut short."""
     model = models.build(config.model, generator=seeding.generator(5, "reward_init"))
@@ -97,10 +100,10 @@ def _classifier(directory: Path, config, *, nan_score: bool = False, truncate: b
     (directory / "config.json").write_text(json.dumps(raw))
     file = directory / WEIGHTS_NAME
     tensors = load_file(str(file))
-    score = torch.full((1, config.model.hidden_size), 0.25)
+    weight = torch.full((1, config.model.hidden_size), score)
     if nan_score:
-        score[0, 3] = math.nan
-    tensors[SCORE_WEIGHT] = score
+        weight[0, 3] = math.nan
+    tensors[SCORE_WEIGHT] = weight
     save_file(tensors, str(file), metadata={"format": "pt"})
     if truncate:  # the probe: a copy cut short
         file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
@@ -205,3 +208,50 @@ def test_a_tool_output_with_a_lone_surrogate_is_an_environment_error():
                                       environment=probe_environments.SurrogateOutput(), limits=_limits("zero"))
     (episode,) = _play(runner, [task])
     assert episode.reward == 0.0 and episode.env_errors == 1 and [t.outcome for t in episode.turns] == ["error"]
+
+
+# ---------------------------------------------------------------- 4. a replay after a frozen model or a record changed
+
+
+def _train(workdir: Path, config: Path, *overrides: str) -> Path:
+    result = launch.train(workdir, ["--config", str(config), *overrides], nproc=1)
+    assert result.returncode == 0, result.stderr
+    return result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
+
+
+def _replay(workdir: Path, run: Path, step: int) -> launch.Result:
+    return launch.train(workdir, ["--replay", run.name, "--step", str(step)], nproc=1)
+
+
+@pytest.mark.slow
+def test_a_replay_after_the_reward_model_changed_names_it_and_both_hashes(e2e_workdir, tmp_path, ppo_config):
+    # The probe: a replay of a step before the run's first checkpoint with another reward model file
+    # was exit 5 "loss differs".
+    source = _classifier(tmp_path / "rm", ppo_config)
+    rewards = f"objective.ppo.rewards=[{{name: exact_answer, weight: 1.0}}, {{name: model, path: '{source}', weight: 0.5}}]"
+    run = _train(e2e_workdir, PPO_CONFIG, rewards, "run.name=probe-ppo-rm", "train.max_steps=2",
+                 "checkpoint.interval=2")
+    recorded = json.loads((run / "checkpoints" / "step_00000002" / "objective_state.json").read_text())["frozen"]
+    _classifier(tmp_path / "rm", ppo_config, score=0.5)  # the same path, other weights
+    result = _replay(e2e_workdir, run, 1)
+    assert result.exit_code == 4, result.stderr
+    assert "frozen reward model differs" in result.stderr and str(source) in result.stderr
+    assert recorded["reward"]["sha256"] in result.stderr  # the recorded hash, and the new one beside it
+    assert result.stderr.count("'sha256': ") >= 2
+
+
+@pytest.mark.slow
+def test_a_replay_of_an_edited_episode_record_names_the_file_and_both_hashes(e2e_workdir):
+    # The probe: an edited episodes/step_N.json was exit 5 "grad_norm differs" on replay.
+    run = _train(e2e_workdir, AGENT_CONFIG, "run.name=probe-agent", "train.max_steps=1")
+    replayed = _replay(e2e_workdir, run, 1)
+    assert replayed.returncode == 0, replayed.stderr  # the record as written hashes to the ledger's
+    path = episodes_path(run, 1)
+    payload = json.loads(path.read_text())
+    episode = next(r for r in payload["rows"].values() if r["turns"][0]["observation"])
+    episode["turns"][0]["observation"][0] += 1
+    path.write_text(json.dumps(payload))
+    recorded = launch.ledger(run)[0]["episodes_hash"]
+    result = _replay(e2e_workdir, run, 1)
+    assert result.exit_code == 4, result.stderr
+    assert path.name in result.stderr and recorded in result.stderr and "changed after the run wrote it" in result.stderr

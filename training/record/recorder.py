@@ -49,6 +49,10 @@ class StepRecorder(Protocol):
 
     def record(self, step: int, record: dict[str, Any], batch) -> None: ...
 
+    def recorded_frozen(self) -> dict[str, dict[str, str]] | None:
+        """The frozen models a run that restores no checkpoint must have (None: any)."""
+        ...
+
 
 class LedgerWriter:
     """A recording run: rank 0 appends each line to the run's ledger.
@@ -132,6 +136,9 @@ class LedgerWriter:
     def record(self, step: int, record: dict[str, Any], batch) -> None:
         self.ledger.append(record)
 
+    def recorded_frozen(self) -> dict[str, dict[str, str]] | None:
+        return None  # a run from step 1 chooses its frozen models
+
 
 @dataclass
 class ReplaySpec:
@@ -140,6 +147,8 @@ class ReplaySpec:
     step: int
     recorded: dict[int, dict[str, Any]]
     dump: Any = None  # training.record.replay.StepDump: instruments and writes step ``step``
+    frozen: dict[str, dict[str, str]] | None = None
+    """The frozen models the run recorded (training.record.replay.recorded_frozen), None if none."""
 
 
 class ReplayComparator:
@@ -160,6 +169,9 @@ class ReplayComparator:
 
     def restored(self, step: int) -> None:
         pass
+
+    def recorded_frozen(self) -> dict[str, dict[str, str]] | None:
+        return self.spec.frozen
 
     def instrument(self, model: nn.Module, step: int) -> ContextManager:
         if self.spec.dump is not None and step == self.spec.step:

@@ -5,6 +5,13 @@ S without writing anything into the run, and compares every ledger field of ever
 step with the recorded line (``DeterminismError``, exit 5, on the first difference).
 ``--dump DIR`` writes step S's batch (token ids and document provenance) and per-layer
 activation and gradient statistics.
+
+The frozen models (reference, teacher, reward models, a LoRA run's base) must be those the run
+used: the restored checkpoint's recorded identities are checked as on a resume; a replay from step
+1, with no checkpoint before it, checks them against the newest of the run's checkpoints that
+records them (``recorded_frozen``; a run's frozen models never change, a resume refuses that), so a
+model changed on disk is a CheckpointError naming it and both hashes (exit 4), never a step that
+differs (exit 5). A run without any checkpoint has no record of them.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 from torch import nn
 
 from core.exceptions import ResumeError
-from core.layout import RunPaths
+from core.layout import RunPaths, list_steps, state_file_name, step_dir_name
 from training.record import ledger as ledger_lib
 
 
@@ -55,6 +62,24 @@ def recorded_ledger(paths: RunPaths, step: int) -> dict[int, dict[str, Any]]:
             hint=f"pick a step between 1 and {last}",
         )
     return records
+
+
+def recorded_frozen(paths: RunPaths) -> dict[str, dict[str, str]] | None:
+    """The frozen models' identities ({role: {"path", "sha256"}}) in the run's newest checkpoint
+    whose objective state records them, or None where no checkpoint does (module docstring)."""
+    for step in reversed(list_steps(paths.checkpoints)):
+        file = paths.checkpoints / step_dir_name(step) / state_file_name(OBJECTIVE_PART)
+        try:
+            frozen = json.loads(file.read_text()).get("frozen")
+        except (OSError, ValueError, AttributeError):
+            continue  # a damaged or partial checkpoint: an older one records the same models
+        if isinstance(frozen, dict):
+            return frozen
+    return None
+
+
+OBJECTIVE_PART = "objective"
+"""The checkpoint part whose state records the frozen models (training/loop.py writes it)."""
 
 
 class StepDump:

@@ -9,17 +9,25 @@ then a rename) when the step's ledger fields are gathered, before the step's led
 A replay reads it and appends the recorded observations instead of calling the environment; a
 resumed step reads the file its first attempt wrote (if it got that far) and compares the
 environment's new answers with it (training/rollout/episodes.py). A resume overwrites it.
+
+A replay first checks the file against the step's ledger line: the ``episodes_hash`` recomputed
+from its rows (every episode's sampled and observation ids and mask, in global row order) must be
+the recorded one, else the file was edited or damaged after the run wrote it: a CheckpointError
+naming the file and both hashes (exit 4), before anything is replayed with it. (The hash covers
+ids, not rewards: an edited reward shows as the replayed step's reward fields differing.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any, Optional
 
-from core.exceptions import DataError, ResumeError
-from core.layout import EPISODES_DIR, episodes_file_name
+from core.exceptions import CheckpointError, DataError, ResumeError
+from core.layout import EPISODES_DIR, LEDGER_FILE, episodes_file_name
+from training.rollout.episodes import EpisodeResult, Turn
 
 VERSION = 1
 
@@ -67,4 +75,56 @@ def step_records(run_dir: Path, step: int, group_size: int, *, replay: bool) -> 
         raise ResumeError(f"step {step} has no episode record ({episodes_path(run_dir, step)}): a replay "
                           "appends the recorded observations and never calls the environment",
                           step=step, hint="replay a step the run recorded with this version of the code")
+    if replay:
+        check_against_ledger(run_dir, step, recorded, group_size)
     return {"recorded": recorded, "call_environment": not replay}
+
+
+def recorded_hash(recorded: dict[tuple[int, int], dict[str, Any]], group_size: int) -> str:
+    """The ledger's ``episodes_hash`` of a step's records: sha256 over each episode's digest
+    (``EpisodeResult.digest``), in global row order."""
+    rows = sorted(recorded, key=lambda key: key[0] * group_size + key[1])
+    digests = (_digest(recorded[key]) for key in rows)
+    return hashlib.sha256(b"".join(bytes.fromhex(d) for d in digests)).hexdigest()
+
+
+def check_against_ledger(run_dir: Path, step: int, recorded: dict[tuple[int, int], dict[str, Any]],
+                         group_size: int) -> None:
+    """A replayed step's record must hash to its ledger line's ``episodes_hash`` (module docstring)."""
+    expected = _ledger_line(Path(run_dir) / LEDGER_FILE, step).get("episodes_hash")
+    if expected is None:
+        return  # no line (the replay names the missing line itself) or a step without episodes
+    path = episodes_path(run_dir, step)
+    try:
+        found = recorded_hash(recorded, group_size)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DataError(f"the episode record {path} is unreadable: {type(exc).__name__}: {exc}", file=str(path),
+                        step=step, hint="it is written by the run itself; restore it from a copy of the run dir") from None
+    if found != expected:
+        raise CheckpointError(
+            f"the episode record {path.name} of step {step} hashes to {found}, the ledger's episodes_hash is "
+            f"{expected}: it was changed after the run wrote it", file=str(path), step=step,
+            hint="restore the file from a copy of the run dir; a replay appends its observations as recorded")
+
+
+def _digest(record: dict[str, Any]) -> str:
+    turns = tuple(Turn(tuple(int(t) for t in turn["sampled"]), (), tuple(int(t) for t in turn["observation"]))
+                  for turn in record["turns"])
+    return EpisodeResult(turns, 0.0).digest
+
+
+def _ledger_line(ledger: Path, step: int) -> dict[str, Any]:
+    """Step ``step``'s line of the ledger ({} where it has none; a line that does not parse, such as
+    a torn last one, is skipped: the replay reads the ledger itself and names a damaged line)."""
+    try:
+        lines = ledger.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step") == step:
+            return record
+    return {}
