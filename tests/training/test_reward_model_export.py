@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -49,8 +50,9 @@ def _ours(model, head, ids: torch.Tensor, lengths) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def exported(e2e_workdir, tmp_path_factory):
     """A 4-step reward-model run on one rank, and its export."""
-    result = launch.train(e2e_workdir, ["--config", str(RM_CONFIG), "run.name=rm-export", "train.max_steps=4"],
-                          nproc=1)
+    # Evaluated at its last step on 2 batches of held-out pairs: what the score command must reproduce.
+    result = launch.train(e2e_workdir, ["--config", str(RM_CONFIG), "run.name=rm-export", "train.max_steps=4",
+                                        "train.eval_interval=4", "train.eval_batches=2"], nproc=1)
     assert result.returncode == 0, result.stderr
     run_dir = result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
     out = tmp_path_factory.mktemp("rm") / "rm-hf"
@@ -268,3 +270,84 @@ def test_one_conversation_gets_one_score_on_every_path(exported):
     elsewhere = reward.scores([conversation + [tokenizer.eos_id], conversation[:-1]], shape=ScoreShape(rows=8, width=128),
                               device=torch.device("cpu"), pad_id=tokenizer.eos_id)
     assert all(abs(score - trained) > 1e-4 for score in elsewhere), (elsewhere, trained)
+
+
+def _held_out_pairs(config, workdir, monkeypatch) -> list[dict]:
+    """The preference records of the run's evaluation, in its order: its eval pipeline's first
+    ``train.eval_batches`` global batches, read back from their provenance."""
+    from core.objective_kinds import record_fields
+    from data.pipeline import build as build_pipeline
+
+    monkeypatch.chdir(workdir)
+    pipeline = build_pipeline(config.data, seed=config.train.seed, global_batch_size=config.train.global_batch_size,
+                              rank=0, world_size=1, split="eval", record_fields=record_fields(config))
+    records = []
+    with pipeline as batches:
+        for _ in range(config.train.eval_batches):
+            batch = next(batches)
+            for row in batch.provenance:
+                for span in row:
+                    if span.record >= 0 and span.doc_offset == 0:  # a pair's chosen side opens it
+                        lines = (workdir / span.shard if not Path(span.shard).is_absolute() else Path(span.shard))
+                        records.append(json.loads(lines.read_text().splitlines()[span.record]))
+    return records
+
+
+def test_the_score_command_reproduces_the_runs_held_out_accuracy_as_grpo_reads_it(exported, e2e_workdir, tmp_path,
+                                                                               monkeypatch):
+    """``python -m training score`` on the run's held-out pairs prints the accuracy and margin the run's
+    evaluation recorded, from the run and from its export; and scored as GRPO/PPO score a completion
+    (the rendered prompt + the answer ended by the end-of-turn marker), chosen answers beat rejected
+    ones exactly as often."""
+    from training.objectives.model_reward import ReadPosition, rollout_scores
+
+    run_dir, out = exported
+    config, tokenizer, template = _recorded(run_dir)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    evaluation = [e for e in events if e["event"] == "eval"][-1]
+    records = _held_out_pairs(config, e2e_workdir, monkeypatch)
+    assert len(records) == evaluation["tokens"] == config.train.eval_batches * config.train.global_batch_size
+    pairs = tmp_path / "held-out.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    for source in (run_dir, out):
+        done = launch.run_module(e2e_workdir, ["training", "score", "--from", str(source), "--pairs", str(pairs), "--json"])
+        assert done.returncode == 0, done.stderr
+        lines = [json.loads(line) for line in done.stdout.splitlines()]
+        assert [line["index"] for line in lines[:-1]] == list(range(len(records)))
+        summary = lines[-1]
+        assert summary["pairs"] == len(records)
+        assert summary["accuracy"] == evaluation["metrics"]["accuracies"]
+        assert summary["margin"] == pytest.approx(evaluation["metrics"]["margins"], abs=1e-5)
+        table = launch.run_module(e2e_workdir, ["training", "score", "--from", str(source), "--pairs", str(pairs)])
+        assert table.returncode == 0 and f"accuracy {summary['accuracy']:.4f}" in table.stdout
+
+    reward = build_model_reward(config, f"run:{run_dir}", dist=_dist(), key="objective.grpo.rewards[1].path")
+    read = ReadPosition(tokenizer, template)
+    trajectories = []
+    for record in records:
+        prompt = template.render([{"role": "user", "content": record["prompt"]}], add_generation_prompt=True)
+        for side in ("chosen", "rejected"):
+            sampled = tokenizer.encode_array(record[side] + template.end_of_turn)  # as the sampler stops
+            trajectories.append(SimpleNamespace(prompt_ids=tokenizer.encode_array(prompt), tokens=sampled))
+    scores = rollout_scores([(1.0, reward)], read, trajectories, config=config, group_size=2,
+                            device=torch.device("cpu"), pad_id=tokenizer.eos_id)
+    assert float(np.mean(scores[0::2] > scores[1::2])) == evaluation["metrics"]["accuracies"]
+
+
+def test_the_score_command_refuses_bad_input_naming_it(exported, e2e_workdir, tmp_path):
+    run_dir, _ = exported
+    bad = tmp_path / "bad.jsonl"
+    cases = {
+        "not json": ("{\"prompt\": \"a\"", "line 1 is not a JSON object", 3),
+        "a field missing": (json.dumps({"prompt": "a", "chosen": "b"}), "line 1: preference record has no 'rejected'", 3),
+        "empty": ("", "holds no preference pair", 3),
+    }
+    for name, (text, message, code) in cases.items():
+        bad.write_text(text + "\n")
+        done = launch.run_module(e2e_workdir, ["training", "score", "--from", str(run_dir), "--pairs", str(bad)])
+        assert done.returncode == code and message in done.stderr and str(bad) in done.stderr, (name, done.stderr)
+        assert "Traceback" not in done.stderr
+    missing = launch.run_module(e2e_workdir, ["training", "score", "--from", str(tmp_path / "nowhere"), "--pairs",
+                                              str(bad)])
+    assert missing.returncode in (2, 4) and "Traceback" not in missing.stderr, missing.stderr
