@@ -8,6 +8,9 @@ the typed contract:
 
 - a failing job prints the first failing rank's one line once and exits with that rank's code
   (a rank killed by signal N: 128 + N);
+- a rank that died without a line before any other rank ended (the OOM killer's SIGKILL, a
+  native crash) is that first failure, not the peer whose collective then failed ("Connection
+  reset by peer"): ``RankDeaths`` notes when each rank ended, to the millisecond;
 - SIGINT and SIGTERM reach every rank once (the agent's own handlers, which would raise in the
   launcher, are left out); the ranks agree on a step boundary, checkpoint and exit 0, and so
   does the launcher.
@@ -24,10 +27,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from types import FrameType
@@ -39,6 +44,14 @@ LAUNCHER_ENV = "LOCKSTEP_LAUNCHER"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 NPROC_FLAG = "--nproc"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+"""What the agent (after a failure) and a user (a stop) send: a rank they end is no root cause."""
+_SIGNAL_CAUSES = {
+    signal.SIGKILL: "the OOM killer, or a kill -9?",
+    signal.SIGSEGV: "a crash in native code: its Python stacks are in its log",
+    signal.SIGABRT: "an abort in native code: its Python stacks are in its log",
+    signal.SIGBUS: "a crash in native code: its Python stacks are in its log",
+}
 
 
 def under_launcher(environ: dict[str, str] | None = None) -> bool:
@@ -134,6 +147,58 @@ def _launch_config(nproc: int, log_dir: str):
     return config
 
 
+class RankDeaths:
+    """When each child process of this launcher ended (``time.monotonic_ns``), by pid.
+
+    A daemon thread finds the ranks among this process's children (every 50 ms until ``nproc`` are
+    found) and waits on a pidfd of each, which becomes readable when the process exits (before the
+    agent reaps it, which it does every 0.1 s). A rank the OOM killer SIGKILLs ends before its
+    peers notice (the kernel closes its sockets last thing before it reports its exit; the peer
+    then still has to raise, write its error and exit), so the order of ends tells the root cause
+    where the peers' own times cannot. Where pidfds are missing (not Linux), nothing is noted."""
+
+    def __init__(self, nproc: int, *, find_every_s: float = 0.05) -> None:
+        self.ended: dict[int, int] = {}
+        self._nproc = nproc
+        self._find_every_ms = int(find_every_s * 1000)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="lockstep-rank-deaths", daemon=True)
+
+    def start(self) -> "RankDeaths":
+        if hasattr(os, "pidfd_open"):
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1)
+
+    def _watch(self) -> None:
+        import psutil
+
+        poller, fds, found = select.poll(), {}, set()
+        try:
+            while not self._stop.is_set():
+                if len(found) < self._nproc:
+                    for child in psutil.Process().children():
+                        if child.pid not in found:
+                            found.add(child.pid)
+                            try:
+                                fd = os.pidfd_open(child.pid)
+                            except OSError:  # already reaped: its end was not seen
+                                continue
+                            fds[fd] = child.pid
+                            poller.register(fd, select.POLLIN)
+                wait_ms = self._find_every_ms if len(found) < self._nproc else 100
+                for fd, _ in poller.poll(wait_ms):
+                    self.ended.setdefault(fds[fd], time.monotonic_ns())
+                    poller.unregister(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
 def launch(nproc: int, script: str, args: Sequence[str]) -> int:
     """Run ``python script args`` as ``nproc`` ranks; the job's exit code (module docstring)."""
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -147,11 +212,12 @@ def launch(nproc: int, script: str, args: Sequence[str]) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share the cores
     log_dir = tempfile.mkdtemp(prefix="lockstep-launch-")
     previous = {sig: signal.signal(sig, _forward_to_ranks) for sig in _FORWARDED}
+    deaths = RankDeaths(nproc).start()
     try:
         elastic_launch(_launch_config(nproc, log_dir), sys.executable)(script, *args)
         return 0
     except ChildFailedError as failed:
-        rank, code, line = first_failure(failed.failures)
+        rank, code, line = first_failure(failed.failures, ended=deaths.ended)
         print(line, file=sys.stderr, flush=True)
         return code
     except _StopBeforeRanks as stop:
@@ -160,35 +226,56 @@ def launch(nproc: int, script: str, args: Sequence[str]) -> int:
         print(f"stop: {stop.sigval.name} received; the ranks were stopped by the elastic agent", file=sys.stderr)
         return 128 + int(stop.sigval)
     finally:
+        deaths.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def first_failure(failures: dict) -> tuple[int, int, str]:
-    """(rank, exit code, one line) of the root cause: the earliest of the failures a rank
-    explained (by its own nanosecond time); only where none did, the earliest by torchelastic's
-    time (whole seconds, taken when it noticed: a rank the agent killed after a peer failed
-    would otherwise sort first)."""
+def first_failure(failures: dict, *, ended: dict[int, int] | None = None) -> tuple[int, int, str]:
+    """(rank, exit code, one line) of the root cause.
+
+    A rank that ended without a line, not by the agent's or a user's stop signal, is the root
+    cause when it ended first of all the failed ranks (``ended``: pid -> ``RankDeaths`` time): the
+    OOM killer's victim, not the peer whose collective failed on its closed connection. Otherwise
+    the earliest of the failures a rank explained (by its own nanosecond time); only where none
+    did, the earliest by torchelastic's time (whole seconds, taken when it noticed: a rank the
+    agent killed after a peer failed would otherwise sort first)."""
 
     def when(item) -> tuple[int, int, int]:
         rank, failure = item
-        message = failure.error_file_data.get("message")
-        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
-        if "time_ns" in extra:
-            return 0, int(extra["time_ns"]), rank
+        if _explained(failure):
+            return 0, int(failure.error_file_data["message"]["extraInfo"]["time_ns"]), rank
         return 1, failure.timestamp, rank
 
-    rank, failure = min(failures.items(), key=when)
+    rank, failure = _ended_first_unexplained(failures, ended or {}) or min(failures.items(), key=when)
     code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
-    message = failure.error_file_data.get("message")
-    if isinstance(message, dict) and "time_ns" in message.get("extraInfo", {}):
-        return rank, code, str(message["message"])
+    if _explained(failure):
+        return rank, code, str(failure.error_file_data["message"]["message"])
     if failure.exitcode < 0:
-        what = f"was killed by {failure.signal_name()}"
+        cause = _SIGNAL_CAUSES.get(-failure.exitcode)
+        what = f"was killed by {failure.signal_name()}" + (f" ({cause})" if cause else "")
     else:
         what = f"exited with code {code} without a message"
-    return rank, code, f"[rank {rank}] {what} -> its log is logs/rank{rank}.log in the run dir"
+    after = len(failures) - 1
+    peers = f"; {after} other rank{'s' if after > 1 else ''} ended after it" if after else ""
+    return rank, code, f"[rank {rank}] {what}{peers} -> its log is logs/rank{rank}.log in the run dir"
+
+
+def _explained(failure) -> bool:
+    message = failure.error_file_data.get("message")
+    return isinstance(message, dict) and "time_ns" in message.get("extraInfo", {})
+
+
+def _ended_first_unexplained(failures: dict, ended: dict[int, int]):
+    """(rank, failure) of a rank that ended first of all, without a line and not by a stop signal;
+    None if the first to end explained itself or was stopped, or the ends were not seen."""
+    seen = [(ended[f.pid], rank, f) for rank, f in failures.items() if getattr(f, "pid", None) in ended]
+    if not seen:
+        return None
+    _, rank, failure = min(seen, key=lambda item: (item[0], item[1]))
+    stopped = -failure.exitcode in _STOPS
+    return None if _explained(failure) or stopped else (rank, failure)
 
 
 def launch_if_asked(script: str, argv: Sequence[str]) -> None:

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -179,9 +180,69 @@ class StartupSignals:
         os.kill(os.getpid(), signum)
 
 
+class LauncherWatch(threading.Thread):
+    """The daemon thread of ``exit_with_launcher``: ends the rank when its parent changes."""
+
+    def __init__(self, launcher: int, rank: str, *, poll_s: float, exit_fn: Callable[[int], Any]) -> None:
+        super().__init__(name="lockstep-launcher-watch", daemon=True)
+        self.launcher = launcher
+        self._rank = rank
+        self._poll_s = poll_s
+        self._exit_fn = exit_fn
+        self._events: Path | None = None
+
+    def record_to(self, events: Path | None) -> None:
+        """Once the run dir exists: where the launcher's death is recorded (the run's events.jsonl).
+        The event's modules are imported here, by the main thread, not at this module's import
+        (train.py's first statement, ahead of everything slow) nor in a dying rank."""
+        import experiments.events  # noqa: F401
+        import experiments.schema  # noqa: F401
+
+        self._events = events
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self._poll_s)
+            if os.getppid() != self.launcher:
+                try:
+                    self._record_loss()
+                except Exception:  # noqa: BLE001 - nothing may keep the rank from exiting
+                    pass
+                try:
+                    sys.stderr.write(f"[rank {self._rank}] launcher (pid {self.launcher}) is gone; "
+                                     "exiting without cleanup\n")
+                    sys.stderr.flush()
+                except (OSError, ValueError):  # stderr a pipe whose reader went with the launcher
+                    pass
+                self._exit_fn(1)
+                return
+
+    def _record_loss(self) -> None:
+        """A ``failed`` event naming the launcher, so ``runs list`` shows a failed run, not a crashed one.
+
+        One ``O_APPEND`` write (experiments/events.py), so a line the main thread writes at the same
+        moment stays whole; not through the logger, whose lock the main thread may hold."""
+        if self._events is None or not self._events.parent.is_dir():
+            return
+        from experiments.events import append_line  # loaded by record_to
+        from experiments.schema import Event
+        rank = int(self._rank) if self._rank.isdigit() else 0
+        event = Event.create("failed", time=time.time(), rank=rank, exit_code=1, type="LauncherLost",
+                             error=f"the launcher (pid {self.launcher}) died; the rank exited without cleanup",
+                             hint="resume the run (--resume RUN_ID) from its last checkpoint")
+        append_line(self._events, event.to_json())  # a full disk: the run reads as crashed, as before
+
+
+def record_launcher_loss(events: Path | None) -> None:
+    """Tell this rank's launcher watch (if any) where to record the launcher's death: the run's
+    events.jsonl, once the run dir exists (None: nowhere, e.g. a replay)."""
+    if _launcher_watch is not None:
+        _launcher_watch.record_to(events)
+
+
 def exit_with_launcher(
     *, poll_s: float = 1.0, exit_fn: Callable[[int], Any] = os._exit, environ: dict[str, str] | None = None
-) -> threading.Thread | None:
+) -> LauncherWatch | None:
     """Under torchrun, end this rank within ``poll_s`` of its launcher's death.
 
     torchrun starts every rank in a session of its own, so SIGKILL of torchrun (or of its
@@ -189,7 +250,10 @@ def exit_with_launcher(
     ranks running: holding the GPU, the run dir's lock and their checkpoint writes, with no
     one to collect their exit. A daemon thread watches the parent pid and exits the process
     (code 1, no cleanup, as a kill would) once it changes; the resume then finds what a kill
-    leaves: a stale lock and no half-written checkpoint published.
+    leaves: a stale lock and no half-written checkpoint published. Where the run dir exists
+    (``record_launcher_loss``), it first appends a ``failed`` event naming the launcher to the
+    run's events.jsonl (``type: LauncherLost``), so the run reads as failed, with its cause,
+    rather than crashed.
 
     The launcher is the parent at the first call, so the first call must come before anything
     slow: ``train.py`` makes it its first statement, ahead of the imports (seconds of torch),
@@ -203,26 +267,11 @@ def exit_with_launcher(
         return None
     if _launcher_watch is not None and environ is None:
         return _launcher_watch
-    launcher = os.getppid()
-    rank = env.get("RANK", "?")
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != launcher:
-                try:
-                    sys.stderr.write(f"[rank {rank}] launcher (pid {launcher}) is gone; exiting without cleanup\n")
-                    sys.stderr.flush()
-                except (OSError, ValueError):  # stderr a pipe whose reader went with the launcher
-                    pass
-                exit_fn(1)
-                return
-
-    thread = threading.Thread(target=watch, name="lockstep-launcher-watch", daemon=True)
+    thread = LauncherWatch(os.getppid(), env.get("RANK", "?"), poll_s=poll_s, exit_fn=exit_fn)
     thread.start()
     if environ is None:
         _launcher_watch = thread
     return thread
 
 
-_launcher_watch: threading.Thread | None = None  # this process's watch, once started
+_launcher_watch: LauncherWatch | None = None  # this process's watch, once started

@@ -30,7 +30,7 @@ from experiments.artifacts import ArtifactStore
 from models import model_config_from_hf
 from models.qwen.dims import resolve_dims
 from runtime.faults import parse_faults
-from runtime.signals import StartupSignals, exit_with_launcher
+from runtime.signals import StartupSignals, exit_with_launcher, record_launcher_loss
 from runtime.watchdog import configure_nccl_diagnostics
 from runtime import launcher, relaunch
 from training import failed_start
@@ -204,6 +204,7 @@ def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunC
     try:  # from here the run dir exists: a failure (or a stop signal) is recorded in it
         setup_logging(dist.rank, run.logs_dir, console=dist.is_main)
         events = EventLog(run.paths.events if args.mode != "replay" else None, rank=dist.rank)
+        record_launcher_loss(events.path)  # a killed launcher's run then reads as failed (runtime/signals.py)
         if dist.is_main:
             console(f"run_id: {run.run_id}")
             console(f"run_dir: {run.run_dir}")
