@@ -3,6 +3,9 @@
 - a lone surrogate (``"\\ud83d"``, valid JSON) in a text, chat, prompt/completion, prompt or
   preference record is a bad record naming file and record (skipped and counted under
   ``data.on_bad_record=skip``), never a "bug in the data pipeline";
+- the chat template's size budget holds inside filters, methods and blocks: a template that
+  would build gigabytes (``([('x' * 16000000)] * 1000) | tojson``: 36 s and 5.9 GB before) is
+  refused before it builds them, in well under a second, naming the limit;
 - ``bad_records_skipped`` counts each bad record once (not once per stream, epoch and read-ahead),
   and only when a batch the pipeline returned has read past it: the same count for any timing.
 """
@@ -10,11 +13,14 @@
 from __future__ import annotations
 
 import json
+import resource
+import time
 
 import pytest
 
 from core.config import DataConfig, SourceConfig, load
-from core.exceptions import DataError
+from core.exceptions import ConfigError, DataError
+from data.chat_template import ChatEncoder, ChatTemplate, TemplateLimitError
 from data.pipeline.pipeline import build
 from data.tokenizers import ByteTokenizer, HFTokenizer, UnencodableTextError
 
@@ -133,3 +139,74 @@ def test_a_bad_record_read_ahead_is_not_counted_before_a_batch_reads_past_it(tmp
     path = _with_bad_lines(tmp_path / "data.jsonl", good=60, bad_at=[60, 61])
     counts = _skip_counts(path, 40, workers=0)
     assert counts[0] == 0 and counts[-1] == 2
+
+
+# --------------------------------------------------------------------------- template size budget
+
+BIG = "[('x' * 16000000)] * 1000"
+"""1000 references to one 16 MB string: a small list that renders to 16 GB."""
+
+OVERSIZED = {
+    "tojson": "{{ (" + BIG + ") | tojson }}",
+    "join filter": "{{ (" + BIG + ") | join }}",
+    "string filter": "{{ (" + BIG + ") | string }}",
+    "output": "{{ " + BIG + " }}",
+    "~": "{{ (" + BIG + ") ~ 'x' }}",
+    "replace method": "{{ ('x' * 16000000).replace('x', 'xxxxxxxxxx') }}",
+    "replace filter": "{{ ('x' * 16000000) | replace('x', 'xxxxxxxxxx') }}",
+    "replace of a list": "{{ (" + BIG + ") | replace('a', 'b') }}",
+    "tojson indent": "{{ [1, 2] | tojson(indent=3e9) }}",
+    "tojson indent 10**6": "{{ ([[1]] * 1000) | tojson(indent=1000000) }}",
+    "format filter": "{{ '%s%s' | format('x' * 16000000, 'x' * 16000000) }}",
+    "% arguments": "{{ '%s%s' % ('x' * 16000000, 'x' * 16000000) }}",
+    "% star width": "{{ '%*d' % (999999999, 1) }}",
+    "% precision": "{{ '%.999999999f' % 1.0 }}",
+    "format method": "{{ '{0}{0}'.format('x' * 16000000) }}",
+    "format nested width": "{{ '{:{w}}'.format('x', w=999999999) }}",
+    "format precision": "{{ '{:.999999999f}'.format(1.0) }}",
+    "indent": "{{ ('\\n' * 1000) | indent(16000000) }}",
+    "center of a list": "{{ (" + BIG + ") | center(3) }}",
+    "upper of a list": "{{ (" + BIG + ") | upper }}",
+    "wordwrap": "{{ ('a ' * 1000) | wordwrap(1, wrapstring='x' * 16000000) }}",
+    "str.join": "{{ ''.join(" + BIG + ") }}",
+    "expandtabs": "{{ ('\\t' * 1000).expandtabs(16000000) }}",
+    "translate": "{{ ('x' * 1000).translate({120: 'y' * 16000000}) }}",
+    "map then join": "{{ (" + BIG + ") | map('string') | join }}",
+    "map then list": "{% set xs = ([('x' * 10000000)] * 1000) | map('upper') | list %}",
+    "sum of lists": "{{ ([[1] * 16000] * 1000) | sum(start=[]) }}",
+    "shared list literals": "{% set a = ['x' * 16000000] %}{% set b = [a, a] %}{% set c = [b, b] %}{{ c | tojson }}",
+    "loop in a macro": "{% macro m() %}{% for i in range(1000) %}{{ 'x' * 16000000 }}{% endfor %}{% endmacro %}"
+                       "{% set y = m() %}",
+    "loop in a set block": "{% set y %}{% for i in range(1000) %}{{ 'x' * 16000000 }}{% endfor %}{% endset %}",
+}
+CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
+LOOP = "{% for m in messages %}<{{ m.role }}>{{ m.content }}<|im_end|>{% endfor %}"
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("name", list(OVERSIZED))
+def test_a_template_that_would_build_gigabytes_inside_a_filter_is_refused_before_it_builds_them(name):
+    template = ChatTemplate(OVERSIZED[name] + LOOP, origin="tokenizer_config.json")
+    before, started = _peak_rss_mb(), time.monotonic()
+    with pytest.raises(TemplateLimitError, match=r"over (4 times )?its size budget of 16,777,216") as info:
+        template.render(CHAT)
+    assert time.monotonic() - started < 2  # refused, not built (36 s for tojson before)
+    assert _peak_rss_mb() - before < 400  # a few copies of 16 MB at most (5.9 GB for tojson before)
+    assert "tokenizer_config.json" in str(info.value) and info.value.exit_code == 3
+    with pytest.raises(ConfigError, match="size budget") as at_start:  # at start-up: exit 2, naming the file
+        ChatEncoder(template, ByteTokenizer(), kind="chat", loss_on="assistant").check()
+    assert at_start.value.exit_code == 2
+
+
+def test_values_inside_the_budget_still_render_as_jinja2_renders_them():
+    items = "{% set xs = [{'a': 'x' * 1000, 'b': [1, 2.5, none, true]}] * 100 %}"
+    source = (items + "{{ xs | tojson(indent=2) | length }} {{ xs | string | length }} {{ '%s-%5d' % ('a', 7) }} "
+              "{{ '{0}{1:>4}'.format('b', 'c') }} {{ ('a' * 10) | replace('a', 'bb') }} {{ ' '.join(['x', 'y']) }} "
+              "{{ (['p', 'q'] | map('upper') | join('+')) }} {{ 'a\\nb' | indent(2, first=true) }}" + LOOP)
+    text = ChatTemplate(source, origin="t").render(CHAT)
+    xs = [{"a": "x" * 1000, "b": [1, 2.5, None, True]}] * 100
+    expected = (f"{len(json.dumps(xs, indent=2))} {len(str(xs))} a-    7 b   c {'bb' * 10} x y P+Q   a\n  b")
+    assert text.startswith(expected), text[:200]
