@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from core.exceptions import LockstepError
 from core import layout
-from experiments.plots import comparison_path, plot_comparison, plot_run
+from experiments.plots import MAX_PANELS, Plot, comparison_path, plot_comparison, plot_run
 from experiments.runs import config_diff, describe_run, newest_first, resolve_run, summarize
 
 
@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="every ledger, metric and eval series to PNG, grouped; several runs: "
                        "each run's PNG and a comparison", parents=[common])
     p.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    p.add_argument("--series", action="append", default=[], metavar="PATTERN",
+                   help="draw only the series this shell-style pattern matches (e.g. 'loss', 'objective/*'); "
+                        "repeatable")
+    p.add_argument("--max-panels", type=int, default=MAX_PANELS, metavar="N",
+                   help=f"draw at most N panels, the first in display order (default {MAX_PANELS}; 0: all); "
+                        "what is left out is named on stderr")
     p.add_argument("--out", type=Path, default=None,
                    help=f"one run: its PNG (default RUN/{layout.ARTIFACTS_DIR}/{layout.PLOTS_FILE}); several: "
                         "the comparison's (default ROOT/compare-<8 hex of the run IDs>.png)")
@@ -121,15 +127,31 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    """Prints the path of every PNG written (each has a JSON of the lines drawn beside it)."""
+    """Prints the path of every PNG written (each has a JSON of the lines drawn beside it); on
+    stderr, the panels each left out and the lines of the run's files that could not be read."""
     run_dirs = list(dict.fromkeys(resolve_run(args.root, run_id) for run_id in args.run_ids))
+    limits = {"patterns": args.series, "max_panels": args.max_panels}
     if len(run_dirs) == 1:
-        print(plot_run(run_dirs[0], args.out or run_dirs[0] / layout.ARTIFACTS_DIR / layout.PLOTS_FILE))
+        _report(plot_run(run_dirs[0], args.out or run_dirs[0] / layout.ARTIFACTS_DIR / layout.PLOTS_FILE, **limits))
         return 0
     for run_dir in run_dirs:
-        print(plot_run(run_dir, run_dir / layout.ARTIFACTS_DIR / layout.PLOTS_FILE))
-    print(plot_comparison(run_dirs, args.out or comparison_path(args.root, run_dirs)))
+        _report(plot_run(run_dir, run_dir / layout.ARTIFACTS_DIR / layout.PLOTS_FILE, **limits))
+    _report(plot_comparison(run_dirs, args.out or comparison_path(args.root, run_dirs), **limits), skipped=False)
     return 0
+
+
+def _report(plot: Plot, *, skipped: bool = True) -> None:
+    print(plot.path)
+    if plot.left_out:
+        shown = ", ".join(plot.left_out[:5]) + (f" and {len(plot.left_out) - 5} more" if len(plot.left_out) > 5 else "")
+        print(f"note: {plot.path} draws {plot.drawn} of {plot.drawn + len(plot.left_out)} panels; left out: {shown} "
+              f"(all listed in {plot.path.with_suffix('.json').name}) -> choose series with --series PATTERN, or "
+              "draw more with --max-panels N (0: all)", file=sys.stderr)
+    if skipped and plot.skipped_lines:  # the comparison re-reads the runs' files: said once, above
+        shown = "; ".join(plot.skipped_lines[:3]) + (f"; and {len(plot.skipped_lines) - 3} more"
+                                                    if len(plot.skipped_lines) > 3 else "")
+        print(f"warning: skipped {len(plot.skipped_lines)} unreadable line(s), as runs show does: {shown}",
+              file=sys.stderr)
 
 
 def _fmt(value: Any, spec: str = "") -> str:

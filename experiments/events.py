@@ -49,26 +49,36 @@ def append_line(path: Path, line: str, *, fsync: bool = True) -> None:
         os.close(fd)
 
 
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file, skipping blank and unparseable lines.
+def iter_jsonl(path: Path, *, skipped: list[tuple[int, str]] | None = None) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file, skipping blank and unreadable lines.
 
-    A process killed mid-write leaves a truncated last line; readers must survive it.
+    A process killed mid-write leaves a truncated last line, and a damaged disk or a hand edit
+    leaves bytes that are not UTF-8; readers must survive both, as ``last_jsonl`` does. Each
+    skipped line is appended to ``skipped`` as ``(line number from 1, reason)``, for a reader
+    that says what it left out.
     """
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, "rb")
     except FileNotFoundError:
         return
     with handle:
-        for line in handle:
-            line = line.strip()
+        for number, raw in enumerate(handle, start=1):
+            line = raw.strip()
             if not line:
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                reason = "not UTF-8"
             except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                yield record
+                reason = "not JSON" if raw.endswith(b"\n") else "cut short (a write interrupted)"
+            else:
+                if isinstance(record, dict):
+                    yield record
+                    continue
+                reason = "not a JSON object"
+            if skipped is not None:
+                skipped.append((number, reason))
 
 
 def last_jsonl(path: Path, *, chunk: int = 1 << 16) -> dict[str, Any] | None:
@@ -96,10 +106,10 @@ def last_jsonl(path: Path, *, chunk: int = 1 << 16) -> dict[str, Any] | None:
             start = max(0, start - chunk * 8)
 
 
-def read_events(path: Path) -> list[Event]:
-    """Every well-formed event of an events.jsonl file, in file order."""
+def read_events(path: Path, *, skipped: list[tuple[int, str]] | None = None) -> list[Event]:
+    """Every well-formed event of an events.jsonl file, in file order (unreadable lines: ``iter_jsonl``)."""
     out = []
-    for raw in iter_jsonl(path):
+    for raw in iter_jsonl(path, skipped=skipped):
         if "event" in raw and "time" in raw:
             try:
                 out.append(Event.from_dict(raw))

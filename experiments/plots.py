@@ -3,7 +3,8 @@
 Series of a run (``run_series``), each a list of ``(step, value)``:
 
 - every numeric ledger field (``loss``, ``grad_norm``, ``lr``, ``reward_mean``, ``accuracy``, ...;
-  a list of numbers such as ``inner_losses`` gives ``inner_losses[i]``);
+  a list of at most ``LIST_ELEMENTS`` numbers such as ``inner_losses`` gives ``inner_losses[i]``,
+  a longer one its ``[mean]``, ``[min]`` and ``[max]`` over the elements);
 - every metric of ``metrics.jsonl`` the ledger does not already hold exactly (its mean over
   ranks: ``tokens_per_s``, ``mfu``, ``step_time``, ``objective/kl``, memory, phase times);
 - every evaluation (``eval`` events): ``eval/loss`` and ``eval/<metric>``.
@@ -16,21 +17,31 @@ value model's loss, clipped fraction and explained variance: PPO's), KL and clip
 throughput and time, memory, other), one row of panels per group. An
 evaluation metric is drawn on the panel of the training series of the same name (as markers,
 labelled ``eval``), or on a panel of its own; the eval loss has its own panel, since it may be
-averaged over other units than the training loss (pairs, prompts). Next to each PNG a JSON file
-of the same name lists every panel's lines as drawn (read back from the figure's axes), for
-tools and tests.
+averaged over other units than the training loss (pairs, prompts). A list field's series share
+one panel (lines ``[0]``, ``[1]``, ... or ``[mean]``, ``[min]``, ``[max]``).
+
+At most ``MAX_PANELS`` panels are drawn (a figure of thousands of panels takes minutes and shows
+nothing), the first in display order, so series of the group ``other`` go first; ``patterns``
+(``--series``, shell-style: ``loss``, ``objective/*``) choose which. What was left out, and every
+line of the run's files that could not be read (skipped, as ``runs show`` skips it), is returned
+with the plot (``Plot``) for the command to say. Next to each PNG a JSON file of the same name
+lists every panel's lines as drawn (read back from the figure's axes), for tools and tests, and
+the panels left out and lines skipped.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import math
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from core import layout
+from core.exceptions import UsageError
 from experiments.events import iter_jsonl, read_events
 
 Series = list[tuple[int, float]]
@@ -54,22 +65,37 @@ OTHER = "other"
 DISPLAY_ORDER = ("loss", "optimisation", "rewards and accuracy", "log-probs", "critic", "KL and clipping", "counts",
                  "throughput and time", "memory", OTHER)
 COLUMNS = 4
+MAX_PANELS = 32
+"""Panels drawn by default (8 rows); ``--max-panels`` changes it, 0 draws every one."""
+LIST_ELEMENTS = 8
+"""A list field of at most this many numbers is drawn element by element; a longer one as its mean, min, max."""
 # The ledger's keys that are not series of the run's progress.
 _NOT_SERIES = ("step", "time")
+_ELEMENT = re.compile(r"^(?P<base>.+)(?P<label>\[[^\[\]]+\])$")
 
 
-def run_series(run_dir: Path) -> dict[str, Series]:
-    """Every numeric series of a run, by name (see the module docstring)."""
-    ledger = _by_step(iter_jsonl(run_dir / layout.LEDGER_FILE))
-    metrics = _by_step(iter_jsonl(run_dir / layout.METRICS_FILE))
+@dataclass(frozen=True)
+class Plot:
+    """A PNG written, what it left out and which lines of the run's files could not be read."""
+
+    path: Path
+    drawn: int
+    left_out: list[str] = field(default_factory=list)
+    skipped_lines: list[str] = field(default_factory=list)
+
+
+def run_series(run_dir: Path, *, skipped: list[str] | None = None) -> dict[str, Series]:
+    """Every numeric series of a run, by name (see the module docstring); each line of its files
+    that cannot be read is skipped and appended to ``skipped`` (``"<file> line N: <reason>"``)."""
+    ledger = _by_step(_records(run_dir / layout.LEDGER_FILE, skipped))
+    metrics = _by_step(_records(run_dir / layout.METRICS_FILE, skipped))
     out: dict[str, Series] = {}
     for step, record in ledger.items():
         for name, value in record.items():
             if name in _NOT_SERIES:
                 continue
             if isinstance(value, list):
-                for i, item in enumerate(value):
-                    _add(out, f"{name}[{i}]", step, item)
+                _add_list(out, name, step, value)
             else:
                 _add(out, name, step, value)
     in_ledger = set(out)
@@ -79,7 +105,10 @@ def run_series(run_dir: Path) -> dict[str, Series]:
         for name, stats in (record.get("metrics") or {}).items():
             if name not in in_ledger and isinstance(stats, dict):
                 _add(out, name, step, stats.get("mean"))
-    for event in read_events(run_dir / layout.EVENTS_FILE):
+    bad: list[tuple[int, str]] = []
+    events = read_events(run_dir / layout.EVENTS_FILE, skipped=bad)
+    _note(run_dir / layout.EVENTS_FILE, bad, skipped)
+    for event in events:
         if event.event != "eval" or not isinstance(event.fields.get("step"), int):
             continue
         step = event.fields["step"]
@@ -112,31 +141,59 @@ def group_of(name: str) -> str:
 
 def panels(series: dict[str, Series]) -> list[tuple[str, str, dict[str, Series]]]:
     """``(group, title, {label: points})`` per panel, groups in ``GROUPS`` order: a training
-    series with the evaluation series of the same base name beside it (label ``eval``)."""
+    series with the evaluation series of the same base name beside it (label ``eval``); a list
+    field's series on one panel (labels ``[0]``, ``[mean]``, ...)."""
     train = {n: p for n, p in series.items() if not n.startswith(EVAL_PREFIX)}
     evals = {n[len(EVAL_PREFIX):]: p for n, p in series.items() if n.startswith(EVAL_PREFIX)}
-    placed: dict[str, dict[str, Series]] = {name: {"train": points} for name, points in train.items()}
+    placed: dict[str, dict[str, Series]] = {}
+    for name, points in train.items():
+        element = _ELEMENT.match(name)
+        if element:
+            placed.setdefault(element["base"], {})[element["label"]] = points
+        else:
+            placed.setdefault(name, {})["train"] = points
     for name, points in evals.items():
         home = _training_twin(name, train) if name != "loss" else None
-        if home is None:
+        if home is None or home not in placed:  # (an element of a list field has no panel of its own)
             placed[EVAL_PREFIX + name] = {"eval": points}
         else:
             placed[home]["eval"] = points
     return sorted(((group_of(n), n, lines) for n, lines in placed.items()), key=_display_key)
 
 
-def plot_run(run_dir: Path, out: Path) -> Path:
-    """One run's series as one PNG (and its JSON of the lines drawn); returns the PNG's path."""
-    return _draw(panels(run_series(run_dir)), out, title=run_dir.name)
+def plot_run(run_dir: Path, out: Path, *, patterns: Sequence[str] = (), max_panels: int = MAX_PANELS) -> Plot:
+    """One run's series as one PNG (and its JSON of the lines drawn): at most ``max_panels``
+    panels (0: all) of the series ``patterns`` match (none given: every series)."""
+    skipped: list[str] = []
+    laid = panels(run_series(run_dir, skipped=skipped))
+    return _draw_selected(laid, out, title=run_dir.name, patterns=patterns, max_panels=max_panels, skipped=skipped)
 
 
-def plot_comparison(run_dirs: list[Path], out: Path) -> Path:
-    """Every series of several runs, one line per run, as one PNG (and its JSON)."""
-    by_run = {d.name: run_series(d) for d in run_dirs}
+def plot_comparison(run_dirs: list[Path], out: Path, *, patterns: Sequence[str] = (),
+                    max_panels: int = MAX_PANELS) -> Plot:
+    """Every series of several runs, one line per run, as one PNG (and its JSON); limits as ``plot_run``."""
+    skipped: list[str] = []
+    by_run = {d.name: run_series(d, skipped=skipped) for d in run_dirs}
     names = sorted({n for series in by_run.values() for n in series})
     laid = sorted(((group_of(n), n, {run: series[n] for run, series in by_run.items() if n in series})
                    for n in names), key=_display_key)
-    return _draw(laid, out, title="runs: " + ", ".join(by_run))
+    return _draw_selected(laid, out, title="runs: " + ", ".join(by_run), patterns=patterns, max_panels=max_panels,
+                          skipped=skipped)
+
+
+def select_panels(laid: list[tuple[str, str, Any]], *, patterns: Sequence[str], max_panels: int,
+                  ) -> tuple[list[tuple[str, str, Any]], list[str]]:
+    """(the panels to draw, the names of those left out): the ones a pattern matches (all without
+    patterns), the first ``max_panels`` of them in display order (0: no limit)."""
+    if max_panels < 0:
+        raise UsageError(f"--max-panels must be >= 0, got {max_panels}", hint="0 draws every panel")
+    chosen = [p for p in laid if not patterns or any(fnmatch.fnmatchcase(p[1], pattern) for pattern in patterns)]
+    if patterns and not chosen:
+        names = ", ".join(p[1] for p in laid[:8]) + (f" and {len(laid) - 8} more" if len(laid) > 8 else "")
+        raise UsageError(f"--series {' '.join(patterns)} matches no series of this plot",
+                         hint=f"its series: {names or 'none'}; patterns are shell-style, e.g. 'loss' or 'objective/*'")
+    kept = chosen if max_panels == 0 else chosen[:max_panels]
+    return kept, [p[1] for p in laid if p not in kept]
 
 
 def comparison_path(root: Path, run_dirs: Iterable[Path]) -> Path:
@@ -153,7 +210,15 @@ def series_path(png: Path) -> Path:
 # ---------------------------------------------------------------------------- drawing
 
 
-def _draw(laid: list[tuple[str, str, dict[str, Series]]], out: Path, *, title: str) -> Path:
+def _draw_selected(laid, out: Path, *, title: str, patterns: Sequence[str], max_panels: int,
+                   skipped: list[str]) -> Plot:
+    kept, left_out = select_panels(laid, patterns=patterns, max_panels=max_panels)
+    _draw(kept, out, title=title, notes={"left_out": left_out, "skipped_lines": skipped})
+    return Plot(out, len(kept), left_out, skipped)
+
+
+def _draw(laid: list[tuple[str, str, dict[str, Series]]], out: Path, *, title: str,
+          notes: dict[str, list[str]]) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -186,7 +251,7 @@ def _draw(laid: list[tuple[str, str, dict[str, Series]]], out: Path, *, title: s
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / height))  # room for the title
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
-    series_path(out).write_text(json.dumps({"title": title, "panels": drawn}, indent=1) + "\n")
+    series_path(out).write_text(json.dumps({"title": title, "panels": drawn, **notes}, indent=1) + "\n")
     return out
 
 
@@ -215,6 +280,18 @@ def _training_twin(name: str, train: dict[str, Series]) -> str | None:
     return None
 
 
+def _records(path: Path, skipped: list[str] | None) -> list[dict[str, Any]]:
+    bad: list[tuple[int, str]] = []
+    records = list(iter_jsonl(path, skipped=bad))
+    _note(path, bad, skipped)
+    return records
+
+
+def _note(path: Path, bad: list[tuple[int, str]], skipped: list[str] | None) -> None:
+    if skipped is not None:
+        skipped.extend(f"{path} line {number}: {reason}" for number, reason in bad)
+
+
 def _by_step(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for record in records:
@@ -223,6 +300,23 @@ def _by_step(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _add_list(out: dict[str, Series], name: str, step: int, value: list) -> None:
+    """A list field: each element (up to LIST_ELEMENTS of them), else its mean, min and max."""
+    if len(value) <= LIST_ELEMENTS:
+        for i, item in enumerate(value):
+            _add(out, f"{name}[{i}]", step, item)
+        return
+    numbers = [float(v) for v in value if _is_number(v)]
+    if numbers:
+        _add(out, f"{name}[mean]", step, math.fsum(numbers) / len(numbers))
+        _add(out, f"{name}[min]", step, min(numbers))
+        _add(out, f"{name}[max]", step, max(numbers))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _add(out: dict[str, Series], name: str, step: int, value: Any) -> None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+    if _is_number(value):
         out.setdefault(name, []).append((step, float(value)))
