@@ -218,8 +218,9 @@ class Trainer:
             collection.stop()
             self.guards.close()
         result.seconds = time.perf_counter() - started
-        skipped = self._all_reduce_sum(float(self.data.stats().get("bad_records_skipped", 0)))
-        result.extra["bad_records_skipped"] = int(skipped)
+        # Distinct over ranks: streams on several ranks may read (and skip) the same record.
+        per_rank = self.dist.all_gather_object(sorted(self.data.skipped_records()))
+        result.extra["bad_records_skipped"] = len(set().union(*(map(tuple, keys) for keys in per_rank)))
         if not self.recorder.records:
             result.status = "replayed"
         return result

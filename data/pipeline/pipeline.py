@@ -162,6 +162,11 @@ class DataPipeline:
             "error": str(self._error) if self._error else None,
         }
 
+    def skipped_records(self) -> frozenset:
+        """The distinct bad records the returned batches skipped (``bad_records_skipped`` counts
+        them): a rank's set, which the loop unites over ranks, since ranks may read one file."""
+        return frozenset(self._skipped)
+
     def _whole_doc_counts(self) -> dict:
         """Whole-document packing: overlong documents truncated/dropped, padding tokens."""
         packers = self._packers.values()
