@@ -15,7 +15,7 @@ import logging
 import signal
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,17 @@ def parse_args(argv: list[str] | None = None) -> Args:
         raise UsageError("--replay needs --step S with S >= 1", hint="e.g. --replay RUN_ID --step 7")
     if (ns.step is not None or ns.dump) and not ns.replay:
         raise UsageError("--step and --dump are only valid with --replay")
-    return continue_after_restart(Args(ns.config, ns.resume, ns.replay, ns.step, ns.dump, tuple(ns.overrides)))
+    return continue_after_restart(full_run_id(Args(ns.config, ns.resume, ns.replay, ns.step, ns.dump, tuple(ns.overrides))))
+
+
+def full_run_id(args: Args) -> Args:
+    """``--resume``/``--replay`` given a unique prefix of a run ID (as ``runs show`` takes it)
+    name the whole ID from here on; a prefix of several runs is a ResumeError naming them."""
+    if args.mode == "train":
+        return args
+    root = resume_lib.parse_override_root(list(args.overrides))
+    run_id = resume_lib.find_run(root, args.resume or args.replay).root.name
+    return replace(args, **{args.mode: run_id})
 
 
 def continue_after_restart(args: Args) -> Args:

@@ -51,3 +51,20 @@ def test_changed_environment_warns_or_refuses(recorded):
     assert diffs and "torch" in diffs[0]
     with pytest.raises(ResumeError):
         check_environment(paths, config, torch.device("cpu"), strict=True)
+
+
+def test_a_unique_prefix_finds_the_run_and_an_ambiguous_one_names_the_candidates(tmp_path):
+    from training.checkpoint.resume import find_run
+
+    for run_id in ("r-20260101-000000-aaaaaaaa", "r-20260101-000000-abbbbbbb", "s-20260102-000000-cccccccc"):
+        (tmp_path / run_id).mkdir()
+        (tmp_path / run_id / "config.yaml").write_text("{}\n")
+    (tmp_path / "r-20260101-000000-ab-no-config").mkdir()  # not a run: no config.yaml
+    assert find_run(tmp_path, "s-2026").root.name == "s-20260102-000000-cccccccc"
+    assert find_run(tmp_path, "r-20260101-000000-aa").root.name == "r-20260101-000000-aaaaaaaa"
+    assert find_run(tmp_path, "r-20260101-000000-ab").root.name == "r-20260101-000000-abbbbbbb"
+    with pytest.raises(ResumeError) as info:
+        find_run(tmp_path, "r-2026")
+    assert info.value.exit_code == 4
+    assert "matches 2 runs" in str(info.value)
+    assert "r-20260101-000000-aaaaaaaa, r-20260101-000000-abbbbbbb" in str(info.value), str(info.value)

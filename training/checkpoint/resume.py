@@ -17,21 +17,36 @@ from core import config as config_lib
 from core.config import Config
 from core.exceptions import ConfigError, ResumeError
 from core.logging import get_logger
-from core.layout import RunPaths
+from core.layout import CONFIG_FILE, RunPaths
 from core.run_context import determinism_env, load_recorded_config, run_paths
-from experiments.runs import recent_runs
+from experiments.runs import find_runs, recent_runs
+
+AMBIGUOUS_SHOWN = 5
+"""How many of the runs an ambiguous run ID prefix matches the error names."""
 
 
 def find_run(root: str | Path, run_id: str) -> RunPaths:
+    """The run ``run_id`` under ``root``, or the only run whose ID starts with it (the prefixes
+    ``python -m experiments runs show`` accepts); a prefix of several runs is refused, naming them."""
     paths = run_paths(root, run_id)
-    if not paths.config.is_file():
-        runs = recent_runs(Path(root), 3)
+    if paths.config.is_file():
+        return paths
+    matches = [p.name for p in find_runs(Path(root)) if p.name.startswith(run_id) and (p / CONFIG_FILE).is_file()]
+    if len(matches) == 1:
+        return run_paths(root, matches[0])
+    if matches:
+        shown = ", ".join(matches[:AMBIGUOUS_SHOWN]) + (", ..." if len(matches) > AMBIGUOUS_SHOWN else "")
         raise ResumeError(
-            f"no run {run_id!r} under {root}/",
+            f"run ID prefix {run_id!r} matches {len(matches)} runs under {root}/: {shown}",
             run_id=run_id,
-            hint=(f"recent runs, newest first: {', '.join(runs)}" if runs else "pass run.root=DIR if the run lives elsewhere"),
+            hint="pass more of the run ID",
         )
-    return paths
+    runs = recent_runs(Path(root), 3)
+    raise ResumeError(
+        f"no run {run_id!r} under {root}/",
+        run_id=run_id,
+        hint=(f"recent runs, newest first: {', '.join(runs)}" if runs else "pass run.root=DIR if the run lives elsewhere"),
+    )
 
 
 def resume_config(root: str | Path, run_id: str, overrides: list[str]) -> Config:
