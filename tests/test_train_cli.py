@@ -83,6 +83,30 @@ def test_resuming_a_finished_run_says_to_raise_max_steps(e2e_workdir):
 
 
 @pytest.mark.slow
+def test_resume_takes_a_unique_run_id_prefix_and_warns_of_a_reshaped_schedule(e2e_workdir):
+    """``--resume`` takes the prefixes ``runs show`` takes; raising max_steps warns with both LRs."""
+    from tests.e2e_config import e2e_args
+    from tests.guarantees import run_dir
+
+    done = launch.train(e2e_workdir, e2e_args(max_steps=3, name="prefix"), nproc=1)
+    assert done.exit_code == 0, done.stderr
+    prefix = done.run_id[:-4]
+    resumed = launch.train(e2e_workdir, ["--resume", prefix, "train.max_steps=5"], nproc=1)
+    assert resumed.exit_code == 0, resumed.stderr
+    assert resumed.run_id == done.run_id
+    assert [r["step"] for r in launch.ledger(run_dir(e2e_workdir, resumed))] == [1, 2, 3, 4, 5]
+    warning = next(line for line in resumed.stdout.splitlines() if "reshapes" in line)
+    assert "train.max_steps 3 -> 5" in warning and "step 4," in warning and warning.count("lr ") == 1, warning
+    other = run_dir(e2e_workdir, done).parent / (prefix + "zzzz")  # a second run the prefix names
+    other.mkdir()
+    (other / "config.yaml").write_bytes((run_dir(e2e_workdir, done) / "config.yaml").read_bytes())
+    ambiguous = launch.train(e2e_workdir, ["--resume", prefix], nproc=1)
+    assert ambiguous.exit_code == 4, ambiguous.stderr
+    assert "matches 2 runs" in ambiguous.stderr and done.run_id in ambiguous.stderr and other.name in ambiguous.stderr
+    assert "Traceback" not in ambiguous.stderr, ambiguous.stderr
+
+
+@pytest.mark.slow
 def test_the_system_python_without_the_environment_says_to_activate_it(tmp_path):
     """`python3 train.py` with an interpreter that lacks torch: one line, exit 2, no traceback."""
     import subprocess

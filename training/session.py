@@ -25,7 +25,7 @@ from core.config import Config
 from core.distributed_context import DistributedContext, ProcessInfo, select_device
 from core.exceptions import ConfigError, ExitCode, LockstepError, UsageError, WatchdogAbort, exit_code_for
 from core.logging import EventLog, console, get_logger, setup_logging
-from core.run_context import RunContext, run_paths
+from core.run_context import RunContext, load_recorded_config, run_paths
 from experiments.artifacts import ArtifactStore
 from models import model_config_from_hf
 from models.qwen.dims import resolve_dims
@@ -37,6 +37,7 @@ from training import failed_start
 from training.record import ledger as ledger_lib
 from training.record import replay as replay_lib
 from training.checkpoint import resume as resume_lib
+from training.optimizers.schedule import reshape_warning
 from training.objectives import check_objective_config
 
 
@@ -224,6 +225,8 @@ def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunC
             ArtifactStore(run.run_dir).collect(config, repo_root=Path.cwd())
         if args.mode != "train":
             resume_lib.check_environment(run.paths, config, dist.device, strict=config.runtime.strict_env)
+        if args.mode == "resume":
+            warn_schedule_reshape(run.paths, config)
         if dist.is_main and args.mode != "replay":
             events.emit(
                 "run_started" if args.mode == "train" else "resume_started",
@@ -239,6 +242,16 @@ def open_run(args: Args, config: Config, dist: DistributedContext) -> tuple[RunC
         run.release()
         raise
     return run, events
+
+
+def warn_schedule_reshape(paths: layout.RunPaths, config: Config) -> None:
+    """A resume whose ``train.max_steps`` reshapes the LR schedule says so, with the learning
+    rate at the step it continues at (its newest checkpoint's, plus one) before and after."""
+    checkpoints = layout.list_steps(paths.checkpoints)
+    step = (checkpoints[-1] if checkpoints else 0) + 1
+    message = reshape_warning(step, load_recorded_config(paths).train, config.train)
+    if message is not None:
+        get_logger().warning(message)
 
 
 def replay_output_dir(args: Args, run: RunContext, dist: DistributedContext) -> Path:

@@ -14,7 +14,7 @@ from core.config import TrainConfig
 from training.record import ledger as ledger_lib
 from training.losses import CausalLMLoss
 from training.optimizers.build import build_optimizer, param_groups
-from training.optimizers.schedule import lr_at
+from training.optimizers.schedule import lr_at, reshape_warning
 
 BASE = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, max_steps=110)
 
@@ -43,6 +43,21 @@ def test_cosine_midpoint_and_wsd_plateau():
 def test_schedule_steps_decouple_the_schedule_from_max_steps():
     longer = replace(BASE, max_steps=500, schedule_steps=110)
     assert lr_at(60, longer) == lr_at(60, BASE)
+
+
+def test_a_resume_that_reshapes_the_schedule_names_the_step_and_both_rates():
+    longer = replace(BASE, max_steps=220)
+    message = reshape_warning(60, BASE, longer)
+    before, after = lr_at(60, BASE), lr_at(60, longer)
+    assert before != after
+    assert message == (f"warning: train.max_steps 110 -> 220 reshapes the cosine learning-rate schedule: step 60, "
+                       f"where this resume continues, runs at lr {after:.6g} (it was {before:.6g} under "
+                       f"train.max_steps=110), and the steps after it follow the new schedule")
+    # no reshape: the same length, a schedule_steps that holds it, a constant rate, nothing left to run
+    assert reshape_warning(60, BASE, BASE) is None
+    assert reshape_warning(60, replace(BASE, schedule_steps=110), replace(longer, schedule_steps=110)) is None
+    assert reshape_warning(60, replace(BASE, schedule="constant"), replace(longer, schedule="constant")) is None
+    assert reshape_warning(111, replace(BASE, max_steps=100), BASE) is None
 
 
 class _Tiny(nn.Module):
