@@ -1,8 +1,9 @@
 """Whether this interpreter has Lockstep's dependencies: the ``.venv`` that ``make setup`` builds.
 
-Checked first by ``train.py``, with the standard library only, so that ``python3 train.py``
-from an interpreter without them says what to do in one line instead of ending in a
-``ModuleNotFoundError`` traceback.
+Checked first by every entry point (``train.py``, ``python -m training|data|experiments``,
+``scripts/*.py``), with the standard library only, so that one run from an interpreter
+without them says what to do in one line instead of ending in a ``ModuleNotFoundError``
+traceback.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from core.exceptions import UsageError
 REQUIRED_MODULES = ("torch", "yaml", "numpy", "psutil", "pyarrow", "zstandard")
 
 
-def require_dependencies(script: str) -> None:
-    """Exit 2 with one line on stderr when a required module is not installed here."""
-    missing = [name for name in REQUIRED_MODULES if not _installed(name)]
+def require_dependencies(script: str, modules: tuple[str, ...] = REQUIRED_MODULES) -> None:
+    """Exit 2 with one line on stderr when one of ``modules`` is not installed here; ``script``
+    is how the hint runs the entry point with .venv's Python (``train.py``, ``-m data``)."""
+    missing = [name for name in modules if not _installed(name)]
     if not missing:
         return
     error = UsageError(

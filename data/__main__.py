@@ -11,7 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from core.exceptions import LockstepError, UsageError, exit_code_for
+from core.environment import require_dependencies
+
+# The system Python without .venv: one line, not a traceback from a subcommand's imports.
+require_dependencies("-m data")
+
+from core.exceptions import LockstepError, UsageError, exit_code_for  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

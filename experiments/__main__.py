@@ -13,10 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from core.exceptions import LockstepError
-from core import layout
-from experiments.plots import MAX_PANELS, Plot, comparison_path, plot_comparison, plot_run
-from experiments.runs import config_diff, describe_run, newest_first, resolve_run, summarize
+from core.environment import REQUIRED_MODULES, require_dependencies
+
+# The system Python without .venv: one line, not a traceback from a subcommand's imports
+# (runs show reads configs through training.registry, runs plot draws with matplotlib).
+require_dependencies("-m experiments", modules=(*REQUIRED_MODULES, "matplotlib"))
+
+from core.exceptions import LockstepError  # noqa: E402
+from core import layout  # noqa: E402
+from experiments.plots import MAX_PANELS, Plot, comparison_path, plot_comparison, plot_run  # noqa: E402
+from experiments.runs import config_diff, describe_run, newest_first, resolve_run, summarize  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,11 +20,14 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.environment import require_dependencies  # noqa: E402
+
+require_dependencies("scripts/agent_sft_eval.py")  # the system Python without .venv: one line
+
+import torch  # noqa: E402
 from data import calculator  # noqa: E402
 from data.chat_template import ChatTemplate  # noqa: E402
 from data.tokenizers import build_tokenizer  # noqa: E402

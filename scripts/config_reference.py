@@ -12,6 +12,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.environment import require_dependencies  # noqa: E402
+
+require_dependencies("scripts/config_reference.py")  # the system Python without .venv: one line
+
 from core import config as config_lib  # noqa: E402
 from training.registry import register_all  # noqa: E402
 

@@ -22,12 +22,16 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
+from core.environment import require_dependencies
 
-from core.exceptions import LockstepError, UsageError, exit_code_for
-from core.layout import RunPaths
-from runtime.fast_exit import exit_process
-from training.registry import register_all
+require_dependencies("-m training")  # the system Python without .venv: one line, not a traceback
+
+import torch  # noqa: E402
+
+from core.exceptions import LockstepError, UsageError, exit_code_for  # noqa: E402
+from core.layout import RunPaths  # noqa: E402
+from runtime.fast_exit import exit_process  # noqa: E402
+from training.registry import register_all  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
