@@ -3,7 +3,9 @@
 - a 2-rank FSDP checkpoint exports to a directory that transformers loads with the same
   logits (fp32, within 1e-5) as Lockstep's model from that checkpoint;
 - a run started ``model.init_from`` a Hugging Face directory exports that directory's own
-  config.json (fields Lockstep does not model survive), with the tokenizer it was loaded with.
+  config.json (fields Lockstep does not model survive), with the tokenizer it was loaded with;
+- ``generate --from`` an export renders a text prompt as its run would: raw for a pretraining run's,
+  through the chat template for an SFT run's (the export's marker records which).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from core import config as config_lib
 from core.layout import RunPaths
 from tests import launch
 from tests.e2e_config import e2e_args
+from training.__main__ import main
 from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
+from training.cli.export_target import EXPORT_MARKER
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +51,11 @@ def test_fsdp_checkpoint_exports_with_logit_parity(e2e_workdir, tmp_path):
     assert _logits_parity(run_dir, out) <= 1e-5
 
 
-def test_an_init_from_run_exports_the_source_architecture_fields(e2e_workdir, tmp_path):
+@pytest.fixture(scope="module")
+def pretrained_then_sft(e2e_workdir, tmp_path_factory):
+    """(source, raw, SFT run dir, out): a 1-step pretraining run exported to ``source``, whose config.json
+    then gains fields Lockstep does not model (``raw``), and a 2-step SFT run from it exported to ``out``."""
+    tmp_path = tmp_path_factory.mktemp("export-chain")
     base = launch.train(e2e_workdir, e2e_args(max_steps=1, name="init-base", overrides=["parallel.strategy=none"]),
                         nproc=1)
     assert base.returncode == 0, base.stderr
@@ -66,8 +74,34 @@ def test_an_init_from_run_exports_the_source_architecture_fields(e2e_workdir, tm
     out = tmp_path / "again"
     second = launch.run_module(e2e_workdir, ["training", "export", "--run", run_dir.name, "--to", str(out)])
     assert second.returncode == 0, second.stderr
+    return source, raw, run_dir, out
+
+
+def test_an_init_from_run_exports_the_source_architecture_fields(pretrained_then_sft):
+    source, raw, run_dir, out = pretrained_then_sft
     exported = json.loads((out / "config.json").read_text())
     assert {k: v for k, v in exported.items() if k != "torch_dtype"} == \
         {k: v for k, v in raw.items() if k != "torch_dtype"}
     assert (out / "tokenizer.json").is_file() and "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
     assert _logits_parity(run_dir, out) <= 1e-5
+
+
+def _generated_prompt(directory, tmp_path, *flags: str) -> str:
+    out = tmp_path / f"generated-{len(list(tmp_path.iterdir()))}.jsonl"
+    code = main(["generate", "--from", str(directory), "--device", "cpu", "--prompt", "Hi",
+                 "--max-new-tokens", "2", "--out", str(out), *flags])
+    assert code == 0
+    return json.loads(out.read_text().splitlines()[0])["prompt"]
+
+
+def test_an_export_generates_as_its_run_does_by_default(pretrained_then_sft, tmp_path):
+    """Both exports hold the chat template; the marker says which one is a chat model."""
+    source, _, _, out = pretrained_then_sft
+    templated = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert "chat_template" in json.loads((source / "tokenizer_config.json").read_text())
+    assert json.loads((source / EXPORT_MARKER).read_text())["chat_model"] is False
+    assert json.loads((out / EXPORT_MARKER).read_text())["chat_model"] is True
+    assert _generated_prompt(source, tmp_path) == "Hi"  # causal_lm: raw, as its run generates
+    assert _generated_prompt(out, tmp_path) == templated  # sft: through the template
+    assert _generated_prompt(source, tmp_path, "--chat") == templated  # the flags still decide
+    assert _generated_prompt(out, tmp_path, "--no-chat") == "Hi"

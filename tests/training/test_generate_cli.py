@@ -81,6 +81,23 @@ def test_prompts_file_chat_template_and_keyed_samples(model_dir, tmp_path):
     assert raw["prompt"] == "What is 2 + 2?"
 
 
+@pytest.mark.parametrize("recorded, expected", [
+    (False, "Hi"),  # an export of a pretraining run: raw, as the run generates, though it has a template
+    (True, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+    ("yes", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),  # not a record: the template decides
+])
+def test_an_exports_marker_decides_whether_text_prompts_are_chat(model_dir, tmp_path, recorded, expected):
+    import shutil
+
+    from training.cli.export_target import EXPORT_MARKER
+
+    export = tmp_path / "export"
+    shutil.copytree(model_dir, export)
+    (export / EXPORT_MARKER).write_text(json.dumps({"lockstep_export": 1, "chat_model": recorded, "files": []}))
+    code, [record] = generate(export, tmp_path, "--prompt", "Hi", "--max-new-tokens", "2")
+    assert code == 0 and record["prompt"] == expected
+
+
 @pytest.mark.parametrize("args, exit_code", [
     (["--max-new-tokens", "4"], 2),  # neither --prompt nor --prompts
     (["--prompt", "", "--max-new-tokens", "4"], 3),  # empty prompt

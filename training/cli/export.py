@@ -16,7 +16,9 @@ that directory's own ``config.json`` (copied into the run dir when the run start
 fields Lockstep does not model (token ids, sliding-window settings, ...) survive. Tokenizer:
 the tokenizer directory's files (``tokenizer.json``, ``tokenizer_config.json``, ...) are copied;
 the built-in byte tokenizer is written as an equivalent byte-level ``tokenizer.json``. The
-chat template the run trained with goes into ``tokenizer_config.json``.
+chat template the run trained with goes into ``tokenizer_config.json``, a pretraining run's too; whether
+the model is a chat model (``objective.kind`` other than ``causal_lm``) goes into ``lockstep_export.json``
+as ``chat_model``, and ``generate --from DIR`` renders text prompts through the template by that.
 
 LoRA runs (``model.lora.rank > 0``): the checkpoint holds only the adapters, so the base is
 rebuilt as the run built it and verified against the identity the checkpoint recorded (exit 4
@@ -83,7 +85,8 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
     path = checkpoint_dir(paths, step)
     model = load_checkpoint_model(config, path)
     about = {"run": paths.root.name, "checkpoint": str(path.resolve()),
-             "form": "adapter" if adapter else "merged" if lora else "model"}
+             "form": "adapter" if adapter else "merged" if lora else "model",
+             "chat_model": objective_kind(config.objective.kind).capabilities.chat_model}  # generate's default
     if adapter:
         if dtype is not None:  # the adapters only (an NF4 base does not convert)
             for param in model.parameters():

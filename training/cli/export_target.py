@@ -9,7 +9,8 @@ built or written:
   ``runs/<id>/artifacts/init_from``, whose files that run's own exports read);
 - a non-empty ``--to`` is replaced only with ``--overwrite``, and only if it is a Lockstep export:
   it holds the ``lockstep_export.json`` every export writes (``EXPORT_MARKER``: the run, the
-  checkpoint and the list of files it wrote), no run directory anywhere inside it, and no file the
+  checkpoint, whether it is a chat model, and the list of files it wrote; ``generate`` reads
+  ``chat_model`` for its default), no run directory anywhere inside it, and no file the
   export did not write (a README, evaluation results, a copied run: whatever replacing would lose).
   A directory that merely holds a ``config.json`` (a base model, a project, a run root) is never
   replaced; nor is an export from before the marker existed: delete it yourself or pick a new path;
@@ -121,13 +122,8 @@ def _check_replaceable(to: Path, target: Path) -> None:
 
 def _exported_files(marker: Path) -> set[str] | None:
     """The relative paths an export's marker lists; None where there is no readable marker."""
-    if marker.is_symlink() or not marker.is_file():
-        return None
-    try:
-        raw = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    files = raw.get("files") if isinstance(raw, dict) else None
+    raw = _read_marker(marker)
+    files = raw.get("files") if raw is not None else None
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         return None
     return set(files)
@@ -150,9 +146,29 @@ def _foreign_entries(target: Path, listed: set[str]) -> tuple[list[Path], list[s
     return sorted(run_dirs), sorted(extras)
 
 
+def _read_marker(marker: Path) -> dict[str, Any] | None:
+    """An export marker's record; None where there is none, or it is a link or not a JSON object."""
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        raw = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def exported_chat_model(directory: Path) -> bool | None:
+    """Whether the export in ``directory`` is a chat model (its run's ``objective.kind`` trains on
+    chat data), as its marker records; None where the directory has no marker saying it (not a
+    Lockstep export, or one written before the marker recorded it)."""
+    raw = _read_marker(directory / EXPORT_MARKER)
+    chat = raw.get("chat_model") if raw is not None else None
+    return chat if isinstance(chat, bool) else None
+
+
 def write_export_marker(directory: Path, about: dict[str, Any]) -> None:
-    """Write ``EXPORT_MARKER`` into a finished export: ``about`` (run, checkpoint, form) and every file
-    the export wrote, so a later ``--overwrite`` replaces only what an export made."""
+    """Write ``EXPORT_MARKER`` into a finished export: ``about`` (run, checkpoint, form, chat_model)
+    and every file the export wrote, so a later ``--overwrite`` replaces only what an export made."""
     files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
                    if (p.is_file() or p.is_symlink()) and p.name != EXPORT_MARKER)
     record = {"lockstep_export": EXPORT_MARKER_VERSION, **about, "files": files}

@@ -12,8 +12,10 @@
   in a prompts file) is always rendered with the template and ``add_generation_prompt``. A text
   prompt is rendered as one user message with ``--chat``, sent as raw text with ``--no-chat``,
   and by default: rendered for runs whose ``objective.kind`` is not ``causal_lm`` (they were
-  fine-tuned on chat data) and for Hugging Face directories whose ``tokenizer_config.json``
-  has a ``chat_template``; raw otherwise.
+  fine-tuned on chat data) and for their exports (``lockstep_export.json``'s ``chat_model``: an
+  export of a pretraining run has the template too, but generates raw like its run); for other
+  Hugging Face directories, rendered when their ``tokenizer_config.json`` has a ``chat_template``;
+  raw otherwise.
 - **Randomness.** Sample ``j`` of prompt ``i`` (its line number in the file; 0 for ``--prompt``)
   uses ``SampleKey(seed, "generate", 0, i, j)``: it does not depend on the other prompts, the
   batch or the order (models/qwen/sampler.py). ``--temperature 0`` is greedy. Sampling goes
@@ -53,7 +55,7 @@ from data.tokenizers import build_tokenizer
 from models.generation import Prompt, context_length, read_prompts, sample_record
 from models.hf_config import model_config_from_hf
 from models.qwen.sampler import SamplingParams
-from training.cli.export_target import enclosing_run_dir
+from training.cli.export_target import enclosing_run_dir, exported_chat_model
 from training.memory_estimate import check_model_fits_for_inference, trained_model_config
 from training.rollout.generator import Decoder, Generator
 
@@ -87,9 +89,7 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
         check_tokenizer_config(str(path))  # a DataError naming the file, before anything reads it
         _check_fits(model_config_from_hf(path), device)
         model = load_pretrained(path, device=device)
-        config_file = path / "tokenizer_config.json"
-        has_template = config_file.is_file() and bool(json.loads(config_file.read_text()).get("chat_template"))
-        return Source(model, str(path), None, has_template, str(path))
+        return Source(model, str(path), None, _directory_is_chat(path), str(path))
     from core.run_context import load_recorded_config
     from training.cli.export import check_tokenizer_config
     from training.checkpoint.load import checkpoint_dir, load_checkpoint_model, resolve_run
@@ -103,6 +103,16 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
     chat = objective_kind(config.objective.kind).capabilities.chat_model
     return Source(model, config.data.tokenizer, config.data.chat_template, chat,
                   str(checkpoint), config.data.template_clock)
+
+
+def _directory_is_chat(path: Path) -> bool:
+    """A Lockstep export is a chat model if its run was (its marker says); another directory if its
+    tokenizer_config.json has a chat_template."""
+    recorded = exported_chat_model(path)
+    if recorded is not None:
+        return recorded
+    config_file = path / "tokenizer_config.json"
+    return config_file.is_file() and bool(json.loads(config_file.read_text()).get("chat_template"))
 
 
 def _check_fits(model, device: torch.device) -> None:
