@@ -7,17 +7,27 @@ loss is minus the reward) and the fields beside it. A field names a metric: a pe
 one of the method's metric sums (``objective/<name>``) or a ledger field of the method
 (``reward_mean``, ``trained_tokens``), as the trainer hands them to the metrics tracker.
 
-``Progress`` counts the items of a long phase (evaluation batches): a transient ``rich``
-progress bar when stdout is a terminal, plain lines at most every ``interval_s`` seconds
-otherwise (logs and pipes keep readable lines, no carriage returns).
+``Progress`` counts the items of a long phase (evaluation batches, a step's rollouts): a
+transient ``rich`` progress bar when stdout is a terminal, plain lines at most every
+``interval_s`` seconds otherwise (logs and pipes keep readable lines, no carriage returns).
+
+``Heartbeat`` keeps a run from going quiet: a background thread writes a line (the step in
+progress and what it is doing) whenever no line has been written for ``HEARTBEAT_S`` seconds,
+whatever the step is waiting for (rollouts, a slow update, a checkpoint). It only reads host
+values the loop hands it; it never touches a device or the ledger.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
+
+HEARTBEAT_S = 30.0
+"""The longest a run stays quiet: a heartbeat line after this many seconds without a line."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,12 @@ class Progress:
             self._task = self._bar.add_task(self.label, total=self.total)
         return self
 
+    def extend(self, items: int) -> None:
+        """``items`` more to count (a rollout's re-sampled groups)."""
+        self.total += items
+        if self._bar is not None:
+            self._bar.update(self._task, total=self.total)
+
     def advance(self, items: int = 1) -> None:
         self._done += items
         if not self.enabled:
@@ -126,8 +142,105 @@ class Progress:
             self._bar = None
 
 
+class Heartbeat:
+    """A line at least every ``interval_s`` seconds while a run works (rank 0 builds one enabled;
+    others pass ``enabled=False``): ``step 37/200 running (prepare): 95 s into the step, 30 s since
+    the last line``.
+
+    The loop says which step runs and what it does (``at``) and that a line was written
+    (``touch``: a step line). ``tick()`` writes the line when one is due; ``start()`` runs it in a
+    daemon thread every ``period_s`` and, with ``listen``, counts every record of that logger as a
+    line (eval and progress lines) until ``stop()``."""
+
+    def __init__(self, total_steps: int, *, enabled: bool = True, print_fn: Callable[[str], None] | None = None,
+                 interval_s: float = HEARTBEAT_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_steps, self.enabled, self.interval_s = total_steps, enabled, interval_s
+        self._print = print_fn or _print_flush
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last = self._step_started = clock()
+        self._step: int | None = None
+        self._doing = "starting"
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listening: tuple[logging.Logger, logging.Handler] | None = None
+
+    def at(self, step: int, doing: str = "running") -> None:
+        """Step ``step`` is in progress, doing ``doing`` (``running (prepare)``, ``evaluating``)."""
+        with self._lock:
+            if step != self._step:
+                self._step, self._step_started = step, self._clock()
+            self._doing = doing
+
+    def touch(self) -> None:
+        """A line was just written: the next heartbeat is ``interval_s`` from now."""
+        with self._lock:
+            self._last = self._clock()
+
+    def line(self, now: float) -> str:
+        quiet = f"{now - self._last:.0f} s since the last line"
+        if self._step is None:
+            return f"{self._doing}: {quiet}"
+        return (f"step {self._step}/{self.total_steps} {self._doing}: {now - self._step_started:.0f} s into the "
+                f"step, {quiet}")
+
+    def tick(self) -> str | None:
+        """Write the heartbeat line if ``interval_s`` have passed since the last line; returns it."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            now = self._clock()
+            if now - self._last < self.interval_s:
+                return None
+            text = self.line(now)
+            self._last = now
+        self._print(text)
+        return text
+
+    def start(self, period_s: float = 1.0, *, listen: logging.Logger | None = None) -> None:
+        if not self.enabled or self._thread is not None:
+            return
+        self.touch()
+        if listen is not None:
+            self._listening = (listen, _Touch(self))
+            listen.addHandler(self._listening[1])
+        self._stopped.clear()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        if self._listening is not None:
+            logger, handler = self._listening
+            logger.removeHandler(handler)
+            self._listening = None
+
+    def _run(self, period_s: float) -> None:
+        while not self._stopped.wait(period_s):
+            try:
+                self.tick()
+            except Exception:  # a closed stream at shutdown: the heartbeat is never worth a crash
+                return
+
+class _Touch(logging.Handler):
+    """Tells a heartbeat that a line was written."""
+
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        super().__init__(logging.INFO)
+        self._heartbeat = heartbeat
+        # Events go to the rank's log file only (core/logging.py), never to the console.
+        self.addFilter(lambda record: not record.name.endswith(".events"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._heartbeat.touch()
+
+
 def _print_flush(line: str) -> None:
     print(line, flush=True)
 
 
-__all__ = ["ConsoleField", "ConsoleLine", "ConsoleLines", "Progress", "eval_line", "format_fields"]
+__all__ = ["HEARTBEAT_S", "ConsoleField", "ConsoleLine", "ConsoleLines", "Heartbeat", "Progress", "eval_line",
+           "format_fields"]

@@ -31,6 +31,7 @@ identity of the objective's frozen models, verified on resume).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from core.logging import EventLog, get_logger
 from core.run_context import RunContext
 from data.hashing import batch_hash, state_hash
 from data.state import merge_states
-from experiments.console import Progress, eval_line
+from experiments.console import Heartbeat, Progress, eval_line
 from models.lora import set_dropout_key
 from runtime.collection import CollectionSchedule
 from training.checkpoint.manager import CheckpointManager, restore_rng_state
@@ -171,6 +172,11 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
+        # A line at least every 30 s on rank 0 (experiments/console.py): the step in progress and
+        # its phase. Through the logger to a log or a pipe; on a terminal through print, which a
+        # progress bar shows above itself.
+        self.heartbeat = Heartbeat(config.train.max_steps, enabled=dist.is_main,
+                                   print_fn=None if sys.stdout.isatty() else self.log.info)
         self._global_data_state: dict[str, Any] | None = None
         self._on_settled: Callable[[_Step], None] = lambda step: None
 
@@ -195,6 +201,7 @@ class Trainer:
             result.last_loss = record["loss"]
 
         self._on_settled = settled
+        self.heartbeat.start(listen=self.log)
         try:
             for step in range(first_step, last_step + 1):
                 pending = self._run_step(step, previous=pending, last_step=last_step)
@@ -215,6 +222,7 @@ class Trainer:
                         self.save_checkpoint(last_step, reason="end")
             self.checkpoints.wait()
         finally:
+            self.heartbeat.stop()
             collection.stop()
             self.guards.close()
         result.seconds = time.perf_counter() - started
@@ -281,6 +289,7 @@ class Trainer:
         """
         guards, timer = self.guards, self.guards.timer
         guards.begin_step(step)
+        self.heartbeat.at(step, "running (data)")
         with timer.phase("data_wait"):
             delay = guards.faults.slow_data_delay(step)
             if delay:
@@ -298,9 +307,11 @@ class Trainer:
             # the relaunch after it expects (runtime/relaunch.py).
             previous = self._settle_late(previous)
         guards.faults.before_step(step)
+        self.heartbeat.at(step, "running (prepare)")  # frozen models' outputs, rollouts
         with timer.phase("prepare"), torch.no_grad():
             batch = self.objective.prepare(batch)  # frozen models' outputs, rollouts: as batch extras
 
+        self.heartbeat.at(step, "running (update)")
         lr = self.parts[POLICY].set_lr(step)
         for part in self._others.values():
             part.set_lr(step)
@@ -400,7 +411,8 @@ class Trainer:
         return None
 
     def _log(self, done: _Step) -> None:
-        self.tracker.log(done.step, self._metrics(done))
+        if self.tracker.log(done.step, self._metrics(done)) is not None:
+            self.heartbeat.touch()  # rank 0 printed the interval's step line
 
     def _update(self, step: int, batch, global_targets: int, *, first: bool,
                 previous: _Step | None) -> tuple[UpdateValues, list[str], list[str]]:
@@ -572,6 +584,7 @@ class Trainer:
         if not self._evaluation_due(step):
             return
         self.guards.heartbeat(step, "eval")
+        self.heartbeat.at(step, "evaluating")
         self._set_training(False)
         total = torch.zeros(2, dtype=torch.float64, device=self._reduce_device)
         sums: dict[str, torch.Tensor] = {}  # the objective's metric sums (e.g. DPO accuracy)

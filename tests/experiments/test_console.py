@@ -8,7 +8,7 @@ import torch
 
 from core.config import Config, MetricsConfig
 from core.distributed_context import DistributedContext
-from experiments.console import ConsoleField, ConsoleLine, Progress, eval_line
+from experiments.console import HEARTBEAT_S, ConsoleField, ConsoleLine, Heartbeat, Progress, eval_line
 from experiments.schema import MetricRecord, MetricStats
 from experiments.sinks import format_progress
 from experiments.tracking import MetricsTracker
@@ -80,6 +80,74 @@ def test_progress_on_another_rank_or_a_terminal_prints_no_plain_lines(capsys):
     assert printed == []
 
 
+def test_progress_can_count_more_items_than_it_started_with():
+    clock, printed = _Clock(), []
+    with Progress("step 3 rollouts", 4, unit="samples", print_fn=printed.append, tty=False, interval_s=0.0,
+                  clock=clock) as progress:
+        progress.advance(4)  # the first round: all done, no line (the phase's own lines follow)
+        progress.extend(2)  # a re-sampling round
+        clock.now += 1.0
+        progress.advance(1)
+        progress.advance(1)
+    assert printed == ["step 3 rollouts: 5/6 samples, 1.0 s"]
+
+
+def test_the_heartbeat_writes_a_line_after_30_quiet_seconds_naming_the_step_and_its_phase():
+    clock, printed = _Clock(), []
+    heartbeat = Heartbeat(200, print_fn=printed.append, clock=clock)
+    assert HEARTBEAT_S == 30.0 and heartbeat.interval_s == HEARTBEAT_S
+    clock.now += 29.0
+    assert heartbeat.tick() is None  # quiet for less than the interval
+    heartbeat.at(37, "running (prepare)")
+    clock.now += 12.0  # 41 s since the last line, 12 s into step 37
+    assert heartbeat.tick() == "step 37/200 running (prepare): 12 s into the step, 41 s since the last line"
+    clock.now += 20.0
+    assert heartbeat.tick() is None  # its own line counts: the next one is due 30 s after it
+    heartbeat.at(37, "running (update)")  # the same step: its start stays
+    clock.now += 10.0
+    assert heartbeat.tick() == "step 37/200 running (update): 42 s into the step, 30 s since the last line"
+    clock.now += 25.0
+    heartbeat.touch()  # a step line
+    clock.now += 29.0
+    assert heartbeat.tick() is None
+    heartbeat.at(38)
+    clock.now += 1.0
+    assert heartbeat.tick() == "step 38/200 running: 1 s into the step, 30 s since the last line"
+    assert len(printed) == 3
+
+
+def test_the_heartbeat_before_the_first_step_and_on_another_rank():
+    clock, printed = _Clock(), []
+    first, other = (Heartbeat(10, enabled=enabled, print_fn=printed.append, clock=clock) for enabled in (True, False))
+    clock.now += 31.0  # restoring a checkpoint, compiling
+    assert first.tick() == "starting: 31 s since the last line"
+    assert other.tick() is None
+    assert printed == ["starting: 31 s since the last line"]
+
+
+def test_the_heartbeat_thread_hears_the_loggers_lines_and_stops():
+    import logging
+    import time as real_time
+
+    printed, logger = [], logging.getLogger("lockstep.test_heartbeat")
+    logger.setLevel(logging.INFO)
+    heartbeat = Heartbeat(5, print_fn=printed.append, interval_s=0.2)
+    heartbeat.start(period_s=0.01, listen=logger)
+    try:
+        for _ in range(30):  # a record every 20 ms: never 0.2 s quiet
+            logger.info("an eval line")
+            real_time.sleep(0.02)
+        assert printed == []
+        deadline = real_time.monotonic() + 5.0
+        while not printed and real_time.monotonic() < deadline:
+            real_time.sleep(0.01)
+        assert printed and printed[0].startswith("starting: ")
+        logging.getLogger("lockstep.test_heartbeat.events").info("event x")  # events never reach a console
+    finally:
+        heartbeat.stop()
+    assert not logger.handlers and heartbeat._thread is None
+
+
 def test_grpo_declares_its_fields_from_its_settings():
     g = Config().objective.grpo
     plain = GRPOObjective._console_lines(g)
@@ -89,6 +157,21 @@ def test_grpo_declares_its_fields_from_its_settings():
     assert tuned.step.unit == "token"
     assert _labels(tuned.step) == ["reward", "reward std", "kl", "clip", "len"]
     assert _labels(tuned.eval) == ["reward", "accuracy", "sampled reward", "pass@1"]
+
+
+def test_agent_runs_show_tool_calls_and_malformed_calls_on_the_step_line():
+    from training.objectives.ppo import PPOObjective
+    from training.rollout.environment_settings import EnvironmentSettings
+
+    tools = EnvironmentSettings(name="calculator")
+    g, p = Config().objective.grpo, Config().objective.ppo
+    for lines in (GRPOObjective._console_lines(dataclasses.replace(g, environment=tools)),
+                  PPOObjective._console_lines(dataclasses.replace(p, environment=tools))):
+        assert _labels(lines.step)[-2:] == ["tool calls", "malformed calls"]
+        record = _record(loss=0.1, lr=1e-3, reward_mean=0.5, tool_calls=12.0, malformed_calls=1.0)
+        assert " | tool calls 12.0 | malformed calls 1.0 | lr 1.00e-03 | " in format_progress(record, 10, lines.step)
+    for lines in (GRPOObjective._console_lines(g), PPOObjective._console_lines(p)):  # no environment: no fields
+        assert "tool calls" not in _labels(lines.step)
 
 
 def test_dpo_counts_pairs_and_pretraining_tokens():

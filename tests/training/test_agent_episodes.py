@@ -196,6 +196,15 @@ def test_each_turn_is_keyed_by_seed_step_row_sample_and_turn():
         (5, "grpo", 7, 3, 0), (5, "grpo", 7, 3, 1), (5, "grpo.turn1", 7, 3, 0), (5, "grpo.turn1", 7, 3, 1)]
 
 
+def test_the_runner_reports_episodes_as_they_end():
+    answer = "178377<|im_end|>"
+    _, _, _, runner, task, _ = _setup("byte", [lambda key: CALL if key.sample_index == 0 else answer, answer])
+    ended = []
+    episodes = _play(runner, [task], samples=2, on_ended=ended.append)
+    assert [len(e.turns) for e in episodes] == [2, 1]
+    assert ended == [1, 1]  # sample 1 at its first turn, sample 0 at its second
+
+
 def test_limits_end_episodes_turns_calls_and_observation_tokens():
     many = CALL * 3 + "<|im_end|>"
     limits = EpisodeLimits("calculator", max_turns=2, max_observation_tokens=300, max_episode_tokens=2000,

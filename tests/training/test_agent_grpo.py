@@ -59,6 +59,28 @@ def _prepared(tmp_path, overrides=()):
     return objective, model, batch, handed
 
 
+def test_the_rollouts_count_their_episodes_on_rank_0s_progress(tmp_path, monkeypatch):
+    """``step 1 rollouts: 3/8 episodes, ...``: each episode counted once, when it ends (sample 1 of
+    every prompt at its first turn, sample 0 at its second)."""
+    from experiments.console import Progress
+    from training.objectives import grpo
+    from training.rollout.group import rollout_progress
+
+    made, counts = [], []
+
+    def progress(step, prompts, group_size, *, episodes, enabled):
+        made.append(rollout_progress(step, prompts, group_size, episodes=episodes, enabled=enabled))
+        made[-1].advance = counts.append  # the episodes ended at each refill point, in order
+        return made[-1]
+
+    monkeypatch.setattr(grpo, "rollout_progress", progress)
+    _prepared(tmp_path)
+    (shown,) = made
+    assert isinstance(shown, Progress) and shown.enabled
+    assert (shown.label, shown.total, shown.unit) == ("step 1 rollouts", PROMPTS * G, "episodes")
+    assert counts == [PROMPTS, PROMPTS]
+
+
 def test_the_batch_trains_the_sampled_ids_of_every_turn_and_nothing_else(tmp_path):
     objective, _, batch, handed = _prepared(tmp_path)
     experience = batch.prepared

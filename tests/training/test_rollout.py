@@ -13,6 +13,7 @@ import models
 from core import seeding
 from core.config import load
 from core.exceptions import ConfigError
+from experiments.console import Progress
 from data.batch import IGNORE_INDEX, Batch, DocSpan
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
@@ -151,6 +152,42 @@ def test_group_rollouts_refuse_an_episode_that_continues(config):
     with pytest.raises(ConfigError) as error:
         rollout.collect(model, [_task(0, "x")], step=1)
     assert "single-turn" in str(error.value) and "prompt row 0, sample 0" in str(error.value)
+
+
+def test_group_rollouts_count_their_samples_and_resampled_rounds_on_the_progress(config):
+    """The samples of each sampler call, once it returns; a re-sampling round adds its groups' samples
+    to the total first. The counting changes no sample."""
+    model = _model(config, 5)
+    tokenizer = build_tokenizer(config.data.tokenizer)
+
+    def rollout():
+        return GroupRollout(generator=Generator(rows=4, max_len=32, seed=0), params=PARAMS, purpose="grpo",
+                            decoder=Decoder(tokenizer, ChatTemplate.for_tokenizer(config.data.tokenizer, None)),
+                            environment=RewardEnvironment([resolve_reward("exact_answer", weight=1.0)], on_error="error"),
+                            group_size=2, overlong_buffer=0, resample_rounds=1, any_rank=lambda flag: flag)
+
+    tasks = [_task(0, "never"), _task(1, "never either")]  # every reward 0: both groups are re-sampled
+    printed = []
+    with _Counted("step 1 rollouts", 4, unit="samples", print_fn=printed.append, tty=False) as progress:
+        counted = rollout().collect(model, tasks, step=1, progress=progress)
+    assert counted.resampled_groups == 2
+    assert progress.calls == [("advance", 4), ("extend", 4), ("advance", 4)]
+    assert (progress._done, progress.total) == (8, 8)
+    assert rollout().collect(model, tasks, step=1).trajectories == counted.trajectories
+
+
+class _Counted(Progress):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def advance(self, items: int = 1) -> None:
+        self.calls.append(("advance", items))
+        super().advance(items)
+
+    def extend(self, items: int) -> None:
+        self.calls.append(("extend", items))
+        super().extend(items)
 
 
 def test_rollout_fields_do_not_depend_on_how_rows_are_spread_over_ranks():

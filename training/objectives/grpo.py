@@ -98,12 +98,12 @@ from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewar
 from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
 from training.objectives.token_logps import autocast_dtype, label_logps
 from training.rollout.advantages import group_advantages
-from training.rollout.agent import AgentRollouts
+from training.rollout.agent import AgentRollouts, episode_console_fields
 from training.rollout.environment import Task, batch_tasks
 from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
-from training.rollout.group import GroupRollout
+from training.rollout.group import GroupRollout, rollout_progress
 from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 
 PURPOSE = "grpo"
@@ -158,13 +158,15 @@ class GRPOObjective:
     @staticmethod
     def _console_lines(g) -> ConsoleLines:
         """Steps: the surrogate loss per completion or token (``loss_norm``), the rollouts' mean
-        reward, the KL to the reference (with ``kl_coef > 0``) and the clipped fraction. Evaluations:
+        reward, the KL to the reference (with ``kl_coef > 0``), the clipped fraction and, with an
+        environment, the tool calls and malformed calls of the step's episodes. Evaluations:
         per held-out prompt, the greedy reward and accuracy (the loss is minus that reward: not
         shown), and with ``eval_samples`` the sampled reward and pass@1."""
         step = [ConsoleField("reward", "reward_mean"), ConsoleField("reward std", "reward_std")]
         if g.kl_coef > 0:
             step.append(ConsoleField("kl", metric("kl")))
-        step += [ConsoleField("clip", metric("clip_fraction")), ConsoleField("len", "completion_len_mean", ".1f")]
+        step += [ConsoleField("clip", metric("clip_fraction")), ConsoleField("len", "completion_len_mean", ".1f"),
+                 *episode_console_fields(g.environment)]
         held_out = [ConsoleField("reward", metric("reward_mean")), ConsoleField("accuracy", metric("accuracy"))]
         if g.eval_samples > 0:
             held_out += [ConsoleField("sampled reward", metric("sampled_reward_mean")),
@@ -221,9 +223,12 @@ class GRPOObjective:
     def prepare(self, batch: Batch) -> Batch:
         if batch.evaluation:
             return self._evaluation_batch(batch)
-        experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step,
-                                          **self.agent.recorded(self._context.run_dir, batch.step, self.g.group_size,
-                                                                replay=not self._context.records))
+        tasks = batch_tasks(batch, self.tokenizer)
+        with rollout_progress(batch.step, len(tasks), self.g.group_size, episodes=self.episodes is not None,
+                              enabled=self._context.dist.rank == 0) as progress:
+            experience = self.rollout.collect(self._model, tasks, batch.step, progress=progress,
+                                              **self.agent.recorded(self._context.run_dir, batch.step,
+                                                                    self.g.group_size, replay=not self._context.records))
         if self.model_rewards:
             experience = experience.with_added_rewards(self._model_scores(experience))
         experience = experience.with_advantages(

@@ -89,12 +89,12 @@ from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_vari
 from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
 from training.objectives.ppo_settings import KIND, model_rewards, resolve_rewards
 from training.objectives.token_logps import autocast_dtype, label_logps
-from training.rollout.agent import AgentRollouts
+from training.rollout.agent import AgentRollouts, episode_console_fields
 from training.rollout.environment import batch_tasks
 from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator, generation_dtype
-from training.rollout.group import GroupRollout
+from training.rollout.group import GroupRollout, rollout_progress
 from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 
 PURPOSE = "ppo"
@@ -171,11 +171,12 @@ class PPOObjective:
     @staticmethod
     def _console_lines(p) -> ConsoleLines:
         """Steps: the loss per response token, the rollouts' mean reward, the KL, the value loss,
-        the explained variance and the clipped fraction. Evaluations: per held-out prompt, the
-        greedy reward and accuracy."""
+        the explained variance and the clipped fraction and, with an environment, the tool calls and
+        malformed calls of the step's episodes. Evaluations: per held-out prompt, the greedy reward
+        and accuracy."""
         step = (ConsoleField("reward", "reward_mean"), ConsoleField("kl", "kl"),
                 ConsoleField("value loss", "value_loss"), ConsoleField("clip", "clip_fraction"),
-                ConsoleField("len", "completion_len_mean", ".1f"))
+                ConsoleField("len", "completion_len_mean", ".1f"), *episode_console_fields(p.environment))
         held_out = (ConsoleField("reward", metric("reward_mean")), ConsoleField("accuracy", metric("accuracy")))
         return ConsoleLines(step=ConsoleLine(unit="token", fields=step),
                             eval=ConsoleLine(unit="prompt", loss=None, fields=held_out))
@@ -250,9 +251,12 @@ class PPOObjective:
         if batch.evaluation:
             return self._evaluation_batch(batch)
         p = self.p
-        experience = self.rollout.collect(self._model, batch_tasks(batch, self.tokenizer), batch.step,
-                                          **self.agent.recorded(self._context.run_dir, batch.step, p.group_size,
-                                                                replay=not self._context.records))
+        tasks = batch_tasks(batch, self.tokenizer)
+        with rollout_progress(batch.step, len(tasks), p.group_size, episodes=self.episodes is not None,
+                              enabled=self._context.dist.rank == 0) as progress:
+            experience = self.rollout.collect(self._model, tasks, batch.step, progress=progress,
+                                              **self.agent.recorded(self._context.run_dir, batch.step, p.group_size,
+                                                                    replay=not self._context.records))
         clock = _PhaseClock()  # seconds per phase, as the experience's timings (benchmarks/ppo_step.py)
         if self.model_rewards:
             experience = experience.with_added_rewards(rollout_scores(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from core.distributed_context import DistributedContext
+from experiments.console import ConsoleField
 from training.rollout.environment import Environment, RewardEnvironment
 from training.rollout.environment_settings import EnvironmentSettings, episode_limits
 from training.rollout.episode_store import step_records, write_episodes
@@ -79,6 +80,15 @@ class AgentRollouts:
         recording run with a run dir only)."""
         if self.settings is not None and records and run_dir is not None and dist.is_main:
             write_episodes(run_dir, step, {row: record for row, (_, record) in episode_records(parts).items()})
+
+
+def episode_console_fields(settings: Optional[EnvironmentSettings]) -> tuple[ConsoleField, ...]:
+    """The step line's fields of a method that plays episodes: the tool calls its episodes wrote and
+    the malformed ones (ledger fields ``tool_calls``, ``malformed_calls``; means over a log interval);
+    none without an environment."""
+    if settings is None:
+        return ()
+    return (ConsoleField("tool calls", "tool_calls", ".1f"), ConsoleField("malformed calls", "malformed_calls", ".1f"))
 
 
 def environment_key(section: str) -> str:

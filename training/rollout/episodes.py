@@ -174,9 +174,10 @@ class EpisodeRunner:
     def play(self, model: nn.Module, tasks: Sequence[Task], indices: Sequence[int], params: SamplingParams, *,
              purpose: str, step: int, samples: int, where: Callable[[Task, int], str],
              recorded: Optional[dict[tuple[int, int], dict]] = None, call_environment: bool = True,
-             timings: Optional[dict] = None) -> list[EpisodeResult]:
+             timings: Optional[dict] = None, on_ended: Optional[Callable[[int], None]] = None) -> list[EpisodeResult]:
         """``samples`` episodes of each task (task-major); task ``p``'s keys use ``indices[p]``.
-        ``recorded[(indices[p], s)]``: the recorded episode (module docstring, Records)."""
+        ``recorded[(indices[p], s)]``: the recorded episode (module docstring, Records). ``on_ended(n)``:
+        ``n`` more episodes have ended (called at a refill point whose turns ended some: progress)."""
         recorded = recorded or {}
         playing = []
         for task, index in zip(tasks, indices):
@@ -196,6 +197,10 @@ class EpisodeRunner:
             started = time.perf_counter()
             active = [playing[end.episode] for end in ended]
             self._turn(active, [end.sample for end in ended], step, call_environment, timings)
+            if on_ended is not None:
+                over = sum(p.result is not None or len(p.turns) >= self.limits.max_turns for p in active)
+                if over:
+                    on_ended(over)
             host[0] += time.perf_counter() - started
             return [None if p.result is not None or len(p.turns) >= self.limits.max_turns
                     else Continuation(p.ids, max(1, self._budget(p))) for p in active]
