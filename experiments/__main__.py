@@ -1,7 +1,9 @@
-"""Run browser: ``python -m experiments runs [list | show RUN_ID | diff A B | plot RUN_ID [RUN_ID ...]]``.
+"""Run browser: ``python -m experiments runs [list | show RUN_ID | diff A B | plot RUN_ID [RUN_ID ...] |
+episodes RUN_ID --step S]``.
 
 Every subcommand takes ``--root DIR`` (default ``runs``); RUN_ID may be a unique prefix.
-Exit codes follow docs/contracts.md: 0 success, 2 usage error (unknown run, bad arguments).
+Exit codes follow docs/contracts.md: 0 success, 2 usage error (unknown run, bad arguments, a run
+or step without episodes), 3 data error (a run file that does not parse).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ require_dependencies("-m experiments", modules=(*REQUIRED_MODULES, "matplotlib")
 
 from core.exceptions import LockstepError  # noqa: E402
 from core import layout  # noqa: E402
+from experiments.episodes import StepEpisodes, format_episodes  # noqa: E402
 from experiments.plots import MAX_PANELS, Plot, comparison_path, plot_comparison, plot_run  # noqa: E402
 from experiments.runs import config_diff, describe_run, newest_first, resolve_run, summarize  # noqa: E402
 
@@ -70,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"one run: its PNG (default RUN/{layout.ARTIFACTS_DIR}/{layout.PLOTS_FILE}); several: "
                         "the comparison's (default ROOT/compare-<8 hex of the run IDs>.png)")
     p.set_defaults(handler=_plot)
+    p = sub.add_parser("episodes", help="an agent run's episodes of one step as text", parents=[common])
+    p.add_argument("run_id")
+    p.add_argument("--step", type=int, required=True, help="the training step whose episodes to print")
+    p.add_argument("--ids", action="store_true", help="print token ids instead of decoding them")
+    p.set_defaults(handler=_episodes)
     return parser
 
 
@@ -144,6 +152,28 @@ def _plot(args: argparse.Namespace) -> int:
         _report(plot_run(run_dir, run_dir / layout.ARTIFACTS_DIR / layout.PLOTS_FILE, **limits))
     _report(plot_comparison(run_dirs, args.out or comparison_path(args.root, run_dirs), **limits), skipped=False)
     return 0
+
+
+def _episodes(args: argparse.Namespace) -> int:
+    episodes = StepEpisodes.read(resolve_run(args.root, args.run_id), args.step)
+    print(format_episodes(episodes, _ids if args.ids else _decoder(episodes.tokenizer)))
+    return 0
+
+
+def _decoder(spec: str):
+    """The run's tokenizer's decode; token ids (and a note on stderr) where it cannot be built here.
+    An entry point: above every layer (tests/test_layering.py)."""
+    from data.tokenizers import build_tokenizer
+
+    try:
+        return build_tokenizer(spec).decode
+    except LockstepError as err:
+        print(f"note: printing token ids: the run's tokenizer does not load here ({err})", file=sys.stderr)
+        return _ids
+
+
+def _ids(ids: list[int]) -> str:
+    return " ".join(map(str, ids))
 
 
 def _report(plot: Plot, *, skipped: bool = True) -> None:

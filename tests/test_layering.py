@@ -60,7 +60,9 @@ ROLLOUT = "training/rollout"
 # module that registers the objective kinds and the model family's names with core.config.
 ENTRY_POINT_IMPORTS = {
     "data/__main__.py": {"training.registry", "training.registry.register_all"},
-    "experiments/__main__.py": {"training.registry", "training.registry.register_all"},
+    # runs episodes decodes a run's token ids with the run's tokenizer.
+    "experiments/__main__.py": {"training.registry", "training.registry.register_all", "data.tokenizers",
+                                "data.tokenizers.build_tokenizer"},
 }
 
 
