@@ -115,7 +115,8 @@ class RunContext:
             known = sorted(p.name for p in Path(root).glob("*") if (p / layout.CONFIG_FILE).is_file())
             raise ResumeError(
                 f"no run {run_id!r} under {root}",
-                hint=(f"known runs: {', '.join(known[-5:])}" if known else "check --run-root / run.root"),
+                hint=(f"known runs: {', '.join(known[-5:])}" if known
+                      else "pass --root DIR (the config key run.root) if the run lives elsewhere"),
             )
         config = load_recorded_config(paths)
         ctx = cls(config, run_id, paths, resumed=True)

@@ -71,8 +71,10 @@ def parse_args(argv: list[str] | None = None) -> Args:
     parser.add_argument("--step", type=int, help="the step to replay")
     parser.add_argument("--dump", metavar="DIR", help="with --replay: write the step's batch and layer statistics")
     parser.add_argument("--nproc", metavar="N", help="start N ranks on this machine (instead of torchrun)")
+    parser.add_argument("--root", metavar="DIR", help="where run directories live, as for the other tools: "
+                        "the config key run.root (default runs)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides with YAML values, e.g. train.lr=3e-4")
-    ns = parser.parse_args(argv)
+    ns = parser.parse_intermixed_args(argv)  # overrides before and after a flag: `a=1 --root R b=2`
     if ns.nproc is not None:  # train.py's launcher takes it out before a rank parses the rest
         raise UsageError("--nproc is read by `python train.py` itself", hint="run `python train.py --nproc N ...`")
     chosen = [flag for flag in ("config", "resume", "replay") if getattr(ns, flag)]
@@ -85,7 +87,20 @@ def parse_args(argv: list[str] | None = None) -> Args:
         raise UsageError("--replay needs --step S with S >= 1", hint="e.g. --replay RUN_ID --step 7")
     if (ns.step is not None or ns.dump) and not ns.replay:
         raise UsageError("--step and --dump are only valid with --replay")
-    return continue_after_restart(full_run_id(Args(ns.config, ns.resume, ns.replay, ns.step, ns.dump, tuple(ns.overrides))))
+    overrides = (*ns.overrides, *root_override(ns.root, ns.overrides))
+    return continue_after_restart(full_run_id(Args(ns.config, ns.resume, ns.replay, ns.step, ns.dump, overrides)))
+
+
+def root_override(root: str | None, overrides: list[str]) -> tuple[str, ...]:
+    """``--root DIR`` as the override ``run.root=DIR`` it stands for (the tools' spelling of the
+    key); both given with different directories is a UsageError."""
+    if root is None:
+        return ()
+    for item in overrides:
+        key, value = config_lib.parse_override(item)
+        if key == "run.root" and value != root:
+            raise UsageError(f"--root {root} and {item} name different run roots", hint="pass one of them")
+    return (f"run.root={json.dumps(root)}",)  # quoted: a directory named 1 or null stays a string
 
 
 def full_run_id(args: Args) -> Args:
