@@ -129,20 +129,20 @@ def test_the_heartbeat_thread_hears_the_loggers_lines_and_stops():
     import logging
     import time as real_time
 
-    printed, logger = [], logging.getLogger("lockstep.test_heartbeat")
+    clock, printed, logger = _Clock(), [], logging.getLogger("lockstep.test_heartbeat")
     logger.setLevel(logging.INFO)
-    heartbeat = Heartbeat(5, print_fn=printed.append, interval_s=0.2)
+    heartbeat = Heartbeat(5, print_fn=printed.append, clock=clock)
     heartbeat.start(period_s=0.01, listen=logger)
     try:
-        for _ in range(30):  # a record every 20 ms: never 0.2 s quiet
-            logger.info("an eval line")
-            real_time.sleep(0.02)
-        assert printed == []
-        deadline = real_time.monotonic() + 5.0
+        clock.now += 29.0
+        logger.info("an eval line")  # heard: the quiet starts again
+        clock.now += 2.0
+        logging.getLogger("lockstep.test_heartbeat.events").info("event x")  # events reach no console: not heard
+        clock.now += 29.0
+        deadline = real_time.monotonic() + 10.0
         while not printed and real_time.monotonic() < deadline:
             real_time.sleep(0.01)
-        assert printed and printed[0].startswith("starting: ")
-        logging.getLogger("lockstep.test_heartbeat.events").info("event x")  # events never reach a console
+        assert printed == ["starting: 31 s since the last line"]
     finally:
         heartbeat.stop()
     assert not logger.handlers and heartbeat._thread is None
