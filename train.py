@@ -19,12 +19,13 @@ require_dependencies("train.py")  # the system Python without .venv: one line, n
 # First, before the imports below load torch (seconds): under torchrun, a rank whose launcher
 # is killed meanwhile exits too instead of waiting on a dead rendezvous (runtime/signals.py).
 exit_with_launcher()
-if __name__ == "__main__":
-    launch_if_asked(__file__, sys.argv[1:])  # --nproc N: this process launches N ranks of itself
+from training import session  # noqa: E402
+
+if __name__ == "__main__":  # --nproc N: the command line and config are checked for N ranks, then N ranks start
+    launch_if_asked(__file__, sys.argv[1:], check=session.check_before_ranks)
 
 from core.distributed_context import DistributedContext  # noqa: E402
 from runtime.fast_exit import exit_process  # noqa: E402
-from training import session  # noqa: E402
 from training.checkpoint.load import record_init_source  # noqa: E402
 from training.builders import build_data, build_guards, build_model, build_tracker, close_all  # noqa: E402
 from training.guards import Guards  # noqa: E402

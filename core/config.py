@@ -32,6 +32,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from core.batch_shape import check_batch_shape
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveKind, lora_targets, objective_kind, objective_kinds
 
@@ -486,15 +487,16 @@ def is_resumable(key: str) -> bool:
 # --------------------------------------------------------------------------- loading
 
 
-def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load, override, validate and freeze a config. Raises ConfigError (exit 2)."""
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, world_size: int | None = None) -> Config:
+    """Load, override, validate and freeze a config. Raises ConfigError (exit 2). ``world_size``
+    adds the constraints between the batch, the streams and that many ranks (core/batch_shape.py)."""
     raw: dict[str, Any] = _read_yaml_tree(Path(path), seen=()) if path is not None else {}
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
     _tokenizer_from_init(raw)
     config = from_dict(raw)
-    validate(config)
+    validate(config, world_size)
     return config
 
 
@@ -702,7 +704,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 def validate(config: Config, world_size: int | None = None) -> None:
     """Cross-field checks, then the objective kind's own (``ObjectiveKind.validate``).
-    ``world_size`` adds the batch-divisibility checks. The model's shape rules live with the
+    ``world_size`` adds the batch-divisibility checks (every violated one in one error:
+    core/batch_shape.py). The model's shape rules live with the
     model (``models.qwen.dims``); train.py asks them early too."""
     d, t, p = config.data, config.train, config.parallel
     kind = objective_kind(config.objective.kind)
@@ -718,13 +721,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
         raise ConfigError("data.workers must be >= 0", key="data.workers")
     if t.loss_chunk_tokens < 0:
         raise ConfigError("train.loss_chunk_tokens must be >= 0 (0: full logits)", key="train.loss_chunk_tokens")
-    if t.global_batch_size % d.num_streams:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"data.num_streams={d.num_streams}",
-            key="train.global_batch_size",
-            hint="every stream contributes the same number of sequences to a global batch",
-        )
+    check_batch_shape(config, world_size)
     for i, source in enumerate(d.sources):
         if not source.path:
             raise ConfigError(f"data.sources[{i}].path is empty", key=f"data.sources[{i}].path")
@@ -792,8 +789,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if kind.validate is not None:
         kind.validate(config)
     _validate_eval_generate(config)
-    if world_size is not None:
-        validate_world(config, world_size)
 
 
 def _validate_eval_generate(config: Config) -> None:
@@ -875,35 +870,9 @@ def _validate_lora(config: Config) -> None:
 
 
 def validate_world(config: Config, world_size: int) -> None:
-    """Checks that need the world size (run before any process group is created)."""
-    t, d, p = config.train, config.data, config.parallel
-    dp = world_size // p.tp if world_size % p.tp == 0 else None
-    if dp is None:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tp={p.tp}", key="parallel.tp"
-        )
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"train.micro_batch_size={t.micro_batch_size} x data-parallel ranks={dp}",
-            key="train.global_batch_size",
-            hint=(
-                f"use a global batch that is a multiple of {t.micro_batch_size * dp}, "
-                "or change train.micro_batch_size"
-            ),
-        )
-    if d.num_streams % dp:
-        raise ConfigError(
-            f"data.num_streams={d.num_streams} is not divisible by data-parallel ranks={dp}",
-            key="data.num_streams",
-            hint="use a world size that divides data.num_streams",
-        )
-    if p.strategy == "none" and world_size > 1:
-        raise ConfigError(
-            f"parallel.strategy=none cannot run on {world_size} ranks",
-            key="parallel.strategy",
-            hint="use ddp or fsdp for several ranks",
-        )
+    """Checks that need the world size (run before any process group is created): every
+    violated constraint between the batch, the streams and the ranks in one ConfigError."""
+    check_batch_shape(config, world_size)
 
 
 def _validate_optimizer(t: TrainConfig) -> None:

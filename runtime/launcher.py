@@ -36,9 +36,9 @@ import threading
 import time
 import uuid
 from types import FrameType
-from typing import Sequence
+from typing import Callable, Sequence
 
-from core.exceptions import UsageError
+from core.exceptions import LockstepError, UsageError
 
 LAUNCHER_ENV = "LOCKSTEP_LAUNCHER"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -278,16 +278,22 @@ def _ended_first_unexplained(failures: dict, ended: dict[int, int]):
     return None if _explained(failure) or stopped else (rank, failure)
 
 
-def launch_if_asked(script: str, argv: Sequence[str]) -> None:
-    """With ``--nproc N`` in ``argv``: launch ``script`` with the other arguments as N ranks
-    and exit with the job's code; without it, return (this process is a rank)."""
+def launch_if_asked(script: str, argv: Sequence[str], check: Callable[[list[str], int], None] | None = None) -> None:
+    """With ``--nproc N`` in ``argv``: ``check(the other arguments, N)`` first, then launch
+    ``script`` with them as N ranks and exit with the job's code; without it, return (this
+    process is a rank). ``check`` raises a LockstepError for what no rank should start with
+    (train.py's: the command line and the config for N ranks), which is printed as its one
+    line, without a rank's prefix, and exits with its code before any rank exists."""
     from runtime.fast_exit import exit_process
 
     try:
         nproc, rest = split_nproc(argv)
-    except UsageError as error:
+        if nproc is None or {"-h", "--help"} & set(rest):  # help: this process prints it, once
+            return
+        if check is not None:
+            check(rest, nproc)
+    except LockstepError as error:
         print(error, file=sys.stderr, flush=True)
         exit_process(error.exit_code)
         return
-    if nproc is not None and not {"-h", "--help"} & set(rest):  # help: printed once, by this process
-        exit_process(launch(nproc, script, rest))
+    exit_process(launch(nproc, script, rest))

@@ -38,6 +38,7 @@ from training.record import ledger as ledger_lib
 from training.record import replay as replay_lib
 from training.checkpoint import resume as resume_lib
 from training.optimizers.schedule import reshape_warning
+from training.registry import register_all
 from training.objectives import check_objective_config
 
 
@@ -117,7 +118,7 @@ def continue_after_restart(args: Args) -> Args:
     """A launcher's restart of a ``--config`` job continues the run its first attempt created
     (``runtime.relaunch``): the same command becomes ``--resume RUN_ID`` with the same
     overrides, minus the injected faults the earlier attempt already reached."""
-    if args.mode != "train":
+    if args.mode != "train" or not relaunch.is_restart():  # a first attempt: its config is read once, later
         return args
     config = config_lib.load(args.config, args.overrides)
     run_id = relaunch.launched_run(config.run.root)
@@ -129,16 +130,33 @@ def continue_after_restart(args: Args) -> Args:
     return Args(config=None, resume=run_id, replay=None, step=None, dump=None, overrides=overrides)
 
 
-def resolve_config(args: Args) -> Config:
-    """The run's config, validated against the launcher's world size (no process group yet)."""
+def check_before_ranks(argv: list[str], world_size: int) -> None:
+    """What ``python train.py --nproc N`` checks in its own process before it starts a rank (a
+    typed error: one line, its exit code): the command line, and the config with every violated
+    constraint between the batch, the streams and N ranks at once. A resume or replay checks the
+    recorded config with its overrides (read from the run dir, as a rank would). The ranks check
+    all of it again, with the rest of ``resolve_config``: they may run under torchrun or Slurm."""
+    register_all()
+    load_config(parse_args(argv), world_size)
+
+
+def load_config(args: Args, world_size: int) -> Config:
+    """The config of a new run, or the recorded one of a resumed or replayed run with its
+    overrides, validated for ``world_size`` ranks (no run dir is written)."""
     if args.mode == "train":
-        config = config_lib.load(args.config, args.overrides)
+        config = config_lib.load(args.config, args.overrides, world_size=world_size)
     else:
         run_id = args.resume or args.replay
         root = resume_lib.parse_override_root(list(args.overrides))
         config = resume_lib.resume_config(root, run_id, list(args.overrides))
-    config_lib.validate_world(config, ProcessInfo.from_env().world_size)
+        config_lib.validate_world(config, world_size)
     parse_faults(config.runtime.faults)  # a bad fault entry is a config error (exit 2)
+    return config
+
+
+def resolve_config(args: Args) -> Config:
+    """The run's config, validated against the launcher's world size (no process group yet)."""
+    config = load_config(args, ProcessInfo.from_env().world_size)
     # The model layer owns the shape rules (including an init_from directory's config.json);
     # asking it here makes a bad shape exit 2 before any process group or run dir exists.
     model = config.model
