@@ -48,8 +48,10 @@ def record_init_source(config: Config, paths: RunPaths) -> None:
 
 
 def resolve_run(run: str, root: str) -> RunPaths:
-    """A run directory given as a path, or a run ID under ``root``."""
-    from experiments.runs import recent_runs
+    """A run directory given as a path, or a run ID under ``root`` (or a unique prefix of one, as
+    ``--resume`` and ``runs show`` take: training/checkpoint/resume.py ``find_run``)."""
+    from core.exceptions import ResumeError
+    from training.checkpoint.resume import find_run
 
     path = Path(run)
     if (path / "config.yaml").is_file():
@@ -58,13 +60,10 @@ def resolve_run(run: str, root: str) -> RunPaths:
         what = "does not exist" if not path.exists() else "is not a run directory (it has no config.yaml)"
         raise UsageError(f"{run} {what}", hint="pass a run ID under --root, a run directory, "
                          "or (generate --from) a Hugging Face directory with config.json")
-    paths = RunPaths(Path(root) / run)
-    if not paths.config.is_file():
-        recent = recent_runs(Path(root), 3)
-        raise UsageError(f"no run {run!r} under {root}/",
-                         hint=(f"recent runs, newest first: {', '.join(recent)}" if recent
-                               else "pass --root DIR if the run lives elsewhere"))
-    return paths
+    try:
+        return find_run(root, run)
+    except ResumeError as exc:  # no such run, or a prefix of several: a usage error of the tool
+        raise UsageError(exc.message, hint=exc.hint) from None
 
 
 def checkpoint_dir(paths: RunPaths, step: int | None) -> Path:

@@ -45,7 +45,7 @@ def find_run(root: str | Path, run_id: str) -> RunPaths:
     raise ResumeError(
         f"no run {run_id!r} under {root}/",
         run_id=run_id,
-        hint=(f"recent runs, newest first: {', '.join(runs)}" if runs else "pass run.root=DIR if the run lives elsewhere"),
+        hint=(f"recent runs, newest first: {', '.join(runs)}" if runs else "pass --root DIR if the run lives elsewhere"),
     )
 
 
