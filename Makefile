@@ -32,7 +32,7 @@ $(QWEN_TOKENIZER): $(STAMP) data/templates/qwen2.5-instruct.jinja
 data: $(TINY_DATA) $(QWEN_TOKENIZER)
 
 train: $(STAMP) $(TINY_DATA) $(QWEN_TOKENIZER)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config configs/tiny.yaml parallel.device=cpu $(ARGS)
+	$(PY) train.py --nproc $(NPROC) --config configs/tiny.yaml parallel.device=cpu $(ARGS)
 
 # The linter (rules in pyproject.toml), run before the tests.
 lint: $(STAMP)

@@ -2,9 +2,9 @@
 
     python train.py --config configs/tiny.yaml [key.path=value ...]
     python train.py --nproc N --config X.yaml [...]       # N ranks here, train.py's exit codes
-    torchrun --standalone --nproc_per_node=N train.py --config X.yaml [...]
-    torchrun ... train.py --resume RUN_ID [allowed overrides]
-    torchrun ... train.py --replay RUN_ID --step S [--dump DIR]
+    python train.py [--nproc N] --resume RUN_ID [allowed overrides]
+    python train.py [--nproc N] --replay RUN_ID --step S [--dump DIR]
+    torchrun --nnodes=M --nproc_per_node=N ... train.py --config X.yaml [...]   # several nodes, Slurm
 """
 
 from __future__ import annotations
