@@ -16,6 +16,7 @@ ENTRY_POINTS = [
     (["-m", "experiments", "runs", "list"], "-m experiments"),
     ([str(launch.ROOT / "scripts" / "config_reference.py"), "--check"], "scripts/config_reference.py"),
     ([str(launch.ROOT / "scripts" / "agent_sft_eval.py"), "--help"], "scripts/agent_sft_eval.py"),
+    ([str(launch.ROOT / "scripts" / "random_checkpoint.py"), "--help"], "scripts/random_checkpoint.py"),
 ]
 
 
