@@ -39,6 +39,7 @@ from torch import nn
 from core import seeding
 from core.config import Config
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
+from models.hf_config import model_config_from_hf
 from models.qwen.forward import ModelInputs, model_forward
 from training.objectives.base import LossOutput, ObjectiveContext, PartSpec, StatelessObjective, metric
 from training.objectives.ppo_loss import bradley_terry
@@ -135,12 +136,14 @@ class RewardModelObjective(StatelessObjective):
         self._context = context
 
     def extra_parts(self, context: ObjectiveContext) -> dict[str, PartSpec]:
-        head = score_head(self.config.model.hidden_size,
-                          generator=seeding.generator(self.config.train.seed, "score_init"))
         source = self.config.model.init_from
+        # The trunk's width: with init_from its config.json's, whatever the YAML's shape says.
+        hidden_size = (model_config_from_hf(source, base=self.config.model) if source is not None
+                       else self.config.model).hidden_size
+        head = score_head(hidden_size, generator=seeding.generator(self.config.train.seed, "score_init"))
         if source is not None and is_classifier(source):  # a reward model's export: its head too
             with torch.no_grad():
-                head.weight.copy_(read_score_weight(source, self.config.model.hidden_size))
+                head.weight.copy_(read_score_weight(source, hidden_size))
         return {SCORE_PART: PartSpec(module=head, train=self.config.train)}
 
     def prepare(self, batch):
