@@ -18,11 +18,18 @@ ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = {"configs/tiny-distill.yaml": ["objective.distill.teacher=run:tiny-teacher-20260101-000000-abcd1234"]}
 
 HASHES = {
+    "configs/qwen2.5-0.5b-lora-sft.yaml": "bda8bd41be78f84da104263a08412e229bb65577f98de0478b03eba66b8c04f2",
     "configs/qwen2.5-0.5b-lora.yaml": "a18d61b201c6d80d01f352003546ab6164e44fbf213aa3cc9bc6b62b3ae2d7f5",
     "configs/qwen2.5-0.5b.yaml": "fbb0e489efb87bfc0e9b3bd2db20cf8970e7089f1140bcc1a57bbaa87975ed01",
     "configs/qwen2.5-1.5b.yaml": "b0d7f6371a8c7ed091a86a094faa89e5a81cac8de81e8a6281148ace5f32f872",
+    "configs/qwen3-0.6b-dpo.yaml": "198debc3bde0157924a9cbc8519d2a1e67f13ac7832ff5ef42597774a94afd14",
+    "configs/qwen3-0.6b-grpo.yaml": "30bdd2f1c9505468ccff3be2941ce6cfbc94014ba6f5703f08714639d5d333bf",
+    "configs/qwen3-0.6b-ppo.yaml": "c9dcdd3fa68d92a2deb00e48e4cc67328c79f5a64ec97f27857b3c25d57276a5",
+    "configs/qwen3-0.6b-rm.yaml": "79cf8090ffec86ae2edb63c9898d6a986239185c802ea2dc2b6968d3705a2ca6",
+    "configs/qwen3-0.6b-sft.yaml": "3b66341378fc758abd8e7b75abd120d4e05fcdffcd216e47123d59cb5970d430",
     "configs/qwen3-0.6b.yaml": "1f19a367d093267464aa3aef15efeb6ed55ef2a0a8fea2c6d9685ba1aad58b2c",
     "configs/qwen3-1.7b-lora.yaml": "d0a078319139fce1c2adaa97c6aeb92b86fd51a79760b67f4bdacc9b0c411362",
+    "configs/qwen3-1.7b-qlora-sft.yaml": "a0eb41e270aa9dbd3a1f3f2fd3958e31d60249aca99dda1a85a50e7da465e146",
     "configs/qwen3-1.7b-qlora.yaml": "66abfce8379ac917ff28b4748ded9085e0197cd6bfbd8643fbcd0612cfb16b87",
     "configs/qwen3-1.7b.yaml": "e4fc3dccc012075a5644c5c7a80a4fbd6b2c18d7a9247581d7513c9c6ea10bb4",
     "configs/qwen3-8b.yaml": "ac7167fb1928cfaf5db91940390398f54d9d29afdd58adcf32cf5db21e1c98a5",
