@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from core.exceptions import LockstepError
+from runtime.own_code_raise import raise_in_own_code
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 INTERRUPT_EXIT_CODE = 130
@@ -128,7 +129,10 @@ class StopSignals:
         self._received.append(name)
         if self._at_once:
             self._at_once = False
-            raise StopDuringStartup(signum)
+            # at the next line of our own code: raised inside torch's or safetensors' code, it could
+            # leave their state half-updated and end the run with their error (runtime/own_code_raise.py)
+            raise_in_own_code(frame, StopDuringStartup(signum))
+            return
         if len(self._received) == 1 and _prints_notices():
             os.write(2, f"stop: {name} received; stopping at the next step boundary "
                         "(Ctrl-C again to exit now)\n".encode())
@@ -175,7 +179,8 @@ class StartupSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._armed:
             self._armed = False
-            raise StopDuringStartup(signum)
+            raise_in_own_code(frame, StopDuringStartup(signum))  # as StopSignals.at_once does
+            return
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

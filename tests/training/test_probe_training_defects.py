@@ -5,8 +5,11 @@ episode record changed, and a SIGTERM while a frozen model loads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -19,11 +22,12 @@ from core import config as config_lib
 from core import seeding
 from core.exceptions import ConfigError
 from models.hf_weights import WEIGHTS_NAME, save_pretrained
+from runtime.signals import StopDuringStartup, StopSignals
 from tests import launch, probe_environments
 from tests.reward_models import dist
 from tests.training.test_agent_episodes import _play, _setup
 from training.objectives.critic import build_critic
-from training.objectives.frozen import check_finite_weights
+from training.objectives.frozen import check_finite_weights, source_model
 from training.objectives.model_reward import build_model_reward
 from training.objectives.ppo_loss import AdaptiveKL
 from training.objectives.reward_model_io import SCORE_WEIGHT
@@ -255,3 +259,48 @@ def test_a_replay_of_an_edited_episode_record_names_the_file_and_both_hashes(e2e
     result = _replay(e2e_workdir, run, 1)
     assert result.exit_code == 4, result.stderr
     assert path.name in result.stderr and recorded in result.stderr and "changed after the run wrote it" in result.stderr
+
+
+# ---------------------------------------------------------------- 5. SIGTERM while a frozen model loads
+
+
+@contextlib.contextmanager
+def _sigterm_inside_torchs_mode_stack_update():
+    """SIGTERM at the one point where the probe's 1-in-21 failure happened, every time: torch's
+    ``_pop_mode_temporarily`` has popped the device mode and is about to push it back (a frozen
+    model is built under ``with torch.device("meta")``, each parameter's init dispatched through
+    that mode). A trace hook sends it; the signal handler then runs inside that library frame."""
+    push = next(i for i, line in enumerate(Path(torch.overrides.__file__).read_text().splitlines(), 1)
+                if line.strip() == "_push_mode(old)")
+    sent = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == push and not sent:
+            sent.append(frame.f_lineno)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_name == "_pop_mode_temporarily" and not sent else None
+
+    sys.settrace(calls)
+    try:
+        yield sent
+    finally:
+        sys.settrace(None)
+
+
+def test_a_sigterm_inside_torchs_code_during_a_frozen_build_ends_with_143(ppo_config):
+    # The probe: 1 of 21 SIGTERMs during a frozen load ended with exit 1 (torch's mode stack left
+    # empty or holding the meta device) instead of 143: the handler raised inside torch's code.
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signals = StopSignals(signals=(signal.SIGTERM,))
+        with pytest.raises(StopDuringStartup) as info:
+            with signals.at_once(), _sigterm_inside_torchs_mode_stack_update() as sent:
+                source_model(ppo_config, "init", key="objective.ppo.reference")  # a frozen reference's build
+        assert sent and info.value.exit_code == 143
+        assert not torch.overrides._get_current_function_mode_stack()  # torch's state is whole
+        assert torch.empty(1).device.type == "cpu"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
