@@ -19,10 +19,12 @@ require_dependencies("train.py")  # the system Python without .venv: one line, n
 # First, before the imports below load torch (seconds): under torchrun, a rank whose launcher
 # is killed meanwhile exits too instead of waiting on a dead rendezvous (runtime/signals.py).
 exit_with_launcher()
-from training import session  # noqa: E402
+if __name__ == "__main__":  # --nproc N: the command line and config are checked for N ranks (no torch yet), then N ranks start
+    from training.command_line import check_before_ranks
 
-if __name__ == "__main__":  # --nproc N: the command line and config are checked for N ranks, then N ranks start
-    launch_if_asked(__file__, sys.argv[1:], check=session.check_before_ranks)
+    launch_if_asked(__file__, sys.argv[1:], check=check_before_ranks)
+
+from training import session  # noqa: E402
 
 from core.distributed_context import DistributedContext  # noqa: E402
 from runtime.fast_exit import exit_process  # noqa: E402

@@ -2,7 +2,7 @@
 checked together so that a config that breaks several hears of all of them at once.
 
 ``python train.py --nproc N`` asks them with ``world_size=N`` before it starts a rank
-(training.session.check_before_ranks); every rank asks them again with the world size its
+(training.command_line.check_before_ranks); every rank asks them again with the world size its
 launcher gave it (torchrun, Slurm), and ``core.config.validate`` without a world size asks the
 one that holds on any number of ranks.
 """

@@ -10,13 +10,37 @@ Public API:
     flops_per_token(config, seq_len, *, include_embedding_head) -> int
 """
 
-from models.build import build
-from models.qwen import lora_targets as _lora_targets  # noqa: F401  (registers the family's LoRA names)
-from models.flops import flops_per_token, num_params
-from models.hf_config import model_config_from_hf
-from models.hf_weights import load_pretrained, save_pretrained
-from models.qwen.forward import ModelInputs, ModelOutput, model_forward
-from models.qwen.model import QwenBlock, QwenForCausalLM
+from __future__ import annotations
+
+import importlib
+
+from models.qwen import lora_targets as _lora_targets  # noqa: F401  (registers the family's LoRA names; no torch)
+
+# Imported when first read (PEP 562), not with the package: the config loader reads the family's
+# LoRA names (models/qwen/lora_targets.py) without torch, so that `python train.py --nproc N`
+# checks a config before torch is imported (runtime/launcher.py).
+_EXPORTS = {
+    "build": "models.builder",
+    "flops_per_token": "models.flops",
+    "num_params": "models.flops",
+    "model_config_from_hf": "models.hf_config",
+    "load_pretrained": "models.hf_weights",
+    "save_pretrained": "models.hf_weights",
+    "ModelInputs": "models.qwen.forward",
+    "ModelOutput": "models.qwen.forward",
+    "model_forward": "models.qwen.forward",
+    "QwenBlock": "models.qwen.model",
+    "QwenForCausalLM": "models.qwen.model",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "ModelInputs",

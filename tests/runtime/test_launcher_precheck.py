@@ -16,7 +16,7 @@ from core.batch_shape import batch_shape_violations, check_batch_shape
 from core.exceptions import ConfigError, UsageError
 from core.run_context import RunPaths, determinism_env
 from tests import launch
-from training.session import check_before_ranks
+from training.command_line import check_before_ranks
 
 TINY = str(launch.ROOT / "configs" / "tiny.yaml")  # global batch 16, micro-batch 4, 8 streams
 TWO_WRONG_ON_TWO_RANKS = ["train.global_batch_size=12", "data.num_streams=3"]  # 12 % (4 x 2) and 3 % 2
@@ -88,6 +88,23 @@ def test_nproc_answers_two_violations_before_any_rank_starts(tmp_path):
     assert "train.global_batch_size=12 is not divisible by train.micro_batch_size=4" in lines[0]
     assert "data.num_streams=3 is not divisible by data-parallel ranks=2" in lines[0]
     assert "[rank" not in result.stderr and not (tmp_path / "runs").exists()
-    # The launcher's own imports only (about 2-3 s on a quiet 2-core machine; ranks would add
-    # their start-up on top): the bound leaves room for a loaded test machine.
+    # The launcher's own imports only, no torch (1.2-1.4 s on a 2-core machine at load 5-8; ranks
+    # would add their start-up on top): the bound leaves room for a loaded test machine.
     assert elapsed < 40, elapsed
+
+
+@pytest.mark.slow
+def test_the_check_of_a_new_runs_config_imports_no_torch(tmp_path):
+    """What makes the answer fast: a new run's command line and config are read and checked by
+    modules that import no torch (models, training.objectives and their settings read lazily)."""
+    probe = ("import sys\n"
+             "from core.exceptions import ConfigError\n"
+             "from training.command_line import check_before_ranks\n"
+             f"check_before_ranks(['--config', {TINY!r}], 2)\n"
+             "try:\n"
+             f"    check_before_ranks(['--config', {TINY!r}, *{list(TWO_WRONG_ON_TWO_RANKS)!r}], 2)\n"
+             "except ConfigError:\n"
+             "    print('refused', 'torch' in sys.modules)\n")
+    result = subprocess.run([launch.PYTHON, "-c", probe], cwd=launch.ROOT, env=launch.env(tmp_path),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "refused False", (result.stdout, result.stderr)

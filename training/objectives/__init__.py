@@ -7,11 +7,26 @@ core.objective_kinds. The class is imported here, from the registered kind, when
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import objective_kind
-from training.objectives.base import LossOutput, Objective, ObjectiveContext
+
+if TYPE_CHECKING:
+    from training.objectives.base import Objective
+
+_BASE = ("LossOutput", "Objective", "ObjectiveContext")
+
+
+def __getattr__(name: str):
+    """The seam's types (base.py), imported when first read: the kinds' settings modules of this
+    package are read by the config loader without torch (training/registry.py)."""
+    if name not in _BASE:
+        raise AttributeError(f"module 'training.objectives' has no attribute {name!r}")
+    value = getattr(importlib.import_module("training.objectives.base"), name)
+    globals()[name] = value
+    return value
 
 
 def objective_class(kind: str) -> type:
@@ -36,7 +51,7 @@ def check_objective_config(config: Config) -> None:
         check(config)
 
 
-def build_objective(config: Config) -> Objective:
+def build_objective(config: Config) -> "Objective":
     """The objective ``objective.kind`` names (config validation has checked the name)."""
     return objective_class(config.objective.kind)(config)
 

@@ -17,8 +17,6 @@ from typing import Literal
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
-from models.hf_config import model_config_from_hf
-from training.objectives.frozen import frozen_model_config, frozen_tokenizer
 
 KEY = "objective.distill.teacher"
 
@@ -61,6 +59,8 @@ def validate(config: Config) -> None:
 
 def check_teacher(config: Config) -> None:
     """The teacher must share the student's vocabulary (and, for a run, its tokenizer)."""
+    from training.objectives.frozen import frozen_model_config, frozen_tokenizer  # torch: only where a run uses it
+
     teacher = frozen_model_config(config, config.objective.distill.teacher, key=KEY)
     check_vocab(student_vocab(config), teacher.vocab_size, config.objective.distill.teacher)
     tokenizer = frozen_tokenizer(config, config.objective.distill.teacher, key=KEY)
@@ -71,6 +71,8 @@ def check_teacher(config: Config) -> None:
 
 
 def student_vocab(config: Config) -> int:
+    from models.hf_config import model_config_from_hf
+
     model = config.model
     if model.init_from is not None:
         model = model_config_from_hf(model.init_from, base=dataclasses.replace(model))

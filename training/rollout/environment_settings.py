@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from core.exceptions import ConfigError
-from training.rollout.episodes import EpisodeLimits
+
+if TYPE_CHECKING:
+    from training.rollout.episodes import EpisodeLimits
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,10 @@ def validate_environment(e: EnvironmentSettings, section: str, *, max_new_tokens
                           key=f"{section}.rewards", hint="rule rewards score an episode's final answer")
 
 
-def episode_limits(e: EnvironmentSettings, section: str) -> EpisodeLimits:
+def episode_limits(e: EnvironmentSettings, section: str) -> "EpisodeLimits":
     """The episode runner's limits from ``<section>.environment`` (section: objective.<kind>)."""
+    from training.rollout.episodes import EpisodeLimits  # torch: only where a run builds its episodes
+
     return EpisodeLimits(name=e.name, max_turns=e.max_turns, max_observation_tokens=e.max_observation_tokens,
                          max_episode_tokens=e.max_episode_tokens, timeout_s=e.tool_timeout_s, on_error=e.on_env_error,
                          key=f"{section}.environment")
