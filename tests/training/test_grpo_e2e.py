@@ -153,5 +153,6 @@ def test_generate_from_the_run_samples_its_checkpoint(e2e_workdir, reference, tm
     # a GRPO run was trained on chat-rendered prompts: text prompts are rendered the same way
     assert record["prompt"] == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     assert 1 <= len(record["token_ids"]) <= 6
-    result = launch.run_module(e2e_workdir, args[:5] + ["99"] + args[6:])
+    # --out names a new file: an existing one is refused before the step is looked up
+    result = launch.run_module(e2e_workdir, args[:5] + ["99"] + args[6:-1] + [str(tmp_path / "none.jsonl")])
     assert result.returncode == 2 and "no checkpoint at step 99" in result.stderr
