@@ -13,8 +13,8 @@ data prepare --tokenizer qwen`` writes: the Qwen2/Qwen3 vocabulary). A Qwen3 dir
 (configs/qwen*-sft.yaml, -dpo, -grpo, -rm, -ppo) can be proven at their real size without
 downloading weights (benchmarks/recipes.py); the weights mean nothing.
 
-``write_checkpoint(arch, out, shape=...)`` takes other sizes too: the tests write the tiny
-equivalents with it (tests/training/test_recipes.py).
+``--tiny`` (``write_checkpoint(arch, out, shape=TINY[arch])``) writes a 2-layer model of the same
+family and vocabulary instead: what the CPU runs of the recipes start from.
 """
 
 from __future__ import annotations
@@ -54,6 +54,19 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                    max_window_layers=24, sliding_window=32768, eos_token_id=151643)),
 }
 """--arch -> (transformers model_type, config keyword arguments)."""
+
+TINY: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, max_position_embeddings=256),
+    "qwen2.5-0.5b": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=256),
+    # The 1.7B recipe is QLoRA: every projection holds whole NF4 scale blocks of 64 x 256 weights
+    # (8 heads of 32 over a width of 64: 256 x 64).
+    "qwen3-1.7b": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=8, head_dim=32, max_position_embeddings=256),
+}
+"""--tiny: a 2-layer model of the arch's family over the same vocabulary (the Qwen tokenizer's ids),
+for CPU runs of the recipes (tests/training/test_recipes.py, benchmarks/recipes.py --tiny)."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -103,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="a directory with tokenizer.json and tokenizer_config.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the stored weights' dtype")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model of the arch's family (TINY), for CPU runs")
     args = p.parse_args(argv)
-    out = write_checkpoint(args.arch, args.out, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype)
-    print(f"{out}: random {args.arch} (seed {args.seed}, {args.dtype})")
+    out = write_checkpoint(args.arch, args.out, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
+                           shape=TINY[args.arch] if args.tiny else None)
+    print(f"{out}: random {args.arch}{' (tiny)' if args.tiny else ''} (seed {args.seed}, {args.dtype})")
     return 0
 
 

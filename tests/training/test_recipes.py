@@ -33,8 +33,6 @@ def _random_checkpoint():
 class Recipe:
     arch: str
     """scripts/random_checkpoint.py's --arch of the model the recipe is for."""
-    tiny: str
-    """The tiny shape its CPU run starts from (TINY)."""
     template: str
     """Its data.chat_template."""
     eight: tuple[str, ...] = ()
@@ -44,28 +42,15 @@ class Recipe:
 
 
 RECIPES = {
-    "qwen3-0.6b-sft": Recipe("qwen3-0.6b", "qwen3", "qwen3"),
-    "qwen2.5-0.5b-lora-sft": Recipe("qwen2.5-0.5b", "qwen2", "qwen2.5"),
-    "qwen3-1.7b-qlora-sft": Recipe("qwen3-1.7b", "qwen3-nf4", "qwen3", eight=("parallel.strategy=fsdp",)),
-    "qwen3-0.6b-dpo": Recipe("qwen3-0.6b", "qwen3", "qwen3"),
-    "qwen3-0.6b-grpo": Recipe("qwen3-0.6b", "qwen3", "qwen3", cpu=(
+    "qwen3-0.6b-sft": Recipe("qwen3-0.6b", "qwen3"),
+    "qwen2.5-0.5b-lora-sft": Recipe("qwen2.5-0.5b", "qwen2.5"),
+    "qwen3-1.7b-qlora-sft": Recipe("qwen3-1.7b", "qwen3", eight=("parallel.strategy=fsdp",)),
+    "qwen3-0.6b-dpo": Recipe("qwen3-0.6b", "qwen3"),
+    "qwen3-0.6b-grpo": Recipe("qwen3-0.6b", "qwen3", cpu=(
         "objective.grpo.group_size=2", "objective.grpo.max_new_tokens=4")),
-    "qwen3-0.6b-rm": Recipe("qwen3-0.6b", "qwen3", "qwen3"),
-    "qwen3-0.6b-ppo": Recipe("qwen3-0.6b", "qwen3", "qwen3", cpu=(
+    "qwen3-0.6b-rm": Recipe("qwen3-0.6b", "qwen3"),
+    "qwen3-0.6b-ppo": Recipe("qwen3-0.6b", "qwen3", cpu=(
         "objective.ppo.group_size=2", "objective.ppo.max_new_tokens=4")),
-}
-
-# Tiny shapes of each family over the real vocabulary (the Qwen tokenizer's ids): the 151,936-row
-# embedding and head are most of their parameters and work. The NF4 one has whole 64 x 256 scale
-# blocks in every projection (8 heads of 32 over a width of 64: 256 x 64 weights).
-TINY = {
-    "qwen3": ("qwen3-0.6b", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                 num_key_value_heads=1, head_dim=16, max_position_embeddings=256)),
-    "qwen3-nf4": ("qwen3-1.7b", dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                     num_attention_heads=8, num_key_value_heads=8, head_dim=32,
-                                     max_position_embeddings=256)),
-    "qwen2": ("qwen2.5-0.5b", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=1, max_position_embeddings=256)),
 }
 
 # What shrinks a recipe to a 2-step CPU run: one process, fp32, no compile, 4 rows of 64 tokens a
@@ -129,21 +114,22 @@ def test_random_checkpoint_shapes_are_the_presets_and_the_recipes(arch):
 @pytest.fixture(scope="module")
 def recipe_workdir(tmp_path_factory, qwen_vocabulary):
     """The embedded tasks, small (8 shards: one unit per stream), and one tiny checkpoint of each
-    family written by scripts/random_checkpoint.py with the Qwen tokenizer."""
+    arch written by scripts/random_checkpoint.py (its TINY shapes) with the Qwen tokenizer."""
     from data.tasks import write_task_datasets
 
     root = tmp_path_factory.mktemp("recipes")
     write_task_datasets(root / "datasets" / "tasks", seed=0, train_n=256, eval_n=16, shards=8)
-    write = _random_checkpoint().write_checkpoint
-    for tiny, (arch, shape) in TINY.items():
-        write(arch, root / "weights" / tiny, tokenizer=qwen_vocabulary, seed=0, dtype="fp32", shape=shape)
+    script = _random_checkpoint()
+    for arch, shape in script.TINY.items():
+        script.write_checkpoint(arch, root / "weights" / arch, tokenizer=qwen_vocabulary, seed=0, dtype="fp32",
+                                shape=shape)
     return root
 
 
 @pytest.mark.slow
 def test_every_recipe_trains_two_steps_at_a_tiny_shape_on_cpu(recipe_workdir):
     names = sorted(RECIPES)
-    runs = [["--config", str(CONFIGS / f"{name}.yaml"), f"model.init_from=weights/{RECIPES[name].tiny}",
+    runs = [["--config", str(CONFIGS / f"{name}.yaml"), f"model.init_from=weights/{RECIPES[name].arch}",
              *SHRINK, *RECIPES[name].cpu] for name in names]
     results = launch.train_in_turn(recipe_workdir, runs, timeout=120)
     failed = {name: r.stderr[-2000:] for name, r in zip(names, results) if r.returncode != 0}
@@ -152,5 +138,5 @@ def test_every_recipe_trains_two_steps_at_a_tiny_shape_on_cpu(recipe_workdir):
         run_dir = recipe_workdir / result.run_dir
         assert [line["step"] for line in launch.ledger(run_dir)] == [1, 2], name
         recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
-        assert recorded["data"]["tokenizer"] == f"weights/{RECIPES[name].tiny}", name
+        assert recorded["data"]["tokenizer"] == f"weights/{RECIPES[name].arch}", name
         assert recorded["data"]["chat_template"] == RECIPES[name].template, name
