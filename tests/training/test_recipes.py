@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
+from core.batch_shape import batch_shape_violations
 from core.config import load, validate
 from tests import launch
 
@@ -74,6 +75,8 @@ def test_recipe_loads_and_divides_over_one_and_eight_ranks(name):
     validate(one, world_size=1)
     eight = load(CONFIGS / f"{name}.yaml", list(recipe.eight))
     validate(eight, world_size=8)
+    # What `python train.py --nproc N` checks before it starts a rank.
+    assert batch_shape_violations(one, 1) == [] and batch_shape_violations(eight, 8) == []
     assert eight.parallel.strategy == "fsdp" and one.parallel.precision == "bf16"
     assert one.data.chat_template == recipe.template
     assert all(s.path.startswith("datasets/tasks/") for s in (*one.data.sources, one.data.eval_source))
