@@ -105,3 +105,21 @@ def test_an_export_generates_as_its_run_does_by_default(pretrained_then_sft, tmp
     assert _generated_prompt(out, tmp_path) == templated  # sft: through the template
     assert _generated_prompt(source, tmp_path, "--chat") == templated  # the flags still decide
     assert _generated_prompt(out, tmp_path, "--no-chat") == "Hi"
+
+
+def test_an_init_from_run_exports_from_any_directory_after_its_source_moved(pretrained_then_sft, tmp_path):
+    """The shape of a run started ``model.init_from`` a directory comes from the run's own copy of
+    that directory's config.json (artifacts/init_from/): an export from another working directory,
+    where a relative ``init_from`` names nothing, or after the directory moved, still loads."""
+    source, raw, run_dir, _ = pretrained_then_sft
+    moved = source.with_name("source-moved")
+    source.rename(moved)
+    try:
+        out = tmp_path / "from-elsewhere"
+        done = launch.run_module(tmp_path, ["training", "export", "--run", str(run_dir), "--to", str(out)])
+        assert done.returncode == 0, done.stderr
+        exported = json.loads((out / "config.json").read_text())
+        assert {k: v for k, v in exported.items() if k != "torch_dtype"} == \
+            {k: v for k, v in raw.items() if k != "torch_dtype"}
+    finally:
+        moved.rename(source)

@@ -47,6 +47,15 @@ def record_init_source(config: Config, paths: RunPaths) -> None:
             shutil.copyfile(path, target / name)
 
 
+def _shape_source(config: Config, checkpoint: Path) -> str:
+    """Where a run that started ``model.init_from`` a directory reads its model's shape: the run's
+    copy of that directory's config.json (``record_init_source``), so its checkpoints load from any
+    working directory (a relative ``init_from`` such as ``exports/tiny`` names a directory under the
+    run's own) and after the directory moved; else the directory itself."""
+    copy = RunPaths(checkpoint.parent.parent).artifacts / INIT_SOURCE_DIR
+    return str(copy) if (copy / "config.json").is_file() else config.model.init_from
+
+
 def resolve_run(run: str, root: str) -> RunPaths:
     """A run directory given as a path, or a run ID under ``root`` (or a unique prefix of one, as
     ``--resume`` and ``runs show`` take: training/checkpoint/resume.py ``find_run``)."""
@@ -97,7 +106,7 @@ def load_checkpoint_model(config: Config, path: Path) -> torch.nn.Module:
     else:
         model_config = config.model
         if model_config.init_from is not None:
-            model_config = model_config_from_hf(model_config.init_from, base=model_config)
+            model_config = model_config_from_hf(_shape_source(config, path), base=model_config)
         model_config = dataclasses.replace(model_config, init_from=None)
         model = models.build(model_config)  # seeded init, then every tensor is overwritten
     frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
