@@ -197,7 +197,7 @@ def console(log_text: str, command_line: str) -> dict:
     return {"head": lines[:12], "tail": lines[-4:]}
 
 
-def reference(name: str, train_args: list[str], args: argparse.Namespace, log: Log) -> tuple[Path | None, dict]:
+def reference_run(name: str, train_args: list[str], args: argparse.Namespace, log: Log) -> tuple[Path | None, dict]:
     cmd = train_command(args.gpus, [*train_args, f"run.name={name}-ref"])
     code, wall = run(cmd, log, args)
     directory = run_dir(args.work / "runs", f"{name}-ref")
@@ -270,15 +270,15 @@ def check_export(directory: Path, run: Path, *, classifier: bool, cpu: bool) -> 
     text = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=not classifier)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=device)
     auto = transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
-    model = auto.from_pretrained(directory, dtype=torch.float32).to(device).eval()
-    result: dict[str, Any] = {"class": type(model).__name__, "device": device, "tokens": ids.shape[1]}
+    theirs = auto.from_pretrained(directory, dtype=torch.float32).to(device).eval()
+    result: dict[str, Any] = {"class": type(theirs).__name__, "device": device, "tokens": ids.shape[1]}
     with torch.no_grad():
-        output = model(ids).logits.float()
+        output = theirs(ids).logits.float()
         result.update(finite=bool(torch.isfinite(output).all()), shape=list(output.shape))
         if classifier:
             result["score"] = output.flatten().tolist()
         else:
-            generated = model.generate(ids, max_new_tokens=8, do_sample=False)
+            generated = theirs.generate(ids, max_new_tokens=8, do_sample=False)
             result["generated_tokens"] = generated.shape[1] - ids.shape[1]
             result["max_abs_logit_diff"] = ours_against(output, ids, run)
     print("transformers: " + json.dumps(result), flush=True)
@@ -291,6 +291,7 @@ def ours_against(theirs, ids, run: Path) -> float:
 
     from core import config as config_lib
     from core.layout import RunPaths
+    from models import ModelInputs, model_forward
     from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
     from training.registry import register_all
 
@@ -298,7 +299,8 @@ def ours_against(theirs, ids, run: Path) -> float:
     paths = RunPaths(run)
     ours = load_checkpoint_model(config_lib.load(paths.config), checkpoint_dir(paths, None)).to(ids.device).eval()
     with torch.no_grad():
-        return float((ours(ids).float() - theirs).abs().max())
+        logits = model_forward(ours, ModelInputs(ids)).logits
+        return float((logits.float() - theirs).abs().max())
 
 
 def environment() -> dict:
@@ -321,7 +323,7 @@ def prove(name: str, args: argparse.Namespace) -> dict:
                   f"run.root={args.work / 'runs'}", f"train.max_steps={args.steps}",
                   f"checkpoint.interval={max(1, args.steps // 2)}", *COMMON,
                   *((*SMOKE, *recipe.smoke) if args.tiny else ()), *args.set]
-    ref_dir, result["reference"] = reference(name, train_args, args, log)
+    ref_dir, result["reference"] = reference_run(name, train_args, args, log)
     if ref_dir is None or not result["reference"]["ok"]:
         return result
     result["kill_resume"] = kill_resume(name, train_args, ref_dir, args, log)

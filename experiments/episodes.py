@@ -25,8 +25,6 @@ import yaml
 from core import layout
 from core.exceptions import DataError, UsageError
 
-AGENT_KINDS = ("grpo", "ppo")
-"""The methods that may play episodes (their settings have ``environment`` and ``group_size``)."""
 VERSION = 1
 """The episode file version read here (training/rollout/episode_store.py's VERSION)."""
 
@@ -50,7 +48,7 @@ class StepEpisodes:
         config = _read_config(config_path)
         objective = config.get("objective") or {}
         kind = objective.get("kind", "causal_lm")
-        settings = objective.get(kind) if kind in AGENT_KINDS else None
+        settings = objective.get(kind)  # a method that plays episodes has an ``environment`` in its section
         episodes_dir = run_dir / layout.EPISODES_DIR
         if not isinstance(settings, dict) or not settings.get("environment"):
             raise UsageError(
