@@ -70,8 +70,7 @@ def run_score(args) -> int:
                                           clock=config.data.template_clock)
     pairs = read_pairs(args.pairs, PreferenceEncoder(template, tokenizer))
     reward = build_model_reward(config, source, dist=_one_process(device), key=KEY)
-    sequences = [side for chosen, rejected in pairs for side in (chosen, rejected)]
-    longest = max((len(s) for s in sequences), default=0)
+    longest = max(len(side) for pair in pairs for side in pair)
     width = -(-max(config.data.seq_len, longest) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
     scores = score_pairs(reward, pairs, shape=ScoreShape(rows=args.rows, width=width), device=device,
                          pad_id=getattr(tokenizer, "pad_id", tokenizer.eos_id))

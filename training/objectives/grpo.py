@@ -219,6 +219,8 @@ class GRPOObjective:
             self.reference = build_frozen(config, g.reference, role="reference", dist=context.dist,
                                           key="objective.grpo.reference")
         self.model_rewards = build_model_rewards(config, model_rewards(config), dist=context.dist)
+        # Where the reward models read a rollout (its closing ids), found from the template once.
+        self.read_position = ReadPosition(self.tokenizer, self.template) if self.model_rewards else None
 
     def prepare(self, batch: Batch) -> Batch:
         if batch.evaluation:
@@ -290,7 +292,7 @@ class GRPOObjective:
 
     def _model_scores(self, experience: Experience) -> np.ndarray:
         """Per trajectory, the weighted sum of the reward models' scores of its prompt + completion."""
-        return rollout_scores(self.model_rewards, ReadPosition(self.tokenizer, self.template), experience.trajectories,
+        return rollout_scores(self.model_rewards, self.read_position, experience.trajectories,
                               config=self.config, group_size=self.g.group_size, device=self._context.parallel.device,
                               pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
 

@@ -240,6 +240,8 @@ class PPOObjective:
             self.reference = build_frozen(config, p.reference, role="reference", dist=context.dist,
                                           key="objective.ppo.reference")
         self.model_rewards = build_model_rewards(config, model_rewards(config), dist=context.dist)
+        # Where the reward models read a rollout (its closing ids), found from the template once.
+        self.read_position = ReadPosition(self.tokenizer, self.template) if self.model_rewards else None
 
     def extra_parts(self, context: ObjectiveContext) -> dict[str, PartSpec]:
         """The critic, with its own learning rate (train.* otherwise)."""
@@ -260,7 +262,7 @@ class PPOObjective:
         clock = _PhaseClock()  # seconds per phase, as the experience's timings (benchmarks/ppo_step.py)
         if self.model_rewards:
             experience = experience.with_added_rewards(rollout_scores(
-                self.model_rewards, ReadPosition(self.tokenizer, self.template), experience.trajectories,
+                self.model_rewards, self.read_position, experience.trajectories,
                 config=self.config, group_size=p.group_size, device=self._context.parallel.device,
                 pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id)))
             clock.lap("reward_model_s")
