@@ -1,9 +1,10 @@
 """Activation checkpointing: recompute a block's activations in backward instead of storing them.
 
-- ``full``: every transformer block; activation memory becomes ~one block's worth plus the
-  block inputs, for about one extra forward of compute.
-- ``selective``: every other block (0, 2, 4, ...): roughly half the saving for half the
-  recompute. This is block-level selection, not per-op selective checkpointing.
+- ``full``: every block of every stack of the model's plan; activation memory becomes ~one
+  block's worth plus the block inputs, for about one extra forward of compute.
+- ``selective``: every other block of each stack (0, 2, 4, ... of each): roughly half the
+  saving for half the recompute. This is block-level selection, not per-op selective
+  checkpointing.
 
 Non-reentrant checkpointing (``use_reentrant=False``) supports keyword arguments, nested
 autograd and compile, and it preserves the RNG state, so recomputation reproduces the
@@ -20,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from distributed.model_structure import transformer_blocks
+from distributed.model_structure import plan_stacks
 
 
 def blocks_to_checkpoint(num_blocks: int, mode: str) -> list[int]:
@@ -35,9 +36,9 @@ def blocks_to_checkpoint(num_blocks: int, mode: str) -> list[int]:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Wrap the chosen blocks in place (the wrappers replace them in the model's list of blocks)."""
-    blocks = transformer_blocks(model)
-    for index in blocks_to_checkpoint(len(blocks), mode):
-        blocks[index] = checkpoint_wrapper(
-            blocks[index], checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True
-        )
+    """Wrap the chosen blocks of each stack in place (the wrappers replace them in the stack's list)."""
+    for _, blocks in plan_stacks(model):
+        for index in blocks_to_checkpoint(len(blocks), mode):
+            blocks[index] = checkpoint_wrapper(
+                blocks[index], checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True
+            )

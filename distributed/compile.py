@@ -1,7 +1,7 @@
-"""torch.compile, one transformer block at a time.
+"""torch.compile, one block at a time, every stack of the model's plan.
 
-Per-block compilation keeps compile time independent of depth (every block has the same
-code, so later blocks reuse the first one's graph) and leaves the FSDP/DDP hooks between
+Per-block compilation keeps compile time independent of depth (the blocks of a stack
+share their code, so later blocks reuse the first one's graph) and leaves the FSDP/DDP hooks between
 blocks outside the compiled regions. ``Module.compile()`` compiles in place, so no
 ``_orig_mod`` appears in parameter or state_dict names (``torch.compile(module)`` would
 wrap the block and add it).
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from distributed.model_structure import transformer_blocks
+from distributed.model_structure import plan_blocks
 
 
 def apply_compile(model: nn.Module, mode: str = "default") -> None:
-    """Compile every block in place; ``mode="reduce-overhead"`` also captures each compiled
+    """Compile every block of every stack in place; ``mode="reduce-overhead"`` also captures each compiled
     block's forward and backward as CUDA graphs (torch's cudagraph trees), so the host
     launches a block with one call instead of one per kernel. The loop then marks each step's
     start (``torch.compiler.cudagraph_mark_step_begin``)."""
-    for block in transformer_blocks(model):
+    for _, _, block in plan_blocks(model):
         block.compile(mode=None if mode == "default" else mode)

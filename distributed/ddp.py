@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.config import ParallelConfig
 from core.exceptions import ConfigError
-from distributed.model_structure import plan_of
+from distributed.model_structure import plan_of, submodule
 from distributed.params import is_packed
 
 
@@ -245,8 +245,8 @@ def gather_embedding_grad(model: nn.Module, group, *, max_tokens: int) -> Gather
     if inner is None:
         return None
     plan = plan_of(inner)
-    embedding = getattr(inner, plan.embedding, None)
-    head = getattr(inner, plan.output, None)
+    embedding = submodule(inner, plan.embedding)
+    head = submodule(inner, plan.output)
     if not isinstance(embedding, nn.Embedding) or head is None or head.weight is not embedding.weight:
         return None
     weight = embedding.weight

@@ -1,10 +1,10 @@
 """FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded on dim 0.
 
-One FSDP unit per transformer block (its parameters are all-gathered just before it runs
-and freed after), or per ``parallel.fsdp_unit_blocks`` consecutive blocks, plus the root
-unit, which holds what is left: the embedding, final norm and output head. A tied
-embedding/head weight is one Parameter that lives in the root unit only, so it is sharded,
-gathered and updated once and stays tied.
+One FSDP unit per block of each stack of the model's plan (its parameters are all-gathered
+just before it runs and freed after), or per ``parallel.fsdp_unit_blocks`` consecutive blocks
+of one stack (a unit never spans two stacks), plus the root unit, which holds what is left:
+the embedding, final norm and output head. A tied embedding/head weight is one Parameter
+that lives in the root unit only, so it is sharded, gathered and updated once and stays tied.
 
 Precision: with ``parallel.precision=bf16`` parameters are all-gathered and computed in
 bf16, gradients are reduced in fp32, and the sharded fp32 parameters are the master
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from core.config import ParallelConfig
-from distributed.model_structure import has_tied_embeddings, plan_of, transformer_blocks
+from distributed.model_structure import has_tied_embeddings, plan_of, plan_stacks
 
 
 def mixed_precision_policy(parallel: ParallelConfig) -> MixedPrecisionPolicy:
@@ -40,7 +40,7 @@ def offload_policy(parallel: ParallelConfig, device: torch.device) -> OffloadPol
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, device: torch.device, *,
                cast_parameters: bool = True) -> None:
-    """Shard ``model`` in place: every block bottom-up, then the root. ``cast_parameters=False``:
+    """Shard ``model`` in place: every stack's blocks bottom-up, then the root. ``cast_parameters=False``:
     no mixed-precision policy (the parameters are gathered as stored, fp32)."""
     options = dict(
         mesh=dp_mesh,
@@ -49,9 +49,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, 
         offload_policy=offload_policy(parallel, device),
     )
     tied = has_tied_embeddings(model)
-    blocks = list(transformer_blocks(model))
-    size = parallel.fsdp_unit_blocks
-    units = [blocks[i : i + size] for i in range(0, len(blocks), size)]
+    units = fsdp_units(model, parallel.fsdp_unit_blocks)
     for i, unit in enumerate(units):
         # The last unit's backward starts right after the forward ends: resharding it would
         # only gather it again at once, with nothing left to overlap the gather with.
@@ -65,6 +63,15 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, 
     if tied and not has_tied_embeddings(model):
         plan = plan_of(model)
         raise RuntimeError(f"FSDP untied {plan.embedding}.weight and {plan.output}.weight")
+
+
+def fsdp_units(model: nn.Module, size: int) -> list[list[nn.Module]]:
+    """The blocks of each FSDP unit: ``size`` consecutive blocks of one stack, stacks in the plan's order."""
+    units = []
+    for _, blocks in plan_stacks(model):
+        blocks = list(blocks)
+        units += [blocks[i : i + size] for i in range(0, len(blocks), size)]
+    return units
 
 
 def is_fully_sharded(model: nn.Module) -> bool:

@@ -14,6 +14,7 @@ from distributed.compile import apply_compile
 from distributed.ddp import apply_ddp
 from distributed.float8 import apply_float8, precompute_scales_each_forward, require_float8, require_float8_head
 from distributed.fsdp import apply_fsdp
+from distributed.model_structure import check_expert_parallel
 from distributed.topology import Topology
 from distributed.tp import apply_tensor_parallel
 
@@ -25,15 +26,17 @@ def parallelize(
     """Apply FP8, TP, activation checkpointing, compile and FSDP/DDP to ``model``, in that order.
 
     ``model`` is the plain model with identical weights on every rank (built from the same
-    seed); its blocks are modified in place and the returned module is what the loop
-    trains: the model itself, or its DDP wrapper. Use ``distributed.params.unwrap`` to get
-    back to the model.
+    seed); the blocks of every stack of its plan (``model.parallel_plan``) are modified in
+    place and the returned module is what the loop trains: the model itself, or its DDP
+    wrapper. Use ``distributed.params.unwrap`` to get back to the model. ``parallel.ep > 1``
+    needs a plan that declares experts.
 
     ``cast_parameters=False`` (frozen models): FSDP gathers the fp32 parameters and leaves the
     casting to the caller's autocast, as a plain model computes, on any number of ranks.
     """
     if parallel.strategy == "xla_spmd":
         raise ValueError("parallel.strategy=xla_spmd is set up by distributed.xla_spmd.setup_xla_spmd")
+    check_expert_parallel(model, topology.ep_size)
     model.to(dist.device)
 
     # 0. FP8 linears before anything wraps or shards them: torchao swaps nn.Linear modules

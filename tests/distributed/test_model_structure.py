@@ -15,7 +15,7 @@ from torch import nn
 import models
 from core.config import ModelConfig
 from distributed.activation_checkpoint import apply_activation_checkpointing
-from distributed.model_structure import has_tied_embeddings, plan_of, transformer_blocks
+from distributed.model_structure import has_tied_embeddings, plan_blocks, plan_of, plan_stacks
 from distributed.tp import block_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,19 +69,21 @@ def test_the_scan_sees_a_module_name():
 def test_every_name_of_the_qwen_plan_is_a_module_of_the_model(config):
     model = models.build(config)
     plan = plan_of(model)
-    assert transformer_blocks(model) is model.layers
-    assert isinstance(getattr(model, plan.embedding), nn.Embedding)
-    assert isinstance(getattr(model, plan.output), nn.Linear)
+    [(stack, blocks)] = plan_stacks(model)  # one stack of dense blocks
+    assert blocks is model.layers and stack.experts is None and not plan.has_experts
+    assert isinstance(model.get_submodule(plan.embedding), nn.Embedding)
+    assert isinstance(model.get_submodule(plan.output), nn.Linear)
+    assert all(isinstance(model.get_submodule(path), nn.Module) for path in plan.root_modules)
     assert has_tied_embeddings(model) == config.tie_embeddings
-    for block in transformer_blocks(model):
-        for path in (*plan.colwise, *plan.rowwise):
+    assert [index for _, index, _ in plan_blocks(model)] == list(range(config.num_layers))
+    for _, _, block in plan_blocks(model):
+        for path in (*stack.colwise, *stack.rowwise):
             assert isinstance(block.get_submodule(path), nn.Linear), path
-        assert set(plan.head_projections) <= set(plan.colwise)
-        for path in plan.head_projections:
-            assert block.get_submodule(path).out_features % plan.head_dim == 0
+        for path in stack.head_projections:
+            assert block.get_submodule(path).out_features % stack.head_dim == 0
     # Qwen2 has no per-head norms: the TP plan of a block shards its seven projections only.
-    parts = block_plan(model.layers[0], plan)
-    assert set(parts) == {*plan.colwise, *plan.rowwise} | (set(plan.head_norms) if config.arch == "qwen3" else set())
+    parts = block_plan(model.layers[0], stack)
+    assert set(parts) == {*stack.colwise, *stack.rowwise} | (set(stack.head_norms) if config.arch == "qwen3" else set())
 
 
 def test_a_model_without_a_plan_is_refused_by_name():
@@ -97,5 +99,5 @@ def test_a_model_without_a_plan_is_refused_by_name():
 def test_activation_checkpointing_wraps_the_plans_blocks():
     model = models.build(QWEN3, generator=torch.Generator().manual_seed(0))
     apply_activation_checkpointing(model, "selective")
-    wrapped = [type(block).__name__ for block in transformer_blocks(model)]
+    wrapped = [type(block).__name__ for _, _, block in plan_blocks(model)]
     assert wrapped == ["CheckpointWrapper", "QwenBlock"]

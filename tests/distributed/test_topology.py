@@ -72,3 +72,42 @@ def test_one_process_needs_no_mesh(strategy):
     topology = build_mesh(_parallel(strategy=strategy), _context(1))
     assert topology.mesh is None and topology.dp_mesh is None and topology.tp_mesh is None
     assert (topology.dp_rank, topology.dp_size, topology.tp_size) == (0, 1, 1)
+
+
+def _with_ep(parallel: ParallelConfig, ep: int):
+    """``parallel`` with ``parallel.ep`` set, read as mesh_shape reads it."""
+    return type("Parallel", (), {**{f.name: getattr(parallel, f.name) for f in dataclasses.fields(parallel)}, "ep": ep})()
+
+
+@pytest.mark.parametrize(
+    "overrides, world, ep, expected",
+    [
+        (dict(strategy="fsdp"), 8, 1, MeshShape(1, 8, 1, 1)),
+        (dict(strategy="fsdp"), 8, 2, MeshShape(1, 4, 1, 2)),
+        (dict(strategy="fsdp", tp=2), 8, 4, MeshShape(1, 1, 2, 4)),
+        (dict(strategy="fsdp", tp=2, dp_replicate=2), 8, 2, MeshShape(2, 1, 2, 2)),
+    ],
+)
+def test_expert_parallel_ranks_come_from_the_data_parallel_ones(overrides, world, ep, expected):
+    shape = mesh_shape(_with_ep(_parallel(**overrides), ep), world)
+    assert shape == expected
+    assert shape.dp * shape.tp == world  # the ep ranks read their own rows: dp counts them
+    assert shape.as_tuple() == (shape.dp_replicate, shape.dp_shard, shape.ep, shape.tp)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, ep, words",
+    [
+        (dict(strategy="fsdp"), 6, 4, ["parallel.ep=4", "6 data-parallel ranks"]),
+        (dict(strategy="fsdp", tp=2), 8, 8, ["parallel.ep=8", "4 data-parallel ranks"]),
+        (dict(strategy="fsdp"), 2, 0, ["parallel.ep=0", ">= 1"]),
+        (dict(strategy="ddp"), 4, 2, ["parallel.ep=2", "ddp"]),
+        (dict(strategy="none"), 1, 2, ["parallel.ep=2", "fsdp"]),
+    ],
+)
+def test_expert_parallel_sizes_that_do_not_fit_are_config_errors(overrides, world, ep, words):
+    with pytest.raises(ConfigError) as info:
+        build_mesh(_with_ep(_parallel(**overrides), ep), _context(world))
+    assert info.value.context["key"] == "parallel.ep"
+    for word in words:
+        assert word in info.value.message
