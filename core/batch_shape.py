@@ -24,11 +24,19 @@ def batch_shape_violations(config: Config, world_size: int | None = None) -> lis
     """Every violated constraint, in the order a reader fixes them; with ``world_size`` None,
     only those that hold on any number of ranks."""
     t, d, p = config.train, config.data, config.parallel
-    if p.tp < 1:  # core.config.validate refuses it, after these checks
+    if p.tp < 1 or p.ep < 1:  # core.config.validate refuses them, after these checks
         world_size = None
     found = []
     if world_size is not None and world_size % p.tp:
         found.append(ConfigError(f"world size {world_size} is not divisible by parallel.tp={p.tp}", key="parallel.tp"))
+    ranks_apart = p.dp_replicate * p.tp * p.ep  # expert parallelism splits the data-parallel ranks
+    if world_size is not None and p.ep > 1 and p.dp_replicate >= 1 and world_size % ranks_apart:
+        found.append(ConfigError(
+            f"world size {world_size} is not divisible by parallel.dp_replicate x parallel.tp x parallel.ep = "
+            f"{p.dp_replicate} x {p.tp} x {p.ep}",
+            key="parallel.ep",
+            hint=f"use a world size that is a multiple of {ranks_apart}, or another parallel.ep",
+        ))
     dp = world_size // p.tp if world_size is not None and not world_size % p.tp else None
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         found.append(ConfigError(

@@ -9,9 +9,12 @@ same settings spelled differently hash the same.
 Each field's one-line docstring is the string literal right below it; ``describe()``
 collects them for the README's config reference and for error messages.
 
-The ``objective`` section and model.lora.targets' names are not defined here: the objective
-kinds and the model family register them from above (core/objective_kinds.py,
-training/registry.py), and the loader builds the section from what is registered.
+This module holds the loader and the run's own sections (run, train, checkpoint, runtime) and
+re-exports the others (core/config_sections.py: model, LoRA, data, parallel, determinism,
+metrics). The ``objective`` section, model.arch's names and the ``model.<arch>`` sections are
+registered from above (core/objective_kinds.py, core/model_families.py, built into classes by
+core/config_schema.py), and so are the checks of the layers that read the sections
+(core/config_checks.py); the loader calls the registering functions first (core/registration.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import functools
 import hashlib
 import inspect
 import json
 import math
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,60 +33,16 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from core.batch_shape import check_batch_shape
+from core import config_checks
+from core.config_schema import ObjectiveConfig, model_config_class, objective_config_class, registered_sections, schema_of
+# The sections defined in core/config_sections.py are read from here too (from core.config import ModelConfig).
+from core.config_sections import (AugmentConfig, DataConfig, DeterminismConfig, LoRAConfig, MetricsConfig,  # noqa: F401
+                                  ModelArch, ModelConfig, ParallelConfig, SourceConfig)
 from core.exceptions import ConfigError
-from core.objective_kinds import ObjectiveKind, lora_targets, objective_kind, objective_kinds
+from core.model_families import model_families, model_family
+from core.objective_kinds import objective_kind, objective_kinds
+from core.registration import ensure_registered
 
-
-# --------------------------------------------------------------------------- the registered section
-#
-# The ``objective`` section is built from the kinds registered in core/objective_kinds.py.
-
-
-def objective_config_class() -> type:
-    """The ``objective`` section's dataclass: ``kind`` (a Literal of the registered names, the
-    first one the default) and each kind's settings section, in the order of registration."""
-    return _objective_schema(objective_kinds())
-
-
-@functools.lru_cache(maxsize=None)
-def _objective_schema(kinds: tuple[ObjectiveKind, ...]) -> type:
-    """One class per set of registered kinds, so configs read under the same registrations are
-    of the same class (and compare equal)."""
-    names = tuple(k.name for k in kinds)
-    fields: list[tuple[str, Any, Any]] = [("kind", Literal[names], field(default=names[0]))]
-    docs = {"kind": _kind_doc(kinds)}
-    for k in kinds:
-        if k.settings is not None:
-            fields.append((k.name, k.settings, field(default_factory=k.settings)))
-            docs[k.name] = f"objective.kind={k.name}: its settings."
-    schema = dataclasses.make_dataclass("ObjectiveConfig", fields, bases=(ObjectiveConfig,), frozen=True)
-    schema.__module__, schema.__qualname__ = __name__, "ObjectiveConfig"
-    schema.field_docs = docs  # _field_docs reads these: the class has no source of its own
-    return schema
-
-
-def _kind_doc(kinds: tuple[ObjectiveKind, ...]) -> str:
-    named = [f"{k.name} ({k.summary})" for k in kinds]
-    listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1]
-    return f"Training objective: {listed}; docs/architecture.md."
-
-
-def _objective_from_dict(raw: dict[str, Any]) -> Any:
-    return _build(objective_config_class(), raw, "objective.")
-
-
-def _default_objective() -> Any:
-    return objective_config_class()()
-
-
-def _default_lora_targets() -> tuple[str, ...]:
-    return lora_targets()
-
-
-def _schema_of(tp: Any) -> Any:
-    """The registered class behind a placeholder section type (ObjectiveConfig), else ``tp``."""
-    return objective_config_class() if tp is ObjectiveConfig else tp
 
 
 # --------------------------------------------------------------------------- sections
@@ -97,132 +54,6 @@ class RunConfig:
     """Semantic part of the run ID: <name>-<YYYYMMDD-HHMMSS>-<hash8>; 1-64 of [A-Za-z0-9._-], starting with a letter or digit."""
     root: str = "runs"
     """Directory that holds run directories (relative to the working directory)."""
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    rank: int = 0
-    """Rank of every low-rank adapter; 0 turns LoRA off (full fine-tuning). docs/models.md, LoRA."""
-    alpha: float = 16.0
-    """Adapter scale numerator: the update is B @ A * alpha / rank (PEFT's lora_alpha)."""
-    dropout: float = 0.0
-    """Dropout on the adapters' input, in [0, 1); masks are keyed by (seed, step, rank, micro-batch, module)."""
-    targets: tuple[str, ...] = field(default_factory=_default_lora_targets)
-    """Linear layers that get adapters, by module name (q_proj ... down_proj); every block's match is wrapped."""
-    init_from: Optional[str] = None
-    """PEFT adapter directory (adapter_model.safetensors + adapter_config.json) to start the adapters from."""
-    modules_to_save: tuple[str, ...] = ()
-    """Extra modules that train in full beside the adapters (e.g. embed_tokens, norm), by module name."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: Literal["qwen2", "qwen3"] = "qwen3"
-    """Model family: qwen2 (q/k/v bias) or qwen3 (RMSNorm on q and k)."""
-    vocab_size: int = 512
-    """Vocabulary size; must cover the tokenizer's ids."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    intermediate_size: int = 384
-    """Hidden width of the SiLU-gated MLP."""
-    num_layers: int = 4
-    """Number of transformer blocks."""
-    num_heads: int = 4
-    """Query heads."""
-    num_kv_heads: int = 2
-    """Key/value heads (grouped-query attention); divides num_heads."""
-    head_dim: Optional[int] = None
-    """Per-head width; None means hidden_size // num_heads."""
-    rope_theta: float = 1000000.0
-    """RoPE base frequency."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm."""
-    tie_embeddings: bool = True
-    """Share the input embedding with the output head."""
-    qkv_bias: Optional[bool] = None
-    """Bias on q/k/v projections; None means the family default (qwen2 yes, qwen3 no)."""
-    qk_norm: Optional[bool] = None
-    """RMSNorm on q and k per head; None means the family default (qwen3 yes, qwen2 no)."""
-    max_position_embeddings: int = 32768
-    """Longest position the model is configured for (recorded in exports)."""
-    init_std: float = 0.02
-    """Standard deviation of the normal init of linear and embedding weights."""
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
-    """Attention kernel: sdpa (exact, anywhere), flex (compiled, GPU), auto (flex on CUDA at lengths k * 128)."""
-    init_from: Optional[str] = None
-    """Local Hugging Face directory to start from; its config.json overrides the shape."""
-    sdpa_backends: Literal["deterministic", "all"] = "deterministic"
-    """CUDA SDPA kernels: deterministic (memory-efficient, math: repeatable backward) or all (adds flash, cuDNN)."""
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """Low-rank adapters on a frozen base (rank 0: off)."""
-    quantize_base: Literal["none", "nf4"] = "none"
-    """Frozen base linears in 4-bit NF4 (QLoRA; torchao), dequantized per matmul; needs model.lora.rank > 0."""
-
-
-@dataclass(frozen=True)
-class SourceConfig:
-    path: str = ""
-    """File, directory or glob of shards."""
-    format: Literal["auto", "parquet", "jsonl", "jsonl.zst", "text"] = "auto"
-    """Shard format; auto picks by file suffix."""
-    weight: float = 1.0
-    """Relative sampling weight in a mixture of several sources."""
-    text_column: str = "text"
-    """Column (parquet) or key (jsonl) that holds the document text."""
-    name: Optional[str] = None
-    """Name used in provenance and metrics; defaults to the path."""
-    text_unit: Literal["file", "line"] = "file"
-    """Text format: each file is one document, or each non-blank line is one."""
-    record: Literal["text", "chat", "prompt_completion", "prompt", "preference"] = "text"
-    """Record kind: text (text_column), chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"}), prompt ({"prompt", "answer"}: GRPO prompts) or preference ({"prompt", "chosen", "rejected"}: DPO pairs)."""
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    kind: Literal["none", "span_drop", "case_flip"] = "none"
-    """Per-document augmentation: none, span_drop (drop a random token span) or case_flip."""
-    probability: float = 0.0
-    """Probability that a document is augmented."""
-    max_fraction: float = 0.1
-    """Largest fraction of a document's tokens an augmentation may touch."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    sources: tuple[SourceConfig, ...] = ()
-    """Training inputs; several sources form a deterministic weighted mixture."""
-    eval_source: Optional[SourceConfig] = None
-    """Held-out source for evaluation (optional)."""
-    tokenizer: str = "byte"
-    """'byte' (built in) or a local directory / tokenizer.json path (Hugging Face tokenizers)."""
-    seq_len: int = 256
-    """Length of every packed sequence."""
-    num_streams: int = 8
-    """Logical streams; every world size that divides it sees the same global batches."""
-    workers: int = 2
-    """Workers per rank for the expensive stage (a Hugging Face tokenizer); cheap stages run inline."""
-    process_pool: bool = True
-    """Run the stages that hold the GIL in data.workers worker processes (false: in the threads)."""
-    prefetch_batches: int = 4
-    """Batches buffered ahead of the trainer."""
-    max_in_flight: int = 256
-    """Semaphore bound on documents in flight inside the pipeline."""
-    on_bad_record: Literal["error", "skip"] = "error"
-    """A record that cannot be read or decoded: stop with a DataError, or skip and count it."""
-    shuffle_shards: bool = True
-    """Permute shard order per epoch from (seed, epoch)."""
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
-    """Per-document seeded augmentation (off by default)."""
-    loss_on: Literal["assistant", "completion", "all"] = "assistant"
-    """Chat/prompt-completion records: which tokens carry loss (assistant turns, the completion, or all)."""
-    packing: Literal["auto", "split", "whole"] = "auto"
-    """split: documents continue across sequences; whole: a sequence holds whole documents, padded (auto: whole for chat records)."""
-    overlong: Literal["truncate", "drop"] = "truncate"
-    """whole packing: a document longer than seq_len is truncated to it or dropped (both counted)."""
-    chat_template: Optional[str] = None
-    """A chat template preset (qwen2.5, qwen3, chatml: data/templates/) or a Jinja2 template file, overriding the tokenizer's (default: qwen's is qwen2.5, a directory's its tokenizer_config.json's, else ChatML)."""
-    template_clock: Optional[str] = None
-    """The fixed instant a chat template's strftime_now reads (ISO 8601, e.g. '2026-01-01T00:00:00'; quote it in YAML); unset: templates that call it are refused."""
 
 
 @dataclass(frozen=True)
@@ -298,63 +129,6 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class ObjectiveConfig:
-    """The ``objective`` section. Its fields come from the registered objective kinds
-    (core/objective_kinds.py): ``kind``, then one settings section per kind that has settings,
-    in the order of registration. A config holds an ``objective_config_class()``, a subclass;
-    it pickles as its plain values and is rebuilt under the receiving process's registrations."""
-
-    def __reduce__(self):
-        return _objective_from_dict, (to_dict(self),)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    strategy: Literal["none", "ddp", "fsdp", "xla_spmd"] = "ddp"
-    """How the model is replicated or sharded across ranks."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision: fp32, bf16 autocast/mixed precision, fp16 with a gradient scaler."""
-    compile: bool = False
-    """torch.compile each transformer block."""
-    compile_mode: Literal["default", "reduce-overhead"] = "default"
-    """With compile: reduce-overhead replays each compiled block as a CUDA graph (one launch instead of one per kernel: for steps the host cannot issue fast enough); CUDA, strategies none and ddp."""
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, full (every block) or selective (every other)."""
-    dp_replicate: int = 1
-    """Data-parallel replicate degree (HSDP); 1 means shard across all data-parallel ranks."""
-    tp: int = 1
-    """Tensor-parallel degree."""
-    reshard_after_forward: bool = True
-    """FSDP: free gathered parameters after forward (ZeRO-3) instead of keeping them (ZeRO-2)."""
-    fsdp_unit_blocks: int = 1
-    """FSDP: consecutive transformer blocks per FSDP unit. Each unit is one all-gather, one reduce-scatter and one set of hooks per pass: more blocks per unit cut FSDP's host time (it bounds small models) and hold more gathered parameters at once."""
-    cpu_offload: bool = False
-    """FSDP: keep parameters and optimizer state in host memory."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process group backend; auto is nccl on CUDA, gloo on CPU."""
-    timeout_s: float = 600.0
-    """Collective timeout in seconds."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device to train on; auto picks cuda when available. Local rank i takes cuda:i; more ranks per node than visible GPUs is an error (exit 2)."""
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Data-parallel gradient reduction (ddp, fsdp): fp32, or bf16 (half the bytes on the wire; each rank's gradient is divided by the data-parallel size and rounded to bf16 before the sum, then stored back in the gradient's dtype). Needs precision=bf16."""
-    ddp_bucket_mb: float = 25.0
-    """DDP: gradient bucket size in MiB. Each bucket is one all-reduce, started as soon as its gradients are ready: larger buckets mean fewer, larger collectives and less overlap with the backward."""
-    ddp_overlap: bool = True
-    """DDP: start each bucket's all-reduce while the backward still runs (true), or reduce all buckets back to back after it (false: the collectives do not share the GPU with the backward's kernels; see docs/parallelism.md)."""
-    ddp_embedding_grad: Literal["dense", "gathered"] = "dense"
-    """DDP with tied embeddings: the embedding lookup's gradient joins the output head's before the all-reduce (dense: the tied weight's bucket is ready only at the end of the backward, and its all-reduce is not overlapped), or each rank's looked-up rows are all-gathered after the backward and added to the reduced head gradient (gathered: the weight's bucket is reduced first, beside the whole backward). Applies under strategy=ddp on several ranks (no effect elsewhere, so a resume may change strategy); needs model.tie_embeddings=true, a trained embedding and objective.kind causal_lm, sft or distill; see docs/parallelism.md."""
-    backward_sm_carveout: int = 0
-    """CUDA data parallelism (ddp, fsdp) on several ranks: the backward's cuBLAS matmuls leave this many SMs to the gradient reduction's NCCL kernels running beside them (0: every SM; no effect on one rank). Changes the numbers, deterministically; see docs/parallelism.md."""
-    float8: Literal["none", "tensorwise", "rowwise"] = "none"
-    """FP8 linears via torchao (CUDA sm89+ only; master weights stay fp32): none, tensorwise or rowwise scaling. See docs/parallelism.md."""
-    float8_backward_fast_accum: bool = False
-    """FP8: the backward's two matmuls (input and weight gradients) accumulate in the tensor cores' faster, less precise mode too, as the forward's always does (torchao's default keeps them precise). 2-4% more tokens/s for Qwen3-1.7B on an H200; see docs/parallelism.md. Needs parallel.float8."""
-    float8_head: bool = False
-    """The output head in FP8, which parallel.float8 keeps in bf16 (the two keys are independent): its three matmuls (fused with the loss) in FP8 tensorwise, the logits' gradient in e5m2 at a fixed scale, the backward's accumulation always precise (parallel.float8_backward_fast_accum does not apply to it). 2.7% more tokens/s for Qwen3-1.7B on an H200, and its gradients round more (about 3% against fp32, 0.2% in bf16); see docs/parallelism.md. Needs CUDA sm89+ (or the CPU, where torch emulates FP8 matmuls: for tests), objective.kind causal_lm or sft, train.loss_chunk_tokens > 0, parallel.tp=1, and model.vocab_size and model.hidden_size multiples of 16."""
-
-
-@dataclass(frozen=True)
 class CheckpointConfig:
     interval: int = 50
     """Optimizer steps between checkpoints; 0 disables periodic checkpoints."""
@@ -399,36 +173,16 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
-class DeterminismConfig:
-    mode: Literal["bitwise", "fast"] = "bitwise"
-    """bitwise: deterministic kernels, identical ledgers; fast: allow non-deterministic kernels."""
-    fill_uninitialized_memory: bool = False
-    """bitwise only: fill every new tensor with NaN, torch's guard against kernels reading memory nobody wrote (costs host time: ~1% of a 0.5B step, 8% under the profiler)."""
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    log_interval: int = 1
-    """Steps between aggregated metric records and console lines."""
-    tensorboard: bool = True
-    """Write TensorBoard event files under the run dir."""
-    wandb: bool = False
-    """Also log to Weights & Biases (only if installed)."""
-    wandb_project: str = "lockstep"
-    """Weights & Biases project name."""
-
-
-@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     """Run identity."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=lambda: model_config_class()())
     """Model architecture."""
     data: DataConfig = field(default_factory=DataConfig)
     """Data pipeline."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimization."""
-    objective: ObjectiveConfig = field(default_factory=_default_objective)
+    objective: ObjectiveConfig = field(default_factory=lambda: objective_config_class()())
     """What the loop optimizes: pretraining or a post-training method."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallelism and precision."""
@@ -452,29 +206,13 @@ class Config:
 # Keys a resumed run may change. A prefix ending in "." admits every key below it.
 RESUMABLE_KEYS = (
     "run.root",  # where the run dir lives now (a run moved to another root resumes from there)
-    "train.max_steps",
-    "train.eval_interval",
-    "train.eval_batches",
+    "train.max_steps", "train.eval_interval", "train.eval_batches",
     "train.eval_generate.",  # an evaluation only: the ledger does not depend on it
-    "checkpoint.",
-    "runtime.",
-    "metrics.",
-    "data.workers",
-    "data.prefetch_batches",
-    "data.max_in_flight",
-    "data.process_pool",
-    "parallel.strategy",
-    "parallel.ddp_embedding_grad",
-    "parallel.compile",
-    "parallel.compile_mode",
-    "parallel.activation_checkpointing",
-    "parallel.reshard_after_forward",
-    "parallel.fsdp_unit_blocks",
-    "parallel.cpu_offload",
-    "parallel.backend",
-    "parallel.timeout_s",
-    "parallel.dp_replicate",
-    "parallel.tp",
+    "checkpoint.", "runtime.", "metrics.",
+    "data.workers", "data.prefetch_batches", "data.max_in_flight", "data.process_pool",
+    "parallel.strategy", "parallel.ddp_embedding_grad", "parallel.compile", "parallel.compile_mode",
+    "parallel.activation_checkpointing", "parallel.reshard_after_forward", "parallel.fsdp_unit_blocks",
+    "parallel.cpu_offload", "parallel.backend", "parallel.timeout_s", "parallel.dp_replicate", "parallel.tp",
 )
 
 
@@ -489,7 +227,9 @@ def is_resumable(key: str) -> bool:
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, world_size: int | None = None) -> Config:
     """Load, override, validate and freeze a config. Raises ConfigError (exit 2). ``world_size``
-    adds the constraints between the batch, the streams and that many ranks (core/batch_shape.py)."""
+    adds the constraints between the batch, the streams and that many ranks (core/batch_shape.py).
+    The registering functions run first (core/registration.py)."""
+    ensure_registered()
     raw: dict[str, Any] = _read_yaml_tree(Path(path), seen=()) if path is not None else {}
     for item in overrides:
         key, value = parse_override(item)
@@ -514,6 +254,7 @@ def _tokenizer_from_init(raw: dict[str, Any]) -> None:
 
 def from_dict(raw: dict[str, Any]) -> Config:
     """Build a Config from a plain nested dict (e.g. a run dir's config.yaml)."""
+    ensure_registered()
     return _build(Config, raw, "")
 
 
@@ -631,6 +372,8 @@ def _type_name(tp: Any) -> str:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
     if tp is type(None):
         return "null"
+    if tp is ModelArch:
+        return " | ".join(repr(f.name) for f in model_families())
     return getattr(tp, "__name__", str(tp))
 
 
@@ -667,8 +410,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
             value = [value]
         return tuple(_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is ModelArch:
+        return model_family(value).name  # any other value: ConfigError listing the registered names
     if dataclasses.is_dataclass(tp):
-        return _build(_schema_of(tp), value, f"{path}.")
+        return _build(schema_of(tp), value, f"{path}.")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -703,328 +448,28 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
-    """Cross-field checks, then the objective kind's own (``ObjectiveKind.validate``).
-    ``world_size`` adds the batch-divisibility checks (every violated one in one error:
-    core/batch_shape.py). The model's shape rules live with the
-    model (``models.qwen.dims``); train.py asks them early too."""
-    d, t, p = config.data, config.train, config.parallel
+    """Core's checks of the run's own sections, then those the layers above registered for theirs
+    (core/config_checks.py: parallelism, the optimizer, the model and LoRA), then the model family's
+    and the objective kind's own (``ModelFamily.validate``, ``ObjectiveKind.validate``), then
+    held-out generation's. ``world_size`` adds the batch-divisibility checks (every violated one in
+    one error: core/batch_shape.py). The model's shape rules live with the model (``models.qwen.dims``);
+    train.py asks them early too."""
+    config_checks.check_run_sections(config, world_size)
+    for check in config_checks.registered_checks():
+        check(config)
+    family = model_family(config.model.arch)
+    if family.validate is not None:
+        family.validate(config)
     kind = objective_kind(config.objective.kind)
-    validate_run_name(config.run.name)
-    _validate_numbers(config)
-    _positive("train.max_steps", t.max_steps)
-    _positive("train.global_batch_size", t.global_batch_size)
-    _positive("train.micro_batch_size", t.micro_batch_size)
-    _positive("data.seq_len", d.seq_len)
-    _positive("data.num_streams", d.num_streams)
-    _positive("data.max_in_flight", d.max_in_flight)
-    if d.workers < 0:
-        raise ConfigError("data.workers must be >= 0", key="data.workers")
-    if t.loss_chunk_tokens < 0:
-        raise ConfigError("train.loss_chunk_tokens must be >= 0 (0: full logits)", key="train.loss_chunk_tokens")
-    check_batch_shape(config, world_size)
-    for i, source in enumerate(d.sources):
-        if not source.path:
-            raise ConfigError(f"data.sources[{i}].path is empty", key=f"data.sources[{i}].path")
-        if not math.isfinite(source.weight) or source.weight <= 0:
-            raise ConfigError(
-                f"data.sources[{i}].weight must be a finite number > 0, got {source.weight}",
-                key=f"data.sources[{i}].weight",
-            )
-    if config.checkpoint.interval < 0 or config.checkpoint.keep < 0:
-        raise ConfigError("checkpoint.interval and checkpoint.keep must be >= 0", key="checkpoint")
-    if p.tp < 1 or p.dp_replicate < 1:
-        raise ConfigError("parallel.tp and parallel.dp_replicate must be >= 1", key="parallel")
-    if p.fsdp_unit_blocks < 1:
-        raise ConfigError(
-            f"parallel.fsdp_unit_blocks must be >= 1, got {p.fsdp_unit_blocks}",
-            key="parallel.fsdp_unit_blocks",
-            hint="1 shards every transformer block on its own",
-        )
-    if p.reduce_dtype != "fp32" and (p.precision != "bf16" or p.strategy not in ("ddp", "fsdp")):
-        raise ConfigError(
-            f"parallel.reduce_dtype={p.reduce_dtype} needs parallel.precision=bf16 and strategy ddp or fsdp "
-            f"(got precision={p.precision}, strategy={p.strategy})",
-            key="parallel.reduce_dtype",
-            hint="set parallel.reduce_dtype=fp32, or train in bf16 with data parallelism",
-        )
-    if not math.isfinite(p.ddp_bucket_mb) or p.ddp_bucket_mb <= 0:
-        raise ConfigError(
-            f"parallel.ddp_bucket_mb must be a finite number > 0, got {p.ddp_bucket_mb}",
-            key="parallel.ddp_bucket_mb",
-            hint="25 is DDP's default",
-        )
-    if not 0 <= p.backward_sm_carveout <= 128:
-        raise ConfigError(
-            f"parallel.backward_sm_carveout must be between 0 and 128 SMs, got {p.backward_sm_carveout}",
-            key="parallel.backward_sm_carveout",
-            hint="0 turns it off; NCCL's kernels hold about 16-32 SMs of a Hopper card",
-        )
-    if not p.ddp_overlap and p.strategy != "ddp":
-        raise ConfigError(
-            f"parallel.ddp_overlap=false applies to strategy ddp only (got strategy={p.strategy})",
-            key="parallel.ddp_overlap",
-            hint="remove parallel.ddp_overlap, or set parallel.strategy=ddp",
-        )
-    if p.ddp_embedding_grad == "gathered":
-        _validate_gathered_embedding_grad(config)
-    if p.compile_mode != "default" and (not p.compile or p.device == "cpu" or p.strategy in ("fsdp", "xla_spmd")):
-        raise ConfigError(
-            f"parallel.compile_mode={p.compile_mode} needs parallel.compile=true on CUDA with strategy none or "
-            f"ddp (got compile={p.compile}, device={p.device}, strategy={p.strategy})",
-            key="parallel.compile_mode",
-            hint="CUDA graphs need fixed parameter addresses; FSDP gathers its parameters anew every step",
-        )
-    if p.compile_mode != "default" and not kind.capabilities.cuda_graph_safe:
-        raise ConfigError(
-            f"parallel.compile_mode={p.compile_mode} does not suit objective.kind={kind.name}: its forwards run the "
-            "policy's blocks at shapes that change within a step (e.g. a new length every decoding step), and "
-            "each shape would capture new CUDA graphs",
-            key="parallel.compile_mode",
-            hint=f"use parallel.compile_mode=default with objective.kind={kind.name}",
-        )
-    _validate_optimizer(t)
-    _validate_float8(p)
-    _validate_float8_head(config)
-    _validate_lora(config)
     if kind.validate is not None:
         kind.validate(config)
-    _validate_eval_generate(config)
-
-
-def _validate_eval_generate(config: Config) -> None:
-    """train.eval_generate.* (docs/post_training.md, held-out generation): a prompt source and sane sizes."""
-    e, key = config.train.eval_generate, "train.eval_generate"
-    if e.source is None:
-        return
-    if e.source.record != "prompt":
-        raise ConfigError(f"{key}.source must hold prompt records, got record: {e.source.record}",
-                          key=f"{key}.source.record",
-                          hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval with record: prompt')
-    checks = (
-        ("prompts", e.prompts >= 1, ">= 1"),
-        ("max_new_tokens", e.max_new_tokens >= 1, ">= 1"),
-        ("samples", e.samples >= 0, ">= 0 (0: greedy only)"),
-        ("temperature", math.isfinite(e.temperature) and e.temperature > 0, "> 0"),
-    )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
-
-
-def _validate_lora(config: Config) -> None:
-    """model.lora and model.quantize_base on their own and against parallel.* (docs/models.md, LoRA)."""
-    lora, quantize = config.model.lora, config.model.quantize_base
-    if lora.rank < 0:
-        raise ConfigError(f"model.lora.rank must be >= 0 (0: off), got {lora.rank}", key="model.lora.rank")
-    if lora.rank == 0:
-        needs_adapters = {
-            "model.lora.init_from": lora.init_from is not None,
-            "model.lora.modules_to_save": bool(lora.modules_to_save),
-            "model.quantize_base": quantize != "none",
-        }
-        for key, is_set in needs_adapters.items():
-            if is_set:
-                raise ConfigError(
-                    f"{key} is set but model.lora.rank is 0 (LoRA off)",
-                    key="model.lora.rank",
-                    hint=f"set model.lora.rank > 0 (e.g. 16) to train adapters, or unset {key}",
-                )
-        return
-    if lora.alpha <= 0:
-        raise ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}", key="model.lora.alpha")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}", key="model.lora.dropout")
-    valid = lora_targets()
-    if not lora.targets:
-        raise ConfigError("model.lora.targets is empty", key="model.lora.targets", hint=f"valid: {', '.join(valid)}")
-    for name in lora.targets:
-        if name not in valid:
-            near = _nearest(name, list(valid))
-            raise ConfigError(
-                f"model.lora.targets names {name!r}, which is no linear layer of the model's blocks",
-                key="model.lora.targets",
-                hint=(f"did you mean {near!r}? " if near else "") + f"valid: {', '.join(valid)}",
-            )
-    if len(set(lora.targets)) != len(lora.targets):
-        raise ConfigError(f"model.lora.targets lists a name twice: {list(lora.targets)}", key="model.lora.targets")
-    p = config.parallel
-    if p.strategy == "xla_spmd":
-        raise ConfigError(
-            "model.lora is not supported with parallel.strategy=xla_spmd",
-            key="parallel.strategy",
-            hint="use none, ddp or fsdp for adapter training",
-        )
-    if p.float8 != "none":
-        raise ConfigError(
-            f"model.lora with parallel.float8={p.float8} is not supported: FP8 would convert the frozen base "
-            "and the rank-sized adapter matmuls, a combination that is untested",
-            key="parallel.float8",
-            hint="set parallel.float8=none for adapter training",
-        )
-    if quantize == "nf4" and p.tp > 1:
-        raise ConfigError(
-            "model.quantize_base=nf4 cannot be tensor-parallel (parallel.tp > 1): NF4 weights are not DTensor-shardable",
-            key="model.quantize_base",
-            hint="set parallel.tp=1 (FSDP or DDP shard/replicate NF4 bases), or quantize_base=none",
-        )
+    config_checks.check_eval_generate(config)
 
 
 def validate_world(config: Config, world_size: int) -> None:
     """Checks that need the world size (run before any process group is created): every
     violated constraint between the batch, the streams and the ranks in one ConfigError."""
-    check_batch_shape(config, world_size)
-
-
-def _validate_optimizer(t: TrainConfig) -> None:
-    if t.optimizer == "schedule_free_adamw" and t.schedule != "constant":
-        raise ConfigError(
-            f"train.optimizer=schedule_free_adamw averages its iterates instead of decaying the LR; "
-            f"train.schedule={t.schedule} would decay it as well",
-            key="train.schedule",
-            hint="set train.schedule=constant (train.warmup_steps still applies)",
-        )
-    if not 1 <= t.muon_ns_steps < 100:
-        raise ConfigError(f"train.muon_ns_steps must lie in [1, 100), got {t.muon_ns_steps}", key="train.muon_ns_steps")
-    for key, value in (("muon_momentum", t.muon_momentum), ("lion_beta1", t.lion_beta1), ("lion_beta2", t.lion_beta2)):
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"train.{key} must lie in [0, 1), got {value}", key=f"train.{key}")
-    if t.optimizer == "schedule_free_adamw" and not 0.0 < t.beta1 < 1.0:
-        raise ConfigError(f"train.beta1 must lie in (0, 1) for schedule_free_adamw, got {t.beta1}", key="train.beta1")
-
-
-def _validate_gathered_embedding_grad(config: Config) -> None:
-    """parallel.ddp_embedding_grad=gathered (distributed/ddp.py, GatheredEmbeddingGrad). Under
-    strategies other than ddp it has no effect, so a DDP run's checkpoint resumes under them."""
-    key = "parallel.ddp_embedding_grad"
-    hint = "remove parallel.ddp_embedding_grad (dense is the default)"
-    if not config.model.tie_embeddings:
-        raise ConfigError(f"{key}=gathered applies to tied embeddings; model.tie_embeddings is false", key=key,
-                          hint=hint + ": an untied embedding's gradient has no head part to reduce early")
-    if config.model.lora.rank > 0:
-        raise ConfigError(f"{key}=gathered needs a trained embedding; with model.lora.rank > 0 it is frozen",
-                          key=key, hint=hint)
-    if not objective_kind(config.objective.kind).capabilities.bounded_tokens:
-        bounded = [k.name for k in objective_kinds() if k.capabilities.bounded_tokens]
-        raise ConfigError(
-            f"{key}=gathered needs at most (rows per rank x data.seq_len) tokens a step per rank, which "
-            f"objective.kind={config.objective.kind} does not bound (it supports {', '.join(bounded)})",
-            key=key,
-            hint=hint,
-        )
-
-
-def _validate_float8(p: ParallelConfig) -> None:
-    """What the config alone rules out; the GPU and torchao are checked where the model is
-    built (distributed.float8.require_float8)."""
-    if p.float8 == "none":
-        if p.float8_backward_fast_accum:
-            raise ConfigError(
-                "parallel.float8_backward_fast_accum=true has no FP8 matmuls to apply to: parallel.float8=none",
-                key="parallel.float8_backward_fast_accum",
-                hint="set parallel.float8=tensorwise (or rowwise), or leave parallel.float8_backward_fast_accum=false",
-            )
-        return
-    if p.device == "cpu" or p.strategy == "xla_spmd":
-        where = "parallel.device=cpu" if p.device == "cpu" else "parallel.strategy=xla_spmd"
-        raise ConfigError(
-            f"parallel.float8={p.float8} needs CUDA GPUs with FP8 tensor cores (sm89+: L4, L40, H100, H200, B200); "
-            f"{where} has none",
-            key="parallel.float8",
-            hint="set parallel.float8=none, or train on such GPUs with torchao installed (pip install torchao)",
-        )
-    if p.precision != "bf16":
-        raise ConfigError(
-            f"parallel.float8={p.float8} runs its matmuls in FP8 around bf16 activations; "
-            f"parallel.precision={p.precision} is not bf16",
-            key="parallel.precision",
-            hint="set parallel.precision=bf16 with parallel.float8",
-        )
-    if p.tp > 1:
-        raise ConfigError(
-            f"parallel.float8={p.float8} with parallel.tp={p.tp} is not supported: the tensor-parallel plan "
-            "shards plain linears, not FP8 ones",
-            key="parallel.float8",
-            hint="use parallel.tp=1 (FSDP or DDP) with FP8",
-        )
-
-
-def _validate_float8_head(config: Config) -> None:
-    """parallel.float8_head: the fused head of the next-token objectives in FP8 (on its own or
-    beside parallel.float8's block linears). The device is checked where the model is built
-    (distributed.float8.require_float8_head)."""
-    if not config.parallel.float8_head:
-        return
-    key = "parallel.float8_head"
-    p = config.parallel
-    if p.strategy == "xla_spmd" or p.tp > 1:
-        where = "parallel.strategy=xla_spmd" if p.strategy == "xla_spmd" else f"parallel.tp={p.tp}"
-        raise ConfigError(
-            f"parallel.float8_head=true needs the output weight whole inside the forward; {where} keeps it "
-            "sharded or lazy, and the head is not fused there",
-            key=key,
-            hint="use parallel.tp=1 with strategy none, ddp or fsdp, or leave parallel.float8_head=false",
-        )
-    if not objective_kind(config.objective.kind).capabilities.fused_head:
-        fused = [k.name for k in objective_kinds() if k.capabilities.fused_head]
-        raise ConfigError(
-            f"parallel.float8_head=true applies to the fused cross-entropy head of objective.kind {' and '.join(fused)}; "
-            f"objective.kind={config.objective.kind} computes its head otherwise",
-            key=key,
-            hint="leave parallel.float8_head=false for this objective",
-        )
-    if config.train.loss_chunk_tokens == 0:
-        raise ConfigError(
-            "parallel.float8_head=true needs the fused head (train.loss_chunk_tokens > 0); "
-            "train.loss_chunk_tokens=0 computes the full logits through a bf16 lm_head",
-            key=key,
-            hint="set train.loss_chunk_tokens (default 8192), or leave parallel.float8_head=false",
-        )
-    for name in ("vocab_size", "hidden_size"):
-        value = getattr(config.model, name)
-        if value % 16:
-            raise ConfigError(
-                f"parallel.float8_head=true needs model.{name} to be a multiple of 16 (FP8 matmul shapes); got {value}",
-                key=f"model.{name}",
-                hint="leave parallel.float8_head=false for this model",
-            )
-
-
-RUN_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def validate_run_name(name: str) -> None:
-    """run.name becomes a directory name under run.root and the start of ``--resume ID``:
-    1-64 characters of ``[A-Za-z0-9._-]`` starting with a letter or digit (no separators,
-    no ``..`` component, nothing that reads as an option)."""
-    if not isinstance(name, str) or RUN_NAME_PATTERN.fullmatch(name) is None:
-        raise ConfigError(
-            f"run.name={name!r} is not a valid run name",
-            key="run.name",
-            hint="use 1-64 characters of letters, digits, '.', '_' and '-', starting with a letter or digit",
-        )
-
-
-def _validate_numbers(config: Config) -> None:
-    """Values whose wrong sign or non-finite value would only fail (or silently misbehave) later."""
-    t = config.train
-    if not math.isfinite(t.lr) or t.lr < 0:
-        raise ConfigError(f"train.lr must be a finite number >= 0, got {t.lr}", key="train.lr")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}", key="train.warmup_steps")
-    if not math.isfinite(t.min_lr_ratio) or not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}", key="train.min_lr_ratio")
-    _positive("model.vocab_size", config.model.vocab_size)
-    if config.runtime.gc_interval < 0:
-        raise ConfigError(
-            f"runtime.gc_interval must be >= 0, got {config.runtime.gc_interval}",
-            key="runtime.gc_interval",
-            hint="0 leaves Python's automatic garbage collection on",
-        )
-
-
-def _positive(key: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value}", key=key)
+    config_checks.check_batch_shape(config, world_size)
 
 
 # --------------------------------------------------------------------------- serialization
@@ -1047,20 +492,15 @@ def canonical_json(config: Config) -> str:
 # hashed text, so every earlier config keeps its hash (and its runs their IDs); set, it is hashed.
 # ``section.list[].key`` names a key of every entry of a list (compared with the default entry's).
 # An objective kind lists its own such keys (ObjectiveKind.hashed_only_when_set), and a kind
-# registered after the registry existed has its whole section treated so (hash_default_section).
-HASHED_ONLY_WHEN_SET = ("train.eval_generate", "data.template_clock")
+# registered after the registry existed has its whole section treated so (hash_default_section),
+# as has every model family's section (core/config_schema.py, registered_sections).
+HASHED_ONLY_WHEN_SET = ("train.eval_generate", "data.template_clock", "parallel.ep")
 
 
 def _hashed_only_when_set() -> list[str]:
-    """Core's keys and the registered kinds', deepest first: a key inside a section is compared
+    """Core's keys and the registered sections', deepest first: a key inside a section is compared
     (and dropped) before the section is."""
-    keys = list(HASHED_ONLY_WHEN_SET)
-    for kind in objective_kinds():
-        if kind.settings is not None:
-            keys += [f"objective.{kind.name}.{k}" for k in kind.hashed_only_when_set]
-            if not kind.hash_default_section:
-                keys.append(f"objective.{kind.name}")
-    return sorted(keys, key=lambda k: -k.count("."))
+    return sorted([*HASHED_ONLY_WHEN_SET, *registered_sections()], key=lambda k: -k.count("."))
 
 
 def config_hash(config: Config) -> str:
@@ -1123,7 +563,7 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, 
     hints = typing.get_type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
-        tp = _schema_of(hints[f.name])
+        tp = schema_of(hints[f.name])
         if dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, f"{prefix}{f.name}."))
             continue

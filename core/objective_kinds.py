@@ -1,11 +1,10 @@
-"""The objective kinds and model-family names the config loader (core/config.py) reads
-configs with, registered from above.
+"""The objective kinds the config loader (core/config.py) reads configs with, registered from above.
 
-Core knows no training method and no model family. Each objective kind declares its settings
-section, its checks and its capabilities as an ``ObjectiveKind``, and the model family names
-the linears LoRA may wrap; training/registry.py hands both to this registry before any config
-is read, and core.config builds the ``objective`` section and model.lora.targets' default from
-them. A kind is asked what it can do (``ObjectiveCapabilities``), never compared by name.
+Core knows no training method. Each objective kind declares its settings section, its checks and
+its capabilities as an ``ObjectiveKind``; training/registry.py hands them to this registry before
+any config is read (core/registration.py), and core.config builds the ``objective`` section from
+them. A kind is asked what it can do (``ObjectiveCapabilities``), never compared by name. The model
+families are rows of their own (core/model_families.py).
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from core.exceptions import ConfigError
-
-
+from core.registration import ensure_registered
 
 
 @dataclass(frozen=True)
@@ -73,14 +71,13 @@ class ObjectiveKind:
 
 @dataclass
 class _Registered:
-    """What the layers above hand the loader: objective kinds in order, the model family's LoRA targets."""
+    """What the layers above hand the loader: objective kinds in order."""
 
     kinds: dict[str, ObjectiveKind] = field(default_factory=dict)
-    lora_targets: tuple[str, ...] = ()
 
 
 _REGISTERED = _Registered()
-ENTRY_POINT_HINT = "call training.registry.register_all() in the entry point before loading a config"
+ENTRY_POINT_HINT = "register one with core.objective_kinds.register_objective (training/registry.py does)"
 
 
 def register_objective(kind: ObjectiveKind) -> None:
@@ -110,6 +107,8 @@ def unregister_objective(name: str) -> None:
 def objective_kinds() -> tuple[ObjectiveKind, ...]:
     """The registered kinds, in the order of registration."""
     if not _REGISTERED.kinds:
+        ensure_registered()
+    if not _REGISTERED.kinds:
         raise ConfigError("no objective kinds are registered, so no config can be read", hint=ENTRY_POINT_HINT)
     return tuple(_REGISTERED.kinds.values())
 
@@ -127,18 +126,3 @@ def record_fields(config: Any) -> tuple[str, ...]:
     every pipeline of the run's data is built with it (training/builders.py, ``python -m data inspect``)."""
     kind = objective_kind(config.objective.kind)
     return tuple(kind.record_fields(config)) if kind.record_fields is not None else ()
-
-
-def register_lora_targets(names: tuple[str, ...]) -> None:
-    """The model family's linear layers that may get adapters: model.lora.targets' default and its valid names."""
-    if _REGISTERED.lora_targets and _REGISTERED.lora_targets != tuple(names):
-        raise ConfigError("model.lora.targets' names are registered twice, differently", key="model.lora.targets",
-                          hint="one model family registers them")
-    _REGISTERED.lora_targets = tuple(names)
-
-
-def lora_targets() -> tuple[str, ...]:
-    """The registered LoRA target names (register_lora_targets)."""
-    if not _REGISTERED.lora_targets:
-        raise ConfigError("no LoRA target names are registered, so no config can be read", hint=ENTRY_POINT_HINT)
-    return _REGISTERED.lora_targets

@@ -156,10 +156,8 @@ def _inspect(args, overrides: list[str]) -> int:
     from core.config import load
     from data.inspection import checkpoint_data_state, describe, global_batch, render
     from data.tokenizers import build_tokenizer
-    from training.registry import register_all  # an entry point: above every layer (tests/test_layering.py)
 
-    register_all()
-    config = load(args.config, overrides)
+    config = load(args.config, overrides)  # registers the objective kinds and model families first (core/registration.py)
     start = None
     if args.run is not None:
         if not args.run.is_dir():
@@ -178,10 +176,8 @@ def _inspect(args, overrides: list[str]) -> int:
 def _bench(args, overrides: list[str]) -> int:
     from core.config import load
     from data.bench import render, run
-    from training.registry import register_all  # an entry point: above every layer (tests/test_layering.py)
 
-    register_all()
-    config = load(args.config, overrides)
+    config = load(args.config, overrides)  # registers the objective kinds and model families first (core/registration.py)
     workers = [int(w) for w in args.workers.split(",")] if args.workers else [config.data.workers]
     report = run(config, batches=args.batches, workers=workers, repeat=args.repeat)
     print(render(report))

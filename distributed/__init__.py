@@ -12,10 +12,31 @@ Typical use (see docs/parallelism.md)::
 ``distributed.xla_spmd`` is imported on its own: it needs torch_xla.
 """
 
-from distributed.grad import clip_grad_norm_, no_sync
-from distributed.params import canonical_name, param_hash, unwrap
-from distributed.parallelize import parallelize
-from distributed.topology import Topology, build_mesh, mesh_shape
+import importlib
+
+# Imported when first read (PEP 562), not with the package: the config loader imports
+# distributed/config_checks.py without torch (``python train.py --nproc N`` checks a config first).
+_EXPORTS = {
+    "clip_grad_norm_": "distributed.grad",
+    "no_sync": "distributed.grad",
+    "canonical_name": "distributed.params",
+    "param_hash": "distributed.params",
+    "unwrap": "distributed.params",
+    "parallelize": "distributed.parallelize",
+    "Topology": "distributed.topology",
+    "build_mesh": "distributed.topology",
+    "mesh_shape": "distributed.topology",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Topology",

@@ -18,11 +18,13 @@ from typing import Any, Sequence
 from core.environment import REQUIRED_MODULES, require_dependencies
 
 # The system Python without .venv: one line, not a traceback from a subcommand's imports
-# (runs show reads configs through training.registry, runs plot draws with matplotlib).
+# (runs show reads configs, which registers the objective kinds: core/registration.py; runs plot
+# draws with matplotlib).
 require_dependencies("-m experiments", modules=(*REQUIRED_MODULES, "matplotlib"))
 
 from core.exceptions import LockstepError  # noqa: E402
 from core import layout  # noqa: E402
+from core.registration import provider  # noqa: E402
 from experiments.episodes import StepEpisodes, format_episodes  # noqa: E402
 from experiments.plots import MAX_PANELS, Plot, comparison_path, plot_comparison, plot_run  # noqa: E402
 from experiments.runs import config_diff, describe_run, newest_first, resolve_run, summarize  # noqa: E402
@@ -99,11 +101,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    # A run whose meta.json lacks its config hash has it computed from config.yaml, which needs
-    # the objective kinds' sections. An entry point: above every layer (tests/test_layering.py).
-    from training.registry import register_all
-
-    register_all()
+    # A run whose meta.json lacks its config hash has it computed from config.yaml, which the
+    # loader reads after the registering functions ran (core/registration.py).
     info = describe_run(resolve_run(args.root, args.run_id), max_events=args.events)
     if args.json:
         print(json.dumps(info, indent=2, default=repr))
@@ -162,11 +161,9 @@ def _episodes(args: argparse.Namespace) -> int:
 
 def _decoder(spec: str):
     """The run's tokenizer's decode; token ids (and a note on stderr) where it cannot be built here.
-    An entry point: above every layer (tests/test_layering.py)."""
-    from data.tokenizers import build_tokenizer
-
+    The data layer's tokenizer builder is registered from above by name (core/registration.py)."""
     try:
-        return build_tokenizer(spec).decode
+        return provider("tokenizer")(spec).decode
     except LockstepError as err:
         print(f"note: printing token ids: the run's tokenizer does not load here ({err})", file=sys.stderr)
         return _ids

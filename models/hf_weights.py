@@ -1,14 +1,12 @@
-"""Hugging Face safetensors checkpoints <-> QwenForCausalLM.
+"""Hugging Face safetensors checkpoints <-> our models, for every model family.
 
 A checkpoint directory holds config.json plus either ``model.safetensors`` or shards
-listed in ``model.safetensors.index.json``. Our state_dict key is the HF key without the
-leading ``model.`` (``lm_head.weight`` is the same in both), so I/O is a rename plus
-checks: every parameter must be found exactly once with the shape config.json implies,
-and a tensor we have no place for is an error rather than silently dropped.
-
-Exactness padding: HF Qwen2 always has q/k/v biases and HF Qwen3 with ``attention_bias``
-also has an o_proj bias. Where our model lacks such a bias the exporter writes zeros (the
-same function), and the loader accepts such a tensor only if it is all zeros.
+listed in ``model.safetensors.index.json``. config.json picks the family (models/hf_config.py),
+whose weight adapter (``ModelFamily.weights``, models/weight_adapter.py) maps each Hugging Face
+key to ours, one-to-one or into a slot of a stacked tensor; I/O is that mapping plus checks:
+every parameter (every slot) must be found exactly once with the shape config.json implies,
+and a tensor we have no place for is an error rather than silently dropped (a tensor the
+adapter declares as zero padding is accepted only if all zeros).
 
 A directory is data from elsewhere (``model.init_from``, a reference, a teacher, generate's
 ``--from``), so the loader also refuses, as a ConfigError naming file and tensor: an index entry
@@ -27,25 +25,26 @@ from safetensors.torch import save_file
 
 from core.config import ModelConfig
 from core.exceptions import ConfigError
+from core.model_families import model_family
+from core.registration import import_attr
 from models.hf_config import config_path, hf_config_dict, model_config_from_hf
-from models.qwen.model import QwenForCausalLM, empty_model
+from models.weight_adapter import WeightAdapter
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
 _SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# Old exports stored RoPE's inverse frequencies; we recompute them. A sequence classifier's score
-# head is read by the reward model itself (training/objectives/reward_model_io.py).
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|score\.weight")
-_ZERO_PADDING = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.bias")
 
 
-def to_hf_key(key: str) -> str:
-    return key if key == "lm_head.weight" else f"model.{key}"
+def weight_adapter(config: ModelConfig) -> WeightAdapter:
+    """The weight adapter of ``config``'s model family."""
+    return import_attr(model_family(config.arch).weights)
 
 
-def from_hf_key(hf_key: str) -> str:
-    return hf_key if hf_key == "lm_head.weight" else hf_key.removeprefix("model.")
+def empty_model(config: ModelConfig, *, device: torch.device | str | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``config``'s family's model with uninitialized weights (``ModelFamily.build``)."""
+    return import_attr(model_family(config.arch).build)(config, device=device, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- load
@@ -57,7 +56,7 @@ def load_pretrained(
     base: ModelConfig | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-) -> QwenForCausalLM:
+) -> torch.nn.Module:
     """Our model with the weights of a local HF directory, on ``device`` in ``dtype``.
 
     The shape comes from config.json; non-shape fields from ``base`` (see
@@ -70,14 +69,22 @@ def load_pretrained(
 
 
 @torch.no_grad()
-def load_hf_weights(model: QwenForCausalLM, path: str | Path) -> None:
-    """Fill every parameter of ``model`` from the safetensors files under ``path``."""
+def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Fill every parameter of ``model`` (every slot of a stacked one) from the safetensors files under ``path``."""
     directory = config_path(path).parent
-    expected = {to_hf_key(name): param for name, param in model.named_parameters()}  # tied: embed only
+    adapter = weight_adapter(model.config)
+    params = dict(model.named_parameters())  # tied: the embedding only
+    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
+    expected = {}
+    for name, param in params.items():
+        slots = param.shape[0] if adapter.stacked(name) else None
+        hf_keys = adapter.to_hf(name, slots)
+        indices = range(slots) if slots is not None else (None,)
+        expected.update({hf_key: (name, index) for hf_key, index in zip(hf_keys, indices)})
     filled: set[str] = set()
     for file in _weight_files(directory):
         try:
-            _fill_from_file(model, file, expected, filled)
+            _fill_from_file(model, adapter, file, params, aliases, filled)
         except (SafetensorError, OSError) as exc:
             raise ConfigError(
                 f"{file.name} is not a readable safetensors file: {exc}",
@@ -95,20 +102,24 @@ def load_hf_weights(model: QwenForCausalLM, path: str | Path) -> None:
         )
 
 
-def _fill_from_file(model: QwenForCausalLM, file: Path, expected: dict[str, torch.Tensor], filled: set[str]) -> None:
+def _fill_from_file(model: torch.nn.Module, adapter: WeightAdapter, file: Path, params: dict[str, torch.Tensor],
+                    aliases: set[str], filled: set[str]) -> None:
     with safe_open(str(file), framework="pt", device="cpu") as reader:
         for hf_key in reader.keys():
-            if hf_key in expected:
+            slot = adapter.from_hf(hf_key)
+            if slot is not None and slot.key in params:
+                param = params[slot.key]
+                target = param if slot.index is None else param[slot.index]
                 tensor = reader.get_tensor(hf_key)
-                _check_shape(hf_key, tensor, expected[hf_key], file, model.config)
+                _check_shape(hf_key, tensor, target, file, model.config)
                 _check_finite(hf_key, tensor, file)
-                expected[hf_key].copy_(tensor)
+                target.copy_(tensor)
                 filled.add(hf_key)
-            elif hf_key == "lm_head.weight" and model.dims.tie_embeddings:
+            elif slot is not None and slot.key in aliases:
                 continue  # tied: the output head is the embedding, as in transformers
-            elif _IGNORED.fullmatch(hf_key):
+            elif adapter.ignored(hf_key):
                 continue
-            elif _ZERO_PADDING.fullmatch(hf_key):
+            elif adapter.zero_padding(hf_key):
                 _check_zero_padding(hf_key, reader.get_tensor(hf_key), file)
             else:
                 raise ConfigError(
@@ -211,36 +222,36 @@ def _check_zero_padding(hf_key: str, tensor: torch.Tensor, file: Path) -> None:
 
 
 def save_pretrained(
-    model: QwenForCausalLM,
+    model: torch.nn.Module,
     path: str | Path,
     *,
     state_dict: dict[str, torch.Tensor] | None = None,
     max_shard_bytes: int = 5 * 1024**3,
 ) -> None:
-    """Write config.json and safetensors weights that transformers loads as Qwen2/Qwen3ForCausalLM.
+    """Write config.json and safetensors weights that transformers loads as the model family's class.
 
     ``state_dict`` overrides the model's own (pass a gathered full state dict for an
     FSDP-sharded model, and call on one rank). Weights keep their dtype. Tied checkpoints
-    omit lm_head.weight, as transformers does. Above ``max_shard_bytes`` the weights are
-    split into shards with an index. Earlier weight files in ``path`` are replaced.
+    omit the tied copy (lm_head.weight), as transformers does. Above ``max_shard_bytes`` the
+    weights are split into shards with an index. Earlier weight files in ``path`` are replaced.
     """
-    dims = model.dims
+    adapter = weight_adapter(model.config)
+    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
     source = model.state_dict() if state_dict is None else state_dict
     tensors: dict[str, torch.Tensor] = {}
     for key, value in source.items():
-        if key == "lm_head.weight" and dims.tie_embeddings:
+        if key in aliases:
             continue
         if hasattr(value, "full_tensor"):
             raise ValueError(f"{key} is a sharded DTensor; pass a gathered full state_dict to save_pretrained")
-        tensors[to_hf_key(key)] = value.detach().to("cpu").contiguous()
-    dtype = tensors["model.embed_tokens.weight"].dtype
-    for layer in range(dims.num_layers):
-        prefix = f"model.layers.{layer}.self_attn"
-        if not dims.qk_norm and not dims.qkv_bias:  # exported as Qwen2, which always has q/k/v bias
-            for proj, width in (("q_proj", dims.q_width), ("k_proj", dims.kv_width), ("v_proj", dims.kv_width)):
-                tensors[f"{prefix}.{proj}.bias"] = torch.zeros(width, dtype=dtype)
-        if dims.qk_norm and dims.qkv_bias:  # exported as Qwen3 attention_bias=true, which biases o_proj too
-            tensors[f"{prefix}.o_proj.bias"] = torch.zeros(dims.hidden_size, dtype=dtype)
+        value = value.detach().to("cpu").contiguous()
+        if adapter.stacked(key):
+            tensors.update(zip(adapter.to_hf(key, value.shape[0]), (part.contiguous() for part in value.unbind(0))))
+        else:
+            (hf_key,) = adapter.to_hf(key)
+            tensors[hf_key] = value
+    dtype = next(iter(tensors.values())).dtype
+    tensors.update(adapter.export_padding(model, dtype))
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -248,7 +259,7 @@ def save_pretrained(
         if stale.is_file() and (stale.name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_PATTERN.fullmatch(stale.name)):
             stale.unlink()
     _write_shards(tensors, directory, max_shard_bytes)
-    hf_config = hf_config_dict(model.config, dims, str(dtype).removeprefix("torch."))
+    hf_config = hf_config_dict(model.config, model.dims, str(dtype).removeprefix("torch."))
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
 

@@ -78,9 +78,9 @@ from torch import nn
 from core.config import LoRAConfig, ModelConfig
 from core.exceptions import ConfigError
 from core.seeding import derive_seed
-from models.hf_weights import from_hf_key, load_pretrained, to_hf_key
+from core.model_families import model_family
+from models.hf_weights import load_pretrained, weight_adapter
 from models.nf4 import NF4Linear, is_nf4, nf4_bytes
-from models.qwen.lora_targets import LORA_TARGETS
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -174,9 +174,17 @@ def is_adapter_name(name: str) -> bool:
     return any(f".{part}." in f".{name}." for part in ADAPTER_PARTS)
 
 
-def peft_key(name: str) -> str:
-    """Our canonical parameter name -> its key in a PEFT adapter file."""
-    return PEFT_PREFIX + to_hf_key(canonical_name(name))
+def peft_key(model: nn.Module, name: str) -> str:
+    """Our canonical parameter name -> its key in a PEFT adapter file: the Hugging Face name the
+    model family's weight adapter gives it, under PEFT's prefix."""
+    (hf_key,) = weight_adapter(model.config).to_hf(canonical_name(name))
+    return PEFT_PREFIX + hf_key
+
+
+def _ordered_targets(model: nn.Module, found: set[str]) -> list[str]:
+    """``found`` in the order of the model family's LoRA targets, other names after them, sorted."""
+    targets = model_family(model.config.arch).lora_targets
+    return [n for n in targets if n in found] + sorted(found - set(targets))
 
 
 def lora_modules(model: nn.Module) -> list[LoRALinear]:
@@ -185,8 +193,7 @@ def lora_modules(model: nn.Module) -> list[LoRALinear]:
 
 def target_names(model: nn.Module) -> list[str]:
     """The module names ``model.lora.targets`` may use: linear layers inside the blocks."""
-    found = {name.rsplit(".", 1)[-1] for name, m in _block_linears(model)}
-    return [n for n in LORA_TARGETS if n in found] + sorted(found - set(LORA_TARGETS))
+    return _ordered_targets(model, {name.rsplit(".", 1)[-1] for name, m in _block_linears(model)})
 
 
 def _block_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
@@ -367,7 +374,7 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if is_adapter_name(name) or param.requires_grad:
             if hasattr(param, "full_tensor"):
                 raise ValueError(f"{name} is a sharded DTensor; gather the adapters before exporting them")
-            out[peft_key(name)] = param.detach()
+            out[peft_key(model, name)] = param.detach()
     return out
 
 
@@ -389,7 +396,7 @@ def peft_adapter_config(model: nn.Module, base_model_name_or_path: str | None) -
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": dropout,
-        "target_modules": [n for n in LORA_TARGETS if n in leaves] + sorted(leaves - set(LORA_TARGETS)),
+        "target_modules": _ordered_targets(model, leaves),
         "modules_to_save": extra or None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -429,7 +436,9 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> None:
         raise ValueError("load_peft_adapter needs a model with adapters (apply_lora first)")
     check_peft_adapter(directory, rank=wrapped[0].rank, alpha=wrapped[0].alpha)
     weights_file = directory / ADAPTER_WEIGHTS
-    expected = {peft_key(n): p for n, p in model.named_parameters() if is_adapter_name(n) or p.requires_grad}
+    trained = {n: p for n, p in model.named_parameters() if is_adapter_name(n) or p.requires_grad}
+    expected = {peft_key(model, n): p for n, p in trained.items()}
+    ours = {peft_key(model, n): canonical_name(n) for n in trained}
     filled = set()
     with safe_open(str(weights_file), framework="pt", device="cpu") as reader:
         for key in reader.keys():
@@ -445,7 +454,7 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> None:
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ConfigError(
                     f"{key!r} in {weights_file.name} has shape {list(tensor.shape)}, this model's "
-                    f"{from_hf_key(name.removeprefix(PEFT_PREFIX))} has {list(param.shape)}",
+                    f"{ours[name]} has {list(param.shape)}",
                     key="model.lora.init_from",
                     file=str(weights_file),
                     hint="the adapter was trained on a different base model or rank",

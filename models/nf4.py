@@ -50,7 +50,8 @@ from torch.utils.checkpoint import checkpoint
 
 from core.config import ModelConfig
 from core.exceptions import ConfigError
-from models.qwen.dims import resolve_dims
+from core.model_families import model_family
+from core.registration import import_attr
 
 BLOCK_SIZE = 64
 """Weights per absmax scale."""
@@ -173,17 +174,8 @@ def check_nf4_layout(config: ModelConfig, *, shards: int = 1) -> None:
     (torchao shards an NF4 weight by its blocks). Needs only the config, so it can run
     before any process group exists (with ``init_from``: on the config read from config.json).
     """
-    dims = resolve_dims(config)
     block = BLOCK_SIZE * SCALER_BLOCK_SIZE
-    shapes = {
-        "self_attn.q_proj": (dims.q_width, dims.hidden_size),
-        "self_attn.k_proj": (dims.kv_width, dims.hidden_size),
-        "self_attn.v_proj": (dims.kv_width, dims.hidden_size),
-        "self_attn.o_proj": (dims.hidden_size, dims.q_width),
-        "mlp.gate_proj": (dims.intermediate_size, dims.hidden_size),
-        "mlp.up_proj": (dims.intermediate_size, dims.hidden_size),
-        "mlp.down_proj": (dims.hidden_size, dims.intermediate_size),
-    }
+    shapes = import_attr(model_family(config.arch).block_linears)(config)
     for name, (rows, columns) in shapes.items():
         if (rows * columns) % (block * shards):
             where = f" over {shards} FSDP shards" if shards > 1 and (rows * columns) % block == 0 else ""

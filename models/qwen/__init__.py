@@ -8,8 +8,8 @@ __all__ = ["QwenAttention", "QwenBlock", "QwenForCausalLM", "QwenMLP", "RMSNorm"
 
 
 def __getattr__(name: str):
-    """The model classes, imported when first read: the family's LoRA names (lora_targets.py)
-    are read by the config loader without torch (models/__init__.py)."""
+    """The model classes, imported when first read: the family's rows (family.py) are read by the
+    config loader without torch (models/__init__.py)."""
     if name not in __all__:
         raise AttributeError(f"module 'models.qwen' has no attribute {name!r}")
     value = getattr(importlib.import_module("models.qwen.model"), name)

@@ -1,7 +1,7 @@
 """The resolved shape of a Qwen model: ModelConfig with every family default filled in.
 
 ModelConfig leaves a few fields as ``None`` meaning "the family default" (head_dim, q/k/v
-bias, q/k norm). The model, the FLOP counter and the Hugging Face exporter all need the
+bias, q/k norm: the model.arch row's ``defaults``, models/qwen/family.py). The model, the FLOP counter and the Hugging Face exporter all need the
 same concrete answer, so it is computed once here and checked with errors that name the
 config key to change.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from core.config import ModelConfig
 from core.exceptions import ConfigError
+from core.model_families import model_family
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def resolve_dims(config: ModelConfig) -> QwenDims:
         raise ConfigError(f"model.rms_norm_eps must be > 0, got {config.rms_norm_eps}", key="model.rms_norm_eps")
     if config.init_std <= 0:
         raise ConfigError(f"model.init_std must be > 0, got {config.init_std}", key="model.init_std")
-    is_qwen2 = config.arch == "qwen2"
+    family = model_family(config.arch)
     return QwenDims(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -89,8 +90,8 @@ def resolve_dims(config: ModelConfig) -> QwenDims:
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
         head_dim=head_dim,
-        qkv_bias=is_qwen2 if config.qkv_bias is None else config.qkv_bias,
-        qk_norm=(not is_qwen2) if config.qk_norm is None else config.qk_norm,
+        qkv_bias=family.default("qkv_bias") if config.qkv_bias is None else config.qkv_bias,
+        qk_norm=family.default("qk_norm") if config.qk_norm is None else config.qk_norm,
         tie_embeddings=config.tie_embeddings,
         rope_theta=config.rope_theta,
         rms_norm_eps=config.rms_norm_eps,

@@ -15,6 +15,7 @@ import pytest
 
 from core import config as config_lib
 from core import objective_kinds as registry
+from core import registration
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from training.registry import OBJECTIVE_KINDS, register_all
@@ -185,20 +186,26 @@ def test_an_entry_script_builds_another_class_for_a_kind_in_its_place(monkeypatc
     assert objective_class("ppo") is objective_class("causal_lm")
 
 
-def test_nothing_registered_is_an_error_saying_what_to_call(monkeypatch):
+def test_an_empty_registry_is_filled_by_the_registration_hook(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTERED", registry._Registered())
-    with pytest.raises(ConfigError, match="no LoRA target names are registered") as error:
-        config_lib.load(TINY)  # the model section is read first
-    assert "register_all()" in error.value.hint
+    monkeypatch.setattr(registration, "_CALLED", set())  # as in a fresh process
+    config = config_lib.load(TINY)  # the loader calls training.registry:register_all itself
+    assert [k.name for k in registry.objective_kinds()] == [k.name for k in OBJECTIVE_KINDS]
+    assert config.objective.kind == "causal_lm"
+
+
+def test_nothing_registered_is_an_error_saying_what_to_do(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTERED", registry._Registered())  # the hook ran already: nothing refills it
     with pytest.raises(ConfigError, match="no objective kinds are registered") as error:
-        config_lib.load(TINY, ["model.lora.targets=[q_proj]"])
-    assert "register_all()" in error.value.hint
+        config_lib.load(TINY)
+    assert "register_objective" in error.value.hint
 
 
 def test_lora_targets_come_from_the_model_family():
+    from core.model_families import model_family
     from models.qwen.lora_targets import LORA_TARGETS
 
-    assert config_lib.LoRAConfig().targets == registry.lora_targets() == LORA_TARGETS
+    assert config_lib.LoRAConfig().targets == model_family("qwen3").lora_targets == LORA_TARGETS
     error = _refused("model.lora.rank=8", "model.lora.targets=[q_proj, gate_prj]")
     assert "did you mean 'gate_proj'?" in error.hint
 
