@@ -195,6 +195,8 @@ class LauncherWatch(threading.Thread):
         self._poll_s = poll_s
         self._exit_fn = exit_fn
         self._events: Path | None = None
+        self._ending = threading.Lock()  # the watch and the main thread may both see the loss: one event
+        self._recorded = False
 
     def record_to(self, events: Path | None) -> None:
         """Once the run dir exists: where the launcher's death is recorded (the run's events.jsonl).
@@ -205,10 +207,25 @@ class LauncherWatch(threading.Thread):
 
         self._events = events
 
+    @property
+    def lost(self) -> bool:
+        """Whether the launcher died: the kernel re-parents its children as it exits, so this is
+        True before any peer rank can have ended because of that death."""
+        return os.getppid() != self.launcher
+
     def run(self) -> None:
         while True:
             time.sleep(self._poll_s)
-            if os.getppid() != self.launcher:
+            if self.lost:
+                self.end()
+                return
+
+    def end(self) -> None:
+        """Record the launcher's death and say so on stderr (once per process, whichever thread comes
+        first), then exit with code 1, without cleanup."""
+        with self._ending:
+            if not self._recorded:
+                self._recorded = True
                 try:
                     self._record_loss()
                 except Exception:  # noqa: BLE001 - nothing may keep the rank from exiting
@@ -219,8 +236,7 @@ class LauncherWatch(threading.Thread):
                     sys.stderr.flush()
                 except (OSError, ValueError):  # stderr a pipe whose reader went with the launcher
                     pass
-                self._exit_fn(1)
-                return
+        self._exit_fn(1)
 
     def _record_loss(self) -> None:
         """A ``failed`` event naming the launcher, so ``runs list`` shows a failed run, not a crashed one.
@@ -243,6 +259,16 @@ def record_launcher_loss(events: Path | None) -> None:
     events.jsonl, once the run dir exists (None: nowhere, e.g. a replay)."""
     if _launcher_watch is not None:
         _launcher_watch.record_to(events)
+
+
+def exit_if_launcher_lost() -> None:
+    """A failing rank calls this before it records its own failure: if its launcher is gone, the
+    failure follows from that death (a peer the watch ended broke its collective), so the rank
+    records ``LauncherLost`` and exits as its watch would, instead of recording an error that,
+    written after the peers' ``LauncherLost``, would read as the run's cause. Returns (does
+    nothing) when there is no watch or the launcher lives."""
+    if _launcher_watch is not None and _launcher_watch.lost:
+        _launcher_watch.end()
 
 
 def exit_with_launcher(

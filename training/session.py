@@ -25,7 +25,7 @@ from core.run_context import RunContext, load_recorded_config
 from experiments.artifacts import ArtifactStore
 from models import model_config_from_hf
 from models.qwen.dims import resolve_dims
-from runtime.signals import StartupSignals, exit_with_launcher, record_launcher_loss
+from runtime.signals import StartupSignals, exit_if_launcher_lost, exit_with_launcher, record_launcher_loss
 from runtime.watchdog import configure_nccl_diagnostics
 from runtime import launcher, relaunch
 from training import failed_start
@@ -235,6 +235,7 @@ def fail(
 ) -> int:
     if isinstance(error, SystemExit) and not error.code:  # --help: argparse printed it, a clean exit
         return ExitCode.OK
+    exit_if_launcher_lost()  # an error that follows the launcher's death is recorded as that death
     if watchdog is not None and watchdog.fired:
         # A peer's watchdog exit broke our blocked collective after our own watchdog fired:
         # the cause is the hang, so exit as the watchdog would once its bundle is written.

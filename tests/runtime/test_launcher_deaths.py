@@ -5,7 +5,9 @@
   ("Connection reset by peer") and writes its line first; the launcher still names the killed
   rank and the signal, and exits 128 + 9.
 - The launcher SIGKILLed: its ranks exit within seconds (runtime.signals.exit_with_launcher) and
-  record a ``failed`` event naming it, so ``runs list`` shows the run failed, not crashed.
+  record a ``failed`` event naming it, so ``runs list`` shows the run failed, not crashed. A rank
+  whose collective fails because a peer already left that way records the same event, never its
+  own error, whichever it notices first.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import psutil
 import pytest
 
 from experiments.runs import run_state
-from runtime import launcher
-from runtime.signals import exit_with_launcher
+from runtime import launcher, signals
+from runtime.signals import LauncherWatch, exit_if_launcher_lost, exit_with_launcher
 from tests import launch
 from tests.e2e_config import e2e_args
+from training import session
 
 
 def _start_nproc(cwd, name: str) -> subprocess.Popen:
@@ -143,3 +146,28 @@ def test_the_watch_records_a_failed_event_before_it_exits(tmp_path, monkeypatch)
     assert (event["event"], event["rank"], event["exit_code"], event["type"]) == ("failed", 1, 1, "LauncherLost")
     state, detail = run_state(tmp_path)
     assert state == "failed" and "the launcher (pid 100) died" in detail, detail
+
+
+class _Exited(Exception):
+    """What the fake exit raises, so the caller stops where the rank's process would."""
+
+
+def _exit(code: int) -> None:
+    raise _Exited(code)
+
+
+def test_a_failure_after_the_launchers_death_is_recorded_as_that_death(tmp_path, monkeypatch):
+    parent = [100]
+    monkeypatch.setattr(os, "getppid", lambda: parent[0])
+    watch = LauncherWatch(100, "1", poll_s=60, exit_fn=_exit)  # not started: its poll is the test's call
+    watch.record_to(tmp_path / "events.jsonl")
+    monkeypatch.setattr(signals, "_launcher_watch", watch)
+    exit_if_launcher_lost()  # the launcher lives: the rank's own failure is the cause
+    assert launch.events(tmp_path) == []
+    parent[0] = 1  # the launcher died; a peer's exit then broke this rank's collective
+    with pytest.raises(_Exited):
+        session.fail(RuntimeError("Connection reset by peer"), None, None, None)
+    with pytest.raises(_Exited):
+        watch.end()  # the watch's own poll, a moment later: the loss is recorded once
+    [event] = launch.events(tmp_path)
+    assert (event["event"], event["rank"], event["type"]) == ("failed", 1, "LauncherLost")
