@@ -49,6 +49,17 @@ def plan_blocks(model: nn.Module) -> Iterator[tuple[Stack, int, nn.Module]]:
             yield stack, index, block
 
 
+def declared_plans(model: nn.Module) -> Iterator[tuple[str, ModelParallelPlan]]:
+    """``(prefix, plan)`` of ``model`` and of every module inside it that declares a plan, the
+    prefix being that module's name in ``model.named_modules()`` ("" for ``model`` itself,
+    ``module.`` under DDP, ``trunk.`` for a critic's trunk) with a trailing dot: a path of the
+    plan, prefixed, is that module's name as ``model`` reports it."""
+    for name, module in model.named_modules():
+        plan = getattr(module, "parallel_plan", None)
+        if isinstance(plan, ModelParallelPlan):
+            yield (f"{name}." if name else ""), plan
+
+
 def submodule(model: nn.Module, path: str) -> nn.Module | None:
     """The module at the attribute path ``path`` (dots allowed), or None where there is none."""
     try:

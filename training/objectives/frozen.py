@@ -48,6 +48,7 @@ from core.distributed_context import DistributedContext
 from core.exceptions import ConfigError, LockstepError, ResumeError
 from distributed import param_hash, parallelize, unwrap
 from distributed.compile import apply_compile
+from distributed.model_structure import plan_of
 from distributed.topology import build_mesh
 from models.hf_config import model_config_from_hf
 from models.lora import adapters_disabled
@@ -219,7 +220,8 @@ def frozen_tokenizer(config: Config, source: str, *, key: str) -> str | None:
 
 
 def output_weight(module: nn.Module) -> torch.Tensor:
-    """A frozen model's full output weight (V, d), gathered once where it is sharded (fsdp)."""
-    weight = module.lm_head.weight.detach()
+    """A frozen model's full output weight (V, d) (its plan's ``output``), gathered once where it is
+    sharded (fsdp)."""
+    weight = module.get_submodule(plan_of(module).output).weight.detach()
     full = getattr(weight, "full_tensor", None)
     return full() if full is not None else weight

@@ -1,13 +1,14 @@
 """The optimizer of a run (``train.optimizer``) and the rules that split parameters into groups.
 
 Every trainable parameter gets one role, decided by the module that owns it, never by a
-name list that a new architecture could miss:
+name list that a new architecture could miss (the output head is the module the model's
+parallel plan names, ``model.parallel_plan.output``, core/model_plan.py):
 
 =============  =====================================================  ============  =========
 role           which parameters                                        weight decay  Muon runs
 =============  =====================================================  ============  =========
 ``matrix``     2-D weights of the hidden layers (attention, MLP)       yes           Muon
-``head``       the output projection (``lm_head``), when not tied       yes           AdamW
+``head``       the output projection (its plan's ``output``), untied   yes           AdamW
 ``embedding``  ``nn.Embedding`` weights (and a head tied to them)       no            AdamW
 ``vector``     norms, biases and any other tensor of fewer than 2 dims  no            AdamW
 ``tensor``     anything with more than 2 dims (none in the Qwen family) yes           AdamW
@@ -33,6 +34,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from core.config import TrainConfig
+from distributed.model_structure import declared_plans
 from training.optimizers.lion import Lion
 from training.optimizers.local_shards import LocalShardAdamW
 from training.optimizers.muon import Muon
@@ -40,7 +42,6 @@ from training.optimizers.schedule_free import ScheduleFreeAdamW
 
 DECAYED_ROLES = frozenset({"matrix", "head", "tensor"})
 MUON_ROLES = frozenset({"matrix"})
-HEAD_MODULE_NAME = "lm_head"
 
 
 def parameter_roles(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
@@ -52,13 +53,14 @@ def parameter_roles(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
     roles: dict[int, str] = {}
     names: dict[int, str] = {}
     params: dict[int, nn.Parameter] = {}
+    heads = {prefix + plan.output for prefix, plan in declared_plans(model)}
     for module_name, module in model.named_modules():
         for short, param in module.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
             key = id(param)
             name = f"{module_name}.{short}" if module_name else short
-            role = _role(module, module_name, param)
+            role = _role(module, param, head=module_name in heads)
             if key not in params or name < names[key]:
                 names[key] = name
             params[key] = param
@@ -67,12 +69,12 @@ def parameter_roles(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
     return {names[k]: (roles[k], params[k]) for k in sorted(params, key=lambda k: names[k])}
 
 
-def _role(module: nn.Module, module_name: str, param: torch.Tensor) -> str:
+def _role(module: nn.Module, param: torch.Tensor, *, head: bool) -> str:
     if isinstance(module, nn.Embedding):
         return "embedding"
     if param.ndim < 2:
         return "vector"
-    if module_name.rsplit(".", 1)[-1] == HEAD_MODULE_NAME:
+    if head:
         return "head"
     return "matrix" if param.ndim == 2 else "tensor"
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from core.exceptions import ResumeError
 from core.layout import RunPaths, list_steps, state_file_name, step_dir_name
+from distributed.model_structure import declared_plans
 from training.record import ledger as ledger_lib
 
 
@@ -165,11 +166,14 @@ class StepDump:
 
 
 def _layers(model: nn.Module):
-    """Named sub-modules worth a line each: embeddings, every block, final norm, head."""
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("embed_tokens", "norm", "lm_head") or (name.split(".")[-2:-1] == ["layers"]):
-            yield name, module
+    """Named sub-modules worth a line each, as the model's parallel plan names them: the
+    embedding, every block of every stack, the root modules (final norm) and the output head."""
+    for prefix, plan in declared_plans(model):
+        paths = [plan.embedding, *(f"{stack.path}.{index}" for stack in plan.stacks
+                                   for index in range(len(model.get_submodule(prefix + stack.path)))),
+                 *plan.root_modules, plan.output]
+        for path in paths:
+            yield prefix + path, model.get_submodule(prefix + path)
 
 
 def _accumulate(table: dict[str, dict[str, float]], name: str, tensor: torch.Tensor) -> None:
