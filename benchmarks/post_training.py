@@ -79,6 +79,8 @@ def synthetic_batches(config, count: int, rows: int, seq: int):
     import numpy as np
 
     from data.batch import Batch, DocSpan
+    from data.fields import TARGET_MASK
+    from data.preference import PAIR_ROLE
 
     rng = np.random.default_rng(0)
     half, vocab = seq // 2, config.model.vocab_size
@@ -95,7 +97,7 @@ def synthetic_batches(config, count: int, rows: int, seq: int):
             side_mask = np.arange(half) >= half // 2
             masks.append(np.concatenate([side_mask, side_mask]))
             roles.append(np.concatenate([np.full(half, 1), np.full(half, 2)]).astype(np.int8))
-        batches.append(Batch.from_rows(step + 1, tokens, spans, list(range(rows)), {}, masks, roles=roles))
+        batches.append(Batch.from_rows(step + 1, tokens, spans, list(range(rows)), {}, {TARGET_MASK: masks, PAIR_ROLE: roles}))
     return batches
 
 

@@ -8,10 +8,12 @@ so per-row digests gathered from all ranks hash the same for any world size.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from data.fields import TARGET_MASK, DocField
 from data.hashing import sequence_digest
 
 IGNORE_INDEX = -100
@@ -57,9 +59,14 @@ class Batch:
     state: dict
     """This rank's stream states after this batch ({"version", "streams"})."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Further per-row tensors, (B, ...) each: ``target_mask`` (B, T) bool for chat data (which
-    tokens are training targets); objectives add theirs (e.g. reference log-probs). They move to
-    the device with the batch (``placed``) and are covered by the batch hash (``row_digests``)."""
+    """Further per-row tensors, (B, ...) each: the document fields of the rows (data/fields.py; e.g.
+    ``target_mask`` (B, T) bool, which tokens are training targets); objectives add theirs (e.g.
+    reference log-probs). They move to the device with the batch (``placed``) and are covered by
+    the batch hash (``row_digests``)."""
+    media: dict[str, list[list[torch.Tensor]]] = field(default_factory=dict)
+    """Ragged data by field name (data/fields.py ``Pack.RAGGED``): per row, the items of its documents
+    in document order, each a tensor of its own shape (a row may have none). Sliced by row with the
+    batch, moved to the device (``placed``), and in the batch hash (``row_digests``)."""
     evaluation: bool = False
     """A held-out batch of the trainer's evaluation (``for_evaluation``): an objective scores it
     instead of preparing it for an update. Set by the caller, never inferred."""
@@ -72,10 +79,14 @@ class Batch:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def row_digests(self) -> list[tuple[int, bytes]]:
-        """(global row index, digest) of each row: its token ids, then its extras by name."""
+        """(global row index, digest) of each row: its token ids, then its extras by name, then its
+        media items by field name and order (a row without media items digests as its ids and extras)."""
         extras = sorted(self.extras.items())
+        media = sorted(self.media.items())
         return [
-            (index, sequence_digest(self.input_ids[r], [(name, value[r]) for name, value in extras]))
+            (index, sequence_digest(self.input_ids[r], [(name, value[r]) for name, value in extras]
+                                    + [(f"media:{name}[{i}]", item) for name, rows in media
+                                       for i, item in enumerate(rows[r])]))
             for r, index in enumerate(self.sequence_index)
         ]
 
@@ -88,6 +99,7 @@ class Batch:
             position_ids=place(self.position_ids),
             document_ids=place(self.document_ids),
             extras={k: place(v) for k, v in self.extras.items()},
+            media={k: [[place(item) for item in row] for row in rows] for k, rows in self.media.items()},
         )
 
     def for_evaluation(self) -> "Batch":
@@ -116,6 +128,7 @@ class Batch:
             sequence_index=[self.sequence_index[r] for r in rows],
             provenance=[self.provenance[r] for r in rows],
             extras={k: v[index] for k, v in self.extras.items()},
+            media={k: [v[r] for r in rows] for k, v in self.media.items()},
         )
 
     def _rows(self, lo: int, hi: int) -> "Batch":
@@ -128,6 +141,7 @@ class Batch:
             sequence_index=self.sequence_index[lo:hi],
             provenance=self.provenance[lo:hi],
             extras={k: v[lo:hi] for k, v in self.extras.items()},
+            media={k: v[lo:hi] for k, v in self.media.items()},
         )
 
     @classmethod
@@ -138,20 +152,17 @@ class Batch:
         spans: list[list[DocSpan]],
         sequence_index: list[int],
         state: dict,
-        masks: list[np.ndarray] | None = None,
+        fields: Mapping[DocField, Sequence[np.ndarray]] | None = None,
         *,
-        roles: list[np.ndarray] | None = None,
-        margins: list[np.ndarray] | None = None,
+        media: Mapping[str, Sequence[Sequence[np.ndarray]]] | None = None,
     ) -> "Batch":
         """Build the tensors from packed rows and their document spans (spans cover each row).
 
-        ``masks``: per row, which tokens are training targets (chat data); a position whose
-        next token is not a target gets no label, and the masks travel as ``target_mask``.
-        ``roles``: per row, preference roles (1 chosen, 2 rejected, 0 neither); they travel as
-        ``pair_role`` (B, T) int8 with ``pair_index`` (B, T) int64, the pair's number within its
-        row (-1 outside pairs): a pair is a chosen span and the rejected span after it.
-        ``margins``: per row, each pair's margin on its tokens (0 elsewhere); they travel as
-        ``pair_margin`` (B, T) float32 (only where the pipeline reads margins: data/preference.py)."""
+        ``fields``: per document field (data/fields.py), its (T,) values of each row; each travels as
+        an extra of its name (B, T) in its dtype, with the extras its ``finish`` derives (preference
+        roles add ``pair_index``). The target mask (``TARGET_MASK``) also masks labels: a position
+        whose next token is not a target gets no label. ``media``: per ragged field, the items of
+        each row (``Batch.media``)."""
         input_ids = np.stack(tokens).astype(np.int64)  # (B, T)
         rows, width = input_ids.shape
         starts = np.array([r * width + sp.start for r, row in enumerate(spans) for sp in row], dtype=np.int64)
@@ -168,20 +179,14 @@ class Batch:
         labels[:-1] = input_ids.reshape(-1)[1:]
         labels[ends - 1] = IGNORE_INDEX
         extras = {}
-        if masks is not None:
-            target = np.stack(masks).astype(bool).reshape(-1)  # (B*T,)
-            labels[:-1][~target[1:]] = IGNORE_INDEX
-            extras["target_mask"] = torch.from_numpy(target.reshape(rows, width))
+        for spec, values in (fields or {}).items():
+            stacked = np.stack(values).astype(spec.dtype)  # (B, T)
+            if spec.name == TARGET_MASK.name:
+                labels[:-1][~stacked.reshape(-1)[1:]] = IGNORE_INDEX
+            extras[spec.name] = torch.from_numpy(stacked)
+            if spec.finish is not None:
+                extras.update({name: torch.from_numpy(value) for name, value in spec.finish(stacked, position_ids).items()})
         labels = labels.reshape(rows, width)
-        if roles is not None:
-            role = np.stack(roles).astype(np.int8)  # (B, T)
-            starts_pair = (role == 1) & (position_ids == 0)  # each chosen span opens a pair
-            pair_index = np.cumsum(starts_pair, axis=1) - 1
-            pair_index[role == 0] = -1
-            extras["pair_role"] = torch.from_numpy(role)
-            extras["pair_index"] = torch.from_numpy(pair_index.astype(np.int64))
-        if margins is not None:
-            extras["pair_margin"] = torch.from_numpy(np.stack(margins).astype(np.float32))
         return cls(
             step=step,
             input_ids=torch.from_numpy(input_ids),
@@ -192,6 +197,8 @@ class Batch:
             provenance=[list(s) for s in spans],
             state=state,
             extras=extras,
+            media={name: [[torch.from_numpy(np.asarray(item)) for item in row] for row in per_row]
+                   for name, per_row in (media or {}).items()},
         )
 
 

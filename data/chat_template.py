@@ -55,6 +55,7 @@ every token.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 from dataclasses import dataclass
@@ -66,8 +67,10 @@ import numpy as np
 from core.exceptions import ConfigError, DataError, LockstepError
 from data.chat_sandbox import MAX_CHARS, MAX_SECONDS, Budget, TemplateBudgetError, compile_template, environment, \
     parse_clock, render_within
+from data.fields import TARGET_MASK
 from data.qwen_vocab import QWEN_SPEC
 from data.qwen_vocab import TEMPLATE_PRESET as QWEN_TEMPLATE_PRESET
+from data.record_kinds import Encoded, EncoderSetup, record_kind
 from data.templates import PRESETS, preset_path
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -162,36 +165,6 @@ class Rendered:
 
 
 # --------------------------------------------------------------------------- records
-
-
-def messages_of(record: Any, kind: str) -> tuple[list[dict], int]:
-    """(messages, index of the first completion message) of a chat or prompt/completion record.
-
-    Raises RecordError naming what does not match the kind.
-    """
-    if not isinstance(record, dict):
-        raise RecordError(f"record is a {type(record).__name__}, not a JSON object")
-    if kind == "chat":
-        if "messages" not in record:
-            raise RecordError(f"chat record has no 'messages' (keys: {', '.join(list(record)[:8])})")
-        messages = _check_messages(record["messages"], "messages")
-        _check_tool_turns(messages, "messages", tools_of(record))
-        return messages, _last_assistant(messages)
-    if kind == "prompt_completion":
-        for key in ("prompt", "completion"):
-            if key not in record:
-                raise RecordError(f"prompt_completion record has no {key!r} (keys: {', '.join(list(record)[:8])})")
-        prompt, completion = record["prompt"], record["completion"]
-        if isinstance(prompt, str) and isinstance(completion, str):
-            if not completion:
-                raise RecordError("'completion' is empty: nothing to train")
-            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}], 1
-        prompt = _check_messages(prompt, "prompt") if not isinstance(prompt, str) else [
-            {"role": "user", "content": prompt}]
-        completion = _check_messages(completion, "completion")
-        _check_tool_turns(prompt + completion, "prompt+completion", tools_of(record))
-        return prompt + completion, len(prompt)
-    raise RecordError(f"unknown record kind {kind!r}")
 
 
 def tools_of(record: dict) -> Optional[list[dict]]:
@@ -640,74 +613,73 @@ def token_mask(offsets: np.ndarray, spans: tuple[tuple[int, int], ...]) -> np.nd
     return mask
 
 
+class TemplateEncoder(abc.ABC):
+    """Base of the encoders of record kinds rendered with the chat template (data/kinds/): a record ->
+    (int32 ids, bool target mask) by ``encode``, a pipeline document by ``document``."""
+
+    def __init__(self, setup: EncoderSetup) -> None:
+        if setup.loss_on not in LOSS_ON:
+            raise ConfigError(f"data.loss_on must be one of {LOSS_ON}, got {setup.loss_on!r}", key="data.loss_on")
+        self.template = setup.template
+        self.tokenizer = setup.tokenizer
+        self.loss_on = setup.loss_on
+
+    @abc.abstractmethod
+    def encode(self, record: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The record's ids and target mask; RecordError naming what is wrong with it."""
+
+    def document(self, record: Any) -> Encoded:
+        ids, mask = self.encode(record)
+        return Encoded(ids, {TARGET_MASK.name: mask})
+
+    def conversation(self, messages: list[dict], first_completion: int,
+                     tools: Optional[list[dict]]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of the rendered conversation and which of them carry loss (``loss_on``)."""
+        rendered = self.template.render_spans(messages, first_completion, self.loss_on, tools=tools)
+        ids, offsets = self.tokenizer.encode_offsets(rendered.text)
+        return ids, token_mask(offsets, rendered.spans)
+
+
 class ChatEncoder:
-    """Record -> (int32 ids, bool target mask) with a tokenizer that reports character offsets."""
+    """Record of a template kind (``kind``: chat, prompt_completion, prompt) -> (int32 ids, bool target
+    mask), with a tokenizer that reports character offsets; ``check`` refuses a template that renders
+    no assistant span."""
 
     def __init__(self, template: ChatTemplate, tokenizer, *, kind: str, loss_on: str) -> None:
-        if loss_on not in LOSS_ON:
-            raise ConfigError(f"data.loss_on must be one of {LOSS_ON}, got {loss_on!r}", key="data.loss_on")
+        row = record_kind(kind)
+        encoder = row.encoder(EncoderSetup(template, tokenizer, loss_on)) if row.encoder is not None else None
+        if not isinstance(encoder, TemplateEncoder):
+            raise ConfigError(f"record kind {kind!r} is not one conversation rendered with the chat template",
+                              key="data.sources[i].record")
         self.template = template
         self.tokenizer = tokenizer
         self.kind = kind
         self.loss_on = loss_on
+        self._encoder = encoder
 
     def encode(self, record: Any) -> tuple[np.ndarray, np.ndarray]:
-        if self.kind == "prompt":
-            return self._encode_prompt(record)
-        messages, first_completion = messages_of(record, self.kind)
-        if self.kind == "prompt_completion" and isinstance(record.get("prompt"), str) \
-                and isinstance(record.get("completion"), str):
-            # Plain prompt/completion strings are text, not a conversation: no template.
-            prompt, completion = record["prompt"], record["completion"]
-            text = prompt + completion
-            spans = ((0, len(text)),) if self.loss_on == "all" else ((len(prompt), len(text)),)
-            rendered = Rendered(text, spans)
-        else:
-            rendered = self.template.render_spans(messages, first_completion, self.loss_on, tools=tools_of(record))
-        ids, offsets = self.tokenizer.encode_offsets(rendered.text)
-        return ids, token_mask(offsets, rendered.spans)
-
-    def _encode_prompt(self, record: Any) -> tuple[np.ndarray, np.ndarray]:
-        """A GRPO/PPO prompt record ``{"prompt", "answer"}`` (and optionally ``tools``, function specs
-        the template renders; a prompt of messages may hold earlier tool calls and their results,
-        checked as a chat record's are): the prompt rendered with the template and
-        ``add_generation_prompt`` (a string prompt is one user message), then the answer's tokens,
-        which the mask marks; the objective splits them again (training/objectives/grpo.py)."""
-        if not isinstance(record, dict):
-            raise RecordError(f"record is a {type(record).__name__}, not a JSON object")
-        prompt, answer = record.get("prompt"), record.get("answer")
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise RecordError("'prompt' is empty")
-            messages = [{"role": "user", "content": prompt}]
-        else:
-            messages = _check_messages(prompt, "prompt")
-        tools = tools_of(record)
-        _check_tool_turns(messages, "prompt", tools)
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-            raise RecordError(f"prompt record needs a non-empty 'answer' (string or number), got {answer!r}")
-        if isinstance(answer, float) and not np.isfinite(answer):
-            raise RecordError(f"prompt record's 'answer' is {answer!r}, not a finite number")  # JSON NaN/Infinity
-        text = self.template.render(messages, add_generation_prompt=True, tools=tools)
-        prompt_ids = self.tokenizer.encode_array(text)
-        answer_ids = self.tokenizer.encode_array(str(answer))
-        mask = np.concatenate([np.zeros(len(prompt_ids), dtype=bool), np.ones(len(answer_ids), dtype=bool)])
-        return np.concatenate([prompt_ids, answer_ids]).astype(np.int32), mask
+        return self._encoder.encode(record)
 
     def check(self) -> None:
-        """Refuse a template that renders no assistant span (a ConfigError naming the file)."""
-        probe = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."}]
-        try:
-            rendered = self.template.render_spans(probe, 1, "assistant")
-        except TemplateLimitError as exc:
-            raise ConfigError(str(exc), key="data.chat_template", file=self.template.origin,
-                              hint="fix the template's loops or the values it builds") from None
-        except RecordError as exc:
-            raise ConfigError(f"the chat template renders no assistant span: {exc}", key="data.chat_template",
-                              file=self.template.origin,
-                              hint="use a template that renders message contents verbatim, "
-                                   "or set data.loss_on=all") from None
-        ids, offsets = self.tokenizer.encode_offsets(rendered.text)
-        if not token_mask(offsets, rendered.spans).any():
-            raise ConfigError("the chat template's assistant span holds no token", key="data.chat_template",
-                              file=self.template.origin)
+        """Refuse a template that renders no assistant span (``check_template``)."""
+        check_template(self.template, self.tokenizer)
+
+
+def check_template(template: ChatTemplate, tokenizer) -> None:
+    """Refuse a template that renders no assistant span (a ConfigError naming the file): checked once
+    per run where a source's record kind is rendered with it."""
+    probe = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."}]
+    try:
+        rendered = template.render_spans(probe, 1, "assistant")
+    except TemplateLimitError as exc:
+        raise ConfigError(str(exc), key="data.chat_template", file=template.origin,
+                          hint="fix the template's loops or the values it builds") from None
+    except RecordError as exc:
+        raise ConfigError(f"the chat template renders no assistant span: {exc}", key="data.chat_template",
+                          file=template.origin,
+                          hint="use a template that renders message contents verbatim, "
+                               "or set data.loss_on=all") from None
+    ids, offsets = tokenizer.encode_offsets(rendered.text)
+    if not token_mask(offsets, rendered.spans).any():
+        raise ConfigError("the chat template's assistant span holds no token", key="data.chat_template",
+                          file=template.origin)

@@ -6,10 +6,12 @@ taken as messages (``data/chat_template.py`` checks them). Each side is rendered
 chat template, as SFT renders a conversation, and only the response carries loss (its
 content and end-of-turn marker: ``data.loss_on=completion`` on that conversation).
 
-The encoded pair is one pipeline document: the chosen ids followed by the rejected ids, with
-``parts`` saying where the rejected ones start. The whole-document packer lays the two out as
-two adjacent documents of one row (data/pipeline/packing.py ``WholeDocPacker``), so a pair
-never straddles micro-batches or ranks, whatever the world size.
+The encoded pair is one pipeline document of two pieces: the chosen ids followed by the rejected
+ids (``Encoded.pieces``: where the rejected ones start), with the document fields ``target_mask``,
+``pair_role`` (1 chosen, 2 rejected, per token) and, where read, ``pair_margin`` (per document).
+The whole-document packer lays the two out as two adjacent documents of one row
+(data/pipeline/packing.py ``WholeDocPacker``), so a pair never straddles micro-batches or ranks,
+whatever the world size; the batch adds ``pair_index``, the pair's number within its row.
 
 Margins: a record may hold ``margin``, a finite number, the score gap its pair's Bradley-Terry loss
 asks for (training/objectives/reward_model.py). The pipeline reads it only where the objective asks
@@ -30,11 +32,29 @@ from typing import Any
 
 import numpy as np
 
-from data.chat_template import ChatTemplate, RecordError, _check_messages, token_mask
+from data.chat_template import ChatTemplate, RecordError, _check_messages, check_template, token_mask
+from data.fields import TARGET_MASK, DocField, Pack
+from data.record_kinds import Encoded, EncoderSetup, RecordKind
 
 FIELDS = ("prompt", "chosen", "rejected")
 MARGIN = "margin"
 """The optional record field of a pair's margin (module docstring)."""
+CHOSEN, REJECTED = 1, 2
+"""The ``pair_role`` of a chosen and of a rejected response's tokens (0: no pair)."""
+
+
+def _pair_index(role: np.ndarray, position_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """(B, T) the pair's number within its row (-1 outside pairs): each chosen span opens a pair."""
+    starts_pair = (role == CHOSEN) & (position_ids == 0)
+    pair_index = np.cumsum(starts_pair, axis=1) - 1
+    pair_index[role == 0] = -1
+    return {"pair_index": pair_index.astype(np.int64)}
+
+
+PAIR_ROLE = DocField("pair_role", Pack.TOKENS, dtype="int8", finish=_pair_index)
+"""Per token: 1 chosen, 2 rejected, 0 neither; the batch adds ``pair_index`` from it."""
+PAIR_MARGIN = DocField("pair_margin", Pack.DOCUMENT, dtype="float32")
+"""Per pair, where margins are read: the record's ``margin`` on the pair's tokens, 0 elsewhere."""
 
 
 def pair_margin(record: dict) -> float:
@@ -80,8 +100,6 @@ class PreferenceEncoder:
     """Record -> (int32 ids of chosen then rejected, bool target mask, where rejected starts), and
     with ``margins`` the record's margin as a fourth value."""
 
-    kind = "preference"
-
     def __init__(self, template: ChatTemplate, tokenizer, *, margins: bool = False) -> None:
         self.template = template
         self.tokenizer = tokenizer
@@ -99,11 +117,19 @@ class PreferenceEncoder:
             return ids, np.concatenate([c_mask, r_mask]), len(c_ids), margin
         return ids, np.concatenate([c_mask, r_mask]), len(c_ids)
 
+    def document(self, record: Any) -> Encoded:
+        """The pair as one document of two pieces (module docstring)."""
+        ids, mask, cut, *margin = self.encode(record)
+        roles = np.full(len(ids), REJECTED, dtype=np.int8)
+        roles[:cut] = CHOSEN
+        fields = {TARGET_MASK.name: mask, PAIR_ROLE.name: roles}
+        if margin:
+            fields[PAIR_MARGIN.name] = margin[0]
+        return Encoded(ids, fields, pieces=(cut,))
+
     def check(self) -> None:
         """Refuse a template that renders no assistant span (as chat sources do)."""
-        from data.chat_template import ChatEncoder
-
-        ChatEncoder(self.template, self.tokenizer, kind="chat", loss_on="completion").check()
+        check_template(self.template, self.tokenizer)
 
     def _side(self, prompt: list[dict], response: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         rendered = self.template.render_spans(prompt + response, len(prompt), "completion")
@@ -112,3 +138,12 @@ class PreferenceEncoder:
         if not mask.any():
             raise RecordError("a response of the pair holds no token to train")
         return np.asarray(ids, dtype=np.int32), mask
+
+
+def _pairs(setup: EncoderSetup) -> PreferenceEncoder:
+    return PreferenceEncoder(setup.template, setup.tokenizer, margins=MARGIN in setup.record_fields)
+
+
+KIND = RecordKind(name="preference", summary='{"prompt", "chosen", "rejected"}: a pair of documents (DPO, reward models)',
+                  columns=FIELDS, encoder=_pairs, uses_template=True, fields=(PAIR_ROLE, PAIR_MARGIN),
+                  record_fields=(MARGIN,))

@@ -2,45 +2,42 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from data.batch import Batch
+from data.fields import TARGET_MASK, DocField
 from data.pipeline.packing import PackedSequence
 from data.state import StreamState, state_dict
 
 
 class BatchAssembler:
-    """Turns per-stream sequences into this rank's rows of a global batch."""
+    """Turns per-stream sequences into this rank's rows of a global batch.
 
-    def __init__(self, owned: list[int], rows_per_stream: int, compat: dict) -> None:
+    A batch carries each document field one of its rows carries; rows without it are filled
+    with the field's ``missing`` value (data/fields.py). Ragged items go to ``Batch.media``."""
+
+    def __init__(self, owned: list[int], rows_per_stream: int, compat: dict,
+                 fields: dict[str, DocField] | None = None) -> None:
         self.owned = owned
         self.rows_per_stream = rows_per_stream
         self._compat = compat
+        self._fields = {TARGET_MASK.name: TARGET_MASK, **(fields or {})}
 
     def assemble(self, step: int, sequences: dict[int, list[PackedSequence]]) -> Batch:
-        tokens, spans, index, masks, roles, margins = [], [], [], [], [], []
+        tokens, spans, index, rows = [], [], [], []
         states: dict[int, StreamState] = {}
         for s in self.owned:
-            rows = sequences[s]
-            assert len(rows) == self.rows_per_stream
-            for j, seq in enumerate(rows):
+            stream_rows = sequences[s]
+            assert len(stream_rows) == self.rows_per_stream
+            for j, seq in enumerate(stream_rows):
                 tokens.append(seq.tokens)
-                masks.append(seq.mask)
-                roles.append(seq.roles)
-                margins.append(seq.margins)
                 spans.append(seq.spans)
+                rows.append(seq)
                 index.append(s * self.rows_per_stream + j)
-            states[s] = rows[-1].state
-        has_masks = any(m is not None for m in masks)
-        if has_masks:
-            masks = [m if m is not None else np.ones(len(t), dtype=bool) for m, t in zip(masks, tokens)]
-        if any(r is not None for r in roles):  # preference pairs (data/preference.py)
-            roles = [r if r is not None else np.zeros(len(t), dtype=np.int8) for r, t in zip(roles, tokens)]
-        else:
-            roles = None
-        if any(m is not None for m in margins):  # pairs whose margins are read
-            margins = [m if m is not None else np.zeros(len(t), dtype=np.float32) for m, t in zip(margins, tokens)]
-        else:
-            margins = None
-        return Batch.from_rows(step, tokens, spans, index, state_dict(states, self._compat),
-                               masks if has_masks else None, roles=roles, margins=margins)
+            states[s] = stream_rows[-1].state
+        carried = sorted({name for seq in rows for name in seq.fields})
+        fields = {self._fields[name]: [seq.fields[name] if name in seq.fields
+                                       else self._fields[name].row(len(seq.tokens), len(seq.tokens)) for seq in rows]
+                  for name in carried}
+        ragged = sorted({name for seq in rows for name in seq.media})
+        media = {name: [seq.media.get(name, []) for seq in rows] for name in ragged}
+        return Batch.from_rows(step, tokens, spans, index, state_dict(states, self._compat), fields or None,
+                               media=media or None)

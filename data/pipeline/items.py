@@ -45,12 +45,10 @@ class Doc:
     """What to do about the error."""
     fatal: bool = False
     """True for failures that on_bad_record=skip must not hide (bugs, dead workers)."""
-    mask: Optional[np.ndarray] = None
-    """Chat records: (len(tokens),) bool, True where a token is a training target (data.loss_on)."""
-    parts: Optional[int] = None
-    """Preference pairs: the tokens are chosen + rejected; this is where the rejected one starts."""
-    margin: Optional[float] = None
-    """Preference pairs whose margins are read (data/preference.py): the record's ``margin``."""
+    fields: dict = field(default_factory=dict)
+    """Its document fields by name, from its record kind's encoder (data/fields.py; none for text)."""
+    pieces: tuple[int, ...] = ()
+    """Where each piece after the first starts in its tokens (``data.record_kinds.Encoded.pieces``)."""
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ import numpy as np
 
 from core.exceptions import DataError
 from data.batch import DocSpan
+from data.fields import TARGET_MASK, DocField, Pack
 from data.pipeline.items import Doc
 from data.state import StreamState
 
@@ -47,12 +48,11 @@ class PackedSequence:
     """Document spans, left to right."""
     state: StreamState | None
     """The stream's state after this sequence (kept for the last sequence of each batch only)."""
-    mask: np.ndarray | None = None
-    """(seq_len,) bool training targets (whole-document packing only; None: every token)."""
-    roles: np.ndarray | None = None
-    """(seq_len,) int8 preference roles: 1 chosen, 2 rejected, 0 neither (None: a row without pairs)."""
-    margins: np.ndarray | None = None
-    """(seq_len,) float32: each pair's margin on its tokens, 0 elsewhere (None: no margins read)."""
+    fields: dict[str, np.ndarray] = field(default_factory=dict)
+    """(seq_len,) values of each per-token or per-document field the row carries (data/fields.py):
+    whole-document rows always carry the target mask; none: every token trains."""
+    media: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    """The items of each ragged field of the row's documents, in document order (data/fields.py)."""
     skipped: tuple[BadRecordKey, ...] = ()
     """Bad records skipped (``on_bad_record: skip``) after the previous row and up to this row's
     state: counted when the row is consumed."""
@@ -240,14 +240,17 @@ class WholeDocPacker:
     document does not fit, so the state after a row is simply "read from the first document
     of the next row" (``skip`` is always 0). A document longer than ``seq_len`` (with its
     separator) is truncated to ``seq_len`` tokens or dropped (``data.overlong``); both are
-    counted, and a truncated chat document whose kept part trains no token is dropped (and
-    counted as dropped). The separator after a document is a target iff its last token is.
-    A source none of whose documents is usable ends the stream (``UnusableSources``).
+    counted, and a truncated document with a target mask whose kept part trains no token is
+    dropped (and counted as dropped). A document of several pieces (a preference pair) is laid
+    out as adjacent documents of one row, never truncated. Each document's fields are laid
+    beside its tokens by their ``Pack`` (data/fields.py); the separator after a document is a
+    target iff its last token is. A source none of whose documents is usable ends the stream
+    (``UnusableSources``).
     """
 
     def __init__(self, stream: int, state: StreamState, *, seq_len: int, eos_id: int, pad_id: int,
                  source_names: list[str], skip_bad: bool, overlong: str, state_every: int = 1,
-                 one_per_row: bool = False) -> None:
+                 one_per_row: bool = False, fields: dict[str, DocField] | None = None) -> None:
         if state.skip:
             raise DataError(
                 f"stream {stream}: the data state was saved with data.packing=split (skip={state.skip})",
@@ -262,15 +265,15 @@ class WholeDocPacker:
         self._overlong = overlong
         self._state_every = state_every
         self._one_per_row = one_per_row  # prompt records: a row is one prompt (never cut: a bad record)
+        self._fields = {TARGET_MASK.name: TARGET_MASK, **(fields or {})}  # what the documents may carry
         self._positions = list(state.positions)
         self._docs = state.docs
         self._next = state.docs
         self._sequences = state.sequences
         self._tokens: list[np.ndarray] = []
-        self._masks: list[np.ndarray] = []
         self._spans: list[DocSpan] = []
-        self._roles: list[np.ndarray] = []  # preference rows only (data/preference.py)
-        self._margins: list[np.ndarray] = []  # preference rows whose margins are read
+        self._laid: dict[str, list[tuple[int, np.ndarray]]] = {}  # field -> (start, values) of the row
+        self._media: dict[str, list[np.ndarray]] = {}  # ragged field -> the row's items
         self._skipped: list[BadRecordKey] = []  # bad records skipped since the last row closed
         self._fill = 0
         self._unusable = UnusableSources(stream, source_names, seq_len)
@@ -303,14 +306,13 @@ class WholeDocPacker:
                     out.append(failure)
                     return out
                 continue
-            if doc.parts is not None:  # a preference pair: two documents, one unit
-                out.extend(self._accept_pair(doc))
+            if doc.pieces:  # a preference pair: two documents, one unit
+                out.extend(self._accept_pieces(doc))
                 if self.failed:
                     return out
                 continue
-            mask = doc.mask if doc.mask is not None else np.ones(len(content), dtype=bool)
             piece = np.concatenate([content, self._eos])
-            piece_mask = np.concatenate([mask, mask[-1:]])
+            laid = self._lay(doc, 0, len(content))
             if len(piece) > T and self._one_per_row:
                 doc.error = (f"prompt record has {len(content)} tokens with its answer, more than "
                              f"data.seq_len={T} - 1 (the context of its rollouts)")
@@ -322,8 +324,9 @@ class WholeDocPacker:
                 continue
             if len(piece) > T:
                 dropped = self._overlong == "drop"
-                piece, piece_mask = piece[:T], piece_mask[:T]
-                if dropped or (doc.mask is not None and not piece_mask[1:].any()):  # nothing left to train
+                piece, laid = piece[:T], {name: values[:T] for name, values in laid.items()}
+                mask = laid.get(TARGET_MASK.name)
+                if dropped or (mask is not None and not mask[1:].any()):  # nothing left to train
                     self.dropped += 1
                     failure = self._not_used(doc, "longer than data.seq_len")
                     if failure is not None:
@@ -333,51 +336,64 @@ class WholeDocPacker:
                 self.truncated += 1
             if self._fill + len(piece) > T:
                 out.append(self._close_row())
-            self._spans.append(DocSpan(self._names[doc.source], doc.shard, doc.record,
-                                       self._fill, self._fill + len(piece), 0))
-            self._tokens.append(piece)
-            self._masks.append(piece_mask)
-            self._fill += len(piece)
+            self._place(doc, piece, laid, 0)
+            self._add_media(doc)
             self._used(doc)
             if self._fill == T or self._one_per_row:
                 out.append(self._close_row())
         return out
 
-    def _accept_pair(self, doc: Doc) -> list[PackedSequence | StreamFailure]:
-        """Pack a preference pair (``doc.parts``: chosen length) as two adjacent documents of one row.
+    def _accept_pieces(self, doc: Doc) -> list[PackedSequence | StreamFailure]:
+        """Pack a document of several pieces (``doc.pieces``: where each after the first starts; a
+        preference pair: chosen, rejected) as adjacent documents of one row.
 
-        The pair is one unit: it is never split across rows, and a pair longer than a row (with
-        both separators) is dropped and counted, whatever ``data.overlong`` says (truncating would
-        cut the responses the loss compares)."""
+        The document is one unit: it is never split across rows, and one longer than a row (with a
+        separator per piece) is dropped and counted, whatever ``data.overlong`` says (truncating
+        would cut the responses the loss compares)."""
         T, out = self._seq_len, []
-        cut = int(doc.parts)
-        pieces = [(doc.payload[:cut], doc.mask[:cut], 1), (doc.payload[cut:], doc.mask[cut:], 2)]
-        if sum(len(ids) + 1 for ids, _, _ in pieces) > T:
+        cuts = (0, *doc.pieces, len(doc.payload))
+        bounds = list(zip(cuts[:-1], cuts[1:]))
+        if sum(hi - lo + 1 for lo, hi in bounds) > T:
             self.dropped += 1
             failure = self._not_used(doc, "longer than data.seq_len")
             return [failure] if failure is not None else out
-        if self._fill + len(doc.payload) + 2 > T:
+        if self._fill + len(doc.payload) + len(bounds) > T:
             out.append(self._close_row())
-        laid = sum(len(r) for r in self._roles)  # other documents of the row have no role
-        self._roles.append(np.zeros(self._fill - laid, dtype=np.int8))
-        if doc.margin is not None:
-            self._margins.append(np.zeros(self._fill - sum(len(m) for m in self._margins), dtype=np.float32))
-        offset = 0
-        for ids, mask, role in pieces:
-            piece = np.concatenate([ids, self._eos])
-            self._spans.append(DocSpan(self._names[doc.source], doc.shard, doc.record,
-                                       self._fill, self._fill + len(piece), offset))
-            self._tokens.append(piece)
-            self._masks.append(np.concatenate([mask, mask[-1:]]))
-            self._roles.append(np.full(len(piece), role, dtype=np.int8))
-            if doc.margin is not None:
-                self._margins.append(np.full(len(piece), doc.margin, dtype=np.float32))
-            self._fill += len(piece)
-            offset += len(ids)
+        for lo, hi in bounds:
+            self._place(doc, np.concatenate([doc.payload[lo:hi], self._eos]), self._lay(doc, lo, hi), lo)
+        self._add_media(doc)
         self._used(doc)
         if self._fill == T:
             out.append(self._close_row())
         return out
+
+    def _lay(self, doc: Doc, lo: int, hi: int) -> dict[str, np.ndarray]:
+        """The document's per-token and per-document fields over its tokens [lo, hi) and a separator."""
+        laid = {}
+        for name, value in doc.fields.items():
+            spec = self._fields.get(name)
+            if spec is None:
+                raise RuntimeError(f"stream {self.stream}: a document carries the field {name!r}, which no "
+                                   "record kind of the run declares")
+            if spec.pack is Pack.TOKENS:
+                laid[name] = spec.on_document(value[lo:hi], hi - lo)
+            elif spec.pack is Pack.DOCUMENT:
+                laid[name] = spec.on_document(value, hi - lo)
+        return laid
+
+    def _place(self, doc: Doc, piece: np.ndarray, laid: dict[str, np.ndarray], offset: int) -> None:
+        """Append one laid-out document (or piece) to the open row."""
+        self._spans.append(DocSpan(self._names[doc.source], doc.shard, doc.record,
+                                   self._fill, self._fill + len(piece), offset))
+        self._tokens.append(piece)
+        for name, values in laid.items():
+            self._laid.setdefault(name, []).append((self._fill, values))
+        self._fill += len(piece)
+
+    def _add_media(self, doc: Doc) -> None:
+        for name, value in doc.fields.items():
+            if self._fields[name].pack is Pack.RAGGED:
+                self._media.setdefault(name, []).extend(value)
 
     def _reject(self, doc: Doc) -> StreamFailure | None:
         """A bad document ends the stream (``on_bad_record: error``, or a fatal failure), or is
@@ -411,7 +427,6 @@ class WholeDocPacker:
         T, fill = self._seq_len, self._fill
         if fill < T:
             self._tokens.append(np.full(T - fill, self._pad, dtype=np.int32))
-            self._masks.append(np.zeros(T - fill, dtype=bool))
             self._spans.append(DocSpan(PAD_SOURCE, "", -1, fill, T, 0))
             self.padding += T - fill
         self.tokens += T
@@ -419,16 +434,14 @@ class WholeDocPacker:
         state = None
         if self._sequences % self._state_every == 0:
             state = StreamState(tuple(self._positions), self._docs, 0, self._sequences)
-        roles = None
-        if self._roles:
-            self._roles.append(np.zeros(T - sum(len(r) for r in self._roles), dtype=np.int8))
-            roles = np.concatenate(self._roles)
-        margins = None
-        if self._margins:
-            self._margins.append(np.zeros(T - sum(len(m) for m in self._margins), dtype=np.float32))
-            margins = np.concatenate(self._margins)
+        fields = {}
+        for name in {TARGET_MASK.name, *self._laid}:  # padding never trains: every row has a target mask
+            values = self._fields[name].row(T, fill)
+            for start, laid in self._laid.get(name, ()):
+                values[start:start + len(laid)] = laid
+            fields[name] = values
         row = PackedSequence(np.concatenate(self._tokens).astype(np.int32, copy=False), self._spans, state,
-                             np.concatenate(self._masks), roles, margins, tuple(self._skipped))
-        self._tokens, self._masks, self._spans, self._fill, self._roles, self._margins = [], [], [], 0, [], []
+                             fields=fields, media=self._media, skipped=tuple(self._skipped))
+        self._tokens, self._spans, self._fill, self._laid, self._media = [], [], 0, {}, {}
         self._skipped = []
         return row

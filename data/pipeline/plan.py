@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from core.config import DataConfig
 from core.exceptions import ConfigError, DataError
 from data.pipeline.batching import BatchAssembler
-from data.chat_template import ChatEncoder, ChatTemplate
-from data.preference import MARGIN, PreferenceEncoder
+from data.chat_template import ChatTemplate, check_template
 from data.pipeline.packing import StreamPacker, WholeDocPacker
 from data.pipeline.reading import StreamReader
 from data.pipeline.augment import AugmentStage
 from data.pipeline.stages import DecodeStage, Stage, TokenizeStage
+from data.record_kinds import EncoderSetup, RecordEncoder, RecordKind, declared_fields, record_kind, record_kinds
 from data.sharding import Mixture, StreamAssignment, owned_streams
 from data.sources.source import Source, open_sources
 from data.state import STATE_VERSION, StreamState
@@ -38,6 +38,8 @@ class DataPlan:
     assignments: list[StreamAssignment]
     mixture: Mixture
     compat: dict
+    kinds: list[RecordKind]
+    """The record kind of each source (data/record_kinds.py)."""
 
     @property
     def seq_len(self) -> int:
@@ -53,7 +55,7 @@ class DataPlan:
     @property
     def whole_documents(self) -> bool:
         """Rows of whole documents, padded (chat data), instead of documents cut across rows."""
-        return packing_mode(self.config, self.sources) == "whole"
+        return packing_mode(self.config, self.kinds) == "whole"
 
     def packer(self, stream: int, state: StreamState) -> StreamPacker | WholeDocPacker:
         if self.whole_documents:
@@ -62,14 +64,15 @@ class DataPlan:
                                   source_names=[s.name for s in self.sources],
                                   skip_bad=self.config.on_bad_record == "skip", overlong=self.config.overlong,
                                   state_every=self.rows_per_stream,
-                                  one_per_row=any(s.config.record == "prompt" for s in self.sources))
+                                  one_per_row=any(kind.one_per_row for kind in self.kinds),
+                                  fields=declared_fields(self.kinds))
         return StreamPacker(stream, state, seq_len=self.seq_len, eos_id=self.tokenizer.eos_id,
                             source_names=[s.name for s in self.sources],
                             skip_bad=self.config.on_bad_record == "skip",
                             state_every=self.rows_per_stream)
 
     def assembler(self) -> BatchAssembler:
-        return BatchAssembler(self.owned, self.rows_per_stream, self.compat)
+        return BatchAssembler(self.owned, self.rows_per_stream, self.compat, declared_fields(self.kinds))
 
     def start_step(self, states: dict[int, StreamState]) -> int:
         """The global batch the states end after; refuses states that disagree."""
@@ -89,10 +92,12 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
     (core.objective_kinds.record_fields; ``margin``: each preference pair's margin)."""
     if split not in SPLITS:
         raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
-    unknown = set(record_fields) - {MARGIN}
+    offered = {name: kind.name for kind in record_kinds().values() for name in kind.record_fields}
+    unknown = set(record_fields) - set(offered)
     if unknown:
-        raise ConfigError(f"the data pipeline carries no record field {sorted(unknown)[0]!r} (only {MARGIN!r} of "
-                          "preference records)", key="objective.kind")
+        only = ", ".join(f"{name!r} of {kind} records" for name, kind in offered.items())
+        raise ConfigError(f"the data pipeline carries no record field {sorted(unknown)[0]!r} (only {only})",
+                          key="objective.kind")
     if global_batch_size % config.num_streams:
         raise ConfigError(
             f"global batch size {global_batch_size} is not divisible by data.num_streams={config.num_streams}",
@@ -108,9 +113,10 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
         sources = open_sources(config.sources, label="data.sources")
     tokenizer = build_tokenizer(config.tokenizer)
     records = [s.config.record for s in sources]
-    chat = chat_encoders(config, sources, tokenizer, margins=MARGIN in record_fields)
-    stages: list[Stage] = [DecodeStage([s.config.text_column for s in sources], records),
-                           TokenizeStage(tokenizer, chat)]
+    kinds = [record_kind(name) for name in records]
+    template, encoders = record_encoders(config, kinds, tokenizer, record_fields)
+    stages: list[Stage] = [DecodeStage([s.config.text_column for s in sources], [e is not None for e in encoders]),
+                           TokenizeStage(tokenizer, encoders)]
     if AugmentStage.enabled(config.augment) and split == "train":
         stages.append(AugmentStage(config.augment, seed=seed, tokenizer=tokenizer))
     shuffle = config.shuffle_shards and split == "train"
@@ -128,11 +134,12 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
         "tokenizer": tokenizer.fingerprint,
         "sources": [s.describe() for s in sources],
     }
-    if any(c is not None for c in chat):  # what decides the tokens and masks of chat records
-        template = next(c for c in chat if c is not None).template
+    if template is not None:  # what decides the tokens and masks of records rendered with the template
         compat["chat"] = {"records": records, "loss_on": config.loss_on, "overlong": config.overlong,
                           "template": template.fingerprint}
-    if packing_mode(config, sources) == "whole":
+    elif any(e is not None for e in encoders):  # structured records of kinds without a template
+        compat["records"] = records
+    if packing_mode(config, kinds) == "whole":
         compat["packing"] = "whole"
     if record_fields:  # read from the records beside the tokens
         compat["record_fields"] = sorted(record_fields)
@@ -140,51 +147,46 @@ def make_plan(config: DataConfig, *, seed: int, global_batch_size: int, rank: in
         config=config, seed=seed, split=split, owned=owned,
         rows_per_stream=global_batch_size // config.num_streams, sources=sources,
         tokenizer=tokenizer, stages=stages, assignments=assignments,
-        mixture=Mixture([s.weight for s in sources], seed=seed), compat=compat,
+        mixture=Mixture([s.weight for s in sources], seed=seed), compat=compat, kinds=kinds,
     )
 
 
-def packing_mode(config: DataConfig, sources: list[Source]) -> str:
-    """``data.packing``, with ``auto`` resolved: whole documents when any source is not text."""
+def packing_mode(config: DataConfig, kinds: list[RecordKind]) -> str:
+    """``data.packing``, with ``auto`` resolved: whole documents when any source's kind needs them."""
     if config.packing != "auto":
         return config.packing
-    return "whole" if any(s.config.record != "text" for s in sources) else "split"
+    return "whole" if any(kind.whole_documents for kind in kinds) else "split"
 
 
-def chat_encoders(config: DataConfig, sources: list[Source], tokenizer: Tokenizer, *,
-                  margins: bool = False) -> list[ChatEncoder | None]:
-    """One encoder per structured source (None for text sources); checks the template once."""
-    if all(s.config.record == "text" for s in sources):
-        return [None] * len(sources)
-    if packing_mode(config, sources) == "split":
+def _check_packing(config: DataConfig, kinds: list[RecordKind]) -> None:
+    if config.packing == "split" and any(kind.whole_documents for kind in kinds):
         raise ConfigError(
             "chat and prompt_completion records need data.packing=whole (or auto)", key="data.packing",
             hint="a conversation cut across rows would lose its prompt",
         )
-    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
-    encoders: list[ChatEncoder | None] = []
-    for s in sources:
-        if s.config.record == "text":
-            encoders.append(None)
-            continue
-        if s.config.record == "preference":
-            encoders.append(PreferenceEncoder(template, tokenizer, margins=margins))
-            continue
-        encoder = ChatEncoder(template, tokenizer, kind=s.config.record, loss_on=config.loss_on)
-        encoders.append(encoder)
-    next(e for e in encoders if e is not None).check()
-    return encoders
+
+
+def record_encoders(config: DataConfig, kinds: list[RecordKind], tokenizer: Tokenizer,
+                    record_fields: tuple[str, ...] = ()) -> tuple[ChatTemplate | None, list[RecordEncoder | None]]:
+    """The chat template (None when no source's kind renders with it; checked once) and one encoder
+    per source (None for text sources)."""
+    if not any(kind.whole_documents for kind in kinds):
+        return None, [None] * len(kinds)
+    _check_packing(config, kinds)
+    template = None
+    if any(kind.uses_template for kind in kinds):
+        template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
+        check_template(template, tokenizer)
+    setup = EncoderSetup(template, tokenizer, config.loss_on, frozenset(record_fields))
+    return template, [kind.encoder(setup) if kind.encoder is not None else None for kind in kinds]
 
 
 def check_chat_config(config: DataConfig) -> None:
-    """The checks of ``chat_encoders`` without opening any source: for train.py to run them
+    """The checks of ``record_encoders`` without opening any source: for train.py to run them
     before any process group or run dir exists (ConfigError, exit 2)."""
-    kinds = [s.record for s in config.sources] + ([config.eval_source.record] if config.eval_source else [])
-    if all(kind == "text" for kind in kinds):
-        return
-    if config.packing == "split":
-        raise ConfigError("chat and prompt_completion records need data.packing=whole (or auto)",
-                          key="data.packing", hint="a conversation cut across rows would lose its prompt")
-    template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
-    kind = next(k for k in kinds if k != "text")
-    ChatEncoder(template, build_tokenizer(config.tokenizer), kind=kind, loss_on=config.loss_on).check()
+    sources = list(config.sources) + ([config.eval_source] if config.eval_source else [])
+    kinds = [record_kind(s.record) for s in sources]
+    _check_packing(config, kinds)
+    if any(kind.uses_template for kind in kinds):
+        template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
+        check_template(template, build_tokenizer(config.tokenizer))

@@ -16,8 +16,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from data.chat_template import ChatEncoder, RecordError
+from data.chat_template import RecordError
 from data.pipeline.items import Chunk, Doc
+from data.record_kinds import RecordEncoder
 from data.tokenizers import ByteTokenizer, Tokenizer
 
 BAD_RECORD_HINT = "fix or remove the record, or set data.on_bad_record=skip to skip and count bad records"
@@ -62,17 +63,18 @@ class DecodeStage:
     heavy = False
     holds_gil = True
 
-    def __init__(self, text_columns: list[str], records: list[str] | None = None) -> None:
+    def __init__(self, text_columns: list[str], structured: list[bool] | None = None) -> None:
         self.text_columns = text_columns  # per source index
-        self.records = records or ["text"] * len(text_columns)  # record kind per source index
+        # per source index: its record kind has an encoder, which reads the whole record
+        self.structured = structured or [False] * len(text_columns)
 
     def process(self, chunk: Chunk) -> Chunk:
         return each_doc(self.name, chunk, self._decode)
 
     def _decode(self, doc: Doc) -> str | dict:
         payload = doc.payload
-        if self.records[doc.source] != "text":
-            # A structured record: the tokenize stage parses and renders it, in its workers
+        if self.structured[doc.source]:
+            # A structured record: the tokenize stage parses and encodes it, in its workers
             # (JSON parsing and pickling a dict here cost the trainer's process GIL time).
             return payload
         if doc.codec == "json":
@@ -123,35 +125,34 @@ def _utf8(payload: object) -> str:
 class TokenizeStage:
     """Text -> int32 token ids (no special tokens; the packer adds the separator).
 
-    A structured record (chat, prompt/completion) is rendered by its source's ``ChatEncoder``
-    (data/chat_template.py) into ids plus the target mask, which travels as ``doc.mask``.
+    A structured record is encoded by its source's record kind encoder (data/record_kinds.py)
+    into ids plus its document fields, which travel as ``doc.fields`` (and ``doc.pieces``).
     """
 
     name = "tokenize"
 
-    def __init__(self, tokenizer: Tokenizer, chat: list[ChatEncoder | None] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, encoders: list[RecordEncoder | None] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.chat = chat or []  # per source index; None for text sources
+        self.encoders = encoders or []  # per source index; None for text sources
         # Measured: byte tokenization runs at ~400 MB/s (light); tokenizers' BPE encode (0.23)
         # at ~2.5 MB/s a core and not in parallel in threads: heavy, and it holds the GIL.
-        # Rendering a chat template is Python work per record: heavy too.
-        self.heavy = not isinstance(tokenizer, ByteTokenizer) or any(c is not None for c in self.chat)
+        # Encoding a structured record (rendering a chat template) is Python work per record: heavy too.
+        self.heavy = not isinstance(tokenizer, ByteTokenizer) or any(e is not None for e in self.encoders)
         self.holds_gil = True
 
     def process(self, chunk: Chunk) -> Chunk:
         return each_doc(self.name, chunk, self._encode)
 
     def _encode(self, doc: Doc) -> np.ndarray:
-        if self.chat and self.chat[doc.source] is not None:
+        if self.encoders and self.encoders[doc.source] is not None:
             payload = doc.payload
             doc.payload = payload if isinstance(payload, dict) else DecodeStage._object(_utf8(payload))
             try:
-                ids, doc.mask, *parts = self.chat[doc.source].encode(doc.payload)
-                doc.parts = parts[0] if parts else None  # preference pairs (data/preference.py)
-                doc.margin = parts[1] if len(parts) > 1 else None  # and their margins, where read
+                encoded = self.encoders[doc.source].document(doc.payload)
             except RecordError as exc:  # a malformed record, one its template refuses, or text not UTF-8
                 raise BadRecord(str(exc)) from None
-            return ids
+            doc.fields, doc.pieces = encoded.fields, encoded.pieces
+            return encoded.ids
         try:
             return self.tokenizer.encode_array(doc.payload)
         except RecordError as exc:  # text not encodable as UTF-8 (a lone surrogate): data/tokenizers.py

@@ -7,6 +7,7 @@ from typing import Iterator, Optional
 
 from core.config import SourceConfig
 from core.exceptions import DataError
+from data.record_kinds import record_kind
 from data.sources.base import RawRecord, ShardFormat, Unit
 from data.sources.discover import expand, format_of
 from data.sources.lines import LineFormat, WholeFileFormat
@@ -78,15 +79,10 @@ class Source:
         return self._shard_format[unit.shard].read(unit, record, seek)
 
 
-RECORD_COLUMNS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"),
-                  "preference": ("prompt", "chosen", "rejected")}
-"""The Parquet columns each structured record kind reads (a row becomes one dict)."""
-
-
 def _formats(config: SourceConfig) -> dict[str, ShardFormat]:
     text: ShardFormat = WholeFileFormat() if config.text_unit == "file" else LineFormat("text", "utf8")
     return {
-        "parquet": ParquetFormat(config.text_column, RECORD_COLUMNS.get(config.record)),
+        "parquet": ParquetFormat(config.text_column, record_kind(config.record).columns),
         "jsonl": LineFormat("jsonl", "json"),
         "jsonl.zst": ZstdJsonlFormat(),
         "text": text,

@@ -17,6 +17,8 @@ from core import seeding
 from core.config import load
 from core.exceptions import CheckpointError, ConfigError
 from data.batch import Batch, DocSpan
+from data.fields import TARGET_MASK
+from data.preference import PAIR_ROLE
 from training.objectives.base import ObjectiveContext
 from training.objectives.dpo import DPOObjective, pair_layout
 
@@ -41,7 +43,7 @@ def _batch():
         if row == 1:
             row_spans.append(DocSpan("<padding>", "", -1, 20, T, 0))
         tokens.append(ids), spans.append(row_spans), masks.append(mask), roles.append(role)
-    return Batch.from_rows(1, tokens, spans, [0, 1], {}, masks, roles=roles)
+    return Batch.from_rows(1, tokens, spans, [0, 1], {}, {TARGET_MASK: masks, PAIR_ROLE: roles})
 
 
 def _objective(fuse_head: bool, loss: str = "sigmoid", overrides=()):

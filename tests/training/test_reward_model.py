@@ -16,6 +16,8 @@ from core import seeding
 from core.config import config_hash, load, to_dict
 from core.exceptions import ConfigError
 from data.batch import Batch, DocSpan
+from data.fields import TARGET_MASK
+from data.preference import PAIR_MARGIN, PAIR_ROLE
 from training.objectives.base import ObjectiveContext
 from training.objectives.reward_model import SCORE_PART, RewardModelObjective, score_layout, sequence_scores
 
@@ -44,8 +46,8 @@ def _batch(pair_margins=None) -> Batch:
         if docs[-1][2] < T:
             row_spans.append(DocSpan("<padding>", "", -1, docs[-1][2], T, 0))
         tokens.append(ids), spans.append(row_spans), masks.append(mask), roles.append(role), margins.append(margin)
-    return Batch.from_rows(1, tokens, spans, [0, 1], {}, masks, roles=roles,
-                           margins=margins if pair_margins is not None else None)
+    fields = {TARGET_MASK: masks, PAIR_ROLE: roles} | ({PAIR_MARGIN: margins} if pair_margins is not None else {})
+    return Batch.from_rows(1, tokens, spans, [0, 1], {}, fields)
 
 
 def _objective(overrides=()):

@@ -189,6 +189,8 @@ def _packed_pair(chosen: list[int], rejected: list[int], eos: int, width: int):
     """One row holding the pair as the packer lays it (data/pipeline/packing.py ``_accept_pair``):
     each side followed by the separator, then padding."""
     from data.batch import Batch, DocSpan
+    from data.fields import TARGET_MASK
+    from data.preference import PAIR_ROLE
 
     c, r = len(chosen) + 1, len(rejected) + 1
     ids = np.full(width, eos, dtype=np.int32)
@@ -197,7 +199,7 @@ def _packed_pair(chosen: list[int], rejected: list[int], eos: int, width: int):
     role[:c], role[c:c + r] = 1, 2
     mask = np.zeros(width, dtype=bool)
     spans = [DocSpan("p", "f", 0, 0, c, 0), DocSpan("p", "f", 0, c, c + r, c - 1), DocSpan("<padding>", "", -1, c + r, width, 0)]
-    return Batch.from_rows(1, [ids], [spans], [0], {}, [mask], roles=[role])
+    return Batch.from_rows(1, [ids], [spans], [0], {}, {TARGET_MASK: [mask], PAIR_ROLE: [role]})
 
 
 def test_one_conversation_gets_one_score_on_every_path(exported):

@@ -20,6 +20,7 @@ from core.config import load
 from core.distributed_context import DistributedContext
 from data.batch import IGNORE_INDEX, Batch, DocSpan
 from data.chat_template import ChatEncoder, ChatTemplate
+from data.fields import TARGET_MASK
 from data.tokenizers import ByteTokenizer
 from training.objectives import ObjectiveContext, build_objective
 
@@ -48,7 +49,7 @@ def _batch(width=256):
     masks = np.concatenate([mask, np.zeros(pad, dtype=bool)])
     spans = [DocSpan("chat", "x.jsonl", 0, 0, len(ids), 0)] + ([DocSpan("<padding>", "", -1, len(ids), width, 0)]
                                                                 if pad else [])
-    return Batch.from_rows(1, [tokens], [spans], [0], {"version": 1, "streams": {}}, [masks]), masks
+    return Batch.from_rows(1, [tokens], [spans], [0], {"version": 1, "streams": {}}, {TARGET_MASK: [masks]}), masks
 
 
 def _loss_and_grads(model, objective, batch):
