@@ -165,7 +165,7 @@ def _validate_float8_head(config: Config) -> None:
     if config.train.loss_chunk_tokens == 0:
         raise ConfigError(
             "parallel.float8_head=true needs the fused head (train.loss_chunk_tokens > 0); "
-            "train.loss_chunk_tokens=0 computes the full logits through a bf16 lm_head",
+            "train.loss_chunk_tokens=0 computes the full logits through a bf16 output head",
             key=key,
             hint="set train.loss_chunk_tokens (default 8192), or leave parallel.float8_head=false",
         )

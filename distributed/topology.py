@@ -127,7 +127,7 @@ class Topology:
 def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
     """The mesh sizes for ``parallel`` on ``world_size`` ranks, or a ConfigError naming
     the sizes that do not divide. Needs no process group, so it can run at config time."""
-    ep = expert_parallel_degree(parallel)
+    ep = parallel.ep
     if parallel.tp < 1 or parallel.dp_replicate < 1:
         raise ConfigError(
             f"parallel.tp={parallel.tp} and parallel.dp_replicate={parallel.dp_replicate} "
@@ -190,10 +190,6 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> MeshShape:
     return MeshShape(parallel.dp_replicate, shard // ep, parallel.tp, ep)
 
 
-def expert_parallel_degree(parallel: ParallelConfig) -> int:
-    """``parallel.ep``, the expert-parallel degree (1 where the config has no such key)."""
-    return getattr(parallel, "ep", 1)
-
 
 def build_mesh(parallel: ParallelConfig, dist: DistributedContext) -> Topology:
     """Validate the sizes, then build the named DeviceMesh over the existing process group.
@@ -237,7 +233,7 @@ def _reject_mesh_options(parallel: ParallelConfig, world_size: int) -> None:
             key="parallel.dp_replicate",
             hint="set parallel.dp_replicate=1",
         )
-    ep = expert_parallel_degree(parallel)
+    ep = parallel.ep
     if ep > 1:
         raise ConfigError(
             f"parallel.ep={ep} needs parallel.strategy=fsdp, not {name}",

@@ -102,11 +102,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _parallel(ep: int = 1, **overrides: Any) -> Any:
-    """A ParallelConfig with ``ep`` beside its fields (how distributed/ reads ``parallel.ep``)."""
-    parallel = dataclasses.replace(ParallelConfig(device="cpu", backend="gloo"), **overrides)
-    fields = {f.name: getattr(parallel, f.name) for f in dataclasses.fields(parallel)}
-    return type("Parallel", (), {**fields, "ep": ep})()
+def _parallel(**overrides: Any) -> ParallelConfig:
+    return dataclasses.replace(ParallelConfig(device="cpu", backend="gloo"), **overrides)
 
 
 def _step(model: nn.Module, rows: slice, dp_size: int) -> tuple[float, float]:

@@ -74,11 +74,6 @@ def test_one_process_needs_no_mesh(strategy):
     assert (topology.dp_rank, topology.dp_size, topology.tp_size) == (0, 1, 1)
 
 
-def _with_ep(parallel: ParallelConfig, ep: int):
-    """``parallel`` with ``parallel.ep`` set, read as mesh_shape reads it."""
-    return type("Parallel", (), {**{f.name: getattr(parallel, f.name) for f in dataclasses.fields(parallel)}, "ep": ep})()
-
-
 @pytest.mark.parametrize(
     "overrides, world, ep, expected",
     [
@@ -89,7 +84,7 @@ def _with_ep(parallel: ParallelConfig, ep: int):
     ],
 )
 def test_expert_parallel_ranks_come_from_the_data_parallel_ones(overrides, world, ep, expected):
-    shape = mesh_shape(_with_ep(_parallel(**overrides), ep), world)
+    shape = mesh_shape(_parallel(**overrides, ep=ep), world)
     assert shape == expected
     assert shape.dp * shape.tp == world  # the ep ranks read their own rows: dp counts them
     assert shape.as_tuple() == (shape.dp_replicate, shape.dp_shard, shape.ep, shape.tp)
@@ -107,7 +102,7 @@ def test_expert_parallel_ranks_come_from_the_data_parallel_ones(overrides, world
 )
 def test_expert_parallel_sizes_that_do_not_fit_are_config_errors(overrides, world, ep, words):
     with pytest.raises(ConfigError) as info:
-        build_mesh(_with_ep(_parallel(**overrides), ep), _context(world))
+        build_mesh(_parallel(**overrides, ep=ep), _context(world))
     assert info.value.context["key"] == "parallel.ep"
     for word in words:
         assert word in info.value.message
