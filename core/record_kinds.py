@@ -20,6 +20,11 @@ def register_record_kind_name(name: str, summary: str) -> None:
     _NAMES[name] = summary
 
 
+def unregister_record_kind_name(name: str) -> None:
+    """Remove ``name`` (a test's own kind, after the test)."""
+    _NAMES.pop(name, None)
+
+
 def record_kind_names() -> dict[str, str]:
     """Every registered record kind name with its summary, in the order of registration."""
     if not _NAMES:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from core.exceptions import ConfigError
-from core.record_kinds import register_record_kind_name
+from core.record_kinds import register_record_kind_name, unregister_record_kind_name
 from data.fields import DocField
 
 BUILT_IN = ("data.kinds.text:KIND", "data.kinds.chat:KIND", "data.kinds.prompt_completion:KIND",
@@ -100,6 +100,12 @@ def register_record_kind(kind: RecordKind) -> None:
     """Register a row (again under the same name: replaced); its name becomes a valid data.sources[i].record."""
     _KINDS[kind.name] = kind
     register_record_kind_name(kind.name, kind.summary)
+
+
+def unregister_record_kind(name: str) -> None:
+    """Remove a registered row (a test's own kind, after the test)."""
+    _KINDS.pop(name, None)
+    unregister_record_kind_name(name)
 
 
 def register_built_in_kinds() -> None:
