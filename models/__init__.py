@@ -1,9 +1,10 @@
-"""Model definitions (Qwen2/Qwen3 family) and Hugging Face weight I/O.
+"""Model definitions and Hugging Face weight I/O, for every registered model family (model.arch:
+core/model_families.py; the Qwen2/Qwen3 rows in models/qwen/family.py).
 
 Public API:
-    build(config, *, generator=None, device=None) -> QwenForCausalLM
+    build(config, *, generator=None, device=None) -> the model of config.arch's family
     model_forward(model, batch, *, place=None, head=None, hidden=False, cache=None) -> ModelOutput
-    load_pretrained(path, *, base=None, device=None, dtype=torch.float32) -> QwenForCausalLM
+    load_pretrained(path, *, base=None, device=None, dtype=torch.float32) -> the model config.json describes
     save_pretrained(model, path, *, state_dict=None, max_shard_bytes=5 GiB) -> None
     model_config_from_hf(path, base=None) -> ModelConfig
     num_params(config, *, non_embedding=False) -> int
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 import importlib
 
-from models.qwen import lora_targets as _lora_targets  # noqa: F401  (registers the family's LoRA names; no torch)
-
-# Imported when first read (PEP 562), not with the package: the config loader reads the family's
-# LoRA names (models/qwen/lora_targets.py) without torch, so that `python train.py --nproc N`
-# checks a config before torch is imported (runtime/launcher.py).
+# Imported when first read (PEP 562), not with the package: the config loader reads the model
+# families' rows (models/qwen/family.py) and the model checks (models/config_checks.py) without
+# torch, so that `python train.py --nproc N` checks a config before torch is imported.
 _EXPORTS = {
     "build": "models.builder",
     "flops_per_token": "models.flops",
