@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from core.config import Config
+from distributed.model_structure import plan_of
 from models.qwen.forward import model_forward
 from training.objectives.frozen import RUN_PREFIX, run_checkpoint, source_model
 from training.objectives.reward_model_io import is_classifier, read_checkpoint_score, read_score_weight
@@ -41,8 +42,10 @@ class Critic(nn.Module):
             else:  # a reward model's score head (1, hidden)
                 self.value_head.weight.copy_(head_weight)
             self.value_head.bias.zero_()
-        if trunk.lm_head.weight is not trunk.embed_tokens.weight:
-            trunk.lm_head.weight.requires_grad_(False)
+        plan = plan_of(trunk)
+        output = trunk.get_submodule(plan.output)
+        if output.weight is not trunk.get_submodule(plan.embedding).weight:
+            output.weight.requires_grad_(False)
 
     def forward(self, batch) -> torch.Tensor:
         """(B, T) fp32 values of a placed batch (its ids, positions and documents)."""
