@@ -13,7 +13,6 @@ modules relative to the model, a block's projections relative to one block of it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 from core.exceptions import ConfigError
 
@@ -95,11 +94,3 @@ class ModelParallelPlan:
     def has_experts(self) -> bool:
         """Whether any stack's blocks hold experts (expert parallelism has something to split)."""
         return any(stack.experts is not None for stack in self.stacks)
-
-    def named_modules(self) -> Iterator[tuple[str, str]]:
-        """``(role, path)`` of the model's named modules outside the stacks: ``embedding``,
-        ``output`` and ``root`` (each of ``root_modules``)."""
-        yield "embedding", self.embedding
-        yield "output", self.output
-        for path in self.root_modules:
-            yield "root", path
