@@ -145,5 +145,5 @@ def _pairs(setup: EncoderSetup) -> PreferenceEncoder:
 
 
 KIND = RecordKind(name="preference", summary='{"prompt", "chosen", "rejected"}: a pair of documents (DPO, reward models)',
-                  columns=FIELDS, encoder=_pairs, uses_template=True, fields=(PAIR_ROLE, PAIR_MARGIN),
+                  columns=FIELDS, encoder=_pairs, uses_template=True, fields=(TARGET_MASK, PAIR_ROLE, PAIR_MARGIN),
                   record_fields=(MARGIN,))

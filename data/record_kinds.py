@@ -83,9 +83,13 @@ class RecordKind:
     one_per_row: bool = False
     """Each record is a row of its own (a prompt with its answer): never packed with others, never cut."""
     fields: tuple[DocField, ...] = ()
-    """The document fields its encoder fills (data/fields.py), besides the target mask of whole-document rows."""
+    """The document fields its encoder fills (data/fields.py; rows of whole documents carry the target mask anyway)."""
     record_fields: tuple[str, ...] = ()
     """Record fields it reads only when the objective asks (core.objective_kinds.record_fields)."""
+
+    def declares(self, field_name: str) -> bool:
+        """Its documents carry the field ``field_name`` (what an objective asks of its data, never the kind's name)."""
+        return any(f.name == field_name for f in self.fields)
 
     @property
     def whole_documents(self) -> bool:

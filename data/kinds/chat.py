@@ -7,6 +7,7 @@ from typing import Any
 
 from data.chat_template import RecordError, TemplateEncoder, _check_messages, _check_tool_turns, _last_assistant, \
     tools_of
+from data.fields import TARGET_MASK
 from data.record_kinds import RecordKind
 
 
@@ -30,4 +31,4 @@ class ChatDocuments(TemplateEncoder):
 
 
 KIND = RecordKind(name="chat", summary='{"messages": [...]} rendered with the chat template', columns=("messages",),
-                  encoder=ChatDocuments, uses_template=True)
+                  encoder=ChatDocuments, uses_template=True, fields=(TARGET_MASK,))

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from data.chat_template import RecordError, TemplateEncoder, _check_messages, _check_tool_turns, tools_of
+from data.fields import TARGET_MASK
 from data.record_kinds import RecordKind
 
 
@@ -42,4 +43,4 @@ class PromptDocuments(TemplateEncoder):
 
 
 KIND = RecordKind(name="prompt", summary='{"prompt", "answer"}: a GRPO/PPO prompt, one a row', encoder=PromptDocuments,
-                  uses_template=True, one_per_row=True)
+                  uses_template=True, one_per_row=True, fields=(TARGET_MASK,))

@@ -8,6 +8,7 @@ from typing import Any
 
 from data.chat_template import RecordError, Rendered, TemplateEncoder, _check_messages, _check_tool_turns, \
     token_mask, tools_of
+from data.fields import TARGET_MASK
 from data.record_kinds import RecordKind
 
 FIELDS = ("prompt", "completion")
@@ -49,4 +50,4 @@ class PromptCompletionDocuments(TemplateEncoder):
 
 
 KIND = RecordKind(name="prompt_completion", summary='{"prompt", "completion"}: the completion trained',
-                  columns=FIELDS, encoder=PromptCompletionDocuments, uses_template=True)
+                  columns=FIELDS, encoder=PromptCompletionDocuments, uses_template=True, fields=(TARGET_MASK,))

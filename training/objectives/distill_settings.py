@@ -17,6 +17,8 @@ from typing import Literal
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
+from data.preference import PAIR_ROLE
+from data.record_kinds import record_kind
 
 KEY = "objective.distill.teacher"
 
@@ -52,7 +54,8 @@ def validate(config: Config) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
-    if any(s.record == "preference" or s.record == "prompt" for s in config.data.sources):
+    if any(record_kind(s.record).one_per_row or record_kind(s.record).declares(PAIR_ROLE.name)
+           for s in config.data.sources):
         raise ConfigError("objective.kind=distill trains on text, chat or prompt_completion sources",
                           key="data.sources")
 

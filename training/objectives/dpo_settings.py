@@ -14,6 +14,8 @@ from typing import Literal, Optional
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
+from data.preference import PAIR_ROLE
+from data.record_kinds import record_kind
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"{key}.cache_reference: {o.loss} is reference-free, there is nothing to cache",
                           key=f"{key}.cache_reference")
     sources = list(config.data.sources) + ([config.data.eval_source] if config.data.eval_source else [])
-    if not config.data.sources or any(s.record != "preference" for s in sources):
+    if not config.data.sources or any(not record_kind(s.record).declares(PAIR_ROLE.name) for s in sources):
         raise ConfigError("objective.kind=dpo needs preference sources only (data.sources[i].record: preference)",
                           key="data.sources", hint='records {"prompt", "chosen", "rejected"}; e.g. datasets/tasks/pref')
 

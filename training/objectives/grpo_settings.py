@@ -13,6 +13,7 @@ from typing import Literal, Optional
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
+from data.record_kinds import record_kind
 from training.rollout.environment_settings import EnvironmentSettings, validate_environment
 from training.rollout.reward_settings import RewardSettings, check_rewards, resolve_rule_rewards
 from training.rollout.reward_settings import model_rewards as _model_rewards
@@ -119,12 +120,11 @@ def validate(config: Config) -> None:
 def check_prompt_data(config: Config, kind: str, *, eval_hint: str) -> None:
     """What a method that samples from prompts (GRPO, PPO) needs of data.* and train.eval_generate:
     prompt records only, a held-out source of prompts, and its own evaluation."""
-    if not any(s.record == "prompt" for s in config.data.sources) or any(
-            s.record != "prompt" for s in config.data.sources):
+    if not config.data.sources or not all(record_kind(s.record).one_per_row for s in config.data.sources):
         raise ConfigError(f"objective.kind={kind} needs prompt sources only (data.sources[i].record: prompt)",
                           key="data.sources", hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl')
     held_out = config.data.eval_source
-    if held_out is not None and config.train.eval_interval > 0 and held_out.record != "prompt":
+    if held_out is not None and config.train.eval_interval > 0 and not record_kind(held_out.record).one_per_row:
         raise ConfigError(
             f"objective.kind={kind} evaluates prompt records, data.eval_source is record: {held_out.record}",
             key="data.eval_source.record",

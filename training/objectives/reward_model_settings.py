@@ -13,6 +13,8 @@ from typing import Literal
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
+from data.preference import PAIR_ROLE
+from data.record_kinds import record_kind
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ def validate(config: Config) -> None:
     if not (math.isfinite(o.center_coef) and o.center_coef >= 0):
         raise ConfigError(f"{key}.center_coef must be >= 0, got {o.center_coef!r}", key=f"{key}.center_coef")
     sources = list(config.data.sources) + ([config.data.eval_source] if config.data.eval_source else [])
-    if not config.data.sources or any(s.record != "preference" for s in sources):
+    if not config.data.sources or any(not record_kind(s.record).declares(PAIR_ROLE.name) for s in sources):
         raise ConfigError("objective.kind=reward_model needs preference sources only (data.sources[i].record: preference)",
                           key="data.sources", hint='records {"prompt", "chosen", "rejected"}; e.g. datasets/tasks/pref')
     if not config.model.tie_embeddings:

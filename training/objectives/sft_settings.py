@@ -8,12 +8,15 @@ from __future__ import annotations
 from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
+from data.fields import TARGET_MASK
+from data.record_kinds import record_kind
 
 
 def validate(config: Config) -> None:
     """SFT trains on the tokens the data marks: a chat or prompt_completion source, unless
     data.loss_on=all makes every token of a text source a target."""
-    if not any(s.record != "text" for s in config.data.sources) and config.data.loss_on != "all":
+    if not any(record_kind(s.record).declares(TARGET_MASK.name) for s in config.data.sources) \
+            and config.data.loss_on != "all":
         raise ConfigError(
             "objective.kind=sft needs chat or prompt_completion sources (data.sources[i].record)",
             key="data.sources",
