@@ -41,6 +41,7 @@ from core.config_sections import (AugmentConfig, DataConfig, DeterminismConfig, 
 from core.exceptions import ConfigError
 from core.model_families import model_families, model_family
 from core.objective_kinds import objective_kind, objective_kinds
+from core.record_kinds import RecordKindName, check_record_kind, record_kind_names
 from core.registration import ensure_registered
 
 
@@ -374,6 +375,8 @@ def _type_name(tp: Any) -> str:
         return "null"
     if tp is ModelArch:
         return " | ".join(repr(f.name) for f in model_families())
+    if tp is RecordKindName:
+        return " | ".join(map(repr, record_kind_names()))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -412,6 +415,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return tuple(_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
     if tp is ModelArch:
         return model_family(value).name  # any other value: ConfigError listing the registered names
+    if tp is RecordKindName:
+        return check_record_kind(value, key=path)  # any other value: ConfigError listing the registered names
     if dataclasses.is_dataclass(tp):
         return _build(schema_of(tp), value, f"{path}.")
     if tp is bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NewType, Optional
 
 from core.model_families import default_lora_targets
+from core.record_kinds import RecordKindName
 
 ModelArch = NewType("ModelArch", str)
 """model.arch's type: the name of a registered model family (core/model_families.py); the loader
@@ -93,7 +94,7 @@ class SourceConfig:
     """Name used in provenance and metrics; defaults to the path."""
     text_unit: Literal["file", "line"] = "file"
     """Text format: each file is one document, or each non-blank line is one."""
-    record: Literal["text", "chat", "prompt_completion", "prompt", "preference"] = "text"
+    record: RecordKindName = "text"
     """Record kind: text (text_column), chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"}), prompt ({"prompt", "answer"}: GRPO prompts) or preference ({"prompt", "chosen", "rejected"}: DPO pairs)."""
 
 

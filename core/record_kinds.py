@@ -9,8 +9,13 @@ here when registered, and the config loader checks a source's ``record`` against
 from __future__ import annotations
 
 import difflib
+from typing import NewType
 
 from core.exceptions import ConfigError
+
+RecordKindName = NewType("RecordKindName", str)
+"""data.sources[i].record's type: the name of a registered record kind; the loader refuses any other
+name and lists the registered ones (serialized and hashed as the string it is)."""
 
 _NAMES: dict[str, str] = {}
 
@@ -34,11 +39,12 @@ def record_kind_names() -> dict[str, str]:
     return dict(_NAMES)
 
 
-def check_record_kind(value: str, *, key: str) -> None:
-    """ConfigError naming ``key`` unless ``value`` is a registered record kind."""
+def check_record_kind(value: str, *, key: str) -> str:
+    """``value``, or a ConfigError naming ``key`` unless it is a registered record kind."""
     names = record_kind_names()
     if value not in names:
         near = difflib.get_close_matches(str(value), list(names), n=1, cutoff=0.5)
         raise ConfigError(f"{key} must be one of {' | '.join(map(repr, names))}, got {value!r}", key=key,
                           hint=f"did you mean {near[0]!r}?" if near else
                           "pick one of the listed values, or register a record kind (data/record_kinds.py)")
+    return value

@@ -23,6 +23,7 @@ from core.config_checks import register_check
 from core.model_families import register_family
 from core.objective_kinds import register_objective, registered_names
 from core.registration import register_provider
+from data.record_kinds import register_built_in_kinds
 from models.qwen.family import FAMILIES
 from training.objectives import (causal_lm_settings, distill_settings, dpo_settings, grpo_settings, ppo_settings,
                                  reward_model_settings, sft_settings)
@@ -66,3 +67,4 @@ def register_all(*, objectives: Mapping[str, str] | None = None) -> None:
         register_check(name, path)
     for name, path in PROVIDERS:
         register_provider(name, path)
+    register_built_in_kinds()  # data.sources[i].record's names (data/record_kinds.py)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.config import DataConfig, SourceConfig
-from core.exceptions import DataError
+from core.config import DataConfig, SourceConfig, load
+from core.exceptions import ConfigError, DataError
 from data.chat_template import RecordError
 from data.fields import DocField, Pack
 from data.hashing import batch_hash, sequence_digest, state_hash
@@ -197,3 +197,15 @@ def test_a_bad_blob_record_is_a_bad_record_naming_file_and_record(blob_kind, tmp
         _run(_config(directory), 14)
     assert "blob_text record" in str(error.value) and error.value.context["record"] == 4
     assert _run(_config(directory, on_bad_record="skip"), 3)  # skipped and counted instead
+
+
+def test_data_sources_record_takes_the_names_of_registered_kinds(tmp_path):
+    override = f"data.sources=[{{path: {tmp_path}, record: {KIND.name}}}]"
+    with pytest.raises(ConfigError) as error:
+        load(None, [override])
+    assert error.value.context["key"] == "data.sources[0].record" and "'preference'" in str(error.value)
+    register_record_kind(KIND)
+    try:
+        assert load(None, [override]).data.sources[0].record == KIND.name
+    finally:
+        unregister_record_kind(KIND.name)
