@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from models.qwen.attention import attend, causal_document_block_mask, causal_document_bool_mask  # noqa: E402
-from models.qwen.forward import ModelInputs, model_forward  # noqa: E402
+from models.forward import ModelInputs, model_forward  # noqa: E402
 
 
 def varlen_document_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -39,7 +39,7 @@ from core.config import ModelConfig, ParallelConfig  # noqa: E402
 from distributed.compile import apply_compile  # noqa: E402
 from distributed.float8 import apply_float8, precast_local_shards, precompute_scales_each_forward  # noqa: E402
 from distributed.fsdp import apply_fsdp  # noqa: E402
-from models.qwen.forward import ModelInputs, model_forward  # noqa: E402
+from models.forward import ModelInputs, model_forward  # noqa: E402
 
 SHAPE = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
                     num_kv_heads=2, head_dim=64, tie_embeddings=False)

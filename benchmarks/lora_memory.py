@@ -66,7 +66,7 @@ def run_case(args: argparse.Namespace) -> dict:
     from distributed.activation_checkpoint import apply_activation_checkpointing
     from distributed.compile import apply_compile
     from models.lora import apply_lora, save_peft_adapter, store_base_as
-    from models.qwen.forward import ModelInputs, model_forward
+    from models.forward import ModelInputs, model_forward
     from models.nf4 import quantize_base
     from training import determinism
     from training.linear_cross_entropy import linear_cross_entropy

@@ -19,6 +19,9 @@ from experiments.console import ConsoleLine, format_fields
 from experiments.events import append_line
 from experiments.schema import MetricRecord
 
+MODEL_AUX_PREFIX = "model/aux/"
+"""The metrics of a model's auxiliary losses (training.step.AUX_PREFIX), shown on the step line."""
+
 log = logging.getLogger(__name__)
 
 
@@ -153,6 +156,9 @@ def format_progress(record: MetricRecord, total_steps: int, line: ConsoleLine | 
             parts.append(f"loss {loss.mean:.4f}")
     else:
         parts += format_fields({name: stats.mean for name, stats in record.metrics.items()}, line)
+    # The model's auxiliary losses (a router's balance loss), where the model adds any: training/step.py.
+    parts += [f"aux {name.removeprefix(MODEL_AUX_PREFIX)} {stats.mean:.4f}"
+              for name, stats in sorted(record.metrics.items()) if name.startswith(MODEL_AUX_PREFIX)]
     lr = record.metrics.get("lr")
     if lr is not None:
         parts.append(f"lr {lr.mean:.2e}")

@@ -25,9 +25,9 @@ _EXPORTS = {
     "model_config_from_hf": "models.hf_config",
     "load_pretrained": "models.hf_weights",
     "save_pretrained": "models.hf_weights",
-    "ModelInputs": "models.qwen.forward",
-    "ModelOutput": "models.qwen.forward",
-    "model_forward": "models.qwen.forward",
+    "ModelInputs": "models.forward",
+    "ModelOutput": "models.forward",
+    "model_forward": "models.forward",
     "QwenBlock": "models.qwen.model",
     "QwenForCausalLM": "models.qwen.model",
 }

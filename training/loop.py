@@ -60,7 +60,7 @@ from training.optimizers.build import evaluation_weights
 from training.parts import POLICY, TrainablePart, build_parts, grad_norm_field, param_hash_field
 from training.precision import Precision
 from training.record.recorder import LedgerWriter, ReplayComparator, ReplaySpec, StepRecorder
-from training.step import UpdateValues, enqueue_update, forward_backward
+from training.step import UpdateValues, enqueue_update, forward_backward, is_model_sum, local_units, model_fields
 
 TRAINER_STATE_VERSION = 1
 TRAINER_PART, DATA_PART, OBJECTIVE_PART = "trainer", "data", "objective"
@@ -315,21 +315,21 @@ class Trainer:
         lr = self.parts[POLICY].set_lr(step)
         for part in self._others.values():
             part.set_lr(step)
-        local_targets = self.objective.num_targets(batch)
-        global_targets = int(self._all_reduce_sum(float(local_targets)))
+        global_targets, units = self._global_counts(batch)
         # Most objectives make one update per batch; GRPO with inner_updates > 1 makes several
         # on the same rollouts, PPO one per minibatch of each epoch (a MinibatchObjective picks
         # each update's rows). The step's loss and grad_norm are the first update's (taken on the
         # rollout policy), its metrics too unless the objective declares ledger_over_updates (PPO:
         # means over every update); later updates' losses and norms go into the ledger.
-        shares = [self._update_rows(batch, u, global_targets) for u in range(self.objective.updates_per_batch)]
-        updates = [self._update(step, rows, targets, first=u == 0, previous=previous if u == 0 else None)
-                   for u, (rows, targets) in enumerate(shares)]
+        shares = [self._update_rows(batch, u, global_targets, units) for u in range(self.objective.updates_per_batch)]
+        updates = [self._update(step, rows, targets, units=rows_units, first=u == 0,
+                                previous=previous if u == 0 else None)
+                   for u, (rows, targets, rows_units) in enumerate(shares)]
         self.step = step
         tokens = batch.input_ids.numel() * self.parallel.dp_size
         self.tokens_seen += tokens
         current = _Step(step=step, batch=batch, lr=lr, tokens=tokens, targets=global_targets,
-                        first_targets=(sum(t for _, t in shares) if self.objective.capabilities.ledger_over_updates
+                        first_targets=(sum(t for _, t, _ in shares) if self.objective.capabilities.ledger_over_updates
                                        else shares[0][1]),
                         updates=[values for values, _, _ in updates], metric_names=updates[0][1],
                         maximum_names=updates[0][2], hashes=self._ledger_hashes(batch))
@@ -346,13 +346,22 @@ class Trainer:
         self._log(current)
         return None
 
-    def _update_rows(self, batch, update: int, global_targets: int) -> tuple[Any, int]:
+    def _update_rows(self, batch, update: int, global_targets: int,
+                     units: dict[str, int]) -> tuple[Any, int, dict[str, int]]:
         """The rows update ``update`` trains on (``objectives.base.update_batch``) and their global
-        count of targets: the whole batch's, counted already, unless the objective chose a share."""
+        counts of targets and units: the whole batch's, counted already, unless the objective chose a share."""
         rows = update_batch(self.objective, batch, update)
         if rows is batch:
-            return batch, global_targets
-        return rows, int(self._all_reduce_sum(float(self.objective.num_targets(rows))))
+            return batch, global_targets, units
+        return (rows, *self._global_counts(rows))
+
+    def _global_counts(self, batch) -> tuple[int, dict[str, int]]:
+        """The global batch's count of the objective's targets, and of each unit a model's auxiliary
+        losses may average over (``training.step.local_units``), summed over ranks in one host
+        all-reduce."""
+        units = local_units(batch)
+        summed = self._all_reduce_host([float(self.objective.num_targets(batch)), *map(float, units.values())])
+        return int(summed[0]), {name: int(value) for name, value in zip(units, summed[1:])}
 
     def _settle(self, done: _Step) -> None:
         """Read a step's values and write its ledger line (and its checkpoint when due); a
@@ -373,6 +382,8 @@ class Trainer:
                     totals[name] += later[i]
                 for i, name in enumerate(done.maximum_names):
                     maxima[name] = max(maxima[name], later[n_metrics + i])
+        model = model_fields(totals)  # the model's metrics and auxiliary losses (none for Qwen)
+        totals = {name: value for name, value in totals.items() if not is_model_sum(name)}
         record = {
             "step": done.step,
             "loss": loss,
@@ -386,7 +397,7 @@ class Trainer:
         if len(reads) > 1:
             record["inner_losses"] = [r[1] for r in reads]
             record["inner_grad_norms"] = [r[2] for r in reads]
-        done.fields = self.objective.ledger_fields(done.batch, {**totals, **maxima}, done.first_targets)
+        done.fields = {**self.objective.ledger_fields(done.batch, {**totals, **maxima}, done.first_targets), **model}
         record.update(done.fields)
         if not all(r[0] for r in reads):
             record["skipped"] = True
@@ -414,11 +425,11 @@ class Trainer:
         if self.tracker.log(done.step, self._metrics(done)) is not None:
             self.heartbeat.touch()  # rank 0 printed the interval's step line
 
-    def _update(self, step: int, batch, global_targets: int, *, first: bool,
+    def _update(self, step: int, batch, global_targets: int, *, units: dict[str, int], first: bool,
                 previous: _Step | None) -> tuple[UpdateValues, list[str], list[str]]:
         """Forward, backward and one optimizer update on the prepared batch, with ``previous``
         settled between the backward and the update. Returns the update's values (not read
-        yet) and the names of the objective's metric sums and maxima among them."""
+        yet) and the names of the metric sums (the objective's and the model's) and maxima among them."""
         guards, timer = self.guards, self.guards.timer
         micro = batch.micro_batches(self.config.train.micro_batch_size)
         with self.recorder.instrument(self.model, step) if first else contextlib.nullcontext():
@@ -436,6 +447,7 @@ class Trainer:
                 backward_context=self.parallel.backward_context,
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
                 parts=self._other_modules(),
+                units=units,
             )
         with timer.phase("communication"):
             self.parallel.finish_backward()
@@ -687,6 +699,12 @@ class Trainer:
         # host wait for the GPU's queue before it could go on.
         t = torch.tensor([value], dtype=torch.float64)
         return float(self.dist.host_all_reduce(t)[0]) / tp
+
+    def _all_reduce_host(self, values: list[float]) -> list[float]:
+        """Per-replica host numbers summed over the data-parallel replicas on the host (gloo), as
+        ``_all_reduce_sum`` sums one."""
+        t = torch.tensor(values, dtype=torch.float64)
+        return (self.dist.host_all_reduce(t) / self.parallel.tp_size).tolist()
 
     def _all_reduce_metrics(self, local: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
         """The objective's metric sums over micro-batches and ranks (one all-reduce), as names

@@ -5,17 +5,27 @@ tokens in the whole global batch (all ranks, all micro-batches), so gradient acc
 and the world size do not change the math. Data-parallel wrappers average gradients over
 ranks, so the backward loss is multiplied by the data-parallel size to turn their average
 back into the sum we want.
+
+The model's auxiliary losses (``models.forward.AuxLoss``: a router's balance loss) are added to
+the objective's here and nowhere else, each divided by the global count of its own unit (every
+input token, every target token, every row: ``units``) the same way, and weighted; the model's
+metrics and the auxiliary losses' values travel with the objective's metric sums under
+``model/`` names (``model_sum_names``) and reach the ledger as ``model/<name>`` and
+``model/aux/<name>`` (``model_fields``). A model that emits neither (Qwen) runs exactly the
+arithmetic it always did.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from models.qwen.forward import model_forward
+from core.exceptions import ConfigError
+from data.batch import IGNORE_INDEX
+from models.forward import INPUT_TOKEN, ROW, TARGET_TOKEN, EmittedOutputs, model_forward, record_emitted
 from training.losses import Loss
 from training.precision import Precision
 
@@ -35,6 +45,7 @@ def forward_backward(
     before_forward: Callable[[int], None] | None = None,
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     parts: Mapping[str, nn.Module] | None = None,
+    units: Mapping[str, int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Accumulate gradients over ``micro_batches`` with ``objective.loss`` (training/objectives);
     returns this rank's summed loss (fp32), summed metrics and the maxima over micro-batches
@@ -42,7 +53,9 @@ def forward_backward(
     ``before_forward(i)`` runs before micro-batch ``i``'s forward (LoRA dropout keys); each
     backward runs inside ``backward_context()`` (distributed/overlap.py). ``parts``: the modules
     the objective trains beside ``model`` (training/parts.py), handed to its ``loss`` by name and
-    synchronized with the model, on the last micro-batch."""
+    synchronized with the model, on the last micro-batch. ``units``: the global batch's count of
+    each unit an auxiliary loss may average over (``global_units``), needed only where the model
+    emits auxiliary losses; the model's sums join the returned metric sums (``model_sum_names``)."""
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
     metrics: dict[str, torch.Tensor] = {}
     maxima: dict[str, torch.Tensor] = {}
@@ -55,21 +68,82 @@ def forward_backward(
             if i != last:  # gradient all-reduce only once, on the last micro-batch
                 for module in trained:
                     sync.enter_context(no_sync(module))
-            with _phase(timer, "forward"), precision.autocast():
+            with _phase(timer, "forward"), precision.autocast(), record_emitted(trained) as emitted:
                 out = objective.loss(model, micro, parts) if parts else objective.loss(model, micro)
                 loss_sum = out.sum
                 if poison is not None:
                     loss_sum = poison(loss_sum)
             with _phase(timer, "backward"), backward_context():
                 scaled = loss_sum * (dp_size / global_targets)
+                if emitted.outputs:
+                    scaled = scaled + aux_loss(emitted, units, dp_size)
                 precision.scale(scaled).backward()
         local_sum += loss_sum.detach()
+        if emitted.outputs:
+            _add_model_sums(metrics, emitted, local_units(micro), device)
         for name, value in out.metrics.items():
             metrics[name] = metrics[name] + value.detach().float() if name in metrics else value.detach().float()
         for name, value in out.maxima.items():
             value = value.detach().float()
             maxima[name] = torch.maximum(maxima[name], value) if name in maxima else value
     return local_sum, metrics, maxima
+
+
+# ---------------------------------------------------------------------- the model's own losses and metrics
+
+MODEL_PREFIX = "model/"
+"""The ledger, console and TensorBoard name of a model metric: ``model/<name>``."""
+AUX_PREFIX = "model/aux/"
+"""... and of an auxiliary loss's value (weighted, per its unit): ``model/aux/<name>``."""
+COUNT_SUFFIX = ":count"
+"""The metric sum that carries a model sum's divisor: ``model/<name>:count``."""
+
+
+def local_units(batch) -> dict[str, int]:
+    """This rank's count of each unit an auxiliary loss may average over (``models.forward.NORMALIZERS``)."""
+    rows, _ = batch.input_ids.shape
+    return {INPUT_TOKEN: batch.input_ids.numel(), TARGET_TOKEN: int((batch.labels != IGNORE_INDEX).sum()), ROW: rows}
+
+
+def aux_loss(emitted: EmittedOutputs, units: Mapping[str, int] | None, dp_size: int) -> torch.Tensor:
+    """The backward's share of the model's auxiliary losses: each ``weight * sum * dp_size / global
+    count of its unit``, as the objective's sum is scaled by ``dp_size / global targets``."""
+    if units is None:
+        raise ConfigError("the model emits auxiliary losses but the step was given no global unit counts",
+                          key="model.arch", hint="pass forward_backward the global batch's units (global_units)")
+    total = None
+    for _, aux in emitted.aux_losses():
+        term = aux.sum * (aux.weight * dp_size / max(units[aux.per], 1))
+        total = term if total is None else total + term
+    return total
+
+
+def _add_model_sums(metrics: dict[str, torch.Tensor], emitted: EmittedOutputs, units: Mapping[str, int],
+                    device: torch.device) -> None:
+    """Add this micro-batch's model sums to ``metrics``: each auxiliary loss's weighted sum over its
+    local count of units, each metric's sum over its count (``model_sum_names``)."""
+    def add(name: str, value: Any) -> None:
+        value = torch.as_tensor(value, dtype=torch.float32, device=device).detach().reshape(())
+        metrics[name] = metrics[name] + value if name in metrics else value
+
+    for name, aux in emitted.aux_losses():
+        add(AUX_PREFIX + name, aux.sum.detach().float() * aux.weight)
+        add(AUX_PREFIX + name + COUNT_SUFFIX, float(units[aux.per]))
+    for name, value in emitted.metrics():
+        add(MODEL_PREFIX + name, value.sum.detach().float() if isinstance(value.sum, torch.Tensor) else value.sum)
+        add(MODEL_PREFIX + name + COUNT_SUFFIX, value.count)
+
+
+def is_model_sum(name: str) -> bool:
+    """Whether a metric sum of ``forward_backward`` is the model's (not the objective's)."""
+    return name.startswith(MODEL_PREFIX)
+
+
+def model_fields(totals: Mapping[str, float]) -> dict[str, float]:
+    """The ledger fields of the model's sums among ``totals`` (over micro-batches, ranks and, for an
+    objective that records every update, updates): ``model/<name>`` = sum / count, in name order."""
+    return {name: value / max(totals[name + COUNT_SUFFIX], 1e-30) for name, value in sorted(totals.items())
+            if is_model_sum(name) and not name.endswith(COUNT_SUFFIX)}
 
 
 def model_loss(model: nn.Module, batch, loss_fn: Loss, place, *, fuse_head: bool) -> torch.Tensor:

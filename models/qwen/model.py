@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import ModelConfig
+from core.exceptions import ConfigError
 from models.qwen.attention import (
     AttentionMask,
     KVCache,
@@ -189,6 +190,13 @@ class QwenForCausalLM(nn.Module):
         kernel = select_kernel(self.config.attention, device, seq_len)
         return build_attention_mask(document_ids, kernel, seq_len=seq_len, device=device)
 
+    def model_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, media: Any) -> torch.Tensor:
+        """The positions RoPE reads: the batch's own (B, T) position_ids, or 0..T-1 (1, T) where
+        it has none. Qwen reads no media; a family with M-RoPE builds its (3, B, T) here."""
+        if position_ids is None:
+            return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T)
+        return position_ids
+
     def rotary_table(self, position_ids: torch.Tensor) -> RotaryTable:
         """The RoPE angles every block receives for this batch (built once per forward)."""
         return RotaryTable.build(position_ids, self.dims.head_dim, self.dims.rope_theta)
@@ -200,8 +208,11 @@ class QwenForCausalLM(nn.Module):
         document_ids: torch.Tensor | None = None,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         cache: KVCache | None = None,
+        media: Any = None,
     ) -> Any:
-        """input_ids (B, T) -> logits (B, T, vocab). Run it through ``models.qwen.forward.model_forward``.
+        """input_ids (B, T) -> logits (B, T, vocab). Run it through ``models.forward.model_forward``.
+
+        The result alone, never a ``ModelOutput``: this family adds no auxiliary losses and no metrics.
 
         position_ids (B, T) restart at 0 for each packed document (default: 0..T-1);
         document_ids (B, T) confine attention to each document (default: one document).
@@ -211,8 +222,14 @@ class QwenForCausalLM(nn.Module):
         inside this forward, where wrappers such as FSDP have the weight unsharded.
 
         With a ``cache`` (generation, ``_forward_cached``): the logits (B, vocab) of each row's
-        last token, position_ids required, no document_ids and no head.
+        last token, position_ids required, no document_ids and no head. ``media`` must be None:
+        this family reads tokens only.
         """
+        if media is not None:
+            raise ConfigError(
+                f"model.arch {self.config.arch} reads token ids only, but the batch carries media "
+                f"({type(media).__name__})", key="model.arch",
+                hint="train a family that reads media on this data, or leave the media out of its records")
         if cache is not None:
             if position_ids is None or document_ids is not None or head is not None:
                 raise ValueError("a cached forward takes position_ids, and neither document_ids nor a head")
@@ -221,8 +238,7 @@ class QwenForCausalLM(nn.Module):
         for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
             if ids is not None and (ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch)):
                 raise ValueError(f"{name} must be (B, T)={batch, seq_len}, got {tuple(ids.shape)}")
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)  # (1, T)
+        position_ids = self.model_positions(input_ids, position_ids, media)
         mask = self.attention_mask(document_ids, seq_len, input_ids.device)
         rope = self.rotary_table(position_ids)
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)

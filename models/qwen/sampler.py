@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 from core.exceptions import ConfigError, DataError
 from models.qwen.attention import KVCache
-from models.qwen.forward import ModelInputs, model_forward
+from models.forward import ModelInputs, model_forward
 from models.qwen.model import QwenForCausalLM
 from models.qwen.nucleus import (
     UNIFORM_BITS,

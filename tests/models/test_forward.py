@@ -1,5 +1,6 @@
-"""models/qwen/forward.py: every output of the one forward, bitwise as the module's own call, and
-no other call of the model anywhere in models/ or training/."""
+"""models/forward.py: every output of the one forward, bitwise as the module's own call; what a
+family reads besides tokens (media, its own positions) and says besides its result (auxiliary
+losses, metrics); and no other call of the model anywhere in models/ or training/."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 import models
 from core.config import ModelConfig
-from models.qwen.forward import ModelInputs, ModelOutput, model_forward
+from core.exceptions import ConfigError
+from models.forward import INPUT_TOKEN, AuxLoss, ModelInputs, ModelMetric, ModelOutput, model_forward, record_emitted
 from training.linear_cross_entropy import linear_cross_entropy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,9 +106,80 @@ def test_conflicting_requests_are_refused(model, packed):
     assert isinstance(model_forward(model, ModelInputs(inputs.input_ids)), ModelOutput)
 
 
+def test_qwen_positions_are_the_batchs_own(model, packed):
+    inputs, _ = packed
+    assert model.model_positions(inputs.input_ids, inputs.position_ids, None) is inputs.position_ids
+    assert torch.equal(model.model_positions(inputs.input_ids, None, None), torch.arange(12)[None])
+
+
+def test_qwen_refuses_media_it_cannot_read(model, packed):
+    inputs, _ = packed
+    with pytest.raises(ConfigError, match="reads token ids only") as refused:
+        model_forward(model, ModelInputs(inputs.input_ids, media={"pixels": [[torch.zeros(4, 3)], []]}))
+    assert refused.value.context["key"] == "model.arch"
+    plain = model_forward(model, ModelInputs(inputs.input_ids, media={})).logits  # a data Batch without media has {}
+    assert torch.equal(plain, model_forward(model, ModelInputs(inputs.input_ids)).logits)
+
+
+class MediaFamily(torch.nn.Module):
+    """A family that reads media and builds (3, B, T) positions, and says more than its result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(4, 5, bias=False)
+        self.seen: dict = {}
+
+    def model_positions(self, input_ids, position_ids, media):
+        return position_ids.expand(3, *position_ids.shape) + media["grid"].sum()  # (3, B, T)
+
+    def forward(self, input_ids, position_ids=None, document_ids=None, head=None, cache=None, media=None):
+        self.seen = {"positions": self.model_positions(input_ids, position_ids, media), "media": media}
+        hidden = input_ids[..., None].float().expand(*input_ids.shape, 4) * self.lm_head.weight.sum()
+        result = head(hidden, self.lm_head.weight) if head is not None else self.lm_head(hidden)
+        aux = {"balance": AuxLoss(hidden.sum(), per=INPUT_TOKEN, weight=0.5)}
+        metrics = {"load/0": ModelMetric(hidden.detach().sum(), input_ids.numel())}
+        return ModelOutput(**({"head": result} if head is not None else {"logits": result}), aux_losses=aux,
+                           metrics=metrics)
+
+
+def test_a_family_gets_its_media_placed_and_returns_its_aux_losses_and_metrics():
+    family = MediaFamily()
+    ids, positions = torch.ones(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3)
+    grid = torch.tensor([1, 2, 2])
+    inputs = ModelInputs(ids, positions, media={"grid": grid, "patches": [[torch.zeros(2)], []]})
+    moved = []
+
+    def place(tensor):
+        moved.append(tensor)
+        return tensor.clone()
+
+    out = model_forward(family, inputs, place=place)
+    assert out.logits.shape == (2, 3, 5) and set(out.aux_losses) == {"balance"} and set(out.metrics) == {"load/0"}
+    assert any(t is grid for t in moved) and family.seen["media"]["grid"] is not grid  # placed like the ids
+    assert family.seen["positions"].shape == (3, 2, 3)
+    hidden = model_forward(family, inputs, hidden=True)
+    assert hidden.head is None and hidden.hidden.shape == (2, 3, 4) and set(hidden.aux_losses) == {"balance"}
+    with pytest.raises(ValueError, match="averaged over one of"):
+        AuxLoss(torch.zeros(()), per="token")
+
+
+def test_the_step_collects_only_the_trained_models_forwards_with_gradients():
+    trained, frozen = MediaFamily(), MediaFamily()
+    inputs = ModelInputs(torch.ones(1, 2, dtype=torch.long), torch.arange(2)[None], media={"grid": torch.ones(1)})
+    model_forward(trained, inputs)  # outside a step: nothing collects, nothing kept
+    with record_emitted([trained]) as emitted:
+        first = model_forward(trained, inputs)
+        model_forward(frozen, inputs)  # another module (a teacher)
+        with torch.no_grad():
+            model_forward(trained, inputs)  # no gradients: nothing to train
+    assert emitted.outputs == [first]
+    assert [name for name, _ in emitted.aux_losses()] == ["balance"]
+    assert [name for name, _ in emitted.metrics()] == ["load/0"]
+
+
 # ---------------------------------------------------------------------- the one call site
 
-FORWARD_MODULE = "models/qwen/forward.py"
+FORWARD_MODULE = "models/forward.py"
 MODEL_DEFINITION = "models/qwen/model.py"
 # Inside the model's own forward: its dispatch to the cached path, its blocks' cached forwards.
 INTERNAL_CALLS = ("self._forward_cached(", "block.forward_cached(", "self_attn.forward_cached(")
@@ -128,8 +201,11 @@ def model_calls(source: str) -> list[int]:
         if name == "model_forward" or (name or "a")[0].isupper():  # the helper; a class (Batch(...))
             continue
         first = node.args[0] if node.args else None
+        # A model's head is a function; ``head=<a comparison or constant>`` is some other flag.
+        keywords = {k.arg for k in node.keywords
+                    if not (k.arg == "head" and isinstance(k.value, (ast.Compare, ast.Constant, ast.BoolOp)))}
         if (name in MODEL_NAMES or name in {"forward", "forward_cached", "_forward_cached"}
-                or {k.arg for k in node.keywords} & MODEL_KEYWORDS
+                or keywords & MODEL_KEYWORDS
                 or (isinstance(first, ast.Attribute) and first.attr == "input_ids")):
             lines.append(node.lineno)
     return lines
@@ -149,7 +225,7 @@ def test_the_model_runs_only_through_model_forward():
                 text = path.read_text().splitlines()
                 lines = [n for n in lines if not any(inner in text[n - 1] for inner in INTERNAL_CALLS)]
             found += [f"{relative}:{n}" for n in lines]
-    assert not found, "the model is called outside models/qwen/forward.py:\n" + "\n".join(found)
+    assert not found, "the model is called outside models/forward.py:\n" + "\n".join(found)
     tree = ast.parse((ROOT / FORWARD_MODULE).read_text())
     calls = [node.lineno for node in ast.walk(tree)
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "model"]
@@ -164,6 +240,8 @@ def test_the_scan_sees_a_direct_call():
         "    c = wrapped(placed.input_ids)\n"
         "    d = self.sampler.model.forward_cached(ids, positions, cache)\n"
         "    e = Batch(input_ids=ids, position_ids=positions)\n"
+        "    f = role(param, head=name in heads)\n"
+        "    g = wrapped(ids, head=h)\n"
         "    return model_forward(model, placed, head=h)\n"
     )
-    assert model_calls(source) == [2, 3, 4, 5]
+    assert model_calls(source) == [2, 3, 4, 5, 8]

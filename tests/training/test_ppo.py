@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import models
-from models.qwen.forward import ModelInputs
+from models.forward import ModelInputs
 from core import config as config_lib
 from core import seeding
 from core.exceptions import CheckpointError, ConfigError

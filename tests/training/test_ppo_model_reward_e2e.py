@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from core import config as config_lib
-from models.qwen.forward import ModelInputs
+from models.forward import ModelInputs
 from tests import launch, reward_models
 from tests.methods import PPO_MODEL_REWARD as METHOD
 from training.objectives.critic import build_critic

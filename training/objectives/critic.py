@@ -24,7 +24,7 @@ from torch import nn
 
 from core.config import Config
 from distributed.model_structure import plan_of
-from models.qwen.forward import model_forward
+from models.forward import model_forward
 from training.objectives.frozen import RUN_PREFIX, run_checkpoint, source_model
 from training.objectives.reward_model_io import is_classifier, read_checkpoint_score, read_score_weight
 

@@ -27,7 +27,7 @@ from torch import nn
 from core.config import Config
 from data.batch import IGNORE_INDEX
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
-from models.qwen.forward import model_forward
+from models.forward import model_forward
 from training.objectives.base import LossOutput, ObjectiveContext, StatelessObjective, metric
 from training.objectives.distill_settings import KEY, KIND, check_teacher, check_vocab, student_vocab
 from training.objectives.distill_loss import distill_loss_from_logits, distill_loss_sum

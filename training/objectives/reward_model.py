@@ -40,7 +40,7 @@ from core import seeding
 from core.config import Config
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.hf_config import model_config_from_hf
-from models.qwen.forward import ModelInputs, model_forward
+from models.forward import ModelInputs, model_forward
 from training.objectives.base import LossOutput, ObjectiveContext, PartSpec, StatelessObjective, metric
 from training.objectives.ppo_loss import bradley_terry
 from training.objectives.reward_model_io import SCORE_PART, is_classifier, read_score_weight

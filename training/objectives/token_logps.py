@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from data.batch import IGNORE_INDEX
-from models.qwen.forward import model_forward
+from models.forward import model_forward
 
 
 def pairwise_sum(values: torch.Tensor) -> torch.Tensor:
