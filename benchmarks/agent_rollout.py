@@ -96,7 +96,7 @@ def run(args) -> dict:
     from data.chat_template import ChatTemplate
     from data.tasks import make_task
     from data.tokenizers import build_tokenizer
-    from models.qwen.sampler import SamplingParams
+    from models.generation.sampler import SamplingParams
     from training.registry import register_all
     from training.rollout.environment import Task
     from training.rollout.episodes import EpisodeLimits, EpisodeRunner

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 from models.qwen.attention import attend, causal_document_block_mask, causal_document_bool_mask  # noqa: E402
 from models.forward import ModelInputs, model_forward  # noqa: E402
+from models.numerics import Numerics  # noqa: E402
 
 
 def varlen_document_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -106,7 +107,7 @@ def device_paths(device: str) -> list[str]:
 def run_attention(path, q, k, v, mask):
     if path == "varlen":
         return attend_varlen(q, k, v, mask)
-    return attend(q, k, v, mask, sdpa_backends=PATHS[path][1])
+    return attend(q, k, v, mask, backends=Numerics(sdpa_backends=PATHS[path][1]).sdpa_backends_on(q.device))
 
 
 @contextlib.contextmanager

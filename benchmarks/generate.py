@@ -1,4 +1,4 @@
-"""Generation throughput: models/qwen/sampler.py against `transformers` `generate`, and what holds bitwise.
+"""Generation throughput: models/generation/sampler.py against `transformers` `generate`, and what holds bitwise.
 
     python benchmarks/generate.py --shape qwen2.5-0.5b --batch 64 --prompt-len 128 --new-tokens 256 \
         --check-determinism --out bench_out/generate-0.5b.json
@@ -38,7 +38,7 @@ without the Sampler's ``prefill_ahead``), the fastest reported as ``refill``.
 Both prefill ``--prefill-rows`` prompts per forward; the group schedule runs once more as it
 ran before that setting existed, a group's prompts in one forward of all ``--batch`` rows
 (``groups_prefill_all_rows``), and refill's speedup is reported against both, with the decode
-steps each schedule ran for these completion lengths (``models.qwen.scheduler.decode_steps``):
+steps each schedule ran for these completion lengths (``models.generation.scheduler.decode_steps``):
 their ratio bounds the speedup refill can give, since a step costs about the same in both
 (refill's a little more where the next prompts' prefill runs beside it, ``prefill_ahead``).
 It reports each schedule's tokens/s
@@ -105,7 +105,7 @@ def build_models(args, device):
     """(transformers model, our model): the same bf16 weights."""
     import torch
 
-    from models.hf_weights import from_hf_key
+    from models.qwen.weights import from_hf_key
     from models.qwen.model import empty_model
 
     model_config = load_model_config(args.shape, args.config)
@@ -120,7 +120,7 @@ def build_models(args, device):
 
 
 def ours_variant(model, args, name: str):
-    from models.qwen.sampler import Sampler
+    from models.generation.sampler import Sampler
 
     compile_, graphs = {"eager": (False, False), "compiled": (True, False), "graphs": (True, True)}[name]
     return Sampler(model, max_batch=args.batch, max_len=args.prompt_len + args.new_tokens,
@@ -205,8 +205,8 @@ def rollout_phase(model, args, variant: str, device) -> dict[str, Any]:
     """The --stop-fraction rollout: refill against the group schedule on the same samples (module docstring)."""
     import torch
 
-    from models.qwen.sampler import SampleKey, Sampler, SamplingParams
-    from models.qwen.scheduler import decode_steps
+    from models.generation.sampler import SampleKey, Sampler, SamplingParams
+    from models.generation.scheduler import decode_steps
 
     vocab = model.dims.vocab_size
     every = max(1, round(1 / args.stop_fraction))
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from models.qwen.sampler import SampleKey, SamplingParams
+    from models.generation.sampler import SampleKey, SamplingParams
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # TF32 stays off (torch's default): it would round the sampler's fp32 attention matmuls.

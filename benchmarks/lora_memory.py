@@ -75,7 +75,8 @@ def run_case(args: argparse.Namespace) -> dict:
     register_all()
     config = config_lib.load(args.config, [f"data.seq_len={args.seq_len}", "parallel.strategy=none", *args.set])
     device = torch.device(args.device)
-    determinism.configure(config.determinism, device)
+    determinism.configure(determinism.numerics(config), device,
+                          fill_uninitialized_memory=config.determinism.fill_uninitialized_memory)
     cuda = device.type == "cuda"
     model = models.build(config.model, generator=torch.Generator().manual_seed(0), device="cpu")
     if args.case in ADAPTER_CASES:

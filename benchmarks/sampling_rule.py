@@ -4,8 +4,8 @@ path draws the reference's tokens bitwise.
     python benchmarks/sampling_rule.py --rows 64,256 --out bench_out/sampling-rule.json
     python benchmarks/sampling_rule.py --rows 4 --vocab 2000 --device cpu --out bench_out/sampling-rule-cpu.json
 
-Every path is ``models.qwen.sampler.sample_next`` with one rule and one pair of (cut, draw)
-functions, captured as one CUDA graph (``models.qwen.nucleus.CapturedGraph``, what the Sampler
+Every path is ``models.generation.sampler.sample_next`` with one rule and one pair of (cut, draw)
+functions, captured as one CUDA graph (``models.generation.nucleus.CapturedGraph``, what the Sampler
 replays each decode step; on the CPU run eagerly), timed by CUDA events over ``--calls`` replays
 after a warm-up (the host time of a call is not in it). Rules: greedy; temperature 1 with no
 filter; top-p ``--top-p``. For top-p and no filter, the draw in torch (``draw_kept``: int64 weights
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hf_baseline import write_json  # noqa: E402
-from models.qwen.nucleus import (  # noqa: E402
+from models.generation.nucleus import (  # noqa: E402
     CapturedGraph,
     draw_kept,
     draw_kept_cuda,
@@ -38,7 +38,7 @@ from models.qwen.nucleus import (  # noqa: E402
     nucleus_cut_cuda,
     triton_available,
 )
-from models.qwen.sampler import SamplingParams, sample_next  # noqa: E402
+from models.generation.sampler import SamplingParams, sample_next  # noqa: E402
 
 
 def timed_ms(fn: Callable[[], object], calls: int, device: torch.device) -> float:

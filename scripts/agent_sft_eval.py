@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from data import calculator  # noqa: E402
 from data.chat_template import ChatTemplate  # noqa: E402
 from data.tokenizers import build_tokenizer  # noqa: E402
-from models.qwen.sampler import SamplingParams  # noqa: E402
+from models.generation.sampler import SamplingParams  # noqa: E402
 from training.cli.generate import load_source  # noqa: E402
 from training.registry import register_all  # noqa: E402
 from training.rollout.generator import Decoder, Generator  # noqa: E402

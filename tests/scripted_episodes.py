@@ -6,7 +6,7 @@ method's ``prepare``), and the scripted calculator call the agent tests of GRPO 
 
 from __future__ import annotations
 
-from models.qwen.sampler import Sample, TurnEnd
+from models.generation.sampler import Sample, TurnEnd
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call><|im_end|>'
 

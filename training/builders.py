@@ -54,8 +54,10 @@ def _gathered_embedding_grad(config: Config, model: nn.Module, topology):
 
 
 def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, ParallelPlan]:
-    determinism.configure(config.determinism, dist.device)
+    numerics = determinism.numerics(config)  # the run's one: the training forward's and the sampler's
+    determinism.configure(numerics, dist.device, fill_uninitialized_memory=config.determinism.fill_uninitialized_memory)
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
+    model.use_numerics(numerics)
     base_identity = None
     if config.model.lora.rank > 0:  # adapters on the plain model, before parallelize (models/lora.py)
         base_dtype = torch.bfloat16 if config.parallel.precision == "bf16" else None  # models.lora.store_base_as

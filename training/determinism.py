@@ -1,11 +1,16 @@
-"""Switch the numerics between ``bitwise`` (repeatable) and ``fast``.
+"""Switch the numerics between ``bitwise`` (repeatable) and ``fast``; build the run's ``Numerics``.
+
+``numerics(config)`` builds the run's one ``Numerics`` (models/numerics.py) from
+``determinism.mode``, ``model.attention``, ``model.sdpa_backends`` and ``parallel.precision``:
+the attention kernels, SDPA backends, matmul policy, dtypes and sampling kernels of the
+training forward and of the sampler all come from it (training/builders.py hands it to the model).
 
 ``bitwise``: deterministic algorithms everywhere (an op without a deterministic kernel
 raises instead of silently varying; new tensors are not NaN-filled unless
-``determinism.fill_uninitialized_memory``), the cuBLAS workspace pinned, TF32 off, cuDNN
-autotuning off, and the flash and cuDNN attention backends off: measured on H200 with
-torch 2.11, their backward is not bitwise repeatable, while the memory-efficient and math
-backends and compiled flex_attention are (docs/contracts.md).
+``determinism.fill_uninitialized_memory``), the cuBLAS workspace pinned, cuDNN autotuning off,
+and, by the ``Numerics``, TF32 off and the flash and cuDNN attention backends off: measured on
+H200 with torch 2.11, their backward is not bitwise repeatable, while the memory-efficient and
+math backends and compiled flex_attention are (docs/contracts.md).
 
 ``fast``: TF32 matmuls, cuDNN autotuning and every attention backend allowed. The mode is
 recorded in meta.json; resume and replay compare it.
@@ -17,11 +22,20 @@ import os
 
 import torch
 
-from core.config import DeterminismConfig
+from core.config import Config
+from models.numerics import Numerics
 
 
-def configure(config: DeterminismConfig, device: torch.device) -> None:
-    bitwise = config.mode == "bitwise"
+def numerics(config: Config) -> Numerics:
+    """The run's numerics, from its determinism, model and parallel sections (built once per run)."""
+    return Numerics(mode=config.determinism.mode, attention=config.model.attention,
+                    sdpa_backends=config.model.sdpa_backends, precision=config.parallel.precision)
+
+
+def configure(numerics: Numerics, device: torch.device, *, fill_uninitialized_memory: bool = False) -> None:
+    """Set torch's process-wide switches for ``numerics.mode`` on ``device`` (module docstring);
+    ``fill_uninitialized_memory`` is ``determinism.fill_uninitialized_memory`` (bitwise only)."""
+    bitwise = numerics.mode == "bitwise"
     if bitwise:
         # Read by cuBLAS when its handle is created (first matmul), so setting it here works.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -34,18 +48,12 @@ def configure(config: DeterminismConfig, device: torch.device) -> None:
     # host time). Every kernel here writes what it reads, and the bitwise checks on the GPU
     # (repeat, kill/resume) pass without the fill (docs/determinism.md);
     # determinism.fill_uninitialized_memory turns it back on.
-    torch.utils.deterministic.fill_uninitialized_memory = bitwise and config.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = bitwise and fill_uninitialized_memory
     torch.backends.cudnn.deterministic = bitwise
     torch.backends.cudnn.benchmark = not bitwise
-    torch.backends.cuda.matmul.allow_tf32 = not bitwise
-    torch.backends.cudnn.allow_tf32 = not bitwise
-    if device.type == "cuda":
-        torch.backends.cuda.enable_flash_sdp(not bitwise)
-        torch.backends.cuda.enable_cudnn_sdp(not bitwise)
-        torch.backends.cuda.enable_mem_efficient_sdp(True)
-        torch.backends.cuda.enable_math_sdp(True)
-        if bitwise:
-            settle_cublas_workspace_config(device)
+    numerics.apply(device)  # TF32, SDPA backends
+    if device.type == "cuda" and bitwise:
+        settle_cublas_workspace_config(device)
 
 
 WORKSPACE_CONFIG = ":4096:8"

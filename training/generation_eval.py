@@ -21,7 +21,7 @@ decoding its own rows; sums go through the loop's all-reduce, so the numbers do 
 the world size. Sample ``j`` of prompt ``i`` is keyed ``(train.seed, "eval-generate", 0, i, j)``:
 every evaluation draws the same random numbers, so evaluations at different steps compare the
 weights, not the draws. The sampler runs ``max(1, samples) * global_batch_size / num_streams``
-rows per forward whatever the world size (models/qwen/sampler.py: a row's arithmetic depends on
+rows per forward whatever the world size (models/generation/sampler.py: a row's arithmetic depends on
 that shape only).
 """
 
@@ -39,8 +39,8 @@ from data.batch import Batch, prompt_and_answer
 from data.chat_template import ChatTemplate
 from data.sources.source import Source
 from data.tokenizers import build_tokenizer
-from models.qwen.sampler import SamplingParams
-from training.rollout.generator import Decoder, Generator, generation_dtype
+from models.generation.sampler import SamplingParams
+from training.rollout.generator import Decoder, Generator
 from training.rollout.rewards import exact_answer
 
 PURPOSE = "eval-generate"
@@ -68,8 +68,7 @@ class GenerationEvaluation:
         batch = config.train.global_batch_size
         self.batches = -(-s.prompts // batch)  # enough global batches to hold the prompts
         self.generator = Generator(rows=max(1, s.samples) * batch // config.data.num_streams,
-                                   max_len=config.data.seq_len, seed=config.train.seed,
-                                   dtype=generation_dtype(config.parallel.precision, device))
+                                   max_len=config.data.seq_len, seed=config.train.seed)
         # The run's data settings with the prompt source as the held-out one (whole packing: one
         # prompt per row); a derived value, the run's config is untouched.
         data = dataclasses.replace(config.data, eval_source=s.source, packing="whole")

@@ -1,7 +1,8 @@
 """Compute precision: fp32, bf16 autocast, fp16 autocast with a gradient scaler.
 
 Under FSDP with bf16 the cast is done by FSDP's mixed-precision policy (bf16 parameters and
-compute, fp32 master weights and gradient reduction), so autocast is not used there.
+compute, fp32 master weights and gradient reduction), so autocast is not used there. The dtype
+of each precision is the one ``Numerics.compute_dtype`` gives (models/numerics.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from typing import Any
 import torch
 
 from core.config import ParallelConfig
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from models.numerics import DTYPES
 
 
 class Precision:
@@ -21,7 +21,7 @@ class Precision:
         """``wrapper_casts``: the model is wrapped by FSDP2 with a bf16 mixed-precision policy
         (only true where fully_shard was applied: a single process is not sharded)."""
         self.name = config.precision
-        self.dtype = _DTYPES[config.precision]
+        self.dtype = DTYPES[config.precision]
         self.device = device
         self.use_autocast = self.name != "fp32" and not (wrapper_casts and self.name == "bf16")
         self.scaler = (

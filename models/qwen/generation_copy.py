@@ -4,7 +4,8 @@ The model handed in is the model itself (``QwenForCausalLM``, possibly sharded i
 FSDP2 or tensor parallelism, possibly with LoRA adapters), with its state under canonical
 names; whatever wrapped it from outside (DDP, compile, checkpoint wrappers) was removed by the
 layer that applied it (training/rollout/generation_model.py). LoRA adapters are folded into the base
-weights; an NF4 base is refused.
+weights; an NF4 base is refused. The copy carries the model's own ``Numerics`` (models/numerics.py),
+which also picks its dtype, so the sampler runs under the object the training forward runs under.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def generation_copy(
     """A plain local QwenForCausalLM with the full weights of ``model``, whose canonical state is ``state``.
 
     ``state``'s values may be DTensor shards: gathering them is a collective, so call this on
-    every rank. A plain model already on the requested device and dtype (default: the
-    parameters') is returned as it is; otherwise the full weights are copied, parameter by
+    every rank. A plain model already on the requested device and dtype (default: the model's
+    ``numerics.generation_dtype``, else the parameters') is returned as it is; otherwise the full weights are copied, parameter by
     parameter, into a fresh model. Memory: one full copy of the weights per rank in ``dtype``,
     plus one gathered parameter at a time. No inference server, no files.
     """
@@ -45,7 +46,8 @@ def generation_copy(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype = first.dtype if dtype is None else dtype
+    if dtype is None:
+        dtype = model.numerics.generation_dtype(device) or first.dtype
     if type(model) is QwenForCausalLM and not sharded and not adapters and (first.device, first.dtype) == (device, dtype):
         return model
     if any(isinstance(m.base_layer, NF4Linear) for m in adapters.values()):
@@ -54,6 +56,7 @@ def generation_copy(
             hint="export the merged model (python -m training export --merge) and load that",
         )
     fresh = empty_model(config, device=device, dtype=dtype)
+    fresh.use_numerics(model.numerics)
     for name, source in adapters.items():  # the same adapters (names, rank, alpha, dtype); values follow
         wrapper = LoRALinear(fresh.get_submodule(name), rank=source.rank, alpha=source.alpha, dropout=0.0, name=name)
         wrapper.to(dtype=source.lora_A.weight.dtype)

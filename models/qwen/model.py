@@ -19,15 +19,10 @@ from torch import nn
 
 from core.config import ModelConfig
 from core.exceptions import ConfigError
-from models.qwen.attention import (
-    AttentionMask,
-    KVCache,
-    attend,
-    attend_cached,
-    build_attention_mask,
-    cache_mask,
-    select_kernel,
-)
+from models.generation.kv_cache import KVCache
+from models.generation.protocol import GenerationSpec
+from models.numerics import Numerics
+from models.qwen.attention import AttentionMask, attend, attend_cached, build_attention_mask, cache_mask
 from models.qwen.dims import QwenDims, resolve_dims
 from models.qwen.plan import ModelParallelPlan, qwen_parallel_plan
 from models.qwen.rope import RotaryTable, apply_rope
@@ -68,10 +63,10 @@ class QwenMLP(nn.Module):
 class QwenAttention(nn.Module):
     """Grouped-query self-attention with RoPE (and q/k RMSNorm for Qwen3)."""
 
-    def __init__(self, dims: QwenDims, *, sdpa_backends: str) -> None:
+    def __init__(self, dims: QwenDims, *, numerics: Numerics) -> None:
         super().__init__()
         self.head_dim = dims.head_dim
-        self.sdpa_backends = sdpa_backends
+        self.numerics = numerics
         self.q_proj = nn.Linear(dims.hidden_size, dims.q_width, bias=dims.qkv_bias)
         self.k_proj = nn.Linear(dims.hidden_size, dims.kv_width, bias=dims.qkv_bias)
         self.v_proj = nn.Linear(dims.hidden_size, dims.kv_width, bias=dims.qkv_bias)
@@ -87,7 +82,7 @@ class QwenAttention(nn.Module):
         batch, seq_len, _ = x.shape
         q, k, v = self._project(x, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
-        out = attend(q, k, v, mask, sdpa_backends=self.sdpa_backends)  # (B, n_head, T, head_dim)
+        out = attend(q, k, v, mask, backends=self.numerics.sdpa_backends_on(q.device))  # (B, n_head, T, head_dim)
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)  # (B, T, n_head * head_dim)
         return self.o_proj(out)
 
@@ -104,7 +99,8 @@ class QwenAttention(nn.Module):
         q, k, v = self._project(x, rope)
         cache.write(layer, position_ids, k, v)
         k_all, v_all = cache.read(layer)  # (B, n_kv_head, slots, head_dim)
-        out = attend_cached(q.transpose(1, 2), k_all, v_all, mask)  # (B, n_head, T, head_dim)
+        kernel = self.numerics.cached_attention(k_all.dtype)
+        out = attend_cached(q.transpose(1, 2), k_all, v_all, mask, kernel=kernel)  # (B, n_head, T, head_dim)
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)  # (B, T, n_head * head_dim)
         return self.o_proj(out)
 
@@ -130,10 +126,10 @@ class QwenBlock(nn.Module):
     ``RotaryTable`` (fp32 cos/sin, built once per forward by ``QwenForCausalLM.rotary_table``).
     """
 
-    def __init__(self, dims: QwenDims, *, sdpa_backends: str) -> None:
+    def __init__(self, dims: QwenDims, *, numerics: Numerics) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.self_attn = QwenAttention(dims, sdpa_backends=sdpa_backends)
+        self.self_attn = QwenAttention(dims, numerics=numerics)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.mlp = QwenMLP(dims)
 
@@ -163,9 +159,10 @@ class QwenForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dims = dims = resolve_dims(config)
+        self.numerics = Numerics.for_model(config)  # a run's own: use_numerics
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
         self.layers = nn.ModuleList(
-            QwenBlock(dims, sdpa_backends=config.sdpa_backends) for _ in range(dims.num_layers)
+            QwenBlock(dims, numerics=self.numerics) for _ in range(dims.num_layers)
         )
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
@@ -187,7 +184,7 @@ class QwenForCausalLM(nn.Module):
 
     def attention_mask(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> AttentionMask:
         """The mask every block receives for this batch (built once per forward)."""
-        kernel = select_kernel(self.config.attention, device, seq_len)
+        kernel = self.numerics.attention_kernel(device, seq_len)
         return build_attention_mask(document_ids, kernel, seq_len=seq_len, device=device)
 
     def model_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, media: Any) -> torch.Tensor:
@@ -256,7 +253,7 @@ class QwenForCausalLM(nn.Module):
         attends to slots 0..position of that row (earlier chunks' tokens included), so a
         prompt can be fed in chunks and then one token at a time. Rows are independent:
         each has its own positions. Call on a plain (unwrapped) model, under no_grad;
-        ``models.qwen.sampler`` drives it.
+        ``models.generation.sampler`` drives it.
         """
         if input_ids.shape != position_ids.shape:
             raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}")
@@ -267,13 +264,20 @@ class QwenForCausalLM(nn.Module):
             hidden = block.forward_cached(hidden, rope, cache, layer, position_ids, mask)
         return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
 
-    def new_kv_cache(self, *, batch: int, slots: int) -> KVCache:
-        """A zeroed KV cache for ``batch`` rows of ``slots`` positions, on the model's device and dtype."""
+    def use_numerics(self, numerics: Numerics) -> None:
+        """Run every forward under ``numerics``: the run's, built once (training/determinism.py), which
+        the sampler's copy of this model carries too (models/numerics.py)."""
+        self.numerics = numerics
+        for block in self.layers:
+            block.self_attn.numerics = numerics
+
+    def generation_spec(self) -> GenerationSpec:
+        """The vocabulary and the KV cache's shape, on the model's device and dtype (the ``GenerationModel``
+        protocol, models/generation/protocol.py)."""
         weight = self.embed_tokens.weight
-        return KVCache(
-            num_layers=self.dims.num_layers, batch=batch, num_kv_heads=self.dims.num_kv_heads, slots=slots,
-            head_dim=self.dims.head_dim, device=weight.device, dtype=weight.dtype,
-        )
+        return GenerationSpec(vocab_size=self.dims.vocab_size, num_layers=self.dims.num_layers,
+                              num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
+                              device=weight.device, dtype=weight.dtype)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:

@@ -1,4 +1,5 @@
-"""Document-masked attention (models/qwen/attention.py): a packed row equals its documents run alone."""
+"""Document-masked attention (models/qwen/attention.py): a packed row equals its documents run alone; the
+kernel ``Numerics`` (models/numerics.py) picks for each config and device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 import models
 from core.config import ModelConfig
-from models.qwen.attention import attend, causal_document_bool_mask, select_kernel
+from core.exceptions import ConfigError
+from models.numerics import Numerics
+from models.qwen.attention import attend, causal_document_bool_mask
 
 # Row 0 packs three documents, row 1 is one document filling the row.
 DOC_LENGTHS = [[5, 7, 4], [16]]
@@ -107,15 +110,17 @@ def test_grouped_query_heads_share_their_kv_head():
 
 
 def test_kernel_selection():
-    assert select_kernel("auto", torch.device("cpu")) == "sdpa"
-    assert select_kernel("auto", torch.device("cuda", 0)) == "flex"
-    assert select_kernel("auto", torch.device("cuda", 0), 256) == "flex"
-    assert select_kernel("auto", torch.device("cuda", 0), 112) == "sdpa"  # no flex kernel for it (H200)
-    assert select_kernel("flex", torch.device("cuda", 0), 112) == "flex"  # asked for: as asked
-    assert select_kernel("sdpa", torch.device("cuda", 0)) == "sdpa"
-    assert select_kernel("flex", torch.device("cpu")) == "flex"
-    with pytest.raises(ValueError):
-        select_kernel("flash", torch.device("cpu"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    auto, flex, sdpa = Numerics(attention="auto"), Numerics(attention="flex"), Numerics(attention="sdpa")
+    assert auto.attention_kernel(cpu) == "sdpa"
+    assert auto.attention_kernel(cuda) == "flex"
+    assert auto.attention_kernel(cuda, 256) == "flex"
+    assert auto.attention_kernel(cuda, 112) == "sdpa"  # no flex kernel for it (H200)
+    assert flex.attention_kernel(cuda, 112) == "flex"  # asked for: as asked
+    assert sdpa.attention_kernel(cuda) == "sdpa"
+    assert flex.attention_kernel(cpu) == "flex"
+    with pytest.raises(ConfigError, match="model.attention"):
+        Numerics(attention="flash")
 
 
 def test_bad_document_ids_shape_is_rejected():

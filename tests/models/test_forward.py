@@ -14,6 +14,7 @@ import models
 from core.config import ModelConfig
 from core.exceptions import ConfigError
 from models.forward import INPUT_TOKEN, AuxLoss, ModelInputs, ModelMetric, ModelOutput, model_forward, record_emitted
+from models.generation.kv_cache import KVCache
 from training.linear_cross_entropy import linear_cross_entropy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ def test_the_cached_decode_is_the_same_forward_with_a_cache(model):
     positions = torch.arange(7).expand(2, 7)
     with torch.no_grad():
         full = model_forward(model, ModelInputs(ids)).logits  # (B, T, vocab)
-        cache = model.new_kv_cache(batch=2, slots=8)
+        cache = KVCache.for_spec(model.generation_spec(), batch=2, slots=8)
         model_forward(model, ModelInputs(ids[:, :4], positions[:, :4]), cache=cache)  # a prefill chunk
         steps = [model_forward(model, ModelInputs(ids[:, t:t + 1], positions[:, t:t + 1]), cache=cache).logits
                  for t in range(4, 7)]
@@ -100,7 +101,7 @@ def test_conflicting_requests_are_refused(model, packed):
     inputs, _ = packed
     with pytest.raises(ValueError, match="at most one of head, hidden and cache"):
         model_forward(model, inputs, hidden=True, head=lambda hidden, weight: hidden)
-    cache = model.new_kv_cache(batch=2, slots=16)
+    cache = KVCache.for_spec(model.generation_spec(), batch=2, slots=16)
     with pytest.raises(ValueError, match="neither document_ids nor a head"):
         model_forward(model, inputs, cache=cache)  # packed documents cannot be decoded
     assert isinstance(model_forward(model, ModelInputs(inputs.input_ids)), ModelOutput)

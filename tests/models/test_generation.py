@@ -1,4 +1,4 @@
-"""models/generation.py: prompts files, context length, keyed samples per prompt, output records."""
+"""models/generation/prompts.py: prompts files, context length, keyed samples per prompt, output records."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import models
 from core.config import ModelConfig
 from core.exceptions import DataError
-from models.generation import Prompt, context_length, read_prompts, sample_prompts, sample_record
-from models.qwen.sampler import Sampler, SamplingParams
+from models.generation.prompts import Prompt, context_length, read_prompts, sample_prompts, sample_record
+from models.generation.sampler import Sampler, SamplingParams
 
 CONFIG = ModelConfig(
     arch="qwen3", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2,

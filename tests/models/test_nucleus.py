@@ -1,4 +1,4 @@
-"""models/qwen/nucleus.py: the filters' kept sets without a sort equal a stable sort's, ties included."""
+"""models/generation/nucleus.py: the filters' kept sets without a sort equal a stable sort's, ties included."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from functools import partial
 
-from models.qwen.nucleus import (
+from models.generation.nucleus import (
     CapturedGraph,
     draw_kept,
     draw_kept_cuda,
@@ -17,7 +17,7 @@ from models.qwen.nucleus import (
     nucleus_cut,
     nucleus_cut_cuda,
 )
-from models.qwen.sampler import SamplingParams, _kept, counter_uniforms, sample_next
+from models.generation.sampler import SamplingParams, _kept, counter_uniforms, sample_next
 
 
 def _kept_by_sorting(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:

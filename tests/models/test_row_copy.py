@@ -1,11 +1,11 @@
-"""The one-kernel row copy (models/qwen/row_copy.py) moves exactly the rows' bytes (on a GPU)."""
+"""The one-kernel row copy (models/generation/row_copy.py) moves exactly the rows' bytes (on a GPU)."""
 
 import pytest
 import torch
 
-from models.qwen.attention import KVCache
-from models.qwen.nucleus import CapturedGraph, triton_available
-from models.qwen.row_copy import RowCopy
+from models.generation.kv_cache import KVCache
+from models.generation.nucleus import CapturedGraph, triton_available
+from models.generation.row_copy import RowCopy
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(torch.device("cuda")),
                          reason="the Triton kernel runs on CUDA (benchmarks on a GPU)")

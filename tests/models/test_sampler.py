@@ -1,4 +1,4 @@
-"""models/qwen/sampler.py: batch-invariant keyed sampling, greedy parity with the full forward, limits, bad input."""
+"""models/generation/sampler.py: batch-invariant keyed sampling, greedy parity with the full forward, limits, bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import models
 from core.exceptions import ConfigError, DataError
-from models.qwen.sampler import (
+from models.generation.sampler import (
     SampleKey,
     Sampler,
     SamplingParams,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core.exceptions import DataError
-from models.qwen.sampler import Continuation, SampleKey, Sampler, SamplingParams
+from models.generation.sampler import Continuation, SampleKey, Sampler, SamplingParams
 from tests.models.sampler_model import QWEN3
 
 STOPS = tuple(range(0, QWEN3.vocab_size, 8))  # turns end after ~8 ids, at different steps

@@ -1,4 +1,4 @@
-"""models/qwen/scheduler.py: continuous refill gives every sample bitwise the tokens of the group schedule and of
+"""models/generation/scheduler.py: continuous refill gives every sample bitwise the tokens of the group schedule and of
 the sample alone, in any order, and finished rows stop costing decode steps."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from models.qwen.nucleus import triton_available
-from models.qwen.sampler import SampleKey, Sampler, SamplingParams
-from models.qwen.scheduler import RowSlots, StagingPool, decode_steps
+from models.generation.nucleus import triton_available
+from models.generation.sampler import SampleKey, Sampler, SamplingParams
+from models.generation.scheduler import RowSlots, StagingPool, decode_steps
 from tests.models.sampler_model import QWEN3
 
 STOPS = tuple(range(0, QWEN3.vocab_size, 8))  # 12 of 96 tokens: sampled completions end after ~8 tokens

@@ -232,10 +232,10 @@ def test_bitwise_mode_stops_cublas_reparsing_its_workspace_variable():
     code = textwrap.dedent(
         """
         import os, torch
-        from core.config import DeterminismConfig
+        from models.numerics import Numerics
         from training import determinism
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        determinism.configure(DeterminismConfig(mode="bitwise"), torch.device("cuda", 0))
+        determinism.configure(Numerics(mode="bitwise"), torch.device("cuda", 0))
         major = torch.cuda.get_device_capability(0)[0]
         removed = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
         assert removed == (major in determinism.DEFAULT_WORKSPACE_IS_CONFIG), (major, removed)

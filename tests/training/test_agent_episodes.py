@@ -17,7 +17,7 @@ from data import calculator
 from data.batch import DocSpan
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
-from models.qwen.sampler import Sample, SamplingParams
+from models.generation.sampler import Sample, SamplingParams
 from training.rollout.environment import EnvironmentFailure, NondeterministicToolError, Task, Transition
 from training.rollout.episodes import EpisodeLimits, EpisodeRunner
 from training.rollout.generator import Decoder

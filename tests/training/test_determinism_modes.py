@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.utils.deterministic
 
-from core.config import DeterminismConfig
+from models.numerics import Numerics
 from training import determinism
 
 
@@ -30,20 +30,20 @@ def _restore_torch_flags():
 
 
 def test_bitwise_turns_on_deterministic_algorithms_without_nan_filling():
-    determinism.configure(DeterminismConfig(mode="bitwise"), torch.device("cpu"))
+    determinism.configure(Numerics(mode="bitwise"), torch.device("cpu"))
     assert torch.are_deterministic_algorithms_enabled()
     assert not torch.utils.deterministic.fill_uninitialized_memory
     assert not torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.deterministic
 
 
 def test_bitwise_can_fill_new_tensors_with_nan():
-    determinism.configure(DeterminismConfig(mode="bitwise", fill_uninitialized_memory=True), torch.device("cpu"))
+    determinism.configure(Numerics(mode="bitwise"), torch.device("cpu"), fill_uninitialized_memory=True)
     assert torch.utils.deterministic.fill_uninitialized_memory
     assert torch.isnan(torch.empty(64)).all()
 
 
 def test_fast_allows_nondeterministic_kernels_and_tf32():
-    determinism.configure(DeterminismConfig(mode="fast", fill_uninitialized_memory=True), torch.device("cpu"))
+    determinism.configure(Numerics(mode="fast"), torch.device("cpu"), fill_uninitialized_memory=True)
     assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.utils.deterministic.fill_uninitialized_memory
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark

@@ -18,7 +18,7 @@ from core.config import load
 from core.exceptions import ConfigError
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
-from models.qwen.sampler import SampleKey, Sampler, SamplingParams
+from models.generation.sampler import SampleKey, Sampler, SamplingParams
 from training.rollout.generator import cut_at_marker, stop_tokens
 from training.generation_eval import PURPOSE, GenerationEvaluation
 from training.rollout.rewards import exact_answer

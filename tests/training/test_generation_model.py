@@ -8,7 +8,7 @@ import torch
 
 import models
 from core.exceptions import ConfigError
-from models.qwen.sampler import Sampler
+from models.generation.sampler import Sampler
 from tests.models.sampler_model import QWEN3
 from tests.models.test_sampler import _prompts
 from training.rollout.generation_model import generation_model
@@ -27,7 +27,7 @@ def test_generation_model_of_a_plain_model_is_the_model_and_a_conversion_is_a_co
     assert half is not model and half.embed_tokens.weight.dtype == torch.bfloat16
     assert half.lm_head.weight is half.embed_tokens.weight  # tied again
     assert torch.equal(half.layers[1].mlp.up_proj.weight, model.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
-    with pytest.raises(ConfigError, match="plain, unsharded QwenForCausalLM"):
+    with pytest.raises(ConfigError, match="plain, unsharded generation model"):
         Sampler(compiled, max_batch=2, max_len=8)
 
 

@@ -24,7 +24,7 @@ from data.chat_template import ChatTemplate
 from data.pipeline.plan import make_plan
 from data.pipeline.serial import iterate_serial
 from data.tokenizers import build_tokenizer
-from models.qwen.sampler import SampleKey, Sampler, SamplingParams
+from models.generation.sampler import SampleKey, Sampler, SamplingParams
 from training.rollout.generator import cut_at_marker, stop_tokens
 from training.objectives.base import ObjectiveContext
 from training.objectives.grpo import GRPOObjective

@@ -26,7 +26,7 @@ from data.batch import IGNORE_INDEX
 from data.pipeline.plan import make_plan
 from data.pipeline.serial import iterate_serial
 from data.tasks import write_task_datasets
-from models.qwen.sampler import Sample
+from models.generation.sampler import Sample
 from training.objectives.base import ObjectiveContext
 from training.objectives.grpo import PARITY, GRPOObjective
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric

@@ -17,8 +17,8 @@ from experiments.console import Progress
 from data.batch import IGNORE_INDEX, Batch, DocSpan
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
-from models.generation import sample_prompts
-from models.qwen.sampler import Sample, Sampler, SamplingParams
+from models.generation.prompts import sample_prompts
+from models.generation.sampler import Sample, Sampler, SamplingParams
 from training.rollout.environment import RewardEnvironment, Task, Transition
 from training.rollout.experience import Experience, Trajectory, rollout_fields
 from training.rollout.generator import Completion, Decoder, Generator

@@ -18,7 +18,7 @@
   raw otherwise.
 - **Randomness.** Sample ``j`` of prompt ``i`` (its line number in the file; 0 for ``--prompt``)
   uses ``SampleKey(seed, "generate", 0, i, j)``: it does not depend on the other prompts, the
-  batch or the order (models/qwen/sampler.py). ``--temperature 0`` is greedy. Sampling goes
+  batch or the order (models/generation/sampler.py). ``--temperature 0`` is greedy. Sampling goes
   through the same ``Generator`` and ``Decoder`` as GRPO's rollouts (training/rollout/generator.py).
 - **Stopping.** A sample ends at the tokenizer's EOS, or at the template's end-of-turn marker
   (a single token such as Qwen's ``<|im_end|>``; a marker of several tokens, as with the byte
@@ -52,9 +52,9 @@ from core.exceptions import ConfigError, DataError, LockstepError, UsageError
 from core.objective_kinds import objective_kind
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
-from models.generation import Prompt, context_length, read_prompts, sample_record
+from models.generation.prompts import Prompt, context_length, read_prompts, sample_record
 from models.hf_config import model_config_from_hf
-from models.qwen.sampler import SamplingParams
+from models.generation.sampler import SamplingParams
 from training.cli.export_target import enclosing_run_dir, exported_chat_model
 from training.memory_estimate import check_model_fits_for_inference, trained_model_config
 from training.rollout.generator import Decoder, Generator

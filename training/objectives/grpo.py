@@ -91,7 +91,7 @@ from data.batch import IGNORE_INDEX, Batch
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
-from models.qwen.sampler import SamplingParams
+from models.generation.sampler import SamplingParams
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
@@ -102,7 +102,7 @@ from training.rollout.agent import AgentRollouts, episode_console_fields
 from training.rollout.environment import Task, batch_tasks
 from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, rollout_fields
-from training.rollout.generator import Decoder, Generator, generation_dtype
+from training.rollout.generator import Decoder, Generator
 from training.rollout.group import GroupRollout, rollout_progress
 from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 
@@ -207,8 +207,7 @@ class GRPOObjective:
         # Every forward of the sampler runs this many rows (its static shape): a constant of the
         # config, not of the world size, so rollouts do not depend on how rows are spread.
         self.generator = Generator(rows=self.rollout_rows,
-                                   max_len=config.data.seq_len, seed=config.train.seed,
-                                   dtype=generation_dtype(config.parallel.precision, context.parallel.device))
+                                   max_len=config.data.seq_len, seed=config.train.seed)
         self.episodes = self.agent.runner(self.generator, self.decoder, context=config.data.seq_len)
         self.rollout = GroupRollout(generator=self.generator, decoder=self.decoder, environment=self.environment,
                                     params=self.params, group_size=g.group_size, overlong_buffer=g.overlong_buffer,

@@ -80,7 +80,7 @@ from data.batch import IGNORE_INDEX, Batch
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
-from models.qwen.sampler import SamplingParams
+from models.generation.sampler import SamplingParams
 from training.objectives.base import (OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, PartSpec, check_state,
                                       metric)
 from training.objectives.critic import Critic, build_critic
@@ -93,7 +93,7 @@ from training.rollout.agent import AgentRollouts, episode_console_fields
 from training.rollout.environment import batch_tasks
 from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, rollout_fields
-from training.rollout.generator import Decoder, Generator, generation_dtype
+from training.rollout.generator import Decoder, Generator
 from training.rollout.group import GroupRollout, rollout_progress
 from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
 
@@ -229,8 +229,7 @@ class PPOObjective:
         self.fuse_head = context.fuse_head and config.train.loss_chunk_tokens > 0
         # A constant of the config, not of the world size: rollouts do not depend on how rows are spread.
         self.generator = Generator(rows=p.group_size * config.train.global_batch_size // config.data.num_streams,
-                                   max_len=config.data.seq_len, seed=config.train.seed,
-                                   dtype=generation_dtype(config.parallel.precision, context.parallel.device))
+                                   max_len=config.data.seq_len, seed=config.train.seed)
         self.episodes = self.agent.runner(self.generator, self.decoder, context=config.data.seq_len)
         self.rollout = GroupRollout(generator=self.generator, decoder=self.decoder, environment=self.environment,
                                     params=self.params, group_size=p.group_size, overlong_buffer=0,

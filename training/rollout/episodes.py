@@ -64,7 +64,7 @@ from torch import nn
 
 from core.exceptions import DeterminismError, LockstepError
 from data.chat_template import RecordError, TemplateLimitError
-from models.qwen.sampler import Continuation, Sample, SampleKey, SamplingParams, TurnEnd
+from models.generation.sampler import Continuation, Sample, SampleKey, SamplingParams, TurnEnd
 from training.rollout.environment import EnvironmentFailure, NondeterministicToolError, Task, Transition
 from training.rollout.generator import Decoder, Generator
 

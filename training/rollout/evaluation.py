@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from data.batch import Batch
-from models.qwen.sampler import SamplingParams
+from models.generation.sampler import SamplingParams
 from training.rollout.environment import Environment, Task
 from training.rollout.episodes import EpisodeRunner
 from training.rollout.generator import Decoder, Generator

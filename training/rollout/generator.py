@@ -9,11 +9,11 @@ generate`` all sample through a ``Generator``:
   sampler's own model, whose compiled decode step (and CUDA graph) stays valid. The command
   line builds its generator over the model it loaded (``Generator.over``) and hands nothing.
 - **Randomness.** Sample ``j`` of prompt ``i`` is keyed ``SampleKey(seed, purpose, step, i, j)``
-  (``models.generation.sample_prompts``), ``i`` the caller's index of the prompt (a global
+  (``models.generation.prompts.sample_prompts``), ``i`` the caller's index of the prompt (a global
   prompt row, a held-out prompt's index, a prompts file's line): a completion depends on its
   key and the sampler's settings only, not on the other prompts, the batch or the world size.
 - **Static shape.** The sampler runs ``rows`` rows per forward whatever the number of prompts
-  (models/qwen/sampler.py: a row's arithmetic depends on that shape only), so callers pass a
+  (models/generation/sampler.py: a row's arithmetic depends on that shape only), so callers pass a
   constant of the config, never of the world size.
 - **Completions.** ``Decoder`` turns a sample into what training and the command line see: EOS
   and a one-token end-of-turn marker stop the sampler; a marker of several tokens is cut on the
@@ -29,18 +29,17 @@ import torch
 from torch import nn
 
 from data.chat_template import ChatTemplate
-from models.generation import sample_prompts
-from models.qwen.sampler import Continuation, Sample, SampleKey, Sampler, SamplingParams, TurnEnd
+from models.generation.prompts import sample_prompts
+from models.generation.sampler import Continuation, Sample, SampleKey, Sampler, SamplingParams, TurnEnd
 from training.rollout.generation_model import generation_model
 
 
-def generation_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The sampler's weights: bf16 for a bf16 run on CUDA, else the parameters' own dtype (None)."""
-    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None
-
-
 class Generator:
-    """``rows`` rows per forward, contexts of ``max_len`` tokens, keys under ``seed`` (module docstring)."""
+    """``rows`` rows per forward, contexts of ``max_len`` tokens, keys under ``seed`` (module docstring).
+
+    ``dtype``: the sampler's weights; default the one the trained model's ``Numerics`` picks
+    (``generation_dtype``: bf16 for a bf16 run on CUDA, else the parameters' own).
+    """
 
     def __init__(self, *, rows: int, max_len: int, seed: int, dtype: torch.dtype | None = None) -> None:
         self.rows, self.max_len, self.seed, self.dtype = rows, max_len, seed, dtype

@@ -35,7 +35,7 @@ from torch import nn
 from core.exceptions import ConfigError
 from core.logging import get_logger
 from experiments.console import Progress
-from models.qwen.sampler import SamplingParams
+from models.generation.sampler import SamplingParams
 from training.rollout.advantages import overlong_penalty
 from training.rollout.environment import Environment, Task
 from training.rollout.episodes import EpisodeRunner

@@ -1,4 +1,4 @@
-"""Batched autoregressive generation for QwenForCausalLM over a preallocated KV cache.
+"""Batched autoregressive generation over a preallocated KV cache, for any ``GenerationModel``.
 
     sampler = Sampler(model, max_batch=64, max_len=512)
     samples = sampler.generate(prompts, keys, SamplingParams(temperature=0.7, top_p=0.9))
@@ -9,7 +9,7 @@ sample index) with a counter-based 64-bit hash, and nothing else: no generator s
 shared between rows or calls. A token is drawn by inverting the CDF of the (tempered,
 filtered) next-token distribution at that uniform, in vocabulary order, summed exactly in
 integers (probabilities in units of 2^-32; the filters' kept sets without a sort,
-models/qwen/nucleus.py). The model runs every forward at one
+models/generation/nucleus.py). The model runs every forward at one
 static shape, ``max_batch`` rows (a call with fewer prompts is padded with dummy rows) and
 prompts fed ``prefill_rows`` at a time in chunks of ``prefill_chunk`` positions into a cache of
 fixed size, so the
@@ -30,7 +30,7 @@ step. Slots a row has not written are masked out.
 
 **Scheduling.** A call with more samples than max_batch keeps every row busy: a row whose
 sample has finished takes the next pending one at the next refill point, with a prefill
-that leaves the other rows' caches alone (models/qwen/scheduler.py). Each row decodes at its
+that leaves the other rows' caches alone (models/generation/scheduler.py). Each row decodes at its
 own position with its own key's uniforms, so refill changes no sample. Multi-turn episodes
 (``generate_episodes``) keep an episode in its row across turns: the ids appended after a turn
 go through the decode step as forced steps (from ``extend_chunk`` ids on, by chunked forwards),
@@ -43,7 +43,8 @@ temperature or filters were.
 
 **Speed (CUDA).** The decode step's model forward is compiled with static shapes and, by
 default, replayed as a CUDA graph (``mode="reduce-overhead"``); the sampling rule (softmax,
-top-p's cut and the draw: Triton kernels where Triton is installed, models/qwen/nucleus.py)
+top-p's cut and the draw: Triton kernels where Triton is installed, models/generation/nucleus.py;
+the model's ``Numerics`` picks them)
 is captured as a second graph. The prefill's forward (``prefill_rows`` x ``prefill_chunk``)
 is compiled and replayed as a graph with its own memory pool. A refill point waits for the
 device once, for done flags fetched a step before it (so the device runs that step
@@ -66,21 +67,11 @@ import torch
 import torch.nn.functional as F
 
 from core.exceptions import ConfigError, DataError
-from models.qwen.attention import KVCache
-from models.forward import ModelInputs, model_forward
-from models.qwen.model import QwenForCausalLM
-from models.qwen.nucleus import (
-    UNIFORM_BITS,
-    CapturedGraph,
-    draw_kept,
-    draw_kept_cuda,
-    fixed_point,
-    inverse_cdf,
-    nucleus_cut,
-    nucleus_cut_cuda,
-    triton_available,
-)
-from models.qwen.scheduler import EpisodeRows, RowSlots, RowState, StagingPool, done_lag, upload
+from models import ModelInputs, model_forward
+from models.generation.kv_cache import KVCache
+from models.generation.nucleus import UNIFORM_BITS, CapturedGraph, draw_kept, fixed_point, inverse_cdf, nucleus_cut
+from models.generation.protocol import GenerationModel, check_plain
+from models.generation.scheduler import EpisodeRows, RowSlots, RowState, StagingPool, done_lag, upload
 
 FinishReason = Literal["stop", "length"]
 Schedule = Literal["refill", "groups"]
@@ -255,7 +246,7 @@ def _kept(probs: torch.Tensor, params: SamplingParams, cut: Callable) -> torch.T
     Each filter keeps a prefix of the tokens ranked by descending probability, ties by
     ascending id (as a stable sort ranks them), and the kept set is the shortest of those
     prefixes. A prefix is found without sorting: every token more likely than a cut
-    probability plus the first few (by id) of the tokens exactly at it (models/qwen/nucleus.py).
+    probability plus the first few (by id) of the tokens exactly at it (models/generation/nucleus.py).
     """
     bits = probs.view(torch.int32)
     keep = torch.ones_like(bits, dtype=torch.bool)
@@ -276,17 +267,18 @@ def _prefix(bits: torch.Tensor, at: torch.Tensor, ties: torch.Tensor) -> torch.T
 
 
 class Sampler:
-    """Generates continuations of token-id prompts with a plain QwenForCausalLM.
+    """Generates continuations of token-id prompts with a plain ``GenerationModel`` (models/generation/protocol.py).
 
     The model is used as it is (its device and dtype; put it in eval mode yourself if it
-    has any train-only behaviour, which Qwen has not). For a sharded (FSDP2/TP) or DDP
+    has any train-only behaviour), under its own ``Numerics``: the sampling rule's kernels are
+    the ones it picks. For a sharded (FSDP2/TP) or DDP
     model, pass ``training.rollout.generation_model.generation_model(model)``'s result. ``max_len`` bounds prompt plus
     generated tokens of one sample; ``max_batch`` is the number of rows every forward
     runs (cache rows).
 
     ``schedule`` says how a call with more samples than rows goes through them: "refill"
     (default) starts the next pending sample in a row as soon as the row's sample has
-    finished (models/qwen/scheduler.py), so a call costs about its mean completion length,
+    finished (models/generation/scheduler.py), so a call costs about its mean completion length,
     not its longest; "groups" runs them max_batch at a time, each group until its longest
     sample ends (the schedule before refill, kept to check and measure refill against).
     Both give every sample bitwise the same tokens and log-probs. ``refill_every`` is the
@@ -311,7 +303,7 @@ class Sampler:
 
     def __init__(
         self,
-        model: QwenForCausalLM,
+        model: GenerationModel,
         *,
         max_batch: int,
         max_len: int,
@@ -323,14 +315,8 @@ class Sampler:
         compile: Optional[bool] = None,
         cuda_graphs: Optional[bool] = None,
     ) -> None:
-        from torch.distributed.tensor import DTensor
-
         # FSDP2 keeps the class (a subclass of it), so the parameters tell a sharded model apart.
-        if not isinstance(model, QwenForCausalLM) or isinstance(model.embed_tokens.weight, DTensor):
-            raise ConfigError(
-                f"Sampler needs a plain, unsharded QwenForCausalLM, got {type(model).__name__}",
-                hint="pass a plain local copy (training/rollout/generation_model.py makes one of a wrapped or sharded model)",
-            )
+        spec = check_plain(model)
         prefill_rows = min(max_batch, _PREFILL_ROWS) if prefill_rows is None else prefill_rows
         for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
                             ("prefill_rows", prefill_rows), ("refill_every", refill_every)):
@@ -346,6 +332,8 @@ class Sampler:
             raise ConfigError(f"sampler max_len must be >= 2 (a prompt token and a new one), got {max_len}",
                               key="sampler.max_len")
         self.model = model
+        self.spec = spec
+        self.numerics = model.numerics
         self.max_batch = max_batch
         self.max_len = max_len
         self.schedule = schedule
@@ -354,8 +342,7 @@ class Sampler:
         # Episodes' appended ids of at least this many go in by chunks of it (generate_episodes); it
         # divides prefill_chunk, so aligned chunks never leave the cache's slots.
         self.extend_chunk = math.gcd(_EXTEND_CHUNK, self.prefill_chunk)
-        weight = model.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device, self.dtype = spec.device, spec.dtype
         on_cuda = self.device.type == "cuda"
         self.prefill_ahead = on_cuda if prefill_ahead is None else prefill_ahead
         # Where prompts are prefilled ahead on CUDA: their stream, beside the decode steps'.
@@ -366,11 +353,11 @@ class Sampler:
         slots = math.ceil(max_len / self.prefill_chunk) * self.prefill_chunk
         self.prefill_rows = prefill_rows
         with torch.no_grad():
-            self.cache = model.new_kv_cache(batch=max_batch, slots=slots)
+            self.cache = KVCache.for_spec(spec, batch=max_batch, slots=slots)
             # Prompts are prefilled here, prefill_rows at a time, and their rows copied into the cache.
-            self.prefill_cache = model.new_kv_cache(batch=prefill_rows, slots=slots)
+            self.prefill_cache = KVCache.for_spec(spec, batch=prefill_rows, slots=slots)
             # Prompts prefilled ahead wait here (StagingPool) for the refill points that take them.
-            self.pool = model.new_kv_cache(batch=2 * prefill_rows, slots=slots) if self.prefill_ahead else None
+            self.pool = KVCache.for_spec(spec, batch=2 * prefill_rows, slots=slots) if self.prefill_ahead else None
         if self.cuda_graphs:
             for buffer in self.cache.tensors() + self.prefill_cache.tensors():
                 torch._dynamo.mark_static_address(buffer)
@@ -379,7 +366,7 @@ class Sampler:
         # The refill schedule's rows and stop table, kept from call to call (reset by each), and its
         # whole decode steps, by sampling rule: with CUDA graphs, each a graph that reads and writes them.
         self._rows: Optional[RowState] = None
-        self._stops = torch.zeros(model.dims.vocab_size, dtype=torch.bool, device=self.device)
+        self._stops = torch.zeros(spec.vocab_size, dtype=torch.bool, device=self.device)
         self._refill_steps: dict[SamplingParams, Callable[[], None]] = {}
 
     # ------------------------------------------------------------------ public
@@ -450,7 +437,7 @@ class Sampler:
                 f"within the sampler's max_len={self.max_len}",
                 record=index, hint="shorten the prompt or raise max_len",
             )
-        vocab = self.model.dims.vocab_size
+        vocab = self.spec.vocab_size
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise DataError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab})",
@@ -699,7 +686,7 @@ class Sampler:
             raise DataError(f"{where} has {len(ids)} ids, which leaves no room for a new one within the sampler's "
                             f"max_len={self.max_len}", record=episode,
                             hint="end the episode (answer None) before it fills the context, or raise max_len")
-        vocab = self.model.dims.vocab_size
+        vocab = self.spec.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise DataError(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab})", record=episode,
@@ -725,7 +712,7 @@ class Sampler:
     def _stop_table(self, params: SamplingParams) -> torch.Tensor:
         """(vocab,) bool on the device: which sampled ids end a sample. A lookup, not ``torch.isin``,
         whose sort-based path (more than a handful of stop ids) waits for the device every step."""
-        table = torch.zeros(self.model.dims.vocab_size, dtype=torch.bool)
+        table = torch.zeros(self.spec.vocab_size, dtype=torch.bool)
         ids = [t for t in params.stop_token_ids if 0 <= t < len(table)]  # others are never sampled
         table[ids] = True
         return table.to(self.device)
@@ -879,8 +866,8 @@ class Sampler:
 
     def _rule(self, params: SamplingParams) -> Callable:
         """(logits (B, vocab), uniforms (B,)) -> (next tokens (B,), log-probs (B,)) by ``params``' rule."""
-        kernels = (nucleus_cut_cuda, draw_kept_cuda) if triton_available(self.device) else (nucleus_cut, draw_kept)
-        return functools.partial(sample_next, params=params, cut=kernels[0], draw=kernels[1])
+        cut, draw = self.numerics.sampling_kernels(self.device)
+        return functools.partial(sample_next, params=params, cut=cut, draw=draw)
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""

@@ -37,7 +37,7 @@ PROB_BITS = 32
 sums are exact and so independent of the summation order (torch.cumsum of a floating-point CUDA
 tensor has no deterministic implementation). A token less likely than 2^-32 is never drawn."""
 UNIFORM_BITS = 24
-"""A draw's uniform is k / 2^UNIFORM_BITS (models/qwen/sampler.py counter_uniforms' resolution)."""
+"""A draw's uniform is k / 2^UNIFORM_BITS (models/generation/sampler.py counter_uniforms' resolution)."""
 _CUT_BITS = 30
 _FANOUT = 4  # the Triton search splits the cut's range into 4 per pass: 2 bits of it, 15 passes
 

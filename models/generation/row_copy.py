@@ -1,6 +1,6 @@
 """Rows of many same-shaped buffers copied by one kernel launch (CUDA, Triton).
 
-A refill point of the sampler (models/qwen/sampler.py) copies prefilled cache rows into the
+A refill point of the sampler (models/generation/sampler.py) copies prefilled cache rows into the
 rows they start decoding in: for a 24-layer model, the same rows of 48 key and value buffers.
 ``index_copy_`` per buffer is 48 launches (96 with a gather), and in a CUDA graph on an H200
 they took 269 us for 8 rows where the bytes moved need about 25 (docs/bench/log.md,
@@ -45,7 +45,7 @@ class RowCopy:
     @staticmethod
     def fits(buffers: list[torch.Tensor]) -> bool:
         """Whether these buffers' rows can be copied here: CUDA, Triton installed, rows of whole words."""
-        from models.qwen.nucleus import triton_available
+        from models.generation.nucleus import triton_available
 
         first = buffers[0]
         return (triton_available(first.device) and all(b.is_contiguous() for b in buffers)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from core.exceptions import DataError
-from models.qwen.sampler import Sample, SampleKey, Sampler, SamplingParams
+from models.generation.sampler import Sample, SampleKey, Sampler, SamplingParams
 
 ROLES = ("system", "user", "assistant", "tool")
 

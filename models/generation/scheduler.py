@@ -1,6 +1,6 @@
 """Continuous refill: which sample each of the sampler's cache rows decodes, and when rows change hands.
 
-The Sampler (models/qwen/sampler.py) runs every forward at ``max_batch`` rows. Without a
+The Sampler (models/generation/sampler.py) runs every forward at ``max_batch`` rows. Without a
 scheduler, samples go through in groups of max_batch and a group decodes until its longest
 sample ends: with completion lengths spread 16..256, most rows idle most of the time.
 ``RowSlots`` keeps a queue of pending samples instead; at every refill point (every

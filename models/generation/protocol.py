@@ -1,0 +1,74 @@
+"""What the generation engine needs of a model: ``GenerationModel``, a small protocol.
+
+The sampler (models/generation/sampler.py) runs any model family whose model class implements
+it, and names none: it asks the model for its ``GenerationSpec`` (the vocabulary and the shape,
+device and dtype of its key/value cache, ``KVCache.for_spec``), reads its ``Numerics`` (the
+cached attention's and the sampling rule's kernels: the same object the training forward runs
+under, models/numerics.py) and calls it through ``models.model_forward`` with a ``cache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from core.exceptions import ConfigError
+from models.numerics import Numerics
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A model's shape as generation sees it."""
+
+    vocab_size: int
+    """Token ids the model reads and scores: 0..vocab_size-1."""
+    num_layers: int
+    """Layers, each with one key and one value buffer in the cache."""
+    num_kv_heads: int
+    """Key/value heads per layer (the whole model's: the sampler's copy is never sharded)."""
+    head_dim: int
+    """Width of one key or value head."""
+    device: torch.device
+    """Where the model's parameters, and so its cache and every forward, live."""
+    dtype: torch.dtype
+    """The model's compute dtype, which its cache stores keys and values in."""
+
+
+@runtime_checkable
+class GenerationModel(Protocol):
+    """A plain, unsharded model the sampler can run.
+
+    ``model_forward(model, inputs, cache=cache)`` gives each row's last-token logits (B, vocab)
+    and writes the chunk's keys/values into ``cache`` (a ``KVCache`` of ``generation_spec()``'s
+    shape) at the chunk's positions, attending over slots 0..position of the row.
+    """
+
+    numerics: Numerics
+    """The numerics the model's forwards run under; the sampler's rule reads the same object."""
+
+    def generation_spec(self) -> GenerationSpec:
+        """The vocabulary and the cache's shape, device and dtype."""
+        ...
+
+    def __call__(self, input_ids: torch.Tensor, **inputs: Any) -> Any:
+        """The forward ``models.model_forward`` calls (with ``cache=`` for generation)."""
+        ...
+
+
+def check_plain(model: Any) -> GenerationSpec:
+    """``model``'s spec, where it is a plain local ``GenerationModel``; a ConfigError otherwise.
+
+    Its own class must implement the protocol (a wrapper around a model forwards attributes but
+    is no generation model) and no parameter may be a shard of a distributed tensor.
+    """
+    from torch.distributed.tensor import DTensor
+
+    implemented = callable(getattr(type(model), "generation_spec", None)) and hasattr(model, "numerics")
+    if not implemented or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ConfigError(
+            f"Sampler needs a plain, unsharded generation model, got {type(model).__name__}",
+            hint="pass a plain local copy (training/rollout/generation_model.py makes one of a wrapped or sharded model)",
+        )
+    return model.generation_spec()

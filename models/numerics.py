@@ -1,0 +1,142 @@
+"""The one owner of the numerics choices that decide whether two forwards agree bitwise.
+
+Whether the sampler's log-probs equal the trainer's depends on choices that used to be made in
+several places: the attention kernel of a packed batch, the SDPA backends, the matmul policy
+(TF32), the compute dtype and the generation copy's dtype, the cached attention's kernel and the
+sampling rule's kernels. A ``Numerics`` makes all of them. A run builds it once, from
+``determinism.mode``, ``model.attention``, ``model.sdpa_backends`` and ``parallel.precision``
+(``training.determinism.numerics``), applies its process-wide switches
+(``training.determinism.configure``) and hands it to the model (``use_numerics``); the training
+forward, the generation copy the sampler runs and the sampler's rule all read that one object.
+A model built outside a run (a test, an export check, a frozen reference) carries
+``Numerics.for_model(config)``: its model section's kernels, the defaults for the rest.
+
+Every choice is today's, unchanged (docs/determinism.md, "Where numerics are decided").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from core.exceptions import ConfigError
+
+Kernel = Literal["sdpa", "flex"]
+"""The attention kernel of a packed batch (models/qwen/attention.py)."""
+CachedKernel = Literal["fp32", "sdpa"]
+"""The cached (generation) attention's kernel: explicit fp32 matmuls, or SDPA's fused kernel."""
+
+FLEX_BLOCK = 128
+"""flex_attention's default block: ``attention=auto`` takes flex for lengths that are multiples of it."""
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``parallel.precision`` -> the compute dtype."""
+
+# Measured on H200 with torch 2.11: the flash and cuDNN backward are not bitwise repeatable, the
+# memory-efficient and math backends are (docs/contracts.md).
+_DETERMINISTIC_SDPA = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+_CHOICES = {
+    "mode": ("determinism.mode", ("bitwise", "fast")),
+    "attention": ("model.attention", ("auto", "sdpa", "flex")),
+    "sdpa_backends": ("model.sdpa_backends", ("deterministic", "all")),
+    "precision": ("parallel.precision", tuple(DTYPES)),
+}
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Every numerics decision of a run's forwards and of its sampler (module docstring)."""
+
+    mode: Literal["bitwise", "fast"] = "bitwise"
+    """determinism.mode: bitwise (repeatable kernels, TF32 off) or fast."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """model.attention: the packed batch's attention kernel (``attention_kernel`` resolves auto)."""
+    sdpa_backends: Literal["deterministic", "all"] = "deterministic"
+    """model.sdpa_backends: on CUDA, SDPA's memory-efficient and math backends only, or every backend."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """parallel.precision: the compute dtype, and the generation copy's on CUDA."""
+
+    def __post_init__(self) -> None:
+        for name, (key, allowed) in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}", key=key)
+
+    @classmethod
+    def for_model(cls, config) -> "Numerics":
+        """A model's numerics outside a run: its ModelConfig's kernels, bitwise, fp32."""
+        return cls(attention=config.attention, sdpa_backends=config.sdpa_backends)
+
+    # ------------------------------------------------------------------ the forward's kernels
+
+    def attention_kernel(self, device: torch.device, seq_len: Optional[int] = None) -> Kernel:
+        """The kernel of a packed batch of ``seq_len`` tokens on ``device``: ``auto`` is flex on CUDA
+        where the length is whole flex blocks (an H200 with torch 2.11 has no compiled flex kernel for
+        a 112-token sequence: inductor's ``NoValidChoicesError``), sdpa otherwise."""
+        if self.attention == "auto":
+            whole_blocks = seq_len is None or seq_len % FLEX_BLOCK == 0
+            return "flex" if device.type == "cuda" and whole_blocks else "sdpa"
+        return self.attention
+
+    def sdpa_backends_on(self, device: torch.device) -> Optional[list[SDPBackend]]:
+        """The SDPA backends a call on ``device`` is restricted to; None: torch's choice among those enabled."""
+        if device.type == "cuda" and self.sdpa_backends == "deterministic":
+            return list(_DETERMINISTIC_SDPA)
+        return None
+
+    @staticmethod
+    def cached_attention(dtype: torch.dtype) -> CachedKernel:
+        """The cached attention's kernel for a cache of ``dtype``: a float32 cache (the CPU configs) by
+        explicit fp32 matmuls, which the tests compare with the training forward; a bf16/fp16 cache by
+        SDPA's fused kernel, which accumulates in fp32 without widening the cache (widening every
+        layer's whole cache at every decode step cost more than the matmuls, docs/bench/log.md)."""
+        return "fp32" if dtype == torch.float32 else "sdpa"
+
+    # ------------------------------------------------------------------ dtypes
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forward computes in (autocast or FSDP's mixed precision; fp32: none)."""
+        return DTYPES[self.precision]
+
+    def generation_dtype(self, device: torch.device) -> Optional[torch.dtype]:
+        """The generation copy's weights on ``device``: bf16 for a bf16 run on CUDA, else None (the
+        parameters' own dtype)."""
+        return torch.bfloat16 if self.precision == "bf16" and device.type == "cuda" else None
+
+    # ------------------------------------------------------------------ the sampling rule
+
+    @staticmethod
+    def sampling_kernels(device: torch.device) -> tuple[Callable, Callable]:
+        """(top-p's cut, the draw) on ``device``: the Triton kernels on CUDA with Triton installed, the
+        torch references otherwise; both give the same tokens bitwise (models/generation/nucleus.py)."""
+        from models.generation import nucleus
+
+        if nucleus.triton_available(device):
+            return nucleus.nucleus_cut_cuda, nucleus.draw_kept_cuda
+        return nucleus.nucleus_cut, nucleus.draw_kept
+
+    # ------------------------------------------------------------------ process-wide switches
+
+    @property
+    def allow_tf32(self) -> bool:
+        """TF32 matmuls and convolutions: only in fast mode."""
+        return self.mode == "fast"
+
+    def apply(self, device: torch.device) -> None:
+        """Set torch's process-wide matmul policy and SDPA backends for this mode: TF32 off and, on
+        CUDA, the flash and cuDNN attention backends off in bitwise mode (their backward is not
+        repeatable); the memory-efficient and math backends always on. Called once per process
+        (``training.determinism.configure``)."""
+        bitwise = self.mode == "bitwise"
+        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
+        torch.backends.cudnn.allow_tf32 = self.allow_tf32
+        if device.type == "cuda":
+            torch.backends.cuda.enable_flash_sdp(not bitwise)
+            torch.backends.cuda.enable_cudnn_sdp(not bitwise)
+            torch.backends.cuda.enable_mem_efficient_sdp(True)
+            torch.backends.cuda.enable_math_sdp(True)
