@@ -53,8 +53,8 @@ from core.objective_kinds import objective_kind
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from models.generation.prompts import Prompt, context_length, read_prompts, sample_record
-from models.hf_config import model_config_from_hf
 from models.generation.sampler import SamplingParams
+from models.hf_config import model_config_from_hf
 from training.cli.export_target import enclosing_run_dir, exported_chat_model
 from training.memory_estimate import check_model_fits_for_inference, trained_model_config
 from training.rollout.generator import Decoder, Generator
