@@ -90,6 +90,11 @@ class ModelParallelPlan:
             raise ConfigError(f"parallel plan stacks {paths}: each stack must be its own nn.ModuleList, "
                               "none repeated or inside another", hint="list each stack of blocks once")
 
+    def in_blocks(self, name: str) -> bool:
+        """Whether the module path ``name`` (relative to the model) lies inside a block of one of the
+        stacks (``layers.3.mlp.up_proj``): where LoRA looks for linears to wrap and NF4 quantizes."""
+        return any(name.startswith(f"{stack.path}.") for stack in self.stacks)
+
     @property
     def has_experts(self) -> bool:
         """Whether any stack's blocks hold experts (expert parallelism has something to split)."""

@@ -197,10 +197,12 @@ def target_names(model: nn.Module) -> list[str]:
 
 
 def _block_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    """(name, module) of every base linear (plain, NF4 or already wrapped) in ``model.layers``."""
+    """(name, module) of every base linear (plain, NF4 or already wrapped) in the blocks of the
+    stacks the model's parallel plan lists (core/model_plan.py)."""
+    plan = model.parallel_plan
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if not name.startswith("layers.") or leaf in ADAPTER_PARTS or leaf == "base_layer":
+        if not plan.in_blocks(name) or leaf in ADAPTER_PARTS or leaf == "base_layer":
             continue
         if isinstance(module, (nn.Linear, NF4Linear, LoRALinear)):
             yield name, module

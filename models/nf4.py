@@ -180,7 +180,7 @@ def check_nf4_layout(config: ModelConfig, *, shards: int = 1) -> None:
         if (rows * columns) % (block * shards):
             where = f" over {shards} FSDP shards" if shards > 1 and (rows * columns) % block == 0 else ""
             raise ConfigError(
-                f"layers.*.{name} has {rows} x {columns} weights, which NF4 cannot split into whole blocks of "
+                f"the block linear {name} has {rows} x {columns} weights, which NF4 cannot split into whole blocks of "
                 f"{block}{where} (64-weight blocks, scales in blocks of 256)",
                 key="model.quantize_base",
                 hint="use model.quantize_base=none, or another data-parallel size / strategy (ddp replicates)"
@@ -205,16 +205,18 @@ def nf4_bytes(weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 def quantize_base(model: nn.Module) -> list[str]:
-    """Replace every linear inside ``model.layers`` by an NF4Linear, in place; returns their names.
+    """Replace every linear inside the blocks of the model's plan stacks (``model.parallel_plan``) by
+    an NF4Linear, in place; returns their names.
 
     Adapters (``lora_A`` / ``lora_B``) are never quantized. Call after loading the base
     weights and after ``models.lora.apply_lora`` (which wraps the plain linears), before
     moving to the device and before parallelize.
     """
+    plan = model.parallel_plan
     quantized = []
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if not name.startswith("layers.") or not isinstance(module, nn.Linear) or leaf in ("lora_A", "lora_B"):
+        if not plan.in_blocks(name) or not isinstance(module, nn.Linear) or leaf in ("lora_A", "lora_B"):
             continue
         parent = model.get_submodule(name.rsplit(".", 1)[0])
         setattr(parent, leaf, NF4Linear.from_linear(module, name=name))
