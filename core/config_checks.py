@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from core.batch_shape import check_batch_shape
 from core.exceptions import ConfigError
+from core.record_kinds import one_per_row
 from core.registration import ensure_registered, import_attr
 
 if TYPE_CHECKING:
@@ -74,8 +75,8 @@ def check_eval_generate(config: Config) -> None:
     e, key = config.train.eval_generate, "train.eval_generate"
     if e.source is None:
         return
-    if e.source.record != "prompt":
-        raise ConfigError(f"{key}.source must hold prompt records, got record: {e.source.record}",
+    if not one_per_row(e.source.record, key=f"{key}.source.record"):
+        raise ConfigError(f"{key}.source must hold prompt records (one a row), got record: {e.source.record}",
                           key=f"{key}.source.record",
                           hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval with record: prompt')
     checks = (

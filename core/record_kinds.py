@@ -1,14 +1,16 @@
 """The record kind names ``data.sources[i].record`` may take, registered from above.
 
 Core knows no record kind: the data layer's rows (data/record_kinds.py) each hand their name
-here when registered, and the config loader checks a source's ``record`` against them
-(``check_record_kind``). Asked while none is registered, this runs the registration hook
-(core/registration.py) first, which registers the built-in kinds.
+here when registered, with what core's own checks ask of it (``one_per_row``: the held-out
+generation source of ``train.eval_generate`` must hold records one a row), and the config loader
+checks a source's ``record`` against them (``check_record_kind``). Asked while none is registered,
+this runs the registration hook (core/registration.py) first, which registers the built-in kinds.
 """
 
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from typing import NewType
 
 from core.exceptions import ConfigError
@@ -17,12 +19,24 @@ RecordKindName = NewType("RecordKindName", str)
 """data.sources[i].record's type: the name of a registered record kind; the loader refuses any other
 name and lists the registered ones (serialized and hashed as the string it is)."""
 
-_NAMES: dict[str, str] = {}
+
+@dataclass(frozen=True)
+class RecordKindNameRow:
+    """What core knows of a registered record kind: its summary and what core's checks ask of it."""
+
+    summary: str
+    """What its records hold, in a few words."""
+    one_per_row: bool = False
+    """Each record is a row of its own (a prompt with its answer), as its data-layer row declares."""
 
 
-def register_record_kind_name(name: str, summary: str) -> None:
-    """Make ``name`` a valid data.sources[i].record value (``summary``: what its records hold)."""
-    _NAMES[name] = summary
+_NAMES: dict[str, RecordKindNameRow] = {}
+
+
+def register_record_kind_name(name: str, summary: str, *, one_per_row: bool = False) -> None:
+    """Make ``name`` a valid data.sources[i].record value (``summary``: what its records hold;
+    ``one_per_row``: each record is a row of its own)."""
+    _NAMES[name] = RecordKindNameRow(summary=summary, one_per_row=one_per_row)
 
 
 def unregister_record_kind_name(name: str) -> None:
@@ -32,6 +46,16 @@ def unregister_record_kind_name(name: str) -> None:
 
 def record_kind_names() -> dict[str, str]:
     """Every registered record kind name with its summary, in the order of registration."""
+    return {name: row.summary for name, row in _rows().items()}
+
+
+def one_per_row(name: str, *, key: str) -> bool:
+    """Whether the registered record kind ``name`` holds one record a row; a ConfigError naming
+    ``key`` where no kind of that name is registered."""
+    return _rows()[check_record_kind(name, key=key)].one_per_row
+
+
+def _rows() -> dict[str, RecordKindNameRow]:
     if not _NAMES:
         from core.registration import ensure_registered
 

@@ -103,7 +103,7 @@ _KINDS: dict[str, RecordKind] = {}
 def register_record_kind(kind: RecordKind) -> None:
     """Register a row (again under the same name: replaced); its name becomes a valid data.sources[i].record."""
     _KINDS[kind.name] = kind
-    register_record_kind_name(kind.name, kind.summary)
+    register_record_kind_name(kind.name, kind.summary, one_per_row=kind.one_per_row)
 
 
 def unregister_record_kind(name: str) -> None:

@@ -4,7 +4,8 @@ What a stage, a packer or an objective's checks need to know about a source's re
 its row declares (data/record_kinds.py: its columns, encoder, template, one record a row, the
 document fields it carries), never its name. A comparison with a registered record kind's name
 (``record == "prompt"``, ``kind != "text"``, ``record in ("chat", "preference")``, ``case "chat":``)
-is read with ``ast`` in every module of data/ and training/; only the kind's own module may hold one.
+is read with ``ast`` in every module of core/, data/ and training/; only the kind's own module may
+hold one (core asks what a row declared when it registered its name: core/record_kinds.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from data.record_kinds import BUILT_IN, record_kinds
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("data", "training")
+SCANNED = ("core", "data", "training")
 OWN_MODULES = {path.split(":")[0].replace(".", "/") + ".py" for path in BUILT_IN} | {"data/record_kinds.py"}
 
 
