@@ -1,4 +1,4 @@
-"""GPU check of the document-masked attention paths (models/qwen/attention.py).
+"""GPU check of the document-masked attention paths (models/attention.py).
 
 For packed sequences (several documents per row) it checks, per sequence length:
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from models.qwen.attention import attend, causal_document_block_mask, causal_document_bool_mask  # noqa: E402
+from models.attention import attend, causal_document_block_mask, causal_document_bool_mask  # noqa: E402
 from models.forward import ModelInputs, model_forward  # noqa: E402
 from models.numerics import Numerics  # noqa: E402
 

@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend
 from core.exceptions import ConfigError
 
 Kernel = Literal["sdpa", "flex"]
-"""The attention kernel of a packed batch (models/qwen/attention.py)."""
+"""The attention kernel of a packed batch (models/attention.py)."""
 CachedKernel = Literal["fp32", "sdpa"]
 """The cached (generation) attention's kernel: explicit fp32 matmuls, or SDPA's fused kernel."""
 

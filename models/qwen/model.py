@@ -22,7 +22,7 @@ from core.exceptions import ConfigError
 from models.generation.kv_cache import KVCache
 from models.generation.protocol import GenerationSpec
 from models.numerics import Numerics
-from models.qwen.attention import AttentionMask, attend, attend_cached, build_attention_mask, cache_mask
+from models.attention import AttentionMask, attend, attend_cached, build_attention_mask, cache_mask
 from models.qwen.dims import QwenDims, resolve_dims
 from models.qwen.plan import ModelParallelPlan, qwen_parallel_plan
 from models.qwen.rope import RotaryTable, apply_rope

@@ -1,4 +1,4 @@
-"""Document-masked attention (models/qwen/attention.py): a packed row equals its documents run alone; the
+"""Document-masked attention (models/attention.py): a packed row equals its documents run alone; the
 kernel ``Numerics`` (models/numerics.py) picks for each config and device."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import models
 from core.config import ModelConfig
 from core.exceptions import ConfigError
 from models.numerics import Numerics
-from models.qwen.attention import attend, causal_document_bool_mask
+from models.attention import attend, causal_document_bool_mask
 
 # Row 0 packs three documents, row 1 is one document filling the row.
 DOC_LENGTHS = [[5, 7, 4], [16]]
