@@ -24,7 +24,7 @@ from core.logging import EventLog, console, get_logger, setup_logging
 from core.run_context import RunContext, load_recorded_config
 from experiments.artifacts import ArtifactStore
 from models import model_config_from_hf
-from models.qwen.dims import resolve_dims
+from models.flops import num_params
 from runtime.signals import StartupSignals, exit_if_launcher_lost, exit_with_launcher, record_launcher_loss
 from runtime.watchdog import configure_nccl_diagnostics
 from runtime import launcher, relaunch
@@ -48,8 +48,8 @@ def resolve_config(args: Args) -> Config:
     # asking it here makes a bad shape exit 2 before any process group or run dir exists.
     model = config.model
     model = model if model.init_from is None else model_config_from_hf(model.init_from, base=model)
-    dims = resolve_dims(model)
-    check_vocab_covers_tokenizer(dims.vocab_size, config.data.tokenizer)
+    num_params(model)  # the family resolves its shape to count it: a shape it cannot build is a ConfigError
+    check_vocab_covers_tokenizer(model.vocab_size, config.data.tokenizer)
     check_chat_data(config.data)  # a template that renders no assistant span: exit 2, naming its file
     if config.model.quantize_base == "nf4":  # every base linear must split into whole NF4 blocks
         from models.nf4 import check_nf4_layout

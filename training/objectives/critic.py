@@ -35,7 +35,7 @@ class Critic(nn.Module):
     def __init__(self, trunk: nn.Module, head_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.trunk = trunk
-        self.value_head = nn.Linear(trunk.dims.hidden_size, 1)
+        self.value_head = nn.Linear(trunk.config.hidden_size, 1)
         with torch.no_grad():
             if head_weight is None:
                 self.value_head.weight.zero_()
@@ -62,7 +62,7 @@ def build_critic(config: Config) -> Critic:
     trunk = source_model(config, source, key=key)
     for param in trunk.parameters():
         param.requires_grad_(True)
-    return Critic(trunk, reward_model_head(config, source, hidden_size=trunk.dims.hidden_size, key=key))
+    return Critic(trunk, reward_model_head(config, source, hidden_size=trunk.config.hidden_size, key=key))
 
 
 def reward_model_head(config: Config, source: str, *, hidden_size: int, key: str) -> torch.Tensor | None:
