@@ -19,12 +19,14 @@ from torch import nn
 
 from core.config import ModelConfig
 from core.exceptions import ConfigError
+from core.model_families import model_family
+from core.model_plan import ModelParallelPlan
+from core.registration import import_attr
 from models.generation.kv_cache import KVCache
 from models.generation.protocol import GenerationSpec
 from models.numerics import Numerics
 from models.attention import AttentionMask, attend, attend_cached, build_attention_mask, cache_mask
 from models.qwen.dims import QwenDims, resolve_dims
-from models.qwen.plan import ModelParallelPlan, qwen_parallel_plan
 from models.qwen.rope import RotaryTable, apply_rope
 
 
@@ -170,8 +172,9 @@ class QwenForCausalLM(nn.Module):
 
     @property
     def parallel_plan(self) -> ModelParallelPlan:
-        """The module names distributed/ shards, checkpoints and compiles (models/qwen/plan.py)."""
-        return qwen_parallel_plan(self.dims)
+        """The module names distributed/ shards, checkpoints and compiles: the plan the family's row
+        declares (``ModelFamily.parallel_plan``, models/qwen/plan.py) for these dimensions."""
+        return import_attr(model_family(self.config.arch).parallel_plan)(self.dims)
 
     def tie_weights(self) -> None:
         """Make lm_head share embed_tokens' weight when tied.
