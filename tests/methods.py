@@ -57,6 +57,11 @@ Notes on the rows that differ from the defaults:
   ``prepare`` trains; the 1-rank resume and the accumulation check compare the rewards too
   (``reward_mean``, and the advantages in ``batch_hash``): a reward model's score depends on
   neither the world size nor the micro-batch size (training/objectives/model_reward.py).
+- ``gelu-lm`` trains a model family the tests alone register (tests/families/gelu_lm.py: two
+  stacks of LayerNorm + GELU blocks, learned positions), through its entry script
+  (tests/families/gelu_lm_train.py). Its auxiliary loss and per-stack metrics are the ledger's
+  ``model/*`` fields: bitwise under kill/resume and replay, sums in another order across ranks
+  and micro-batch sizes (``one_rank_close``, ``accumulation_close``). 6 steps, a checkpoint every 3.
 """
 
 from __future__ import annotations
@@ -192,8 +197,17 @@ GRPO_MODEL_REWARD = with_model_reward(GRPO, kind="grpo", exported=False, e2e_fil
 PPO_MODEL_REWARD = with_model_reward(PPO, kind="ppo", exported=True, e2e_file="test_ppo_model_reward_e2e.py",
                                      steps=6, kill=Kill(seed=47), replay_steps=(3,), one_rank_step=4)
 
+# A model family the tests alone register (tests/families/gelu_lm.py); its ranks run
+# gelu_lm_train.py, which registers it. Its model/* fields are sums over the batch.
+GELU_LM_FIELDS = ("model/aux/hidden_square", "model/front_norm", "model/back_norm")
+GELU_LM = Method("gelu-lm", "e2e-gelu-lm.yaml", entry="tests/families/gelu_lm_train.py", e2e_file="test_gelu_lm_e2e.py",
+                 steps=6, kill=Kill(seed=64), replay_steps=(2, 5), one_rank_step=3,
+                 one_rank_close={key: (1e-4, 1e-8) for key in GELU_LM_FIELDS},
+                 accumulation_close={key: (1e-5, 1e-9) for key in GELU_LM_FIELDS})
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
-           FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO, GRPO_MODEL_REWARD, PPO_MODEL_REWARD)
+           FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO, GRPO_MODEL_REWARD, PPO_MODEL_REWARD,
+           GELU_LM)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}
