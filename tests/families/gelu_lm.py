@@ -262,13 +262,13 @@ class GeluLM(nn.Module):
         kernel = self.numerics.attention_kernel(input_ids.device, seq_len)
         mask = build_attention_mask(document_ids, kernel, seq_len=seq_len, device=input_ids.device)
         hidden = self.wte(input_ids) + self.wpe(self.model_positions(input_ids, position_ids, media))  # (B, T, d)
-        tokens = float(input_ids.numel())
+        tokens, wide = float(input_ids.numel()), torch.promote_types(hidden.dtype, torch.float32)  # sums in fp32 or wider
         metrics = {}
         for name, stack in (("front", self.front), ("back", self.back)):
             for block in stack:
                 hidden = block(hidden, mask)
-            metrics[f"{name}_norm"] = ModelMetric(hidden.detach().float().norm(dim=-1).sum(), tokens)
-        square = hidden.float().pow(2).mean(-1).sum()  # over this forward's input tokens
+            metrics[f"{name}_norm"] = ModelMetric(hidden.detach().to(wide).norm(dim=-1).sum(), tokens)
+        square = hidden.to(wide).pow(2).mean(-1).sum()  # over this forward's input tokens
         aux = {"hidden_square": AuxLoss(square, per=INPUT_TOKEN, weight=self.dims.aux_weight)}
         hidden = self.ln_f(hidden)
         if head is not None:

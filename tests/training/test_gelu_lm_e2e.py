@@ -71,6 +71,30 @@ def test_the_ledger_carries_the_auxiliary_loss_and_the_metrics(reference):
     assert [r["step"] for r in lines if "param_hash" in r] == [3, 6]
 
 
+@pytest.mark.usefixtures("registered")
+def test_the_gradient_carries_the_aux_loss_whatever_the_micro_batches():
+    """The step (training/step.py) adds the family's auxiliary loss over the global count of input tokens:
+    4 micro-batches of one row give one micro-batch of four's gradient (float64: to 1e-12), and without
+    the auxiliary loss (aux_weight 0) the gradient differs."""
+    import models
+    from core import config as config_lib
+    from tests.training.test_model_aux import make_batch, step_gradient
+    from training.step import local_units
+
+    loaded = config_lib.load(GELU_LM.config_path).model
+    batch = make_batch()
+    targets, units = batch.num_target_tokens(), local_units(batch)
+
+    def gradient(aux_weight: float, rows_per_micro_batch: int) -> torch.Tensor:
+        config = dataclasses.replace(loaded, gelu_lm=dataclasses.replace(loaded.gelu_lm, aux_weight=aux_weight))
+        model = models.build(config, generator=torch.Generator().manual_seed(5)).double()
+        return step_gradient(model, batch.micro_batches(rows_per_micro_batch), global_targets=targets, units=units)[0]
+
+    whole = gradient(1.0, 4)
+    torch.testing.assert_close(gradient(1.0, 1), whole, rtol=1e-12, atol=1e-15)
+    assert not torch.allclose(gradient(0.0, 4), whole, rtol=1e-6, atol=0)
+
+
 def _structure_on_rank():
     """This rank's (stack, index, FSDP unit, checkpointed, compiled) for every block under FSDP + full
     activation checkpointing + compile, and whether the root is an FSDP unit."""
