@@ -32,14 +32,12 @@ from training.checkpoint.load import record_init_source  # noqa: E402
 from training.builders import build_data, build_guards, build_model, build_tracker, close_all  # noqa: E402
 from training.guards import Guards  # noqa: E402
 from training.loop import Trainer  # noqa: E402
-from training.registry import register_all  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     run = events = dist = None
     parts: list = []  # what close_all closes: the data pipeline, the tracker, the guards
     try:
-        register_all()  # every objective kind and the model family's names, before a config is read
         args = session.parse_args(argv)
         config = session.resolve_config(args)  # exits 2 (or 4) before any process group exists
         session.prepare_process(config)

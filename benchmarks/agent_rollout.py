@@ -97,12 +97,10 @@ def run(args) -> dict:
     from data.tasks import make_task
     from data.tokenizers import build_tokenizer
     from models.generation.sampler import SamplingParams
-    from training.registry import register_all
     from training.rollout.environment import Task
     from training.rollout.episodes import EpisodeLimits, EpisodeRunner
     from training.rollout.generator import Decoder, Generator
 
-    register_all()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:

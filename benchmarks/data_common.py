@@ -20,7 +20,6 @@ from core.config import Config, load  # noqa: E402
 from data.prepare import DEFAULT_OUT, Layout, prepare  # noqa: E402
 from data.qwen_vocab import DEFAULT_DIR as QWEN_DIR  # noqa: E402
 from data.qwen_vocab import QWEN_SPEC  # noqa: E402
-from training.registry import register_all  # noqa: E402
 
 OUT = ROOT / "bench_out"
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -36,14 +35,12 @@ def ensure_stdlib() -> Path:
 
 def tiny_config(*overrides: str) -> Config:
     ensure_stdlib()
-    register_all()  # the objective kinds and LoRA names the config loader reads
     return load(TINY, list(overrides))
 
 
 def preset_config(name: str, *overrides: str) -> Config:
     """configs/<name>.yaml (a GPU preset: only its data and train sections matter here)."""
     ensure_stdlib()
-    register_all()
     return load(ROOT / "configs" / f"{name}.yaml", list(overrides))
 
 

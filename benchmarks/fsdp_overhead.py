@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
 
     from core.config import load
-    from training.registry import register_all
 
-    register_all()
     path, extra = hfb.preset_args(args.shape)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:

@@ -105,8 +105,7 @@ def build_models(args, device):
     """(transformers model, our model): the same bf16 weights."""
     import torch
 
-    from models.qwen.weights import from_hf_key
-    from models.qwen.model import empty_model
+    from models.hf_weights import empty_model, weight_adapter
 
     model_config = load_model_config(args.shape, args.config)
     torch.manual_seed(0)  # the same random weights in every call, so that calls' rollouts compare
@@ -114,7 +113,8 @@ def build_models(args, device):
     hf_model.config.use_cache = True
     hf_model.eval()
     ours = empty_model(model_config, device=device, dtype=torch.bfloat16)
-    ours.load_state_dict({from_hf_key(k): v for k, v in hf_model.state_dict().items()}, strict=True)
+    adapter = weight_adapter(model_config)  # the family's Hugging Face names (ModelFamily.weights): one-to-one here
+    ours.load_state_dict({adapter.from_hf(k).key: v for k, v in hf_model.state_dict().items()}, strict=True)
     ours.tie_weights()
     return hf_model, ours.eval(), class_name, model_config
 

@@ -131,9 +131,7 @@ def load_config(args, kind: str, settings: list[str]):
     and its ``settings``."""
     from core.config import load
     from data.tasks import make_task, rl_record
-    from training.registry import register_all
 
-    register_all()
     prompts_file = Path(tempfile.mkdtemp(prefix=f"{kind}-bench-")) / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(rl_record(make_task(0, i))) + "\n"
                                     for i in range(args.prompts * (args.steps + 1))))

@@ -149,9 +149,7 @@ def write_json(path: str | Path, payload: Any) -> None:
 
 def load_model_config(shape: str, config_path: str | None):
     from core.config import load
-    from training.registry import register_all
 
-    register_all()
     path, extra = (config_path, []) if config_path else preset_args(shape)
     return load(ROOT / path, extra).model
 
@@ -162,9 +160,10 @@ def build_hf_model(model_config, device, *, attn_implementation: str = "sdpa"):
     import transformers
 
     from models.hf_config import hf_config_dict
-    from models.qwen.dims import resolve_dims
+    from models.hf_weights import empty_model
 
-    raw = hf_config_dict(model_config, resolve_dims(model_config), "bfloat16")
+    dims = empty_model(model_config, device="meta").dims  # the family's resolved shape (ModelFamily.build), no storage
+    raw = hf_config_dict(model_config, dims, "bfloat16")
     class_name = raw["architectures"][0]
     config_class = getattr(transformers, class_name.replace("ForCausalLM", "Config"))
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "dtype")}

@@ -70,9 +70,7 @@ def run_case(args: argparse.Namespace) -> dict:
     from models.nf4 import quantize_base
     from training import determinism
     from training.linear_cross_entropy import linear_cross_entropy
-    from training.registry import register_all
 
-    register_all()
     config = config_lib.load(args.config, [f"data.seq_len={args.seq_len}", "parallel.strategy=none", *args.set])
     device = torch.device(args.device)
     determinism.configure(determinism.numerics(config), device,

@@ -89,9 +89,7 @@ def resolved_train_keys(args: argparse.Namespace) -> dict:
     """train.lr and train.weight_decay of the preset after --override (for lion's scaling)."""
     sys.path.insert(0, str(ROOT))
     from core import config as config_lib
-    from training.registry import register_all
 
-    register_all()
     # Every override: the preset's keys are validated together (e.g. batch vs data.num_streams).
     config = config_lib.load(ROOT / "configs" / f"{args.preset}.yaml", list(args.override))
     return {"lr": config.train.lr, "weight_decay": config.train.weight_decay}

@@ -107,9 +107,7 @@ def run_preset(shape: str, args) -> dict:
     import models
     from core import seeding
     from core.config import load
-    from training.registry import register_all
 
-    register_all()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     tmp = Path(tempfile.mkdtemp(prefix="post-training-bench-"))

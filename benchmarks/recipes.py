@@ -293,9 +293,7 @@ def ours_against(theirs, ids, run: Path) -> float:
     from core.layout import RunPaths
     from models import ModelInputs, model_forward
     from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
-    from training.registry import register_all
 
-    register_all()
     paths = RunPaths(run)
     ours = load_checkpoint_model(config_lib.load(paths.config), checkpoint_dir(paths, None)).to(ids.device).eval()
     with torch.no_grad():

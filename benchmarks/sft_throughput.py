@@ -32,9 +32,7 @@ def packing(preset: str, seq: int, batches: int) -> dict:
     from core.config import load
     from data.pipeline.packing import PAD_SOURCE
     from data.pipeline.pipeline import build
-    from training.registry import register_all
 
-    register_all()
     config = load(ROOT / "configs" / f"{preset}.yaml", [
         f"data.sources=[{{path: {SFT_SOURCE}, record: chat}}]", "data.eval_source=null",
         f"data.seq_len={seq}", "data.num_streams=4", "train.global_batch_size=8"])

@@ -243,9 +243,7 @@ def num_streams(case: Case, config_path: str, extra: list[str]) -> int:
     runs a whole number of streams.
     """
     from core.config import load
-    from training.registry import register_all
 
-    register_all()
     preset = load(ROOT / config_path, extra).data.num_streams
     if case.global_batch % preset == 0 and preset % case.gpus == 0:
         return preset
@@ -449,9 +447,7 @@ def resolved_config(run_dir: Path):
     import yaml
 
     from core.config import from_dict
-    from training.registry import register_all
 
-    register_all()
     path = run_dir / "config.yaml"
     return from_dict(yaml.safe_load(path.read_text())) if path.is_file() else None
 

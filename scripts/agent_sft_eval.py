@@ -33,7 +33,6 @@ from data.chat_template import ChatTemplate  # noqa: E402
 from data.tokenizers import build_tokenizer  # noqa: E402
 from models.generation.sampler import SamplingParams  # noqa: E402
 from training.cli.generate import load_source  # noqa: E402
-from training.registry import register_all  # noqa: E402
 from training.rollout.generator import Decoder, Generator  # noqa: E402
 
 EVAL = ROOT / "datasets/tasks/agent/rl/eval"
@@ -61,7 +60,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
-    register_all()
     torch.set_num_threads(2)
     source = load_source(args.from_, root=args.root, step=args.step, device=torch.device("cpu"))
     model = source.model.eval()

@@ -17,7 +17,6 @@ from core.environment import require_dependencies  # noqa: E402
 require_dependencies("scripts/config_reference.py")  # the system Python without .venv: one line
 
 from core import config as config_lib  # noqa: E402
-from training.registry import register_all  # noqa: E402
 
 HEADER = """# Config reference
 
@@ -35,7 +34,6 @@ fields' rows too, which apply when it is set.
 
 
 def render() -> str:
-    register_all()  # the objective kinds' sections and the LoRA names are rows too
     rows = []
     for key, tp, default, doc in config_lib.describe():
         resumable = "yes" if config_lib.is_resumable(key) else ""

@@ -30,8 +30,10 @@ import pytest  # noqa: E402
 
 from training.registry import register_all  # noqa: E402
 
-# core.config reads no config before the objective kinds and the LoRA target names are
-# registered (training/registry.py); every entry point does this, and so do the tests.
+# The loader registers Lockstep's rows itself (core/registration.py) on its first read; the tests
+# register them first anyway, at import, so that a test registering a row of its own (an objective
+# kind, a model family) before any config is read still finds the built-in rows ahead of it: the
+# first registered objective kind is objective.kind's default, the first family model.arch's.
 register_all()
 
 

@@ -31,14 +31,12 @@ import torch  # noqa: E402
 from core.exceptions import LockstepError, UsageError, exit_code_for  # noqa: E402
 from core.layout import RunPaths  # noqa: E402
 from runtime.fast_exit import exit_process  # noqa: E402
-from training.registry import register_all  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    register_all()  # the objective kinds and LoRA names a run's config.yaml is read with
     try:
         if args.command == "export":
             return _export(args)

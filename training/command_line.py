@@ -17,7 +17,6 @@ from core.config import Config
 from core.exceptions import UsageError
 from runtime import relaunch
 from runtime.faults import parse_faults
-from training.registry import register_all
 
 @dataclass(frozen=True)
 class Args:
@@ -116,7 +115,6 @@ def check_before_ranks(argv: list[str], world_size: int) -> None:
     constraint between the batch, the streams and N ranks at once. A resume or replay checks the
     recorded config with its overrides (read from the run dir, as a rank would). The ranks check
     all of it again, with the rest of ``resolve_config``: they may run under torchrun or Slurm."""
-    register_all()
     load_config(parse_args(argv), world_size)
 
 
