@@ -16,7 +16,8 @@ head=fn       ``fn(hidden, output weight)``   ``head`` (a fused loss or log-prob
 cache=c       last token's logits (B, vocab)  ``logits`` (generation: reads and extends c)
 ============  ==============================  =============================================
 
-What a family's model implements (``FamilyModel``): ``forward(input_ids, position_ids=None,
+What a family's model implements (``FamilyModel``, the one protocol the generic code relies on:
+the step, the objectives, training/builders.py and the generation engine): ``forward(input_ids, position_ids=None,
 document_ids=None, head=None, cache=None, media=None)`` returning a ``ModelOutput``, the result in
 ``logits`` (or ``head`` where a head was given) and beside it the auxiliary losses and metrics it
 wants trained and recorded, or the result alone where it has nothing besides (Qwen: its
@@ -24,7 +25,8 @@ logits or its head's result, as every direct caller in the tests reads them). ``
 (pixel patches and their grids, say); the family turns the batch's (B, T) ``position_ids``
 (and its media) into the positions it needs with its ``model_positions`` (Qwen: the same
 tensor; an M-RoPE family: (3, B, T)), inside its own forward, where every wrapper's hooks
-have run.
+have run. Beside its forward it carries the run's ``Numerics`` (``numerics``, handed over by
+``use_numerics``) and, for the sampler, its ``generation_spec()``.
 
 An auxiliary loss (``AuxLoss``) is a *sum* over this forward's units and the unit it averages
 over in the global batch (``per``: every input token, every target token, every row), with a
@@ -45,10 +47,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from models.generation.protocol import GenerationSpec
+    from models.numerics import Numerics
 
 Head = Callable[[torch.Tensor, torch.Tensor], Any]
 """(final normed hidden states (..., d), output weight (V, d)) -> anything (a loss sum, log-probs)."""
@@ -135,7 +141,20 @@ class ModelOutput:
 
 
 class FamilyModel(Protocol):
-    """What ``model_forward`` asks of a model family's module (module docstring)."""
+    """What the generic code asks of a model family's module: ``model_forward`` its positions and
+    forward, training/builders.py its numerics, the generation engine its spec (module docstring)."""
+
+    numerics: Numerics
+    """The numerics every forward runs under (models/numerics.py): ``Numerics.for_model`` until
+    ``use_numerics`` hands it the run's; the sampler's rule reads the same object."""
+
+    def use_numerics(self, numerics: Numerics) -> None:
+        """Run every forward under ``numerics`` from now on: the run's, built once
+        (training.determinism.numerics), which a generation copy of the model carries too."""
+
+    def generation_spec(self) -> GenerationSpec:
+        """The vocabulary and its key/value cache's shape, device and dtype
+        (models/generation/protocol.py, ``KVCache.for_spec``)."""
 
     def model_positions(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
                         media: Any) -> torch.Tensor:

@@ -4,7 +4,9 @@ The sampler (models/generation/sampler.py) runs any model family whose model cla
 it, and names none: it asks the model for its ``GenerationSpec`` (the vocabulary and the shape,
 device and dtype of its key/value cache, ``KVCache.for_spec``), reads its ``Numerics`` (the
 cached attention's and the sampling rule's kernels: the same object the training forward runs
-under, models/numerics.py) and calls it through ``models.model_forward`` with a ``cache``.
+under, models/numerics.py) and calls it through ``models.model_forward`` with a ``cache``. What a
+family's model implements for it is declared once, in ``models.forward.FamilyModel``; a
+``GenerationModel`` is such a model, plain and unsharded.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from core.exceptions import ConfigError
-from models.numerics import Numerics
+from models.forward import FamilyModel
 
 
 @dataclass(frozen=True)
@@ -37,20 +39,14 @@ class GenerationSpec:
 
 
 @runtime_checkable
-class GenerationModel(Protocol):
-    """A plain, unsharded model the sampler can run.
+class GenerationModel(FamilyModel, Protocol):
+    """A family's model (``FamilyModel``: its numerics, generation spec and forward), plain and
+    unsharded, which the sampler can run.
 
     ``model_forward(model, inputs, cache=cache)`` gives each row's last-token logits (B, vocab)
     and writes the chunk's keys/values into ``cache`` (a ``KVCache`` of ``generation_spec()``'s
     shape) at the chunk's positions, attending over slots 0..position of the row.
     """
-
-    numerics: Numerics
-    """The numerics the model's forwards run under; the sampler's rule reads the same object."""
-
-    def generation_spec(self) -> GenerationSpec:
-        """The vocabulary and the cache's shape, device and dtype."""
-        ...
 
     def __call__(self, input_ids: torch.Tensor, **inputs: Any) -> Any:
         """The forward ``models.model_forward`` calls (with ``cache=`` for generation)."""
