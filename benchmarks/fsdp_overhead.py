@@ -64,9 +64,12 @@ def build(variant: str, config, device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
     from training.plan import ParallelPlan
     from training.optimizers.build import build_optimizer
+    from training import determinism
     from training.precision import Precision
 
+    numerics = determinism.numerics(config)  # the run's, as training/builders.py builds it
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
+    model.use_numerics(numerics)
     parallel = dataclasses.replace(config.parallel, strategy="fsdp" if variant == "fsdp" else "none")
     shape = mesh_shape(parallel, 1)
     mesh = init_device_mesh(device.type, shape.as_tuple(), mesh_dim_names=MESH_DIMS) if variant == "fsdp" else None
@@ -77,7 +80,7 @@ def build(variant: str, config, device: torch.device):
         raise SystemExit("fsdp variant: the model was not sharded")
     plan = ParallelPlan(topology=topology, strategy=parallel.strategy, device=device,
                         fsdp_applied=is_fully_sharded(model))
-    precision = Precision(parallel, device=device, wrapper_casts=plan.fsdp_applied)
+    precision = Precision(numerics, device=device, wrapper_casts=plan.fsdp_applied)
     return model, build_optimizer(model, config.train, device), precision, plan
 
 

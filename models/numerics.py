@@ -103,6 +103,13 @@ class Numerics:
         """The dtype the forward computes in (autocast or FSDP's mixed precision; fp32: none)."""
         return DTYPES[self.precision]
 
+    @property
+    def frozen_base_dtype(self) -> Optional[torch.dtype]:
+        """The dtype a LoRA model's frozen base linears are stored in (``models.lora.store_base_as``):
+        bf16 for a bf16 run, whose autocast or FSDP policy rounds them to bf16 for every matmul anyway;
+        else None (kept as loaded)."""
+        return torch.bfloat16 if self.precision == "bf16" else None
+
     def generation_dtype(self, device: torch.device) -> Optional[torch.dtype]:
         """The generation copy's weights on ``device``: bf16 for a bf16 run on CUDA, else None (the
         parameters' own dtype)."""

@@ -60,8 +60,7 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
     model.use_numerics(numerics)
     base_identity = None
     if config.model.lora.rank > 0:  # adapters on the plain model, before parallelize (models/lora.py)
-        base_dtype = torch.bfloat16 if config.parallel.precision == "bf16" else None  # models.lora.store_base_as
-        base_identity = add_adapters(model, config.model, seed=config.train.seed, base_dtype=base_dtype)
+        base_identity = add_adapters(model, config.model, seed=config.train.seed, base_dtype=numerics.frozen_base_dtype)
     topology = build_mesh(config.parallel, dist)
     if config.parallel.strategy == "xla_spmd":
         from training import xla  # needs torch_xla, which only the XLA interpreter has

@@ -47,6 +47,7 @@ from core.logging import EventLog, get_logger
 from core.run_context import RunContext
 from data.hashing import batch_hash, state_hash
 from data.state import merge_states
+from distributed import unwrap
 from experiments.console import Heartbeat, Progress, eval_line
 from models.lora import set_dropout_key
 from runtime.collection import CollectionSchedule
@@ -156,7 +157,7 @@ class Trainer:
         self.generation_eval = (  # train.eval_generate: held-out answers, at every evaluation step
             GenerationEvaluation(config, rank=parallel.dp_rank, world_size=parallel.dp_size, device=self.device)
             if config.train.eval_generate.source is not None else None)
-        self.precision = Precision(config.parallel, device=self.device, wrapper_casts=parallel.fsdp_applied)
+        self.precision = Precision(unwrap(model).numerics, device=self.device, wrapper_casts=parallel.fsdp_applied)
         # The policy, and the parts the objective trains beside it (training/parts.py).
         self.parts: dict[str, TrainablePart] = build_parts(
             model, config.train, declared_parts(self.objective, context), device=self.device,

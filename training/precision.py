@@ -1,8 +1,9 @@
 """Compute precision: fp32, bf16 autocast, fp16 autocast with a gradient scaler.
 
 Under FSDP with bf16 the cast is done by FSDP's mixed-precision policy (bf16 parameters and
-compute, fp32 master weights and gradient reduction), so autocast is not used there. The dtype
-of each precision is the one ``Numerics.compute_dtype`` gives (models/numerics.py).
+compute, fp32 master weights and gradient reduction), so autocast is not used there. The
+precision and its dtype are the run's ``Numerics``' (models/numerics.py: ``precision``,
+``compute_dtype``), the one object its forwards and its sampler run under.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from typing import Any
 
 import torch
 
-from core.config import ParallelConfig
-from models.numerics import DTYPES
+from models.numerics import Numerics
 
 
 class Precision:
-    def __init__(self, config: ParallelConfig, *, device: torch.device, wrapper_casts: bool) -> None:
-        """``wrapper_casts``: the model is wrapped by FSDP2 with a bf16 mixed-precision policy
+    def __init__(self, numerics: Numerics, *, device: torch.device, wrapper_casts: bool) -> None:
+        """``numerics``: the run's (training.determinism.numerics, which the model carries);
+        ``wrapper_casts``: the model is wrapped by FSDP2 with a bf16 mixed-precision policy
         (only true where fully_shard was applied: a single process is not sharded)."""
-        self.name = config.precision
-        self.dtype = DTYPES[config.precision]
+        self.name = numerics.precision
+        self.dtype = numerics.compute_dtype
         self.device = device
         self.use_autocast = self.name != "fp32" and not (wrapper_casts and self.name == "bf16")
         self.scaler = (

@@ -32,6 +32,7 @@ from training.objectives.grpo import PARITY, GRPOObjective
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.rollout.advantages import group_advantages, overlong_penalty
 from training.rollout.experience import Experience
+from training.determinism import numerics
 from training.precision import Precision
 from training.step import forward_backward
 from tests import launch
@@ -235,7 +236,7 @@ def _gradient(objective, model, parts: list[list], global_targets: int) -> tuple
     """The loop's update without the optimizer: each rank's micro-batches through forward_backward
     (dp_size = len(parts)), the ranks' gradients averaged as DDP does; returns loss and flat gradient."""
     config = objective.config
-    precision = Precision(config.parallel, device=torch.device("cpu"), wrapper_casts=False)
+    precision = Precision(numerics(config), device=torch.device("cpu"), wrapper_casts=False)
     total, grads = 0.0, []
     for micro_batches in parts:
         model.zero_grad(set_to_none=True)
@@ -414,7 +415,7 @@ def test_logprob_parity_is_a_maximum_over_micro_batches():
     which forward_backward reduces by max: any split into micro-batches gives the same value."""
     _, model, objective, batch, _ = _prepared()
     whole = objective.loss(model, batch).maxima[PARITY]
-    precision = Precision(objective.config.parallel, device=torch.device("cpu"), wrapper_casts=False)
+    precision = Precision(numerics(objective.config), device=torch.device("cpu"), wrapper_casts=False)
     for size in (1, 3):
         model.zero_grad(set_to_none=True)
         _, _, maxima = forward_backward(model, batch.micro_batches(size), objective=objective, precision=precision,

@@ -24,6 +24,7 @@ from data.batch import IGNORE_INDEX, Batch
 from models.forward import INPUT_TOKEN, TARGET_TOKEN, AuxLoss, ModelMetric, ModelOutput, model_forward
 from models.qwen.model import QwenForCausalLM
 from training.objectives.base import LossOutput
+from models.numerics import Numerics
 from training.precision import Precision
 from training.record import ledger as ledger_lib
 from training.step import forward_backward, local_units, model_fields
@@ -86,7 +87,7 @@ def make_batch() -> Batch:
 def step_gradient(model, micro_batches, *, global_targets: int, units: dict[str, int], dp_size: int = 1):
     """forward_backward as the loop runs it (fp32 precision: no autocast); the flat gradient and sums."""
     model.zero_grad(set_to_none=True)
-    precision = Precision(ParallelConfig(precision="fp32"), device=torch.device("cpu"), wrapper_casts=False)
+    precision = Precision(Numerics(precision="fp32"), device=torch.device("cpu"), wrapper_casts=False)
     loss, metrics, _ = forward_backward(model, micro_batches, objective=TokenCrossEntropy(), precision=precision,
                                         global_targets=global_targets, dp_size=dp_size, device=torch.device("cpu"),
                                         no_sync=lambda m: contextlib.nullcontext(), units=units)
@@ -231,7 +232,7 @@ def test_frozen_and_no_grad_forwards_add_nothing():
     targets, units = batch.num_target_tokens(), local_units(batch)
     want, _, want_sums = step_gradient(model, [batch], global_targets=targets, units=units)
     model.zero_grad(set_to_none=True)
-    precision = Precision(ParallelConfig(precision="fp32"), device=torch.device("cpu"), wrapper_casts=False)
+    precision = Precision(Numerics(precision="fp32"), device=torch.device("cpu"), wrapper_casts=False)
     _, sums, _ = forward_backward(model, [batch], objective=WithTeacher(), precision=precision, global_targets=targets,
                                   dp_size=1, device=torch.device("cpu"), no_sync=lambda m: contextlib.nullcontext(),
                                   units=units)

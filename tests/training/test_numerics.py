@@ -83,3 +83,15 @@ def test_the_training_forward_and_the_sampler_run_under_one_numerics(restore_tor
                                                                     else "sdpa")
     rule = sampler._rule(SamplingParams(top_p=0.9))
     assert (rule.keywords["cut"], rule.keywords["draw"]) == numerics.sampling_kernels(CPU)
+
+
+def test_the_loop_s_precision_and_the_lora_base_dtype_come_from_the_run_s_numerics():
+    from training.precision import Precision
+
+    bf16, fp16, fp32 = Numerics(precision="bf16"), Numerics(precision="fp16"), Numerics(precision="fp32")
+    assert Precision(bf16, device=CPU, wrapper_casts=False).dtype == torch.bfloat16
+    assert Precision(fp16, device=CPU, wrapper_casts=False).dtype == torch.float16
+    assert not Precision(bf16, device=CPU, wrapper_casts=True).use_autocast  # FSDP's policy casts instead
+    assert Precision(fp32, device=CPU, wrapper_casts=False).state_dict()["name"] == "fp32"
+    assert bf16.frozen_base_dtype == torch.bfloat16  # models.lora.store_base_as
+    assert fp16.frozen_base_dtype is None and fp32.frozen_base_dtype is None

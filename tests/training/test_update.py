@@ -7,9 +7,9 @@ import copy
 
 import torch
 
-from core.config import ParallelConfig
 from core.distributed_context import DistributedContext
 from runtime.health import NonFiniteGuard
+from models.numerics import Numerics
 from training.precision import Precision
 from training.step import enqueue_update
 
@@ -27,7 +27,7 @@ def _setup():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     guard = _guard()
-    precision = Precision(ParallelConfig(precision="fp32"), device=torch.device("cpu"), wrapper_casts=False)
+    precision = Precision(Numerics(precision="fp32"), device=torch.device("cpu"), wrapper_casts=False)
     return model, optimizer, guard, precision
 
 
