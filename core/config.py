@@ -35,7 +35,6 @@ import yaml
 
 from core import config_checks
 from core.config_schema import ObjectiveConfig, model_config_class, objective_config_class, registered_sections, schema_of
-# The sections defined in core/config_sections.py are read from here too (from core.config import ModelConfig).
 from core.config_sections import (AugmentConfig, DataConfig, DeterminismConfig, LoRAConfig, MetricsConfig,  # noqa: F401
                                   ModelArch, ModelConfig, ParallelConfig, SourceConfig)
 from core.exceptions import ConfigError
@@ -209,8 +208,7 @@ RESUMABLE_KEYS = (
     "run.root",  # where the run dir lives now (a run moved to another root resumes from there)
     "train.max_steps", "train.eval_interval", "train.eval_batches",
     "train.eval_generate.",  # an evaluation only: the ledger does not depend on it
-    "checkpoint.", "runtime.", "metrics.",
-    "data.workers", "data.prefetch_batches", "data.max_in_flight", "data.process_pool",
+    "checkpoint.", "runtime.", "metrics.", "data.workers", "data.prefetch_batches", "data.max_in_flight", "data.process_pool",
     "parallel.strategy", "parallel.ddp_embedding_grad", "parallel.compile", "parallel.compile_mode",
     "parallel.activation_checkpointing", "parallel.reshard_after_forward", "parallel.fsdp_unit_blocks",
     "parallel.cpu_offload", "parallel.backend", "parallel.timeout_s", "parallel.dp_replicate", "parallel.tp",
