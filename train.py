@@ -24,14 +24,18 @@ if __name__ == "__main__":  # --nproc N: the command line and config are checked
 
     launch_if_asked(__file__, sys.argv[1:], check=check_before_ranks)
 
-from training import session  # noqa: E402
+try:  # torch loads here (seconds): Ctrl-C meanwhile ends the process with one line, not an import traceback
+    from training import session  # noqa: E402
 
-from core.distributed_context import DistributedContext  # noqa: E402
-from runtime.fast_exit import exit_process  # noqa: E402
-from training.checkpoint.load import record_init_source  # noqa: E402
-from training.builders import build_data, build_guards, build_model, build_tracker, close_all  # noqa: E402
-from training.guards import Guards  # noqa: E402
-from training.loop import Trainer  # noqa: E402
+    from core.distributed_context import DistributedContext  # noqa: E402
+    from runtime.fast_exit import exit_process  # noqa: E402
+    from training.checkpoint.load import record_init_source  # noqa: E402
+    from training.builders import build_data, build_guards, build_model, build_tracker, close_all  # noqa: E402
+    from training.guards import Guards  # noqa: E402
+    from training.loop import Trainer  # noqa: E402
+except KeyboardInterrupt:
+    sys.stderr.write("train.py: interrupted while starting (Ctrl-C); nothing was written\n")
+    raise SystemExit(130) from None
 
 
 def main(argv: list[str] | None = None) -> int:

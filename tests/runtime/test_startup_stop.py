@@ -80,3 +80,22 @@ def test_sigterm_during_start_up_ends_the_run_cleanly(e2e_workdir):
     assert not (run_dir / ".lock").exists()
     assert len(err.strip().splitlines()) <= 2, err  # the stop line (and its notice), no traceback
     assert "Traceback" not in out + err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_torch_loads_ends_with_one_line_and_writes_nothing(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(launch.ROOT / "train.py"), *e2e_args(max_steps=2, name="ctrlc")],
+                            cwd=tmp_path, env=launch.env(launch.ROOT), stderr=subprocess.PIPE, text=True)
+    maps = f"/proc/{proc.pid}/maps"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # torch's libraries are being mapped: the imports in train.py's try
+        with open(maps) as f:
+            if "libtorch" in f.read():
+                break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == "train.py: interrupted while starting (Ctrl-C); nothing was written"
+    assert not list(tmp_path.rglob("ledger.jsonl")) and not list(tmp_path.rglob("events.jsonl"))
