@@ -35,6 +35,13 @@ Per step (one loop step = one optimizer step), rollout -> advantages -> loss:
    ``reward_mean``/``reward_std`` are the rewards' scores; ``reward_zero_var_groups`` counts the
    groups whose shaped rewards (the advantages' input) are all equal.
 
+**Rollout correction.** With ``objective.grpo.rollout_correction`` (off by default) ``prepare``
+also runs the policy over the rollout batch (the weights that sampled it) and the batch's
+``old_logps`` become the trainer's, with the sampler's beside them as ``rollout_logps``; the loss
+weighs each token's surrogate by TIS's truncated ratio and MIS's keep of its completion, and the
+ledger adds the mismatch statistics (training/objectives/rollout_correction.py has the formulas).
+``logprob_parity`` still compares the sampler's log-probs with the trainer's.
+
 **Episodes.** With ``objective.grpo.environment`` each sample is an episode of several turns
 (training/rollout/episodes.py, docs/post_training.md "Agentic rollouts"; the environment, its
 runner and the step records come from training/rollout/agent.py, as PPO's do): the tool environment
@@ -96,6 +103,8 @@ from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, Object
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
 from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
+from training.objectives.rollout_correction import (ROLLOUT_LOGPS, correction_extras, correction_fields,
+                                                    mismatch_sums, policy_weights)
 from training.objectives.token_logps import autocast_dtype, label_logps
 from training.rollout.advantages import group_advantages
 from training.rollout.agent import AgentRollouts, episode_console_fields
@@ -121,6 +130,7 @@ class GRPOObjective:
         g = config.objective.grpo
         self.config, self.g = config, g
         self.updates_per_batch = g.inner_updates
+        self.correction = g.rollout_correction  # None: the sampler's log-probs are the ratio's old policy
         # Deferring a step's ledger fields would gain nothing: the next step's rollouts wait for
         # the GPU anyway (every decode step reads its tokens back).
         self.settles_late = False
@@ -236,6 +246,11 @@ class GRPOObjective:
             group_advantages(experience.shaped_rewards(), eps=self.g.std_eps, std=self.g.advantage_std))
         out = experience.batch(batch, seq_len=self.config.data.seq_len, mask_truncated=self.g.mask_truncated,
                                pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
+        if self.correction is not None:
+            started = time.perf_counter()
+            out = out.with_extras(**correction_extras(self._policy_logps(out), out.extras["old_logps"],
+                                                      out.labels != IGNORE_INDEX, self.correction))
+            experience = experience.with_timings(policy_logps_s=time.perf_counter() - started)
         if self.reference is not None:
             started = time.perf_counter()
             out = out.with_extras(ref_logps=self._reference_logps(out))
@@ -254,17 +269,24 @@ class GRPOObjective:
         mask = placed.labels != IGNORE_INDEX
         logps = self._token_logps(model, placed, fuse=self.fuse_head).float()
         old = placed.extras["old_logps"]
+        weights = None if self.correction is None else policy_weights(placed.extras, mask, self.correction)
         per_token, terms = per_token_loss(logps, old, placed.extras.get("ref_logps"), placed.extras["advantages"],
-                                          mask, self.settings)
+                                          mask, self.settings, weights)
         total = reduce_loss(per_token, mask, self.g.loss_norm)
         with torch.no_grad():
-            parity = ((logps.detach() - old).abs() * mask).max()
+            sampled = old if self.correction is None else placed.extras[ROLLOUT_LOGPS]
+            parity = ((logps.detach() - sampled).abs() * mask).max()
             norm, slots = self.g.loss_norm, self.slots
             metrics = {"clip_fraction": reduce_metric(terms["clipped"], mask, norm, max_new_tokens=slots),
                        "entropy": reduce_metric(-logps.detach() * mask, mask, norm, max_new_tokens=slots)}
             if "kl" in terms:
                 metrics["kl"] = reduce_metric(terms["kl"].detach(), mask, norm, max_new_tokens=slots)
-        return LossOutput(total, count, metrics, maxima={PARITY: parity})
+            maxima = {PARITY: parity}
+            if self.correction is not None:
+                sums, most = mismatch_sums(placed.extras, mask, self.correction)
+                metrics.update(sums)
+                maxima.update(most)
+        return LossOutput(total, count, metrics, maxima=maxima)
 
     def ledger_fields(self, batch: Batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         experience: Experience = batch.prepared
@@ -272,10 +294,13 @@ class GRPOObjective:
         parts = self._context.dist.all_gather_object(experience.summary())  # every rank, at the same point
         context = self._context
         self.agent.write(context.run_dir, batch.step, parts, records=context.records, dist=context.dist)
-        return {**rollout_fields(parts, group_size=g.group_size, shaping=g.overlong_buffer > 0,
-                                 masking=g.mask_truncated, resampling=g.dynamic_sampling_rounds > 0,
-                                 episodes=self.episodes is not None),
-                PARITY: totals[PARITY]}
+        fields = {**rollout_fields(parts, group_size=g.group_size, shaping=g.overlong_buffer > 0,
+                                   masking=g.mask_truncated, resampling=g.dynamic_sampling_rounds > 0,
+                                   episodes=self.episodes is not None),
+                  PARITY: totals[PARITY]}
+        if self.correction is not None:
+            fields.update(correction_fields(totals, self.correction))
+        return fields
 
     def state_dict(self) -> dict[str, Any]:
         # Nothing else to keep: the prompts come from the data state, the sampling keys from the
@@ -323,6 +348,13 @@ class GRPOObjective:
         return LossOutput(*evaluation_sums(micro.extras, sampled=self.g.eval_samples > 0))
 
     # ------------------------------------------------------------------ log-probs
+
+    def _policy_logps(self, batch: Batch) -> torch.Tensor:
+        """(B, T) the trainer's log-probs of the sampled tokens with the weights that sampled them
+        (rollout correction's pi_train), micro-batch by micro-batch as the loss runs them."""
+        place = self._context.place
+        return torch.cat([self._token_logps(self._model, micro.placed(place), fuse=self.fuse_head).float().cpu()
+                          for micro in batch.micro_batches(self.config.train.micro_batch_size)])
 
     def _reference_logps(self, batch: Batch) -> torch.Tensor:
         place = self._context.place

@@ -39,9 +39,12 @@ class SurrogateSettings:
 
 
 def per_token_loss(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
-                   mask: torch.Tensor, s: SurrogateSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   mask: torch.Tensor, s: SurrogateSettings,
+                   weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """logps, old, ref, mask (B, T); advantages (B,) -> per-token loss (B, T) (0 off the mask) and
-    per-token terms for metrics: ``clipped`` (the clipped branch was taken), ``kl`` (k3)."""
+    per-token terms for metrics: ``clipped`` (the clipped branch was taken), ``kl`` (k3).
+    ``weights`` (B, T), detached, multiply the surrogate term only, not the KL penalty (rollout
+    correction's importance weights, rollout_correction.py); None: unweighted."""
     mask_f = mask.to(logps.dtype)
     delta = (logps - old) * mask_f
     if s.importance == "sequence":
@@ -54,7 +57,7 @@ def per_token_loss(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | N
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - s.clip_low, 1.0 + s.clip_high) * adv
     surrogate = torch.minimum(unclipped, clipped)
-    loss = -surrogate
+    loss = -surrogate if weights is None else -surrogate * weights
     terms = {"clipped": (clipped < unclipped).to(logps.dtype) * mask_f}
     if ref is not None and s.kl_coef > 0:
         diff = (ref - logps) * mask_f

@@ -14,6 +14,7 @@ from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from data.record_kinds import record_kind
+from training.objectives.rollout_correction_settings import RolloutCorrectionSettings, validate_rollout_correction
 from training.rollout.environment_settings import EnvironmentSettings, validate_environment
 from training.rollout.reward_settings import RewardSettings, check_rewards, resolve_rule_rewards
 from training.rollout.reward_settings import model_rewards as _model_rewards
@@ -67,6 +68,8 @@ class GRPOSettings:
     """Multi-turn episodes with tools (docs/post_training.md, Agentic rollouts); null: one completion per sample, scored by the rewards."""
     rollout_slots: int = 0
     """Sampler rows (KV-cache rows per forward) of the rollouts; 0: one row per completion of a step (group_size x global_batch_size / data.num_streams). Fewer rows refill finished ones with pending completions (docs/models.md, Scheduling): less memory, and a step with mixed completion lengths costs about their mean; the completions may differ from those of another row count (last bits, and a token where they flip a draw)."""
+    rollout_correction: Optional[RolloutCorrectionSettings] = None
+    """Truncated (TIS) and masked (MIS) importance sampling between the sampler's log-probs and the trainer's, for rollouts not sampled bit for bit as the trainer computes (docs/post_training.md, Rollout correction); costs one more policy forward per step; null: off."""
 
 
 def validate(config: Config) -> None:
@@ -102,6 +105,7 @@ def validate(config: Config) -> None:
             hint="the optimizer updates made on each rollout batch; 1 is GRPO as published",
         )
     check_rewards(g, key)
+    validate_rollout_correction(g.rollout_correction, key)
     if model_rewards(config) and g.dynamic_sampling_rounds > 0:
         raise ConfigError(f"{key}.dynamic_sampling_rounds: a model reward scores a whole rollout batch after it is "
                           "sampled, and dynamic sampling re-samples groups while the rollout is collected",
@@ -157,6 +161,6 @@ KIND = ObjectiveKind(
     validate=validate,
     resumable=("eval_samples", "eval_temperature"),  # an evaluation only: the ledger does not depend on them
     hashed_only_when_set=("advantage_std", "overlong_buffer", "mask_truncated", "dynamic_sampling_rounds",
-                          "rollout_slots", "rewards[].path", "environment"),
+                          "rollout_slots", "rewards[].path", "environment", "rollout_correction"),
     hash_default_section=True,
 )

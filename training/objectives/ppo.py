@@ -40,6 +40,12 @@ rollout batch):
    adaptive coefficient (``AdaptiveKL``) is then moved by this step's ``kl``: its value is the
    objective's checkpointed state, so a resumed run continues with it.
 
+**Rollout correction.** With ``objective.ppo.rollout_correction`` (off by default) the sampler's
+log-probs ride beside the old ones (the trainer's forward above) as ``rollout_logps``; the policy
+loss of each token is weighed by TIS's truncated ratio and MIS's keep of its completion (the
+value loss is not), and the ledger adds the mismatch statistics
+(training/objectives/rollout_correction.py has the formulas).
+
 **Episodes.** With ``objective.ppo.environment`` (GRPO's settings) each completion is an episode
 of several turns, played as GRPO's are (training/rollout/agent.py builds the environment, the
 runner and the step records for both; docs/post_training.md "Agentic rollouts"): turn ``t > 0``
@@ -88,6 +94,8 @@ from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_vari
                                           masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
 from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
 from training.objectives.ppo_settings import KIND, model_rewards, resolve_rewards
+from training.objectives.rollout_correction import (correction_extras, correction_fields, mismatch_sums,
+                                                    policy_weights)
 from training.objectives.token_logps import autocast_dtype, label_logps
 from training.rollout.agent import AgentRollouts, episode_console_fields
 from training.rollout.environment import batch_tasks
@@ -144,6 +152,7 @@ class PPOObjective:
         p = config.objective.ppo
         self.config, self.p = config, p
         self.updates_per_batch = p.ppo_epochs * p.minibatches
+        self.correction = p.rollout_correction  # None: no importance weights between sampler and trainer
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.template = template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
@@ -270,6 +279,7 @@ class PPOObjective:
         out = experience.batch(batch, seq_len=self.config.data.seq_len, mask_truncated=False,
                                pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
         mask = out.labels != IGNORE_INDEX
+        sampled = out.extras["old_logps"]  # the sampler's log-probs (rollout correction's pi_rollout)
         clock.lap()
         old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, placed))
         clock.lap("policy_logps_s")
@@ -294,6 +304,8 @@ class PPOObjective:
         prepared = PPORollout(experience=experience.with_timings(**clock.laps), kl_coef=self.kl.coef, rows=rows,
                               layout=tuple(tuple(sorted(part)) for part in gathered))
         out = out.with_extras(old_logps=old_logps, old_values=old_values, advantages=advantages, returns=returns)
+        if self.correction is not None:
+            out = out.with_extras(**correction_extras(old_logps, sampled, mask, self.correction))
         return dataclasses.replace(out, prepared=prepared)
 
     def update_batch(self, batch: Batch, update: int) -> Batch:
@@ -325,6 +337,8 @@ class PPOObjective:
         logps = self._token_logps(model, placed).float()
         values = self._values(placed, critic=parts[CRITIC])
         policy, policy_terms = policy_loss(logps, extras["old_logps"], extras["advantages"], mask, self.clip)
+        if self.correction is not None:
+            policy = policy * policy_weights(extras, mask, self.correction)
         value, value_clipped = value_loss(values, extras["old_values"], extras["returns"], mask, self.p.value_clip)
         total = (policy + self.p.vf_coef * value).sum()
         with torch.no_grad():
@@ -333,6 +347,9 @@ class PPOObjective:
                        "value_clip_fraction": value_clipped.sum(), "approx_kl": policy_terms["approx_kl"].sum()}
             if "dual_clipped" in policy_terms:
                 metrics["dual_clip_fraction"] = policy_terms["dual_clipped"].sum()
+            if self.correction is not None:
+                sums, maxima = mismatch_sums(extras, mask, self.correction)
+                return LossOutput(total, count, {**metrics, **sums}, maxima)
         return LossOutput(total, count, metrics)
 
     def ledger_fields(self, batch: Batch, totals: dict[str, float], count: int) -> dict[str, Any]:
@@ -355,6 +372,8 @@ class PPOObjective:
         fields.update(score_min=min(scores), score_max=max(scores), kl=kl, kl_coef=rollout.kl_coef,
                       explained_variance=None if np.isnan(variance) else variance,
                       **{name: totals[name] / tokens for name in names})
+        if self.correction is not None:
+            fields.update(correction_fields(totals, self.correction))
         if self.p.kl_target > 0:
             self.kl.update(kl, samples=len(rows))
         return fields

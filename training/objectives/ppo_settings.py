@@ -15,6 +15,7 @@ from core.config import Config
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from training.objectives.grpo_settings import check_prompt_data
+from training.objectives.rollout_correction_settings import RolloutCorrectionSettings, validate_rollout_correction
 from training.rollout.environment_settings import EnvironmentSettings, validate_environment
 from training.rollout.reward_settings import RewardSettings, check_rewards, resolve_rule_rewards
 from training.rollout.reward_settings import model_rewards as _model_rewards
@@ -72,6 +73,8 @@ class PPOSettings:
     """Minibatches per pass (one optimizer update each); the rollout batch's completions must divide evenly."""
     environment: Optional[EnvironmentSettings] = None
     """Multi-turn episodes with tools, as GRPO's (docs/post_training.md, Agentic rollouts); null: one completion per sample, scored by the rewards."""
+    rollout_correction: Optional[RolloutCorrectionSettings] = None
+    """Truncated (TIS) and masked (MIS) importance sampling between the sampler's log-probs and the old log-probs of the trainer's forward, as GRPO's (docs/post_training.md, Rollout correction); null: off."""
 
 
 def validate(config: Config) -> None:
@@ -101,6 +104,7 @@ def validate(config: Config) -> None:
         if not ok:
             raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(p, name)!r}", key=f"{key}.{name}")
     check_rewards(p, key)
+    validate_rollout_correction(p.rollout_correction, key)
     if p.kl_target > 0 and p.kl_coef == 0:
         raise ConfigError(f"{key}.kl_target={p.kl_target} needs a starting kl_coef > 0", key=f"{key}.kl_coef",
                           hint="the adaptive coefficient is scaled from kl_coef; it cannot leave 0")
@@ -143,5 +147,5 @@ KIND = ObjectiveKind(
     settings=PPOSettings,
     validate=validate,
     # added later (model rewards, episodes): earlier configs keep their hashes
-    hashed_only_when_set=("rewards[].path", "environment"),
+    hashed_only_when_set=("rewards[].path", "environment", "rollout_correction"),
 )
