@@ -270,3 +270,26 @@ def test_ppo_weighs_its_policy_loss_and_not_its_value_loss():
     assert float(weighed.metrics[CLIPPED]) == 4.0 and float(weighed.metrics[MASKED]) == 1.0
     assert float(weighed.maxima[DIFF_MAX]) == pytest.approx(math.log(4.0), rel=1e-6)
     assert not {ABS_DIFF, TOKENS, CLIPPED, MASKED, ROWS} & set(plain.metrics) and not plain.maxima
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_tiny_grpo_with_both_corrections_writes_their_ledger_fields(e2e_workdir):
+    from tests.methods import GRPO
+
+    result = launch.train(e2e_workdir, ["--config", str(GRPO.config_path), "run.name=grpo-rollout-correction",
+                                        "train.max_steps=2", f"{CORRECTION}.tis_cap=2.0", f"{CORRECTION}.mis=geometric"],
+                          nproc=1, timeout=600)
+    assert result.returncode == 0, result.stderr
+    run_dir = result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
+    lines = launch.ledger(run_dir)
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        # the same kernels sample and train on the CPU: the mismatch is float rounding, nothing is
+        # clipped at 2 nor masked outside [0.5, 2], and the loss trains as without the correction
+        assert 0.0 <= line["rollout_logp_diff_mean"] <= line["rollout_logp_diff_max"] < 1e-4
+        assert line["tis_clipped_fraction"] == 0.0 and line["mis_masked_fraction"] == 0.0
+        assert line["logprob_parity"] < 1e-4 and math.isfinite(line["loss"])
+        assert len(line["inner_losses"]) == 2  # e2e-grpo.yaml's two updates per rollout batch
