@@ -25,6 +25,7 @@ from core.objective_kinds import register_objective, registered_names
 from core.registration import register_provider
 from data.record_kinds import register_built_in_kinds
 from models.qwen.family import FAMILIES
+from models.qwen3_moe.family import FAMILIES as MOE_FAMILIES
 from training.objectives import (causal_lm_settings, distill_settings, dpo_settings, grpo_settings, ppo_settings,
                                  reward_model_settings, sft_settings)
 
@@ -61,7 +62,7 @@ def register_all(*, objectives: Mapping[str, str] | None = None) -> None:
         if kind.name in registered:
             continue  # registered before (a second call, or an entry script's own class for it): kept
         register_objective(dataclasses.replace(kind, objective=replaced[kind.name]) if kind.name in replaced else kind)
-    for family in FAMILIES:
+    for family in (*FAMILIES, *MOE_FAMILIES):
         register_family(family)
     for name, path in CONFIG_CHECKS:
         register_check(name, path)

@@ -1,0 +1,225 @@
+"""Qwen3-MoE decoder-only language model: Qwen3's blocks with mixture-of-experts MLPs.
+
+Attention, RMSNorm, RoPE and the dense MLP are Qwen's own modules (models/qwen/model.py, rope.py);
+the mixture of experts is models/qwen3_moe/moe.py. Module and parameter names follow the Hugging
+Face checkpoints with the leading ``model.`` removed, except that each block's experts are stacked:
+``layers.N.mlp.experts.gate_proj`` (E, inner, hidden) holds the checkpoint's
+``model.layers.N.mlp.experts.<e>.gate_proj.weight`` for every expert e (models/qwen3_moe/weights.py).
+
+The forward returns a ``ModelOutput`` (models/forward.py) with, beside the logits:
+
+- ``aux_losses["load_balance"]``: the load-balancing loss of this forward (``moe.load_balancing_loss``,
+  transformers' formula over all sparse layers) times its input tokens, averaged over the global
+  batch's input tokens with weight ``router_aux_loss_coef`` (left out where the coefficient is 0);
+- ``metrics["layer<i>_load_min"]`` and ``["layer<i>_load_max"]`` for each sparse layer i: the fewest
+  and the most tokens an expert received, over the mean tokens per expert (N * top_k / E), so 1.0 is
+  a perfectly even load; summed over micro-batches and ranks as sums and counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from core.config import ModelConfig
+from core.exceptions import ConfigError
+from core.model_families import model_family
+from core.model_plan import ModelParallelPlan
+from core.registration import import_attr
+from models.attention import AttentionMask, build_attention_mask, cache_mask
+from models.forward import INPUT_TOKEN, AuxLoss, ModelMetric, ModelOutput
+from models.generation.kv_cache import KVCache
+from models.generation.protocol import GenerationSpec
+from models.numerics import Numerics
+from models.qwen.model import QwenAttention, QwenMLP, RMSNorm
+from models.qwen.rope import RotaryTable
+from models.qwen3_moe.dims import MoeDims, resolve_moe_dims
+from models.qwen3_moe.moe import SparseMoe, load_balancing_loss
+
+
+class Qwen3MoeBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the MLP a mixture of experts or dense.
+
+    Callable alone as ``block(hidden, rope, mask) -> (hidden, router probability sums (E,) or None,
+    tokens per expert (E,) or None)`` (FSDP, activation checkpointing and compile wrap each block)."""
+
+    def __init__(self, dims: MoeDims, layer: int, *, numerics: Numerics) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.self_attn = QwenAttention(dims, numerics=numerics)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.mlp = SparseMoe(dims) if dims.sparse[layer] else QwenMLP(dims)
+
+    def forward(self, hidden: torch.Tensor, rope: RotaryTable,
+                mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
+        return self._mlp(hidden)
+
+    def forward_cached(self, hidden: torch.Tensor, rope: RotaryTable, cache: KVCache, layer: int,
+                       position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``forward`` for generation: attention reads and extends ``cache`` (layer ``layer``); the hidden states alone."""
+        hidden = hidden + self.self_attn.forward_cached(self.input_layernorm(hidden), rope, cache, layer,
+                                                        position_ids, mask)
+        return self._mlp(hidden)[0]
+
+    def _mlp(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        normed = self.post_attention_layernorm(hidden)
+        if isinstance(self.mlp, SparseMoe):
+            out, prob_sum, counts = self.mlp(normed)
+            return hidden + out, prob_sum, counts
+        return hidden + self.mlp(normed), None, None
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """Token ids -> a ``ModelOutput``: next-token logits (B, T, vocab) with the router's loss and metrics.
+
+    Parameters hold meaningless values until ``init_weights(generator)`` or a checkpoint load fills
+    them; ``models.build`` does one of the two."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.dims = dims = resolve_moe_dims(config)
+        self.numerics = Numerics.for_model(config)  # a run's own: use_numerics
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.layers = nn.ModuleList(Qwen3MoeBlock(dims, layer, numerics=self.numerics)
+                                    for layer in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        self.tie_weights()
+
+    @property
+    def parallel_plan(self) -> ModelParallelPlan:
+        """The plan the family's row declares for these dimensions (models/qwen3_moe/plan.py)."""
+        return import_attr(model_family(self.config.arch).parallel_plan)(self.dims)
+
+    def tie_weights(self) -> None:
+        """lm_head shares embed_tokens' weight when tied (again after ``to_empty``, which breaks the tie)."""
+        if self.dims.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def model_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, media: Any) -> torch.Tensor:
+        """The positions RoPE reads: the batch's (B, T) position_ids, or 0..T-1 (1, T)."""
+        if position_ids is None:
+            return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T)
+        return position_ids
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        cache: KVCache | None = None,
+        media: Any = None,
+    ) -> ModelOutput | torch.Tensor:
+        """input_ids (B, T) -> a ``ModelOutput`` (module docstring); run it through ``models.forward.model_forward``.
+
+        The logits, or ``head(final normed hidden (B, T, d), lm_head.weight)`` where a head is given.
+        With a ``cache`` (generation): each row's last-token logits (B, vocab) alone, position_ids
+        required, no document_ids and no head. ``media`` must be None: this family reads tokens only."""
+        if media is not None:
+            raise ConfigError(f"model.arch {self.config.arch} reads token ids only, but the batch carries media "
+                              f"({type(media).__name__})", key="model.arch",
+                              hint="train a family that reads media on this data, or leave the media out of its records")
+        if cache is not None:
+            if position_ids is None or document_ids is not None or head is not None:
+                raise ValueError("a cached forward takes position_ids, and neither document_ids nor a head")
+            return self._forward_cached(input_ids, position_ids, cache)
+        batch, seq_len = input_ids.shape
+        for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
+            if ids is not None and (ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch)):
+                raise ValueError(f"{name} must be (B, T)={batch, seq_len}, got {tuple(ids.shape)}")
+        position_ids = self.model_positions(input_ids, position_ids, media)
+        kernel = self.numerics.attention_kernel(input_ids.device, seq_len)
+        mask = build_attention_mask(document_ids, kernel, seq_len=seq_len, device=input_ids.device)
+        rope = RotaryTable.build(position_ids, self.dims.head_dim, self.dims.rope_theta)
+        hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
+        tokens = input_ids.numel()
+        prob_sums, counts, metrics = [], [], {}
+        mean_load = tokens * self.dims.top_k / self.dims.num_experts  # tokens per expert under an even load
+        for layer, block in enumerate(self.layers):
+            hidden, prob_sum, count = block(hidden, rope, mask)
+            if prob_sum is not None:
+                prob_sums.append(prob_sum)
+                counts.append(count)
+                metrics[f"layer{layer}_load_min"] = ModelMetric(count.min().to(torch.float32), mean_load)
+                metrics[f"layer{layer}_load_max"] = ModelMetric(count.max().to(torch.float32), mean_load)
+        aux = {}
+        if self.dims.router_aux_loss_coef > 0:
+            balance = load_balancing_loss(prob_sums, counts, tokens)
+            aux["load_balance"] = AuxLoss(balance * tokens, per=INPUT_TOKEN, weight=self.dims.router_aux_loss_coef)
+        hidden = self.norm(hidden)
+        if head is not None:
+            return ModelOutput(head=head(hidden, self.lm_head.weight), aux_losses=aux, metrics=metrics)
+        return ModelOutput(logits=self.lm_head(hidden), aux_losses=aux, metrics=metrics)
+
+    def _forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Generation: (B, T) ids at (B, T) positions (each token's cache slot) -> (B, vocab) logits of each
+        row's last token; rows are independent (models/qwen/model.py's ``_forward_cached``)."""
+        if input_ids.shape != position_ids.shape:
+            raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}")
+        mask = cache_mask(position_ids, cache.slots)  # (B, 1, T, slots)
+        rope = RotaryTable.build(position_ids, self.dims.head_dim, self.dims.rope_theta)
+        hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
+        for layer, block in enumerate(self.layers):
+            hidden = block.forward_cached(hidden, rope, cache, layer, position_ids, mask)
+        return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
+
+    def use_numerics(self, numerics: Numerics) -> None:
+        """Run every forward under the run's ``numerics`` (models/numerics.py)."""
+        self.numerics = numerics
+        for block in self.layers:
+            block.self_attn.numerics = numerics
+
+    def generation_spec(self) -> GenerationSpec:
+        """The vocabulary and the KV cache's shape, on the model's device and dtype."""
+        weight = self.embed_tokens.weight
+        return GenerationSpec(vocab_size=self.dims.vocab_size, num_layers=self.dims.num_layers,
+                              num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
+                              device=weight.device, dtype=weight.dtype)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Every parameter from ``generator`` (CPU), drawn in fp32 in registration order and copied to the
+        parameter's device and dtype (its shard, for a DTensor): norm weights 1, biases 0, the rest
+        (embedding, projections, routers, stacked experts) N(0, init_std). Equal generators give equal
+        models on any device and sharding."""
+        if generator.device.type != "cpu":
+            raise ValueError(f"init_weights needs a CPU torch.Generator, got one on {generator.device}")
+        self.tie_weights()
+        norm_params = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
+        for name, param in self.named_parameters():  # a tied weight appears once
+            if param.is_meta:
+                raise ValueError(f"{name} is on the meta device; call model.to_empty(device=...) first")
+            if id(param) in norm_params:
+                full = torch.ones(param.shape, dtype=torch.float32)
+            elif name.endswith(".bias"):
+                full = torch.zeros(param.shape, dtype=torch.float32)
+            else:
+                full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, self.dims.init_std, generator=generator)
+            _copy_full_into(param, full)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """param.copy_(full), where param may be a DTensor shard of the full tensor (each rank slices its own)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    param.copy_(full)
+
+
+def empty_model(config: ModelConfig, *, device: torch.device | str | None = None,
+                dtype: torch.dtype = torch.float32) -> Qwen3MoeForCausalLM:
+    """``ModelFamily.build``: the model with storage on ``device`` and undefined values (built on meta first)."""
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    model.to_empty(device=device if device is not None else "cpu")
+    model.tie_weights()
+    if dtype != torch.float32:
+        model.to(dtype)
+    return model

@@ -1,0 +1,188 @@
+"""A Qwen3-MoE block's mixture of experts: the router, deterministic dispatch and combine, the experts.
+
+Router: logits ``x @ gate.weight.T`` in the compute dtype, softmax over the experts in fp32, each
+token's ``top_k`` experts by a stable descending sort (equal probabilities: the lower expert index
+first), their probabilities renormalized to sum to 1 where ``norm_topk_prob``, then cast to the
+logits' dtype (transformers' Qwen3MoeTopKRouter). No token is dropped: every expert takes every token
+routed to it.
+
+Dispatch and combine use no atomics and no accumulation into duplicate indices, so a forward and its
+backward give the same bits on every run:
+
+- Token t's slot s is assignment ``a = t * top_k + s``. The assignments are sorted by expert with a
+  stable sort, so within an expert they stay in ascending ``a`` (token, then slot) order; each
+  expert's group is a contiguous run of that order, its size read from the sorted experts with
+  ``searchsorted`` (no histogram).
+- The experts' inputs are the tokens repeated ``top_k`` times (an ``expand``, whose backward is a
+  sum over the slots) and permuted into that order (``index_select`` with a permutation: each
+  gradient row receives exactly one row).
+- The experts run on their contiguous groups: ``torch._grouped_mm`` over the group offsets where the
+  GPU supports it (CUDA, compute capability 9.0 or newer, bf16, widths aligned to 16 bytes), else a
+  loop over the experts. The last offset is the number of rows, so no output row is left
+  uninitialised.
+- The outputs are permuted back to assignment order (the inverse permutation), scaled by their
+  routing weights and summed over each token's ``top_k`` slots in slot order.
+
+``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` over the sparse layers of one
+forward (docs/models.md, "Qwen3-MoE").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.qwen3_moe.dims import MoeDims
+
+ExpertKernel = Literal["auto", "loop", "grouped"]
+"""How the experts' matmuls run: auto (grouped where supported, else loop), or either one forced."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One block's routing of its N tokens."""
+
+    probs: torch.Tensor
+    """(N, E) fp32 softmax over the experts (the auxiliary loss's router probabilities)."""
+    weights: torch.Tensor
+    """(N, top_k) each chosen expert's weight, in the router logits' dtype."""
+    experts: torch.Tensor
+    """(N, top_k) int64 the chosen experts, most probable first."""
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where each of the N * top_k assignments goes: grouped by expert, in a fixed order."""
+
+    order: torch.Tensor
+    """(N * top_k,) int64: the assignments sorted by expert (stable: ascending assignment within an expert)."""
+    inverse: torch.Tensor
+    """(N * top_k,) int64: the inverse permutation of ``order``."""
+    counts: torch.Tensor
+    """(E,) int64: assignments per expert (tokens per expert), in expert order."""
+
+
+def top_k_experts(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` largest probabilities of each row and their experts; ties go to the lower index."""
+    values, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return values[..., :top_k], experts[..., :top_k]
+
+
+def plan_dispatch(experts: torch.Tensor, num_experts: int) -> Dispatch:
+    """The grouping of ``experts`` (N, top_k) by expert (module docstring)."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.argsort(order)
+    bounds = torch.searchsorted(flat[order], torch.arange(num_experts + 1, device=flat.device))
+    return Dispatch(order=order, inverse=inverse, counts=bounds.diff())
+
+
+def grouped_mm_supported(x: torch.Tensor, widths: Sequence[int]) -> bool:
+    """Whether ``torch._grouped_mm`` runs the experts here: CUDA with compute capability 9.0 or newer,
+    bf16 activations and every matrix width a multiple of 8 (16-byte aligned rows)."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")) or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return dtype == torch.bfloat16 and all(w % 8 == 0 for w in widths)
+
+
+class Router(nn.Module):
+    """Token -> its top-k experts and their weights (module docstring); ``weight`` is (E, hidden)."""
+
+    def __init__(self, dims: MoeDims) -> None:
+        super().__init__()
+        self.top_k = dims.top_k
+        self.norm_topk_prob = dims.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(dims.num_experts, dims.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x, self.weight)  # (N, E) in the compute dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
+        weights, experts = top_k_experts(probs, self.top_k)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(probs=probs, weights=weights.to(logits.dtype), experts=experts)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.weight.shape[0]}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+class Experts(nn.Module):
+    """``num_experts`` SiLU-gated MLPs, their weights stacked on dim 0 (the plan's ``Experts``):
+    ``gate_proj`` and ``up_proj`` (E, moe_intermediate, hidden), ``down_proj`` (E, hidden, moe_intermediate)."""
+
+    def __init__(self, dims: MoeDims, *, kernel: ExpertKernel = "auto") -> None:
+        super().__init__()
+        experts, width, inner = dims.num_experts, dims.hidden_size, dims.moe_intermediate_size
+        self.kernel = kernel
+        self.gate_proj = nn.Parameter(torch.empty(experts, inner, width))
+        self.up_proj = nn.Parameter(torch.empty(experts, inner, width))
+        self.down_proj = nn.Parameter(torch.empty(experts, width, inner))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, hidden): rows grouped by expert, ``counts`` (E,) rows each -> (M, hidden) in the same order."""
+        kernel = self.kernel
+        if kernel == "auto":
+            kernel = "grouped" if grouped_mm_supported(x, self.down_proj.shape[1:]) else "loop"
+        if kernel == "grouped":
+            return self._grouped(x, counts)
+        return self._loop(x, counts)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # unbind: one backward node that stacks the experts' gradients (zeros for an expert without rows)
+        gate, up, down = self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0)
+        outputs = []
+        for expert, rows in enumerate(x.split(counts.tolist())):
+            if rows.shape[0]:
+                outputs.append(F.linear(F.silu(F.linear(rows, gate[expert])) * F.linear(rows, up[expert]), down[expert]))
+        return torch.cat(outputs)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        offsets = counts.cumsum(0).to(torch.int32)  # the last is x's row count: every output row is written
+        x = x.to(dtype)
+        gate = torch._grouped_mm(x, self.gate_proj.to(dtype).transpose(-2, -1), offs=offsets)  # (M, inner)
+        up = torch._grouped_mm(x, self.up_proj.to(dtype).transpose(-2, -1), offs=offsets)  # (M, inner)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
+
+
+class SparseMoe(nn.Module):
+    """A block's mixture of experts: ``gate`` (the router) and ``experts``; names as in the checkpoints."""
+
+    def __init__(self, dims: MoeDims) -> None:
+        super().__init__()
+        self.num_experts = dims.num_experts
+        self.gate = Router(dims)
+        self.experts = Experts(dims)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden (B, T, d) -> (its output (B, T, d), router probabilities summed over the tokens (E,)
+        fp32, tokens per expert (E,) int64)."""
+        batch, seq_len, width = hidden.shape
+        x = hidden.reshape(-1, width)  # (N, d)
+        routing = self.gate(x)
+        top_k = routing.experts.shape[1]
+        dispatch = plan_dispatch(routing.experts, self.num_experts)
+        repeated = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, width)  # (N * k, d): row a is token a // k
+        grouped = self.experts(repeated.index_select(0, dispatch.order), dispatch.counts)  # (N * k, d) by expert
+        out = grouped.index_select(0, dispatch.inverse).view(-1, top_k, width)  # (N, k, d) by token and slot
+        out = (out * routing.weights.unsqueeze(-1)).sum(dim=1)  # (N, d): the slots added in slot order
+        return out.view(batch, seq_len, width), routing.probs.sum(dim=0), dispatch.counts
+
+
+def load_balancing_loss(prob_sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], tokens: int) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` of one forward over its L sparse layers, from each
+    layer's router probabilities summed over its ``tokens`` tokens (E,) and its tokens per expert (E,):
+
+        E * sum_e f_e * P_e,  f_e = sum_l count_le / (L * tokens),  P_e = sum_l prob_le / (L * tokens).
+
+    ``f`` sums to ``top_k`` (each token counts once per chosen expert), so a perfectly even router gives
+    ``top_k``. Only ``P`` carries a gradient."""
+    rows = len(prob_sums) * tokens
+    f = torch.stack(list(counts)).sum(dim=0).to(torch.float32) / rows  # (E,)
+    p = torch.stack(list(prob_sums)).sum(dim=0) / rows  # (E,)
+    return f.numel() * (f * p).sum()
