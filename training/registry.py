@@ -26,6 +26,7 @@ from core.registration import register_provider
 from data.record_kinds import register_built_in_kinds
 from models.qwen.family import FAMILIES
 from models.qwen3_moe.family import FAMILIES as MOE_FAMILIES
+from models.qwen_vl.family import FAMILIES as QWEN_VL_FAMILIES
 from training.objectives import (causal_lm_settings, distill_settings, dpo_settings, grpo_settings, ppo_settings,
                                  reward_model_settings, sft_settings)
 
@@ -62,7 +63,7 @@ def register_all(*, objectives: Mapping[str, str] | None = None) -> None:
         if kind.name in registered:
             continue  # registered before (a second call, or an entry script's own class for it): kept
         register_objective(dataclasses.replace(kind, objective=replaced[kind.name]) if kind.name in replaced else kind)
-    for family in (*FAMILIES, *MOE_FAMILIES):
+    for family in (*FAMILIES, *QWEN_VL_FAMILIES, *MOE_FAMILIES):
         register_family(family)
     for name, path in CONFIG_CHECKS:
         register_check(name, path)

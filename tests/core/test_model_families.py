@@ -43,7 +43,9 @@ def toy_family():
 def test_an_unknown_arch_lists_the_registered_names_and_the_nearest():
     with pytest.raises(ConfigError) as error:
         config_lib.load(TINY, ["model.arch=qwen4"])
-    assert error.value.message == "model.arch must be one of 'qwen2' | 'qwen3', got 'qwen4'"
+    listed = " | ".join(repr(family.name) for family in model_families.model_families())
+    assert listed.startswith("'qwen2' | 'qwen3'")  # the built-in rows first, in the order of registration
+    assert error.value.message == f"model.arch must be one of {listed}, got 'qwen4'"
     assert error.value.hint == "did you mean 'qwen2'?" or error.value.hint == "did you mean 'qwen3'?"
     assert error.value.context["key"] == "model.arch"
 

@@ -1,0 +1,151 @@
+"""The row of ``model.arch: qwen2_5_vl`` (core/model_families.py) and its ``model.qwen2_5_vl`` section.
+
+The language model is read from the ``model.*`` keys as for qwen2 (q/k/v bias, no q/k norm, head
+width hidden_size / num_heads); the vision tower, the special token ids and the M-RoPE sections
+from ``model.qwen2_5_vl``, hashed only once a key of it is set (core/config_schema.py), so no
+existing config changes its hash. Torch-free: the config loader reads this row before torch is
+imported; the code it names is imported when a model is built. training/registry.py registers
+``FAMILIES`` after Qwen's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from core.exceptions import ConfigError
+from core.model_families import ModelFamily
+from models.qwen.lora_targets import LORA_TARGETS
+
+if TYPE_CHECKING:
+    from core.config import Config
+
+NAME = "qwen2_5_vl"
+"""The model.arch value, and the model.<name> section's key."""
+HF_ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+"""config.json's ``architectures`` class of a checkpoint of this family."""
+
+
+@dataclass(frozen=True)
+class QwenVLSettings:
+    """The ``model.qwen2_5_vl`` section: the vision tower, the special tokens and M-RoPE (defaults: Qwen2.5-VL's)."""
+
+    depth: int = 32
+    """Blocks of the vision tower."""
+    hidden_size: int = 1280
+    """Width of the vision tower's residual stream."""
+    num_heads: int = 16
+    """Attention heads of each vision block (head width hidden_size / num_heads, divisible by 4 for the 2-D rotary)."""
+    intermediate_size: int = 3420
+    """Hidden width of each vision block's SiLU-gated MLP."""
+    in_channels: int = 3
+    """Colour channels of a pixel patch."""
+    patch_size: int = 14
+    """Side of a square patch, in pixels."""
+    temporal_patch_size: int = 2
+    """Frames per patch (a still image is repeated to fill them)."""
+    spatial_merge_size: int = 2
+    """The merger joins merge x merge neighbouring patches into one language-model token."""
+    window_size: int = 112
+    """Side of an attention window, in pixels (a multiple of patch_size * spatial_merge_size)."""
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    """Vision blocks that attend over their whole image; the others attend within windows."""
+    out_hidden_size: Optional[int] = None
+    """Width of a merged feature; None means model.hidden_size (which it must equal)."""
+    image_token_id: int = 151655
+    """The image placeholder token: each is replaced by one merged vision feature."""
+    video_token_id: int = 151656
+    """The video placeholder token (recorded in exports; videos are not read)."""
+    vision_start_token_id: int = 151652
+    """The token before an image's placeholders (recorded in exports)."""
+    vision_end_token_id: int = 151653
+    """The token after an image's placeholders (recorded in exports)."""
+    mrope_section: tuple[int, ...] = (16, 24, 24)
+    """Rotary frequency pairs given to the (temporal, height, width) positions; they sum to head_dim / 2."""
+
+
+def settings_of(model) -> QwenVLSettings:
+    """The ``model.qwen2_5_vl`` section of a model config (its defaults where the config has none)."""
+    return getattr(model, NAME, None) or QwenVLSettings()
+
+
+def validate(config: Config) -> None:
+    """The family's checks of a loaded config, each a ConfigError naming its key."""
+    model = config.model
+    if model.arch != NAME:
+        return
+    check_settings(model)
+    if config.parallel.tp > 1:
+        raise ConfigError(f"model.arch {NAME} declares no tensor-parallel layout for its vision tower "
+                          f"(parallel.tp={config.parallel.tp})", key="parallel.tp",
+                          hint="set parallel.tp=1 (FSDP and DDP shard or replicate both stacks)")
+
+
+def check_settings(model) -> None:
+    """``model.*`` and ``model.qwen2_5_vl.*`` of a model config against each other (ConfigError naming the key)."""
+    s, key = settings_of(model), f"model.{NAME}"
+    for name in ("depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
+                 "temporal_patch_size", "spatial_merge_size", "window_size"):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{key}.{name} must be a positive integer, got {value!r}", key=f"{key}.{name}")
+    if s.hidden_size % s.num_heads or (s.hidden_size // s.num_heads) % 4:
+        raise ConfigError(f"{key}.hidden_size={s.hidden_size} / num_heads={s.num_heads} must be a head width "
+                          "divisible by 4 (the 2-D rotary gives a quarter to each of height and width, twice)",
+                          key=f"{key}.num_heads")
+    if s.window_size % (s.patch_size * s.spatial_merge_size):
+        raise ConfigError(f"{key}.window_size={s.window_size} must be a multiple of patch_size * spatial_merge_size="
+                          f"{s.patch_size * s.spatial_merge_size}", key=f"{key}.window_size")
+    bad = [i for i in s.fullatt_block_indexes if not 0 <= i < s.depth]
+    if bad or len(set(s.fullatt_block_indexes)) != len(s.fullatt_block_indexes):
+        raise ConfigError(f"{key}.fullatt_block_indexes {list(s.fullatt_block_indexes)} must name distinct vision "
+                          f"blocks in [0, depth={s.depth})", key=f"{key}.fullatt_block_indexes")
+    if s.out_hidden_size is not None and s.out_hidden_size != model.hidden_size:
+        raise ConfigError(f"{key}.out_hidden_size={s.out_hidden_size} must equal model.hidden_size="
+                          f"{model.hidden_size}: merged features replace token embeddings",
+                          key=f"{key}.out_hidden_size", hint="leave it unset")
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        value = getattr(s, name)
+        if not 0 <= value < model.vocab_size:
+            raise ConfigError(f"{key}.{name}={value} is no token id of model.vocab_size={model.vocab_size}",
+                              key=f"{key}.{name}", hint="set the tokenizer's id of that special token")
+    if model.qkv_bias is False or model.qk_norm is True:
+        which = "model.qkv_bias" if model.qkv_bias is False else "model.qk_norm"
+        raise ConfigError(f"{NAME}'s language model has q/k/v bias and no q/k norm; {which} says otherwise",
+                          key=which, hint=f"leave {which} unset")
+    if model.head_dim is not None and model.head_dim * model.num_heads != model.hidden_size:
+        raise ConfigError(f"{NAME}'s head width is hidden_size // num_heads, got model.head_dim={model.head_dim}",
+                          key="model.head_dim", hint="leave model.head_dim unset")
+    if model.num_heads <= 0 or model.hidden_size % model.num_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
+                          f"{model.num_heads}", key="model.num_heads")
+    half = model.hidden_size // model.num_heads // 2
+    if len(s.mrope_section) != 3 or any(p < 0 for p in s.mrope_section) or sum(s.mrope_section) != half:
+        raise ConfigError(f"{key}.mrope_section {list(s.mrope_section)} must be three counts summing to head_dim / 2 "
+                          f"= {half}", key=f"{key}.mrope_section")
+
+
+_CODE = "models.qwen_vl"
+
+QWEN2_5_VL = ModelFamily(
+    name=NAME,
+    summary="Qwen2.5-VL: vision tower, merged patches in place of image tokens, 3-D M-RoPE",
+    settings=QwenVLSettings,
+    defaults=(("qkv_bias", True), ("qk_norm", False)),
+    hf_architectures=(HF_ARCHITECTURE,),
+    hf_model_type=NAME,
+    build=f"{_CODE}.model:empty_model",
+    weights=f"{_CODE}.weights:QWEN_VL_WEIGHTS",
+    config_from_hf=f"{_CODE}.hf_config:config_from_hf",
+    config_to_hf=f"{_CODE}.hf_config:config_to_hf",
+    parallel_plan=f"{_CODE}.plan:qwen_vl_parallel_plan",
+    num_params=f"{_CODE}.flops:num_params",
+    flops_per_token=f"{_CODE}.flops:flops_per_token",
+    block_linears=f"{_CODE}.flops:block_linears",
+    generation_copy=f"{_CODE}.generation_copy:generation_copy",
+    lora_targets=(*LORA_TARGETS, "qkv", "proj"),
+    validate=validate,
+)
+
+FAMILIES = (QWEN2_5_VL,)
+"""Registered by training/registry.py after Qwen's rows."""
