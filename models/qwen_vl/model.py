@@ -151,12 +151,10 @@ class QwenVLForConditionalGeneration(nn.Module):
         return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
 
     def use_numerics(self, numerics: Numerics) -> None:
-        """Run every forward under ``numerics`` (models/numerics.py), the vision tower's attention included."""
-        self.numerics = numerics
-        for block in self.layers:
-            block.self_attn.numerics = numerics
-        for block in self.visual.blocks:
-            block.attn.numerics = numerics
+        """Run every forward under ``numerics`` (models/numerics.py): every module of both towers that reads one."""
+        for module in self.modules():
+            if isinstance(getattr(module, "numerics", None), Numerics):
+                module.numerics = numerics
 
     def generation_spec(self) -> GenerationSpec:
         """The vocabulary and the language model's KV cache shape, on the model's device and dtype."""

@@ -181,7 +181,7 @@ def test_the_step_collects_only_the_trained_models_forwards_with_gradients():
 # ---------------------------------------------------------------------- the one call site
 
 FORWARD_MODULE = "models/forward.py"
-MODEL_DEFINITIONS = {"models/qwen/model.py", "models/qwen3_moe/model.py"}
+MODEL_DEFINITIONS = {"models/qwen/model.py", "models/qwen3_moe/model.py", "models/qwen_vl/model.py"}
 # Inside a model's own forward: its dispatch to the cached path, its blocks' cached forwards.
 INTERNAL_CALLS = ("self._forward_cached(", "block.forward_cached(", "self_attn.forward_cached(")
 NOT_OURS = {"benchmarks/hf_baseline.py"}  # runs the transformers implementation, the baseline

@@ -209,6 +209,17 @@ def test_the_plan_has_the_vision_blocks_then_the_language_blocks(pair):
     assert num_params(pair[0].config) == sum(p.numel() for p in pair[0].parameters())
 
 
+def test_use_numerics_reaches_both_towers():
+    from models.numerics import Numerics
+
+    model = empty_model(tiny_config())
+    numerics = Numerics.for_model(model.config)
+    model.use_numerics(numerics)
+    assert model.numerics is numerics
+    assert all(b.attn.numerics is numerics for b in model.visual.blocks)
+    assert all(b.self_attn.numerics is numerics for b in model.layers)
+
+
 def test_the_section_is_read_from_yaml_and_checked_against_model_keys():
     tiny = ROOT / "configs" / "tiny.yaml"
     base = ["model.arch=qwen2_5_vl", "model.qwen2_5_vl.mrope_section=[2,1,1]", "model.vocab_size=99",
@@ -227,3 +238,34 @@ def test_the_section_is_read_from_yaml_and_checked_against_model_keys():
     with pytest.raises(ConfigError) as error:
         config_lib.load(tiny, base + ["model.qwen2_5_vl.image_token_id=151655"])
     assert error.value.context["key"] == "model.qwen2_5_vl.image_token_id"
+
+
+def test_both_stacks_checkpointed_give_the_gradients_of_the_plain_model(pair):
+    """Activation checkpointing wraps the blocks of both stacks (the plan's), and the gradients of both towers
+    are those of the unwrapped model; a batch without images still reaches the tower (zero gradients)."""
+    from distributed.activation_checkpoint import apply_activation_checkpointing
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    ids, media = rows_with_images([[(1, 8, 12)], [(1, 4, 4), (1, 6, 6)]], seed=6)
+
+    def gradients(model):
+        model.zero_grad(set_to_none=True)
+        model_forward(model, ModelInputs(ids, media=media)).logits.pow(2).mean().backward()
+        return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+    plain = empty_model(tiny_config())
+    plain.load_state_dict(pair[0].state_dict())
+    expected = gradients(plain)
+    assert expected["visual.patch_embed.proj.weight"].abs().sum() > 0
+    wrapped = empty_model(tiny_config())
+    wrapped.load_state_dict(pair[0].state_dict())
+    apply_activation_checkpointing(wrapped, "full")
+    assert all(isinstance(b, CheckpointWrapper) for b in (*wrapped.visual.blocks, *wrapped.layers))
+    got = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in gradients(wrapped).items()}
+    assert got.keys() == expected.keys()
+    assert all(torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-7) for k in expected)
+
+    plain.zero_grad(set_to_none=True)
+    model_forward(plain, ModelInputs(ids[:, :3])).logits.sum().backward()  # text only
+    assert plain.visual.blocks[0].attn.qkv.weight.grad is not None
+    assert not plain.visual.blocks[0].attn.qkv.weight.grad.any()
