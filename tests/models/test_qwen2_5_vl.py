@@ -269,3 +269,24 @@ def test_both_stacks_checkpointed_give_the_gradients_of_the_plain_model(pair):
     model_forward(plain, ModelInputs(ids[:, :3])).logits.sum().backward()  # text only
     assert plain.visual.blocks[0].attn.qkv.weight.grad is not None
     assert not plain.visual.blocks[0].attn.qkv.weight.grad.any()
+
+
+def test_the_cached_text_forward_gives_the_full_forwards_logits(pair):
+    """The sampler's path (text only): a prompt fed in two chunks, then a token, gives each step's logits
+    of the full forward; images there are refused."""
+    from models.generation.kv_cache import KVCache
+
+    ours = pair[0]
+    ids = torch.randint(7, 99, (2, 9), generator=torch.Generator().manual_seed(7))
+    cache = KVCache.for_spec(ours.generation_spec(), batch=2, slots=16)
+    positions = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        full = model_forward(ours, ModelInputs(ids)).logits
+        model_forward(ours, ModelInputs(ids[:, :5], position_ids=positions[:, :5]), cache=cache)
+        chunk = model_forward(ours, ModelInputs(ids[:, 5:8], position_ids=positions[:, 5:8]), cache=cache).logits
+        last = model_forward(ours, ModelInputs(ids[:, 8:], position_ids=positions[:, 8:]), cache=cache).logits
+    assert torch.allclose(chunk, full[:, 7], rtol=1e-5, atol=1e-6) and torch.allclose(last, full[:, 8], rtol=1e-5, atol=1e-6)
+    image_ids, media = rows_with_images([[(1, 4, 4)]])
+    with pytest.raises(ConfigError):
+        model_forward(ours, ModelInputs(image_ids, position_ids=torch.arange(image_ids.shape[1])[None], media=media),
+                      cache=KVCache.for_spec(ours.generation_spec(), batch=1, slots=64))
