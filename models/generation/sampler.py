@@ -107,6 +107,12 @@ class SamplingParams:
     """Generated tokens per sample at most (fewer where the context ends first)."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a sample (e.g. EOS, <|im_end|>); the stop token is kept in the output."""
+    num_beams: int = 1
+    """1 samples (or, at temperature 0, decodes greedily); N > 1 searches N greedy beams (models/generation/beam.py)."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam's score is its summed log-probs / its length ** length_penalty."""
+    early_stopping: bool | Literal["never"] = False
+    """Beam search: when a prompt's search ends once it holds num_beams finished beams (models/generation/beam.py)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -115,12 +121,21 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("num_beams", isinstance(self.num_beams, int) and self.num_beams >= 1, "an integer >= 1"),
+            ("length_penalty", math.isfinite(self.length_penalty), "finite"),
+            ("early_stopping", self.early_stopping in (False, True, "never"), "False, True or 'never'"),
         )
         for name, ok, expected in checks:
             if not ok:
                 raise ConfigError(
                     f"sampling {name} must be {expected}, got {getattr(self, name)!r}", key=f"sampling.{name}"
                 )
+        if self.num_beams > 1 and not (self.greedy and not self.filtered):
+            raise ConfigError(
+                f"sampling num_beams={self.num_beams} searches greedy beams and samples nothing, but temperature="
+                f"{self.temperature}, top_k={self.top_k}, top_p={self.top_p}, min_p={self.min_p} ask to sample",
+                key="sampling.num_beams", hint="set temperature to 0 and leave top_k, top_p and min_p off, "
+                "or use num_beams=1 to sample")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -362,6 +377,7 @@ class Sampler:
             for buffer in self.cache.tensors() + self.prefill_cache.tensors():
                 torch._dynamo.mark_static_address(buffer)
         self._decode_steps: dict[SamplingParams, Callable] = {}
+        self._decode_logits_forward: Optional[Callable] = None  # beam search's decode step (_decode_logits)
         self._prefill_chunk_forward: Optional[Callable] = None
         # The refill schedule's rows and stop table, kept from call to call (reset by each), and its
         # whole decode steps, by sampling rule: with CUDA graphs, each a graph that reads and writes them.
@@ -384,6 +400,10 @@ class Sampler:
             raise ConfigError(f"generate got {len(prompts)} prompts but {len(keys)} keys; pass one key per prompt")
         rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
         with torch.no_grad():
+            if params.num_beams > 1:
+                from models.generation.beam import beam_search
+
+                return beam_search(self, rows, list(keys), params)
             if self.schedule == "refill":
                 return self._generate_refill(rows, list(keys), params)
             samples: list[Sample] = []
@@ -417,6 +437,10 @@ class Sampler:
         not from a chunked prefill). Raises DataError (naming the episode) for a bad prompt
         or a continuation that does not extend the episode or leaves no room within max_len.
         """
+        if params.num_beams > 1:
+            raise ConfigError(f"generate_episodes samples its turns; it does not search beams "
+                              f"(num_beams={params.num_beams})", key="sampling.num_beams",
+                              hint="use num_beams=1 for episodes")
         rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
         budgets = [params.max_new_tokens] * len(rows) if budgets is None else [int(b) for b in budgets]
         if len(budgets) != len(rows):
@@ -863,6 +887,14 @@ class Sampler:
     def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The decode step's model forward: (B, 1) tokens and positions -> (B, vocab) logits, into ``cache``."""
         return model_forward(self.model, ModelInputs(tokens, positions), cache=self.cache).logits
+
+    def _decode_logits(self) -> Callable:
+        """(tokens (B, 1), positions (B, 1)) -> (B, vocab) logits: the decode forward alone, compiled like the
+        decode step, for beam search (models/generation/beam.py), which chooses tokens from every row's
+        logits. With CUDA graphs the logits are the graph's buffer, rewritten by the next call."""
+        if self._decode_logits_forward is None:
+            self._decode_logits_forward = self._compiled(self._decode_forward)
+        return self._decode_logits_forward
 
     def _rule(self, params: SamplingParams) -> Callable:
         """(logits (B, vocab), uniforms (B,)) -> (next tokens (B,), log-probs (B,)) by ``params``' rule."""

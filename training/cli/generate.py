@@ -2,6 +2,7 @@
 
     python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--samples N] [--seed S]
+        [--num-beams N [--length-penalty L] [--early-stopping false|true|never]]
         [--chat | --no-chat] [--out FILE.jsonl [--overwrite]] [--root runs]
 
 - ``--from``: a run directory (it holds ``config.yaml``), a Hugging Face directory (``config.json``
@@ -20,6 +21,12 @@
   uses ``SampleKey(seed, "generate", 0, i, j)``: it does not depend on the other prompts, the
   batch or the order (models/generation/sampler.py). ``--temperature 0`` is greedy. Sampling goes
   through the same ``Generator`` and ``Decoder`` as GRPO's rollouts (training/rollout/generator.py).
+- **Beam search.** ``--num-beams N`` (N > 1) searches N greedy beams per prompt instead of sampling
+  (models/generation/beam.py; transformers' ``num_beams`` search, ``do_sample=False``): the temperature
+  is 0 unless given (a positive ``--temperature``, ``--top-p`` or ``--top-k`` is refused), ``--samples
+  J`` (at most N) writes the J best beams, sample ``j`` the ``j``-th best, and ``--batch`` (rows per
+  forward) must hold N. ``--length-penalty`` (default 1.0) and ``--early-stopping`` (default false)
+  are transformers' settings of the same names.
 - **Stopping.** A sample ends at the tokenizer's EOS, or at the template's end-of-turn marker
   (a single token such as Qwen's ``<|im_end|>``; a marker of several tokens, as with the byte
   tokenizer, is cut on the host: the tokens after it are dropped).
@@ -126,6 +133,12 @@ def run_generate(args) -> int:
         raise UsageError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     if args.samples < 1:
         raise UsageError(f"--samples must be >= 1, got {args.samples}")
+    if args.num_beams > 1 and args.samples > args.num_beams:
+        raise UsageError(f"--samples {args.samples} asks for more than the --num-beams {args.num_beams} beams a "
+                         "search keeps", hint="pass --samples at most --num-beams (sample j is the j-th best beam)")
+    if args.num_beams > args.batch:
+        raise UsageError(f"--num-beams {args.num_beams} needs as many rows per forward, but --batch is {args.batch}",
+                         hint=f"pass --batch {args.num_beams} or more")
     if args.prompt is not None:
         check_prompt_argument(args.prompt)
     prompts = [Prompt(index=0, text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
@@ -140,8 +153,7 @@ def run_generate(args) -> int:
     texts = [_prompt_text(p, template, chat) for p in prompts]
     ids = [list(tokenizer.encode_array(text)) for text in texts]
     decoder = Decoder(tokenizer, template)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, stop_token_ids=decoder.stop_ids)
+    params = sampling_params(args, stop_token_ids=decoder.stop_ids)
     limit = model.config.max_position_embeddings
     generator = Generator.over(model, rows=args.batch, seed=args.seed,
                                max_len=context_length([len(i) for i in ids], args.max_new_tokens, limit=limit))
@@ -240,11 +252,17 @@ def add_arguments(p) -> None:
     src.add_argument("--prompt", default=None, help="one text prompt (prompt index 0)")
     src.add_argument("--prompts", type=Path, default=None, help="JSONL file, one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: 1, or 0 with --num-beams)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-beams", type=int, default=1,
+                   help="beam search with this many greedy beams per prompt (default 1: sample)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam search: a finished beam's score is its log-prob / length ** this (default 1.0)")
+    p.add_argument("--early-stopping", choices=tuple(_EARLY_STOPPING), default="false",
+                   help="beam search: stop a prompt's search as transformers' early_stopping does (default false)")
     p.add_argument("--batch", type=int, default=8, help="rows per forward (a sample's bits depend on it)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     chat = p.add_mutually_exclusive_group()
@@ -256,10 +274,26 @@ def add_arguments(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
 
+_EARLY_STOPPING = {"false": False, "true": True, "never": "never"}
+
+
+def sampling_params(args, *, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """The command line's SamplingParams: the temperature defaults to 1, or to 0 with ``--num-beams`` > 1."""
+    temperature = args.temperature
+    if temperature is None:
+        temperature = 0.0 if args.num_beams > 1 else 1.0
+    return SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids,
+                          num_beams=args.num_beams, length_penalty=args.length_penalty,
+                          early_stopping=_EARLY_STOPPING[args.early_stopping])
+
+
 def check_sampling(args) -> None:
-    """Sampling settings are checked by SamplingParams (ConfigError naming the setting)."""
+    """Sampling settings are checked by SamplingParams: its ConfigError, as a UsageError naming the flag."""
     try:
-        SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                       max_new_tokens=args.max_new_tokens)
+        sampling_params(args)
     except ConfigError as exc:
-        raise UsageError(exc.message, hint="see python -m training generate --help") from None
+        key = exc.context.get("key", "")
+        flag = "--" + key.removeprefix("sampling.").replace("_", "-") if key.startswith("sampling.") else None
+        message = f"{flag}: {exc.message}" if flag else exc.message
+        raise UsageError(message, hint=exc.hint or "see python -m training generate --help") from None
