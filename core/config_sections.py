@@ -200,6 +200,8 @@ class DeterminismConfig:
     """bitwise: deterministic kernels, identical ledgers; fast: allow non-deterministic kernels."""
     fill_uninitialized_memory: bool = False
     """bitwise only: fill every new tensor with NaN, torch's guard against kernels reading memory nobody wrote (costs host time: ~1% of a 0.5B step, 8% under the profiler)."""
+    batch_invariant: bool = False
+    """bitwise only: batch-invariant kernels (models/batch_invariant.py) in the training forward and the sampler, so every sampled token's log-prob equals the trainer's bitwise (logprob_parity 0.0); slower."""
 
 
 @dataclass(frozen=True)

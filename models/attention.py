@@ -28,6 +28,10 @@ path was measured repeatable with or without it (docs/models.md).
 
 The cached attention of generation (``attend_cached``) reads a ``KVCache``
 (models/generation/kv_cache.py) and runs the kernel ``Numerics.cached_attention`` picks.
+
+A third kernel, ``exact`` (``Numerics.batch_invariant``), is models/batch_invariant.py's: its mask is
+a ``RelativeKeys`` layout built from the positions, and the cached attention's ``exact`` computes
+a token bitwise as the training forward does.
 """
 
 from __future__ import annotations
@@ -40,10 +44,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from models import batch_invariant
+from models.batch_invariant import RelativeKeys
 from models.numerics import CachedKernel, Kernel
 
-# What a block receives as its mask: None (plain causal), a boolean SDPA mask, or a BlockMask.
-AttentionMask = Optional[Union[torch.Tensor, BlockMask]]
+# What a block receives as its mask: None (plain causal), a boolean SDPA mask, a BlockMask, or the
+# exact kernel's relative key layout.
+AttentionMask = Optional[Union[torch.Tensor, BlockMask, RelativeKeys]]
 
 
 # Eager flex_attention materializes the full score matrix and is meant for debugging only;
@@ -67,15 +74,22 @@ def _create_block_mask(*args, **kwargs):
 
 
 def build_attention_mask(
-    document_ids: torch.Tensor | None, kernel: Kernel, *, seq_len: int, device: torch.device
+    document_ids: torch.Tensor | None, kernel: Kernel, *, seq_len: int, device: torch.device,
+    positions: torch.Tensor | None = None,
 ) -> AttentionMask:
     """The causal document mask for a batch of packed sequences of length ``seq_len``.
 
     ``document_ids`` is (B, T) (or (1, T), shared by the batch) integers, equal within a
     document and distinct between the documents of a row (0, 1, 2, ... as the packer numbers
     them: a reused id would join two documents). Without document_ids: None for sdpa (plain
-    causal), a causal BlockMask for flex.
+    causal), a causal BlockMask for flex. The exact kernel's layout also reads ``positions``
+    (B or 1, T), counting from 0 at each document's first token (default 0..T-1).
     """
+    if kernel == "exact":
+        if positions is None:
+            positions = torch.arange(seq_len, device=device).unsqueeze(0)
+        rows = max(positions.shape[0], 1 if document_ids is None else document_ids.shape[0])
+        return batch_invariant.relative_keys(positions, document_ids, rows)
     if document_ids is None:
         return causal_block_mask(seq_len, str(device)) if kernel == "flex" else None
     if document_ids.dim() != 2:
@@ -127,6 +141,8 @@ def attend(
     Returns (B, n_head, T, head_dim). The scale is head_dim ** -0.5 (the kernels' default).
     ``backends``: the SDPA backends allowed (``Numerics.sdpa_backends_on``); None: torch's choice.
     """
+    if isinstance(mask, RelativeKeys):
+        return batch_invariant.attend(q, k, v, mask)
     if isinstance(mask, BlockMask):
         return _flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     k, v = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
@@ -177,8 +193,11 @@ def attend_cached(
     ``kernel`` is ``Numerics.cached_attention(k.dtype)``: "fp32" attends with explicit fp32
     matmuls (a float32 cache, the CPU configs, whose results the tests compare with the training
     forward's); "sdpa" with SDPA's fused kernel, which accumulates in fp32 without widening the
-    cache (a bf16/fp16 cache).
+    cache (a bf16/fp16 cache); "exact" by ``batch_invariant.attend_cached``, bitwise the training
+    forward's exact kernel for the same tokens.
     """
+    if kernel == "exact":
+        return batch_invariant.attend_cached(q, k, v, mask)
     batch, num_heads, seq_len, head_dim = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
     groups = num_heads // kv_heads

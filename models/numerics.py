@@ -11,11 +11,16 @@ forward, the generation copy the sampler runs and the sampler's rule all read th
 A model built outside a run (a test, an export check, a frozen reference) carries
 ``Numerics.for_model(config)``: its model section's kernels, the defaults for the rest.
 
-Every choice is today's, unchanged (docs/determinism.md, "Where numerics are decided").
+Every choice is today's, unchanged (docs/determinism.md, "Where numerics are decided"), but for
+``determinism.batch_invariant`` (bitwise mode only, off by default): the batch-invariant kernels of
+models/batch_invariant.py for every linear, norm, activation, attention (training, prefill and
+cached decode alike) and the log-softmax the sampler and the trainer read, so a sampled token's
+log-prob equals the trainer's bitwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
@@ -24,10 +29,11 @@ from torch.nn.attention import SDPBackend
 
 from core.exceptions import ConfigError
 
-Kernel = Literal["sdpa", "flex"]
-"""The attention kernel of a packed batch (models/attention.py)."""
-CachedKernel = Literal["fp32", "sdpa"]
-"""The cached (generation) attention's kernel: explicit fp32 matmuls, or SDPA's fused kernel."""
+Kernel = Literal["sdpa", "flex", "exact"]
+"""The attention kernel of a packed batch (models/attention.py); exact: models/batch_invariant.py's."""
+CachedKernel = Literal["fp32", "sdpa", "exact"]
+"""The cached (generation) attention's kernel: explicit fp32 matmuls, SDPA's fused kernel, or the
+batch-invariant one (bitwise the training forward's ``exact``)."""
 
 FLEX_BLOCK = 128
 """flex_attention's default block: ``attention=auto`` takes flex for lengths that are multiples of it."""
@@ -59,12 +65,19 @@ class Numerics:
     """model.sdpa_backends: on CUDA, SDPA's memory-efficient and math backends only, or every backend."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """parallel.precision: the compute dtype, and the generation copy's on CUDA."""
+    batch_invariant: bool = False
+    """determinism.batch_invariant: the batch-invariant kernels (models/batch_invariant.py) in every
+    forward and in the sampler's log-probs; bitwise mode only."""
 
     def __post_init__(self) -> None:
         for name, (key, allowed) in _CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}", key=key)
+        if self.batch_invariant and self.mode != "bitwise":
+            raise ConfigError("determinism.batch_invariant needs determinism.mode: bitwise, got "
+                              f"{self.mode!r}", key="determinism.batch_invariant",
+                              hint="set determinism.mode: bitwise, or leave determinism.batch_invariant off")
 
     @classmethod
     def for_model(cls, config) -> "Numerics":
@@ -76,7 +89,10 @@ class Numerics:
     def attention_kernel(self, device: torch.device, seq_len: Optional[int] = None) -> Kernel:
         """The kernel of a packed batch of ``seq_len`` tokens on ``device``: ``auto`` is flex on CUDA
         where the length is whole flex blocks (an H200 with torch 2.11 has no compiled flex kernel for
-        a 112-token sequence: inductor's ``NoValidChoicesError``), sdpa otherwise."""
+        a 112-token sequence: inductor's ``NoValidChoicesError``), sdpa otherwise. Under
+        ``batch_invariant``: exact (models/batch_invariant.py), whatever ``model.attention`` says."""
+        if self.batch_invariant:
+            return "exact"
         if self.attention == "auto":
             whole_blocks = seq_len is None or seq_len % FLEX_BLOCK == 0
             return "flex" if device.type == "cuda" and whole_blocks else "sdpa"
@@ -88,13 +104,25 @@ class Numerics:
             return list(_DETERMINISTIC_SDPA)
         return None
 
-    @staticmethod
-    def cached_attention(dtype: torch.dtype) -> CachedKernel:
+    def cached_attention(self, dtype: torch.dtype) -> CachedKernel:
         """The cached attention's kernel for a cache of ``dtype``: a float32 cache (the CPU configs) by
         explicit fp32 matmuls, which the tests compare with the training forward; a bf16/fp16 cache by
         SDPA's fused kernel, which accumulates in fp32 without widening the cache (widening every
-        layer's whole cache at every decode step cost more than the matmuls, docs/bench/log.md)."""
+        layer's whole cache at every decode step cost more than the matmuls, docs/bench/log.md).
+        Under ``batch_invariant``: exact, the training forward's kernel."""
+        if self.batch_invariant:
+            return "exact"
         return "fp32" if dtype == torch.float32 else "sdpa"
+
+    def kernels(self) -> contextlib.AbstractContextManager:
+        """The context a forward runs its blocks and head under: ``batch_invariant.Linears`` (every
+        ``F.linear`` and ``F.silu`` batch-invariant, the norms too) under ``batch_invariant``; else
+        nothing changes."""
+        if not self.batch_invariant:
+            return contextlib.nullcontext()
+        from models.batch_invariant import Linears
+
+        return Linears()
 
     # ------------------------------------------------------------------ dtypes
 
@@ -127,6 +155,16 @@ class Numerics:
             return nucleus.nucleus_cut_cuda, nucleus.draw_kept_cuda
         return nucleus.nucleus_cut, nucleus.draw_kept
 
+    def token_logprobs(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(logits (..., V), tokens (...)) -> fp32 log softmax(logits)[token]: the sampler's log-probs,
+        and the trainer's under ``batch_invariant`` (``batch_invariant.token_logprobs``, the same function
+        on both sides); else log_softmax and a gather."""
+        if self.batch_invariant:
+            from models.batch_invariant import token_logprobs
+
+            return token_logprobs
+        return stock_token_logprobs
+
     # ------------------------------------------------------------------ process-wide switches
 
     @property
@@ -147,3 +185,9 @@ class Numerics:
             torch.backends.cuda.enable_cudnn_sdp(not bitwise)
             torch.backends.cuda.enable_mem_efficient_sdp(True)
             torch.backends.cuda.enable_math_sdp(True)
+
+
+def stock_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits in fp32)[token] by torch's kernel (the sampler's rule outside ``batch_invariant``)."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

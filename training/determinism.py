@@ -1,7 +1,8 @@
 """Switch the numerics between ``bitwise`` (repeatable) and ``fast``; build the run's ``Numerics``.
 
 ``numerics(config)`` builds the run's one ``Numerics`` (models/numerics.py) from
-``determinism.mode``, ``model.attention``, ``model.sdpa_backends`` and ``parallel.precision``:
+``determinism.mode``, ``determinism.batch_invariant``, ``model.attention``, ``model.sdpa_backends`` and
+``parallel.precision``:
 the attention kernels, SDPA backends, matmul policy, dtypes and sampling kernels of the
 training forward and of the sampler all come from it (training/builders.py hands it to the model).
 
@@ -29,7 +30,8 @@ from models.numerics import Numerics
 def numerics(config: Config) -> Numerics:
     """The run's numerics, from its determinism, model and parallel sections (built once per run)."""
     return Numerics(mode=config.determinism.mode, attention=config.model.attention,
-                    sdpa_backends=config.model.sdpa_backends, precision=config.parallel.precision)
+                    sdpa_backends=config.model.sdpa_backends, precision=config.parallel.precision,
+                    batch_invariant=config.determinism.batch_invariant)
 
 
 def configure(numerics: Numerics, device: torch.device, *, fill_uninitialized_memory: bool = False) -> None:

@@ -72,6 +72,7 @@ from models.generation.kv_cache import KVCache
 from models.generation.nucleus import UNIFORM_BITS, CapturedGraph, draw_kept, fixed_point, inverse_cdf, nucleus_cut
 from models.generation.protocol import GenerationModel, check_plain
 from models.generation.scheduler import EpisodeRows, RowSlots, RowState, StagingPool, done_lag, upload
+from models.numerics import stock_token_logprobs
 
 FinishReason = Literal["stop", "length"]
 Schedule = Literal["refill", "groups"]
@@ -226,7 +227,7 @@ class Continuation:
 
 def sample_next(
     logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, *, cut: Callable = nucleus_cut,
-    draw: Callable = draw_kept,
+    draw: Callable = draw_kept, token_logprobs: Callable = stock_token_logprobs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, vocab), uniforms (B,) -> (tokens (B,) int64, untempered log-probs (B,) fp32).
 
@@ -236,9 +237,10 @@ def sample_next(
     ``cut`` finds top-p's cut and ``draw`` inverts the CDF over the tokens a cut keeps: the
     torch references (``nucleus_cut``, ``draw_kept``) or, on CUDA, the Triton kernels
     (``nucleus_cut_cuda``, ``draw_kept_cuda``); top-k and min-p go through a kept mask in torch.
+    ``token_logprobs(logits, tokens)`` gives the log-probs (``Numerics.token_logprobs``: under
+    ``batch_invariant`` the function the trainer's log-probs read).
     """
     logits = logits.to(torch.float32)
-    logprobs = F.log_softmax(logits, dim=-1)
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -252,7 +254,7 @@ def sample_next(
             rows = probs.shape[0]
             everything = torch.full((rows, 1), -1, dtype=torch.int32, device=probs.device)
             tokens = draw(probs, everything, torch.zeros(rows, 1, dtype=torch.int64, device=probs.device), steps)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, token_logprobs(logits, tokens)
 
 
 def _kept(probs: torch.Tensor, params: SamplingParams, cut: Callable) -> torch.Tensor:
@@ -899,7 +901,8 @@ class Sampler:
     def _rule(self, params: SamplingParams) -> Callable:
         """(logits (B, vocab), uniforms (B,)) -> (next tokens (B,), log-probs (B,)) by ``params``' rule."""
         cut, draw = self.numerics.sampling_kernels(self.device)
-        return functools.partial(sample_next, params=params, cut=cut, draw=draw)
+        return functools.partial(sample_next, params=params, cut=cut, draw=draw,
+                                 token_logprobs=self.numerics.token_logprobs())
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""

@@ -25,6 +25,7 @@ from core.registration import import_attr
 from models.generation.kv_cache import KVCache
 from models.generation.protocol import GenerationSpec
 from models.numerics import Numerics
+from models import batch_invariant
 from models.attention import AttentionMask, attend, attend_cached, build_attention_mask, cache_mask
 from models.qwen.dims import QwenDims, resolve_dims
 from models.qwen.rope import RotaryTable, apply_rope
@@ -39,6 +40,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.active():  # Numerics.batch_invariant: the mean square by a fixed tree
+            return batch_invariant.rms_norm(x, self.weight, self.eps)
         x32 = x.to(torch.float32)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         # Cast back before the weight, as the checkpoints were trained: under bf16 the
@@ -130,23 +133,28 @@ class QwenBlock(nn.Module):
 
     def __init__(self, dims: QwenDims, *, numerics: Numerics) -> None:
         super().__init__()
+        self.numerics = numerics
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.self_attn = QwenAttention(dims, numerics=numerics)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.mlp = QwenMLP(dims)
 
     def forward(self, hidden: torch.Tensor, rope: RotaryTable, mask: AttentionMask) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # The kernels' context is entered here too, not only by the model: an activation-checkpointed
+        # block recomputes this forward in the backward, outside the model's.
+        with self.numerics.kernels():
+            hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def forward_cached(
         self, hidden: torch.Tensor, rope: RotaryTable, cache: KVCache, layer: int, position_ids: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """``forward`` for generation: attention reads and extends ``cache`` (layer ``layer``)."""
-        attn = self.self_attn.forward_cached(self.input_layernorm(hidden), rope, cache, layer, position_ids, mask)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        with self.numerics.kernels():
+            attn = self.self_attn.forward_cached(self.input_layernorm(hidden), rope, cache, layer, position_ids, mask)
+            hidden = hidden + attn
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class QwenForCausalLM(nn.Module):
@@ -185,10 +193,12 @@ class QwenForCausalLM(nn.Module):
         if self.dims.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def attention_mask(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> AttentionMask:
-        """The mask every block receives for this batch (built once per forward)."""
+    def attention_mask(self, document_ids: torch.Tensor | None, seq_len: int, device: torch.device,
+                       positions: torch.Tensor | None = None) -> AttentionMask:
+        """The mask every block receives for this batch (built once per forward); the exact kernel's
+        layout reads the positions too."""
         kernel = self.numerics.attention_kernel(device, seq_len)
-        return build_attention_mask(document_ids, kernel, seq_len=seq_len, device=device)
+        return build_attention_mask(document_ids, kernel, seq_len=seq_len, device=device, positions=positions)
 
     def model_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, media: Any) -> torch.Tensor:
         """The positions RoPE reads: the batch's own (B, T) position_ids, or 0..T-1 (1, T) where
@@ -239,15 +249,16 @@ class QwenForCausalLM(nn.Module):
             if ids is not None and (ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch)):
                 raise ValueError(f"{name} must be (B, T)={batch, seq_len}, got {tuple(ids.shape)}")
         position_ids = self.model_positions(input_ids, position_ids, media)
-        mask = self.attention_mask(document_ids, seq_len, input_ids.device)
+        mask = self.attention_mask(document_ids, seq_len, input_ids.device, position_ids)
         rope = self.rotary_table(position_ids)
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
         for block in self.layers:
             hidden = block(hidden, rope, mask)
-        hidden = self.norm(hidden)
-        if head is not None:
-            return head(hidden, self.lm_head.weight)
-        return self.lm_head(hidden)  # (B, T, vocab)
+        with self.numerics.kernels():
+            hidden = self.norm(hidden)
+            if head is not None:
+                return head(hidden, self.lm_head.weight)
+            return self.lm_head(hidden)  # (B, T, vocab)
 
     def _forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Generation step: input_ids (B, T) at position_ids (B, T) -> logits (B, vocab) of each row's last token.
@@ -265,13 +276,15 @@ class QwenForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
         for layer, block in enumerate(self.layers):
             hidden = block.forward_cached(hidden, rope, cache, layer, position_ids, mask)
-        return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
+        with self.numerics.kernels():
+            return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
 
     def use_numerics(self, numerics: Numerics) -> None:
         """Run every forward under ``numerics``: the run's, built once (training/determinism.py), which
         the sampler's copy of this model carries too (models/numerics.py)."""
         self.numerics = numerics
         for block in self.layers:
+            block.numerics = numerics
             block.self_attn.numerics = numerics
 
     def generation_spec(self) -> GenerationSpec:

@@ -15,6 +15,10 @@ weight gradient is accumulated chunk after chunk in fp32, so results are determi
 ``compiled`` (CUDA only, as training/linear_cross_entropy.py) runs each chunk's pointwise and
 reduction work after the matmul as compiled kernels: eager, the backward alone makes five
 vocabulary-sized fp32 passes per chunk, which cost as much as the matmuls on a small model.
+
+Under ``determinism.batch_invariant`` (the model's ``Numerics``) the forward's matmuls and
+log-partitions are models/batch_invariant.py's (``invariant``): the log-prob of a token is then the
+sampler's for it bitwise, whatever the micro-batch, the row or the chunk it is computed in.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import torch
 from torch import nn
 
 from data.batch import IGNORE_INDEX
+from models import batch_invariant
 from models.forward import model_forward
+from models.numerics import Numerics
 
 
 def pairwise_sum(values: torch.Tensor) -> torch.Tensor:
@@ -51,29 +57,36 @@ def linear_token_logps(
     temperature: float = 1.0,
     compute_dtype: torch.dtype | None = None,
     compiled: bool = False,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``log softmax(hidden @ weight.T / temperature)[label]`` per token, 0 where the label is IGNORE_INDEX.
 
     hidden (..., d), weight (V, d), labels (...) -> fp32 (or fp64 for fp64 inputs) tensor of
     labels' shape. Differentiable with respect to ``hidden`` and ``weight``. ``compiled``:
     the per-chunk work after the matmuls through torch.compile (CUDA only; rounds differently
-    from eager, deterministically).
+    from eager, deterministically). ``invariant``: the batch-invariant matmul and log-partition
+    (models/batch_invariant.py; not compiled).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logps = _LinearTokenLogps.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
         max(1, int(chunk_tokens)), float(temperature), compute_dtype or hidden.dtype,
-        compiled and hidden.device.type == "cuda",
+        compiled and hidden.device.type == "cuda" and not invariant, invariant,
     )
     return logps.reshape(labels.shape)
 
 
-def token_logps_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """The same from full logits (..., V) through plain autograd (small inputs and tests)."""
+def token_logps_from_logits(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                            invariant: bool = False) -> torch.Tensor:
+    """The same from full logits (..., V) through plain autograd (small inputs and tests); ``invariant``:
+    by ``batch_invariant.token_logprobs``, the sampler's function under ``batch_invariant``."""
+    valid = labels != IGNORE_INDEX
+    if invariant:
+        scaled = logits if temperature == 1.0 else logits.float() / temperature
+        return batch_invariant.token_logprobs(scaled, labels.clamp_min(0)) * valid
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     log_probs = torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)
-    valid = labels != IGNORE_INDEX
     picked = log_probs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     return picked * valid
 
@@ -90,15 +103,29 @@ def label_logps(
     """(B, T) log-probs of a placed batch's labels under ``model``, 0 where there is none: the
     fused head (``linear_token_logps``) or full logits. ``compute_dtype`` and ``compiled`` are
     the fused head's (see ``linear_token_logps``); the caller says which, once, for all its
-    forwards (the policy's and a frozen model's)."""
+    forwards (the policy's and a frozen model's). Under the model's ``Numerics.batch_invariant``
+    both paths compute by models/batch_invariant.py's kernels."""
+    invariant = model_numerics(model).batch_invariant
     if not fused:
-        return token_logps_from_logits(model_forward(model, placed).logits, placed.labels)
+        return token_logps_from_logits(model_forward(model, placed).logits, placed.labels, invariant=invariant)
 
     def head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear_token_logps(hidden, weight, placed.labels, chunk_tokens=chunk_tokens,
-                                  compute_dtype=compute_dtype, compiled=compiled)
+                                  compute_dtype=compute_dtype, compiled=compiled, invariant=invariant)
 
     return model_forward(model, placed, head=head).head
+
+
+def model_numerics(model: nn.Module) -> Numerics:
+    """The ``Numerics`` a (possibly wrapped: DDP, compiled) model runs under; the defaults where it
+    carries none."""
+    while model is not None:
+        numerics = getattr(model, "numerics", None)
+        if isinstance(numerics, Numerics):
+            return numerics
+        inner = getattr(model, "module", None)
+        model = inner if inner is not None else getattr(model, "_orig_mod", None)
+    return Numerics()
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -130,6 +157,24 @@ def _grad_chunk(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale:
     return ((one_hot.to(softmax.dtype) - softmax) * scale.unsqueeze(1)).to(dtype)
 
 
+def _invariant_logps_chunk(z: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
+                           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_logps_chunk`` by ``batch_invariant.logsumexp`` (a row's bits do not depend on the chunk)."""
+    x = _scaled(z, temperature)
+    lse = batch_invariant.logsumexp(x)
+    return (x.gather(1, target.unsqueeze(1)).squeeze(1) - lse) * valid, lse
+
+
+def _matmul(invariant: bool):
+    """A chunk's logits ``h @ w.T``: the batch-invariant linear or torch's matmul."""
+    return batch_invariant.linear if invariant else (lambda h, w: h @ w.t())
+
+
+def _chunk_kernels(compiled: bool, invariant: bool):
+    """The chunk functions of a call: the batch-invariant log-probs, or ``_kernels(compiled)``."""
+    return (_invariant_logps_chunk, _grad_chunk) if invariant else _kernels(compiled)
+
+
 @functools.cache
 def _kernels(compiled: bool):
     """The chunk functions; compiled, each is a reduction and a pointwise kernel."""
@@ -140,7 +185,7 @@ def _kernels(compiled: bool):
 
 class _LinearTokenLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, temperature, dtype, compiled):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, temperature, dtype, compiled, invariant):
         h = hidden.detach().to(dtype)
         w = weight.detach().to(dtype)
         out_dtype = torch.promote_types(dtype, torch.float32)
@@ -149,12 +194,14 @@ class _LinearTokenLogps(torch.autograd.Function):
         lse = torch.empty(n, dtype=out_dtype, device=h.device)
         valid = labels != IGNORE_INDEX
         target = labels.clamp_min(0)
-        logps_chunk, _ = _kernels(compiled)
+        logps_chunk, _ = _chunk_kernels(compiled, invariant)
+        matmul = _matmul(invariant)
         for start in range(0, n, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            logps[rows], lse[rows] = logps_chunk(h[rows] @ w.t(), target[rows], valid[rows], temperature)
+            logps[rows], lse[rows] = logps_chunk(matmul(h[rows], w), target[rows], valid[rows], temperature)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_tokens, ctx.temperature, ctx.dtype, ctx.compiled = chunk_tokens, temperature, dtype, compiled
+        ctx.invariant = invariant
         return logps
 
     @staticmethod
@@ -169,14 +216,15 @@ class _LinearTokenLogps(torch.autograd.Function):
         target = labels.clamp_min(0)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=h.device) if need_w else None
-        _, grad_chunk = _kernels(ctx.compiled)
+        _, grad_chunk = _chunk_kernels(ctx.compiled, ctx.invariant)
+        matmul = _matmul(ctx.invariant)  # the forward's logits, so the softmax matches its lse
         for start in range(0, h.shape[0], step):
             rows = slice(start, start + step)
-            grad_z = grad_chunk(h[rows] @ w.t(), lse[rows], target[rows], scale[rows], temperature, dtype)
+            grad_z = grad_chunk(matmul(h[rows], w), lse[rows], target[rows], scale[rows], temperature, dtype)
             if need_h:
                 torch.mm(grad_z, w, out=grad_h[rows])
             if need_w:
                 grad_w += grad_z.t() @ h[rows]
         dh = grad_h.to(hidden.dtype) if need_h else None
         dw = grad_w.to(weight.dtype) if need_w else None
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None

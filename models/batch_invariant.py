@@ -1,0 +1,201 @@
+"""Batch-invariant kernels: a token's result depends on its own inputs only, never on the call's shape.
+
+The sampler runs its model at other shapes than the trainer: a decode step is ``max_batch`` rows of
+one token over a cache of ``max_len`` slots, a prefill ``prefill_rows`` x ``prefill_chunk``, a
+training micro-batch ``B x T`` rows of packed documents. The stock kernels round differently at
+different shapes: on a CPU (MKL, torch 2.13) a row of ``x @ W.T`` changes with the number of
+rows (1 vs 2 vs 7 rows, and again past a few hundred rows for wider weights), a batched
+``q @ k.T`` with the batch and the number of queries, a library reduction with the kernel it picks
+for the whole shape. So the sampler's log-probs differ from the trainer's in the last bits (about
+1e-6 in fp32). Here every reduction a token goes through has a fixed order that its own shape
+alone decides:
+
+- ``linear``: the rows in blocks of ``ROW_BLOCK``, each block one matmul of the same shape
+  ``(ROW_BLOCK, in) @ (in, out)``, the last block padded with zero rows; a row's result depends on
+  the weight's shape, not on the number of rows or on where in the call the row sits (measured:
+  tests/models/test_batch_invariance.py).
+- ``pairwise_sum``: a sum by one fixed tree (zero-padded to a power of two, neighbours added level
+  by level, each level an elementwise add). Padding a sum with more zeros leaves it unchanged
+  bitwise (the extra levels add exact zeros), so a sum over 112 keys and over 128 or 256 slots of
+  which the last are masked agree.
+- ``attend``: attention by elementwise products and pairwise sums, with the keys laid out by
+  *relative position* (key j of a query is its document's j-th token): the training forward's
+  packed rows and the cache's slots give every query the same keys in the same places, so
+  training, prefill and cached decode compute a token identically, whatever its row, its packing
+  neighbours or the cache's length.
+- ``rms_norm``, ``silu``, ``logsumexp`` and ``token_logprobs``: the norm's mean square, the
+  activation, and the full-vocabulary log-softmax in fp32 through the same sums.
+
+Elementwise operations (products, exp, cos/sin of the rotary table, divisions) round each element
+on its own and stay as they are. These kernels cost memory (attention materializes
+``B x heads x T x S x head_dim`` products) and time; ``Numerics.batch_invariant`` (models/numerics.py)
+turns them on, in ``determinism.mode: bitwise`` with ``determinism.batch_invariant: true``.
+``Linears`` is the context the model's forward runs its blocks under: it sends every
+``F.linear`` (plain, LoRA's, the tied head) and ``F.silu`` to these kernels, and ``active()`` tells
+the norm to use its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+ROW_BLOCK = 64
+"""Rows per matmul of ``linear``: every call is a loop of ``(ROW_BLOCK, in) @ (in, out)`` matmuls."""
+
+
+def pairwise_sum(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The sum over ``dim`` by one fixed tree: zero-padded to a power of two, then neighbours added
+    level by level. Its bits depend on the summed values and the padded width only, and padding
+    with zeros to a wider power of two changes nothing (each extra level adds an exact zero)."""
+    dim = dim % values.dim()
+    length = values.shape[dim]
+    width = 1 << max(length - 1, 0).bit_length()
+    if width != length:
+        pad = [0, 0] * (values.dim() - 1 - dim) + [0, width - length]
+        values = F.pad(values, pad)
+    while values.shape[dim] > 1:
+        pairs = values.unflatten(dim, (values.shape[dim] // 2, 2))
+        values = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
+    return values.squeeze(dim)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with every row computed by a matmul of one shape (module docstring).
+
+    x (..., in), weight (out, in) -> (..., out) in x's dtype. Differentiable."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    blocks = -(-count // ROW_BLOCK)
+    padded = F.pad(rows, (0, 0, 0, blocks * ROW_BLOCK - count))
+    weight_t = weight.t()
+    parts = [padded[i * ROW_BLOCK:(i + 1) * ROW_BLOCK] @ weight_t for i in range(blocks)]
+    out = (torch.cat(parts) if len(parts) > 1 else parts[0])[:count]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) as ``x / (1 + exp(-x))``: elementwise operations whose rounding does not depend
+    on the element's place in the tensor (torch's fused silu rounds a lone element otherwise)."""
+    return x / (1 + torch.exp(-x))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2) + eps))``, normalized in fp32, the mean a ``pairwise_sum``; cast back
+    to x's dtype before the weight, as models/qwen/model.py's ``RMSNorm``."""
+    x32 = x.to(torch.float32)
+    mean_square = pairwise_sum(x32 * x32) / x32.shape[-1]
+    normed = x32 / torch.sqrt(mean_square + eps).unsqueeze(-1)
+    return weight * normed.to(x.dtype)
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """log sum exp over the last dimension in fp32 (fp64 stays): the max, then a ``pairwise_sum``."""
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    top = x.amax(dim=-1, keepdim=True)
+    return top.squeeze(-1) + torch.log(pairwise_sum(torch.exp(x - top)))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] per row: ``logits[token] - logsumexp(logits)``, fp32 (fp64 stays).
+
+    logits (..., V), tokens (...) in [0, V) -> (...). The sampler's rule and the trainer's log-probs
+    both read this one function, so a token's log-prob is the same bits on both sides."""
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logsumexp(x)
+
+
+@dataclass(frozen=True)
+class RelativeKeys:
+    """The training forward's keys laid out by relative position: query t's key j is its document's j-th
+    token, row t - position[t] + j, valid while j <= position[t] (causal) and in its document."""
+
+    index: torch.Tensor
+    """(B, T, S) int64: the row of query t's key j (clamped into the row where it is not valid)."""
+    valid: torch.Tensor
+    """(B, T, S) bool: whether query t reads key j."""
+
+
+def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tensor], batch: int) -> RelativeKeys:
+    """The layout of ``attend`` for a packed batch: ``position_ids`` (B or 1, T) count from 0 at each
+    document's first token (as the packer writes them); ``document_ids`` (B or 1, T) or None (one
+    document a row)."""
+    seq_len = position_ids.shape[-1]
+    positions = position_ids.expand(batch, seq_len)
+    query = torch.arange(seq_len, device=positions.device)
+    j = torch.arange(seq_len, device=positions.device)
+    index = (query - positions)[:, :, None] + j  # (B, T, S)
+    valid = (j <= positions[:, :, None]) & (index >= 0)
+    index = index.clamp(0, seq_len - 1)
+    if document_ids is not None:
+        docs = document_ids.expand(batch, seq_len)
+        valid &= docs.gather(1, index.flatten(1)).view(index.shape) == docs[:, :, None]
+    return RelativeKeys(index, valid)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RelativeKeys) -> torch.Tensor:
+    """Causal attention of a packed batch. q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim)
+    -> (B, n_head, T, head_dim) in q's dtype."""
+    batch = q.shape[0]
+    rows = torch.arange(batch, device=q.device)[:, None, None]
+    keys = k.transpose(1, 2)[rows, layout.index]  # (B, T, S, n_kv, hd)
+    values = v.transpose(1, 2)[rows, layout.index]
+    keys = keys.permute(0, 3, 1, 2, 4).unsqueeze(2)  # (B, n_kv, 1, T, S, hd)
+    values = values.permute(0, 3, 1, 2, 4).unsqueeze(2)
+    return _attend(q, keys, values, layout.valid[:, None, None])
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of new queries over a whole cache, slot j holding position j. q (B, n_head, T, head_dim),
+    k and v (B, n_kv_head, slots, head_dim), mask ``models.attention.cache_mask``'s (B, 1, T, slots)
+    -> (B, n_head, T, head_dim) in q's dtype: bitwise ``attend``'s for the same tokens."""
+    keys, values = k[:, :, None, None], v[:, :, None, None]  # (B, n_kv, 1, 1, slots, hd)
+    return _attend(q, keys, values, mask[:, :, None])
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """q (B, H, T, hd); keys, values (B, n_kv, 1, T or 1, S, hd); valid (B, 1, 1, T, S)."""
+    batch, heads, seq_len, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    qg = q.to(torch.float32).view(batch, kv_heads, heads // kv_heads, seq_len, 1, head_dim)
+    scores = pairwise_sum(qg * keys.to(torch.float32)) * head_dim**-0.5  # (B, n_kv, G, T, S)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    total = pairwise_sum(weights)  # (B, n_kv, G, T)
+    out = pairwise_sum(weights.unsqueeze(-1) * values.to(torch.float32), dim=-2)  # (B, n_kv, G, T, hd)
+    out = out / total.unsqueeze(-1)
+    return out.reshape(batch, heads, seq_len, head_dim).to(q.dtype)
+
+
+_ACTIVE = [0]
+
+
+def active() -> bool:
+    """Whether the calling code runs under ``Linears`` (the norm asks)."""
+    return _ACTIVE[0] > 0
+
+
+class Linears(TorchFunctionMode):
+    """Within it, ``F.linear`` runs as ``linear`` and ``F.silu`` as ``silu`` (the module docstring)."""
+
+    def __enter__(self):
+        _ACTIVE[0] += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE[0] -= 1
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return linear(*args, **kwargs)
+        if func is F.silu and not kwargs.get("inplace", False):
+            return silu(args[0])
+        return func(*args, **kwargs)

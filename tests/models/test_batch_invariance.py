@@ -1,0 +1,230 @@
+"""Batch-invariant numerics (models/batch_invariant.py, ``Numerics.batch_invariant``): the anchors' chain.
+
+Every comparison of the chain is exact (``torch.equal``): the trainer's log-probs of a sequence at
+micro-batch 1 == 2 == 8, beside packing neighbours and at another row; the trainer's logits ==
+the sampler's prefill; the sampler's decode == its prefill over the generated tokens; the sampler's
+log-probs == the trainer's (full logits and the fused head). The controls swap one invariant
+kernel for the stock one and see the chain break, so the chain's equalities are the kernels'
+doing, not this CPU's luck.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+from core.config import ModelConfig
+from core.exceptions import ConfigError
+from models import batch_invariant
+from models.generation.kv_cache import KVCache
+from models.generation.sampler import SampleKey, Sampler, SamplingParams
+from models.numerics import Numerics
+from training.objectives.token_logps import linear_token_logps, model_numerics, token_logps_from_logits
+
+QWEN3 = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, attention="sdpa")
+QWEN2 = dataclasses.replace(QWEN3, arch="qwen2", head_dim=None, tie_embeddings=False)  # q/k/v biases
+EXACT = Numerics(batch_invariant=True)
+SEQ = 40
+PROMPT_LENGTHS = (3, 9, 17, 1)
+
+
+def _model(config: ModelConfig, numerics: Numerics = EXACT) -> torch.nn.Module:
+    model = models.build(config, generator=torch.Generator().manual_seed(5)).eval()
+    model.use_numerics(numerics)
+    return model
+
+
+def _ids(rows: int = 8, length: int = SEQ, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 96, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=[QWEN3, QWEN2], ids=["qwen3", "qwen2"])
+def config(request):
+    return request.param
+
+
+# ---------------------------------------------------------------- the kernels
+
+
+def test_a_linear_row_does_not_depend_on_the_number_of_rows_or_its_place():
+    weight = torch.randn(384, 128, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(1))
+    alone = batch_invariant.linear(x[:1], weight)[0]
+    for rows in (2, 7, 64, 65, 300):
+        assert torch.equal(batch_invariant.linear(x[:rows], weight)[0], alone)
+    moved = torch.cat([x[1:100], x[:1]])  # row 0 now the 100th, in the second block
+    assert torch.equal(batch_invariant.linear(moved, weight)[-1], alone)
+    torch.testing.assert_close(batch_invariant.linear(x, weight), x @ weight.t())
+
+
+def test_a_pairwise_sum_padded_with_zeros_is_unchanged():
+    values = torch.randn(5, 112, generator=torch.Generator().manual_seed(0))
+    for extra in (16, 144):
+        assert torch.equal(batch_invariant.pairwise_sum(F.pad(values, (0, extra))), batch_invariant.pairwise_sum(values))
+    columns = values.t().contiguous()  # the same sums over dim 0
+    assert torch.equal(batch_invariant.pairwise_sum(columns, dim=0), batch_invariant.pairwise_sum(values))
+    torch.testing.assert_close(batch_invariant.pairwise_sum(values), values.sum(-1))
+
+
+def test_the_log_softmax_and_norm_compute_what_the_stock_ones_do():
+    logits = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * 5
+    tokens = torch.arange(6) * 7
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(batch_invariant.token_logprobs(logits, tokens), expected)
+    x = torch.randn(3, 5, 48, generator=torch.Generator().manual_seed(1))
+    weight = torch.rand(48, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(batch_invariant.rms_norm(x, weight, 1e-6),
+                               weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(batch_invariant.silu(x), F.silu(x))
+
+
+def test_the_exact_kernel_attends_as_sdpa_does(config):
+    ids = _ids()
+    with torch.no_grad():
+        stock = _model(config, Numerics())(ids)
+        exact = _model(config)(ids)
+    torch.testing.assert_close(exact, stock, rtol=0, atol=1e-5)
+
+
+def test_batch_invariance_needs_bitwise_mode():
+    with pytest.raises(ConfigError, match="determinism.batch_invariant"):
+        Numerics(mode="fast", batch_invariant=True)
+
+
+# ---------------------------------------------------------------- the chain
+
+
+def test_trainer_log_probs_do_not_depend_on_micro_batch_row_or_packing(config):
+    model, ids = _model(config), _ids()
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        whole = token_logps_from_logits(model(ids), labels, invariant=True)
+        for micro in (1, 2):
+            split = torch.cat([token_logps_from_logits(model(ids[i:i + micro]), labels[i:i + micro], invariant=True)
+                               for i in range(0, len(ids), micro)])
+            assert torch.equal(split, whole)
+        reversed_rows = token_logps_from_logits(model(ids.flip(0)), labels.flip(0), invariant=True)
+        assert torch.equal(reversed_rows.flip(0), whole)
+        # Row 0's first 27 tokens packed after a 13-token neighbour, in a row of another length.
+        packed = torch.cat([ids[1, :13], ids[0, :27]])[None]
+        positions = torch.cat([torch.arange(13), torch.arange(27)])[None]
+        documents = torch.cat([torch.zeros(13), torch.ones(27)]).long()[None]
+        logits = model(packed, position_ids=positions, document_ids=documents)[0, 13:]
+        assert torch.equal(token_logps_from_logits(logits, labels[0, :27], invariant=True)[:26], whole[0, :26])
+
+
+def test_the_fused_head_gives_the_full_logits_log_probs(config):
+    model, ids = _model(config), _ids()
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        full = token_logps_from_logits(model(ids), labels, invariant=True)
+        for chunk in (7, 64, 1000):
+            fused = model(ids, head=lambda h, w, chunk=chunk: linear_token_logps(
+                h, w, labels, chunk_tokens=chunk, invariant=True))
+            assert torch.equal(fused, full)
+
+
+def test_prefill_equals_the_trainer_and_decode_equals_prefill(config):
+    model, ids = _model(config), _ids(rows=3)
+    with torch.no_grad():
+        trainer = model(ids)  # (3, T, V)
+        spec = model.generation_spec()
+
+        def cache(rows: int) -> KVCache:
+            return KVCache.for_spec(spec, batch=rows, slots=64)
+
+        # Prefill: each row's prefix up to t in one chunk, beside another row, into a cache of 64 slots.
+        for t in (0, 5, 22, SEQ - 1):
+            positions = torch.arange(t + 1).expand(3, t + 1)
+            last = model(ids[:, :t + 1], position_ids=positions, cache=cache(3))
+            assert torch.equal(last, trainer[:, t])
+        # Decode: one token a step, four rows (one a dummy), the last step's logits per position.
+        decode = cache(4)
+        rows = torch.cat([ids, ids[:1].flip(1)])
+        for t in range(SEQ):
+            logits = model(rows[:, t:t + 1], position_ids=torch.full((4, 1), t), cache=decode)
+            assert torch.equal(logits[:3], trainer[:, t])
+
+
+def _sample(model, prompts, params, max_batch=4):
+    sampler = Sampler(model, max_batch=max_batch, max_len=64, prefill_chunk=8)
+    keys = [SampleKey(seed=0, purpose="test", step=0, prompt_index=i) for i in range(len(prompts))]
+    return sampler.generate(prompts, keys, params)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=20),
+                                    SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20),
+                                    SamplingParams(temperature=0, max_new_tokens=20)], ids=["sampled", "top_p", "greedy"])
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_the_sampler_log_probs_are_the_trainer_log_probs(config, params, max_batch):
+    model, ids = _model(config), _ids()
+    prompts = [ids[i, :n].tolist() for i, n in enumerate(PROMPT_LENGTHS)]
+    samples = _sample(model, prompts, params, max_batch=max_batch)
+    # The trainer's batch: one row per completion, prompt + completion, padded to one length.
+    rows = torch.zeros(len(prompts), 64, dtype=torch.long)
+    labels = torch.full_like(rows, -100)
+    for i, (prompt, sample) in enumerate(zip(prompts, samples)):
+        sequence = prompt + sample.tokens
+        rows[i, :len(sequence)] = torch.tensor(sequence)
+        labels[i, len(prompt) - 1:len(sequence) - 1] = torch.tensor(sample.tokens)
+    with torch.no_grad():
+        for micro in (1, 4):
+            trainer = torch.cat([model(rows[i:i + micro], head=lambda h, w, lab=labels[i:i + micro]: linear_token_logps(
+                h, w, lab, chunk_tokens=16, invariant=True)) for i in range(0, len(rows), micro)])
+            for i, (prompt, sample) in enumerate(zip(prompts, samples)):
+                picked = trainer[i, len(prompt) - 1:len(prompt) - 1 + len(sample.tokens)]
+                assert torch.equal(picked, torch.tensor(sample.logprobs, dtype=torch.float32))
+
+
+def test_the_trainer_finds_the_numerics_of_a_wrapped_model():
+    model = _model(QWEN3)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    assert model_numerics(Wrapper(model)) is EXACT
+    assert model_numerics(torch.nn.Linear(2, 2)) == Numerics()
+
+
+# ---------------------------------------------------------------- controls
+
+
+def _stock_linear(x, weight, bias=None):
+    return F.linear(x, weight, bias)
+
+
+def _stock_cached(q, k, v, mask):
+    from models.attention import attend_cached
+
+    return attend_cached(q, k, v, mask, kernel="fp32")
+
+
+@pytest.mark.parametrize("kernel,stock", [("linear", _stock_linear), ("attend_cached", _stock_cached)])
+def test_control_a_stock_kernel_breaks_sampler_trainer_parity(monkeypatch, kernel, stock):
+    model, ids = _model(QWEN3), _ids()
+    prompts = [ids[i, :n].tolist() for i, n in enumerate(PROMPT_LENGTHS)]
+    monkeypatch.setattr(batch_invariant, kernel, stock)
+    # One row a decode step: the stock matmul of one row (a matrix-vector product here) rounds
+    # otherwise than the trainer's of a whole sequence.
+    samples = _sample(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=20), max_batch=1)
+    equal = []
+    with torch.no_grad():
+        for prompt, sample in zip(prompts, samples):
+            logits = model(torch.tensor([prompt + sample.tokens]))[0, len(prompt) - 1:-1]
+            trainer = batch_invariant.token_logprobs(logits, torch.tensor(sample.tokens))
+            equal.append(torch.equal(trainer, torch.tensor(sample.logprobs, dtype=torch.float32)))
+    assert not all(equal)
+
+
+def test_control_the_stock_log_softmax_is_not_the_invariant_one():
+    logits = torch.randn(64, 151, generator=torch.Generator().manual_seed(0)) * 4
+    tokens = torch.randint(0, 151, (64,), generator=torch.Generator().manual_seed(1))
+    stock = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert not torch.equal(stock, batch_invariant.token_logprobs(logits, tokens))
