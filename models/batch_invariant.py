@@ -18,17 +18,18 @@ alone decides:
   by level, each level an elementwise add). Padding a sum with more zeros leaves it unchanged
   bitwise (the extra levels add exact zeros), so a sum over 112 keys and over 128 or 256 slots of
   which the last are masked agree.
-- ``attend``: attention by elementwise products and pairwise sums, with the keys laid out by
-  *relative position* (key j of a query is its document's j-th token): the training forward's
-  packed rows and the cache's slots give every query the same keys in the same places, so
-  training, prefill and cached decode compute a token identically, whatever its row, its packing
-  neighbours or the cache's length.
+- ``attend``: attention by elementwise products and sums in a fixed order (a tree over head_dim;
+  over the keys, a tree within each block of ``KEY_BLOCK`` keys and the blocks added in order),
+  with the keys laid out by *relative position* (key j of a query is its document's j-th token):
+  the training forward's packed rows and the cache's slots give every query the same keys in the
+  same places, so training, prefill and cached decode compute a token identically, whatever its
+  row, its packing neighbours or the cache's length (extra masked keys add exact zeros).
 - ``rms_norm``, ``silu``, ``logsumexp`` and ``token_logprobs``: the norm's mean square, the
   activation, and the full-vocabulary log-softmax in fp32 through the same sums.
 
 Elementwise operations (products, exp, cos/sin of the rotary table, divisions) round each element
-on its own and stay as they are. These kernels cost memory (attention materializes
-``B x heads x T x S x head_dim`` products) and time; ``Numerics.batch_invariant`` (models/numerics.py)
+on its own and stay as they are. These kernels cost time (no library matmul in attention: its
+products are materialized ``KEY_BLOCK`` keys at a time); ``Numerics.batch_invariant`` (models/numerics.py)
 turns them on, in ``determinism.mode: bitwise`` with ``determinism.batch_invariant: true``.
 ``Linears`` is the context the model's forward runs its blocks under: it sends every
 ``F.linear`` (plain, LoRA's, the tied head) and ``F.silu`` to these kernels, and ``active()`` tells
@@ -37,6 +38,7 @@ the norm to use its own.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -120,6 +122,8 @@ class RelativeKeys:
     """(B, T, S) int64: the row of query t's key j (clamped into the row where it is not valid)."""
     valid: torch.Tensor
     """(B, T, S) bool: whether query t reads key j."""
+    absolute: bool = False
+    """Every row one document at positions 0..T-1: key j is row j for every query (no gather needed)."""
 
 
 def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tensor], batch: int) -> RelativeKeys:
@@ -136,40 +140,71 @@ def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tenso
     if document_ids is not None:
         docs = document_ids.expand(batch, seq_len)
         valid &= docs.gather(1, index.flatten(1)).view(index.shape) == docs[:, :, None]
-    return RelativeKeys(index, valid)
+    absolute = document_ids is None and bool((positions == query).all())
+    return RelativeKeys(index, valid, absolute)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RelativeKeys) -> torch.Tensor:
     """Causal attention of a packed batch. q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim)
     -> (B, n_head, T, head_dim) in q's dtype."""
-    batch = q.shape[0]
+    batch, seq_len = q.shape[0], q.shape[2]
     rows = torch.arange(batch, device=q.device)[:, None, None]
-    keys = k.transpose(1, 2)[rows, layout.index]  # (B, T, S, n_kv, hd)
-    values = v.transpose(1, 2)[rows, layout.index]
-    keys = keys.permute(0, 3, 1, 2, 4).unsqueeze(2)  # (B, n_kv, 1, T, S, hd)
-    values = values.permute(0, 3, 1, 2, 4).unsqueeze(2)
-    return _attend(q, keys, values, layout.valid[:, None, None])
+
+    def relative(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """x's rows at relative positions start..stop-1 of every query: (B, n_kv, 1, T or 1, stop - start, hd)."""
+        if layout.absolute:  # the same rows for every query: a slice, broadcast over the queries
+            return x[:, :, None, None, start:stop]
+        picked = x.transpose(1, 2)[rows, layout.index[:, :, start:stop]]  # (B, T, S', n_kv, hd)
+        return picked.permute(0, 3, 1, 2, 4).unsqueeze(2)
+
+    return _attend(q, functools.partial(relative, k), functools.partial(relative, v), layout.valid[:, None, None],
+                   seq_len)
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of new queries over a whole cache, slot j holding position j. q (B, n_head, T, head_dim),
     k and v (B, n_kv_head, slots, head_dim), mask ``models.attention.cache_mask``'s (B, 1, T, slots)
     -> (B, n_head, T, head_dim) in q's dtype: bitwise ``attend``'s for the same tokens."""
-    keys, values = k[:, :, None, None], v[:, :, None, None]  # (B, n_kv, 1, 1, slots, hd)
-    return _attend(q, keys, values, mask[:, :, None])
+
+    def block(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return x[:, :, None, None, start:stop]  # (B, n_kv, 1, 1, S', hd)
+
+    return _attend(q, functools.partial(block, k), functools.partial(block, v), mask[:, :, None], k.shape[2])
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """q (B, H, T, hd); keys, values (B, n_kv, 1, T or 1, S, hd); valid (B, 1, 1, T, S)."""
+KEY_BLOCK = 16
+"""Keys per step of ``_attend``: a block's products are summed by a tree, the blocks one after the other."""
+
+
+def _attend(q: torch.Tensor, keys_at, values_at, valid: torch.Tensor, length: int) -> torch.Tensor:
+    """q (B, H, T, hd); ``keys_at(start, stop)`` and ``values_at(start, stop)`` the keys and values of
+    relative positions start..stop-1, (B, n_kv, 1, T or 1, S', hd) each; valid (B, 1, 1, T, length).
+
+    Key block by key block (``KEY_BLOCK`` relative positions each): a score is a ``pairwise_sum`` over
+    head_dim, and the weighted values of a block a ``pairwise_sum`` over its keys, added to the
+    running output in block order. Where a call has more keys than another (a cache of more slots),
+    its extra blocks are masked: they add exact zeros, so both agree."""
     batch, heads, seq_len, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    qg = q.to(torch.float32).view(batch, kv_heads, heads // kv_heads, seq_len, 1, head_dim)
-    scores = pairwise_sum(qg * keys.to(torch.float32)) * head_dim**-0.5  # (B, n_kv, G, T, S)
-    scores = scores.masked_fill(~valid, float("-inf"))
-    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    total = pairwise_sum(weights)  # (B, n_kv, G, T)
-    out = pairwise_sum(weights.unsqueeze(-1) * values.to(torch.float32), dim=-2)  # (B, n_kv, G, T, hd)
-    out = out / total.unsqueeze(-1)
+    qg = None
+    scores = []
+    for start in range(0, length, KEY_BLOCK):
+        keys = keys_at(start, min(start + KEY_BLOCK, length))
+        if qg is None:
+            qg = q.to(torch.float32).view(batch, keys.shape[1], heads // keys.shape[1], seq_len, 1, head_dim)
+        scores.append(pairwise_sum(qg * keys.to(torch.float32)))  # (B, n_kv, G, T, S')
+    scores = (torch.cat(scores, dim=-1) * head_dim**-0.5).masked_fill(~valid, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # (B, n_kv, G, T, length)
+    out = None
+    for start in range(0, length, KEY_BLOCK):
+        stop = min(start + KEY_BLOCK, length)
+        values = values_at(start, stop)
+        part = weights[..., start:stop]
+        if stop - start < KEY_BLOCK:  # a short last block: zero weights, so it sums as a whole one
+            part = F.pad(part, (0, KEY_BLOCK - (stop - start)))
+            values = F.pad(values, (0, 0, 0, KEY_BLOCK - (stop - start)))
+        block = pairwise_sum(part.unsqueeze(-1) * values.to(torch.float32), dim=-2)  # (B, n_kv, G, T, hd)
+        out = block if out is None else out + block
+    out = out / pairwise_sum(weights).unsqueeze(-1)
     return out.reshape(batch, heads, seq_len, head_dim).to(q.dtype)
 
 

@@ -1,0 +1,29 @@
+"""``determinism.batch_invariant``: the sampler's log-probs are the trainer's bitwise in a real run.
+
+2 gloo ranks of the e2e GRPO and agent GRPO configs (tests/methods.py) with the batch-invariant
+kernels on: ``logprob_parity`` (max |sampler log-prob - trainer log-prob| over a step's sampled
+tokens) is 0.0 on every ledger line, where the stock kernels leave about 1e-7 (test_grpo_e2e.py
+allows 1e-4). The chain behind it is tests/models/test_batch_invariance.py's; the key's
+hashing and checks are tests/training/test_numerics.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import launch
+from tests.methods import AGENT_GRPO, GRPO
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("method", [GRPO, AGENT_GRPO], ids=["grpo", "agent-grpo"])
+def test_logprob_parity_is_zero_on_every_line(e2e_workdir, method):
+    args = ["--config", str(method.config_path), f"run.name=parity-{method.name}", "train.max_steps=2",
+            "determinism.batch_invariant=true", *method.overrides]
+    result = launch.train(e2e_workdir, args, timeout=method.timeout_s)
+    assert result.returncode == 0, result.stderr
+    run_dir = result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
+    lines = launch.ledger(run_dir)
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all(line["logprob_parity"] == 0.0 for line in lines), [line["logprob_parity"] for line in lines]
