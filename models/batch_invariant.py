@@ -123,7 +123,8 @@ class RelativeKeys:
     valid: torch.Tensor
     """(B, T, S) bool: whether query t reads key j."""
     absolute: bool = False
-    """Every row one document at positions 0..T-1: key j is row j for every query (no gather needed)."""
+    """Every row at positions 0..T-1 (its documents, if several, only masked): key j is row j for every
+    query, a slice instead of a gather."""
 
 
 def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tensor], batch: int) -> RelativeKeys:
@@ -140,7 +141,7 @@ def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tenso
     if document_ids is not None:
         docs = document_ids.expand(batch, seq_len)
         valid &= docs.gather(1, index.flatten(1)).view(index.shape) == docs[:, :, None]
-    absolute = document_ids is None and bool((positions == query).all())
+    absolute = bool((positions == query).all())  # index[b, t, j] = j: the documents only mask
     return RelativeKeys(index, valid, absolute)
 
 
