@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from core.config import ParallelConfig
+from distributed.expert_parallel import expert_modules
 from distributed.model_structure import has_tied_embeddings, plan_of, plan_stacks
 
 
@@ -39,9 +40,14 @@ def offload_policy(parallel: ParallelConfig, device: torch.device) -> OffloadPol
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, device: torch.device, *,
-               cast_parameters: bool = True) -> None:
+               cast_parameters: bool = True, expert_mesh: DeviceMesh | None = None, dp_size: int = 1) -> None:
     """Shard ``model`` in place: every stack's blocks bottom-up, then the root. ``cast_parameters=False``:
-    no mixed-precision policy (the parameters are gathered as stored, fp32)."""
+    no mixed-precision policy (the parameters are gathered as stored, fp32).
+
+    Experts split by expert parallelism (distributed/expert_parallel.py) are units of their own first,
+    sharded over ``expert_mesh`` (the data-parallel ranks outside the ep group); their gradients,
+    already summed over the ep group by the all-to-all's backward, are summed over ``expert_mesh``
+    and divided by the whole data-parallel size ``dp_size``, as every other gradient is averaged."""
     options = dict(
         mesh=dp_mesh,
         reshard_after_forward=parallel.reshard_after_forward,
@@ -49,6 +55,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, parallel: ParallelConfig, 
         offload_policy=offload_policy(parallel, device),
     )
     tied = has_tied_embeddings(model)
+    for experts in expert_modules(model):
+        if expert_mesh is None:
+            raise ValueError("the model's experts are split over the ep mesh; apply_fsdp needs expert_mesh")
+        fully_shard(experts, **{**options, "mesh": expert_mesh})
+        experts.set_gradient_divide_factor(float(dp_size))
+        # Over several ranks: a sum, then the division (gloo has no pre-multiplied sum). Over one
+        # rank FSDP divides while copying the gradient and would divide again after a forced sum.
+        experts.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
     units = fsdp_units(model, parallel.fsdp_unit_blocks)
     for i, unit in enumerate(units):
         # The last unit's backward starts right after the forward ends: resharding it would

@@ -12,6 +12,7 @@ from core.distributed_context import DistributedContext
 from distributed.activation_checkpoint import apply_activation_checkpointing
 from distributed.compile import apply_compile
 from distributed.ddp import apply_ddp
+from distributed.expert_parallel import apply_expert_parallel
 from distributed.float8 import apply_float8, precompute_scales_each_forward, require_float8, require_float8_head
 from distributed.fsdp import apply_fsdp
 from distributed.model_structure import check_expert_parallel
@@ -23,7 +24,7 @@ def parallelize(
     model: nn.Module, parallel: ParallelConfig, dist: DistributedContext, topology: Topology, *,
     cast_parameters: bool = True,
 ) -> nn.Module:
-    """Apply FP8, TP, activation checkpointing, compile and FSDP/DDP to ``model``, in that order.
+    """Apply FP8, TP, EP, activation checkpointing, compile and FSDP/DDP to ``model``, in that order.
 
     ``model`` is the plain model with identical weights on every rank (built from the same
     seed); the blocks of every stack of its plan (``model.parallel_plan``) are modified in
@@ -51,6 +52,14 @@ def parallelize(
     if topology.tp_size > 1:
         apply_tensor_parallel(model, topology.tp_mesh)
 
+    # 1b. Expert parallelism after TP (torchtitan's order: TP -> EP -> FP8 -> AC -> FSDP2; FP8 here
+    #     swaps linears only, never the stacked experts, so it may come first): the plan's experts
+    #     become DTensor shards on the ep mesh, and FSDP below shards them further over the
+    #     data-parallel ranks outside the ep group. Activation checkpointing then replays the
+    #     block's all-to-alls in backward.
+    if topology.ep_size > 1:
+        apply_expert_parallel(model, topology.ep_mesh)
+
     # 2. Activation checkpointing wraps each (TP-sharded) block, so recomputation in
     #    backward replays the block including its TP collectives.
     apply_activation_checkpointing(model, parallel.activation_checkpointing)
@@ -65,7 +74,8 @@ def parallelize(
     #    (the wrappers above), and DDP must wrap the finished model to see every parameter.
     if topology.mesh is not None:
         if parallel.strategy == "fsdp":
-            apply_fsdp(model, topology.dp_mesh, parallel, dist.device, cast_parameters=cast_parameters)
+            apply_fsdp(model, topology.dp_mesh, parallel, dist.device, cast_parameters=cast_parameters,
+                       expert_mesh=topology.expert_dp_mesh, dp_size=topology.dp_size)
             # 5. FP8 all-gather scales in one all-reduce per forward, in front of the hook
             #    fully_shard just registered on the root (distributed/float8.py says why).
             if parallel.float8 != "none":

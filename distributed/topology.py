@@ -17,7 +17,8 @@ usually does: an ep group is ``ep`` consecutive data-parallel ranks (inside the 
 order), each reading its own data, so ``dp_size`` counts them. The parameters outside the
 experts are sharded over the whole shard dimension, ``dp_shard x ep`` (flattened to one
 mesh dimension, ``dp_shard_ep``, when ``ep > 1``); ``ep_mesh`` is the dimension the
-experts of a plan's stacks are split over. At ``ep = 1`` the data-parallel mesh is the one
+experts of a plan's stacks are split over (distributed/expert_parallel.py), and
+``expert_dp_mesh`` the data-parallel part FSDP shards those experts over further. At ``ep = 1`` the data-parallel mesh is the one
 without the axis. A model whose plan declares no experts refuses ``ep > 1``
 (distributed.model_structure.check_expert_parallel).
 
@@ -102,6 +103,18 @@ class Topology:
         if self.shape.dp_replicate > 1:
             return self.mesh["dp_replicate"]
         return self.mesh[shard]
+
+    @property
+    def expert_dp_mesh(self) -> Optional[DeviceMesh]:
+        """What FSDP shards expert-parallel experts over: the data-parallel part without ``ep`` (the
+        experts are split over ``ep`` already), ``(dp_replicate, dp_shard)`` for HSDP, else 1-D."""
+        if self.mesh is None:
+            return None
+        if self.shape.dp_replicate > 1 and self.shape.dp_shard > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        if self.shape.dp_replicate > 1:
+            return self.mesh["dp_replicate"]
+        return self.mesh["dp_shard"]
 
     @property
     def tp_mesh(self) -> Optional[DeviceMesh]:

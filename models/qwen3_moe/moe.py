@@ -124,30 +124,42 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, width, inner))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (M, hidden): rows grouped by expert, ``counts`` (E,) rows each -> (M, hidden) in the same order."""
+        """x (M, hidden): rows grouped by expert, ``counts`` (E,) rows each -> (M, hidden) in the same order.
+        Under expert parallelism the experts are this rank's (``counts`` has one entry per local expert)."""
         kernel = self.kernel
+        weights = self._local_weights()
         if kernel == "auto":
-            kernel = "grouped" if grouped_mm_supported(x, self.down_proj.shape[1:]) else "loop"
+            kernel = "grouped" if grouped_mm_supported(x, weights[2].shape[1:]) else "loop"
         if kernel == "grouped":
-            return self._grouped(x, counts)
-        return self._loop(x, counts)
+            return self._grouped(x, counts, weights)
+        return self._loop(x, counts, weights)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate, up, down: the stacked weights, or this rank's experts of them where expert parallelism
+        made them DTensors sharded on dim 0 (distributed/expert_parallel.py)."""
+        from torch.distributed.tensor import DTensor
+
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
         # unbind: one backward node that stacks the experts' gradients (zeros for an expert without rows)
-        gate, up, down = self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0)
+        gate, up, down = (w.unbind(0) for w in weights)
         outputs = []
         for expert, rows in enumerate(x.split(counts.tolist())):
             if rows.shape[0]:
                 outputs.append(F.linear(F.silu(F.linear(rows, gate[expert])) * F.linear(rows, up[expert]), down[expert]))
+        if not outputs:  # no rows for any of this rank's experts (expert parallelism): zero gradients, not none
+            outputs.append(F.linear(F.silu(F.linear(x, gate[0])) * F.linear(x, up[0]), down[0]))
         return torch.cat(outputs)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         offsets = counts.cumsum(0).to(torch.int32)  # the last is x's row count: every output row is written
         x = x.to(dtype)
-        gate = torch._grouped_mm(x, self.gate_proj.to(dtype).transpose(-2, -1), offs=offsets)  # (M, inner)
-        up = torch._grouped_mm(x, self.up_proj.to(dtype).transpose(-2, -1), offs=offsets)  # (M, inner)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
+        gate_proj, up_proj, down_proj = (w.to(dtype).transpose(-2, -1) for w in weights)
+        gate = torch._grouped_mm(x, gate_proj, offs=offsets)  # (M, inner)
+        up = torch._grouped_mm(x, up_proj, offs=offsets)  # (M, inner)
+        return torch._grouped_mm(F.silu(gate) * up, down_proj, offs=offsets)
 
 
 class SparseMoe(nn.Module):
@@ -168,7 +180,12 @@ class SparseMoe(nn.Module):
         top_k = routing.experts.shape[1]
         dispatch = plan_dispatch(routing.experts, self.num_experts)
         repeated = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, width)  # (N * k, d): row a is token a // k
-        grouped = self.experts(repeated.index_select(0, dispatch.order), dispatch.counts)  # (N * k, d) by expert
+        grouped = repeated.index_select(0, dispatch.order)  # (N * k, d) by expert
+        expert_parallel = getattr(self.experts, "expert_parallel", None)  # set by distributed/expert_parallel.py
+        if expert_parallel is None:
+            grouped = self.experts(grouped, dispatch.counts)
+        else:  # to the ranks holding the experts and back, in the same order
+            grouped = expert_parallel.exchange(grouped, dispatch.counts, self.experts)
         out = grouped.index_select(0, dispatch.inverse).view(-1, top_k, width)  # (N, k, d) by token and slot
         out = (out * routing.weights.unsqueeze(-1)).sum(dim=1)  # (N, d): the slots added in slot order
         return out.view(batch, seq_len, width), routing.probs.sum(dim=0), dispatch.counts

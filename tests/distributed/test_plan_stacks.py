@@ -49,14 +49,28 @@ class Block(nn.Module):
 
 
 class ExpertWeights(nn.Module):
-    """Every expert's weight stacked on dim 0; the mean of their outputs (no router: a shape only)."""
+    """Every expert's weight stacked on dim 0; the mean of their outputs (no router: every token goes to
+    every expert). Under expert parallelism (``expert_parallel`` set, distributed/expert_parallel.py) the
+    rows go to the ranks holding their experts and back."""
 
     def __init__(self, count: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(count, HIDDEN, HIDDEN) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("bth,ehk->btk", x, self.weight) / self.weight.shape[0]
+        count = self.weight.shape[0]
+        expert_parallel = getattr(self, "expert_parallel", None)
+        if expert_parallel is None:
+            return torch.einsum("bth,ehk->btk", x, self.weight) / count
+        rows = x.reshape(-1, HIDDEN)
+
+        def run(local_rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+            weight = self.weight.to_local()
+            return torch.cat([part @ weight[e] for e, part in enumerate(local_rows.split(local_counts.tolist()))])
+
+        counts = torch.full((count,), rows.shape[0], dtype=torch.int64)
+        out = expert_parallel.exchange(rows.repeat(count, 1), counts, run)  # expert e's rows: block e
+        return out.view(count, *x.shape).sum(dim=0) / count
 
 
 class Vision(nn.Module):

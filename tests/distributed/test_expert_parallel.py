@@ -1,0 +1,202 @@
+"""Expert parallelism (distributed/expert_parallel.py) on 2 gloo ranks, with a tiny Qwen3-MoE.
+
+EP=2 splits each sparse block's 4 experts 2 + 2 over the ranks and exchanges the tokens by all-to-all.
+Against EP=1 (the plain model over the whole batch in one process, and FSDP on 2 ranks without the
+axis) the loss and every gradient agree within fp32 tolerance, and each degree repeats bit for bit.
+The experts are DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
+EP=2 loads into the plain model, and one written by the plain model loads at EP=2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from core.config import ParallelConfig
+from core.config_schema import model_config_class
+from core.distributed_context import DistributedContext
+from distributed import build_mesh, parallelize
+from distributed.expert_parallel import apply_expert_parallel, expert_modules
+from models.builder import build
+from models.forward import ModelInputs, model_forward
+from models.qwen3_moe.family import Qwen3MoeSettings
+from tests.distributed.dist_harness import run_on_ranks
+
+VOCAB, ROWS, SEQ = 64, 4, 12
+EXPERT_KEYS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+
+pytestmark = pytest.mark.slow
+
+
+def _config():
+    """3 layers (the middle one dense), 4 experts, top-2: each ep rank holds 2 experts of a sparse block."""
+    section = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=(1,),
+                   norm_topk_prob=True, router_aux_loss_coef=0.0)
+    return model_config_class()(arch="qwen3_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
+                                num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, tie_embeddings=False,
+                                max_position_embeddings=64, qwen3_moe=Qwen3MoeSettings(**section))
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    return build(_config(), generator=torch.Generator().manual_seed(seed))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(11))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _parallel(**overrides: Any) -> ParallelConfig:
+    return dataclasses.replace(ParallelConfig(device="cpu", backend="gloo", strategy="fsdp"), **overrides)
+
+
+def _loss(model: torch.nn.Module, rows: slice, world: int) -> torch.Tensor:
+    """This rank's share of the global mean cross-entropy, times ``world`` (the loop's convention:
+    data-parallel wrappers average the gradients)."""
+    ids, labels = _batch()
+    logits = model_forward(model, ModelInputs(ids[rows])).logits
+    return F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten(), reduction="sum") * world / labels.numel()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _reference() -> tuple[float, dict[str, torch.Tensor]]:
+    """EP=1 in one process: the whole batch's loss and gradients."""
+    model = _model()
+    loss = _loss(model, slice(0, ROWS), 1)
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _ep_plain(topology) -> tuple[float, dict[str, torch.Tensor]]:
+    """EP=2 without FSDP: experts split and exchanged, every other gradient summed over the ranks here."""
+    model = _model()
+    changed = apply_expert_parallel(model, topology.ep_mesh)
+    assert [type(m).__name__ for m in changed] == ["Experts", "Experts"]  # layers 0 and 2; layer 1 is dense
+    per_rank = ROWS // 2
+    loss = _loss(model, slice(topology.dp_rank * per_rank, (topology.dp_rank + 1) * per_rank), 1)
+    loss.backward()
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor):  # an expert's: the all-to-all's backward summed every rank's tokens
+            grads[name] = grad.full_tensor()
+        else:
+            grad = grad.clone()
+            torch.distributed.all_reduce(grad)
+            grads[name] = grad
+    return float(total), grads
+
+
+def _ep_fsdp(dist: DistributedContext, ep: int, *, load: Path | None = None,
+             save: Path | None = None) -> dict[str, Any]:
+    """FSDP on 2 ranks at ``ep``: one step's loss and full gradients; optionally load a state first
+    (DCP) or save the model after an SGD update."""
+    parallel = _parallel(ep=ep)
+    topology = build_mesh(parallel, dist)
+    model = parallelize(_model(), parallel, dist, topology)
+    if load is not None:
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=str(load))
+        set_model_state_dict(model, state)
+    per_rank = ROWS // topology.dp_size
+    loss = _loss(model, slice(topology.dp_rank * per_rank, (topology.dp_rank + 1) * per_rank), topology.dp_size)
+    loss.backward()
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    out = {"loss": float(total) / topology.dp_size, "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
+           "experts": [isinstance(m, FSDPModule) for m in expert_modules(model)]}
+    out["weights"] = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    if save is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.sub_(0.5 * param.grad)
+        dcp.save(get_model_state_dict(model), checkpoint_id=str(save))
+        out["saved"] = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    return out
+
+
+def _on_ranks(directory: str) -> dict[str, Any]:
+    with DistributedContext.from_env(_parallel(strategy="ddp")) as dist:
+        topology = build_mesh(_parallel(ep=2), dist)
+        out = {"plain": [_ep_plain(topology) for _ in range(2)]}
+        out["fsdp_ep1"] = [_ep_fsdp(dist, 1) for _ in range(2)]
+        out["fsdp_ep2"] = [_ep_fsdp(dist, 2, save=Path(directory) / "ep2")]
+        out["fsdp_ep2"].append(_ep_fsdp(dist, 2))
+        out["loaded_ep2"] = _ep_fsdp(dist, 2, load=Path(directory) / "ep1")
+        return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    """A directory holding ``ep1``: the plain model (seed 5) written by DCP from one process."""
+    directory = tmp_path_factory.mktemp("ep")
+    dcp.save(get_model_state_dict(_model(seed=5)), checkpoint_id=str(directory / "ep1"), no_dist=True)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints) -> list[dict[str, Any]]:
+    return run_on_ranks(_on_ranks, 2, str(checkpoints))
+
+
+def _assert_close(got: tuple[float, dict], want: tuple[float, dict]) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert sorted(got[1]) == sorted(want[1])
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_ep2_equals_ep1_without_fsdp_and_repeats_bitwise(ranks):
+    reference = _reference()
+    for result in ranks:
+        first, second = result["plain"]
+        _assert_close(first, reference)
+        assert first[0] == second[0] and all(torch.equal(first[1][n], second[1][n]) for n in first[1])
+    # every rank ends with the same full gradients
+    assert all(torch.equal(ranks[0]["plain"][0][1][n], ranks[1]["plain"][0][1][n]) for n in reference[1])
+
+
+def test_ep2_under_fsdp_equals_ep1_and_repeats_bitwise(ranks):
+    reference = _reference()
+    for result in ranks:
+        ep1, ep2 = result["fsdp_ep1"][0], result["fsdp_ep2"][0]
+        assert ep1["experts"] == [] and ep2["experts"] == [True, True]  # the split experts are FSDP units
+        _assert_close((ep1["loss"], ep1["grads"]), reference)
+        _assert_close((ep2["loss"], ep2["grads"]), reference)
+        for runs in (result["fsdp_ep1"], result["fsdp_ep2"]):
+            assert runs[0]["loss"] == runs[1]["loss"]
+            assert all(torch.equal(runs[0]["grads"][n], runs[1]["grads"][n]) for n in reference[1])
+
+
+def test_a_state_saved_at_ep2_loads_into_the_plain_model(ranks, checkpoints):
+    model = _model(seed=9)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=str(checkpoints / "ep2"), no_dist=True)
+    set_model_state_dict(model, state)
+    saved = ranks[0]["fsdp_ep2"][0]["saved"]
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), saved[name]), name
+    assert any(key in name for name in saved for key in EXPERT_KEYS)
+
+
+def test_a_plain_models_state_loads_at_ep2(ranks):
+    source = dict(_model(seed=5).named_parameters())
+    for result in ranks:
+        loaded = result["loaded_ep2"]
+        for name, param in source.items():
+            assert torch.equal(loaded["weights"][name], param.detach()), name
+
