@@ -95,6 +95,7 @@ def _prepare(args) -> int:
         print("\nconfig section for these shards:\n" + recommended_data_section(out))
         _prepare_tasks(Path(out).parent / TASKS_DIR, force=args.force)  # beside the stdlib shards
         _prepare_agent_tasks(Path(out).parent / TASKS_DIR / AGENT_DIR, force=args.force)
+        _prepare_photographs(Path(out).parent / PHOTOGRAPHS_DIR, force=args.force)
     return 0
 
 
@@ -134,6 +135,23 @@ def _prepare_agent_tasks(out: Path, *, force: bool) -> None:
     counts = write_agent_datasets(out, **AGENT_SPEC)
     stamp.write_text(json.dumps(AGENT_SPEC))
     print(f"wrote: {out} ({sum(counts.values())} records in {len(counts)} files)")
+
+
+PHOTOGRAPHS_DIR = "images/photographs"
+"""The pinned photographs (data/vision/photographs.py), copied from the installed scikit-image."""
+
+
+def _prepare_photographs(out: Path, *, force: bool) -> None:
+    """Copy the photographs once; without scikit-image (not a runtime dependency) say so and go on."""
+    from data.vision.photographs import PHOTOGRAPHS, copy_photographs, wheel_directory
+
+    try:
+        wheel_directory()
+    except UsageError as exc:
+        print(f"skipped: {out} ({exc.message}; {exc.hint})")
+        return
+    rebuilt = copy_photographs(out, force=force)
+    print(f"wrote: {out} ({len(PHOTOGRAPHS)} photographs, sha256 checked)" if rebuilt else f"up to date: {out}")
 
 
 def _prepare_tokenizer(args) -> int:
