@@ -97,7 +97,10 @@ def registered_sections() -> list[str]:
             keys += [f"objective.{kind.name}.{k}" for k in kind.hashed_only_when_set]
             if not kind.hash_default_section:
                 keys.append(f"objective.{kind.name}")
-    keys += [f"model.{f.name}" for f in model_families() if f.settings is not None]
+    for family in model_families():
+        if family.settings is not None:
+            keys += [f"model.{family.name}.{k}" for k in family.hashed_only_when_set]
+            keys.append(f"model.{family.name}")
     return keys
 
 

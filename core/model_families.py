@@ -61,6 +61,8 @@ class ModelFamily:
     """The linear layers of a block that model.lora.targets may name, in their order."""
     validate: Optional[Callable[[Any], None]] = None
     """Its checks of a loaded config (its section, model.* against it), torch-free; raises ConfigError."""
+    hashed_only_when_set: tuple[str, ...] = ()
+    """Keys of its section left out of the config hash at their default (keys added after configs set the section)."""
 
     def default(self, key: str) -> Any:
         """What model.<key> left at None means for this family (KeyError: the family declares none)."""

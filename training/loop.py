@@ -476,6 +476,9 @@ class Trainer:
                                     parts=others)
             for part in self.parts.values():
                 part.optimizer.zero_grad(set_to_none=True)
+            after_update = getattr(unwrap(self.model), "after_update", None)
+            if after_update is not None:  # state a model moves after each update (a router's balancing bias)
+                after_update(self._sum_over_replicas)
             self.parallel.sync()
         return values, names, maximum_names
 
@@ -700,6 +703,14 @@ class Trainer:
         # host wait for the GPU's queue before it could go on.
         t = torch.tensor([value], dtype=torch.float64)
         return float(self.dist.host_all_reduce(t)[0]) / tp
+
+    def _sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An integer tensor summed exactly over the data-parallel replicas (``after_update``'s reducer):
+        int64 over all ranks, divided by the tensor-parallel peers that counted the same rows."""
+        if not self.dist.is_distributed:
+            return tensor
+        t = self.dist.all_reduce(tensor.detach().to(self._reduce_device, torch.int64).clone())
+        return t // self.parallel.tp_size
 
     def _all_reduce_host(self, values: list[float]) -> list[float]:
         """Per-replica host numbers summed over the data-parallel replicas on the host (gloo), as

@@ -30,6 +30,8 @@ class MoeDims(QwenDims):
     """Per layer: a mixture of experts (True) or a dense MLP of intermediate_size (False)."""
     router_aux_loss_coef: float
     """Weight of the load-balancing auxiliary loss."""
+    bias_update_rate: float = 0.0
+    """Step of the auxiliary-loss-free balancing bias (0: the routers have no bias)."""
 
     @property
     def num_sparse_layers(self) -> int:
@@ -50,4 +52,5 @@ def resolve_moe_dims(config: ModelConfig) -> MoeDims:
         norm_topk_prob=s.norm_topk_prob,
         sparse=sparse_layers(s, config.num_layers),
         router_aux_loss_coef=s.router_aux_loss_coef,
+        bias_update_rate=s.bias_update_rate,
     )

@@ -42,6 +42,8 @@ class Qwen3MoeSettings:
     """Layers (0-based) with a dense MLP of model.intermediate_size instead of experts."""
     router_aux_loss_coef: float = 0.001
     """Weight of the load-balancing auxiliary loss (0: not added, the load metrics are still recorded)."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert router bias, added only to choose the top-k, moved by this rate times sign(mean load - load) after each optimizer step (0: off, no bias)."""
 
 
 def settings_of(model_config) -> Qwen3MoeSettings:
@@ -56,8 +58,15 @@ def sparse_layers(settings: Qwen3MoeSettings, num_layers: int) -> tuple[bool, ..
 
 
 def validate(config: Config) -> None:
-    """The checks of model.qwen3_moe and of the model.* keys this family reads its own way."""
+    """The checks of model.qwen3_moe and of the model.* keys this family reads its own way, and that
+    parallel.ep splits the experts evenly."""
     check_model(config.model)
+    experts, ep = settings_of(config.model).num_experts, config.parallel.ep
+    if ep > 1 and experts % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide model.{NAME}.num_experts={experts}: each expert-parallel rank "
+            f"holds the same number of experts", key="parallel.ep",
+            hint=f"use a parallel.ep that divides {experts}, or a num_experts that is a multiple of {ep}")
 
 
 def check_model(model) -> None:
@@ -87,6 +96,9 @@ def check_model(model) -> None:
     if not (math.isfinite(s.router_aux_loss_coef) and s.router_aux_loss_coef >= 0):
         raise ConfigError(f"{where}.router_aux_loss_coef must be a finite number >= 0, got {s.router_aux_loss_coef}",
                           key=f"{where}.router_aux_loss_coef")
+    if not (math.isfinite(s.bias_update_rate) and s.bias_update_rate >= 0):
+        raise ConfigError(f"{where}.bias_update_rate must be a finite number >= 0, got {s.bias_update_rate}",
+                          key=f"{where}.bias_update_rate", hint="0 turns auxiliary-loss-free balancing off")
     if model.qk_norm is False:
         raise ConfigError("Qwen3-MoE's attention always normalizes q and k per head: model.qk_norm=false has no "
                           "Qwen3MoeForCausalLM to compute it", key="model.qk_norm", hint="leave model.qk_norm unset")
@@ -112,6 +124,7 @@ QWEN3_MOE = ModelFamily(
     generation_copy=f"{_HERE}.generation_copy:generation_copy",
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
     validate=validate,
+    hashed_only_when_set=("bias_update_rate",),
 )
 
 FAMILIES = (QWEN3_MOE,)

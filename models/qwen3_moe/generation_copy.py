@@ -17,6 +17,7 @@ from core.exceptions import ConfigError
 from models.lora import LoRALinear, lora_modules, merge_lora
 from models.nf4 import NF4Linear
 from models.qwen3_moe.model import Qwen3MoeForCausalLM, empty_model
+from models.qwen3_moe.moe import BIAS
 
 
 def generation_copy(
@@ -66,6 +67,10 @@ def generation_copy(
         for name, value in state.items():  # the same order on every rank: collectives line up
             if name in params:
                 params[name].copy_(full_tensor(value))
+    with torch.no_grad():  # the routers' balancing biases (replicated, never sharded): routing as in training
+        targets = dict(fresh.routers_with_bias())
+        for layer, router in model.routers_with_bias():
+            getattr(targets[layer], BIAS).copy_(getattr(router, BIAS))
     fresh.tie_weights()
     if adapters:
         fresh = merge_lora(fresh, inplace=True)

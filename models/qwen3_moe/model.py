@@ -13,7 +13,17 @@ The forward returns a ``ModelOutput`` (models/forward.py) with, beside the logit
   batch's input tokens with weight ``router_aux_loss_coef`` (left out where the coefficient is 0);
 - ``metrics["layer<i>_load_min"]`` and ``["layer<i>_load_max"]`` for each sparse layer i: the fewest
   and the most tokens an expert received, over the mean tokens per expert (N * top_k / E), so 1.0 is
-  a perfectly even load; summed over micro-batches and ranks as sums and counts.
+  a perfectly even load; summed over micro-batches and ranks as sums and counts;
+- with auxiliary-loss-free balancing (``model.qwen3_moe.bias_update_rate > 0``),
+  ``metrics["layer<i>_bias_min"]`` and ``["layer<i>_bias_max"]``: the range of the router bias this
+  forward chose with (a mean over the step's forwards of the one value).
+
+Auxiliary-loss-free balancing: a forward that records gradients adds each sparse layer's tokens per
+expert to the step's counts (the model's own forward, not a block's: an activation-checkpointed
+block's recomputation adds nothing); ``after_update(sum_over_replicas)``, which the training loop
+calls after each optimizer update, sums them over the data-parallel replicas and moves every
+router's bias by ``moe.bias_step``. Integer counts summed over micro-batches and ranks: the bias
+does not depend on how the step's batch is split.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from models.numerics import Numerics
 from models.qwen.model import QwenAttention, QwenMLP, RMSNorm
 from models.qwen.rope import RotaryTable
 from models.qwen3_moe.dims import MoeDims, resolve_moe_dims
-from models.qwen3_moe.moe import SparseMoe, load_balancing_loss
+from models.qwen3_moe.moe import BIAS, Router, SparseMoe, bias_step, load_balancing_loss
 
 
 class Qwen3MoeBlock(nn.Module):
@@ -89,6 +99,28 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
         self.tie_weights()
+        self.step_counts: torch.Tensor | None = None  # (sparse layers, E) int64: this step's tokens per expert
+
+    def routers_with_bias(self) -> list[tuple[int, nn.Module]]:
+        """(layer, router) of each sparse layer whose router carries a balancing bias, in layer order."""
+        found = []
+        for name, module in self.named_modules():  # names survive the wrappers around a block
+            if isinstance(module, Router) and getattr(module, BIAS, None) is not None:
+                found.append((int(name.split(".")[1]), module))  # layers.<i>. ...
+        return found
+
+    @torch.no_grad()
+    def after_update(self, sum_over_replicas: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """After an optimizer update (the training loop's hook): the step's tokens per expert, summed over
+        the data-parallel replicas by ``sum_over_replicas``, move each router's balancing bias
+        (``moe.bias_step``); nothing without auxiliary-loss-free balancing or without a recorded forward."""
+        counts, self.step_counts = self.step_counts, None
+        if counts is None:
+            return
+        counts = sum_over_replicas(counts)
+        for row, (_, router) in enumerate(self.routers_with_bias()):
+            bias = getattr(router, BIAS)
+            bias.copy_(bias_step(bias.to(torch.float32), counts[row].to(bias.device), self.dims.bias_update_rate))
 
     @property
     def parallel_plan(self) -> ModelParallelPlan:
@@ -147,6 +179,13 @@ class Qwen3MoeForCausalLM(nn.Module):
                 counts.append(count)
                 metrics[f"layer{layer}_load_min"] = ModelMetric(count.min().to(torch.float32), mean_load)
                 metrics[f"layer{layer}_load_max"] = ModelMetric(count.max().to(torch.float32), mean_load)
+        for layer, router in self.routers_with_bias():
+            bias = getattr(router, BIAS).detach().to(torch.float32)
+            metrics[f"layer{layer}_bias_min"] = ModelMetric(bias.min(), 1.0)
+            metrics[f"layer{layer}_bias_max"] = ModelMetric(bias.max(), 1.0)
+        if self.dims.bias_update_rate > 0 and torch.is_grad_enabled():  # a training forward: the step's counts
+            stacked = torch.stack([c.to(torch.int64) for c in counts])  # (sparse layers, E)
+            self.step_counts = stacked if self.step_counts is None else self.step_counts + stacked
         aux = {}
         if self.dims.router_aux_loss_coef > 0:
             balance = load_balancing_loss(prob_sums, counts, tokens)
@@ -222,4 +261,6 @@ def empty_model(config: ModelConfig, *, device: torch.device | str | None = None
     model.tie_weights()
     if dtype != torch.float32:
         model.to(dtype)
+    for _, router in model.routers_with_bias():  # the balancing bias starts at 0 and stays fp32 (its steps are small)
+        setattr(router, BIAS, torch.zeros_like(getattr(router, BIAS), dtype=torch.float32))
     return model

@@ -90,19 +90,44 @@ def grouped_mm_supported(x: torch.Tensor, widths: Sequence[int]) -> bool:
     return dtype == torch.bfloat16 and all(w % 8 == 0 for w in widths)
 
 
+BIAS = "e_score_correction_bias"
+"""The router's balancing bias buffer (DeepSeek-V3's name), present only under model.qwen3_moe.bias_update_rate > 0."""
+
+
+def bias_step(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch.Tensor:
+    """Auxiliary-loss-free balancing's update of ``bias`` (E,) fp32 from the step's global tokens per
+    expert ``counts`` (E,) int: ``bias + rate * sign(mean load - load)``, the sign taken exactly in
+    integers (``sum(counts) - E * count``), so an expert at the mean load keeps its bias."""
+    counts = counts.to(torch.int64)
+    direction = torch.sign(counts.sum() - counts.numel() * counts).to(torch.float32)  # (E,)
+    return bias + rate * direction
+
+
 class Router(nn.Module):
-    """Token -> its top-k experts and their weights (module docstring); ``weight`` is (E, hidden)."""
+    """Token -> its top-k experts and their weights (module docstring); ``weight`` is (E, hidden).
+
+    With auxiliary-loss-free balancing (``dims.bias_update_rate > 0``) a per-expert fp32 buffer
+    ``e_score_correction_bias`` (E,) is added to the probabilities for choosing the top-k only; the
+    weights are the chosen experts' unbiased probabilities. The model moves it after each optimizer
+    step (``bias_step``); it is in the state dict, so checkpoints carry it."""
 
     def __init__(self, dims: MoeDims) -> None:
         super().__init__()
         self.top_k = dims.top_k
         self.norm_topk_prob = dims.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(dims.num_experts, dims.hidden_size))
+        if dims.bias_update_rate > 0:
+            self.register_buffer(BIAS, torch.zeros(dims.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = F.linear(x, self.weight)  # (N, E) in the compute dtype
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
-        weights, experts = top_k_experts(probs, self.top_k)  # (N, k)
+        bias = getattr(self, BIAS, None)
+        if bias is None:
+            weights, experts = top_k_experts(probs, self.top_k)  # (N, k)
+        else:  # the bias chooses, the unbiased probabilities weigh
+            _, experts = top_k_experts(probs + bias.to(torch.float32), self.top_k)  # (N, k)
+            weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(probs=probs, weights=weights.to(logits.dtype), experts=experts)

@@ -23,7 +23,9 @@ from models.hf_config import model_config_from_hf
 from models.hf_weights import load_pretrained, save_pretrained
 from models.qwen3_moe.dims import resolve_moe_dims
 from models.qwen3_moe.family import Qwen3MoeSettings
-from models.qwen3_moe.moe import Experts, SparseMoe, load_balancing_loss, plan_dispatch, top_k_experts
+from models.qwen3_moe.generation_copy import generation_copy
+from models.qwen3_moe.moe import (BIAS, Experts, SparseMoe, bias_step, load_balancing_loss, plan_dispatch,
+                                  top_k_experts)
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 96
@@ -246,3 +248,104 @@ def test_the_section_is_hashed_only_when_set():
     moe = load(ROOT / "configs" / "tiny-moe.yaml")
     changed = load(ROOT / "configs" / "tiny-moe.yaml", ["model.qwen3_moe.router_aux_loss_coef=0.001"])
     assert config_hash(moe) != config_hash(changed)
+
+
+# ------------------------------------------------------------------ auxiliary-loss-free balancing, bad input
+
+
+def test_bias_step_on_hand_computed_loads():
+    # 4 experts, 12 assignments: mean load 3; loads 5, 3, 1, 3 -> signs -1, 0, +1, 0
+    bias = torch.tensor([0.5, -0.25, 0.0, 0.125])
+    moved = bias_step(bias, torch.tensor([5, 3, 1, 3]), 0.01)
+    assert torch.equal(moved, torch.tensor([0.5 - 0.01, -0.25, 0.01, 0.125]))
+    # a mean that is no integer (7 over 4 = 1.75): every expert moves
+    assert torch.equal(bias_step(torch.zeros(4), torch.tensor([2, 1, 4, 0]), 0.5), torch.tensor([-0.5, 0.5, -0.5, 0.5]))
+
+
+def test_the_bias_chooses_the_experts_and_the_probabilities_weigh_them():
+    model = build(_config(bias_update_rate=0.01, norm_topk_prob=False), generator=torch.Generator().manual_seed(3))
+    router = model.layers[0].mlp.gate
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    plain = router(x)
+    getattr(router, BIAS).copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 10.0]))  # expert 5 always wins a slot
+    biased = router(x)
+    assert torch.equal(biased.experts[:, 0], torch.full((5,), 5))
+    assert torch.equal(biased.weights, plain.probs.gather(-1, biased.experts))  # unbiased probabilities
+    assert torch.equal(biased.probs, plain.probs)  # the balancing loss reads the same probabilities
+
+
+def _bias_after_one_update(model, ids, rows_per_forward):
+    for start in range(0, ids.shape[0], rows_per_forward):
+        model_forward(model, ModelInputs(ids[start:start + rows_per_forward]))
+    counts = model.step_counts.clone()
+    model.after_update(lambda t: t)
+    return counts, [getattr(router, BIAS).clone() for _, router in model.routers_with_bias()]
+
+
+def test_the_bias_moves_by_the_steps_counts_whatever_the_micro_batches():
+    config = _config(bias_update_rate=0.01)
+    ids = _ids(seed=5, batch=4)
+    model = build(config, generator=torch.Generator().manual_seed(6))
+    counts_1x4, bias_1x4 = _bias_after_one_update(model, ids, 4)
+    model = build(config, generator=torch.Generator().manual_seed(6))
+    counts_4x1, bias_4x1 = _bias_after_one_update(model, ids, 1)
+    assert counts_1x4.shape == (2, 6) and counts_1x4.sum() == 2 * 4 * 11 * 2  # sparse layers 0 and 2, top-2
+    assert torch.equal(counts_1x4, counts_4x1)
+    assert all(torch.equal(a, b) for a, b in zip(bias_1x4, bias_4x1))
+    assert [torch.equal(b, bias_step(torch.zeros(6), c, 0.01)) for b, c in zip(bias_1x4, counts_1x4)] == [True, True]
+    assert model.step_counts is None  # counted again from the next step's forwards
+    with torch.no_grad():  # an evaluation or a reference forward counts nothing
+        model_forward(model, ModelInputs(ids))
+    assert model.step_counts is None
+
+
+def test_the_bias_is_model_state_reported_and_copied_for_the_sampler():
+    model = build(_config(bias_update_rate=0.01), generator=torch.Generator().manual_seed(2))
+    keys = [k for k in model.state_dict() if k.endswith(BIAS)]
+    assert keys == [f"layers.0.mlp.gate.{BIAS}", f"layers.2.mlp.gate.{BIAS}"]
+    assert all(float(model.state_dict()[k].abs().sum()) == 0.0 for k in keys)  # starts at 0
+    getattr(model.layers[2].mlp.gate, BIAS).copy_(torch.tensor([0.1, -0.2, 0.0, 0.0, 0.3, 0.0]))
+    out = model_forward(model, ModelInputs(_ids()))
+    assert (float(out.metrics["layer2_bias_min"].sum), float(out.metrics["layer2_bias_max"].sum)) == \
+        (pytest.approx(-0.2), pytest.approx(0.3))
+    copy = generation_copy(model, dict(model.named_parameters()), dtype=torch.bfloat16)
+    assert getattr(copy.layers[2].mlp.gate, BIAS).dtype == torch.float32  # the bias stays fp32
+    assert torch.equal(getattr(copy.layers[2].mlp.gate, BIAS), getattr(model.layers[2].mlp.gate, BIAS))
+    plain = build(_config(), generator=torch.Generator().manual_seed(2))
+    assert plain.routers_with_bias() == [] and not any(k.endswith(BIAS) for k in plain.state_dict())
+
+
+def test_bias_update_rate_is_hashed_only_when_set():
+    moe = load(ROOT / "configs" / "tiny-moe.yaml")
+    assert config_hash(moe) == config_hash(load(ROOT / "configs" / "tiny-moe.yaml",
+                                                 ["model.qwen3_moe.bias_update_rate=0.0"]))
+    assert config_hash(moe) != config_hash(load(ROOT / "configs" / "tiny-moe.yaml",
+                                                 ["model.qwen3_moe.bias_update_rate=0.001"]))
+    with pytest.raises(ConfigError, match="bias_update_rate must be a finite number >= 0") as err:
+        load(ROOT / "configs" / "tiny-moe.yaml", ["model.qwen3_moe.bias_update_rate=-0.1"])
+    assert err.value.context["key"] == "model.qwen3_moe.bias_update_rate"
+
+
+def test_an_expert_parallel_degree_that_does_not_divide_the_experts_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 does not divide model.qwen3_moe.num_experts=8") as err:
+        load(ROOT / "configs" / "tiny-moe.yaml", ["parallel.ep=3"])
+    assert err.value.context["key"] == "parallel.ep" and err.value.exit_code == 2
+
+
+def test_a_checkpoint_of_another_expert_count_is_refused_naming_both_shapes(tmp_path):
+    from core.config import CheckpointConfig
+    from core.distributed_context import DistributedContext
+    from core.exceptions import CheckpointError
+    from training.checkpoint.manager import CheckpointManager
+
+    dist = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
+                              timeout_s=60)
+    manager = CheckpointManager(CheckpointConfig(), checkpoint_dir=tmp_path, dist=dist)
+    saved = build(_config(num_experts=4), generator=torch.Generator().manual_seed(1))
+    manager.save(1, model=saved, optimizer=torch.optim.SGD(saved.parameters()), states={"trainer": {}, "data": {}})
+    manager.wait()
+    other = build(_config(num_experts=6), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(CheckpointError, match=r"layers.0.mlp.gate.weight has shape \[4, 32\] in the checkpoint, "
+                                              r"but \[6, 32\]") as err:
+        manager.load(manager.latest_intact()[1], model=other, optimizer=torch.optim.SGD(other.parameters()))
+    assert err.value.exit_code == 4

@@ -723,6 +723,8 @@ class CheckpointManager:
             else:
                 request[model_key] = _without_frozen(module, get_model_state_dict(module, options=_STATE_DICT_OPTIONS))
         check_nothing_left_behind({k for k in saved if any(k.startswith(f"{top}.") for top in request)}, request)
+        for name in trained:
+            _check_model_shapes(saved, part_keys(name)[0], request[part_keys(name)[0]], path)
         dcp.load(request, storage_reader=reader, process_group=group, no_dist=group is None)
         for name, (module, optimizer) in trained.items():
             model_key, optim_key = part_keys(name)
@@ -733,6 +735,18 @@ class CheckpointManager:
                 set_model_state_dict(module, request[model_key], options=_load_options(module))
                 if optimizer is not None:  # saved before its first step: fresh state
                     optimizer.state.clear()
+
+
+def _check_model_shapes(saved, model_key: str, state: Mapping[str, Any], path: Path) -> None:
+    """Each model tensor's shape in the checkpoint is the live model's (global, for a DTensor): a
+    checkpoint of another shape (another expert count, width or vocabulary) names both shapes."""
+    for name, value in state.items():
+        size = getattr(saved.get(f"{model_key}.{name}"), "size", None)
+        if size is not None and isinstance(value, torch.Tensor) and tuple(size) != tuple(value.shape):
+            raise CheckpointError(
+                f"{model_key}.{name} has shape {list(size)} in the checkpoint, but {list(value.shape)} in this run's "
+                f"model", path=str(path),
+                hint="a checkpoint loads only into the model shape it was saved from (model.* as the run recorded)")
 
 
 def _check_part_names(saved_keys, trained: Mapping[str, TrainedState], path: Path) -> None:
