@@ -98,7 +98,7 @@ class ImageProcessing:
         return CHANNELS * self.temporal_patch_size * self.patch_size**2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ProcessedImage:
     """One image as the vision tower reads it."""
 

@@ -109,6 +109,21 @@ def test_transparency_grey_and_palette_images_equal_transformers():
     _assert_equal_to_transformers(ours, [Image.open(io.BytesIO(data)) for data in sources], processing)
 
 
+def test_exif_orientation_is_applied_as_transformers_load_image_does(tmp_path):
+    """A JPEG whose EXIF says "rotate 90": decoded upright, as transformers.image_utils.load_image
+    hands it to the processor."""
+    load = pytest.importorskip("transformers.image_utils").load_image
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: the stored image is to be rotated 90 degrees clockwise
+    path = tmp_path / "rotated.jpg"
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (40, 90, 3), dtype=np.uint8)).save(
+        path, format="JPEG", exif=exif)
+    pixels, _ = decode_image(path)
+    assert pixels.shape == (90, 40, 3)
+    processing = ImageProcessing(min_pixels=4 * 28 * 28)
+    _assert_equal_to_transformers([load_image(path, processing)], [load(str(path))], processing)
+
+
 @pytest.mark.parametrize("height,width", [(1, 1), (10, 1990), (1990, 10), (28, 28), (27, 29), (4000, 3000),
                                           (123, 4567), (14, 2800), (3000, 31)])
 def test_smart_resize_is_transformers_rule(height, width):
