@@ -176,8 +176,11 @@ def decode_image(source: bytes | str | Path, processing: ImageProcessing = Image
         raise DataError(f"not an image ({len(data)} bytes in no format Pillow reads)", file=file,
                         record=record, hint="images are PNG, JPEG, GIF, BMP, WebP, TIFF ...") from None
     except Image.DecompressionBombError:
-        raise DataError(f"image is over Pillow's pixel limit ({Image.MAX_IMAGE_PIXELS * 2} pixels)",
-                        file=file, record=record, hint="downscale the image") from None
+        size = _header_size(data)
+        shape = f" of {size[0]}x{size[1]}" if size else ""
+        raise DataError(f"image{shape} is over Pillow's limit of {Image.MAX_IMAGE_PIXELS * 2} pixels "
+                        "(max_image_pixels cannot raise it)", file=file, record=record,
+                        hint="downscale the image") from None
     except (OSError, SyntaxError, ValueError, struct.error, EOFError) as exc:
         raise DataError(f"image is truncated or corrupt ({type(exc).__name__}: {exc})", file=file,
                         record=record, hint="re-encode or replace the image") from None

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from core.exceptions import DataError
+from core.exceptions import ConfigError, DataError
 from data.vision.images import ImageProcessing, decode_image, load_image, smart_resize
 from data.vision.photographs import COMPLETE, PHOTOGRAPHS, copy_photographs, photograph_path, wheel_directory
 
@@ -165,11 +165,12 @@ def test_prepare_copies_pinned_photographs_once(photographs, tmp_path):
         photograph_path("rocket", copy)
 
 
-def _zero_size_png() -> bytes:
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares its size and holds no pixels: refused from the header, before decoding."""
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 0, 0, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IEND", b""))
 
 
 def _jpeg(width: int, height: int) -> bytes:
@@ -184,8 +185,10 @@ BAD = {
     "truncated-jpeg": (lambda: _jpeg(96, 64)[:1500], "truncated or corrupt"),
     "not-an-image": (lambda: b'{"text": "a JSON line, not an image"}\n', "not an image"),
     "empty-file": (lambda: b"", "not an image"),
-    "zero-by-zero": (_zero_size_png, "image is 0x0"),
+    "zero-by-zero": (lambda: _png_header(0, 0), "image is 0x0"),
     "over-pixel-limit": (lambda: _png(Image.new("RGB", (200, 100))), "over max_image_pixels=10000"),
+    "header-over-pixel-limit": (lambda: _png_header(9000, 9000), "9000x9000 = 81000000 pixels is over"),
+    "header-over-pillow-limit": (lambda: _png_header(20000, 20000), "of 20000x20000 is over Pillow's limit"),
     "aspect-ratio": (lambda: _png(Image.new("RGB", (402, 2))), "aspect ratio of 201.0"),
 }
 
@@ -194,7 +197,7 @@ BAD = {
 def test_bad_image_file_is_a_data_error_naming_file_and_record(tmp_path, case):
     make, message = BAD[case]
     data = make()
-    processing = ImageProcessing(max_image_pixels=10_000)
+    processing = ImageProcessing(max_image_pixels=10_000 if case != "header-over-pixel-limit" else 64 << 20)
     path = tmp_path / f"{case}.img"
     path.write_bytes(data)
     with pytest.raises(DataError, match=message) as err:
@@ -205,6 +208,17 @@ def test_bad_image_file_is_a_data_error_naming_file_and_record(tmp_path, case):
     with pytest.raises(DataError, match=message) as err:
         load_image(data, processing, file="shard-00000.parquet")
     assert err.value.context == {"file": "shard-00000.parquet"}
+
+
+@pytest.mark.parametrize("settings,key", [({"min_pixels": 1000, "max_pixels": 999}, "min_pixels"),
+                                          ({"patch_size": 0}, "patch_size"), ({"merge_size": 1.5}, "merge_size"),
+                                          ({"image_std": (0.5, 0.0, 0.5)}, "image_std"),
+                                          ({"image_mean": (0.5, 0.5)}, "image_mean"),
+                                          ({"max_aspect_ratio": 0.5}, "max_aspect_ratio")])
+def test_bad_processing_settings_name_the_key(settings, key):
+    with pytest.raises(ConfigError, match=key) as err:
+        ImageProcessing(**settings)
+    assert err.value.context == {"key": key}
 
 
 def test_missing_image_file_is_a_data_error(tmp_path):
