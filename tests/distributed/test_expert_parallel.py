@@ -4,7 +4,9 @@ EP=2 splits each sparse block's 4 experts 2 + 2 over the ranks and exchanges the
 Against EP=1 (the plain model over the whole batch in one process, and FSDP on 2 ranks without the
 axis) the loss and every gradient agree within fp32 tolerance, and each degree repeats bit for bit.
 The experts are DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
-EP=2 loads into the plain model, and one written by the plain model loads at EP=2.
+EP=2 loads into the plain model, and one written by the plain model loads at EP=2; through train.py, a
+2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` resumes on one rank at ``parallel.ep=1``
+with the same batches and losses within fp32 noise.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from distributed.expert_parallel import apply_expert_parallel, expert_modules
 from models.builder import build
 from models.forward import ModelInputs, model_forward
 from models.qwen3_moe.family import Qwen3MoeSettings
+from tests import launch
 from tests.distributed.dist_harness import run_on_ranks
 
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB, ROWS, SEQ = 64, 4, 12
 EXPERT_KEYS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 
@@ -200,3 +204,22 @@ def test_a_plain_models_state_loads_at_ep2(ranks):
         for name, param in source.items():
             assert torch.equal(loaded["weights"][name], param.detach()), name
 
+
+
+def test_a_run_at_ep2_resumes_on_one_rank_at_ep1(e2e_workdir):
+    args = ["--config", str(ROOT / "configs" / "tiny-moe.yaml"), "run.name=ep2", "parallel.device=cpu",
+            "parallel.strategy=fsdp", "parallel.ep=2", "train.max_steps=4", "train.eval_interval=0",
+            "train.global_batch_size=8", "train.micro_batch_size=4", "data.seq_len=128", "checkpoint.interval=2"]
+    result = launch.train(e2e_workdir, args, nproc=2)
+    assert result.returncode == 0, result.stderr
+    reference = result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
+    copy = launch.cut_back_copy(reference, 2, "-one-rank")
+    resumed = launch.train(e2e_workdir, ["--resume", copy.name, "parallel.ep=1"], nproc=1)
+    assert resumed.returncode == 0, resumed.stderr
+    ref, got = launch.ledger(reference), launch.ledger(copy)
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and got[:2] == ref[:2]
+    for key in ("batch_hash", "data_state_hash"):
+        assert [r[key] for r in got] == [r[key] for r in ref], key
+    for a, b in zip(ref[2:], got[2:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
