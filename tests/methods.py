@@ -62,6 +62,19 @@ Notes on the rows that differ from the defaults:
   (tests/families/gelu_lm_train.py). Its auxiliary loss and per-stack metrics are the ledger's
   ``model/*`` fields: bitwise under kill/resume and replay, sums in another order across ranks
   and micro-batch sizes (``one_rank_close``, ``accumulation_close``). 6 steps, a checkpoint every 3.
+- ``moe`` pretrains a tiny Qwen3-MoE (tests/configs/e2e-moe.yaml: a dense layer, then 4 experts
+  top-2) with the load-balancing loss and auxiliary-loss-free balancing on. Its ``model/*``
+  fields (the auxiliary loss, the sparse layer's load min/max and router bias min/max) are bitwise
+  under kill/resume and replay, and the router bias resumes from the checkpoint (a buffer). On 1
+  rank the step's forwards are the same micro-batches, so the fields are sums in another order
+  (``one_rank_close``). Under accumulation the bias fields stay (the bias moves by the step's
+  integer tokens per expert, summed over micro-batches and ranks), but the balancing loss does
+  not: it multiplies two means over one forward's tokens (tokens per expert and router
+  probability), and the step adds each forward's value weighted by its tokens, so four forwards
+  of one row give another number than one of four (measured 0.9% apart: within 2e-2); its
+  gradient moves step 2's loss by 3e-6 relative, inside the loss's 1e-5. The load min/max are
+  the extremes of one forward's tokens per expert, which a forward of one row and one of four do
+  not share: the accumulation check leaves them out.
 """
 
 from __future__ import annotations
@@ -205,9 +218,20 @@ GELU_LM = Method("gelu-lm", "e2e-gelu-lm.yaml", entry="tests/families/gelu_lm_tr
                  one_rank_close={key: (1e-4, 1e-8) for key in GELU_LM_FIELDS},
                  accumulation_close={key: (1e-5, 1e-9) for key in GELU_LM_FIELDS})
 
+# Qwen3-MoE pretraining (the model.arch qwen3_moe family) with both balancing methods on; the row's
+# note says which model/* fields each check compares, and how closely.
+MOE_SPARSE_LAYER = 1
+MOE_LOAD_FIELDS = tuple(f"model/layer{MOE_SPARSE_LAYER}_load_{end}" for end in ("min", "max"))
+MOE_BIAS_FIELDS = tuple(f"model/layer{MOE_SPARSE_LAYER}_bias_{end}" for end in ("min", "max"))
+MOE_FIELDS = ("model/aux/load_balance", *MOE_LOAD_FIELDS, *MOE_BIAS_FIELDS)
+MOE = Method("moe", "e2e-moe.yaml", e2e_file="test_moe_e2e.py", steps=6, kill=Kill(seed=67), replay_steps=(2, 5),
+             one_rank_step=3, one_rank_close={key: (1e-5, 1e-8) for key in MOE_FIELDS},
+             accumulation_close={"model/aux/load_balance": (2e-2, 0.0),
+                                 **{key: (1e-6, 1e-9) for key in MOE_BIAS_FIELDS}})
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
            FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO, GRPO_MODEL_REWARD, PPO_MODEL_REWARD,
-           GELU_LM)
+           GELU_LM, MOE)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}

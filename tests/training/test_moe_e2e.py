@@ -1,0 +1,71 @@
+"""Qwen3-MoE pretraining through the whole stack (tests/configs/e2e-moe.yaml: a dense layer, then a
+router over 4 experts, top-2, with the load-balancing loss and auxiliary-loss-free balancing).
+
+The four guarantees are its row of the guarantee table (tests/methods.py, ``MOE``): SIGKILL + resume
+gives the uninterrupted ledger bit for bit (the ``model/*`` fields and so the router bias included),
+replay before and after a checkpoint verifies, the 2-rank checkpoint resumed on 1 rank and micro-
+batches 1 x 4 against 4 x 1 keep the batches, the loss and the fields the row's note names. Here, on
+the row's run: the balancing fields in the ledger, the bias a checkpoint holds being the one the next
+step chose with, and a bad ``parallel.ep`` refused by train.py's launcher (exit 2) before any rank starts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import launch
+from tests.guarantees import CONFIGS
+from tests.methods import MOE, MOE_BIAS_FIELDS, MOE_FIELDS, MOE_SPARSE_LAYER
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+RATE = 0.001  # e2e-moe.yaml's model.qwen3_moe.bias_update_rate
+
+
+@pytest.fixture(scope="module")
+def reference(reference_runs):
+    return reference_runs.run(MOE)
+
+
+def test_the_ledger_reports_the_load_the_balancing_loss_and_the_bias(reference):
+    lines = launch.ledger(reference)
+    assert all(set(MOE_FIELDS) <= set(line) for line in lines)
+    first = lines[0]
+    assert [first[key] for key in MOE_BIAS_FIELDS] == [0.0, 0.0]  # the bias starts at 0
+    for line in lines:
+        low, high = (line[key] for key in MOE_BIAS_FIELDS)
+        steps_taken = line["step"] - 1  # moved once after each update before this step's forwards
+        assert -RATE * steps_taken - 1e-9 <= low <= high <= RATE * steps_taken + 1e-9, line["step"]
+        assert line[f"model/layer{MOE_SPARSE_LAYER}_load_min"] <= 1.0 <= line[f"model/layer{MOE_SPARSE_LAYER}_load_max"]
+        assert line["model/aux/load_balance"] > 0
+    assert any(line[MOE_BIAS_FIELDS[1]] > 0 for line in lines[1:])  # it moved
+
+
+def test_the_checkpoint_holds_the_bias_the_next_step_chose_with(reference):
+    from core import config as config_lib
+    from core.layout import RunPaths
+    from models.qwen3_moe.moe import BIAS
+    from training.checkpoint.load import checkpoint_dir, load_checkpoint_model
+
+    paths = RunPaths(reference)
+    model = load_checkpoint_model(config_lib.load(paths.config), checkpoint_dir(paths, 3))
+    (layer, router), = model.routers_with_bias()
+    bias = getattr(router, BIAS)
+    after = launch.ledger(reference)[3]  # step 4: its forwards chose with the bias step 3 left
+    assert layer == MOE_SPARSE_LAYER and after["step"] == 4
+    assert (float(bias.min()), float(bias.max())) == (pytest.approx(after[MOE_BIAS_FIELDS[0]], rel=1e-6),
+                                                      pytest.approx(after[MOE_BIAS_FIELDS[1]], rel=1e-6))
+    assert bias.dtype.is_floating_point and bool((bias.abs() <= 3 * RATE + 1e-9).all())
+
+
+def test_an_expert_parallel_degree_that_does_not_divide_the_experts_exits_2(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--nproc", "2", "--config",
+                             str(CONFIGS / "e2e-moe.yaml"), "parallel.ep=2", "model.qwen3_moe.num_experts=3"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "parallel.ep=2 does not divide model.qwen3_moe.num_experts=3" in result.stderr
