@@ -2,7 +2,8 @@
 
 EP=2 splits each sparse block's 4 experts 2 + 2 over the ranks and exchanges the tokens by all-to-all.
 Against EP=1 (the plain model over the whole batch in one process, and FSDP on 2 ranks without the
-axis) the loss and every gradient agree within fp32 tolerance, and each degree repeats bit for bit.
+axis) the loss and every gradient agree within fp32 tolerance, and each degree repeats bit for bit; so
+do they on 4 ranks at EP=2, where FSDP shards the experts over the 2 ranks outside the ep group.
 The experts are DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
 EP=2 loads into the plain model, and one written by the plain model loads at EP=2; through train.py, a
 2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` resumes on one rank at ``parallel.ep=1``
@@ -144,6 +145,13 @@ def _on_ranks(directory: str) -> dict[str, Any]:
         return out
 
 
+def _on_four_ranks() -> dict[str, Any]:
+    """ep=2 with dp_shard=2: the experts' FSDP units shard over 2 ranks and sum their gradients."""
+    with DistributedContext.from_env(_parallel(strategy="ddp")) as dist:
+        topology = build_mesh(_parallel(ep=2), dist)
+        return {"shape": topology.shape, "expert_ranks": topology.expert_dp_mesh.size(), **_ep_fsdp(dist, 2)}
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     """A directory holding ``ep1``: the plain model (seed 5) written by DCP from one process."""
@@ -184,6 +192,13 @@ def test_ep2_under_fsdp_equals_ep1_and_repeats_bitwise(ranks):
         for runs in (result["fsdp_ep1"], result["fsdp_ep2"]):
             assert runs[0]["loss"] == runs[1]["loss"]
             assert all(torch.equal(runs[0]["grads"][n], runs[1]["grads"][n]) for n in reference[1])
+
+
+def test_ep2_over_two_shards_equals_ep1():
+    reference = _reference()
+    for result in run_on_ranks(_on_four_ranks, 4):
+        assert (result["shape"].dp_shard, result["shape"].ep, result["expert_ranks"]) == (2, 2, 2)
+        _assert_close((result["loss"], result["grads"]), reference)
 
 
 def test_a_state_saved_at_ep2_loads_into_the_plain_model(ranks, checkpoints):
