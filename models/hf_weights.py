@@ -82,9 +82,11 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> None:
         indices = range(slots) if slots is not None else (None,)
         expected.update({hf_key: (name, index) for hf_key, index in zip(hf_keys, indices)})
     filled: set[str] = set()
+    saved = model.state_dict().keys()  # persistent buffers (a router's balancing bias): filled where present
+    fillable = {**{name: b for name, b in model.named_buffers() if name in saved}, **params}
     for file in _weight_files(directory):
         try:
-            _fill_from_file(model, adapter, file, params, aliases, filled)
+            _fill_from_file(model, adapter, file, fillable, aliases, filled)
         except (SafetensorError, OSError) as exc:
             raise ConfigError(
                 f"{file.name} is not a readable safetensors file: {exc}",

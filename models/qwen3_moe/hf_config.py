@@ -57,6 +57,9 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
         decoder_sparse_step=reader.integer("decoder_sparse_step", default=_DEFAULTS["decoder_sparse_step"]),
         mlp_only_layers=tuple(only),
         router_aux_loss_coef=float(coef),
+        # written by Lockstep's export only; a config.json without it keeps the run's own setting
+        bias_update_rate=(reader.number("bias_update_rate", default=0.0) if reader.get("bias_update_rate") is not None
+                          else settings_of(base).bias_update_rate),
     )
     return dataclasses.replace(
         base,
@@ -111,6 +114,9 @@ def config_to_hf(config: ModelConfig, dims: MoeDims, dtype_name: str) -> dict[st
         "output_router_logits": False,
         "use_cache": True,
         "dtype": dtype_name,
+        # Lockstep's auxiliary-loss-free balancing: the routers' mlp.gate.e_score_correction_bias are
+        # in the weights; transformers' class ignores both (its routing leaves the bias out)
+        **({"bias_update_rate": s.bias_update_rate} if s.bias_update_rate > 0 else {}),
     }
 
 

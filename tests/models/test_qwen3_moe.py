@@ -349,3 +349,22 @@ def test_a_checkpoint_of_another_expert_count_is_refused_naming_both_shapes(tmp_
                                               r"but \[6, 32\]") as err:
         manager.load(manager.latest_intact()[1], model=other, optimizer=torch.optim.SGD(other.parameters()))
     assert err.value.exit_code == 4
+
+
+def test_an_export_carries_the_balancing_bias_and_reads_back(tmp_path):
+    config = _config(bias_update_rate=0.01)
+    ours = build(config, generator=torch.Generator().manual_seed(3)).eval()
+    getattr(ours.layers[2].mlp.gate, BIAS).copy_(torch.tensor([0.0, 0.5, 0.0, -0.5, 0.0, 0.25]))
+    save_pretrained(ours, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["bias_update_rate"] == 0.01
+    back = load_pretrained(tmp_path)  # no base: config.json alone says the routers carry a bias
+    assert back.config.qwen3_moe.bias_update_rate == 0.01
+    for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    ids = _ids(seed=1)
+    with torch.no_grad():
+        assert torch.equal(model_forward(ours, ModelInputs(ids)).logits, model_forward(back, ModelInputs(ids)).logits)
+    plain = tmp_path / "plain"
+    save_pretrained(build(_config(), generator=torch.Generator().manual_seed(3)), plain)
+    started = load_pretrained(plain, base=config)  # a checkpoint without a bias: balancing starts at 0
+    assert [float(getattr(r, BIAS).abs().sum()) for _, r in started.routers_with_bias()] == [0.0, 0.0]
