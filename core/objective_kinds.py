@@ -94,6 +94,15 @@ def register_objective(kind: ObjectiveKind) -> None:
         _REGISTERED.kinds[kind.name] = kind
 
 
+def replace_objective(kind: ObjectiveKind) -> None:
+    """Build a registered kind with another row (a test's entry script: its own class for the kind),
+    in the registered row's place in the order; ConfigError for a kind not registered."""
+    if kind.name not in _REGISTERED.kinds:
+        raise ConfigError(f"objective.kind {kind.name!r} is not registered, so it cannot be replaced",
+                          key="objective.kind", hint="register it with register_objective")
+    _REGISTERED.kinds[kind.name] = kind
+
+
 def registered_names() -> frozenset[str]:
     """The names registered so far (none before an entry point registered them)."""
     return frozenset(_REGISTERED.kinds)

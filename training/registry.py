@@ -21,7 +21,7 @@ from typing import Mapping
 from core.exceptions import ConfigError
 from core.config_checks import register_check
 from core.model_families import register_family
-from core.objective_kinds import register_objective, registered_names
+from core.objective_kinds import register_objective, registered_names, replace_objective
 from core.registration import register_provider
 from data.record_kinds import register_built_in_kinds
 from models.qwen.family import FAMILIES
@@ -60,9 +60,11 @@ def register_all(*, objectives: Mapping[str, str] | None = None) -> None:
         raise ConfigError(f"no objective kind {sorted(unknown)} to build another class for", key="objective.kind")
     registered = registered_names()
     for kind in OBJECTIVE_KINDS:
-        if kind.name in registered:
-            continue  # registered before (a second call, or an entry script's own class for it): kept
-        register_objective(dataclasses.replace(kind, objective=replaced[kind.name]) if kind.name in replaced else kind)
+        row = dataclasses.replace(kind, objective=replaced[kind.name]) if kind.name in replaced else kind
+        if kind.name in replaced and kind.name in registered:
+            replace_objective(row)  # registered already (the process imported a registry first): rebuilt in place
+        elif kind.name not in registered:  # else registered before (a second call, or an entry script's own class): kept
+            register_objective(row)
     for family in (*FAMILIES, *QWEN_VL_FAMILIES, *MOE_FAMILIES):
         register_family(family)
     for name, path in CONFIG_CHECKS:
