@@ -10,12 +10,14 @@ anyway would give a model that silently computes something else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 from core.config import ModelConfig
+from core.config_schema import model_config_class
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily, hf_family, model_families, model_family
 from core.registration import import_attr
@@ -149,6 +151,15 @@ def read_rope_theta(reader: FieldReader, default: float) -> float:
         if params.get("rope_theta") is not None:
             return _positive_number(reader, "rope_parameters.rope_theta", params["rope_theta"])
     return reader.number("rope_theta", default)
+
+
+def with_section(base: ModelConfig, name: str) -> ModelConfig:
+    """``base`` as the registered model schema, which carries the ``model.<name>`` section a family's
+    ``config_from_hf`` fills (a plain ``ModelConfig`` has none)."""
+    if hasattr(base, name):
+        return base
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    return model_config_class()(**values)
 
 
 def _positive_number(reader: FieldReader, key: str, value: Any) -> float:

@@ -1,11 +1,7 @@
-"""A plain local copy of a Qwen model's full weights, for the Sampler.
+"""A plain local copy of a Qwen model's full weights, for the Sampler (``ModelFamily.generation_copy``).
 
-The model handed in is the model itself (``QwenForCausalLM``, possibly sharded in place by
-FSDP2 or tensor parallelism, possibly with LoRA adapters), with its state under canonical
-names; whatever wrapped it from outside (DDP, compile, checkpoint wrappers) was removed by the
-layer that applied it (training/rollout/generation_model.py). LoRA adapters are folded into the base
-weights; an NF4 base is refused. The copy carries the model's own ``Numerics`` (models/numerics.py),
-which also picks its dtype, so the sampler runs under the object the training forward runs under.
+The generic copy (models/generation_copy.py) with a fresh ``QwenForCausalLM`` of the model's config:
+LoRA adapters folded into the base weights, an NF4 base refused, the model's own ``Numerics`` carried.
 """
 
 from __future__ import annotations
@@ -14,10 +10,7 @@ from typing import Mapping
 
 import torch
 
-from core.distributed_context import full_tensor
-from core.exceptions import ConfigError
-from models.lora import LoRALinear, lora_modules, merge_lora
-from models.nf4 import NF4Linear
+from models import generation_copy as generic
 from models.qwen.model import QwenForCausalLM, empty_model
 
 
@@ -25,62 +18,8 @@ def generation_copy(
     model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> QwenForCausalLM:
-    """A plain local QwenForCausalLM with the full weights of ``model``, whose canonical state is ``state``.
-
-    ``state``'s values may be DTensor shards: gathering them is a collective, so call this on
-    every rank. A plain model already on the requested device and dtype (default: the model's
-    ``numerics.generation_dtype``, else the parameters') is returned as it is; otherwise the full weights are copied, parameter by
-    parameter, into a fresh model. Memory: one full copy of the weights per rank in ``dtype``,
-    plus one gathered parameter at a time. No inference server, no files.
-    """
-    from torch.distributed.tensor import DTensor
-
-    config = getattr(model, "config", None)
-    if config is None or not isinstance(model, QwenForCausalLM):
-        raise ConfigError(f"generation_model needs a Qwen model, got {type(model).__name__}")
-    first = next(iter(state.values()))
-    sharded = any(isinstance(v, DTensor) for v in state.values())
-    adapters = {m.name: m for m in lora_modules(model)}
-    if device is None:
-        device = torch.device(first.device_mesh.device_type) if isinstance(first, DTensor) else first.device
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if dtype is None:
-        dtype = model.numerics.generation_dtype(device) or first.dtype
-    if type(model) is QwenForCausalLM and not sharded and not adapters and (first.device, first.dtype) == (device, dtype):
-        return model
-    if any(isinstance(m.base_layer, NF4Linear) for m in adapters.values()):
-        raise ConfigError(
-            "generation_model cannot gather an NF4-quantized base", key="model.quantize_base",
-            hint="export the merged model (python -m training export --merge) and load that",
-        )
-    fresh = empty_model(config, device=device, dtype=dtype)
-    fresh.use_numerics(model.numerics)
-    for name, source in adapters.items():  # the same adapters (names, rank, alpha, dtype); values follow
-        wrapper = LoRALinear(fresh.get_submodule(name), rank=source.rank, alpha=source.alpha, dropout=0.0, name=name)
-        wrapper.to(dtype=source.lora_A.weight.dtype)
-        wrapper.base_layer.to(dtype=dtype)
-        parent, leaf = name.rsplit(".", 1)
-        setattr(fresh.get_submodule(parent), leaf, wrapper)
-    params = dict(fresh.named_parameters())  # a tied head appears once, as embed_tokens.weight
-    tied_head = "lm_head.weight" if fresh.dims.tie_embeddings else None
-    unknown = [name for name in state if name not in params and name != tied_head]
-    missing = [name for name in params if name not in state]
-    if unknown or missing:
-        raise ConfigError(
-            f"generation_model: the model's parameters do not match a fresh {type(fresh).__name__} of its config "
-            f"(unexpected: {unknown[:3]}, missing: {missing[:3]})",
-            hint="the model has parts this function does not know; pass a plain QwenForCausalLM",
-        )
-    with torch.no_grad():
-        for name, value in state.items():  # the same order on every rank: collectives line up
-            if name not in params:
-                continue
-            params[name].copy_(full_tensor(value))
-    fresh.tie_weights()
-    if adapters:
-        fresh = merge_lora(fresh, inplace=True)
-    for param in fresh.parameters():
-        param.requires_grad_(False)
-    return fresh.eval()
+    """A plain local QwenForCausalLM with the full weights of ``model``, whose canonical state is ``state``
+    (DTensor shards are gathered, a collective: call on every rank); ``model`` itself where it is a plain
+    QwenForCausalLM already on ``device`` in ``dtype``."""
+    return generic.generation_copy(model, state, model_class=QwenForCausalLM, build=empty_model, device=device,
+                                   dtype=dtype)

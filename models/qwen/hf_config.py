@@ -30,19 +30,28 @@ _QWEN3_DEFAULT_HEAD_DIM = 128
 
 def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) -> ModelConfig:
     """``base`` with the shape ``reader``'s config.json gives a model of ``family`` (qwen2 or qwen3)."""
-    num_heads = reader.integer("num_attention_heads")
-    hidden_size = reader.integer("hidden_size")
     if family.default("qk_norm"):  # Qwen3
         head_dim = reader.integer("head_dim", default=_QWEN3_DEFAULT_HEAD_DIM)
         qkv_bias = reader.flag("attention_bias", default=False)
     else:
         # Qwen2's modeling code uses config.head_dim when present, else hidden / heads.
+        num_heads, hidden_size = reader.integer("num_attention_heads"), reader.integer("hidden_size")
         if "head_dim" not in reader.raw and hidden_size % num_heads:
             raise reader.error(
                 "num_attention_heads", f"hidden_size={hidden_size} is not divisible by {num_heads} heads"
             )
         head_dim = reader.integer("head_dim", default=hidden_size // num_heads)
         qkv_bias = True
+    fields = decoder_fields(reader, head_dim=head_dim, qkv_bias=qkv_bias, qk_norm=family.default("qk_norm"))
+    return dataclasses.replace(base, arch=family.name, **fields)
+
+
+def decoder_fields(reader: FieldReader, *, head_dim: int, qkv_bias: bool, qk_norm: bool) -> dict[str, Any]:
+    """The ``model.*`` fields of a Qwen decoder's config.json (Qwen2, Qwen3 and Qwen3-MoE read them
+    alike; ``head_dim`` and the attention's switches are the caller's): sizes, heads, RoPE, norms,
+    tying. ConfigError naming the field where the heads do not group, ``head_dim`` is odd, or the
+    file asks for what the model does not compute (``_reject_unsupported``)."""
+    num_heads = reader.integer("num_attention_heads")
     num_kv_heads = reader.integer("num_key_value_heads", default=num_heads)
     if num_heads % num_kv_heads:
         raise reader.error(
@@ -52,11 +61,9 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
     if head_dim % 2:
         raise reader.error("head_dim", f"head_dim must be even for rotary embeddings, got {head_dim}")
     _reject_unsupported(reader)
-    return dataclasses.replace(
-        base,
-        arch=family.name,
+    return dict(
         vocab_size=reader.integer("vocab_size"),
-        hidden_size=hidden_size,
+        hidden_size=reader.integer("hidden_size"),
         intermediate_size=reader.integer("intermediate_size"),
         num_layers=reader.integer("num_hidden_layers"),
         num_heads=num_heads,
@@ -66,7 +73,7 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
         rms_norm_eps=reader.number("rms_norm_eps", default=_DEFAULT_RMS_EPS),
         tie_embeddings=reader.flag("tie_word_embeddings", default=False),
         qkv_bias=qkv_bias,
-        qk_norm=family.default("qk_norm"),
+        qk_norm=qk_norm,
         max_position_embeddings=reader.integer("max_position_embeddings", default=_DEFAULT_MAX_POSITIONS),
     )
 
@@ -78,7 +85,16 @@ def config_to_hf(config: ModelConfig, dims: QwenDims, dtype_name: str) -> dict[s
     combination of our switches is exported to a class that computes the same function.
     """
     family = QWEN3 if dims.qk_norm else QWEN2
-    out: dict[str, Any] = {
+    out = decoder_config(config, dims, family, dtype_name)
+    if family is QWEN3:
+        out["attention_bias"] = dims.qkv_bias
+    return out
+
+
+def decoder_config(config: ModelConfig, dims: Any, family: ModelFamily, dtype_name: str) -> dict[str, Any]:
+    """The config.json fields of a Qwen decoder (``dims``: a ``QwenDims`` or one with its fields) that
+    ``family``'s first Hugging Face class reads; a family adds its own (attention_bias, experts)."""
+    return {
         "architectures": [family.hf_architectures[0]],
         "model_type": family.hf_model_type,
         "vocab_size": dims.vocab_size,
@@ -101,9 +117,6 @@ def config_to_hf(config: ModelConfig, dims: QwenDims, dtype_name: str) -> dict[s
         "use_cache": True,
         "dtype": dtype_name,
     }
-    if family is QWEN3:
-        out["attention_bias"] = dims.qkv_bias
-    return out
 
 
 def _reject_unsupported(reader: FieldReader) -> None:

@@ -25,7 +25,7 @@ from core.registration import import_attr
 from models.generation.kv_cache import KVCache
 from models.generation.protocol import GenerationSpec
 from models.numerics import Numerics
-from models import batch_invariant
+from models import batch_invariant, init
 from models.attention import AttentionMask, attend, attend_cached, build_attention_mask, cache_mask
 from models.qwen.dims import QwenDims, resolve_dims
 from models.qwen.rope import RotaryTable, apply_rope
@@ -295,59 +295,17 @@ class QwenForCausalLM(nn.Module):
                               num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
                               device=weight.device, dtype=weight.dtype)
 
-    @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
-        """Re-initialize every parameter from ``generator`` (a CPU generator).
-
-        Linear and embedding weights ~ N(0, init_std), biases 0, norm weights 1. Values are
-        drawn on the CPU in fp32, parameter by parameter in registration order, then copied
-        to each parameter's device and dtype, so a CPU and a GPU model built from equal
-        generators start bit-identical. Works after ``to_empty`` from the meta device and
-        on FSDP2-sharded (DTensor) parameters, where each rank keeps its shard of the same
-        full draw.
-        """
-        if generator.device.type != "cpu":
-            raise ValueError(f"init_weights needs a CPU torch.Generator, got one on {generator.device}")
-        self.tie_weights()
-        norm_params = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
-        for name, param in self.named_parameters():  # a tied weight appears once
-            if param.is_meta:
-                raise ValueError(f"{name} is on the meta device; call model.to_empty(device=...) first")
-            if id(param) in norm_params:
-                full = torch.ones(param.shape, dtype=torch.float32)
-            elif name.endswith(".bias"):
-                full = torch.zeros(param.shape, dtype=torch.float32)
-            else:
-                full = torch.empty(param.shape, dtype=torch.float32)
-                full.normal_(0.0, self.dims.init_std, generator=generator)
-            _copy_full_into(param, full)
-
-
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """param.copy_(full), where param may be a DTensor shard of the full tensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank holds the same full draw, so each slices its own
-        # shard locally instead of receiving it from rank 0.
-        full = distribute_tensor(
-            full.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=None
-        )
-    param.copy_(full)
+        """Re-initialize every parameter from ``generator`` (a CPU generator): linear and embedding
+        weights ~ N(0, init_std), biases 0, norm weights 1, drawn on the CPU in fp32 in registration
+        order (models/init.py), so equal generators give bit-identical models on any device and on
+        FSDP2-sharded (DTensor) parameters, each rank keeping its shard of the same full draw."""
+        init.init_weights(self, generator, std=self.dims.init_std, norms=(RMSNorm,))
 
 
 def empty_model(
     config: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
 ) -> QwenForCausalLM:
-    """A model with storage allocated on ``device`` but undefined values.
-
-    Built on the meta device first so that no time is spent on an init that is about to
-    be overwritten (by ``init_weights`` or a checkpoint load).
-    """
-    with torch.device("meta"):
-        model = QwenForCausalLM(config)
-    model.to_empty(device=device if device is not None else "cpu")
-    model.tie_weights()
-    if dtype != torch.float32:
-        model.to(dtype)
-    return model
+    """A model with storage allocated on ``device`` but undefined values (built on the meta device first,
+    models/init.py, so that no time is spent on an init that is about to be overwritten)."""
+    return init.empty_model(lambda: QwenForCausalLM(config), device=device, dtype=dtype)

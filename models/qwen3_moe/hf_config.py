@@ -15,31 +15,23 @@ import math
 from typing import Any
 
 from core.config import ModelConfig
-from core.config_schema import model_config_class
 from core.model_families import ModelFamily
-from models.hf_config import FieldReader, read_rope_theta
-from models.qwen.hf_config import _reject_unsupported
+from models.hf_config import FieldReader, with_section
+from models.qwen.hf_config import decoder_config, decoder_fields
 from models.qwen3_moe.dims import MoeDims
 from models.qwen3_moe.family import NAME, QWEN3_MOE, settings_of
 
 # transformers' Qwen3MoeConfig defaults for keys a config.json may omit.
-_DEFAULTS = dict(head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
-                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+# RoPE's base, the norms' epsilon and max_position_embeddings default as Qwen's (models/qwen/hf_config.py).
+_DEFAULTS = dict(head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
                  decoder_sparse_step=1, router_aux_loss_coef=0.001)
 
 
 def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) -> ModelConfig:
     """``base`` with the shape (and the model.qwen3_moe section) of ``reader``'s config.json."""
-    num_heads = reader.integer("num_attention_heads")
-    num_kv_heads = reader.integer("num_key_value_heads", default=num_heads)
-    if num_heads % num_kv_heads:
-        raise reader.error("num_key_value_heads", f"num_attention_heads={num_heads} is not divisible by "
-                           f"num_key_value_heads={num_kv_heads}")
-    head_dim = reader.integer("head_dim", default=_DEFAULTS["head_dim"])
-    if head_dim % 2:
-        raise reader.error("head_dim", f"head_dim must be even for rotary embeddings, got {head_dim}")
-    _reject_unsupported(reader)
-    num_layers = reader.integer("num_hidden_layers")
+    fields = decoder_fields(reader, head_dim=reader.integer("head_dim", default=_DEFAULTS["head_dim"]),
+                            qkv_bias=reader.flag("attention_bias", default=False), qk_norm=True)
+    num_layers = fields["num_layers"]
     only = reader.get("mlp_only_layers", [])
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
                                              for i in only):
@@ -47,7 +39,7 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
     coef = reader.get("router_aux_loss_coef", _DEFAULTS["router_aux_loss_coef"])
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
         raise reader.error("router_aux_loss_coef", f"router_aux_loss_coef must be a finite number >= 0, got {coef!r}")
-    base = _with_section(base)
+    base = with_section(base, NAME)
     settings = dataclasses.replace(
         settings_of(base),
         num_experts=_num_experts(reader),
@@ -61,49 +53,15 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
         bias_update_rate=(reader.number("bias_update_rate", default=0.0) if reader.get("bias_update_rate") is not None
                           else settings_of(base).bias_update_rate),
     )
-    return dataclasses.replace(
-        base,
-        arch=family.name,
-        vocab_size=reader.integer("vocab_size"),
-        hidden_size=reader.integer("hidden_size"),
-        intermediate_size=reader.integer("intermediate_size"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rope_theta=read_rope_theta(reader, _DEFAULTS["rope_theta"]),
-        rms_norm_eps=reader.number("rms_norm_eps", default=_DEFAULTS["rms_norm_eps"]),
-        tie_embeddings=reader.flag("tie_word_embeddings", default=False),
-        qkv_bias=reader.flag("attention_bias", default=False),
-        qk_norm=True,
-        max_position_embeddings=reader.integer("max_position_embeddings", default=_DEFAULTS["max_position_embeddings"]),
-        **{NAME: settings},
-    )
+    return dataclasses.replace(base, arch=family.name, **fields, **{NAME: settings})
 
 
 def config_to_hf(config: ModelConfig, dims: MoeDims, dtype_name: str) -> dict[str, Any]:
     """The config.json that transformers loads as Qwen3MoeForCausalLM."""
     s = settings_of(config)
     return {
-        "architectures": [QWEN3_MOE.hf_architectures[0]],
-        "model_type": QWEN3_MOE.hf_model_type,
-        "vocab_size": dims.vocab_size,
-        "hidden_size": dims.hidden_size,
-        "intermediate_size": dims.intermediate_size,
-        "num_hidden_layers": dims.num_layers,
-        "num_attention_heads": dims.num_heads,
-        "num_key_value_heads": dims.num_kv_heads,
-        "head_dim": dims.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": dims.rms_norm_eps,
-        "rope_theta": dims.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": dims.rope_theta},
-        "tie_word_embeddings": dims.tie_embeddings,
+        **decoder_config(config, dims, QWEN3_MOE, dtype_name),
         "attention_bias": dims.qkv_bias,
-        "use_sliding_window": False,
-        "attention_dropout": 0.0,
-        "initializer_range": dims.init_std,
         "num_experts": dims.num_experts,
         "num_experts_per_tok": dims.top_k,
         "moe_intermediate_size": dims.moe_intermediate_size,
@@ -112,8 +70,6 @@ def config_to_hf(config: ModelConfig, dims: MoeDims, dtype_name: str) -> dict[st
         "mlp_only_layers": list(s.mlp_only_layers),
         "router_aux_loss_coef": dims.router_aux_loss_coef,
         "output_router_logits": False,
-        "use_cache": True,
-        "dtype": dtype_name,
         # Lockstep's auxiliary-loss-free balancing: the routers' mlp.gate.e_score_correction_bias are
         # in the weights; transformers' class ignores both (its routing leaves the bias out)
         **({"bias_update_rate": s.bias_update_rate} if s.bias_update_rate > 0 else {}),
@@ -127,11 +83,3 @@ def _num_experts(reader: FieldReader) -> int:
         raise reader.error("num_local_experts", f"num_experts={hub!r} and num_local_experts={local!r} disagree",
                            hint="keep one of the two fields")
     return reader.integer("num_experts" if hub is not None else "num_local_experts", default=_DEFAULTS["num_experts"])
-
-
-def _with_section(base: ModelConfig) -> ModelConfig:
-    """``base`` as the registered model schema, which carries the model.qwen3_moe section."""
-    if hasattr(base, NAME):
-        return base
-    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return model_config_class()(**values)

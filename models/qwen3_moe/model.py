@@ -38,6 +38,7 @@ from core.exceptions import ConfigError
 from core.model_families import model_family
 from core.model_plan import ModelParallelPlan
 from core.registration import import_attr
+from models import init
 from models.attention import AttentionMask, build_attention_mask, cache_mask
 from models.forward import INPUT_TOKEN, AuxLoss, ModelMetric, ModelOutput
 from models.generation.kv_cache import KVCache
@@ -220,47 +221,18 @@ class Qwen3MoeForCausalLM(nn.Module):
                               num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
                               device=weight.device, dtype=weight.dtype)
 
-    @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """Every parameter from ``generator`` (CPU), drawn in fp32 in registration order and copied to the
-        parameter's device and dtype (its shard, for a DTensor): norm weights 1, biases 0, the rest
-        (embedding, projections, routers, stacked experts) N(0, init_std). Equal generators give equal
-        models on any device and sharding."""
-        if generator.device.type != "cpu":
-            raise ValueError(f"init_weights needs a CPU torch.Generator, got one on {generator.device}")
-        self.tie_weights()
-        norm_params = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
-        for name, param in self.named_parameters():  # a tied weight appears once
-            if param.is_meta:
-                raise ValueError(f"{name} is on the meta device; call model.to_empty(device=...) first")
-            if id(param) in norm_params:
-                full = torch.ones(param.shape, dtype=torch.float32)
-            elif name.endswith(".bias"):
-                full = torch.zeros(param.shape, dtype=torch.float32)
-            else:
-                full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, self.dims.init_std, generator=generator)
-            _copy_full_into(param, full)
-
-
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """param.copy_(full), where param may be a DTensor shard of the full tensor (each rank slices its own)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        full = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements,
-                                 src_data_rank=None)
-    param.copy_(full)
+        parameter's device and dtype (its shard, for a DTensor; models/init.py): norm weights 1, biases 0,
+        the rest (embedding, projections, routers, stacked experts) N(0, init_std). Equal generators give
+        equal models on any device and sharding."""
+        init.init_weights(self, generator, std=self.dims.init_std, norms=(RMSNorm,))
 
 
 def empty_model(config: ModelConfig, *, device: torch.device | str | None = None,
                 dtype: torch.dtype = torch.float32) -> Qwen3MoeForCausalLM:
-    """``ModelFamily.build``: the model with storage on ``device`` and undefined values (built on meta first)."""
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(config)
-    model.to_empty(device=device if device is not None else "cpu")
-    model.tie_weights()
-    if dtype != torch.float32:
-        model.to(dtype)
+    """``ModelFamily.build``: the model with storage on ``device`` and undefined values (models/init.py)."""
+    model = init.empty_model(lambda: Qwen3MoeForCausalLM(config), device=device, dtype=dtype)
     for _, router in model.routers_with_bias():  # the balancing bias starts at 0 and stays fp32 (its steps are small)
         setattr(router, BIAS, torch.zeros_like(getattr(router, BIAS), dtype=torch.float32))
     return model

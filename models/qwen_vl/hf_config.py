@@ -14,9 +14,8 @@ import dataclasses
 from typing import Any
 
 from core.config import ModelConfig
-from core.config_schema import model_config_class
 from core.model_families import ModelFamily
-from models.hf_config import FieldReader
+from models.hf_config import FieldReader, with_section
 from models.qwen_vl.dims import VISION_ROPE_THETA, QwenVLDims
 from models.qwen_vl.family import HF_ARCHITECTURE, NAME, QwenVLSettings
 
@@ -62,7 +61,7 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
         vision_start_token_id=_token(reader, "vision_start_token_id"),
         vision_end_token_id=_token(reader, "vision_end_token_id"), mrope_section=section)
     tied = reader.flag("tie_word_embeddings", default=False) or text.flag("tie_word_embeddings", default=False)
-    base = _with_section(base)
+    base = with_section(base, NAME)
     return dataclasses.replace(
         base, arch=family.name, vocab_size=text.integer("vocab_size"), hidden_size=hidden_size,
         intermediate_size=text.integer("intermediate_size"), num_layers=text.integer("num_hidden_layers"),
@@ -136,11 +135,3 @@ def _token(reader: FieldReader, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise reader.error(key, f"{key} must be a token id, got {value!r}")
     return value
-
-
-def _with_section(base: ModelConfig) -> ModelConfig:
-    """``base`` as the registered model schema, which carries the model.qwen2_5_vl section."""
-    if hasattr(base, NAME):
-        return base
-    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return model_config_class()(**values)

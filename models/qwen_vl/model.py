@@ -24,11 +24,12 @@ from core.exceptions import ConfigError, DataError
 from core.model_families import model_family
 from core.model_plan import ModelParallelPlan
 from core.registration import import_attr
+from models import init
 from models.attention import AttentionMask, build_attention_mask, cache_mask
 from models.generation.kv_cache import KVCache
 from models.generation.protocol import GenerationSpec
 from models.numerics import Numerics
-from models.qwen.model import QwenBlock, RMSNorm, _copy_full_into
+from models.qwen.model import QwenBlock, RMSNorm
 from models.qwen.rope import RotaryTable
 from models.qwen_vl.dims import resolve_vl_dims
 from models.qwen_vl.positions import ImageBatch, image_batch, mrope_positions, mrope_table
@@ -162,34 +163,14 @@ class QwenVLForConditionalGeneration(nn.Module):
         return GenerationSpec(vocab_size=text.vocab_size, num_layers=text.num_layers, num_kv_heads=text.num_kv_heads,
                               head_dim=text.head_dim, device=weight.device, dtype=weight.dtype)
 
-    @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """Every parameter from ``generator`` (CPU), drawn in fp32 in registration order and copied to the
-        parameter's device and dtype (its shard, for a DTensor): RMSNorm weights 1, biases 0, the rest
-        (linears, the patch Conv3d, the embedding) N(0, init_std). Equal generators give equal models."""
-        if generator.device.type != "cpu":
-            raise ValueError(f"init_weights needs a CPU torch.Generator, got one on {generator.device}")
-        self.tie_weights()
-        norm_weights = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
-        for name, param in self.named_parameters():
-            if param.is_meta:
-                raise ValueError(f"{name} is on the meta device; call model.to_empty(device=...) first")
-            if id(param) in norm_weights:
-                full = torch.ones(param.shape)
-            elif name.endswith(".bias"):
-                full = torch.zeros(param.shape)
-            else:
-                full = torch.empty(param.shape).normal_(0.0, self.dims.text.init_std, generator=generator)
-            _copy_full_into(param, full)
+        parameter's device and dtype (its shard, for a DTensor; models/init.py): RMSNorm weights 1, biases 0,
+        the rest (linears, the patch Conv3d, the embedding) N(0, init_std). Equal generators give equal models."""
+        init.init_weights(self, generator, std=self.dims.text.init_std, norms=(RMSNorm,))
 
 
 def empty_model(config: ModelConfig, *, device: torch.device | str | None = None,
                 dtype: torch.dtype = torch.float32) -> QwenVLForConditionalGeneration:
-    """``ModelFamily.build``: the model with storage on ``device`` and undefined values."""
-    with torch.device("meta"):
-        model = QwenVLForConditionalGeneration(config)
-    model.to_empty(device=device if device is not None else "cpu")
-    model.tie_weights()
-    if dtype != torch.float32:
-        model.to(dtype)
-    return model
+    """``ModelFamily.build``: the model with storage on ``device`` and undefined values (models/init.py)."""
+    return init.empty_model(lambda: QwenVLForConditionalGeneration(config), device=device, dtype=dtype)

@@ -9,14 +9,11 @@ Nothing is stacked or padded.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
+from models.rename_weights import RenameWeights
 from models.weight_adapter import Slot
 
 
-
-class QwenVLWeights:
+class QwenVLWeights(RenameWeights):
     """Hugging Face Qwen2_5_VLForConditionalGeneration checkpoints <-> QwenVLForConditionalGeneration."""
 
     def from_hf(self, hf_key: str) -> Slot | None:
@@ -28,18 +25,6 @@ class QwenVLWeights:
 
     def to_hf(self, key: str, slots: int | None = None) -> tuple[str, ...]:
         return (key if key == "lm_head.weight" or key.startswith("visual.") else f"model.{key}",)
-
-    def stacked(self, key: str) -> bool:
-        return False
-
-    def ignored(self, hf_key: str) -> bool:
-        return False
-
-    def zero_padding(self, hf_key: str) -> bool:
-        return False
-
-    def export_padding(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return {}
 
 
 QWEN_VL_WEIGHTS = QwenVLWeights()

@@ -30,8 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import Config, ModelConfig
-from core.config_schema import model_config_class
-from core.distributed_context import full_tensor
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily, register_family, unregister_family
 from core.model_plan import ModelParallelPlan, Stack
@@ -39,8 +37,11 @@ from models.attention import AttentionMask, attend, attend_cached, build_attenti
 from models.forward import INPUT_TOKEN, AuxLoss, ModelMetric, ModelOutput
 from models.generation.kv_cache import KVCache
 from models.generation.protocol import GenerationSpec
-from models.hf_config import FieldReader
+from models import init
+from models.generation_copy import generation_copy as generic_generation_copy
+from models.hf_config import FieldReader, with_section
 from models.numerics import Numerics
+from models.rename_weights import RenameWeights
 from models.weight_adapter import Slot
 
 NAME = "gelu_lm"
@@ -295,47 +296,17 @@ class GeluLM(nn.Module):
                               num_kv_heads=self.dims.num_heads, head_dim=self.dims.head_dim,
                               device=weight.device, dtype=weight.dtype)
 
-    @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """Every parameter from ``generator`` (CPU), drawn in fp32 in registration order and copied to the
-        parameter's device and dtype (its shard, for a DTensor): LayerNorm weights 1, biases 0, the rest
-        N(0, init_std). Equal generators give equal models on any device and sharding."""
-        if generator.device.type != "cpu":
-            raise ValueError(f"init_weights needs a CPU torch.Generator, got one on {generator.device}")
-        self.tie_weights()
-        norm_weights = {id(m.weight) for m in self.modules() if isinstance(m, nn.LayerNorm)}
-        for name, param in self.named_parameters():
-            if param.is_meta:
-                raise ValueError(f"{name} is on the meta device; call model.to_empty(device=...) first")
-            if id(param) in norm_weights:
-                full = torch.ones(param.shape)
-            elif name.endswith(".bias"):
-                full = torch.zeros(param.shape)
-            else:
-                full = torch.empty(param.shape).normal_(0.0, self.dims.init_std, generator=generator)
-            _copy_full_into(param, full)
-
-
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """param.copy_(full), where param may be a DTensor shard of the full tensor (each rank slices its own)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        full = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements,
-                                 src_data_rank=None)
-    param.copy_(full)
+        parameter's device and dtype (its shard, for a DTensor; models/init.py): LayerNorm weights 1,
+        biases 0, the rest N(0, init_std). Equal generators give equal models on any device and sharding."""
+        init.init_weights(self, generator, std=self.dims.init_std, norms=(nn.LayerNorm,))
 
 
 def empty_model(config: ModelConfig, *, device: torch.device | str | None = None,
                 dtype: torch.dtype = torch.float32) -> GeluLM:
-    """``ModelFamily.build``: the model with storage on ``device`` and undefined values."""
-    with torch.device("meta"):
-        model = GeluLM(config)
-    model.to_empty(device=device if device is not None else "cpu")
-    model.tie_weights()
-    if dtype != torch.float32:
-        model.to(dtype)
-    return model
+    """``ModelFamily.build``: the model with storage on ``device`` and undefined values (models/init.py)."""
+    return init.empty_model(lambda: GeluLM(config), device=device, dtype=dtype)
 
 
 def parallel_plan(dims: GeluDims) -> ModelParallelPlan:
@@ -388,7 +359,7 @@ _OURS = re.compile(r"(front|back)\.(\d+)\.(.+)\.(weight|bias)")
 _THEIRS = re.compile(r"transformer\.(front|back)\.h\.(\d+)\.(.+)\.(weight|bias)")
 
 
-class GeluWeights:
+class GeluWeights(RenameWeights):
     """Our keys <-> the export's: a rename (``front.0.attn.query.weight`` is ``transformer.front.h.0.attn.q.weight``).
 
     The adapter sees no config, so the export keeps the two stacks apart in its names."""
@@ -409,18 +380,6 @@ class GeluWeights:
             raise ConfigError(f"gelu_lm has no Hugging Face name for tensor {key!r}", key=key,
                               hint="export a plain gelu_lm model (adapters merged)")
         return (f"transformer.{match.group(1)}.h.{match.group(2)}.{_BLOCK[match.group(3)]}.{match.group(4)}",)
-
-    def stacked(self, key: str) -> bool:
-        return False
-
-    def ignored(self, hf_key: str) -> bool:
-        return False
-
-    def zero_padding(self, hf_key: str) -> bool:
-        return False
-
-    def export_padding(self, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return {}
 
 
 WEIGHTS = GeluWeights()
@@ -449,7 +408,7 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
     if reader.get("activation_function", "gelu") != "gelu":
         raise reader.error("activation_function", f"activation {reader.get('activation_function')!r} is not "
                            "supported", hint="only gelu is implemented")
-    base = _with_section(base)
+    base = with_section(base, NAME)
     settings = dataclasses.replace(getattr(base, NAME), front_layers=front,
                                    layer_norm_eps=reader.number("layer_norm_epsilon", 1e-5))
     return dataclasses.replace(
@@ -459,13 +418,6 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
         tie_embeddings=reader.flag("tie_word_embeddings", True), **{NAME: settings})
 
 
-def _with_section(base: ModelConfig) -> ModelConfig:
-    """``base`` as the registered model schema, which carries the model.gelu_lm section."""
-    if hasattr(base, NAME):
-        return base
-    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return model_config_class()(**values)
-
 
 # ------------------------------------------------------------------------------------------ generation
 
@@ -473,37 +425,11 @@ def _with_section(base: ModelConfig) -> ModelConfig:
 def generation_copy(model: nn.Module, state: Mapping[str, torch.Tensor], *, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> GeluLM:
     """A plain local GeluLM with ``model``'s full weights (``state``: its canonical state, DTensor shards
-    allowed: gathering is a collective, call on every rank); ``model`` itself where it is plain and
-    already on ``device`` in ``dtype``."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(model, GeluLM):
-        raise ConfigError(f"gelu_lm's generation copy needs a GeluLM, got {type(model).__name__}", key="model.arch")
-    params = dict(model.named_parameters())
-    if set(params) - set(state) or any(".lora_" in name for name in state):
-        raise ConfigError("gelu_lm's generation copy takes a plain model: its state has parts a GeluLM lacks",
-                          key="model.lora.rank", hint="export the merged model and load that")
-    first = next(iter(state.values()))
-    sharded = any(isinstance(v, DTensor) for v in state.values())
-    if device is None:
-        device = torch.device(first.device_mesh.device_type) if isinstance(first, DTensor) else first.device
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    dtype = dtype or model.numerics.generation_dtype(device) or first.dtype
-    if not sharded and (first.device, first.dtype) == (device, dtype):
-        return model
-    fresh = empty_model(model.config, device=device, dtype=dtype)
-    fresh.use_numerics(model.numerics)
-    targets = dict(fresh.named_parameters())
-    with torch.no_grad():
-        for name, value in state.items():  # the same order on every rank: the gathers line up
-            if name in targets:
-                targets[name].copy_(full_tensor(value))
-    fresh.tie_weights()
-    for param in fresh.parameters():
-        param.requires_grad_(False)
-    return fresh.eval()
+    allowed: gathering is a collective, call on every rank), by the generic copy (models/generation_copy.py);
+    ``model`` itself where it is plain and already on ``device`` in ``dtype``. A model with LoRA adapters
+    is refused (export it merged)."""
+    return generic_generation_copy(model, state, model_class=GeluLM, build=empty_model, device=device, dtype=dtype,
+                                   fold_lora=False)
 
 
 # ------------------------------------------------------------------------------------------ the row
