@@ -25,7 +25,9 @@ for the order of the combine:
 3. They are regrouped by local expert with a stable sort, so inside an expert the order is (source
    rank, the source's assignment order). The ep ranks are consecutive data-parallel ranks, so that is
    the global token order of the ep group's rows.
-4. The local experts run on their groups; the outputs go back to their sources with the inverse
+4. The local experts run on their groups, told the rows each source sent (``(L, ep)`` counts): a
+   model that runs each source's block on its own computes exactly what that source computes at
+   ep=1 (Qwen3-MoE's loop kernel does). The outputs go back to their sources with the inverse
    permutation and the reverse all-to-all, arriving in exactly the order the caller sent them. The
    caller combines them as it does without expert parallelism (its own fixed slot order).
 
@@ -78,7 +80,8 @@ class ExpertParallel:
                  run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """rows (M, d) grouped by global expert, ``counts`` (E,) rows each -> the experts' outputs (M, d) in
         the same order; ``run(local_rows, local_counts)`` computes this rank's experts on rows grouped by
-        local expert (module docstring)."""
+        local expert, ``local_counts`` (L, ep) the rows of each local expert from each source rank
+        (module docstring)."""
         if counts.numel() != self.num_experts:
             raise ValueError(f"expert parallelism over {self.num_experts} experts got {counts.numel()} counts")
         send_counts = counts.to(torch.int64).view(self.size, self.local_experts)  # (ep, L): by target rank
@@ -91,7 +94,7 @@ class ExpertParallel:
         local_expert = local_expert.repeat_interleave(recv_counts.flatten().to(rows.device))  # (R,)
         order = torch.argsort(local_expert, stable=True)  # by local expert, then (source rank, source's order)
         inverse = torch.argsort(order)
-        out = run(received.index_select(0, order), recv_counts.sum(dim=0))  # (R, d) by local expert
+        out = run(received.index_select(0, order), recv_counts.t())  # (R, d) by local expert, then source
         return _AllToAll.apply(out.index_select(0, inverse), send_splits, recv_splits, self.group)
 
 

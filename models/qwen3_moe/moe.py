@@ -150,13 +150,18 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, hidden): rows grouped by expert, ``counts`` (E,) rows each -> (M, hidden) in the same order.
-        Under expert parallelism the experts are this rank's (``counts`` has one entry per local expert)."""
+
+        Under expert parallelism the experts are this rank's and ``counts`` is (L, S): each local expert's
+        rows in S blocks, one per source rank. The loop runs each block on its own, so an expert's
+        matmuls have the shapes they have at ep=1 on the source rank (the same bits), and its weight
+        gradient adds the blocks' partial sums as FSDP adds the ranks' at ep=1 (over two ranks and one
+        micro-batch: the same bits)."""
         kernel = self.kernel
         weights = self._local_weights()
         if kernel == "auto":
             kernel = "grouped" if grouped_mm_supported(x, weights[2].shape[1:]) else "loop"
         if kernel == "grouped":
-            return self._grouped(x, counts, weights)
+            return self._grouped(x, counts.reshape(counts.shape[0], -1).sum(dim=1), weights)
         return self._loop(x, counts, weights)
 
     def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,8 +174,10 @@ class Experts(nn.Module):
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
         # unbind: one backward node that stacks the experts' gradients (zeros for an expert without rows)
         gate, up, down = (w.unbind(0) for w in weights)
+        blocks = counts.reshape(counts.shape[0], -1)  # (experts, blocks of each)
         outputs = []
-        for expert, rows in enumerate(x.split(counts.tolist())):
+        for block, rows in enumerate(x.split(blocks.flatten().tolist())):
+            expert = block // blocks.shape[1]
             if rows.shape[0]:
                 outputs.append(F.linear(F.silu(F.linear(rows, gate[expert])) * F.linear(rows, up[expert]), down[expert]))
         if not outputs:  # no rows for any of this rank's experts (expert parallelism): zero gradients, not none

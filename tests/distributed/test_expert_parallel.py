@@ -1,13 +1,16 @@
 """Expert parallelism (distributed/expert_parallel.py) on 2 gloo ranks, with a tiny Qwen3-MoE.
 
 EP=2 splits each sparse block's 4 experts 2 + 2 over the ranks and exchanges the tokens by all-to-all.
-Against EP=1 (the plain model over the whole batch in one process, and FSDP on 2 ranks without the
-axis) the loss and every gradient agree within fp32 tolerance, and each degree repeats bit for bit; so
+Against EP=1 (the plain model over the whole batch in one process) the loss and every gradient agree
+within fp32 tolerance; against FSDP on 2 ranks without the axis they are the same bits (each expert
+runs each source rank's rows on their own); each degree repeats bit for bit; so
 do they on 4 ranks at EP=2, where FSDP shards the experts over the 2 ranks outside the ep group.
 The experts are DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
 EP=2 loads into the plain model, and one written by the plain model loads at EP=2; through train.py, a
-2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` resumes on one rank at ``parallel.ep=1``
-with the same batches and losses within fp32 noise.
+2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` writes ep=1's ledger (the first loss to the
+bit, the rest within 1e-6: the gradient norm adds the experts' and the other parameters' squares
+in another order) and resumes on one rank at ``parallel.ep=1`` with the same batches and losses
+within fp32 noise.
 """
 
 from __future__ import annotations
@@ -182,13 +185,16 @@ def test_ep2_equals_ep1_without_fsdp_and_repeats_bitwise(ranks):
     assert all(torch.equal(ranks[0]["plain"][0][1][n], ranks[1]["plain"][0][1][n]) for n in reference[1])
 
 
-def test_ep2_under_fsdp_equals_ep1_and_repeats_bitwise(ranks):
+def test_ep2_under_fsdp_equals_ep1_bitwise_and_repeats(ranks):
     reference = _reference()
     for result in ranks:
         ep1, ep2 = result["fsdp_ep1"][0], result["fsdp_ep2"][0]
         assert ep1["experts"] == [] and ep2["experts"] == [True, True]  # the split experts are FSDP units
         _assert_close((ep1["loss"], ep1["grads"]), reference)
         _assert_close((ep2["loss"], ep2["grads"]), reference)
+        # each expert runs each source rank's rows on their own, as that rank does at ep=1: the same bits
+        assert ep1["loss"] == ep2["loss"]
+        assert all(torch.equal(ep1["grads"][n], ep2["grads"][n]) for n in reference[1])
         for runs in (result["fsdp_ep1"], result["fsdp_ep2"]):
             assert runs[0]["loss"] == runs[1]["loss"]
             assert all(torch.equal(runs[0]["grads"][n], runs[1]["grads"][n]) for n in reference[1])
@@ -221,13 +227,21 @@ def test_a_plain_models_state_loads_at_ep2(ranks):
 
 
 
-def test_a_run_at_ep2_resumes_on_one_rank_at_ep1(e2e_workdir):
-    args = ["--config", str(ROOT / "configs" / "tiny-moe.yaml"), "run.name=ep2", "parallel.device=cpu",
-            "parallel.strategy=fsdp", "parallel.ep=2", "train.max_steps=4", "train.eval_interval=0",
-            "train.global_batch_size=8", "train.micro_batch_size=4", "data.seq_len=128", "checkpoint.interval=2"]
-    result = launch.train(e2e_workdir, args, nproc=2)
-    assert result.returncode == 0, result.stderr
-    reference = result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
+def test_a_run_at_ep2_matches_ep1_and_resumes_on_one_rank_at_ep1(e2e_workdir):
+    runs = []
+    for ep in (2, 1):
+        args = ["--config", str(ROOT / "configs" / "tiny-moe.yaml"), f"run.name=ep{ep}", "parallel.device=cpu",
+                "parallel.strategy=fsdp", f"parallel.ep={ep}", "train.max_steps=4", "train.eval_interval=0",
+                "train.global_batch_size=8", "train.micro_batch_size=4", "data.seq_len=128", "checkpoint.interval=2"]
+        result = launch.train(e2e_workdir, args, nproc=2)
+        assert result.returncode == 0, result.stderr
+        runs.append(result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir)
+    reference = runs[0]
+    at_ep2, at_ep1 = launch.ledger(reference), launch.ledger(runs[1])
+    assert len(at_ep2) == len(at_ep1) == 4 and at_ep2[0]["loss"] == at_ep1[0]["loss"]  # one forward: the same bits
+    for a, b in zip(at_ep2, at_ep1):
+        assert (a["batch_hash"], a["data_state_hash"]) == (b["batch_hash"], b["data_state_hash"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
     copy = launch.cut_back_copy(reference, 2, "-one-rank")
     resumed = launch.train(e2e_workdir, ["--resume", copy.name, "parallel.ep=1"], nproc=1)
     assert resumed.returncode == 0, resumed.stderr

@@ -66,7 +66,8 @@ class ExpertWeights(nn.Module):
 
         def run(local_rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
             weight = self.weight.to_local()
-            return torch.cat([part @ weight[e] for e, part in enumerate(local_rows.split(local_counts.tolist()))])
+            parts = local_rows.split(local_counts.sum(dim=1).tolist())  # (experts, sources) -> per expert
+            return torch.cat([part @ weight[e] for e, part in enumerate(parts)])
 
         counts = torch.full((count,), rows.shape[0], dtype=torch.int64)
         out = expert_parallel.exchange(rows.repeat(count, 1), counts, run)  # expert e's rows: block e
