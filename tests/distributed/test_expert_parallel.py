@@ -3,9 +3,11 @@
 EP=2 splits each sparse block's 4 experts 2 + 2 over the ranks and exchanges the tokens by all-to-all.
 Against EP=1 (the plain model over the whole batch in one process) the loss and every gradient agree
 within fp32 tolerance; against FSDP on 2 ranks without the axis they are the same bits (each expert
-runs each source rank's rows on their own); each degree repeats bit for bit; so
-do they on 4 ranks at EP=2, where FSDP shards the experts over the 2 ranks outside the ep group.
-The experts are DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
+runs each source rank's rows on their own); each degree repeats bit for bit. On 4 ranks at EP=2,
+where FSDP shards the experts over the 2 ranks outside the ep group, they agree within tolerance.
+The exchange itself hands each rank's experts their rows grouped by expert, then source rank, then
+the source's order, and gives the caller its outputs back in the order it sent them. The experts are
+DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
 EP=2 loads into the plain model, and one written by the plain model loads at EP=2; through train.py, a
 2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` writes ep=1's ledger (the first loss to the
 bit, the rest within 1e-6: the gradient norm adds the experts' and the other parameters' squares
@@ -31,7 +33,7 @@ from core.config import ParallelConfig
 from core.config_schema import model_config_class
 from core.distributed_context import DistributedContext
 from distributed import build_mesh, parallelize
-from distributed.expert_parallel import apply_expert_parallel, expert_modules
+from distributed.expert_parallel import ExpertParallel, apply_expert_parallel, expert_modules
 from models.builder import build
 from models.forward import ModelInputs, model_forward
 from models.qwen3_moe.family import Qwen3MoeSettings
@@ -137,10 +139,31 @@ def _ep_fsdp(dist: DistributedContext, ep: int, *, load: Path | None = None,
     return out
 
 
+EXCHANGE_COUNTS = ((2, 0, 3, 1), (1, 2, 0, 2))
+"""Rows per expert (4 experts, 2 a rank) that ranks 0 and 1 send: expert 1 gets none from rank 0."""
+
+
+def _exchange(topology) -> dict[str, Any]:
+    """Each sent row is (its rank, its index there); what the local experts see, and what comes back."""
+    mesh = topology.ep_mesh
+    exchange = ExpertParallel(group=mesh.get_group(), rank=mesh.get_local_rank(), size=mesh.size(),
+                              num_experts=4).exchange
+    counts = torch.tensor(EXCHANGE_COUNTS[topology.dp_rank])
+    sent = torch.stack([torch.full((int(counts.sum()),), float(topology.dp_rank)),
+                        torch.arange(int(counts.sum()), dtype=torch.float32)], dim=1)  # (M, 2)
+    seen = {}
+
+    def run(local_rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        seen.update(received=local_rows.clone(), counts=local_counts.clone())
+        return local_rows * 10
+
+    return {"sent": sent, "back": exchange(sent, counts, run), **seen}
+
+
 def _on_ranks(directory: str) -> dict[str, Any]:
     with DistributedContext.from_env(_parallel(strategy="ddp")) as dist:
         topology = build_mesh(_parallel(ep=2), dist)
-        out = {"plain": [_ep_plain(topology) for _ in range(2)]}
+        out = {"exchange": _exchange(topology), "plain": [_ep_plain(topology) for _ in range(2)]}
         out["fsdp_ep1"] = [_ep_fsdp(dist, 1) for _ in range(2)]
         out["fsdp_ep2"] = [_ep_fsdp(dist, 2, save=Path(directory) / "ep2")]
         out["fsdp_ep2"].append(_ep_fsdp(dist, 2))
@@ -173,6 +196,18 @@ def _assert_close(got: tuple[float, dict], want: tuple[float, dict]) -> None:
     assert sorted(got[1]) == sorted(want[1])
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_exchange_groups_by_expert_then_source_and_returns_the_callers_order(ranks):
+    def sent(rank: int, expert: int) -> list[list[float]]:  # rank's rows for expert: after its earlier experts' rows
+        start = sum(EXCHANGE_COUNTS[rank][:expert])
+        return [[float(rank), float(i)] for i in range(start, start + EXCHANGE_COUNTS[rank][expert])]
+
+    for rank, result in enumerate(ranks):
+        exchange, experts = result["exchange"], (2 * rank, 2 * rank + 1)  # rank 0: experts 0, 1; rank 1: 2, 3
+        assert exchange["received"].tolist() == [row for e in experts for source in (0, 1) for row in sent(source, e)]
+        assert exchange["counts"].tolist() == [[EXCHANGE_COUNTS[source][e] for source in (0, 1)] for e in experts]
+        assert torch.equal(exchange["back"], exchange["sent"] * 10)
 
 
 def test_ep2_equals_ep1_without_fsdp_and_repeats_bitwise(ranks):
