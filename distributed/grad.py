@@ -6,7 +6,9 @@ norm applies. FSDP and TP gradients are DTensor shards: each rank sums ``|g|^p``
 local shards, the partial sums are all-reduced over the mesh dimensions the gradients are
 sharded on (not the replicated ones, which would count them twice), and the p-th root is
 taken. Shards are grouped by (mesh, sharded dims) so the cost is one small all-reduce per
-group and dimension, not per parameter.
+group and dimension, not per parameter; where a mesh has an expert-parallel dimension of size
+> 1, by the ranks those dims span instead, so the experts' squares (on the ep mesh) and the
+other parameters' (on the flattened data-parallel one) add in one group as they do at ep=1.
 
 ``no_sync`` skips the gradient reduction of the micro-batches before the last one.
 """
@@ -24,6 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
+
+EXPERT_DIM = "ep"
+"""The mesh dimension expert parallelism splits experts over (distributed/topology.py's MESH_DIMS)."""
 
 
 @torch.no_grad()
@@ -46,12 +51,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 
 def _sharded_total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
-    groups: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
-    for grad in grads:
-        mesh, dims, local = _local_view(grad)
-        groups.setdefault((mesh, dims), []).append(local)
+    views = [_local_view(grad) for grad in grads]
+    by_ranks = any(mesh is not None and EXPERT_DIM in (mesh.mesh_dim_names or ())
+                   and mesh.size(mesh.mesh_dim_names.index(EXPERT_DIM)) > 1 for mesh, _, _ in views)
+    groups: dict[object, tuple[DeviceMesh | None, tuple[int, ...], list[torch.Tensor]]] = {}
+    for mesh, dims, local in views:
+        # Under expert parallelism the experts live on another mesh than the parameters around them,
+        # over the same ranks: grouped by those ranks, the squares add in one group in parameter
+        # order, as they do at ep=1.
+        key = _reduced_ranks(mesh, dims) if by_ranks else (mesh, dims)
+        groups.setdefault(key, (mesh, dims, []))[2].append(local)
     total: torch.Tensor | None = None
-    for (mesh, dims), locals_ in groups.items():  # insertion order: the same on every rank
+    for mesh, dims, locals_ in groups.values():  # insertion order: the same on every rank
         norm = torch.nn.utils.get_total_norm(locals_, p).float()
         if mesh is not None:
             norm = norm.to(_mesh_device(mesh))
@@ -66,6 +77,15 @@ def _sharded_total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
             total = torch.maximum(total, part) if math.isinf(p) else total + part
     assert total is not None
     return total if math.isinf(p) else total.pow(1.0 / p)
+
+
+def _reduced_ranks(mesh: DeviceMesh | None, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The global ranks whose partial sums a gradient on ``mesh`` split over ``dims`` adds up (this rank's slice)."""
+    if mesh is None:
+        return ()
+    coordinate = mesh.get_coordinate()
+    ranks = mesh.mesh[tuple(slice(None) if i in dims else c for i, c in enumerate(coordinate))]
+    return tuple(sorted(ranks.flatten().tolist()))
 
 
 def _local_view(grad: torch.Tensor) -> tuple[DeviceMesh | None, tuple[int, ...], torch.Tensor]:

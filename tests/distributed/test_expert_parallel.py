@@ -9,9 +9,8 @@ The exchange itself hands each rank's experts their rows grouped by expert, then
 the source's order, and gives the caller its outputs back in the order it sent them. The experts are
 DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
 EP=2 loads into the plain model, and one written by the plain model loads at EP=2; through train.py, a
-2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` writes ep=1's ledger (the first loss to the
-bit, the rest within 1e-6: the gradient norm adds the experts' and the other parameters' squares
-in another order) and resumes on one rank at ``parallel.ep=1`` with the same batches and losses
+2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` writes ep=1's ledger line for line (one
+micro-batch a rank) and resumes on one rank at ``parallel.ep=1`` with the same batches and losses
 within fp32 noise.
 """
 
@@ -272,11 +271,8 @@ def test_a_run_at_ep2_matches_ep1_and_resumes_on_one_rank_at_ep1(e2e_workdir):
         assert result.returncode == 0, result.stderr
         runs.append(result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir)
     reference = runs[0]
-    at_ep2, at_ep1 = launch.ledger(reference), launch.ledger(runs[1])
-    assert len(at_ep2) == len(at_ep1) == 4 and at_ep2[0]["loss"] == at_ep1[0]["loss"]  # one forward: the same bits
-    for a, b in zip(at_ep2, at_ep1):
-        assert (a["batch_hash"], a["data_state_hash"]) == (b["batch_hash"], b["data_state_hash"])
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+    at_ep2 = launch.ledger(reference)
+    assert len(at_ep2) == 4 and at_ep2 == launch.ledger(runs[1])  # one micro-batch a rank: the same bits
     copy = launch.cut_back_copy(reference, 2, "-one-rank")
     resumed = launch.train(e2e_workdir, ["--resume", copy.name, "parallel.ep=1"], nproc=1)
     assert resumed.returncode == 0, resumed.stderr
