@@ -211,8 +211,7 @@ RESUMABLE_KEYS = (
     "checkpoint.", "runtime.", "metrics.", "data.workers", "data.prefetch_batches", "data.max_in_flight", "data.process_pool",
     "parallel.strategy", "parallel.ddp_embedding_grad", "parallel.compile", "parallel.compile_mode",
     "parallel.activation_checkpointing", "parallel.reshard_after_forward", "parallel.fsdp_unit_blocks",
-    "parallel.cpu_offload", "parallel.backend", "parallel.timeout_s", "parallel.dp_replicate", "parallel.tp",
-    "parallel.ep",  # experts are whole tensors in the checkpoint (distributed/expert_parallel.py)
+    "parallel.cpu_offload", "parallel.backend", "parallel.timeout_s", "parallel.dp_replicate", "parallel.tp", "parallel.ep",
 )
 
 
