@@ -109,6 +109,7 @@ STARTS_PROCESSES = {
         "test_repeat_runs_the_case_list_round_and_rejects_zero",
         "test_variants_run_through_train_py_one_after_the_other"},
     "core/test_config.py": {"test_config_reference_doc_is_current"},
+    "core/test_model_families.py": {"test_a_family_registers_through_the_environment_variable"},
     "core/test_run_dir_lock_race.py": {"test_exactly_one_of_racing_processes_takes_a_stale_lock"},
     "distributed/test_ddp_embedding_grad.py": {
         "test_gathered_rows_give_ddp_gradients_and_reduce_the_tied_bucket_first"},
@@ -120,6 +121,7 @@ STARTS_PROCESSES = {
     "distributed/test_host_collectives.py": {"test_host_all_reduce_and_the_metric_table_over_gloo"},
     "distributed/test_overlap.py": {"test_a_carveout_on_cpu_ranks_exits_2_naming_the_key"},
     "distributed/test_parallelize.py": {"ranks"},
+    "distributed/test_plan_stacks.py": {"ranks"},
     "experiments/test_runs.py": {"test_cli_plot_writes_png_as_a_real_command"},
     "experiments/test_tracking.py": {
         "test_two_ranks_one_collective_per_interval_with_mean_min_max_sum_and_slowest"},
@@ -146,6 +148,7 @@ STARTS_PROCESSES = {
         "test_sigkill_mid_save_never_leaves_latest_broken",
         "test_two_ranks_ddp_and_fsdp2_save_then_one_process_loads",
         "test_one_process_save_then_two_fsdp2_ranks_load"},
+    "training/test_model_aux.py": {"test_two_ranks_give_the_gradient_of_one"},
     "training/test_optimizers.py": {"test_fsdp_updates_equal_one_process"},
     "training/test_preflight_refusals.py": {
         "test_train_refuses_a_huge_model_before_writing_anything",
