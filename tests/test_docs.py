@@ -68,3 +68,38 @@ def test_markdown_links_lead_somewhere():
             elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+RECIPE_TABLE_HEADER = "| real-checkpoint recipe | tiny config | guarantee-table rows (`tests/configs/`) |"
+
+
+def _trains(config) -> tuple:
+    """What a recipe, its tiny config and its rows must share: the method, and LoRA or QLoRA."""
+    return config.objective.kind, config.model.lora.rank > 0, config.model.quantize_base
+
+
+def test_each_real_checkpoint_recipe_names_its_tiny_config_and_guarantee_rows():
+    """docs/post_training.md's table "What `make test` runs of each recipe": every recipe config is
+    a row; its tiny config trains as it does; its guarantee-table rows exist, run its method and
+    read the tests/configs/ files the row names."""
+    from core.config import load
+    from tests.methods import BY_NAME
+
+    guide = (ROOT / "docs" / "post_training.md").read_text().splitlines()
+    start = guide.index(RECIPE_TABLE_HEADER) + 2
+    rows = [line for line in guide[start:start + 20] if line.startswith("| `configs/")]
+    recipes = sorted(p.stem for p in (ROOT / "configs").glob("qwen*.yaml")
+                     if p.stem.endswith(("-sft", "-dpo", "-grpo", "-rm", "-ppo")))
+    named = []
+    for row in rows:
+        recipe_cell, tiny_cell, rows_cell = (cell.strip() for cell in row.strip("|").split("|"))
+        recipe, tiny = ROOT / recipe_cell.strip("`"), ROOT / tiny_cell.strip("`")
+        named.append(recipe.stem)
+        expected = _trains(load(recipe))
+        assert _trains(load(tiny)) == expected, row
+        names, _, files = rows_cell.partition("(")
+        methods = [BY_NAME[name.strip(" `")] for name in names.split(",")]
+        assert methods and all(load(m.config_path).objective.kind == expected[0] for m in methods), row
+        assert _trains(load(methods[0].config_path)) == expected, row
+        assert set(re.findall(r"`([\w.-]+\.yaml)`", files)) == {m.config for m in methods}, row
+    assert sorted(named) == recipes
