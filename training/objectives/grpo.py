@@ -21,7 +21,8 @@ Per step (one loop step = one optimizer step), rollout -> advantages -> loss:
    tokens, or completions x max_new_tokens). Under ``mask_truncated`` a truncated completion's row
    has no labels, so it adds neither loss nor count. It also reports, as the maximum
    ``logprob_parity`` (``LossOutput.maxima``), max |sampler log-prob - trainer log-prob| over the
-   micro-batch's sampled tokens.
+   micro-batch's sampled tokens. Under ``determinism.batch_invariant`` the first update's must be 0:
+   a difference is a determinism violation (exit 5, training/objectives/logprob_parity.py).
 3. ``ledger_fields`` reads the step's experience from the prepared batch and gathers every rank's
    rollout digests and rewards (all ranks call it at the same point; the gather is keyed by global
    row, so the result is world-size independent; training/rollout/experience.py, ``rollout_fields``): ``rollout_hash`` (sha256 over the per-completion
@@ -102,6 +103,7 @@ from models.generation.sampler import SamplingParams
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
+from training.objectives.logprob_parity import PARITY, check_exact, checked_extras, first_update_only, logprob_parity
 from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
 from training.objectives.rollout_correction import (ROLLOUT_LOGPS, correction_extras, correction_fields,
                                                     mismatch_sums, policy_weights)
@@ -118,7 +120,6 @@ from training.rollout.evaluation import evaluation_scores, evaluation_sums, held
 PURPOSE = "grpo"
 SECTION = "objective.grpo"  # the settings' config section (errors name its keys)
 EVAL_PURPOSE = "grpo-eval"
-PARITY = "logprob_parity"  # the maximum loss() reports (LossOutput.maxima) and the ledger field it becomes
 LOSS_UNIT = {"sequence": "completion", "token": "token", "dr_grpo": "token slot"}  # what the step loss averages over
 
 
@@ -131,6 +132,7 @@ class GRPOObjective:
         self.config, self.g = config, g
         self.updates_per_batch = g.inner_updates
         self.correction = g.rollout_correction  # None: the sampler's log-probs are the ratio's old policy
+        self.exact = config.determinism.batch_invariant  # a nonzero logprob_parity is a determinism violation
         # Deferring a step's ledger fields would gain nothing: the next step's rollouts wait for
         # the GPU anyway (every decode step reads its tokens back).
         self.settles_late = False
@@ -246,6 +248,7 @@ class GRPOObjective:
             group_advantages(experience.shaped_rewards(), eps=self.g.std_eps, std=self.g.advantage_std))
         out = experience.batch(batch, seq_len=self.config.data.seq_len, mask_truncated=self.g.mask_truncated,
                                pad_id=getattr(self.tokenizer, "pad_id", self.tokenizer.eos_id))
+        out = out.with_extras(**checked_extras(out.extras["old_logps"], exact=self.exact))
         if self.correction is not None:
             started = time.perf_counter()
             out = out.with_extras(**correction_extras(self._policy_logps(out), out.extras["old_logps"],
@@ -256,6 +259,11 @@ class GRPOObjective:
             out = out.with_extras(ref_logps=self._reference_logps(out))
             experience = experience.with_timings(reference_s=time.perf_counter() - started)
         return dataclasses.replace(out, prepared=experience)
+
+    def update_batch(self, batch: Batch, update: int) -> Batch:
+        """The whole rollout batch for every inner update; after the first, without the sampler's log-probs
+        that ``loss`` checks the trainer's against (logprob_parity.first_update_only)."""
+        return first_update_only(batch, update)
 
     def num_targets(self, batch: Batch) -> int:
         """The global normalizer's share of these rows (grpo_loss.loss_count), from the host labels."""
@@ -273,9 +281,10 @@ class GRPOObjective:
         per_token, terms = per_token_loss(logps, old, placed.extras.get("ref_logps"), placed.extras["advantages"],
                                           mask, self.settings, weights)
         total = reduce_loss(per_token, mask, self.g.loss_norm)
+        check_exact(logps, placed)  # under determinism.batch_invariant, on the first update: exit 5 on a difference
         with torch.no_grad():
             sampled = old if self.correction is None else placed.extras[ROLLOUT_LOGPS]
-            parity = ((logps.detach() - sampled).abs() * mask).max()
+            parity = logprob_parity(logps, sampled, mask)
             norm, slots = self.g.loss_norm, self.slots
             metrics = {"clip_fraction": reduce_metric(terms["clipped"], mask, norm, max_new_tokens=slots),
                        "entropy": reduce_metric(-logps.detach() * mask, mask, norm, max_new_tokens=slots)}

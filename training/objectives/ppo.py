@@ -40,6 +40,12 @@ rollout batch):
    adaptive coefficient (``AdaptiveKL``) is then moved by this step's ``kl``: its value is the
    objective's checkpointed state, so a resumed run continues with it.
 
+**Batch-invariant numerics.** Under ``determinism.batch_invariant`` the sampler's log-probs are the
+trainer's bit for bit, so they are the old log-probs: ``prepare`` runs no policy forward. The first
+update checks it on its rows (training/objectives/logprob_parity.py): a sampled token whose trainer
+log-prob differs is a determinism violation (exit 5), and the ledger adds ``logprob_parity`` (0.0: the
+first update's maximum; the later updates train moved weights and report 0).
+
 **Rollout correction.** With ``objective.ppo.rollout_correction`` (off by default) the sampler's
 log-probs ride beside the old ones (the trainer's forward above) as ``rollout_logps``; the policy
 loss of each token is weighed by TIS's truncated ratio and MIS's keep of its completion (the
@@ -90,6 +96,7 @@ from models.generation.sampler import SamplingParams
 from training.objectives.base import (OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, PartSpec, check_state,
                                       metric)
 from training.objectives.critic import Critic, build_critic
+from training.objectives.logprob_parity import CHECKED, PARITY, check_exact, checked_extras, first_update_only, logprob_parity
 from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_variance, gae, kl_estimate,
                                           masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
 from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
@@ -153,6 +160,9 @@ class PPOObjective:
         self.config, self.p = config, p
         self.updates_per_batch = p.ppo_epochs * p.minibatches
         self.correction = p.rollout_correction  # None: no importance weights between sampler and trainer
+        # determinism.batch_invariant: the sampler's log-probs are the trainer's bit for bit, so they are the
+        # old log-probs (no policy forward in prepare) and the first update checks them (logprob_parity.py).
+        self.exact = config.determinism.batch_invariant
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.template = template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
@@ -281,8 +291,11 @@ class PPOObjective:
         mask = out.labels != IGNORE_INDEX
         sampled = out.extras["old_logps"]  # the sampler's log-probs (rollout correction's pi_rollout)
         clock.lap()
-        old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, placed))
-        clock.lap("policy_logps_s")
+        if self.exact:  # the trainer's forward would give these bits: the first update checks that it does
+            old_logps = sampled
+        else:
+            old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, placed))
+            clock.lap("policy_logps_s")
         old_values = self._each_micro(out, self._values) * mask
         clock.lap("critic_values_s")
         if self.reference is not None:
@@ -303,7 +316,8 @@ class PPOObjective:
         clock.lap("advantages_s")
         prepared = PPORollout(experience=experience.with_timings(**clock.laps), kl_coef=self.kl.coef, rows=rows,
                               layout=tuple(tuple(sorted(part)) for part in gathered))
-        out = out.with_extras(old_logps=old_logps, old_values=old_values, advantages=advantages, returns=returns)
+        out = out.with_extras(old_logps=old_logps, old_values=old_values, advantages=advantages, returns=returns,
+                              **checked_extras(sampled, exact=self.exact))
         if self.correction is not None:
             out = out.with_extras(**correction_extras(old_logps, sampled, mask, self.correction))
         return dataclasses.replace(out, prepared=prepared)
@@ -321,7 +335,7 @@ class PPOObjective:
         width = max(max(sum(row in chosen for row in rows) for rows in layout), 1)
         share = batch.select(mine + [0] * (width - len(mine)))
         share.labels[len(mine):] = IGNORE_INDEX  # padding: no loss, no count
-        return share
+        return first_update_only(share, update)
 
     def num_targets(self, batch: Batch) -> int:
         """Response tokens (the host labels)."""
@@ -335,6 +349,7 @@ class PPOObjective:
         mask = placed.labels != IGNORE_INDEX
         extras = placed.extras
         logps = self._token_logps(model, placed).float()
+        check_exact(logps, placed)  # under determinism.batch_invariant, on the first update: exit 5 on a difference
         values = self._values(placed, critic=parts[CRITIC])
         policy, policy_terms = policy_loss(logps, extras["old_logps"], extras["advantages"], mask, self.clip)
         if self.correction is not None:
@@ -347,10 +362,15 @@ class PPOObjective:
                        "value_clip_fraction": value_clipped.sum(), "approx_kl": policy_terms["approx_kl"].sum()}
             if "dual_clipped" in policy_terms:
                 metrics["dual_clip_fraction"] = policy_terms["dual_clipped"].sum()
+            maxima = {}
+            if self.exact:  # the first update's parity (its rows carry the sampler's log-probs), 0 on later ones
+                checked = extras.get(CHECKED)
+                maxima[PARITY] = logprob_parity(logps, checked, mask) if checked is not None else logps.new_zeros(())
             if self.correction is not None:
-                sums, maxima = mismatch_sums(extras, mask, self.correction)
-                return LossOutput(total, count, {**metrics, **sums}, maxima)
-        return LossOutput(total, count, metrics)
+                sums, most = mismatch_sums(extras, mask, self.correction)
+                metrics.update(sums)
+                maxima.update(most)
+        return LossOutput(total, count, metrics, maxima)
 
     def ledger_fields(self, batch: Batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         rollout: PPORollout = batch.prepared
@@ -374,6 +394,8 @@ class PPOObjective:
                       **{name: totals[name] / tokens for name in names})
         if self.correction is not None:
             fields.update(correction_fields(totals, self.correction))
+        if self.exact:
+            fields[PARITY] = totals[PARITY]
         if self.p.kl_target > 0:
             self.kl.update(kl, samples=len(rows))
         return fields

@@ -1,0 +1,123 @@
+"""``logprob_parity`` under ``determinism.batch_invariant`` (training/objectives/logprob_parity.py), in process.
+
+GRPO and PPO on the e2e configs' tiny model with real rollouts from the batch-invariant sampler: the
+first update's trainer log-probs equal the sampler's (parity exactly 0) and a forced difference of one
+token's last bit is a ``LogprobParityError`` (exit 5) naming the step, the completion's global row, the
+token's position and both log-probs; later updates (moved weights) are not checked. PPO's old log-probs
+are the sampler's, bitwise what the policy forward it no longer runs gives (full logits and fused head).
+The multi-rank runs: test_logprob_parity_e2e.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import models
+from core import seeding
+from core.config import load
+from core.exceptions import ExitCode
+from data.batch import IGNORE_INDEX
+from data.pipeline.plan import make_plan
+from data.pipeline.serial import iterate_serial
+from training.determinism import numerics
+from training.objectives import grpo, ppo
+from training.objectives.base import ObjectiveContext
+from training.objectives.logprob_parity import CHECKED, PARITY, LogprobParityError
+from tests import launch
+
+CONFIGS = launch.ROOT / "tests" / "configs"
+TINY = ["parallel.strategy=none", "determinism.batch_invariant=true", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "data.num_streams=2"]
+
+
+def _context(config):
+    dist = SimpleNamespace(rank=0, world_size=1, is_distributed=False, device=torch.device("cpu"), backend="gloo",
+                           all_gather_object=lambda obj: [obj])
+    return ObjectiveContext(config=config, dist=dist, parallel=SimpleNamespace(device=dist.device),
+                            place=lambda t: t)
+
+
+def _setup(objective_class, config):
+    model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
+    model.use_numerics(numerics(config))
+    objective = objective_class(config)
+    context = _context(config)
+    parts = objective.extra_parts(context) if hasattr(objective, "extra_parts") else {}
+    objective.setup(model, context)
+    plan = make_plan(config.data, seed=config.train.seed, global_batch_size=config.train.global_batch_size,
+                     rank=0, world_size=1)
+    with torch.no_grad():
+        batch = objective.prepare(next(iterate_serial(plan)))
+    return model, objective, batch, {name: part.module for name, part in parts.items()}
+
+
+@pytest.fixture(scope="module")
+def grpo_run():
+    config = load(CONFIGS / "e2e-grpo.yaml", [*TINY, "objective.grpo.kl_coef=0", "objective.grpo.group_size=2",
+                                             "objective.grpo.max_new_tokens=4"])
+    return _setup(grpo.GRPOObjective, config)
+
+
+@pytest.fixture(scope="module")
+def ppo_run():
+    config = load(CONFIGS / "e2e-ppo.yaml", [*TINY, "objective.ppo.kl_coef=0", "objective.ppo.kl_target=0",
+                                            "objective.ppo.max_new_tokens=4"])
+    return _setup(ppo.PPOObjective, config)
+
+
+def _off_by_one_bit(monkeypatch, module, row: int):
+    """The objective's trainer log-probs with row ``row``'s first labelled token moved to the next float."""
+    original = module.label_logps
+
+    def perturbed(model, placed, **kw):
+        logps = original(model, placed, **kw)
+        position = int((placed.labels[row] != IGNORE_INDEX).nonzero()[0])
+        moved = logps.clone()
+        moved[row, position] = torch.nextafter(logps[row, position], torch.tensor(0.0))
+        return moved
+
+    monkeypatch.setattr(module, "label_logps", perturbed)
+
+
+def test_grpo_parity_is_exactly_zero_and_a_difference_stops_the_run(grpo_run, monkeypatch):
+    model, objective, batch, _ = grpo_run
+    first = objective.update_batch(batch, 0)
+    assert first is batch and torch.equal(batch.extras[CHECKED], batch.extras["old_logps"])
+    assert objective.loss(model, batch).maxima[PARITY].item() == 0.0
+    _off_by_one_bit(monkeypatch, grpo, row=1)
+    with pytest.raises(LogprobParityError) as info:
+        objective.loss(model, batch)
+    error = info.value
+    assert error.exit_code == ExitCode.DETERMINISM == 5
+    position = int((batch.labels[1] != IGNORE_INDEX).nonzero()[0])
+    assert error.context == {"step": batch.step, "row": batch.sequence_index[1], "position": position,
+                             "token": int(batch.labels[1, position])}
+    sampled = float(batch.extras["old_logps"][1, position])
+    assert repr(sampled) in error.message and repr(float(torch.nextafter(torch.tensor(sampled),
+                                                                         torch.tensor(0.0)))) in error.message
+    # The second inner update trains moved weights: its rows carry no sampler log-probs to check.
+    later = objective.update_batch(batch, 1)
+    assert CHECKED not in later.extras and objective.loss(model, later).maxima[PARITY] > 0
+
+
+def test_ppo_old_log_probs_are_the_sampler_s_and_the_first_update_checks_them(ppo_run, monkeypatch):
+    model, objective, batch, parts = ppo_run
+    old = batch.extras["old_logps"]
+    mask = batch.labels != IGNORE_INDEX
+    assert mask.any() and torch.equal(old, batch.extras[CHECKED])
+    for fuse in (False, True):  # the forward PPO's prepare ran before, on both of the trainer's heads
+        objective.fuse_head = fuse
+        forward = objective._each_micro(batch, lambda placed: objective._token_logps(model, placed))
+        assert torch.equal(forward * mask, old), fuse
+    objective.fuse_head = False
+    updates = [objective.update_batch(batch, u) for u in range(objective.updates_per_batch)]
+    assert CHECKED in updates[0].extras and all(CHECKED not in share.extras for share in updates[1:])
+    assert objective.loss(model, updates[0], parts).maxima[PARITY].item() == 0.0
+    assert objective.loss(model, updates[1], parts).maxima[PARITY].item() == 0.0  # reported, not checked
+    _off_by_one_bit(monkeypatch, ppo, row=0)
+    with pytest.raises(LogprobParityError) as info:
+        objective.loss(model, updates[0], parts)
+    assert info.value.context["row"] == updates[0].sequence_index[0] and info.value.context["step"] == batch.step
