@@ -103,3 +103,56 @@ def test_each_real_checkpoint_recipe_names_its_tiny_config_and_guarantee_rows():
         assert _trains(load(methods[0].config_path)) == expected, row
         assert set(re.findall(r"`([\w.-]+\.yaml)`", files)) == {m.config for m in methods}, row
     assert sorted(named) == recipes
+
+
+# A run ID as the docs quote one, and a ledger line's sha256 (16 hex digits, maybe with "...").
+RUN_ID = re.compile(r"`((?:[a-z0-9.]+-)+\d{8}-\d{6}-([0-9a-f]{8}))`")
+LAST_LINE = re.compile(r"`([0-9a-f]{16})(?:\.\.\.)?`")
+
+
+def _documented_runs() -> dict[str, tuple[str, list[str], str]]:
+    """Run ID -> (config, the command's overrides, its ledger's last-line sha256 prefix), from
+    README.md's table of the tiny chain (tests/test_documented_runs.py re-derives its hashes)."""
+    from tests.test_documented_runs import DOCUMENTED, README
+
+    runs = {}
+    for label, config, overrides in DOCUMENTED:
+        row = next(line for line in README.splitlines() if line.startswith(f"| {label} |"))
+        runs[RUN_ID.search(row).group(1)] = (config, overrides, LAST_LINE.search(row).group(1))
+    return runs
+
+
+def _misquoted(text: str, runs: dict) -> list[str]:
+    """The run IDs in ``text`` that are not in ``runs``, and the ledger hashes that differ from
+    the last line's of the run quoted before them in their paragraph."""
+    wrong = []
+    for paragraph in text.split("\n\n"):
+        quoted = sorted([(m.start(), "run", m.group(1)) for m in RUN_ID.finditer(paragraph)]
+                        + [(m.start(), "hash", m.group(1)) for m in LAST_LINE.finditer(paragraph)])
+        last_run = None
+        for _, what, value in quoted:
+            if what == "run":
+                last_run = value
+                if value not in runs:
+                    wrong.append(f"{value} is not a run of README.md's table")
+            elif last_run in runs and value != runs[last_run][2]:
+                wrong.append(f"{value} follows {last_run}, whose last line is {runs[last_run][2]}")
+    return wrong
+
+
+def test_every_quoted_run_is_a_measured_command_with_its_ledger_hash():
+    """A run ID quoted by a document or a config's header is a run of README.md's table: its hash
+    part is the config hash of the command there, and a ledger hash quoted after it in its
+    paragraph is that run's last line's. A number quoted with a run nobody can re-derive fails
+    here until it is."""
+    from core.config import load
+
+    runs = _documented_runs()
+    for run_id, (config, overrides, _) in runs.items():
+        assert load(ROOT / "configs" / config, overrides).hash[:8] == run_id[-8:], run_id
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "configs").glob("*.yaml"))]
+    wrong = [f"{page.relative_to(ROOT)}: {line}" for page in pages for line in _misquoted(page.read_text(), runs)]
+    assert not wrong, "\n".join(wrong)
+    run_id, (_, _, last) = next(iter(runs.items()))
+    assert _misquoted(f"(`{run_id}`, last line `{last[::-1]}...`)", runs) != []  # the check can fail
+    assert _misquoted("`tiny-20990101-000000-0123abcd`", runs) != []
