@@ -39,7 +39,7 @@ class LoRAConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: ModelArch = "qwen3"
-    """Model family, a registered row (core/model_families.py; docs/models.md lists them): qwen2 (q/k/v bias), qwen3 (RMSNorm on q and k), qwen3_moe, qwen2_5_vl."""
+    """Model family, a registered row (core/model_families.py; docs/models.md lists them): qwen2 (q/k/v bias), qwen3 (RMSNorm on q and k), qwen3_moe, qwen2_5_vl, qwen3_vl."""
     vocab_size: int = 512
     """Vocabulary size; must cover the tokenizer's ids."""
     hidden_size: int = 128

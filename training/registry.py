@@ -26,6 +26,7 @@ from core.registration import register_provider
 from data.record_kinds import register_built_in_kinds
 from models.qwen.family import FAMILIES
 from models.qwen3_moe.family import FAMILIES as MOE_FAMILIES
+from models.qwen3_vl.family import FAMILIES as QWEN3_VL_FAMILIES
 from models.qwen_vl.family import FAMILIES as QWEN_VL_FAMILIES
 from training.objectives import (causal_lm_settings, distill_settings, dpo_settings, grpo_settings, ppo_settings,
                                  reward_model_settings, sft_settings)
@@ -65,7 +66,7 @@ def register_all(*, objectives: Mapping[str, str] | None = None) -> None:
             replace_objective(row)  # registered already (the process imported a registry first): rebuilt in place
         elif kind.name not in registered:  # else registered before (a second call, or an entry script's own class): kept
             register_objective(row)
-    for family in (*FAMILIES, *QWEN_VL_FAMILIES, *MOE_FAMILIES):
+    for family in (*FAMILIES, *QWEN_VL_FAMILIES, *MOE_FAMILIES, *QWEN3_VL_FAMILIES):
         register_family(family)
     for name, path in CONFIG_CHECKS:
         register_check(name, path)

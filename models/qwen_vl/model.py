@@ -14,7 +14,7 @@ collectives of a sharded tower whatever its rows hold, and the logits are unchan
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -40,12 +40,17 @@ class QwenVLForConditionalGeneration(nn.Module):
     """Token ids (and images) -> logits (B, T, vocab). Parameters hold meaningless values until
     ``init_weights(generator)`` or a checkpoint load fills them (``models.build`` does one)."""
 
+    resolve_shape: ClassVar[Callable[[ModelConfig], Any]] = staticmethod(resolve_vl_dims)
+    """The config's resolved shape (``dims``: ``text`` and ``vision``); a subclass family's own."""
+    tower_class: ClassVar[type[nn.Module]] = VisionTower
+    """The vision tower, built from ``dims.vision``; a subclass family's own."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.dims = dims = resolve_vl_dims(config)
+        self.dims = dims = self.resolve_shape(config)
         self.numerics = Numerics.for_model(config)
-        self.visual = VisionTower(dims.vision, numerics=self.numerics)
+        self.visual = self.tower_class(dims.vision, numerics=self.numerics)
         self.embed_tokens = nn.Embedding(dims.text.vocab_size, dims.text.hidden_size)
         self.layers = nn.ModuleList(QwenBlock(dims.text, numerics=self.numerics) for _ in range(dims.text.num_layers))
         self.norm = RMSNorm(dims.text.hidden_size, dims.text.rms_norm_eps)
@@ -64,7 +69,7 @@ class QwenVLForConditionalGeneration(nn.Module):
 
     def images(self, input_ids: torch.Tensor, media: Any) -> ImageBatch | None:
         """The batch's images (models/qwen_vl/positions.py), None without any."""
-        return image_batch(media, input_ids.shape[0], self.dims.vision.patch_dim)
+        return image_batch(media, input_ids.shape[0], self.dims.vision.patch_dim, arch=self.config.arch)
 
     def model_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, media: Any) -> torch.Tensor:
         """(3, B, T) M-RoPE positions of the tokens (temporal, height, width), from the batch's (B, T)
@@ -74,7 +79,8 @@ class QwenVLForConditionalGeneration(nn.Module):
     def _positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                    images: ImageBatch | None) -> torch.Tensor:
         return mrope_positions(input_ids, position_ids, images, image_token_id=self.dims.image_token_id,
-                               video_token_id=self.dims.video_token_id, merge=self.dims.vision.spatial_merge_size)
+                               video_token_id=self.dims.video_token_id, merge=self.dims.vision.spatial_merge_size,
+                               arch=self.config.arch)
 
     def rotary_table(self, positions: torch.Tensor) -> RotaryTable:
         """The M-RoPE angles every language block receives (built once per forward)."""
@@ -121,8 +127,8 @@ class QwenVLForConditionalGeneration(nn.Module):
             if position_ids is None or document_ids is not None or head is not None:
                 raise ValueError("a cached forward takes position_ids, and neither document_ids nor a head")
             if self.images(input_ids, media) is not None:
-                raise ConfigError("qwen2_5_vl's cached forward (the sampler) reads text only, but the batch carries "
-                                  "images", key="model.arch", hint="generate from text prompts")
+                raise ConfigError(f"{self.config.arch}'s cached forward (the sampler) reads text only, but the batch "
+                                  "carries images", key="model.arch", hint="generate from text prompts")
             return self._forward_cached(input_ids, position_ids, cache)
         batch, seq_len = input_ids.shape
         for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
@@ -131,13 +137,18 @@ class QwenVLForConditionalGeneration(nn.Module):
         images = self.images(input_ids, media)
         rope = self.rotary_table(self._positions(input_ids, position_ids, images))  # from (3, B, T) positions
         mask = self.attention_mask(document_ids, seq_len, input_ids.device)
-        hidden = self.embed(input_ids, images)  # (B, T, hidden)
-        for block in self.layers:
-            hidden = block(hidden, rope, mask)
-        hidden = self.norm(hidden)
+        hidden = self.norm(self.language_blocks(input_ids, images, rope, mask))
         if head is not None:
             return head(hidden, self.lm_head.weight)
         return self.lm_head(hidden)  # (B, T, vocab)
+
+    def language_blocks(self, input_ids: torch.Tensor, images: ImageBatch | None, rope: RotaryTable,
+                        mask: AttentionMask) -> torch.Tensor:
+        """The embeddings (``embed``) through every language block: (B, T, hidden) before the final norm."""
+        hidden = self.embed(input_ids, images)  # (B, T, hidden)
+        for block in self.layers:
+            hidden = block(hidden, rope, mask)
+        return hidden
 
     def _forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Generation of text: ids (B, T) at positions (B, T), which are also their cache slots -> (B, vocab)

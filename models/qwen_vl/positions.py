@@ -51,16 +51,17 @@ class ImageBatch:
         return sum(len(row) for row in self.grids)
 
 
-def image_batch(media: Any, rows: int, patch_dim: int) -> ImageBatch | None:
-    """The images of ``media`` (module docstring) for a batch of ``rows`` rows; None without images."""
+def image_batch(media: Any, rows: int, patch_dim: int, *, arch: str = "qwen2_5_vl") -> ImageBatch | None:
+    """The images of ``media`` (module docstring) for a batch of ``rows`` rows; None without images.
+    ``arch`` is the model.arch value errors name."""
     if media is None:
         return None
     if not isinstance(media, Mapping):
-        raise ConfigError(f"model.arch qwen2_5_vl reads media as {{{PIXELS!r}, {GRIDS!r}}}, got "
+        raise ConfigError(f"model.arch {arch} reads media as {{{PIXELS!r}, {GRIDS!r}}}, got "
                           f"{type(media).__name__}", key="model.arch")
     unknown = sorted(set(media) - {PIXELS, GRIDS})
     if unknown or (PIXELS in media) != (GRIDS in media):
-        raise ConfigError(f"model.arch qwen2_5_vl reads the media fields {PIXELS!r} and {GRIDS!r} together, got "
+        raise ConfigError(f"model.arch {arch} reads the media fields {PIXELS!r} and {GRIDS!r} together, got "
                           f"{sorted(media)}", key="model.arch", hint="give each image its patches and its grid")
     if PIXELS not in media:
         return None
@@ -87,8 +88,9 @@ def image_batch(media: Any, rows: int, patch_dim: int) -> ImageBatch | None:
 
 
 def mrope_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None, images: ImageBatch | None, *,
-                    image_token_id: int, video_token_id: int, merge: int) -> torch.Tensor:
-    """(3, B, T) long positions (temporal, height, width) of every token (module docstring)."""
+                    image_token_id: int, video_token_id: int, merge: int, arch: str = "qwen2_5_vl") -> torch.Tensor:
+    """(3, B, T) long positions (temporal, height, width) of every token (module docstring); ``arch`` is
+    the model.arch value errors name."""
     batch, seq_len = input_ids.shape
     ids = input_ids.detach().cpu().numpy()
     given = None if position_ids is None else position_ids.detach().cpu().numpy()
@@ -98,14 +100,15 @@ def mrope_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None, 
     for row in range(batch):
         grids = list(images.grids[row]) if images is not None else []
         out[:, row] = _row_positions(ids[row], None if given is None else given[row], grids, row,
-                                     image_token_id=image_token_id, video_token_id=video_token_id, merge=merge)
+                                     image_token_id=image_token_id, video_token_id=video_token_id, merge=merge,
+                                     arch=arch)
     return torch.from_numpy(out).to(input_ids.device)
 
 
 def _row_positions(ids: np.ndarray, given: np.ndarray | None, grids: list[tuple[int, int, int]], row: int, *,
-                   image_token_id: int, video_token_id: int, merge: int) -> np.ndarray:
+                   image_token_id: int, video_token_id: int, merge: int, arch: str) -> np.ndarray:
     if (ids == video_token_id).any():
-        raise DataError(f"row {row} holds video placeholder tokens (id {video_token_id}), which qwen2_5_vl does "
+        raise DataError(f"row {row} holds video placeholder tokens (id {video_token_id}), which {arch} does "
                         "not read", row=row, hint="leave videos out of the records")
     is_image = ids == image_token_id
     starts = np.zeros(len(ids), dtype=bool)
@@ -150,9 +153,15 @@ def _row_positions(ids: np.ndarray, given: np.ndarray | None, grids: list[tuple[
 def mrope_table(positions: torch.Tensor, head_dim: int, theta: float, section: tuple[int, ...]) -> RotaryTable:
     """The rotary table of (3, B, T) positions: frequency pair i rotates by the axis its section gives
     it (the first ``section[0]`` pairs by the temporal position, the next by height, the last by width)."""
-    inv_freq = inverse_frequencies(head_dim, theta, positions.device)  # (head_dim/2,)
     axis = torch.repeat_interleave(torch.arange(3, device=positions.device),
                                    torch.tensor(section, device=positions.device))  # (head_dim/2,)
+    return axis_rope_table(positions, head_dim, theta, axis)
+
+
+def axis_rope_table(positions: torch.Tensor, head_dim: int, theta: float, axis: torch.Tensor) -> RotaryTable:
+    """The rotary table of (3, B, T) positions where frequency pair i rotates by the position of axis
+    ``axis[i]`` (0 temporal, 1 height, 2 width; ``axis`` is (head_dim/2,) long)."""
+    inv_freq = inverse_frequencies(head_dim, theta, positions.device)  # (head_dim/2,)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (3, B, T, head_dim/2)
     picked = angles.gather(0, axis.view(1, 1, 1, -1).expand(1, *angles.shape[1:])).squeeze(0)  # (B, T, head_dim/2)
     return RotaryTable(picked.cos(), picked.sin())

@@ -90,21 +90,38 @@ class VisionLayout:
                         window_lengths.append(window.numel() * dims.merge_unit)
                 frame_lengths.append(h * w)
             offset += t * gh * gw
-            rows = torch.arange(h)[:, None].expand(h, w).reshape(gh, merge, gw, merge).transpose(1, 2).reshape(-1)
-            cols = torch.arange(w)[None, :].expand(h, w).reshape(gh, merge, gw, merge).transpose(1, 2).reshape(-1)
-            positions.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+            positions.append(patch_positions((t, h, w), merge))
         return cls(window_index=torch.cat(window_index).to(device), windows=Segments.of(window_lengths, device),
                    frames=Segments.of(frame_lengths, device), positions=torch.cat(positions).to(device))
 
 
-class PatchEmbed(nn.Module):
-    """Flattened patches (N, channels * frames * patch * patch) -> (N, hidden) through a bias-free Conv3d."""
+def patch_positions(grid: tuple[int, int, int], merge: int) -> torch.Tensor:
+    """(t * h * w, 2) long: the (row, column) in its frame of each patch of an image of ``grid`` (t, h, w),
+    in block-major order (the merge x merge patches of one merged token consecutive), frame after frame."""
+    t, h, w = grid
+    gh, gw = h // merge, w // merge
+    rows = torch.arange(h)[:, None].expand(h, w).reshape(gh, merge, gw, merge).transpose(1, 2).reshape(-1)
+    cols = torch.arange(w)[None, :].expand(h, w).reshape(gh, merge, gw, merge).transpose(1, 2).reshape(-1)
+    return torch.stack([rows, cols], dim=-1).repeat(t, 1)
 
-    def __init__(self, dims: VisionDims) -> None:
+
+def patch_rotary_table(positions: torch.Tensor, head_dim: int, theta: float) -> RotaryTable:
+    """cos and sin (1, N, head_dim/2) in fp32 of the 2-D rotary embedding of patches at (row, column)
+    ``positions`` (N, 2): the first head_dim/4 pairs rotate by the row, the next by the column."""
+    inv_freq = inverse_frequencies(head_dim // 2, theta, positions.device)  # (head_dim/4,)
+    angles = (positions.to(torch.float32)[..., None] * inv_freq).reshape(positions.shape[0], -1)  # rows', cols'
+    return RotaryTable(angles.cos()[None], angles.sin()[None])
+
+
+class PatchEmbed(nn.Module):
+    """Flattened patches (N, channels * frames * patch * patch) -> (N, hidden) through a Conv3d, bias-free
+    unless ``bias`` (Qwen3-VL's has one); ``dims`` is any tower's dims with these four sizes."""
+
+    def __init__(self, dims: VisionDims, *, bias: bool = False) -> None:
         super().__init__()
         self.dims = dims
         kernel = (dims.temporal_patch_size, dims.patch_size, dims.patch_size)
-        self.proj = nn.Conv3d(dims.in_channels, dims.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(dims.in_channels, dims.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         d = self.dims
@@ -193,9 +210,7 @@ class VisionTower(nn.Module):
 
     def rotary_table(self, positions: torch.Tensor) -> RotaryTable:
         """cos and sin (1, N, head_dim/2) in fp32 of patches at (row, column) ``positions`` (N, 2)."""
-        inv_freq = inverse_frequencies(self.dims.head_dim // 2, VISION_ROPE_THETA, positions.device)  # (head_dim/4,)
-        angles = (positions.to(torch.float32)[..., None] * inv_freq).reshape(positions.shape[0], -1)  # rows', cols'
-        return RotaryTable(angles.cos()[None], angles.sin()[None])
+        return patch_rotary_table(positions, self.dims.head_dim, VISION_ROPE_THETA)
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels (patches, patch values) of the images of ``grids`` -> (merged tokens, out_hidden)."""

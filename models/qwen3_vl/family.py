@@ -1,0 +1,167 @@
+"""The row of ``model.arch: qwen3_vl`` (core/model_families.py) and its ``model.qwen3_vl`` section.
+
+The language model is read from the ``model.*`` keys as for qwen3 (RMSNorm on each head of q and k,
+no q/k/v bias, head width model.head_dim); the vision tower, DeepStack, the special token ids and
+the interleaved M-RoPE sections from ``model.qwen3_vl``, hashed only once a key of it is set
+(core/config_schema.py), so no existing config changes its hash. Torch-free: the config loader
+reads this row before torch is imported; the code it names is imported when a model is built.
+training/registry.py registers ``FAMILIES`` after the other families' rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from core.exceptions import ConfigError
+from core.model_families import ModelFamily
+from models.qwen.lora_targets import LORA_TARGETS
+
+if TYPE_CHECKING:
+    from core.config import Config
+
+NAME = "qwen3_vl"
+"""The model.arch value, and the model.<name> section's key."""
+HF_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
+"""config.json's ``architectures`` class of a checkpoint of this family."""
+
+
+@dataclass(frozen=True)
+class Qwen3VLSettings:
+    """The ``model.qwen3_vl`` section: the vision tower, DeepStack, the special tokens and M-RoPE (defaults: Qwen3-VL's)."""
+
+    depth: int = 27
+    """Blocks of the vision tower."""
+    hidden_size: int = 1152
+    """Width of the vision tower's residual stream."""
+    num_heads: int = 16
+    """Attention heads of each vision block (head width hidden_size / num_heads, divisible by 4 for the 2-D rotary)."""
+    intermediate_size: int = 4304
+    """Hidden width of each vision block's GELU (tanh) MLP."""
+    in_channels: int = 3
+    """Colour channels of a pixel patch."""
+    patch_size: int = 16
+    """Side of a square patch, in pixels."""
+    temporal_patch_size: int = 2
+    """Frames per patch (a still image is repeated to fill them)."""
+    spatial_merge_size: int = 2
+    """The mergers join merge x merge neighbouring patches into one language-model token."""
+    num_position_embeddings: int = 2304
+    """Learned patch positions, a square grid (48 x 48), bilinearly resampled to each image's grid."""
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    """Vision blocks (ascending) whose merged outputs are added to the outputs of language blocks 0, 1, ... at the image tokens."""
+    out_hidden_size: Optional[int] = None
+    """Width of a merged feature; None means model.hidden_size (which it must equal)."""
+    image_token_id: int = 151655
+    """The image placeholder token: each is replaced by one merged vision feature."""
+    video_token_id: int = 151656
+    """The video placeholder token (recorded in exports; videos are not read)."""
+    vision_start_token_id: int = 151652
+    """The token before an image's placeholders (recorded in exports)."""
+    vision_end_token_id: int = 151653
+    """The token after an image's placeholders (recorded in exports)."""
+    mrope_section: tuple[int, ...] = (24, 20, 20)
+    """Rotary frequency pairs of the (temporal, height, width) positions, interleaved (pair i: height if i % 3 == 1 and i < 3 * section[1], width if i % 3 == 2 and i < 3 * section[2], else temporal); they sum to head_dim / 2."""
+
+
+def settings_of(model) -> Qwen3VLSettings:
+    """The ``model.qwen3_vl`` section of a model config (its defaults where the config has none)."""
+    return getattr(model, NAME, None) or Qwen3VLSettings()
+
+
+def validate(config: Config) -> None:
+    """The family's checks of a loaded config, each a ConfigError naming its key."""
+    model = config.model
+    if model.arch != NAME:
+        return
+    check_settings(model)
+    if config.parallel.tp > 1:
+        raise ConfigError(f"model.arch {NAME} declares no tensor-parallel layout for its vision tower "
+                          f"(parallel.tp={config.parallel.tp})", key="parallel.tp",
+                          hint="set parallel.tp=1 (FSDP and DDP shard or replicate both stacks)")
+
+
+def text_head_dim(model) -> int:
+    """The language model's head width: model.head_dim, else hidden_size // num_heads (ConfigError naming the key)."""
+    if model.head_dim is not None:
+        return model.head_dim
+    if model.num_heads <= 0 or model.hidden_size % model.num_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
+                          f"{model.num_heads}", key="model.head_dim", hint="set model.head_dim explicitly")
+    return model.hidden_size // model.num_heads
+
+
+def check_settings(model) -> None:
+    """``model.*`` and ``model.qwen3_vl.*`` of a model config against each other (ConfigError naming the key)."""
+    s, key = settings_of(model), f"model.{NAME}"
+    for name in ("depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
+                 "temporal_patch_size", "spatial_merge_size", "num_position_embeddings"):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{key}.{name} must be a positive integer, got {value!r}", key=f"{key}.{name}")
+    if s.hidden_size % s.num_heads or (s.hidden_size // s.num_heads) % 4:
+        raise ConfigError(f"{key}.hidden_size={s.hidden_size} / num_heads={s.num_heads} must be a head width "
+                          "divisible by 4 (the 2-D rotary gives a quarter to each of height and width, twice)",
+                          key=f"{key}.num_heads")
+    if math.isqrt(s.num_position_embeddings) ** 2 != s.num_position_embeddings:
+        raise ConfigError(f"{key}.num_position_embeddings={s.num_position_embeddings} must be a square (the learned "
+                          "positions are a square grid)", key=f"{key}.num_position_embeddings")
+    indexes = list(s.deepstack_visual_indexes)
+    if (any(isinstance(i, bool) or not isinstance(i, int) for i in indexes) or not all(0 <= i < s.depth for i in indexes)
+            or indexes != sorted(set(indexes))):
+        raise ConfigError(f"{key}.deepstack_visual_indexes {indexes} must name distinct vision blocks in [0, "
+                          f"depth={s.depth}), ascending", key=f"{key}.deepstack_visual_indexes")
+    if len(indexes) > model.num_layers:
+        raise ConfigError(f"{key}.deepstack_visual_indexes gives {len(indexes)} DeepStack features for "
+                          f"model.num_layers={model.num_layers} language blocks (one block each)",
+                          key=f"{key}.deepstack_visual_indexes")
+    if s.out_hidden_size is not None and s.out_hidden_size != model.hidden_size:
+        raise ConfigError(f"{key}.out_hidden_size={s.out_hidden_size} must equal model.hidden_size="
+                          f"{model.hidden_size}: merged features replace token embeddings",
+                          key=f"{key}.out_hidden_size", hint="leave it unset")
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        value = getattr(s, name)
+        if not 0 <= value < model.vocab_size:
+            raise ConfigError(f"{key}.{name}={value} is no token id of model.vocab_size={model.vocab_size}",
+                              key=f"{key}.{name}", hint="set the tokenizer's id of that special token")
+    if model.qkv_bias is True or model.qk_norm is False:
+        which = "model.qkv_bias" if model.qkv_bias is True else "model.qk_norm"
+        raise ConfigError(f"{NAME}'s language model has q/k RMSNorm and no q/k/v bias; {which} says otherwise",
+                          key=which, hint=f"leave {which} unset")
+    half = text_head_dim(model) // 2
+    section = list(s.mrope_section)
+    if (len(section) != 3 or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in section)
+            or sum(section) != half):
+        raise ConfigError(f"{key}.mrope_section {section} must be three counts summing to head_dim / 2 = {half}",
+                          key=f"{key}.mrope_section")
+    if 3 * section[1] - 2 >= half or 3 * section[2] - 1 >= half:
+        raise ConfigError(f"{key}.mrope_section {section}: interleaved, height takes pairs 1, 4, ... and width 2, 5, "
+                          f"...; {section[1]} and {section[2]} of them do not fit in head_dim / 2 = {half} pairs",
+                          key=f"{key}.mrope_section")
+
+
+_CODE = "models.qwen3_vl"
+
+QWEN3_VL = ModelFamily(
+    name=NAME,
+    summary="Qwen3-VL: vision tower with learned positions, DeepStack, interleaved 3-D M-RoPE over Qwen3",
+    settings=Qwen3VLSettings,
+    defaults=(("qkv_bias", False), ("qk_norm", True)),
+    hf_architectures=(HF_ARCHITECTURE,),
+    hf_model_type=NAME,
+    build=f"{_CODE}.model:empty_model",
+    weights=f"{_CODE}.weights:QWEN3_VL_WEIGHTS",
+    config_from_hf=f"{_CODE}.hf_config:config_from_hf",
+    config_to_hf=f"{_CODE}.hf_config:config_to_hf",
+    parallel_plan=f"{_CODE}.plan:qwen3_vl_parallel_plan",
+    num_params=f"{_CODE}.flops:num_params",
+    flops_per_token=f"{_CODE}.flops:flops_per_token",
+    block_linears=f"{_CODE}.flops:block_linears",
+    generation_copy=f"{_CODE}.generation_copy:generation_copy",
+    lora_targets=(*LORA_TARGETS, "qkv", "proj", "linear_fc1", "linear_fc2"),
+    validate=validate,
+)
+
+FAMILIES = (QWEN3_VL,)
+"""Registered by training/registry.py after the other families' rows."""

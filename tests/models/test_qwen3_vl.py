@@ -1,0 +1,263 @@
+"""model.arch qwen3_vl against transformers' Qwen3VLForConditionalGeneration (models/qwen3_vl/).
+
+One tiny random model (a 2 x 2 merge, a 4 x 4 grid of learned positions resampled to larger and
+smaller images, DeepStack from vision blocks 0 and 2 into language blocks 0 and 1, head_dim 16 so
+the interleaved M-RoPE sections give height and width two pairs each), exported by us and loaded
+by transformers: fp32 logits within 1e-5 for text alone, one image, several images per row and
+images of different sizes in one batch; its M-RoPE positions equal transformers' get_rope_index;
+a checkpoint transformers wrote loads in ours with the same logits and exports again with the same
+tensors; the section's checks name their keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from core import config as config_lib
+from core.config_schema import model_config_class
+from core.exceptions import ConfigError, DataError
+from models.forward import ModelInputs, model_forward
+from models.hf_weights import load_pretrained, save_pretrained
+from models.qwen3_vl.family import Qwen3VLSettings
+from models.qwen3_vl.model import empty_model, interleaved_axes
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE, VIDEO, START, END = 3, 4, 5, 6
+PATCH_VALUES = 3 * 2 * 14 * 14  # channels x frames x patch x patch
+SETTINGS = Qwen3VLSettings(depth=3, hidden_size=32, num_heads=4, intermediate_size=48, patch_size=14,
+                           temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=(0, 2), image_token_id=IMAGE, video_token_id=VIDEO,
+                           vision_start_token_id=START, vision_end_token_id=END, mrope_section=(4, 2, 2))
+
+
+def tiny_config(**changes):
+    values = dict(arch="qwen3_vl", vocab_size=99, hidden_size=32, intermediate_size=37, num_layers=3, num_heads=4,
+                  num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, tie_embeddings=False,
+                  max_position_embeddings=512, qwen3_vl=SETTINGS)
+    return model_config_class()(**{**values, **changes})
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Our model (random, norms and biases moved off 1 and 0) and transformers' model loaded from its export."""
+    model = empty_model(tiny_config())
+    model.init_weights(torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    path = tmp_path_factory.mktemp("qwen3_vl") / "export"
+    save_pretrained(model, path)
+    theirs = transformers.Qwen3VLForConditionalGeneration.from_pretrained(path, attn_implementation="sdpa")
+    return model.eval(), theirs.eval(), path
+
+
+def rows_with_images(grids_per_row: list[list[tuple[int, int, int]]], seed: int = 0):
+    """Token ids (text, then per image: start, its placeholders, end, text), right-filled with text, and the media."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(7, 99, (n,), generator=generator).tolist()
+
+    rows = []
+    for grids in grids_per_row:
+        ids = text(3)
+        for t, h, w in grids:
+            ids += [START] + [IMAGE] * (t * h * w // 4) + [END] + text(2)
+        rows.append(ids)
+    length = max(map(len, rows)) + 2
+    ids = torch.tensor([r + text(length - len(r)) for r in rows])
+    pixels = [[torch.randn(t * h * w, PATCH_VALUES, generator=generator) for t, h, w in g] for g in grids_per_row]
+    media = {"pixel_values": pixels, "image_grid_thw": [[torch.tensor(g) for g in grids] for grids in grids_per_row]}
+    return ids, media
+
+
+def hf_inputs(ids: torch.Tensor, media) -> dict:
+    grids = [g for row in media["image_grid_thw"] for g in row]
+    if not grids:
+        return {"input_ids": ids}
+    return {"input_ids": ids, "pixel_values": torch.cat([p for row in media["pixel_values"] for p in row]),
+            "image_grid_thw": torch.stack(grids), "mm_token_type_ids": (ids == IMAGE).int()}
+
+
+def assert_logits_equal(mine: torch.Tensor, reference: torch.Tensor) -> None:
+    scale = reference.abs().max()
+    assert (mine - reference).abs().max() <= 1e-5 * scale, float((mine - reference).abs().max() / scale)
+
+
+@pytest.mark.parametrize("grids", [
+    pytest.param([[], []], id="text-only"),
+    pytest.param([[(1, 8, 12)]], id="one-image"),
+    pytest.param([[(1, 8, 12), (1, 4, 4)]], id="several-images-per-row"),
+    pytest.param([[(1, 6, 10)], [(1, 4, 4), (1, 12, 8)], []], id="different-sizes-in-one-batch"),
+])
+def test_logits_equal_transformers(pair, grids):
+    ours, theirs, _ = pair
+    ids, media = rows_with_images(grids)
+    with torch.no_grad():
+        mine = model_forward(ours, ModelInputs(ids, media=media)).logits
+        assert_logits_equal(mine, theirs(**hf_inputs(ids, media)).logits)
+        if any(grids):  # the images reach the logits: other pixels give other logits
+            other = {**media, "pixel_values": [[p.flip(0) for p in row] for row in media["pixel_values"]]}
+            assert not torch.allclose(model_forward(ours, ModelInputs(ids, media=other)).logits, mine)
+
+
+def test_deepstack_and_the_learned_positions_reach_the_logits(pair):
+    """Without DeepStack's features (their mergers' output zeroed), or with other learned positions, the
+    logits of a row with an image move: both are part of the function transformers computes."""
+    ours = pair[0]
+    ids, media = rows_with_images([[(1, 8, 12)]], seed=1)
+    copy = empty_model(tiny_config())
+    copy.load_state_dict(ours.state_dict())
+    copy.eval()
+    with torch.no_grad():
+        reference = model_forward(copy, ModelInputs(ids, media=media)).logits
+        copy.visual.pos_embed.weight.add_(1.0)
+        assert not torch.allclose(model_forward(copy, ModelInputs(ids, media=media)).logits, reference)
+        copy.load_state_dict(ours.state_dict())
+        for merger in copy.visual.deepstack_merger_list:
+            merger.linear_fc2.weight.zero_()
+            merger.linear_fc2.bias.zero_()
+        without = model_forward(copy, ModelInputs(ids, media=media)).logits
+    assert not torch.allclose(without, reference)
+    text = ids[0] != IMAGE
+    first_image = int((~text).nonzero()[0, 0])
+    assert torch.equal(without[0, :first_image], reference[0, :first_image])  # before the image: causal, untouched
+
+
+def test_interleaved_sections_give_height_and_width_every_third_pair():
+    assert interleaved_axes(8, (4, 2, 2)).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    assert interleaved_axes(64, (24, 20, 20)).tolist()[:6] == [0, 1, 2, 0, 1, 2]
+    assert interleaved_axes(64, (24, 20, 20)).tolist()[-6:] == [1, 2, 0, 0, 0, 0]
+    assert interleaved_axes(64, (24, 20, 20)).bincount().tolist() == [24, 20, 20]
+
+
+def test_mrope_positions_equal_transformers_get_rope_index(pair):
+    ours, theirs, _ = pair
+    ids, media = rows_with_images([[(1, 6, 10), (1, 4, 4)], [], [(1, 12, 8)]])
+    grids = torch.stack([g for row in media["image_grid_thw"] for g in row])
+    expected, _ = theirs.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grids)
+    assert torch.equal(ours.model_positions(ids, None, media), expected)
+
+
+def test_placeholders_that_do_not_match_the_grids_name_the_row_and_the_arch(pair):
+    ours = pair[0]
+    ids, media = rows_with_images([[(1, 4, 4)], [(1, 8, 12)]])
+    ids[1, (ids[1] == IMAGE).nonzero()[0, 0]] = 50
+    with pytest.raises(DataError) as error:
+        model_forward(ours, ModelInputs(ids, media=media))
+    assert error.value.context["row"] == 1
+    with pytest.raises(ConfigError) as error:
+        model_forward(ours, ModelInputs(ids, media={"pixels": []}))
+    assert "qwen3_vl" in error.value.message
+
+
+def test_a_checkpoint_transformers_wrote_loads_with_equal_logits(tmp_path):
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=4, out_hidden_size=32,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=9,
+                           deepstack_visual_indexes=[1]),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers initializes norms to 1 and biases to 0: move them
+        for name, param in theirs.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.2 * torch.randn(param.shape))
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf").eval()
+    assert ours.config.qwen3_vl.deepstack_visual_indexes == (1,) and ours.config.head_dim == 8
+    ids, media = rows_with_images([[(1, 8, 12)], [(1, 4, 4)]], seed=5)
+    with torch.no_grad():
+        assert_logits_equal(model_forward(ours, ModelInputs(ids, media=media)).logits,
+                            theirs(**hf_inputs(ids, media)).logits)
+    save_pretrained(ours, tmp_path / "again")  # the same tensor names, shapes and values as transformers wrote
+    assert _tensors(tmp_path / "again").keys() == _tensors(tmp_path / "hf").keys()
+    assert all(torch.equal(a, _tensors(tmp_path / "hf")[k]) for k, a in _tensors(tmp_path / "again").items())
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as reader:
+        return {key: reader.get_tensor(key) for key in reader.keys()}
+
+
+def test_the_export_config_reads_back_as_the_same_model_config(pair):
+    ours, _, path = pair
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    again = load_pretrained(path)
+    assert again.config.qwen3_vl == dataclasses.replace(SETTINGS, out_hidden_size=32)
+    assert dataclasses.replace(again.config, qwen3_vl=SETTINGS) == dataclasses.replace(ours.config, qkv_bias=False,
+                                                                                         qk_norm=True)
+
+
+def test_the_plan_has_the_vision_blocks_then_the_language_blocks_and_counts_every_parameter(pair):
+    from models.flops import num_params
+
+    ours = pair[0]
+    plan = ours.parallel_plan
+    assert [stack.path for stack in plan.stacks] == ["visual.blocks", "layers"]
+    assert plan.in_blocks("visual.blocks.2.mlp.linear_fc1") and plan.in_blocks("layers.1.self_attn.q_norm")
+    assert all(ours.get_submodule(name) is not None for name in plan.root_modules)
+    assert num_params(ours.config) == sum(p.numel() for p in ours.parameters())
+
+
+def test_a_text_only_batch_reaches_every_tower_parameter_with_zero_gradients():
+    model = empty_model(tiny_config())
+    model.init_weights(torch.Generator().manual_seed(3))
+    ids = torch.randint(7, 99, (2, 5), generator=torch.Generator().manual_seed(4))
+    model_forward(model, ModelInputs(ids)).logits.sum().backward()
+    tower = dict(model.visual.named_parameters())
+    assert all(p.grad is not None and not p.grad.any() for p in tower.values())
+    assert "deepstack_merger_list.1.norm.weight" in tower
+
+
+def test_the_cached_text_forward_gives_the_full_forwards_logits(pair):
+    from models.generation.kv_cache import KVCache
+
+    ours = pair[0]
+    ids = torch.randint(7, 99, (2, 9), generator=torch.Generator().manual_seed(7))
+    cache = KVCache.for_spec(ours.generation_spec(), batch=2, slots=16)
+    positions = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        full = model_forward(ours, ModelInputs(ids)).logits
+        model_forward(ours, ModelInputs(ids[:, :5], position_ids=positions[:, :5]), cache=cache)
+        chunk = model_forward(ours, ModelInputs(ids[:, 5:8], position_ids=positions[:, 5:8]), cache=cache).logits
+    assert torch.allclose(chunk, full[:, 7], rtol=1e-5, atol=1e-6)
+
+
+def test_the_section_is_read_from_yaml_and_checked_against_model_keys():
+    tiny = ROOT / "configs" / "tiny.yaml"
+    base = ["model.arch=qwen3_vl", "model.vocab_size=99", "model.hidden_size=32", "model.head_dim=16",
+            "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=37", "model.num_layers=3",
+            "model.qwen3_vl.depth=3", "model.qwen3_vl.hidden_size=32", "model.qwen3_vl.num_heads=4",
+            "model.qwen3_vl.num_position_embeddings=16", "model.qwen3_vl.deepstack_visual_indexes=[0,2]",
+            "model.qwen3_vl.mrope_section=[4,2,2]", f"model.qwen3_vl.image_token_id={IMAGE}",
+            f"model.qwen3_vl.video_token_id={VIDEO}", f"model.qwen3_vl.vision_start_token_id={START}",
+            f"model.qwen3_vl.vision_end_token_id={END}"]
+    config = config_lib.load(tiny, base)
+    assert config.model.qwen3_vl.deepstack_visual_indexes == (0, 2)
+    assert config_lib.config_hash(config) != config_lib.config_hash(
+        config_lib.load(tiny, base + ["model.qwen3_vl.mrope_section=[3,3,2]"]))
+    for override, key in [("model.qwen3_vl.mrope_section=[2,2,2]", "model.qwen3_vl.mrope_section"),
+                          ("model.qwen3_vl.mrope_section=[0,4,4]", "model.qwen3_vl.mrope_section"),
+                          ("model.qwen3_vl.deepstack_visual_indexes=[2,0]", "model.qwen3_vl.deepstack_visual_indexes"),
+                          ("model.qwen3_vl.deepstack_visual_indexes=[3]", "model.qwen3_vl.deepstack_visual_indexes"),
+                          ("model.qwen3_vl.num_position_embeddings=12", "model.qwen3_vl.num_position_embeddings"),
+                          ("model.qk_norm=false", "model.qk_norm"),
+                          ("model.qwen3_vl.image_token_id=151655", "model.qwen3_vl.image_token_id")]:
+        with pytest.raises(ConfigError) as error:
+            config_lib.load(tiny, base + [override])
+        assert error.value.context["key"] == key, override
