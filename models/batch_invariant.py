@@ -24,8 +24,12 @@ alone decides:
   the training forward's packed rows and the cache's slots give every query the same keys in the
   same places, so training, prefill and cached decode compute a token identically, whatever its
   row, its packing neighbours or the cache's length (extra masked keys add exact zeros).
-- ``rms_norm``, ``silu``, ``logsumexp`` and ``token_logprobs``: the norm's mean square, the
-  activation, and the full-vocabulary log-softmax in fp32 through the same sums.
+- ``rms_norm``, ``silu``, ``logsumexp``, ``token_logprobs`` and ``softmax``: the norm's mean square, the
+  activation, the full-vocabulary log-softmax and a router's softmax in fp32 through the same sums.
+- A mixture of experts (models/qwen3_moe/moe.py) asks ``active()``: its router's softmax is ``softmax``,
+  its weights' renormalization and the combine over a token's ``top_k`` slots ``pairwise_sum``s, and
+  its experts run as a loop of ``linear``s (never a grouped matmul), so a token's expert choices and
+  output are the same in the sampler's cached forward and in the trainer's.
 
 Elementwise operations (products, exp, cos/sin of the rotary table, divisions) round each element
 on its own and stay as they are. These kernels cost time (no library matmul in attention: its
@@ -102,6 +106,14 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     top = x.amax(dim=-1, keepdim=True)
     return top.squeeze(-1) + torch.log(pairwise_sum(torch.exp(x - top)))
+
+
+def softmax(logits: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension in fp32 (fp64 stays): ``exp(x - max)`` over its ``pairwise_sum``
+    (a router's probabilities over its experts)."""
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    weights = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return weights / pairwise_sum(weights).unsqueeze(-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

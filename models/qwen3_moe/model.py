@@ -58,6 +58,7 @@ class Qwen3MoeBlock(nn.Module):
 
     def __init__(self, dims: MoeDims, layer: int, *, numerics: Numerics) -> None:
         super().__init__()
+        self.numerics = numerics
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.self_attn = QwenAttention(dims, numerics=numerics)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -65,15 +66,17 @@ class Qwen3MoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: RotaryTable,
                 mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
-        return self._mlp(hidden)
+        with self.numerics.kernels():  # here too: activation checkpointing recomputes the block alone
+            hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
+            return self._mlp(hidden)
 
     def forward_cached(self, hidden: torch.Tensor, rope: RotaryTable, cache: KVCache, layer: int,
                        position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``forward`` for generation: attention reads and extends ``cache`` (layer ``layer``); the hidden states alone."""
-        hidden = hidden + self.self_attn.forward_cached(self.input_layernorm(hidden), rope, cache, layer,
-                                                        position_ids, mask)
-        return self._mlp(hidden)[0]
+        with self.numerics.kernels():
+            hidden = hidden + self.self_attn.forward_cached(self.input_layernorm(hidden), rope, cache, layer,
+                                                            position_ids, mask)
+            return self._mlp(hidden)[0]
 
     def _mlp(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         normed = self.post_attention_layernorm(hidden)
@@ -167,7 +170,8 @@ class Qwen3MoeForCausalLM(nn.Module):
                 raise ValueError(f"{name} must be (B, T)={batch, seq_len}, got {tuple(ids.shape)}")
         position_ids = self.model_positions(input_ids, position_ids, media)
         kernel = self.numerics.attention_kernel(input_ids.device, seq_len)
-        mask = build_attention_mask(document_ids, kernel, seq_len=seq_len, device=input_ids.device)
+        mask = build_attention_mask(document_ids, kernel, seq_len=seq_len, device=input_ids.device,
+                                    positions=position_ids)  # the exact kernel's layout reads them
         rope = RotaryTable.build(position_ids, self.dims.head_dim, self.dims.rope_theta)
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
         tokens = input_ids.numel()
@@ -191,10 +195,11 @@ class Qwen3MoeForCausalLM(nn.Module):
         if self.dims.router_aux_loss_coef > 0:
             balance = load_balancing_loss(prob_sums, counts, tokens)
             aux["load_balance"] = AuxLoss(balance * tokens, per=INPUT_TOKEN, weight=self.dims.router_aux_loss_coef)
-        hidden = self.norm(hidden)
-        if head is not None:
-            return ModelOutput(head=head(hidden, self.lm_head.weight), aux_losses=aux, metrics=metrics)
-        return ModelOutput(logits=self.lm_head(hidden), aux_losses=aux, metrics=metrics)
+        with self.numerics.kernels():
+            hidden = self.norm(hidden)
+            if head is not None:
+                return ModelOutput(head=head(hidden, self.lm_head.weight), aux_losses=aux, metrics=metrics)
+            return ModelOutput(logits=self.lm_head(hidden), aux_losses=aux, metrics=metrics)
 
     def _forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Generation: (B, T) ids at (B, T) positions (each token's cache slot) -> (B, vocab) logits of each
@@ -206,12 +211,14 @@ class Qwen3MoeForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
         for layer, block in enumerate(self.layers):
             hidden = block.forward_cached(hidden, rope, cache, layer, position_ids, mask)
-        return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
+        with self.numerics.kernels():
+            return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
 
     def use_numerics(self, numerics: Numerics) -> None:
         """Run every forward under the run's ``numerics`` (models/numerics.py)."""
         self.numerics = numerics
         for block in self.layers:
+            block.numerics = numerics
             block.self_attn.numerics = numerics
 
     def generation_spec(self) -> GenerationSpec:

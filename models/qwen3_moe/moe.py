@@ -23,6 +23,12 @@ backward give the same bits on every run:
 - The outputs are permuted back to assignment order (the inverse permutation), scaled by their
   routing weights and summed over each token's ``top_k`` slots in slot order.
 
+Under ``Numerics.batch_invariant`` (``batch_invariant.active()``) the router's softmax, the weights'
+renormalization and the combine over the slots are models/batch_invariant.py's fixed-order sums, and
+the experts always run as the loop of ``F.linear``s (the batch-invariant ``linear``, never the grouped
+matmul): a token's routing and output depend on its own hidden state only, so the sampler's cached
+forward and the trainer's choose the same experts (tests/models/test_batch_invariance.py).
+
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` over the sparse layers of one
 forward (docs/models.md, "Qwen3-MoE").
 """
@@ -36,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import batch_invariant
 from models.qwen3_moe.dims import MoeDims
 
 ExpertKernel = Literal["auto", "loop", "grouped"]
@@ -121,7 +128,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = F.linear(x, self.weight)  # (N, E) in the compute dtype
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
+        invariant = batch_invariant.active()
+        if invariant:  # Numerics.batch_invariant: the normalizer by a fixed tree
+            probs = batch_invariant.softmax(logits).to(torch.float32)  # (N, E)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
         bias = getattr(self, BIAS, None)
         if bias is None:
             weights, experts = top_k_experts(probs, self.top_k)  # (N, k)
@@ -129,7 +140,8 @@ class Router(nn.Module):
             _, experts = top_k_experts(probs + bias.to(torch.float32), self.top_k)  # (N, k)
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            total = batch_invariant.pairwise_sum(weights) if invariant else weights.sum(dim=-1)
+            weights = weights / total.unsqueeze(-1)
         return Routing(probs=probs, weights=weights.to(logits.dtype), experts=experts)
 
     def extra_repr(self) -> str:
@@ -156,7 +168,7 @@ class Experts(nn.Module):
         matmuls have the shapes they have at ep=1 on the source rank (the same bits), and its weight
         gradient adds the blocks' partial sums as FSDP adds the ranks' at ep=1 (over two ranks and one
         micro-batch: the same bits)."""
-        kernel = self.kernel
+        kernel = "loop" if batch_invariant.active() else self.kernel  # the loop's linears are batch-invariant
         weights = self._local_weights()
         if kernel == "auto":
             kernel = "grouped" if grouped_mm_supported(x, weights[2].shape[1:]) else "loop"
@@ -219,7 +231,11 @@ class SparseMoe(nn.Module):
         else:  # to the ranks holding the experts and back, in the same order
             grouped = expert_parallel.exchange(grouped, dispatch.counts, self.experts)
         out = grouped.index_select(0, dispatch.inverse).view(-1, top_k, width)  # (N, k, d) by token and slot
-        out = (out * routing.weights.unsqueeze(-1)).sum(dim=1)  # (N, d): the slots added in slot order
+        weighted = out * routing.weights.unsqueeze(-1)
+        if batch_invariant.active():  # Numerics.batch_invariant: the slots by a fixed tree
+            out = batch_invariant.pairwise_sum(weighted, dim=1)  # (N, d)
+        else:
+            out = weighted.sum(dim=1)  # (N, d): the slots added in slot order
         return out.view(batch, seq_len, width), routing.probs.sum(dim=0), dispatch.counts
 
 

@@ -3,7 +3,9 @@
 Every comparison of the chain is exact (``torch.equal``): the trainer's log-probs of a sequence at
 micro-batch 1 == 2 == 8, beside packing neighbours and at another row; the trainer's logits ==
 the sampler's prefill; the sampler's decode == its prefill over the generated tokens; the sampler's
-log-probs == the trainer's (full logits and the fused head). The controls swap one invariant
+log-probs == the trainer's (full logits and the fused head). The chain runs for Qwen3, Qwen2 and
+Qwen3-MoE; for the mixture also every layer's top-k experts of every token, the sampler's cached
+forward against the trainer's. The controls swap one invariant
 kernel for the stock one and see the chain break, so the chain's equalities are the kernels'
 doing, not this CPU's luck.
 """
@@ -18,16 +20,24 @@ import torch.nn.functional as F
 
 import models
 from core.config import ModelConfig
+from core.config_schema import model_config_class
 from core.exceptions import ConfigError
 from models import batch_invariant
 from models.generation.kv_cache import KVCache
+from models.forward import ModelOutput
 from models.generation.sampler import SampleKey, Sampler, SamplingParams
 from models.numerics import Numerics
+from models.qwen3_moe.family import Qwen3MoeSettings
+from models.qwen3_moe.moe import Router
 from training.objectives.token_logps import linear_token_logps, model_numerics, token_logps_from_logits
 
 QWEN3 = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16, attention="sdpa")
 QWEN2 = dataclasses.replace(QWEN3, arch="qwen2", head_dim=None, tie_embeddings=False)  # q/k/v biases
+# Qwen3-MoE: both layers mixtures of 4 experts, top-2 renormalized (the router's softmax, the
+# renormalization, the expert loop and the combine over the slots all run batch-invariant).
+MOE = model_config_class()(**{**dataclasses.asdict(QWEN3), "arch": "qwen3_moe", "qwen3_moe": Qwen3MoeSettings(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)})
 EXACT = Numerics(batch_invariant=True)
 SEQ = 40
 PROMPT_LENGTHS = (3, 9, 17, 1)
@@ -39,11 +49,19 @@ def _model(config: ModelConfig, numerics: Numerics = EXACT) -> torch.nn.Module:
     return model
 
 
+def _run(model: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
+    """The model's logits or head result, out of the ``ModelOutput`` a family may wrap them in."""
+    out = model(*args, **kwargs)
+    if isinstance(out, ModelOutput):
+        return out.head if out.head is not None else out.logits
+    return out
+
+
 def _ids(rows: int = 8, length: int = SEQ, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 96, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module", params=[QWEN3, QWEN2], ids=["qwen3", "qwen2"])
+@pytest.fixture(scope="module", params=[QWEN3, QWEN2, MOE], ids=["qwen3", "qwen2", "qwen3-moe"])
 def config(request):
     return request.param
 
@@ -86,8 +104,8 @@ def test_the_log_softmax_and_norm_compute_what_the_stock_ones_do():
 def test_the_exact_kernel_attends_as_sdpa_does(config):
     ids = _ids()
     with torch.no_grad():
-        stock = _model(config, Numerics())(ids)
-        exact = _model(config)(ids)
+        stock = _run(_model(config, Numerics()), ids)
+        exact = _run(_model(config), ids)
     torch.testing.assert_close(exact, stock, rtol=0, atol=1e-5)
 
 
@@ -103,18 +121,18 @@ def test_trainer_log_probs_do_not_depend_on_micro_batch_row_or_packing(config):
     model, ids = _model(config), _ids()
     labels = torch.roll(ids, -1, dims=1)
     with torch.no_grad():
-        whole = token_logps_from_logits(model(ids), labels, invariant=True)
+        whole = token_logps_from_logits(_run(model, ids), labels, invariant=True)
         for micro in (1, 2):
-            split = torch.cat([token_logps_from_logits(model(ids[i:i + micro]), labels[i:i + micro], invariant=True)
+            split = torch.cat([token_logps_from_logits(_run(model, ids[i:i + micro]), labels[i:i + micro], invariant=True)
                                for i in range(0, len(ids), micro)])
             assert torch.equal(split, whole)
-        reversed_rows = token_logps_from_logits(model(ids.flip(0)), labels.flip(0), invariant=True)
+        reversed_rows = token_logps_from_logits(_run(model, ids.flip(0)), labels.flip(0), invariant=True)
         assert torch.equal(reversed_rows.flip(0), whole)
         # Row 0's first 27 tokens packed after a 13-token neighbour, in a row of another length.
         packed = torch.cat([ids[1, :13], ids[0, :27]])[None]
         positions = torch.cat([torch.arange(13), torch.arange(27)])[None]
         documents = torch.cat([torch.zeros(13), torch.ones(27)]).long()[None]
-        logits = model(packed, position_ids=positions, document_ids=documents)[0, 13:]
+        logits = _run(model, packed, position_ids=positions, document_ids=documents)[0, 13:]
         assert torch.equal(token_logps_from_logits(logits, labels[0, :27], invariant=True)[:26], whole[0, :26])
 
 
@@ -122,9 +140,9 @@ def test_the_fused_head_gives_the_full_logits_log_probs(config):
     model, ids = _model(config), _ids()
     labels = torch.roll(ids, -1, dims=1)
     with torch.no_grad():
-        full = token_logps_from_logits(model(ids), labels, invariant=True)
+        full = token_logps_from_logits(_run(model, ids), labels, invariant=True)
         for chunk in (7, 64, 1000):
-            fused = model(ids, head=lambda h, w, chunk=chunk: linear_token_logps(
+            fused = _run(model, ids, head=lambda h, w, chunk=chunk: linear_token_logps(
                 h, w, labels, chunk_tokens=chunk, invariant=True))
             assert torch.equal(fused, full)
 
@@ -132,7 +150,7 @@ def test_the_fused_head_gives_the_full_logits_log_probs(config):
 def test_prefill_equals_the_trainer_and_decode_equals_prefill(config):
     model, ids = _model(config), _ids(rows=3)
     with torch.no_grad():
-        trainer = model(ids)  # (3, T, V)
+        trainer = _run(model, ids)  # (3, T, V)
         spec = model.generation_spec()
 
         def cache(rows: int) -> KVCache:
@@ -141,13 +159,13 @@ def test_prefill_equals_the_trainer_and_decode_equals_prefill(config):
         # Prefill: each row's prefix up to t in one chunk, beside another row, into a cache of 64 slots.
         for t in (0, 5, 22, SEQ - 1):
             positions = torch.arange(t + 1).expand(3, t + 1)
-            last = model(ids[:, :t + 1], position_ids=positions, cache=cache(3))
+            last = _run(model, ids[:, :t + 1], position_ids=positions, cache=cache(3))
             assert torch.equal(last, trainer[:, t])
         # Decode: one token a step, four rows (one a dummy), the last step's logits per position.
         decode = cache(4)
         rows = torch.cat([ids, ids[:1].flip(1)])
         for t in range(SEQ):
-            logits = model(rows[:, t:t + 1], position_ids=torch.full((4, 1), t), cache=decode)
+            logits = _run(model, rows[:, t:t + 1], position_ids=torch.full((4, 1), t), cache=decode)
             assert torch.equal(logits[:3], trainer[:, t])
 
 
@@ -157,12 +175,21 @@ def _sample(model, prompts, params, max_batch=4):
     return sampler.generate(prompts, keys, params)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_new_tokens=20),
-                                    SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20),
-                                    SamplingParams(temperature=0, max_new_tokens=20)], ids=["sampled", "top_p", "greedy"])
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=20)
+RULES = {"sampled": SAMPLED, "top_p": SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=20),
+         "greedy": SamplingParams(temperature=0, max_new_tokens=20)}
+# Every sampling rule for the dense families; Qwen3-MoE's routing does not depend on the rule (its
+# per-token routing: test_the_sampler_s_cached_forward_routes_every_token_as_the_trainer_does), so it
+# samples only, which keeps its decode steps of one row (about 10 s each rule) out of the fast lane.
+SAMPLER_CASES = [pytest.param(model_config, rule, id=f"{name}-{rule_name}")
+                 for name, model_config in (("qwen3", QWEN3), ("qwen2", QWEN2)) for rule_name, rule in RULES.items()]
+SAMPLER_CASES.append(pytest.param(MOE, SAMPLED, id="qwen3-moe-sampled"))
+
+
+@pytest.mark.parametrize("model_config, params", SAMPLER_CASES)
 @pytest.mark.parametrize("max_batch", [1, 4])
-def test_the_sampler_log_probs_are_the_trainer_log_probs(config, params, max_batch):
-    model, ids = _model(config), _ids()
+def test_the_sampler_log_probs_are_the_trainer_log_probs(model_config, params, max_batch):
+    model, ids = _model(model_config), _ids()
     prompts = [ids[i, :n].tolist() for i, n in enumerate(PROMPT_LENGTHS)]
     samples = _sample(model, prompts, params, max_batch=max_batch)
     # The trainer's batch: one row per completion, prompt + completion, padded to one length.
@@ -174,11 +201,57 @@ def test_the_sampler_log_probs_are_the_trainer_log_probs(config, params, max_bat
         labels[i, len(prompt) - 1:len(sequence) - 1] = torch.tensor(sample.tokens)
     with torch.no_grad():
         for micro in (1, 4):
-            trainer = torch.cat([model(rows[i:i + micro], head=lambda h, w, lab=labels[i:i + micro]: linear_token_logps(
+            trainer = torch.cat([_run(model, rows[i:i + micro], head=lambda h, w, lab=labels[i:i + micro]: linear_token_logps(
                 h, w, lab, chunk_tokens=16, invariant=True)) for i in range(0, len(rows), micro)])
             for i, (prompt, sample) in enumerate(zip(prompts, samples)):
                 picked = trainer[i, len(prompt) - 1:len(prompt) - 1 + len(sample.tokens)]
                 assert torch.equal(picked, torch.tensor(sample.logprobs, dtype=torch.float32))
+
+
+def _routes(model: torch.nn.Module, forwards) -> list[list[torch.Tensor]]:
+    """Per router (layer order), the top-k experts (N, k) each call of ``forwards()`` chose."""
+    routers = [module for module in model.modules() if isinstance(module, Router)]
+    chosen: list[list[torch.Tensor]] = [[] for _ in routers]
+    hooks = [router.register_forward_hook(lambda module, args, out, i=i: chosen[i].append(out.experts))
+             for i, router in enumerate(routers)]
+    try:
+        forwards()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return chosen
+
+
+def test_the_sampler_s_cached_forward_routes_every_token_as_the_trainer_does():
+    """The sampled sequences (prompt + completion) through the cached forward the Sampler runs (a
+    prefill chunk of 8, then one token a step, beside a dummy row) and through the trainer's forward:
+    every layer's top-k experts of every token are the same."""
+    model, ids = _model(MOE), _ids()
+    prompts = [ids[i, :n].tolist() for i, n in enumerate(PROMPT_LENGTHS)]
+    samples = _sample(model, prompts, SamplingParams(temperature=1.0, max_new_tokens=20))
+    sequences = [prompt + sample.tokens for prompt, sample in zip(prompts, samples)]
+    rows = torch.zeros(len(sequences) + 1, max(map(len, sequences)), dtype=torch.long)  # the last a dummy
+    for i, sequence in enumerate(sequences):
+        rows[i, :len(sequence)] = torch.tensor(sequence)
+    rows[-1] = ids[-1, :rows.shape[1]]
+    batch, length, chunk = len(sequences), rows.shape[1], 8
+
+    def cached():
+        cache = KVCache.for_spec(model.generation_spec(), batch=len(rows), slots=64)
+        _run(model, rows[:, :chunk], position_ids=torch.arange(chunk).expand(len(rows), chunk), cache=cache)
+        for t in range(chunk, length):
+            _run(model, rows[:, t:t + 1], position_ids=torch.full((len(rows), 1), t), cache=cache)
+
+    with torch.no_grad():
+        trainer = _routes(model, lambda: _run(model, rows[:batch]))
+        sampler = _routes(model, cached)
+    assert len(trainer) == 2
+    for layer, ((whole,), calls) in enumerate(zip(trainer, sampler)):  # the trainer: one forward
+        k = whole.shape[-1]
+        whole = whole.view(batch, length, k)
+        steps = [calls[0].view(len(rows), chunk, k)] + [c.view(len(rows), 1, k) for c in calls[1:]]
+        assert torch.equal(torch.cat(steps, dim=1)[:batch], whole), layer
+        assert len(torch.unique(whole.sort(dim=-1).values.view(-1, k), dim=0)) > 1  # the router does choose
 
 
 def test_the_trainer_finds_the_numerics_of_a_wrapped_model():
@@ -217,7 +290,7 @@ def test_control_a_stock_kernel_breaks_sampler_trainer_parity(monkeypatch, kerne
     equal = []
     with torch.no_grad():
         for prompt, sample in zip(prompts, samples):
-            logits = model(torch.tensor([prompt + sample.tokens]))[0, len(prompt) - 1:-1]
+            logits = _run(model, torch.tensor([prompt + sample.tokens]))[0, len(prompt) - 1:-1]
             trainer = batch_invariant.token_logprobs(logits, torch.tensor(sample.tokens))
             equal.append(torch.equal(trainer, torch.tensor(sample.logprobs, dtype=torch.float32)))
     assert not all(equal)
