@@ -1,6 +1,6 @@
 """``logprob_parity`` under ``determinism.batch_invariant`` (training/objectives/logprob_parity.py), in process.
 
-GRPO and PPO on the e2e configs' tiny model with real rollouts from the batch-invariant sampler: the
+GRPO and PPO on the e2e configs' tiny model (GRPO also as a tiny Qwen3-MoE) with real rollouts from the batch-invariant sampler: the
 first update's trainer log-probs equal the sampler's (parity exactly 0) and a forced difference of one
 token's last bit is a ``LogprobParityError`` (exit 5) naming the step, the completion's global row, the
 token's position and both log-probs; later updates (moved weights) are not checked. PPO's old log-probs
@@ -54,11 +54,16 @@ def _setup(objective_class, config):
     return model, objective, batch, {name: part.module for name, part in parts.items()}
 
 
+GRPO = [*TINY, "objective.grpo.kl_coef=0", "objective.grpo.group_size=2", "objective.grpo.max_new_tokens=4"]
+# Qwen3-MoE at the e2e model's size: a dense layer, then 4 experts top-2, the balancing bias on.
+MOE = ["model.arch=qwen3_moe", "model.qwen3_moe.num_experts=4", "model.qwen3_moe.num_experts_per_tok=2",
+       "model.qwen3_moe.moe_intermediate_size=64", "model.qwen3_moe.mlp_only_layers=[0]",
+       "model.qwen3_moe.bias_update_rate=0.001"]
+
+
 @pytest.fixture(scope="module")
 def grpo_run():
-    config = load(CONFIGS / "e2e-grpo.yaml", [*TINY, "objective.grpo.kl_coef=0", "objective.grpo.group_size=2",
-                                             "objective.grpo.max_new_tokens=4"])
-    return _setup(grpo.GRPOObjective, config)
+    return _setup(grpo.GRPOObjective, load(CONFIGS / "e2e-grpo.yaml", GRPO))
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +106,14 @@ def test_grpo_parity_is_exactly_zero_and_a_difference_stops_the_run(grpo_run, mo
     # The second inner update trains moved weights: its rows carry no sampler log-probs to check.
     later = objective.update_batch(batch, 1)
     assert CHECKED not in later.extras and objective.loss(model, later).maxima[PARITY] > 0
+
+
+def test_moe_grpo_parity_is_exactly_zero():
+    """A tiny Qwen3-MoE GRPO step's rollouts: routed alike in the sampler and the trainer, so parity 0."""
+    model, objective, batch, _ = _setup(grpo.GRPOObjective, load(CONFIGS / "e2e-grpo.yaml", [*GRPO, *MOE]))
+    assert (batch.labels != IGNORE_INDEX).any()
+    for micro in batch.micro_batches(1):
+        assert objective.loss(model, micro).maxima[PARITY].item() == 0.0
 
 
 def test_ppo_old_log_probs_are_the_sampler_s_and_the_first_update_checks_them(ppo_run, monkeypatch):
