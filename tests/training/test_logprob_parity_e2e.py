@@ -1,10 +1,12 @@
 """``determinism.batch_invariant``: the sampler's log-probs are the trainer's bitwise in a real run.
 
-2 gloo ranks of the e2e GRPO and agent GRPO configs (tests/methods.py) with the batch-invariant
+2 gloo ranks of the e2e GRPO, agent GRPO and PPO configs (tests/methods.py) with the batch-invariant
 kernels on: ``logprob_parity`` (max |sampler log-prob - trainer log-prob| over a step's sampled
-tokens) is 0.0 on every ledger line, where the stock kernels leave about 1e-7 (test_grpo_e2e.py
-allows 1e-4). The chain behind it is tests/models/test_batch_invariance.py's; the key's
-hashing and checks are tests/training/test_numerics.py's.
+tokens; PPO's over its first update's, whose old log-probs are then the sampler's) is 0.0 on every
+ledger line, where the stock kernels leave about 1e-7 (test_grpo_e2e.py allows 1e-4); a nonzero one
+would have stopped the run with exit 5 (test_logprob_parity.py forces one in process). The chain
+behind it is tests/models/test_batch_invariance.py's; the key's hashing and checks are
+tests/training/test_numerics.py's.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from __future__ import annotations
 import pytest
 
 from tests import launch
-from tests.methods import AGENT_GRPO, GRPO
+from tests.methods import AGENT_GRPO, GRPO, PPO
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("method", [GRPO, AGENT_GRPO], ids=["grpo", "agent-grpo"])
+@pytest.mark.parametrize("method", [GRPO, AGENT_GRPO, PPO], ids=["grpo", "agent-grpo", "ppo"])
 def test_logprob_parity_is_zero_on_every_line(e2e_workdir, method):
     args = ["--config", str(method.config_path), f"run.name=parity-{method.name}", "train.max_steps=2",
             "determinism.batch_invariant=true", *method.overrides]
