@@ -95,7 +95,7 @@ class SourceConfig:
     text_unit: Literal["file", "line"] = "file"
     """Text format: each file is one document, or each non-blank line is one."""
     record: RecordKindName = "text"
-    """Record kind: text (text_column), chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"}), prompt ({"prompt", "answer"}: GRPO prompts) or preference ({"prompt", "chosen", "rejected"}: DPO pairs)."""
+    """Record kind: text (text_column), chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"}), prompt ({"prompt", "answer"}: GRPO prompts), preference ({"prompt", "chosen", "rejected"}: DPO pairs) or image_chat ({"messages", "images"}: images in user turns)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,22 @@ class AugmentConfig:
     """Probability that a document is augmented."""
     max_fraction: float = 0.1
     """Largest fraction of a document's tokens an augmentation may touch."""
+
+
+@dataclass(frozen=True)
+class ImagesConfig:
+    min_pixels: int = 56 * 56
+    """Smallest resized area (height x width) of an image; smaller images are scaled up to it."""
+    max_pixels: int = 28 * 28 * 1280
+    """Largest resized area (height x width) of an image; larger images are scaled down to it."""
+    max_image_pixels: int = 64 * 1024 * 1024
+    """Largest decoded image (width x height, before resizing); a larger one is a bad record."""
+    patch_size: int = 14
+    """Side of a vision patch in pixels: the vision tower's."""
+    temporal_patch_size: int = 2
+    """Frames per patch (a still image is repeated): the vision tower's."""
+    merge_size: int = 2
+    """Patches merged into one image token per side: the vision tower's spatial merge."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,8 @@ class DataConfig:
     """A chat template preset (qwen2.5, qwen3, chatml: data/templates/) or a Jinja2 template file, overriding the tokenizer's (default: qwen's is qwen2.5, a directory's its tokenizer_config.json's, else ChatML)."""
     template_clock: Optional[str] = None
     """The fixed instant a chat template's strftime_now reads (ISO 8601, e.g. '2026-01-01T00:00:00'; quote it in YAML); unset: templates that call it are refused."""
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    """How the images of image records (image_chat) are resized and cut into patches (data/vision; defaults: Qwen2.5-VL's processor)."""
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,10 @@ def _prepare_photographs(out: Path, *, force: bool) -> None:
         return
     rebuilt = copy_photographs(out, force=force)
     print(f"wrote: {out} ({len(PHOTOGRAPHS)} photographs, sha256 checked)" if rebuilt else f"up to date: {out}")
+    from data.vision.chat_data import write_chat, write_tokenizer
+
+    for path, write in ((out.parent / "chat", write_chat), (out.parent / "tokenizer", write_tokenizer)):
+        print(f"wrote: {path}" if write(path, force=force) else f"up to date: {path}")  # image_chat records, tiny VL
 
 
 def _prepare_tokenizer(args) -> int:

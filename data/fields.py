@@ -11,7 +11,9 @@ declared field without knowing what it means, by its ``Pack``:
   document's tokens and separators, ``missing`` elsewhere, ``pad`` on padding. A (B, T) extra.
 - ``RAGGED``: a list of arrays of any shape per document (image patches, a signal), kept whole
   whatever the packing does to the tokens. In the batch: ``Batch.media[name]``, per row the
-  items of its documents in document order.
+  items of its documents in document order. A field declared ``whole_document`` (images, whose
+  placeholder tokens a cut would split from them) keeps its documents whole too: never
+  truncated, dropped and counted when longer than a row.
 
 A row carries a ``TOKENS`` or ``DOCUMENT`` field when one of its documents does (rows of
 whole documents always carry the target mask: padding never trains); a batch carries it when
@@ -52,6 +54,10 @@ class DocField:
     """Value on the padding of a row of whole documents."""
     finish: Optional[Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]] = None
     """Given its (B, T) values and the (B, T) position ids, further (B, T) extras derived from them."""
+    whole_document: bool = False
+    """``RAGGED``: its items belong to tokens of their document (an image to its placeholders), so a
+    document carrying any is never truncated: one longer than data.seq_len is dropped and counted,
+    whatever data.overlong says."""
 
     def row(self, width: int, fill: int) -> np.ndarray:
         """A row of ``width`` with ``missing`` over the first ``fill`` positions and ``pad`` after."""

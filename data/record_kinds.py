@@ -29,7 +29,7 @@ from core.record_kinds import register_record_kind_name, unregister_record_kind_
 from data.fields import DocField
 
 BUILT_IN = ("data.kinds.text:KIND", "data.kinds.chat:KIND", "data.kinds.prompt_completion:KIND",
-            "data.kinds.prompt:KIND", "data.preference:KIND")
+            "data.kinds.prompt:KIND", "data.preference:KIND", "data.kinds.image_chat:KIND")
 """The built-in rows, by import path, in the order of ``data.sources[i].record``'s doc."""
 
 
@@ -47,7 +47,10 @@ class Encoded:
 
 
 class RecordEncoder(Protocol):
-    """Turns one record (a JSON object, or a dict of a Parquet row's columns) into a document."""
+    """Turns one record (a JSON object, or a dict of a Parquet row's columns) into a document.
+
+    An encoder whose records name files relative to their shard (images) sets
+    ``reads_files = True`` and is called as ``document(record, shard=<the shard's path>)``."""
 
     def document(self, record: Any) -> Encoded: ...
 
@@ -64,6 +67,8 @@ class EncoderSetup:
     """data.loss_on: which tokens of a conversation carry loss."""
     record_fields: frozenset[str] = frozenset()
     """Optional record fields the objective reads (core.objective_kinds.record_fields)."""
+    images: Any = None
+    """data.images (core ImagesConfig): how a kind's images become patches (data/vision); None: the defaults."""
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,7 @@ class WholeDocPacker:
                     return out
                 continue
             if len(piece) > T:
-                dropped = self._overlong == "drop"
+                dropped = self._overlong == "drop" or self._kept_whole(doc)
                 piece, laid = piece[:T], {name: values[:T] for name, values in laid.items()}
                 mask = laid.get(TARGET_MASK.name)
                 if dropped or (mask is not None and not mask[1:].any()):  # nothing left to train
@@ -389,6 +389,12 @@ class WholeDocPacker:
         for name, values in laid.items():
             self._laid.setdefault(name, []).append((self._fill, values))
         self._fill += len(piece)
+
+    def _kept_whole(self, doc: Doc) -> bool:
+        """The document carries items of a ``whole_document`` field (an image): truncating it would
+        cut them from their tokens, so it is dropped instead (data/fields.py)."""
+        return any(self._fields[name].whole_document and len(value) for name, value in doc.fields.items()
+                   if self._fields[name].pack is Pack.RAGGED)
 
     def _add_media(self, doc: Doc) -> None:
         for name, value in doc.fields.items():

@@ -177,7 +177,7 @@ def record_encoders(config: DataConfig, kinds: list[RecordKind], tokenizer: Toke
     if any(kind.uses_template for kind in kinds):
         template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
         check_template(template, tokenizer)
-    setup = EncoderSetup(template, tokenizer, config.loss_on, frozenset(record_fields))
+    setup = EncoderSetup(template, tokenizer, config.loss_on, frozenset(record_fields), config.images)
     return template, [kind.encoder(setup) if kind.encoder is not None else None for kind in kinds]
 
 

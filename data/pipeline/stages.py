@@ -147,8 +147,10 @@ class TokenizeStage:
         if self.encoders and self.encoders[doc.source] is not None:
             payload = doc.payload
             doc.payload = payload if isinstance(payload, dict) else DecodeStage._object(_utf8(payload))
-            try:
-                encoded = self.encoders[doc.source].document(doc.payload)
+            encoder = self.encoders[doc.source]
+            try:  # an encoder that reads files (images) finds them relative to the record's shard
+                encoded = (encoder.document(doc.payload, shard=doc.shard) if getattr(encoder, "reads_files", False)
+                           else encoder.document(doc.payload))
             except RecordError as exc:  # a malformed record, one its template refuses, or text not UTF-8
                 raise BadRecord(str(exc)) from None
             doc.fields, doc.pieces = encoded.fields, encoded.pieces

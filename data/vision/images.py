@@ -33,6 +33,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -96,6 +97,21 @@ class ImageProcessing:
     def row_size(self) -> int:
         """Values per patch row: channels * frames * patch * patch."""
         return CHANNELS * self.temporal_patch_size * self.patch_size**2
+
+
+CONFIGURED = ("min_pixels", "max_pixels", "max_image_pixels", "patch_size", "temporal_patch_size", "merge_size")
+"""The ``ImageProcessing`` fields a run sets under ``data.images`` (core ImagesConfig); the rest keep their defaults."""
+
+
+def processing_of(images: Any = None) -> ImageProcessing:
+    """The ``ImageProcessing`` of a ``data.images`` section (None: the defaults); a bad value is a
+    ConfigError naming its ``data.images.*`` key."""
+    if images is None:
+        return ImageProcessing()
+    try:
+        return ImageProcessing(**{name: getattr(images, name) for name in CONFIGURED})
+    except ConfigError as exc:
+        raise ConfigError(exc.message, key=f"data.images.{exc.context.get('key')}", hint=exc.hint) from None
 
 
 @dataclass(frozen=True, eq=False)
