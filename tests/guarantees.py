@@ -89,6 +89,8 @@ class Method:
     """Optional packages the method runs on (QLoRA: torchao); without one its checks are skipped."""
     replay_steps: tuple[int, ...] = (3, 6)
     one_rank_step: int = 4
+    one_rank_overrides: tuple[str, ...] = ()
+    """Resumable keys the 1-rank resume sets (a row at ``parallel.ep=2``: ``parallel.ep=1``)."""
     one_rank_same: tuple[str, ...] = ("batch_hash",)
     """Ledger fields the 1-rank resume keeps at every step (``data_state_hash`` always)."""
     one_rank_close: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -199,8 +201,8 @@ def replay_verifies(refs: References, method: Method, dumps: Path) -> None:
 def one_rank_resume_keeps_the_batches(refs: References, method: Method) -> None:
     reference, cut = refs.run(method), method.one_rank_step
     copy = launch.cut_back_copy(reference, cut, "-one-rank")
-    resumed = launch.train(refs.workdir, ["--resume", copy.name], nproc=1, timeout=method.timeout_s,
-                           entry=method.entry)
+    resumed = launch.train(refs.workdir, ["--resume", copy.name, *method.one_rank_overrides], nproc=1,
+                           timeout=method.timeout_s, entry=method.entry)
     assert resumed.returncode == 0, resumed.stderr
     ref, got = launch.ledger(reference), launch.ledger(copy)
     assert [r["step"] for r in got] == list(range(1, method.steps + 1))

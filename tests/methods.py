@@ -17,7 +17,8 @@ are required, a field left out is the common case):
                   timeout_s=300, needs=("torchao",),    # per run; optional packages (else skipped)
                   kill=Kill(seed=7, ...), kill_overrides=fn,
                   replay_steps=(3, 6),                  # one before and one after a checkpoint
-                  one_rank_step=4, one_rank_same=(...), one_rank_close={...}, one_rank_loss_rel=1e-4,
+                  one_rank_step=4, one_rank_overrides=(...),   # resumable keys of the 1-rank resume
+                  one_rank_same=(...), one_rank_close={...}, one_rank_loss_rel=1e-4,
                   samples_from_weights=False,           # GRPO/PPO: batches come from the weights
                   accumulation_steps=2, accumulation_loss_rel=1e-5,
                   accumulation_overrides=(...), accumulation_close={...})
@@ -75,6 +76,15 @@ Notes on the rows that differ from the defaults:
   gradient moves step 2's loss by 3e-6 relative, inside the loss's 1e-5. The load min/max are
   the extremes of one forward's tokens per expert, which a forward of one row and one of four do
   not share: the accumulation check leaves them out.
+- ``moe-sft`` fine-tunes the moe row's model on the chat tasks (tests/configs/e2e-moe-sft.yaml)
+  under FSDP with the experts split over the 2 ranks (``parallel.ep=2``): kill/resume and replay
+  run at ep=2, the 1-rank resume continues the ep=2 checkpoint at ``parallel.ep=1``
+  (``one_rank_overrides``: the experts are whole tensors in the checkpoint), and the accumulation
+  check runs on one rank at ep=1. Its fields compare as the moe row's. 6 steps, a checkpoint every 3.
+- ``moe-grpo`` runs GRPO on the moe row's model (tests/configs/e2e-moe-grpo.yaml, e2e-grpo.yaml's
+  rollouts and rewards, two updates per step; the router bias moves after each): as the grpo
+  row, the 1-rank resume and the accumulation check compare the first step after their common
+  start, the fields as the moe row's. 3 steps, a checkpoint at 2.
 """
 
 from __future__ import annotations
@@ -229,9 +239,27 @@ MOE = Method("moe", "e2e-moe.yaml", e2e_file="test_moe_e2e.py", steps=6, kill=Ki
              accumulation_close={"model/aux/load_balance": (2e-2, 0.0),
                                  **{key: (1e-6, 1e-9) for key in MOE_BIAS_FIELDS}})
 
+# Qwen3-MoE SFT and GRPO on the moe row's model: SFT with the experts split over the 2 ranks
+# (parallel.ep=2; its 1-rank resume is an EP 2 -> 1 resume), GRPO at ep=1 with its rollouts
+# sampled from the MoE policy. The row's note says what each check compares.
+MOE_SFT = Method("moe-sft", "e2e-moe-sft.yaml", e2e_file="test_moe_sft_e2e.py", steps=6, kill=Kill(seed=71),
+                 replay_steps=(2, 5), one_rank_step=3, one_rank_overrides=("parallel.ep=1",),
+                 one_rank_same=("batch_hash", "trained_tokens"),
+                 one_rank_close={key: (1e-5, 1e-8) for key in MOE_FIELDS},
+                 accumulation_overrides=("parallel.strategy=none", "parallel.ep=1"),
+                 accumulation_close={"model/aux/load_balance": (2e-2, 0.0),
+                                     **{key: (1e-6, 1e-9) for key in MOE_BIAS_FIELDS}})
+MOE_GRPO = Method("moe-grpo", "e2e-moe-grpo.yaml", e2e_file="test_moe_grpo_e2e.py", steps=3, timeout_s=600,
+                  kill=Kill(seed=72, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),
+                  replay_steps=(3,), one_rank_step=2, one_rank_same=("rollout_hash", "batch_hash", "reward_mean"),
+                  one_rank_close={key: (1e-5, 1e-8) for key in MOE_FIELDS},
+                  samples_from_weights=True, accumulation_steps=1,
+                  accumulation_close={"grad_norm": (1e-5, 0.0), "model/aux/load_balance": (2e-2, 0.0),
+                                      **{key: (1e-6, 1e-9) for key in MOE_BIAS_FIELDS}})
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
            FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO, GRPO_MODEL_REWARD, PPO_MODEL_REWARD,
-           GELU_LM, MOE)
+           GELU_LM, MOE, MOE_SFT, MOE_GRPO)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}
