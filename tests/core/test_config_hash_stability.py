@@ -32,6 +32,7 @@ HASHES = {
     "configs/qwen3-1.7b-qlora-sft.yaml": "a0eb41e270aa9dbd3a1f3f2fd3958e31d60249aca99dda1a85a50e7da465e146",
     "configs/qwen3-1.7b-qlora.yaml": "66abfce8379ac917ff28b4748ded9085e0197cd6bfbd8643fbcd0612cfb16b87",
     "configs/qwen3-1.7b.yaml": "e4fc3dccc012075a5644c5c7a80a4fbd6b2c18d7a9247581d7513c9c6ea10bb4",
+    "configs/qwen3-30b-a3b.yaml": "747aaac18453ecd2652a7bfa03346083c35773124a38f4e1f49ad3bd30be0a2b",
     "configs/qwen3-8b.yaml": "ac7167fb1928cfaf5db91940390398f54d9d29afdd58adcf32cf5db21e1c98a5",
     "configs/tiny-agent-grpo.yaml": "68241d729c8e5bd12ea900326c2e24c81c446453dcef6b6b7cfb6240561f2760",
     "configs/tiny-agent-sft.yaml": "a1ef8f9c36bfe839d70f6aab71955057cf450f95991958408a79447fdb7c94bb",
