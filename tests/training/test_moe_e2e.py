@@ -6,7 +6,9 @@ gives the uninterrupted ledger bit for bit (the ``model/*`` fields and so the ro
 replay before and after a checkpoint verifies, the 2-rank checkpoint resumed on 1 rank and micro-
 batches 1 x 4 against 4 x 1 keep the batches, the loss and the fields the row's note names. Here, on
 the row's run: the balancing fields in the ledger, the bias a checkpoint holds being the one the next
-step chose with, and a bad ``parallel.ep`` refused by train.py's launcher (exit 2) before any rank starts.
+step chose with; bad expert settings refused by train.py's launcher (exit 2) before any rank starts: a
+``parallel.ep`` that does not divide the experts, a top-k above them; and a resume at another expert
+count refused (exit 4), naming both counts.
 """
 
 from __future__ import annotations
@@ -63,9 +65,24 @@ def test_the_checkpoint_holds_the_bias_the_next_step_chose_with(reference):
     assert bias.dtype.is_floating_point and bool((bias.abs() <= 3 * RATE + 1e-9).all())
 
 
-def test_an_expert_parallel_degree_that_does_not_divide_the_experts_exits_2(tmp_path):
+@pytest.mark.parametrize("overrides, message", [
+    (("parallel.ep=2", "model.qwen3_moe.num_experts=3"), "parallel.ep=2 does not divide model.qwen3_moe.num_experts=3"),
+    (("model.qwen3_moe.num_experts_per_tok=5",),
+     "model.qwen3_moe.num_experts_per_tok=5 must be between 1 and model.qwen3_moe.num_experts=4"),
+], ids=["ep-not-dividing-the-experts", "top-k-above-the-experts"])
+def test_a_bad_expert_setting_exits_2_naming_both_numbers(tmp_path, overrides, message):
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), "--nproc", "2", "--config",
-                             str(CONFIGS / "e2e-moe.yaml"), "parallel.ep=2", "model.qwen3_moe.num_experts=3"],
+                             str(CONFIGS / "e2e-moe.yaml"), *overrides],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "parallel.ep=2 does not divide model.qwen3_moe.num_experts=3" in result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "runs").exists()  # refused before any run dir
+
+
+def test_resuming_with_another_expert_count_exits_4_naming_both(reference, reference_runs):
+    # the checkpoint's experts are (4, ...) tensors: a run of 8 experts cannot continue from them
+    result = launch.train(reference_runs.workdir, ["--resume", reference.name, "model.qwen3_moe.num_experts=8"],
+                          nproc=1)
+    assert result.returncode == 4, result.stderr
+    assert "model.qwen3_moe.num_experts: 4 -> 8" in result.stderr
+    assert [line["step"] for line in launch.ledger(reference)] == list(range(1, MOE.steps + 1))  # untouched
