@@ -4,15 +4,16 @@
     python benchmarks/moe_step.py --smoke --out /tmp/moe_step.json     # the same code on CPU, a tiny shape, seconds
 
 The shape is configs/qwen3-30b-a3b.yaml with ``model.num_layers`` cut (``--layers``, default 4: 3.1B
-parameters, 0.54B of them active per token), random init, ``--micro-batch`` x ``--seq`` tokens a step
-(default 1 x 4096), bf16.
+parameters, 0.85B of them active per token, 0.62B of which the embedding and the output head),
+random init, ``--micro-batch`` x ``--seq`` tokens a step (default 1 x 4096), bf16.
 
 - **Lockstep** trains through train.py, as a user runs it (benchmarks/train_throughput.py's overrides):
   ``parallel.strategy=none`` (bf16 autocast over fp32 master weights, fused AdamW on CUDA), the
-  default ``determinism.mode=bitwise``, ``parallel.compile=false`` (``--compile`` turns it on), no
-  accumulation, no checkpoint, no evaluation, metrics every step, ``runtime.on_nonfinite=skip``. Its
-  data is a synthetic text corpus written under the run root (the byte tokenizer; the model's
-  vocabulary stays 151,936), so nothing needs ``python -m data prepare``. It runs twice with the same
+  default ``determinism.mode=bitwise`` (``--mode fast`` changes it), ``parallel.compile=false``
+  (``--compile`` turns it on), no accumulation, no checkpoint, no evaluation, metrics every step,
+  ``runtime.on_nonfinite=skip``. Its data is a synthetic text corpus written under the run root (the
+  byte tokenizer; the model's vocabulary stays 151,936), so nothing needs ``python -m data prepare``;
+  transformers trains on random ids, so the experts' loads differ between the two sides. It runs twice with the same
   settings and seed: the first run is the measurement, and the two ledgers must be equal line for
   line (losses, gradient norms, batch hashes, the last step's parameter hash): the bitwise repeat.
   Steady state is as in train_throughput.py: the steps after ``--warmup`` but the last (which hashes
@@ -73,10 +74,12 @@ SMOKE_SETTINGS = dict(layers=2, seq=64, micro_batch=1, warmup=1, steps=1, device
 
 
 def load_config(args: argparse.Namespace):
-    """The preset with the model overrides of this call (layers, --smoke's shape): the shape both sides train."""
+    """The preset with the model overrides of this call (layers, --smoke's shape), the shape both sides
+    train, and Lockstep's precision and determinism mode (what its experts kernel depends on)."""
     from core.config import load
 
-    return load(ROOT / PRESET, model_overrides(args))
+    return load(ROOT / PRESET, [*model_overrides(args), "parallel.strategy=none", f"parallel.precision={args.precision}",
+                                f"parallel.device={args.device}", f"determinism.mode={args.mode}"])
 
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
@@ -109,7 +112,7 @@ def train_overrides(args: argparse.Namespace, name: str, run_root: Path, corpus:
         "checkpoint.at_end=false",
         "metrics.tensorboard=false",
         "metrics.log_interval=1",
-        "determinism.mode=bitwise",
+        f"determinism.mode={args.mode}",
         f"runtime.watchdog_timeout_s={max(600, int(args.timeout))}",
         "runtime.on_nonfinite=skip",
         *args.override,
@@ -149,11 +152,15 @@ def active_params(model_config) -> int:
 # --------------------------------------------------------------------------- Lockstep
 
 
-def run_lockstep(args: argparse.Namespace, name: str, run_root: Path, corpus: Path, peak: float | None) -> dict[str, Any]:
+def run_lockstep(args: argparse.Namespace, name: str, run_root: Path, corpus: Path, peak: float | None,
+                 budget: tt.Budget) -> dict[str, Any]:
     """One train.py run (a child process, or ``train.main`` here with ``--in-process``) and its summary."""
     argv = ["--config", PRESET, *train_overrides(args, name, run_root, corpus)]
     command = [tt.PYTHON, "train.py", *argv]
     result: dict[str, Any] = {"name": name, "command": " ".join(command), "in_process": args.in_process}
+    timeout = budget.timeout(args.timeout)
+    if timeout is None:
+        return {**result, "status": "skipped", "error": "not started: --budget exhausted"}
     started_at = time.time()
     if args.in_process:
         import train
@@ -162,7 +169,7 @@ def run_lockstep(args: argparse.Namespace, name: str, run_root: Path, corpus: Pa
         code, timed_out, output = train.main(argv), False, None
         result["seconds"] = time.monotonic() - started
     else:
-        done = tt.launch(command, timeout=args.timeout, log_path=args.log_dir / f"{name}.log")
+        done = tt.launch(command, timeout=timeout, log_path=args.log_dir / f"{name}.log")
         code, timed_out, output = done.returncode, done.timed_out, done
         result["seconds"] = done.seconds
     run_dir = next(iter(sorted(run_root.glob(f"{name}-*"))), None)
@@ -215,7 +222,6 @@ def run_transformers(args: argparse.Namespace, config, device, peak: float | Non
     """hf_baseline.py's recipe on Qwen3MoeForCausalLM of the same shape, with its default experts
     implementation and the load-balancing loss on; timed as hf_baseline.py times."""
     import torch
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     cuda = device.type == "cuda"
     if cuda:
@@ -228,12 +234,7 @@ def run_transformers(args: argparse.Namespace, config, device, peak: float | Non
                               "hf_params": sum(p.numel() for p in model.parameters()),
                               "attn_implementation": model.config._attn_implementation,
                               "output_router_logits": True, "compile": False}
-    implementation = model.config._experts_implementation
-    modules = {m.config._experts_implementation for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts"}
-    known = {"eager", *ALL_EXPERTS_FUNCTIONS.keys()}
-    if implementation not in known or modules != {implementation}:
-        raise RuntimeError(f"transformers' experts implementation {implementation!r} (modules: {sorted(modules)}) "
-                           f"is not one of {sorted(known)} on every experts module")
+    implementation = experts_implementation(model)
     result["experts_implementation"] = implementation
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   **({"fused": True} if cuda else {"foreach": True}))
@@ -270,6 +271,25 @@ def run_transformers(args: argparse.Namespace, config, device, peak: float | Non
     return result  # the model, its optimizer state and the batches go with this frame
 
 
+def experts_implementation(model) -> str:
+    """The experts implementation transformers chose for ``model`` (``config._experts_implementation``;
+    eager where the installed transformers has no choice of one), checked against what every experts
+    module dispatches to. Raises RuntimeError where they differ or the name is not a registered one."""
+    chosen = getattr(model.config, "_experts_implementation", None) or "eager"
+    modules = [m for m in model.modules() if hasattr(m, "config") and type(m).__name__.endswith("Experts")]
+    dispatched = {getattr(m.config, "_experts_implementation", None) or "eager" for m in modules}
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        known = {"eager", *ALL_EXPERTS_FUNCTIONS.keys()}
+    except ImportError:  # a transformers without experts implementations: a loop over the experts
+        known = {"eager"}
+    if chosen not in known or (modules and dispatched != {chosen}):
+        raise RuntimeError(f"transformers' experts implementation {chosen!r} (its experts modules: "
+                           f"{sorted(dispatched)}) is not one of {sorted(known)} on every experts module")
+    return chosen
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -280,7 +300,7 @@ def table(report: dict[str, Any]) -> str:
              f"{report['settings']['micro_batch']}, {report['device_name']}; peak: {report['peak_source']}", "",
              "| run | status | s/step | tokens/s | MFU active, all matmuls | MFU active, torchtitan | peak GiB | experts |",
              "|---|---|---|---|---|---|---|---|"]
-    for label, part, kernel in (("lockstep (bitwise)", report["lockstep"], report["lockstep_experts"]["kernel"]),
+    for label, part, kernel in ((f"lockstep ({report['settings']['mode']})", report["lockstep"], report["lockstep_experts"]["kernel"]),
                                 ("transformers", report["transformers"],
                                  report["transformers"].get("experts_implementation"))):
         lines.append("| " + " | ".join([
@@ -312,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps (Lockstep runs one more: the last hashes)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="Lockstep's parallel.precision")
+    p.add_argument("--mode", choices=("bitwise", "fast"), default="bitwise", help="Lockstep's determinism.mode")
     p.add_argument("--compile", action="store_true", help="Lockstep with parallel.compile=true")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="one more train.py override for Lockstep's runs (repeatable)")
@@ -319,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run train.main in this process (default: on CPU only)")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the card's dense bf16 peak")
     p.add_argument("--timeout", type=float, default=540, help="seconds per Lockstep run (child processes)")
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds for the whole call: a Lockstep run is given what is left, not started under 45 s")
     p.add_argument("--run-root", help="where the runs go (default: a temporary directory, deleted)")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, 1 + 1 steps: seconds")
     p.add_argument("--out", default="bench_out/moe_step.json")
@@ -358,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                   "params_active": active_params(config.model),
                   "flops_per_token": flops},
     }
+    budget = tt.Budget(args.budget)
     run_root = Path(args.run_root or tempfile.mkdtemp(prefix="lockstep-moe-step-")).resolve()
     try:
         try:
@@ -371,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         report["lockstep_experts"] = lockstep_expert_kernel(config, device)
         tokens = 2 * (args.warmup + args.steps + 1) * args.micro_batch * args.seq
         corpus = write_corpus(run_root / "corpus", tokens)
-        report["lockstep"] = run_lockstep(args, "moe-step-a", run_root, corpus, peak)
-        report["lockstep_repeat"] = run_lockstep(args, "moe-step-b", run_root, corpus, peak)
+        report["lockstep"] = run_lockstep(args, "moe-step-a", run_root, corpus, peak, budget)
+        report["lockstep_repeat"] = run_lockstep(args, "moe-step-b", run_root, corpus, peak, budget)
         report["bitwise_repeat"] = repeat_check(report["lockstep"], report["lockstep_repeat"])
         ours, theirs = report["lockstep"].get("tokens_per_s"), report["transformers"].get("tokens_per_s")
         report["speedup"] = ours / theirs if ours and theirs else None
