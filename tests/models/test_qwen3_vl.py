@@ -261,3 +261,29 @@ def test_the_section_is_read_from_yaml_and_checked_against_model_keys():
         with pytest.raises(ConfigError) as error:
             config_lib.load(tiny, base + [override])
         assert error.value.context["key"] == key, override
+
+
+def test_both_stacks_checkpointed_give_the_gradients_of_the_plain_model(pair):
+    """Activation checkpointing wraps the blocks of both stacks (the plan's), DeepStack's additions sitting
+    between checkpointed language blocks, and the gradients of both towers are the unwrapped model's."""
+    from distributed.activation_checkpoint import apply_activation_checkpointing
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    ids, media = rows_with_images([[(1, 8, 12)], [(1, 4, 4), (1, 6, 6)]], seed=6)
+
+    def gradients(model):
+        model.zero_grad(set_to_none=True)
+        model_forward(model, ModelInputs(ids, media=media)).logits.pow(2).mean().backward()
+        return {name.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for name, p in model.named_parameters()}
+
+    plain = empty_model(tiny_config())
+    plain.load_state_dict(pair[0].state_dict())
+    expected = gradients(plain)
+    assert expected["visual.deepstack_merger_list.0.linear_fc1.weight"].abs().sum() > 0
+    wrapped = empty_model(tiny_config())
+    wrapped.load_state_dict(pair[0].state_dict())
+    apply_activation_checkpointing(wrapped, "full")
+    assert all(isinstance(b, CheckpointWrapper) for b in (*wrapped.visual.blocks, *wrapped.layers))
+    got = gradients(wrapped)
+    assert got.keys() == expected.keys()
+    assert all(torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-7) for k in expected)
