@@ -42,6 +42,7 @@ import contextlib
 import json
 import math
 import random
+import shlex
 import shutil
 import sys
 import tempfile
@@ -157,7 +158,7 @@ def run_lockstep(args: argparse.Namespace, name: str, run_root: Path, corpus: Pa
     """One train.py run (a child process, or ``train.main`` here with ``--in-process``) and its summary."""
     argv = ["--config", PRESET, *train_overrides(args, name, run_root, corpus)]
     command = [tt.PYTHON, "train.py", *argv]
-    result: dict[str, Any] = {"name": name, "command": " ".join(command), "in_process": args.in_process}
+    result: dict[str, Any] = {"name": name, "command": shlex.join(command), "in_process": args.in_process}
     timeout = budget.timeout(args.timeout)
     if timeout is None:
         return {**result, "status": "skipped", "error": "not started: --budget exhausted"}
