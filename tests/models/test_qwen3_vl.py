@@ -287,3 +287,53 @@ def test_both_stacks_checkpointed_give_the_gradients_of_the_plain_model(pair):
     got = gradients(wrapped)
     assert got.keys() == expected.keys()
     assert all(torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-7) for k in expected)
+
+
+def _published_config() -> dict:
+    """A config.json in the published checkpoints' layout (rope_scaling, rope_theta beside it), tiny sizes."""
+    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": IMAGE,
+            "video_token_id": VIDEO, "vision_start_token_id": START, "vision_end_token_id": END,
+            "tie_word_embeddings": True,
+            "text_config": {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+                            "attention_bias": False, "rope_theta": 5000000, "tie_word_embeddings": True,
+                            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2],
+                                             "rope_type": "default"}},
+            "vision_config": {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "hidden_act": "gelu_pytorch_tanh",
+                              "intermediate_size": 48, "num_heads": 4, "in_channels": 3, "patch_size": 16,
+                              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 32,
+                              "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]}}
+
+
+def test_a_published_config_reads_and_fields_it_cannot_express_name_themselves(tmp_path):
+    from models.hf_config import model_config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(_published_config()))
+    config = model_config_from_hf(tmp_path)
+    assert (config.arch, config.rope_theta, config.head_dim, config.tie_embeddings) == ("qwen3_vl", 5e6, 16, True)
+    assert config.qwen3_vl.mrope_section == (4, 2, 2) and config.qwen3_vl.deepstack_visual_indexes == (0, 1)
+    for where, field, value in [("text_config", "attention_bias", True), ("vision_config", "hidden_act", "gelu"),
+                                ("text_config", "rope_scaling", {"rope_type": "yarn", "factor": 2.0})]:
+        raw = _published_config()
+        raw[where][field] = value
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(ConfigError) as error:
+            model_config_from_hf(tmp_path)
+        assert error.value.context["key"].startswith(field), (field, error.value.context)
+
+
+def test_a_tied_model_exports_and_reads_back_with_equal_logits(tmp_path):
+    """Qwen3-VL's small checkpoints tie the output head to the embedding: transformers loads our tied export,
+    and its own save of it reads back tied, the logits equal throughout."""
+    ours = empty_model(tiny_config(tie_embeddings=True))
+    ours.init_weights(torch.Generator().manual_seed(8))
+    save_pretrained(ours, tmp_path / "ours")
+    theirs = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "ours").eval()
+    theirs.save_pretrained(tmp_path / "theirs")
+    again = load_pretrained(tmp_path / "theirs").eval()
+    ids, media = rows_with_images([[(1, 4, 8)]], seed=9)
+    with torch.no_grad():
+        reference = theirs(**hf_inputs(ids, media)).logits
+        assert_logits_equal(model_forward(ours.eval(), ModelInputs(ids, media=media)).logits, reference)
+        assert_logits_equal(model_forward(again, ModelInputs(ids, media=media)).logits, reference)
+    assert again.config.tie_embeddings and again.lm_head.weight is again.embed_tokens.weight
