@@ -6,7 +6,9 @@ the interleaved M-RoPE sections give height and width two pairs each), exported 
 by transformers: fp32 logits within 1e-5 for text alone, one image, several images per row and
 images of different sizes in one batch; its M-RoPE positions equal transformers' get_rope_index;
 a checkpoint transformers wrote loads in ours with the same logits and exports again with the same
-tensors; the section's checks name their keys.
+tensors, tied or not; a published config.json reads; DeepStack and the learned positions reach the
+logits; both stacks under activation checkpointing give the plain gradients; the section's checks
+name their keys.
 """
 
 from __future__ import annotations
