@@ -206,7 +206,7 @@ class Config:
 # Keys a resumed run may change. A prefix ending in "." admits every key below it.
 RESUMABLE_KEYS = (
     "run.root",  # where the run dir lives now (a run moved to another root resumes from there)
-    "train.max_steps", "train.eval_interval", "train.eval_batches",
+    "train.max_steps", "train.schedule_steps", "train.eval_interval", "train.eval_batches",
     "train.eval_generate.",  # an evaluation only: the ledger does not depend on it
     "checkpoint.", "runtime.", "metrics.", "data.workers", "data.prefetch_batches", "data.max_in_flight", "data.process_pool",
     "parallel.strategy", "parallel.ddp_embedding_grad", "parallel.compile", "parallel.compile_mode",

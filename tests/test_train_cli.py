@@ -97,6 +97,7 @@ def test_resume_takes_a_unique_run_id_prefix_and_warns_of_a_reshaped_schedule(e2
     assert [r["step"] for r in launch.ledger(run_dir(e2e_workdir, resumed))] == [1, 2, 3, 4, 5]
     warning = next(line for line in resumed.stdout.splitlines() if "reshapes" in line)
     assert "train.max_steps 3 -> 5" in warning and "step 4," in warning and warning.count("lr ") == 1, warning
+    assert warning.endswith("-> add train.schedule_steps=3 to keep the recorded one"), warning
     other = run_dir(e2e_workdir, done).parent / (prefix + "zzzz")  # a second run the prefix names
     other.mkdir()
     (other / "config.yaml").write_bytes((run_dir(e2e_workdir, done) / "config.yaml").read_bytes())

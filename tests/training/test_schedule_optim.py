@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from core.config import TrainConfig
+from core.config import TrainConfig, is_resumable
 from training.record import ledger as ledger_lib
 from training.losses import CausalLMLoss
 from training.optimizers.build import build_optimizer, param_groups
@@ -52,7 +52,12 @@ def test_a_resume_that_reshapes_the_schedule_names_the_step_and_both_rates():
     assert before != after
     assert message == (f"warning: train.max_steps 110 -> 220 reshapes the cosine learning-rate schedule: step 60, "
                        f"where this resume continues, runs at lr {after:.6g} (it was {before:.6g} under "
-                       f"train.max_steps=110), and the steps after it follow the new schedule")
+                       f"train.max_steps=110), and the steps after it follow the new schedule -> add "
+                       f"train.schedule_steps=110 to keep the recorded one")
+    # the hint's key may change on a resume, and with it the schedule is the recorded one
+    assert is_resumable("train.schedule_steps")
+    kept = replace(longer, schedule_steps=110)
+    assert reshape_warning(60, BASE, kept) is None and all(lr_at(s, kept) == lr_at(s, BASE) for s in range(1, 111))
     # no reshape: the same length, a schedule_steps that holds it, a constant rate, nothing left to run
     assert reshape_warning(60, BASE, BASE) is None
     assert reshape_warning(60, replace(BASE, schedule_steps=110), replace(longer, schedule_steps=110)) is None

@@ -36,7 +36,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
 def reshape_warning(step: int, recorded: TrainConfig, requested: TrainConfig) -> str | None:
     """The warning for a resume at ``step`` whose ``train.max_steps`` changes the schedule's
     length (``schedule_steps`` unset, a schedule that decays): the learning rate at ``step``
-    under the recorded and the requested settings; None when the schedule is unchanged."""
+    under the recorded and the requested settings, and the ``train.schedule_steps`` (a resumable
+    key) that keeps the recorded schedule; None when the schedule is unchanged."""
     old_total = recorded.schedule_steps or recorded.max_steps
     new_total = requested.schedule_steps or requested.max_steps
     if old_total == new_total or requested.schedule == "constant" or step > requested.max_steps:
@@ -45,4 +46,4 @@ def reshape_warning(step: int, recorded: TrainConfig, requested: TrainConfig) ->
     return (f"warning: train.max_steps {recorded.max_steps} -> {requested.max_steps} reshapes the "
             f"{requested.schedule} learning-rate schedule: step {step}, where this resume continues, runs at "
             f"lr {after:.6g} (it was {before:.6g} under train.max_steps={recorded.max_steps}), and the steps "
-            f"after it follow the new schedule")
+            f"after it follow the new schedule -> add train.schedule_steps={old_total} to keep the recorded one")
