@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
+    if args.prompts < 1 or args.batch < 1:
+        parser.error("--prompts and --batch take a count of at least 1")
     torch.set_num_threads(2)
     source = load_source(args.from_, root=args.root, step=args.step, device=torch.device("cpu"))
     model = source.model.eval()
@@ -81,23 +83,32 @@ def main() -> None:
     prompts = [template.render(q, add_generation_prompt=True, tools=tools) for q in questions]
     firsts = turn(prompts)
     calls = [parse_call(text) for text in firsts]
-    expressions = [r["prompt"].removeprefix("What is ").removesuffix("?") for r in records]
     results = [calculator.calculate(c["arguments"]["expression"]) if c else None for c in calls]
     follow = [i for i, c in enumerate(calls) if c]
     seconds = dict(zip(follow, turn([
         prompts[i] + firsts[i] + template.end_of_turn
         + template.observation_text([{"role": "tool", "content": results[i]}], tools=tools) for i in follow])))
-    solved = [i for i in follow if seconds[i].strip() == records[i]["answer"]]
     plain = turn([template.render(q, add_generation_prompt=True) for q in questions])
+    print(json.dumps(summary(records, firsts, calls, seconds, plain), indent=1))
+
+
+def summary(records: list[dict], firsts: list[str], calls: list[dict | None], seconds: dict[int, str],
+            plain: list[str]) -> dict:
+    """The fractions of the prompts whose first turn is a well-formed call, whose call's expression
+    is the question's, solved with the tool (the second turn, after the result) and without it
+    (``plain``), and up to three examples."""
     n = len(records)
-    print(json.dumps({
+    follow = [i for i, c in enumerate(calls) if c]
+    expressions = [r["prompt"].removeprefix("What is ").removesuffix("?") for r in records]
+    return {
         "prompts": n,
         "well_formed_calls": len(follow) / n,
         "right_expression": sum(calls[i]["arguments"]["expression"] == expressions[i] for i in follow) / n,
-        "solved_with_tool": len(solved) / n,
+        "solved_with_tool": sum(seconds[i].strip() == records[i]["answer"] for i in follow) / n,
         "solved_without_tool": sum(text.strip() == r["answer"] for text, r in zip(plain, records)) / n,
-        "examples": [{"prompt": records[i]["prompt"], "first": firsts[i], "second": seconds.get(i)} for i in range(3)],
-    }, indent=1))
+        "examples": [{"prompt": records[i]["prompt"], "first": firsts[i], "second": seconds.get(i)}
+                     for i in range(min(3, n))],
+    }
 
 
 if __name__ == "__main__":
