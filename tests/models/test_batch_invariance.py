@@ -12,6 +12,7 @@ doing, not this CPU's luck.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -28,7 +29,8 @@ from models.forward import ModelOutput
 from models.generation.sampler import SampleKey, Sampler, SamplingParams
 from models.numerics import Numerics
 from models.qwen3_moe.family import Qwen3MoeSettings
-from models.qwen3_moe.moe import Router
+from models.qwen3_moe.dims import resolve_moe_dims
+from models.qwen3_moe.moe import Router, SparseMoe
 from training.objectives.token_logps import linear_token_logps, model_numerics, token_logps_from_logits
 
 QWEN3 = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2,
@@ -89,6 +91,25 @@ def test_a_pairwise_sum_padded_with_zeros_is_unchanged():
     torch.testing.assert_close(batch_invariant.pairwise_sum(values), values.sum(-1))
 
 
+def test_a_mixture_s_token_does_not_depend_on_the_tokens_beside_it():
+    """A Qwen3-MoE block's mixture (router, expert loop, combine) under the kernels' context: a token
+    alone gives the bits it gives among 300 (its experts see other row counts); the stock kernels do not."""
+    config = dataclasses.replace(MOE, hidden_size=128, head_dim=32, qwen3_moe=Qwen3MoeSettings(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384))
+    layer = SparseMoe(resolve_moe_dims(config))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 300, 128, generator=generator)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        alone = {}
+        for invariant in (True, False):
+            with batch_invariant.Linears() if invariant else contextlib.nullcontext():
+                whole = layer(x)[0][0]
+                alone[invariant] = [torch.equal(layer(x[:, i:i + 1])[0][0, 0], whole[i]) for i in range(0, 300, 37)]
+    assert all(alone[True]) and not all(alone[False])
+
+
 def test_the_log_softmax_and_norm_compute_what_the_stock_ones_do():
     logits = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * 5
     tokens = torch.arange(6) * 7
@@ -99,6 +120,7 @@ def test_the_log_softmax_and_norm_compute_what_the_stock_ones_do():
     torch.testing.assert_close(batch_invariant.rms_norm(x, weight, 1e-6),
                                weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     torch.testing.assert_close(batch_invariant.silu(x), F.silu(x))
+    torch.testing.assert_close(batch_invariant.softmax(logits), torch.softmax(logits, -1))
 
 
 def test_the_exact_kernel_attends_as_sdpa_does(config):
