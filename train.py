@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from core.environment import require_dependencies
@@ -36,6 +37,9 @@ try:  # torch loads here (seconds): Ctrl-C meanwhile ends the process with one l
 except KeyboardInterrupt:
     sys.stderr.write("train.py: interrupted while starting (Ctrl-C); nothing was written\n")
     raise SystemExit(130) from None
+# The imports' objects (torch's modules among them) live as long as the process: out of the
+# collector's sight, the loop's full collections and the teardown's do not walk them again.
+gc.freeze()
 
 
 def main(argv: list[str] | None = None) -> int:

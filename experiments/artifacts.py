@@ -10,6 +10,7 @@ recorded in ``artifacts.json`` with its error, and the run goes on. Call on rank
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -124,9 +125,23 @@ class ArtifactStore:
 def freeze_lines(paths: Sequence[str] | None = None) -> list[str]:
     """The distributions on ``paths`` (default ``interpreter_paths()``), sorted by name, as
     ``pip freeze --all`` writes them: ``name==version``; ``name @ url`` for one installed from
-    a URL or a local path (its ``direct_url.json``); an editable one as ``editable_lines``."""
+    a URL or a local path (its ``direct_url.json``); an editable one as ``editable_lines``.
+
+    The interpreter's own (``paths`` left out) are read once a process, about 0.4 s of CPU: a
+    process that starts several runs (a test's forked jobs) lists what it was started with."""
+    if paths is None:
+        return list(_interpreter_lines(tuple(interpreter_paths())))
+    return _freeze(paths)
+
+
+@functools.lru_cache(maxsize=4)
+def _interpreter_lines(paths: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_freeze(paths))
+
+
+def _freeze(paths: Sequence[str]) -> list[str]:
     lines = {}
-    for dist in importlib.metadata.distributions(path=list(interpreter_paths() if paths is None else paths)):
+    for dist in importlib.metadata.distributions(path=list(paths)):
         name = dist.metadata["Name"]
         if not name or name.lower() in lines:
             continue  # an earlier path entry shadows it, as for the import system

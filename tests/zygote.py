@@ -20,6 +20,7 @@ The client side (``Zygote``, ``Job``) imports nothing heavy: it runs in the pyte
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import runpy
@@ -43,9 +44,21 @@ _CODE = struct.Struct("!q")
 
 # ---------------------------------------------------------------------------------------- the server
 
+def _settle() -> None:
+    """What every job would otherwise repeat after the import: the interpreter's package list
+    (a run's ``pip-freeze.txt``, experiments/artifacts.py, cached once a process), then the
+    import's objects moved out of the collector's sight (``gc.freeze``), so that a job's full
+    collections (its teardown's, the loop's schedule) do not walk torch's module graph again."""
+    if "experiments.artifacts" in sys.modules:
+        sys.modules["experiments.artifacts"].freeze_lines()
+    gc.collect()
+    gc.freeze()
+
+
 def serve(path: str, module: str) -> None:
     """Import ``module``, then accept jobs on ``path`` until the parent process is gone."""
     __import__(module)
+    _settle()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)
