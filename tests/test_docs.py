@@ -110,12 +110,22 @@ RUN_ID = re.compile(r"`((?:[a-z0-9.]+-)+\d{8}-\d{6}-([0-9a-f]{8}))`")
 LAST_LINE = re.compile(r"`([0-9a-f]{16})(?:\.\.\.)?`")
 
 
+# Runs the docs quote beyond README.md's table: run ID -> (config, the command's overrides, the
+# ledger's last-line sha256 prefix). docs/post_training.md's tiny DPO recipe and its start.
+FROM_TINY_SFT = ["parallel.device=cpu", "model.init_from=exports/tiny-sft"]
+MEASURED = {
+    "tiny-dpo-20261202-043218-b9a5bc66": ("tiny-dpo.yaml", FROM_TINY_SFT, "1a536e374278da07"),
+    "tiny-dpo-20261202-044939-65472c01": ("tiny-dpo.yaml", [*FROM_TINY_SFT, "train.lr=0", "train.max_steps=1",
+                                                            "train.eval_interval=1"], "59a2279806ba1125"),
+}
+
+
 def _documented_runs() -> dict[str, tuple[str, list[str], str]]:
-    """Run ID -> (config, the command's overrides, its ledger's last-line sha256 prefix), from
-    README.md's table of the tiny chain (tests/test_documented_runs.py re-derives its hashes)."""
+    """Run ID -> (config, the command's overrides, its ledger's last-line sha256 prefix): README.md's
+    table of the tiny chain (tests/test_documented_runs.py re-derives its hashes) and MEASURED."""
     from tests.test_documented_runs import DOCUMENTED, README
 
-    runs = {}
+    runs = dict(MEASURED)
     for label, config, overrides in DOCUMENTED:
         row = next(line for line in README.splitlines() if line.startswith(f"| {label} |"))
         runs[RUN_ID.search(row).group(1)] = (config, overrides, LAST_LINE.search(row).group(1))
@@ -134,15 +144,15 @@ def _misquoted(text: str, runs: dict) -> list[str]:
             if what == "run":
                 last_run = value
                 if value not in runs:
-                    wrong.append(f"{value} is not a run of README.md's table")
+                    wrong.append(f"{value} is not a run of README.md's table or MEASURED")
             elif last_run in runs and value != runs[last_run][2]:
                 wrong.append(f"{value} follows {last_run}, whose last line is {runs[last_run][2]}")
     return wrong
 
 
 def test_every_quoted_run_is_a_measured_command_with_its_ledger_hash():
-    """A run ID quoted by a document or a config's header is a run of README.md's table: its hash
-    part is the config hash of the command there, and a ledger hash quoted after it in its
+    """A run ID quoted by a document or a config's header is a run of README.md's table or of
+    MEASURED: its hash part is the config hash of its command, and a ledger hash quoted after it in its
     paragraph is that run's last line's. A number quoted with a run nobody can re-derive fails
     here until it is."""
     from core.config import load
