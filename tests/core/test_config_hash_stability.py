@@ -44,7 +44,7 @@ HASHES = {
     "configs/tiny-grpo.yaml": "225be4092f693e2fe238d7ebe1bde3d7ba4b3c343d8cecf0c13cc918d039c06e",
     "configs/tiny-lora.yaml": "3491e5be25d5a872a23f7490af0a5c063a9864bae86b988905e875f47021b68f",
     "configs/tiny-moe.yaml": "f2138495c8e5c0d3b10a8cc437893c54ac8e83a32f1b060fe6e5514e68e7bd0b",
-    "configs/tiny-moe-grpo.yaml": "5fd334940443a57b4df57328e87fb099fa990d1adf18a338ba19f62d7ed1074b",
+    "configs/tiny-moe-grpo.yaml": "99f5172524bf27c80a8d7f62b811dbe67c45ceb56a87aca33e63af2c369929a1",
     "configs/tiny-moe-sft.yaml": "1d9a53ffebf1569f72fbccfea222bb83aab9ac67b8a4169a611020d85e203739",
     "configs/tiny-ppo.yaml": "7791584f3436b7ddd948dd191e1dc7e30094c1e9bc7f7a5bea4f80db8f90cf7e",
     "configs/tiny-rm.yaml": "5f04f3f3469c411a920cd4639e1175a3e7e9c893b2c3808b3a48d7954e0e1c2a",
