@@ -122,6 +122,10 @@ class ImagesConfig:
     """Frames per patch (a still image is repeated): the vision tower's."""
     merge_size: int = 2
     """Patches merged into one image token per side: the vision tower's spatial merge."""
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    """Per-channel (RGB) mean subtracted after rescaling to [0, 1] (OpenAI CLIP's; Qwen3-VL's processor: 0.5)."""
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    """Per-channel (RGB) standard deviation divided by after the mean (OpenAI CLIP's; Qwen3-VL's processor: 0.5)."""
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,7 @@ def _prepare(args) -> int:
         _prepare_tasks(Path(out).parent / TASKS_DIR, force=args.force)  # beside the stdlib shards
         _prepare_agent_tasks(Path(out).parent / TASKS_DIR / AGENT_DIR, force=args.force)
         _prepare_photographs(Path(out).parent / PHOTOGRAPHS_DIR, force=args.force)
+        _prepare_image_chats(Path(out).parent / PHOTOGRAPHS_DIR, force=args.force)
     return 0
 
 
@@ -152,10 +153,17 @@ def _prepare_photographs(out: Path, *, force: bool) -> None:
         return
     rebuilt = copy_photographs(out, force=force)
     print(f"wrote: {out} ({len(PHOTOGRAPHS)} photographs, sha256 checked)" if rebuilt else f"up to date: {out}")
+
+
+def _prepare_image_chats(photographs: Path, *, force: bool) -> None:
+    """The image_chat records about the photographs and the tiny models' tokenizer with the vision
+    tokens (data/vision/chat_data.py), beside them; nothing without the photographs."""
     from data.vision.chat_data import write_chat, write_tokenizer
 
-    for path, write in ((out.parent / "chat", write_chat), (out.parent / "tokenizer", write_tokenizer)):
-        print(f"wrote: {path}" if write(path, force=force) else f"up to date: {path}")  # image_chat records, tiny VL
+    if not photographs.is_dir():
+        return
+    for path, write in ((photographs.parent / "chat", write_chat), (photographs.parent / "tokenizer", write_tokenizer)):
+        print(f"wrote: {path}" if write(path, force=force) else f"up to date: {path}")
 
 
 def _prepare_tokenizer(args) -> int:

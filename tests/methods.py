@@ -85,6 +85,11 @@ Notes on the rows that differ from the defaults:
   rollouts and rewards, two updates per step; the router bias moves after each): as the grpo
   row, the 1-rank resume and the accumulation check compare the first step after their common
   start, the fields as the moe row's. 3 steps, a checkpoint at 2.
+- ``vl-sft`` fine-tunes a tiny Qwen2.5-VL (tests/configs/e2e-vl-sft.yaml) on the image chats that
+  ``python -m data prepare`` writes beside the photographs (data/kinds/image_chat.py): each image's
+  patches are ``Batch.media``, in the row digests, so ``batch_hash`` (kill/resume, replay, the
+  1-rank resume, accumulation) covers the pixels. 6 steps, a checkpoint every 3; its e2e file
+  mirrors the photographs: the first batch's hash changes and a replay does not verify.
 """
 
 from __future__ import annotations
@@ -257,9 +262,15 @@ MOE_GRPO = Method("moe-grpo", "e2e-moe-grpo.yaml", e2e_file="test_moe_grpo_e2e.p
                   accumulation_close={"grad_norm": (1e-5, 0.0), "model/aux/load_balance": (2e-2, 0.0),
                                       **{key: (1e-6, 1e-9) for key in MOE_BIAS_FIELDS}})
 
+# Vision-language SFT (the model.arch qwen2_5_vl family) on the embedded image chats: images
+# decoded in the data workers, carried as Batch.media and digested into batch_hash.
+VL_SFT = Method("vl-sft", "e2e-vl-sft.yaml", e2e_file="test_vl_sft_e2e.py", steps=6, kill=Kill(seed=66),
+                replay_steps=(2, 5), one_rank_step=3, one_rank_same=("batch_hash", "trained_tokens"),
+                accumulation_overrides=("parallel.strategy=none",))
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
            FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO, GRPO_MODEL_REWARD, PPO_MODEL_REWARD,
-           GELU_LM, MOE, MOE_SFT, MOE_GRPO)
+           GELU_LM, MOE, MOE_SFT, MOE_GRPO, VL_SFT)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}

@@ -99,8 +99,9 @@ class ImageProcessing:
         return CHANNELS * self.temporal_patch_size * self.patch_size**2
 
 
-CONFIGURED = ("min_pixels", "max_pixels", "max_image_pixels", "patch_size", "temporal_patch_size", "merge_size")
-"""The ``ImageProcessing`` fields a run sets under ``data.images`` (core ImagesConfig); the rest keep their defaults."""
+CONFIGURED = ("min_pixels", "max_pixels", "max_image_pixels", "patch_size", "temporal_patch_size", "merge_size",
+              "image_mean", "image_std")
+"""The ``ImageProcessing`` fields a run sets under ``data.images`` (core ImagesConfig); max_aspect_ratio keeps its default."""
 
 
 def processing_of(images: Any = None) -> ImageProcessing:
@@ -109,7 +110,8 @@ def processing_of(images: Any = None) -> ImageProcessing:
     if images is None:
         return ImageProcessing()
     try:
-        return ImageProcessing(**{name: getattr(images, name) for name in CONFIGURED})
+        return ImageProcessing(**{name: tuple(value) if isinstance(value, (list, tuple)) else value
+                                  for name, value in ((n, getattr(images, n)) for n in CONFIGURED)})
     except ConfigError as exc:
         raise ConfigError(exc.message, key=f"data.images.{exc.context.get('key')}", hint=exc.hint) from None
 

@@ -75,6 +75,13 @@ def validate(config: Config) -> None:
     if model.arch != NAME:
         return
     check_settings(model)
+    tower = settings_of(model)
+    for key, name in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                      ("merge_size", "spatial_merge_size")):
+        if getattr(config.data.images, key) != getattr(tower, name):
+            raise ConfigError(f"data.images.{key}={getattr(config.data.images, key)} is not the vision tower's "
+                              f"model.{NAME}.{name}={getattr(tower, name)}: images are cut into its patches",
+                              key=f"data.images.{key}", hint=f"set data.images.{key}={getattr(tower, name)}")
     if config.parallel.tp > 1:
         raise ConfigError(f"model.arch {NAME} declares no tensor-parallel layout for its vision tower "
                           f"(parallel.tp={config.parallel.tp})", key="parallel.tp",

@@ -228,6 +228,15 @@ def test_data_images_is_hashed_only_when_set_and_checked_by_key():
     with pytest.raises(ConfigError) as error:
         processing_of(ImagesConfig(min_pixels=5000, max_pixels=3136))
     assert error.value.context["key"] == "data.images.min_pixels"
+    qwen3_vl = processing_of(load(None, ["data.images.patch_size=16", "data.images.image_mean=[0.5, 0.5, 0.5]",
+                                         "data.images.image_std=[0.5, 0.5, 0.5]"]).data.images)
+    assert (qwen3_vl.patch_size, qwen3_vl.image_mean, qwen3_vl.image_std) == (16, (0.5,) * 3, (0.5,) * 3)
+
+
+def test_the_patch_geometry_must_be_the_vision_towers():
+    with pytest.raises(ConfigError) as error:
+        load("configs/tiny-vl-sft.yaml", ["model.qwen2_5_vl.spatial_merge_size=1"])
+    assert error.value.context["key"] == "data.images.merge_size" and "spatial_merge_size=1" in str(error.value)
 
 
 def test_the_embedded_chats_show_every_photograph_and_pair_some(images_root):
