@@ -187,6 +187,12 @@ def check_chat_config(config: DataConfig) -> None:
     sources = list(config.sources) + ([config.eval_source] if config.eval_source else [])
     kinds = [record_kind(s.record) for s in sources]
     _check_packing(config, kinds)
+    template = None
     if any(kind.uses_template for kind in kinds):
         template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
         check_template(template, build_tokenizer(config.tokenizer))
+    if any(kind.encoder is not None for kind in kinds):  # an encoder refuses what it cannot encode with (vision tokens)
+        setup = EncoderSetup(template, build_tokenizer(config.tokenizer), config.loss_on, images=config.images)
+        for kind in kinds:
+            if kind.encoder is not None:
+                kind.encoder(setup)

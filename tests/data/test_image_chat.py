@@ -160,11 +160,16 @@ def test_a_bad_record_stops_the_pipeline_naming_the_file_and_its_line_or_is_skip
     assert stats["bad_records_skipped"] == 1
 
 
-def test_the_tokenizer_must_hold_the_vision_tokens(images_root):
+def test_the_tokenizer_must_hold_the_vision_tokens_checked_before_any_rank_reads_data():
+    from data.pipeline.plan import check_chat_config
+
     template = ChatTemplate.for_tokenizer("byte")
     with pytest.raises(ConfigError) as error:
         record_kind("image_chat").encoder(EncoderSetup(template, ByteTokenizer(), "assistant", frozenset(), SMALL))
     assert error.value.context["key"] == "data.tokenizer" and "<|vision_start|>" in str(error.value)
+    with pytest.raises(ConfigError) as early:  # train.py's check before any process group or run dir
+        check_chat_config(load("configs/tiny-vl-sft.yaml", ["data.tokenizer=byte"]).data)
+    assert early.value.context["key"] == "data.tokenizer"
 
 
 def test_images_travel_as_batch_media_in_placeholder_order_and_overlong_chats_are_dropped(images_root):
