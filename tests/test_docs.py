@@ -111,9 +111,17 @@ LAST_LINE = re.compile(r"`([0-9a-f]{16})(?:\.\.\.)?`")
 
 
 # Runs the docs quote beyond README.md's table: run ID -> (config, the command's overrides, the
-# ledger's last-line sha256 prefix). docs/post_training.md's tiny DPO recipe and its start.
+# ledger's last-line sha256 prefix). docs/post_training.md's tiny DPO recipe and its start, and
+# its distillation's teacher and students.
 FROM_TINY_SFT = ["parallel.device=cpu", "model.init_from=exports/tiny-sft"]
+DISTILLED = ["parallel.device=cpu", "objective.distill.teacher=run:tiny-20261202-043217-112136ec"]
+ALONE = ["parallel.device=cpu", "objective.kind=causal_lm", "run.name=tiny-student-alone"]
 MEASURED = {
+    "tiny-20261202-043217-112136ec": ("tiny.yaml", ["parallel.device=cpu", "train.max_steps=600"], "e2d9214447bc8609"),
+    "tiny-distill-20261202-045238-d9e39891": ("tiny-distill.yaml", DISTILLED, "bf85104bad0bae39"),
+    "tiny-student-alone-20261202-045328-e87b49d3": ("tiny-distill.yaml", ALONE, "cfa843dee78848e1"),
+    "tiny-distill-20261202-045427-4983d156": ("tiny-distill.yaml", [*DISTILLED, "train.seed=1"], "d2b5550b013d6f0f"),
+    "tiny-student-alone-20261202-045518-2dcb5396": ("tiny-distill.yaml", [*ALONE, "train.seed=1"], "0612af73eb742a9c"),
     "tiny-dpo-20261202-043218-b9a5bc66": ("tiny-dpo.yaml", FROM_TINY_SFT, "1a536e374278da07"),
     "tiny-dpo-20261202-044939-65472c01": ("tiny-dpo.yaml", [*FROM_TINY_SFT, "train.lr=0", "train.max_steps=1",
                                                             "train.eval_interval=1"], "59a2279806ba1125"),
