@@ -30,6 +30,9 @@ from core.exceptions import ConfigError, ResumeError, RunDirLockedError
 from core.layout import RunPaths
 
 # Environment variables that can change numerics; recorded and compared on resume.
+# The repository root of this code: meta.json's git record describes it, not the working directory.
+CODE_ROOT = Path(__file__).resolve().parents[1]
+
 DETERMINISM_ENV = (
     "CUBLAS_WORKSPACE_CONFIG",
     "NVIDIA_TF32_OVERRIDE",
@@ -313,7 +316,7 @@ def collect_meta(config: Config, dist: DistributedContext) -> dict[str, Any]:
         "config_hash": config.hash,
         # The resolved config as started: a config.yaml edited later is refused naming its keys.
         "config": config_lib.to_dict(config),
-        "git": git_info(Path.cwd()),
+        "git": git_info(CODE_ROOT),  # the checkout whose code runs, wherever the run starts
         "versions": versions(),
         "host": host_info(),
         "world": dist.describe() | {"world_size": dist.world_size},
