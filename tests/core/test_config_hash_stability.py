@@ -22,6 +22,7 @@ HASHES = {
     "configs/qwen2.5-0.5b-lora.yaml": "a18d61b201c6d80d01f352003546ab6164e44fbf213aa3cc9bc6b62b3ae2d7f5",
     "configs/qwen2.5-0.5b.yaml": "fbb0e489efb87bfc0e9b3bd2db20cf8970e7089f1140bcc1a57bbaa87975ed01",
     "configs/qwen2.5-1.5b.yaml": "b0d7f6371a8c7ed091a86a094faa89e5a81cac8de81e8a6281148ace5f32f872",
+    "configs/qwen2.5-vl-3b.yaml": "ed1b3a27429a8cb4c18d8740836004c9286fafd8e60751f01930b588ec9b337e",
     "configs/qwen3-0.6b-dpo.yaml": "198debc3bde0157924a9cbc8519d2a1e67f13ac7832ff5ef42597774a94afd14",
     "configs/qwen3-0.6b-grpo.yaml": "30bdd2f1c9505468ccff3be2941ce6cfbc94014ba6f5703f08714639d5d333bf",
     "configs/qwen3-0.6b-ppo.yaml": "c9dcdd3fa68d92a2deb00e48e4cc67328c79f5a64ec97f27857b3c25d57276a5",
