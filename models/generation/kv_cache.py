@@ -33,6 +33,12 @@ class KVCache(torch.nn.Module):
     sampler's chunked continuation of some episodes, ``Sampler._extend``) still runs all
     ``batch`` rows, and sends the writes of the rows it does not fill into the scratch row
     (``redirected``).
+
+    Beside the keys and values, each row holds a position offset (``position_offsets``, (batch + 1,)
+    int64, 0 unless a model sets it): what a model whose prompts carry media adds to a row's cache
+    positions to get the positions its rotary embedding reads after the prompt (an M-RoPE family's
+    image compresses many slots into few positions). It travels with the row's keys and values
+    (``copy_rows``); a family that never sets it never reads anything but 0.
     """
 
     def __init__(
@@ -44,6 +50,8 @@ class KVCache(torch.nn.Module):
         for layer in range(num_layers):
             for name in (f"k{layer}", f"v{layer}"):
                 self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("position_offsets", torch.zeros(batch + 1, device=device, dtype=torch.int64),
+                             persistent=False)
         self.num_layers = num_layers
         self.batch = batch
         self._row_copies: dict[int, RowCopy] = {}  # id(source cache) -> its copy into this one (CUDA)
@@ -60,8 +68,16 @@ class KVCache(torch.nn.Module):
         return self.k0.shape[2]
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every layer's key and value buffer (to mark their addresses static)."""
-        return [buffer for _, buffer in self.named_buffers()]
+        """Every layer's key and value buffer (to mark their addresses static; ``position_offsets`` aside)."""
+        return [buffer for name, buffer in self.named_buffers() if name != "position_offsets"]
+
+    def offsets(self) -> torch.Tensor:
+        """(batch,) int64: each row's position offset (class docstring), the scratch row left out."""
+        return self.position_offsets[: self.batch]
+
+    def set_offsets(self, offsets: torch.Tensor) -> None:
+        """Rows 0..B-1 take the position offsets ``offsets`` ((B,) int64)."""
+        self.position_offsets[: offsets.shape[0]] = offsets
 
     def write(
         self, layer: int, position_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -95,6 +111,8 @@ class KVCache(torch.nn.Module):
         fewer host operations than indexed assignment, deterministic under
         ``use_deterministic_algorithms`` (the rows are distinct). Either way the rows' bytes."""
         count = rows.shape[0]
+        offsets = source.position_offsets
+        self.position_offsets.index_copy_(0, rows, offsets[:count] if source_rows is None else offsets[source_rows])
         copy = self._row_copy(source)
         if copy is not None:
             copy(rows, torch.arange(count, device=rows.device) if source_rows is None else source_rows)
@@ -137,6 +155,12 @@ class RedirectedKVCache:
 
     def write(self, layer: int, position_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache.write(layer, position_ids, k, v, rows=self.rows)
+
+    def offsets(self) -> torch.Tensor:
+        return self.cache.offsets()
+
+    def set_offsets(self, offsets: torch.Tensor) -> None:
+        self.cache.position_offsets[self.rows[:, 0]] = offsets
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.read(layer)

@@ -36,6 +36,8 @@ class GenerationSpec:
     """Where the model's parameters, and so its cache and every forward, live."""
     dtype: torch.dtype
     """The model's compute dtype, which its cache stores keys and values in."""
+    routing: tuple[int, int] | None = None
+    """(layers, top_k) of the routing the sampler records per token for replay (models/routing_replay.py); None: none."""
 
 
 @runtime_checkable
@@ -46,6 +48,15 @@ class GenerationModel(FamilyModel, Protocol):
     ``model_forward(model, inputs, cache=cache)`` gives each row's last-token logits (B, vocab)
     and writes the chunk's keys/values into ``cache`` (a ``KVCache`` of ``generation_spec()``'s
     shape) at the chunk's positions, attending over slots 0..position of the row.
+
+    A family whose prompts may carry media (images) also implements
+    ``prompt_media(input_ids, lengths, media) -> context``: ``input_ids`` (B, T) a prefill group's
+    whole prompts (zero-padded; ``lengths`` (B,) their lengths), ``media`` their media as
+    ``Batch.media`` holds them (per field, per row its items). It reads the media once (a vision
+    tower, say) and returns what each prefill chunk's cached forward then takes as ``media``; that
+    forward sets the cache rows' position offsets (``KVCache.set_offsets``) where the prompt moves
+    the positions after it, and every cached forward without media adds a row's offset to its
+    positions. A family without it is given text prompts only.
     """
 
     def __call__(self, input_ids: torch.Tensor, **inputs: Any) -> Any:

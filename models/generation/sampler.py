@@ -60,7 +60,7 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -277,6 +277,16 @@ def _kept(probs: torch.Tensor, params: SamplingParams, cut: Callable) -> torch.T
     return keep
 
 
+class MediaPrompt(list):
+    """A prompt's token ids (the list itself) and the media its tokens show (``media``: per media field,
+    the prompt's items, as one row of ``Batch.media``), which its prefill hands the model
+    (``GenerationModel.prompt_media``, models/generation/protocol.py)."""
+
+    def __init__(self, ids: Sequence[int], media: Mapping[str, Sequence[Any]]) -> None:
+        super().__init__(ids)
+        self.media = media
+
+
 def _prefix(bits: torch.Tensor, at: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
     """The tokens above probability bits ``at`` (B, 1), and the first ``ties`` (B, 1) of those at it."""
     tied = bits == at
@@ -378,6 +388,8 @@ class Sampler:
         if self.cuda_graphs:
             for buffer in self.cache.tensors() + self.prefill_cache.tensors():
                 torch._dynamo.mark_static_address(buffer)
+            for cache in (self.cache, self.prefill_cache):
+                torch._dynamo.mark_static_address(cache.position_offsets)
         self._decode_steps: dict[SamplingParams, Callable] = {}
         self._decode_logits_forward: Optional[Callable] = None  # beam search's decode step (_decode_logits)
         self._prefill_chunk_forward: Optional[Callable] = None
@@ -390,17 +402,21 @@ class Sampler:
     # ------------------------------------------------------------------ public
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], keys: Sequence[SampleKey], params: SamplingParams
+        self, prompts: Sequence[Sequence[int]], keys: Sequence[SampleKey], params: SamplingParams,
+        media: Optional[Sequence[Optional[Mapping[str, Sequence[Any]]]]] = None,
     ) -> list[Sample]:
         """One sample per (prompt, key) pair, in the order given.
 
         A prompt may appear several times with different keys (several samples of it).
-        Raises DataError naming the prompt index for an empty prompt, a prompt that leaves
-        no room for a new token within max_len, or a token id outside the vocabulary.
+        ``media[i]`` (None: text only) is what prompt i's tokens show, per media field its items
+        (images: ``pixel_values`` and ``image_grid_thw``), read once by its prefill through the
+        model's ``prompt_media``; the decode steps are text. Raises DataError naming the prompt
+        index for an empty prompt, a prompt that leaves no room for a new token within max_len,
+        or a token id outside the vocabulary.
         """
         if len(prompts) != len(keys):
             raise ConfigError(f"generate got {len(prompts)} prompts but {len(keys)} keys; pass one key per prompt")
-        rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
+        rows = self._checked_prompts(prompts, media)
         with torch.no_grad():
             if params.num_beams > 1:
                 from models.generation.beam import beam_search
@@ -418,6 +434,7 @@ class Sampler:
         self, prompts: Sequence[Sequence[int]], key_of: Callable[[int, int], SampleKey], params: SamplingParams,
         on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]],
         budgets: Optional[Sequence[int]] = None,
+        media: Optional[Sequence[Optional[Mapping[str, Sequence[Any]]]]] = None,
     ) -> None:
         """Multi-turn episodes, each kept in one cache row from its prompt to its end.
 
@@ -438,12 +455,13 @@ class Sampler:
         whole sequence in the last bits (the earlier ids' keys/values come from decode steps,
         not from a chunked prefill). Raises DataError (naming the episode) for a bad prompt
         or a continuation that does not extend the episode or leaves no room within max_len.
+        ``media`` is each prompt's, as ``generate`` takes it; appended ids are text.
         """
         if params.num_beams > 1:
             raise ConfigError(f"generate_episodes samples its turns; it does not search beams "
                               f"(num_beams={params.num_beams})", key="sampling.num_beams",
                               hint="use num_beams=1 for episodes")
-        rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
+        rows = self._checked_prompts(prompts, media)
         budgets = [params.max_new_tokens] * len(rows) if budgets is None else [int(b) for b in budgets]
         if len(budgets) != len(rows):
             raise ConfigError(f"generate_episodes got {len(rows)} prompts but {len(budgets)} budgets")
@@ -451,6 +469,20 @@ class Sampler:
             self._play(rows, key_of, params, on_turns, budgets)
 
     # ------------------------------------------------------------------ internals
+
+    def _checked_prompts(self, prompts: Sequence[Sequence[int]],
+                         media: Optional[Sequence[Optional[Mapping[str, Sequence[Any]]]]]) -> list[list[int]]:
+        """Each prompt's ids, checked (``_checked_prompt``); a ``MediaPrompt`` where it has media."""
+        rows = [self._checked_prompt(i, prompt) for i, prompt in enumerate(prompts)]
+        if media is None:
+            return rows
+        if len(media) != len(rows):
+            raise ConfigError(f"the sampler got {len(rows)} prompts but {len(media)} media entries; "
+                              "pass one per prompt (None for a text prompt)")
+        if any(m is not None for m in media) and not callable(getattr(self.model, "prompt_media", None)):
+            raise ConfigError(f"{type(self.model).__name__} reads text prompts only, but prompts carry media",
+                              key="model.arch", hint="generate from text prompts, or with a family that reads media")
+        return [row if m is None else MediaPrompt(row, m) for row, m in zip(rows, media)]
 
     def _checked_prompt(self, index: int, prompt: Sequence[int]) -> list[int]:
         tokens = [int(t) for t in prompt]
@@ -756,8 +788,8 @@ class Sampler:
         with torch.profiler.record_function("sampler.prefill"):
             self._await_staged()  # the prefill cache is rewritten here
             for first in range(0, len(rows), self.prefill_rows):
-                if self._prefill_group(prompts[first: first + self.prefill_rows]):
-                    self._copy_prefilled(rows[first: first + self.prefill_rows])
+                self._prefill_group(prompts[first: first + self.prefill_rows])
+                self._copy_prefilled(rows[first: first + self.prefill_rows])
 
     def _stage(self, groups: list[tuple[list[list[int]], list[int]]]) -> None:
         """Prefill each group's prompts (at most ``prefill_rows``) into the staging pool's slots, ahead of
@@ -769,8 +801,8 @@ class Sampler:
                 self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
                 for prompts, slots in groups:
-                    if self._prefill_group(prompts):  # else one-token prompts: nothing to write
-                        self._copy_rows(self.pool, self.prefill_cache, slots)
+                    self._prefill_group(prompts)
+                    self._copy_rows(self.pool, self.prefill_cache, slots)
 
     def _await_staged(self) -> None:
         """Work queued from here on (reading the staging pool, rewriting the prefill cache) waits for the
@@ -778,21 +810,47 @@ class Sampler:
         if self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def _prefill_group(self, prompts: list[list[int]]) -> bool:
-        """Prefill up to ``prefill_rows`` prompts into the prefill cache's first rows; False where every
-        prompt is one token (nothing to write)."""
+    def _prefill_group(self, prompts: list[list[int]]) -> None:
+        """Prefill up to ``prefill_rows`` prompts into the prefill cache's first rows (nothing to write
+        where every prompt is one token), their position offsets 0 unless their media set them.
+
+        Where a prompt carries media (``MediaPrompt``) the model reads the group's whole prompts
+        and media once (``prompt_media``), and each chunk's forward gets what that returned; such a
+        group's chunks run eagerly (ragged media have no static shape)."""
         group, chunk = self.prefill_rows, self.prefill_chunk
+        self.prefill_cache.position_offsets.zero_()
         chunks = math.ceil((max(len(p) for p in prompts) - 1) / chunk)
         if chunks == 0:
-            return False
+            return
         ids = np.zeros((chunks * chunk, group), dtype=np.int64)  # (positions, rows), dummy rows all zeros
         for i, prompt in enumerate(prompts):
             ids[: len(prompt) - 1, i] = prompt[:-1]
         (ids,) = upload([ids.reshape(chunks, chunk, group).transpose(0, 2, 1)], self.device)  # (c, rows, chunk)
-        prefill_chunk = self._prefill_forward()
+        media = self._prompt_media(prompts)
+        if media is None:
+            prefill_chunk = self._prefill_forward()
+        else:
+            def prefill_chunk(chunk_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                return model_forward(self.model, ModelInputs(chunk_ids, positions, media=media),
+                                     cache=self.prefill_cache).logits
         for c in range(chunks):
             prefill_chunk(ids[c], torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk))
-        return True
+
+    def _prompt_media(self, prompts: list[list[int]]) -> Any:
+        """What the model's ``prompt_media`` makes of a prefill group's whole prompts ((prefill_rows, T)
+        ids, dummy rows one 0), their lengths and their media (per field, per row its items); None
+        where no prompt of the group has media."""
+        if not any(isinstance(p, MediaPrompt) for p in prompts):
+            return None
+        fields = sorted({name for p in prompts if isinstance(p, MediaPrompt) for name in p.media})
+        rows = list(prompts) + [[0]] * (self.prefill_rows - len(prompts))
+        ids = np.zeros((len(rows), max(len(p) for p in rows)), dtype=np.int64)
+        for i, prompt in enumerate(rows):
+            ids[i, : len(prompt)] = prompt
+        media = {name: [list(p.media.get(name, ())) if isinstance(p, MediaPrompt) else [] for p in rows]
+                 for name in fields}
+        lengths = torch.tensor([len(p) for p in rows], device=self.device)
+        return self.model.prompt_media(torch.from_numpy(ids).to(self.device), lengths, media)
 
     def _copy_prefilled(self, rows: list[int]) -> None:
         """Copy the prefill cache's first ``len(rows)`` rows into cache rows ``rows``."""

@@ -10,10 +10,18 @@ checkpoint (``visual.*``; ``model.`` removed from the language model's), so weig
 Every forward without a cache runs the vision tower, on a one-image stand-in of zeros where the
 batch has no image, and adds 0 x its sum to the residual stream: each rank then runs the same
 collectives of a sharded tower whatever its rows hold, and the logits are unchanged.
+
+Generation (the sampler's cached forward, models/generation/protocol.py): ``prompt_media`` runs the
+tower once over a prefill group's images and builds the whole prompts' M-RoPE positions
+(``PromptImages``); each prefill chunk then takes its tokens' embeddings, image features and
+positions from it by position, and sets each cache row's position offset (transformers'
+``rope_deltas``: the last prompt token's M-RoPE position minus its index). Decode steps are text,
+at M-RoPE position (slot + the row's offset) on all three axes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -34,6 +42,35 @@ from models.qwen.rope import RotaryTable
 from models.qwen_vl.dims import resolve_vl_dims
 from models.qwen_vl.positions import ImageBatch, image_batch, mrope_positions, mrope_table
 from models.qwen_vl.vision import VisionTower
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """A prefill group's whole prompts as its chunks' cached forwards read them (``prompt_media``)."""
+
+    positions: torch.Tensor
+    """(3, B, T) long: every prompt token's M-RoPE positions (the zero padding after a prompt: text)."""
+    is_image: torch.Tensor
+    """(B, T) bool: the image placeholders."""
+    features: torch.Tensor
+    """(B, T, hidden): each placeholder's merged image feature (zeros elsewhere)."""
+    deepstack: tuple[torch.Tensor, ...]
+    """Per language block k < len, (B, T, hidden): the feature added to its output at the placeholders
+    (a tower that returns DeepStack features beside the merged ones); empty otherwise."""
+    offsets: torch.Tensor
+    """(B,) long: each row's position offset after its prompt (last token's M-RoPE position - its index)."""
+
+    def at(self, values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``values`` ((B, T, ...) per token) at a chunk's (B, t) positions, clamped into the prompts (the
+        positions past a prompt compute padding no one reads)."""
+        index = position_ids.clamp(max=self.is_image.shape[1] - 1)
+        index = index.view(*index.shape, *[1] * (values.dim() - 2)).expand(*index.shape, *values.shape[2:])
+        return values.gather(1, index)
+
+    def positions_at(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """(3, B, t) M-RoPE positions of a chunk's (B, t) positions (clamped as ``at``)."""
+        index = position_ids.clamp(max=self.is_image.shape[1] - 1)
+        return self.positions.gather(2, index[None].expand(3, -1, -1))
 
 
 class QwenVLForConditionalGeneration(nn.Module):
@@ -121,15 +158,17 @@ class QwenVLForConditionalGeneration(nn.Module):
         ``position_ids`` (B, T) are the batch's 1-D positions (packed documents restart at 0), from
         which and the images the M-RoPE positions are built (``model_positions``); ``document_ids``
         confine attention to each document; ``head(hidden, lm_head.weight)`` replaces the output
-        projection. With a ``cache`` (generation of text): each row's last-token logits (B, vocab).
+        projection. With a ``cache`` (generation): each row's last-token logits (B, vocab); its
+        ``media`` is None or what ``prompt_media`` returned for the prefill group.
         """
         if cache is not None:
             if position_ids is None or document_ids is not None or head is not None:
                 raise ValueError("a cached forward takes position_ids, and neither document_ids nor a head")
-            if self.images(input_ids, media) is not None:
-                raise ConfigError(f"{self.config.arch}'s cached forward (the sampler) reads text only, but the batch "
-                                  "carries images", key="model.arch", hint="generate from text prompts")
-            return self._forward_cached(input_ids, position_ids, cache)
+            if media is not None and not isinstance(media, PromptImages):
+                raise ConfigError(f"{self.config.arch}'s cached forward reads a prompt's images through "
+                                  f"prompt_media, got {type(media).__name__}", key="model.arch",
+                                  hint="pass each prompt's media to Sampler.generate(media=...)")
+            return self._forward_cached(input_ids, position_ids, cache, media)
         batch, seq_len = input_ids.shape
         for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
             if ids is not None and (ids.dim() != 2 or ids.shape[1] != seq_len or ids.shape[0] not in (1, batch)):
@@ -150,16 +189,59 @@ class QwenVLForConditionalGeneration(nn.Module):
             hidden = block(hidden, rope, mask)
         return hidden
 
-    def _forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Generation of text: ids (B, T) at positions (B, T), which are also their cache slots -> (B, vocab)
-        logits of each row's last token. A text token's three M-RoPE positions are equal."""
+    def prompt_media(self, input_ids: torch.Tensor, lengths: torch.Tensor, media: Any) -> PromptImages:
+        """A prefill group's whole prompts (B, T) (zero-padded past ``lengths`` (B,)) and their images
+        (``media`` as ``Batch.media`` holds them) -> ``PromptImages``: the tower run once over every
+        image of the group. DataError naming the row where placeholders and images disagree or a
+        prompt ends on an image placeholder (the last prompt token is fed as text)."""
+        images = self.images(input_ids, media)
+        last = (lengths - 1)[:, None]  # (B, 1)
+        ending = (input_ids.gather(1, last)[:, 0] == self.dims.image_token_id).nonzero()
+        if len(ending):
+            row = int(ending[0, 0])
+            raise DataError(f"prompt row {row} ends on an image placeholder; the sampler feeds a prompt's last "
+                            "token as text", row=row, hint="end a prompt with text (the assistant header)")
+        positions = self._positions(input_ids, None, images)  # (3, B, T)
+        is_image = input_ids == self.dims.image_token_id
+        features = self.embed_tokens.weight.new_zeros(*input_ids.shape, self.dims.text.hidden_size)
+        deepstack: tuple[torch.Tensor, ...] = ()
+        if images is not None:
+            pixels, grids = images.flat()
+            out = self.visual(pixels, grids)
+            merged, extra = out if isinstance(out, tuple) else (out, ())  # (image tokens, hidden) each
+            if int(is_image.sum()) != merged.shape[0]:
+                raise DataError(f"{int(is_image.sum())} image placeholders for {merged.shape[0]} merged features")
+            features = features.masked_scatter(is_image[..., None], merged.to(features.dtype))
+            deepstack = tuple(torch.zeros_like(features).masked_scatter(is_image[..., None], f.to(features.dtype))
+                              for f in extra)
+        offsets = positions[0].gather(1, last)[:, 0] - (lengths - 1)
+        return PromptImages(positions=positions, is_image=is_image, features=features, deepstack=deepstack,
+                            offsets=offsets)
+
+    def _forward_cached(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                        prompt: PromptImages | None) -> torch.Tensor:
+        """Generation: ids (B, T) at positions (B, T), which are also their cache slots -> (B, vocab) logits
+        of each row's last token. Text reads M-RoPE position (slot + its row's offset) on all three axes; a
+        prefill chunk of ``prompt`` reads its tokens' positions and image features from it, and sets
+        its rows' offsets."""
         if input_ids.shape != position_ids.shape:
             raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}")
         mask = cache_mask(position_ids, cache.slots)  # (B, 1, T, slots)
-        rope = self.rotary_table(position_ids[None].expand(3, -1, -1))
         hidden = self.embed_tokens(input_ids)
+        if prompt is None:
+            rope = self.rotary_table((position_ids + cache.offsets()[:, None])[None].expand(3, -1, -1))
+            deepstack: list[tuple[torch.Tensor, torch.Tensor]] = []
+        else:
+            cache.set_offsets(prompt.offsets)
+            rope = self.rotary_table(prompt.positions_at(position_ids))
+            is_image = prompt.at(prompt.is_image, position_ids)[..., None]  # (B, T, 1)
+            hidden = torch.where(is_image, prompt.at(prompt.features, position_ids), hidden)
+            deepstack = [(is_image, prompt.at(feature, position_ids)) for feature in prompt.deepstack]
         for layer, block in enumerate(self.layers):
             hidden = block.forward_cached(hidden, rope, cache, layer, position_ids, mask)
+            if layer < len(deepstack):
+                placed, feature = deepstack[layer]
+                hidden = hidden + torch.where(placed, feature, torch.zeros_like(feature))
         return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
 
     def use_numerics(self, numerics: Numerics) -> None:
