@@ -12,13 +12,19 @@ Series of a run (``run_series``), each a list of ``(step, value)``:
 A resumed run re-executes the steps after its last checkpoint; the last record of a step wins,
 so the curves show the run that continued.
 
-Panels are grouped (``GROUPS``: loss, optimisation, rewards and accuracy, log-probs, critic (a
+Panels are grouped (``GROUPS``: loss, optimisation, expert load, rewards and accuracy, log-probs, critic (a
 value model's loss, clipped fraction and explained variance: PPO's), KL and clipping, counts,
 throughput and time, memory, other), one row of panels per group. An
 evaluation metric is drawn on the panel of the training series of the same name (as markers,
 labelled ``eval``), or on a panel of its own; the eval loss has its own panel, since it may be
 averaged over other units than the training loss (pairs, prompts). A list field's series share
 one panel (lines ``[0]``, ``[1]``, ... or ``[mean]``, ``[min]``, ``[max]``).
+
+Per-layer series (a mixture of experts' ``model/layer<i>_load_min``, ``_load_max``, ``_bias_min``,
+``_bias_max``) share one panel per statistic, ``model/load_max`` and so on, in the group expert load
+(beside ``model/aux/load_balance``): a line ``layer<i>`` per layer, or, past ``LIST_ELEMENTS``
+layers, ``[mean]``, ``[min]`` and ``[max]`` over the layers. A comparison draws one line per run
+for such a panel: its worst layer's (the largest of a ``max`` statistic, the smallest of a ``min``).
 
 At most ``MAX_PANELS`` panels are drawn (a figure of thousands of panels takes minutes and shows
 nothing), the first in display order, so series of the group ``other`` go first; ``patterns``
@@ -59,11 +65,12 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss", "ce")),
     ("optimisation", ("grad_norm", "lr")),
     ("counts", ("tokens", "pairs", "len", "errors", "records")),
+    ("expert load", ("load_", "bias_")),
 )
 OTHER = "other"
 # The rows' order in a figure.
-DISPLAY_ORDER = ("loss", "optimisation", "rewards and accuracy", "log-probs", "critic", "KL and clipping", "counts",
-                 "throughput and time", "memory", OTHER)
+DISPLAY_ORDER = ("loss", "optimisation", "expert load", "rewards and accuracy", "log-probs", "critic",
+                 "KL and clipping", "counts", "throughput and time", "memory", OTHER)
 COLUMNS = 4
 MAX_PANELS = 32
 """Panels drawn by default (8 rows); ``--max-panels`` changes it, 0 draws every one."""
@@ -72,6 +79,8 @@ LIST_ELEMENTS = 8
 # The ledger's keys that are not series of the run's progress.
 _NOT_SERIES = ("step", "time")
 _ELEMENT = re.compile(r"^(?P<base>.+)(?P<label>\[[^\[\]]+\])$")
+# A per-layer series (a mixture of experts' ``model/layer3_load_max``): drawn with the other layers'.
+_PER_LAYER = re.compile(r"^(?P<prefix>(?:.*/)?)layer(?P<layer>\d+)_(?P<stat>.+)$")
 
 
 @dataclass(frozen=True)
@@ -150,8 +159,10 @@ def panels(series: dict[str, Series]) -> list[tuple[str, str, dict[str, Series]]
         element = _ELEMENT.match(name)
         if element:
             placed.setdefault(element["base"], {})[element["label"]] = points
-        else:
+        elif not _PER_LAYER.match(name):
             placed.setdefault(name, {})["train"] = points
+    for name, layers in per_layer(train).items():
+        placed.setdefault(name, {}).update(_layer_lines(layers))
     for name, points in evals.items():
         home = _training_twin(name, train) if name != "loss" else None
         if home is None or home not in placed:  # (an element of a list field has no panel of its own)
@@ -159,6 +170,42 @@ def panels(series: dict[str, Series]) -> list[tuple[str, str, dict[str, Series]]
         else:
             placed[home]["eval"] = points
     return sorted(((group_of(n), n, lines) for n, lines in placed.items()), key=_display_key)
+
+
+def per_layer(series: dict[str, Series]) -> dict[str, dict[int, Series]]:
+    """The per-layer series (``model/layer<i>_<stat>``) by the name of their panel (``model/<stat>``),
+    each a dict layer -> points, layers in order."""
+    out: dict[str, dict[int, Series]] = {}
+    for name, points in series.items():
+        match = _PER_LAYER.match(name)
+        if match:
+            out.setdefault(match["prefix"] + match["stat"], {})[int(match["layer"])] = points
+    return {name: dict(sorted(layers.items())) for name, layers in sorted(out.items())}
+
+
+def _layer_lines(layers: dict[int, Series]) -> dict[str, Series]:
+    """A panel's lines for per-layer series: ``layer<i>`` each, up to LIST_ELEMENTS layers; more as
+    ``[mean]``, ``[min]`` and ``[max]`` over the layers at each step every layer has."""
+    if len(layers) <= LIST_ELEMENTS:
+        return {f"layer{i}": points for i, points in layers.items()}
+    across = _across_layers(layers)
+    return {"[mean]": [(s, math.fsum(v) / len(v)) for s, v in across],
+            "[min]": [(s, min(v)) for s, v in across],
+            "[max]": [(s, max(v)) for s, v in across]}
+
+
+def _worst_layer(stat: str, layers: dict[int, Series]) -> Series:
+    """One run's line of a per-layer panel in a comparison: the largest value over the layers of a
+    ``max`` statistic, the smallest of a ``min`` one, else the mean, at each step every layer has."""
+    pick = max if stat.endswith("max") else min if stat.endswith("min") else (lambda v: math.fsum(v) / len(v))
+    return [(step, pick(values)) for step, values in _across_layers(layers)]
+
+
+def _across_layers(layers: dict[int, Series]) -> list[tuple[int, list[float]]]:
+    """(step, the layers' values in layer order) at each step every layer has a value for."""
+    by_step = [dict(points) for points in layers.values()]
+    steps = sorted(set.intersection(*(set(points) for points in by_step)))
+    return [(step, [points[step] for points in by_step]) for step in steps]
 
 
 def plot_run(run_dir: Path, out: Path, *, patterns: Sequence[str] = (), max_panels: int = MAX_PANELS) -> Plot:
@@ -173,12 +220,20 @@ def plot_comparison(run_dirs: list[Path], out: Path, *, patterns: Sequence[str] 
                     max_panels: int = MAX_PANELS) -> Plot:
     """Every series of several runs, one line per run, as one PNG (and its JSON); limits as ``plot_run``."""
     skipped: list[str] = []
-    by_run = {d.name: run_series(d, skipped=skipped) for d in run_dirs}
+    by_run = {d.name: _one_line_per_panel(run_series(d, skipped=skipped)) for d in run_dirs}
     names = sorted({n for series in by_run.values() for n in series})
     laid = sorted(((group_of(n), n, {run: series[n] for run, series in by_run.items() if n in series})
                    for n in names), key=_display_key)
     return _draw_selected(laid, out, title="runs: " + ", ".join(by_run), patterns=patterns, max_panels=max_panels,
                           skipped=skipped)
+
+
+def _one_line_per_panel(series: dict[str, Series]) -> dict[str, Series]:
+    """A run's series for a comparison: its per-layer series as one, the worst layer's (``_worst_layer``)."""
+    out = {name: points for name, points in series.items() if not _PER_LAYER.match(name)}
+    for name, layers in per_layer(series).items():
+        out[name] = _worst_layer(name, layers)
+    return out
 
 
 def select_panels(laid: list[tuple[str, str, Any]], *, patterns: Sequence[str], max_panels: int,

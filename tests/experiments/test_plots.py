@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from experiments.__main__ import main
-from experiments.plots import group_of, panels, run_series, series_path
+from experiments.plots import group_of, panels, plot_comparison, run_series, series_path
 
 
 def _write_run(root, run_id, *, losses, rewards, eval_rewards):
@@ -116,3 +116,59 @@ def test_runs_plot_draws_ppos_ledger_fields(tmp_path, capsys):
         values = [[step, f[name]] for step, f in enumerate(fields, start=1) if f[name] is not None]
         assert drawn[name]["lines"] == {"train": values}, name
     assert drawn["explained_variance"]["lines"] == {"train": [[2, 0.25], [3, 0.5]]}  # null: not drawn
+
+
+def _add_expert_load(run, layers, *, scale=1.0):
+    """A mixture of experts' model fields on every ledger line: the balancing loss and, per sparse
+    layer i, model/layer<i>_load_min/_load_max and _bias_min/_bias_max (step s, layer i: load
+    1 -+ scale * (s + i) / 10, bias -+ 0.01 * s)."""
+    lines = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    with open(run / "ledger.jsonl", "w") as f:
+        for line in lines:
+            step = line["step"]
+            fields = {"model/aux/load_balance": 2.0 + 0.1 / step}
+            for i in layers:
+                spread = scale * (step + i) / 10
+                fields.update({f"model/layer{i}_load_min": 1.0 - spread, f"model/layer{i}_load_max": 1.0 + spread,
+                               f"model/layer{i}_bias_min": -0.01 * step, f"model/layer{i}_bias_max": 0.01 * step})
+            f.write(json.dumps({**line, **fields}) + "\n")
+
+
+def test_runs_plot_draws_the_expert_load_of_each_layer_on_one_panel(tmp_path, capsys):
+    root = tmp_path / "runs"
+    run = _write_run(root, "moe-1", losses=[3.0, 2.0], rewards=[0.1, 0.2], eval_rewards=[])
+    _add_expert_load(run, layers=(0, 2))
+    laid = {name: (group, lines) for group, name, lines in panels(run_series(run))}
+    assert not any("layer0" in name for name in laid)  # no panel per layer: one per statistic
+    assert laid["model/load_max"] == ("expert load", {"layer0": [(1, 1.1), (2, 1.2)], "layer2": [(1, 1.3), (2, 1.4)]})
+    assert laid["model/load_min"][1]["layer2"] == [(1, 0.7), (2, 0.6)]
+    assert laid["model/bias_max"][0] == "expert load" and set(laid["model/bias_min"][1]) == {"layer0", "layer2"}
+    assert laid["model/aux/load_balance"] == ("expert load", {"train": [(1, 2.1), (2, 2.05)]})
+
+    assert main(["runs", "plot", "moe-1", "--root", str(root)]) == 0
+    drawn = json.loads(series_path(run / "artifacts" / "plots.png").read_text())["panels"]
+    groups = [p["group"] for p in drawn]
+    assert groups.index("expert load") == groups.index("optimisation") + 1  # drawn after loss and optimisation
+    by_name = {p["series"]: p for p in drawn}
+    assert by_name["model/load_max"]["lines"] == {"layer0": [[1, 1.1], [2, 1.2]], "layer2": [[1, 1.3], [2, 1.4]]}
+    capsys.readouterr()
+
+
+def test_many_layers_draw_their_mean_min_max_and_a_comparison_the_worst_layer(tmp_path):
+    root = tmp_path / "runs"
+    deep = _write_run(root, "deep-1", losses=[3.0, 2.0], rewards=[0.1, 0.2], eval_rewards=[])
+    _add_expert_load(deep, layers=range(12))  # more than LIST_ELEMENTS layers
+    lines = {name: lines for _, name, lines in panels(run_series(deep))}["model/load_max"]
+    assert set(lines) == {"[mean]", "[min]", "[max]"}
+    assert lines["[min]"] == [(1, 1.1), (2, 1.2)] and lines["[max]"] == [(1, 1 + 12 / 10), (2, 1 + 13 / 10)]
+    assert lines["[mean]"][0][1] == sum(1 + (1 + i) / 10 for i in range(12)) / 12
+
+    shallow = _write_run(root, "shallow-1", losses=[3.0, 2.0], rewards=[0.1, 0.2], eval_rewards=[])
+    _add_expert_load(shallow, layers=(0, 1), scale=0.5)
+    out = tmp_path / "cmp.png"
+    plot_comparison([deep, shallow], out, patterns=["model/*"])  # (the figure alone: no run's own PNG)
+    compared = {p["series"]: p["lines"] for p in json.loads(series_path(out).read_text())["panels"]}
+    assert compared["model/load_max"] == {"deep-1": [[1, 1 + 12 / 10], [2, 1 + 13 / 10]],
+                                          "shallow-1": [[1, 1.1], [2, 1.15]]}  # each run's most loaded layer
+    assert compared["model/load_min"]["shallow-1"] == [[1, 0.9], [2, 0.85]]  # ... and least loaded
+    assert not any("layer" in name for name in compared)
