@@ -208,6 +208,20 @@ def _block_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
             yield name, module
 
 
+def _expert_weight_names(model: nn.Module) -> set[str]:
+    """The parameter names (last part) of the stacked expert weights the model's plan declares (a
+    dense block of a mixture's stack has no experts module)."""
+    names = set()
+    for stack in model.parallel_plan.stacks:
+        for block in model.get_submodule(stack.path) if stack.experts is not None else ():
+            try:
+                experts = block.get_submodule(stack.experts.path)
+            except AttributeError:
+                continue
+            names.update(name.rsplit(".", 1)[-1] for name, _ in experts.named_parameters())
+    return names
+
+
 # --------------------------------------------------------------------------- apply
 
 
@@ -222,6 +236,15 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int) -> list[str]:
         raise ConfigError(f"model.lora.rank must be > 0 to apply adapters, got {config.rank}", key="model.lora.rank")
     valid = target_names(model)
     unknown = [t for t in config.targets if t not in valid]
+    stacked = [t for t in config.targets if t in _expert_weight_names(model)]  # even where a dense block has the name
+    if stacked:
+        raise ConfigError(
+            f"model.lora.targets names {stacked[0]!r}, which in this model's mixture-of-experts blocks is a "
+            f"stacked expert weight (one slice per expert), not a linear layer: LoRA on experts is not supported "
+            f"(docs/models.md, Qwen3-MoE)",
+            key="model.lora.targets",
+            hint=f"adapt the attention and dense layers only; valid names for this model: {', '.join(valid)}",
+        )
     if unknown or not config.targets:
         raise ConfigError(
             f"model.lora.targets {list(config.targets)} "
