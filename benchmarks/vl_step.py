@@ -18,8 +18,8 @@ patch grid (1, 32, 32), 256 merged tokens each), bf16.
   the byte tokenizer with Qwen's chat and vision tokens (data/vision/chat_data.py), written there too,
   and the model's vision token ids are set to its ids (the vocabulary stays 151,936). Nothing needs
   ``python -m data prepare``. The images are decoded, resized and cut into patches in the pipeline's
-  worker processes (``--data-workers``), so the step's data wait (the ledger's ``time_data_wait``)
-  includes image decoding. It runs twice with the same settings and seed: the first run is the
+  worker processes (``--data-workers``), so the step's data wait (the loop's ``data_wait`` phase,
+  metrics.jsonl's ``time_data_wait``) includes image decoding. It runs twice with the same settings and seed: the first run is the
   measurement, and the two ledgers must be equal line for line (losses, gradient norms, batch hashes
   with the pixels in them, the last step's parameter hash): the bitwise repeat. On CUDA each run is a
   child process ``python train.py ...``; ``--in-process`` (the default on CPU) calls ``train.main``.
