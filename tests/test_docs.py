@@ -112,11 +112,12 @@ LAST_LINE = re.compile(r"`([0-9a-f]{16})(?:\.\.\.)?`")
 
 # Runs the docs quote beyond README.md's table: run ID -> (config, the command's overrides, the
 # ledger's last-line sha256 prefix). docs/post_training.md's tiny DPO recipe and its start, its
-# reward model, and its distillation's teacher and students.
+# PPO and reward model, and its distillation's teacher and students.
 FROM_TINY_SFT = ["parallel.device=cpu", "model.init_from=exports/tiny-sft"]
 DISTILLED = ["parallel.device=cpu", "objective.distill.teacher=run:tiny-20261202-043217-112136ec"]
 ALONE = ["parallel.device=cpu", "objective.kind=causal_lm", "run.name=tiny-student-alone"]
 MEASURED = {
+    "tiny-ppo-20261202-045750-ffedd2d1": ("tiny-ppo.yaml", FROM_TINY_SFT, "a025bdd97d909522"),
     "tiny-rm-20261202-045751-460a9237": ("tiny-rm.yaml", ["parallel.device=cpu"], "4216ccead1447f25"),
     "tiny-20261202-043217-112136ec": ("tiny.yaml", ["parallel.device=cpu", "train.max_steps=600"], "e2d9214447bc8609"),
     "tiny-distill-20261202-045238-d9e39891": ("tiny-distill.yaml", DISTILLED, "bf85104bad0bae39"),
