@@ -145,13 +145,13 @@ def test_runs_plot_draws_the_expert_load_of_each_layer_on_one_panel(tmp_path, ca
     assert laid["model/bias_max"][0] == "expert load" and set(laid["model/bias_min"][1]) == {"layer0", "layer2"}
     assert laid["model/aux/load_balance"] == ("expert load", {"train": [(1, 2.1), (2, 2.05)]})
 
-    assert main(["runs", "plot", "moe-1", "--root", str(root)]) == 0
-    drawn = json.loads(series_path(run / "artifacts" / "plots.png").read_text())["panels"]
-    groups = [p["group"] for p in drawn]
+    groups = [group for group, _, _ in panels(run_series(run))]
     assert groups.index("expert load") == groups.index("optimisation") + 1  # drawn after loss and optimisation
-    by_name = {p["series"]: p for p in drawn}
-    assert by_name["model/load_max"]["lines"] == {"layer0": [[1, 1.1], [2, 1.2]], "layer2": [[1, 1.3], [2, 1.4]]}
-    capsys.readouterr()
+
+    assert main(["runs", "plot", "moe-1", "--root", str(root), "--series", "model/*"]) == 0
+    drawn = {p["series"]: p for p in json.loads(series_path(run / "artifacts" / "plots.png").read_text())["panels"]}
+    assert drawn["model/load_max"]["lines"] == {"layer0": [[1, 1.1], [2, 1.2]], "layer2": [[1, 1.3], [2, 1.4]]}
+    assert len(drawn) == 5 and capsys.readouterr().out.split() == [str(run / "artifacts" / "plots.png")]
 
 
 def test_many_layers_draw_their_mean_min_max_and_a_comparison_the_worst_layer(tmp_path):
