@@ -38,6 +38,8 @@ class GenerationSpec:
     """The model's compute dtype, which its cache stores keys and values in."""
     routing: tuple[int, int] | None = None
     """(layers, top_k) of the routing the sampler records per token for replay (models/routing_replay.py); None: none."""
+    routing: tuple[int, int] | None = None
+    """(layers, top_k) of the routing the sampler records per token for replay (models/routing_replay.py); None: none."""
 
 
 @runtime_checkable

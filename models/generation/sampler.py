@@ -71,6 +71,7 @@ from models import ModelInputs, model_forward
 from models.generation.kv_cache import KVCache
 from models.generation.nucleus import UNIFORM_BITS, CapturedGraph, draw_kept, fixed_point, inverse_cdf, nucleus_cut
 from models.generation.protocol import GenerationModel, check_plain
+from models.generation.routing_record import cache_for
 from models.generation.scheduler import EpisodeRows, RowSlots, RowState, StagingPool, done_lag, upload
 from models.numerics import stock_token_logprobs
 
@@ -200,6 +201,9 @@ class Sample:
     """The model's untempered log-probability of each generated token."""
     finish_reason: FinishReason
     """'stop' (a stop token was generated) or 'length' (max_new_tokens or the context ran out)."""
+    routing: Optional[torch.Tensor] = None
+    """(prompt + generated tokens, layers, top_k) int64: each token's experts where the model's spec declares a
+    routing to record (models/generation/routing_record.py; -1: none); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -380,11 +384,11 @@ class Sampler:
         slots = math.ceil(max_len / self.prefill_chunk) * self.prefill_chunk
         self.prefill_rows = prefill_rows
         with torch.no_grad():
-            self.cache = KVCache.for_spec(spec, batch=max_batch, slots=slots)
+            self.cache = cache_for(spec, batch=max_batch, slots=slots)
             # Prompts are prefilled here, prefill_rows at a time, and their rows copied into the cache.
-            self.prefill_cache = KVCache.for_spec(spec, batch=prefill_rows, slots=slots)
+            self.prefill_cache = cache_for(spec, batch=prefill_rows, slots=slots)
             # Prompts prefilled ahead wait here (StagingPool) for the refill points that take them.
-            self.pool = KVCache.for_spec(spec, batch=2 * prefill_rows, slots=slots) if self.prefill_ahead else None
+            self.pool = cache_for(spec, batch=2 * prefill_rows, slots=slots) if self.prefill_ahead else None
         if self.cuda_graphs:
             for buffer in self.cache.tensors() + self.prefill_cache.tensors():
                 torch._dynamo.mark_static_address(buffer)
@@ -422,7 +426,7 @@ class Sampler:
                 from models.generation.beam import beam_search
 
                 return beam_search(self, rows, list(keys), params)
-            if self.schedule == "refill":
+            if self.schedule == "refill" and self.spec.routing is None:  # a routing record is read per group
                 return self._generate_refill(rows, list(keys), params)
             samples: list[Sample] = []
             for start in range(0, len(rows), self.max_batch):
@@ -457,6 +461,10 @@ class Sampler:
         or a continuation that does not extend the episode or leaves no room within max_len.
         ``media`` is each prompt's, as ``generate`` takes it; appended ids are text.
         """
+        if self.spec.routing is not None:
+            raise ConfigError("the sampler records a routing for replay per single-turn sample, not across an "
+                              "episode's turns",
+                              hint="turn the model's routing replay (model.<arch>.routing_replay) off for episodes")
         if params.num_beams > 1:
             raise ConfigError(f"generate_episodes samples its turns; it does not search beams "
                               f"(num_beams={params.num_beams})", key="sampling.num_beams",
@@ -532,7 +540,8 @@ class Sampler:
             done |= stops[next_token] | (t + 1 >= budget)
             if (t + 1) % _DONE_CHECK_INTERVAL == 0 and bool(done.all()):
                 break
-        return _collect(out_tokens[:rows].tolist(), out_logprobs[:rows].tolist(), budgets, params.stop_token_ids)
+        samples = _collect(out_tokens[:rows].tolist(), out_logprobs[:rows].tolist(), budgets, params.stop_token_ids)
+        return samples if self.spec.routing is None else self.cache.with_routing(samples, prompts)
 
     def _generate_refill(self, prompts: list[list[int]], keys: list[SampleKey], params: SamplingParams) -> list[Sample]:
         """Every sample through the max_batch cache rows, a finished row taking the next pending sample.

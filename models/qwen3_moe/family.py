@@ -44,6 +44,8 @@ class Qwen3MoeSettings:
     """Weight of the load-balancing auxiliary loss (0: not added, the load metrics are still recorded)."""
     bias_update_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert router bias, added only to choose the top-k, moved by this rate times sign(mean load - load) after each optimizer step (0: off, no bias)."""
+    routing_replay: bool = False
+    """Routing replay (R3): the sampler records each token's top-k experts per sparse layer with its rollouts, the policy's training forward routes those tokens to them (weights from its own router), and the ledger adds model/routing_replay_mismatch, the fraction of replayed tokens whose own top-k differs in some layer."""
 
 
 def settings_of(model_config) -> Qwen3MoeSettings:
@@ -124,7 +126,7 @@ QWEN3_MOE = ModelFamily(
     generation_copy=f"{_HERE}.generation_copy:generation_copy",
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
     validate=validate,
-    hashed_only_when_set=("bias_update_rate",),
+    hashed_only_when_set=("bias_update_rate", "routing_replay"),
 )
 
 FAMILIES = (QWEN3_MOE,)

@@ -18,6 +18,14 @@ The forward returns a ``ModelOutput`` (models/forward.py) with, beside the logit
   ``metrics["layer<i>_bias_min"]`` and ``["layer<i>_bias_max"]``: the range of the router bias this
   forward chose with (a mean over the step's forwards of the one value).
 
+Routing replay (``model.qwen3_moe.routing_replay``): ``generation_spec()`` declares ``routing`` (the
+sparse layers, top_k), so the sampler's cache records every token's experts per sparse layer
+(``_forward_cached`` writes them where the cache has a routing record, models/generation/
+routing_record.py); a training forward handed that record as ``media[ROUTING]`` ((B, T, sparse
+layers, top_k) int64, -1 where a token has none) routes each recorded token to its recorded experts
+(``moe.Router``) and reports ``metrics["routing_replay_mismatch"]``: the recorded tokens whose own
+top-k differs from the recorded one in at least one sparse layer, over the recorded tokens.
+
 Auxiliary-loss-free balancing: a forward that records gradients adds each sparse layer's tokens per
 expert to the step's counts (the model's own forward, not a block's: an activation-checkpointed
 block's recomputation adds nothing); ``after_update(sum_over_replicas)``, which the training loop
@@ -47,14 +55,18 @@ from models.numerics import Numerics
 from models.qwen.model import QwenAttention, QwenMLP, RMSNorm
 from models.qwen.rope import RotaryTable
 from models.qwen3_moe.dims import MoeDims, resolve_moe_dims
+from models.qwen3_moe.family import settings_of
 from models.qwen3_moe.moe import BIAS, Router, SparseMoe, bias_step, load_balancing_loss
+from models.routing_replay import ROUTING
 
 
 class Qwen3MoeBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), the MLP a mixture of experts or dense.
 
-    Callable alone as ``block(hidden, rope, mask) -> (hidden, router probability sums (E,) or None,
-    tokens per expert (E,) or None)`` (FSDP, activation checkpointing and compile wrap each block)."""
+    Callable alone as ``block(hidden, rope, mask, replay=None) -> (hidden, router probability sums (E,)
+    or None, tokens per expert (E,) or None, replay mismatches (B, T) bool or None)`` (FSDP, activation
+    checkpointing and compile wrap each block); ``replay`` (B, T, top_k) int64 the recorded experts
+    (routing replay, module docstring)."""
 
     def __init__(self, dims: MoeDims, layer: int, *, numerics: Numerics) -> None:
         super().__init__()
@@ -64,26 +76,28 @@ class Qwen3MoeBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.mlp = SparseMoe(dims) if dims.sparse[layer] else QwenMLP(dims)
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryTable,
-                mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, hidden: torch.Tensor, rope: RotaryTable, mask: AttentionMask,
+                replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                            torch.Tensor | None]:
         with self.numerics.kernels():  # here too: activation checkpointing recomputes the block alone
             hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask)
-            return self._mlp(hidden)
+            if not isinstance(self.mlp, SparseMoe):
+                return hidden + self.mlp(self.post_attention_layernorm(hidden)), None, None, None
+            moe = self.mlp(self.post_attention_layernorm(hidden), replay, routed=True)
+            return hidden + moe.hidden, moe.prob_sum, moe.counts, moe.mismatched
 
     def forward_cached(self, hidden: torch.Tensor, rope: RotaryTable, cache: KVCache, layer: int,
-                       position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``forward`` for generation: attention reads and extends ``cache`` (layer ``layer``); the hidden states alone."""
+                       position_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` for generation: attention reads and extends ``cache`` (layer ``layer``); the hidden
+        states and, in a mixture-of-experts layer, each token's experts (B, T, top_k)."""
         with self.numerics.kernels():
             hidden = hidden + self.self_attn.forward_cached(self.input_layernorm(hidden), rope, cache, layer,
                                                             position_ids, mask)
-            return self._mlp(hidden)[0]
-
-    def _mlp(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        normed = self.post_attention_layernorm(hidden)
-        if isinstance(self.mlp, SparseMoe):
-            out, prob_sum, counts = self.mlp(normed)
-            return hidden + out, prob_sum, counts
-        return hidden + self.mlp(normed), None, None
+            normed = self.post_attention_layernorm(hidden)
+            if not isinstance(self.mlp, SparseMoe):
+                return hidden + self.mlp(normed), None
+            moe = self.mlp(normed, routed=True)
+            return hidden + moe.hidden, moe.experts
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -155,8 +169,10 @@ class Qwen3MoeForCausalLM(nn.Module):
 
         The logits, or ``head(final normed hidden (B, T, d), lm_head.weight)`` where a head is given.
         With a ``cache`` (generation): each row's last-token logits (B, vocab) alone, position_ids
-        required, no document_ids and no head. ``media`` must be None: this family reads tokens only."""
-        if media is not None:
+        required, no document_ids and no head. ``media`` is None, or holds the recorded routing alone
+        (``ROUTING``, under ``model.qwen3_moe.routing_replay``): this family reads tokens only."""
+        replay = self._replayed_routing(media, input_ids)
+        if media is not None and replay is None:
             raise ConfigError(f"model.arch {self.config.arch} reads token ids only, but the batch carries media "
                               f"({type(media).__name__})", key="model.arch",
                               hint="train a family that reads media on this data, or leave the media out of its records")
@@ -175,15 +191,23 @@ class Qwen3MoeForCausalLM(nn.Module):
         rope = RotaryTable.build(position_ids, self.dims.head_dim, self.dims.rope_theta)
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
         tokens = input_ids.numel()
-        prob_sums, counts, metrics = [], [], {}
+        prob_sums, counts, metrics, mismatched = [], [], {}, []
         mean_load = tokens * self.dims.top_k / self.dims.num_experts  # tokens per expert under an even load
         for layer, block in enumerate(self.layers):
-            hidden, prob_sum, count = block(hidden, rope, mask)
+            if replay is None or not self.dims.sparse[layer]:
+                hidden, prob_sum, count, _ = block(hidden, rope, mask)
+            else:  # this sparse layer's recorded experts (B, T, k)
+                hidden, prob_sum, count, differs = block(hidden, rope, mask, replay[:, :, len(prob_sums)])
+                mismatched.append(differs)
             if prob_sum is not None:
                 prob_sums.append(prob_sum)
                 counts.append(count)
                 metrics[f"layer{layer}_load_min"] = ModelMetric(count.min().to(torch.float32), mean_load)
                 metrics[f"layer{layer}_load_max"] = ModelMetric(count.max().to(torch.float32), mean_load)
+        if replay is not None:  # a token differs where any sparse layer's own top-k differs
+            recorded = (replay[:, :, 0, 0] >= 0).sum().to(torch.float32)
+            differs = torch.stack(mismatched).any(dim=0).sum().to(torch.float32)
+            metrics["routing_replay_mismatch"] = ModelMetric(differs, recorded)
         for layer, router in self.routers_with_bias():
             bias = getattr(router, BIAS).detach().to(torch.float32)
             metrics[f"layer{layer}_bias_min"] = ModelMetric(bias.min(), 1.0)
@@ -209,10 +233,35 @@ class Qwen3MoeForCausalLM(nn.Module):
         mask = cache_mask(position_ids, cache.slots)  # (B, 1, T, slots)
         rope = RotaryTable.build(position_ids, self.dims.head_dim, self.dims.rope_theta)
         hidden = self.embed_tokens(input_ids)  # (B, T, hidden)
+        record = getattr(cache, "record_routing", None)  # a routing record's cache (models/generation/routing_record.py)
+        sparse = 0
         for layer, block in enumerate(self.layers):
-            hidden = block.forward_cached(hidden, rope, cache, layer, position_ids, mask)
+            hidden, experts = block.forward_cached(hidden, rope, cache, layer, position_ids, mask)
+            if experts is not None:
+                if record is not None:
+                    record(sparse, position_ids, experts)
+                sparse += 1
         with self.numerics.kernels():
             return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
+
+    def _replayed_routing(self, media: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The recorded routing ``media`` holds, (B, T, sparse layers, top_k) int64, checked; None without one."""
+        if not isinstance(media, dict) or set(media) != {ROUTING}:
+            return None
+        replay = media[ROUTING]
+        expected = (*input_ids.shape, self.dims.num_sparse_layers, self.dims.top_k)
+        if not self.routing_replay or tuple(replay.shape) != expected:
+            raise ConfigError(
+                f"model.arch {self.config.arch} was handed a recorded routing of shape {tuple(replay.shape)}, but "
+                f"routes {expected} with model.{self.config.arch}.routing_replay={self.routing_replay}",
+                key=f"model.{self.config.arch}.routing_replay",
+                hint="record the rollouts with the model that trains on them (the same routing_replay and experts)")
+        return replay.to(device=input_ids.device, dtype=torch.int64)
+
+    @property
+    def routing_replay(self) -> bool:
+        """Whether this model records its routing in the sampler and replays a recorded one (model.qwen3_moe.routing_replay)."""
+        return settings_of(self.config).routing_replay
 
     def use_numerics(self, numerics: Numerics) -> None:
         """Run every forward under the run's ``numerics`` (models/numerics.py)."""
@@ -226,7 +275,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         weight = self.embed_tokens.weight
         return GenerationSpec(vocab_size=self.dims.vocab_size, num_layers=self.dims.num_layers,
                               num_kv_heads=self.dims.num_kv_heads, head_dim=self.dims.head_dim,
-                              device=weight.device, dtype=weight.dtype)
+                              device=weight.device, dtype=weight.dtype,
+                              routing=(self.dims.num_sparse_layers, self.dims.top_k) if self.routing_replay else None)
 
     def init_weights(self, generator: torch.Generator) -> None:
         """Every parameter from ``generator`` (CPU), drawn in fp32 in registration order and copied to the

@@ -29,6 +29,12 @@ the experts always run as the loop of ``F.linear``s (the batch-invariant ``linea
 matmul): a token's routing and output depend on its own hidden state only, so the sampler's cached
 forward and the trainer's choose the same experts (tests/models/test_batch_invariance.py).
 
+Routing replay (``model.qwen3_moe.routing_replay``): a router handed the experts a sampler chose for
+its tokens (``replay``, -1 where a token has none recorded) routes those tokens to them instead of its
+own top-k; their weights are still its own probabilities at those experts, renormalized where
+``norm_topk_prob``, so the router keeps its gradient. ``Routing.mismatched`` marks the recorded tokens
+whose own top-k (as a set) differs from the recorded one.
+
 ``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` over the sparse layers of one
 forward (docs/models.md, "Qwen3-MoE").
 """
@@ -58,7 +64,25 @@ class Routing:
     weights: torch.Tensor
     """(N, top_k) each chosen expert's weight, in the router logits' dtype."""
     experts: torch.Tensor
-    """(N, top_k) int64 the chosen experts, most probable first."""
+    """(N, top_k) int64 the chosen experts, most probable first (a replayed token's: in the recorded order)."""
+    mismatched: torch.Tensor | None = None
+    """(N,) bool, under replay: the recorded tokens whose own top-k set differs from the recorded one."""
+
+
+@dataclass(frozen=True)
+class MoeOutput:
+    """What a block's mixture of experts gives for its (B, T) tokens."""
+
+    hidden: torch.Tensor
+    """(B, T, d) its output."""
+    prob_sum: torch.Tensor
+    """(E,) fp32 router probabilities summed over the tokens."""
+    counts: torch.Tensor
+    """(E,) int64 tokens per expert."""
+    experts: torch.Tensor
+    """(B, T, top_k) int64 each token's experts (what a sampler records for replay)."""
+    mismatched: torch.Tensor | None
+    """(B, T) bool under replay (``Routing.mismatched``), else None."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +150,9 @@ class Router(nn.Module):
         if dims.bias_update_rate > 0:
             self.register_buffer(BIAS, torch.zeros(dims.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> Routing:
+        """x (N, hidden) -> its routing; ``replay`` (N, top_k) int64: recorded experts to use instead of the
+        router's own choice, a row of -1 where a token has none (module docstring)."""
         logits = F.linear(x, self.weight)  # (N, E) in the compute dtype
         invariant = batch_invariant.active()
         if invariant:  # Numerics.batch_invariant: the normalizer by a fixed tree
@@ -139,10 +165,17 @@ class Router(nn.Module):
         else:  # the bias chooses, the unbiased probabilities weigh
             _, experts = top_k_experts(probs + bias.to(torch.float32), self.top_k)  # (N, k)
             weights = probs.gather(-1, experts)
+        mismatched = None
+        if replay is not None:  # the recorded experts choose, the router's own probabilities weigh
+            recorded = replay[:, 0] >= 0  # (N,)
+            own = experts
+            experts = torch.where(recorded.unsqueeze(-1), replay, own)  # (N, k)
+            weights = probs.gather(-1, experts)
+            mismatched = recorded & (own.sort(dim=-1).values != experts.sort(dim=-1).values).any(dim=-1)
         if self.norm_topk_prob:
             total = batch_invariant.pairwise_sum(weights) if invariant else weights.sum(dim=-1)
             weights = weights / total.unsqueeze(-1)
-        return Routing(probs=probs, weights=weights.to(logits.dtype), experts=experts)
+        return Routing(probs=probs, weights=weights.to(logits.dtype), experts=experts, mismatched=mismatched)
 
     def extra_repr(self) -> str:
         return f"experts={self.weight.shape[0]}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
@@ -215,12 +248,15 @@ class SparseMoe(nn.Module):
         self.gate = Router(dims)
         self.experts = Experts(dims)
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden (B, T, d) -> (its output (B, T, d), router probabilities summed over the tokens (E,)
-        fp32, tokens per expert (E,) int64)."""
+    def forward(self, hidden: torch.Tensor, replay: torch.Tensor | None = None, *,
+                routed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | MoeOutput:
+        """hidden (B, T, d) -> (its output (B, T, d), router probabilities summed over the tokens (E,) fp32,
+        tokens per expert (E,) int64), or with ``routed`` the whole ``MoeOutput`` (the choices too);
+        ``replay`` (B, T, top_k) int64: recorded experts (-1: none recorded) the tokens are routed to
+        instead of the router's top-k."""
         batch, seq_len, width = hidden.shape
         x = hidden.reshape(-1, width)  # (N, d)
-        routing = self.gate(x)
+        routing = self.gate(x, None if replay is None else replay.reshape(batch * seq_len, -1))
         top_k = routing.experts.shape[1]
         dispatch = plan_dispatch(routing.experts, self.num_experts)
         repeated = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, width)  # (N * k, d): row a is token a // k
@@ -236,7 +272,12 @@ class SparseMoe(nn.Module):
             out = batch_invariant.pairwise_sum(weighted, dim=1)  # (N, d)
         else:
             out = weighted.sum(dim=1)  # (N, d): the slots added in slot order
-        return out.view(batch, seq_len, width), routing.probs.sum(dim=0), dispatch.counts
+        if not routed:
+            return out.view(batch, seq_len, width), routing.probs.sum(dim=0), dispatch.counts
+        mismatched = None if routing.mismatched is None else routing.mismatched.view(batch, seq_len)
+        return MoeOutput(hidden=out.view(batch, seq_len, width), prob_sum=routing.probs.sum(dim=0),
+                         counts=dispatch.counts, experts=routing.experts.view(batch, seq_len, top_k),
+                         mismatched=mismatched)
 
 
 def load_balancing_loss(prob_sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], tokens: int) -> torch.Tensor:

@@ -43,6 +43,11 @@ weighs each token's surrogate by TIS's truncated ratio and MIS's keep of its com
 ledger adds the mismatch statistics (training/objectives/rollout_correction.py has the formulas).
 ``logprob_parity`` still compares the sampler's log-probs with the trainer's.
 
+**Routing replay.** Where the model records its routing in the sampler (a mixture of experts under
+``model.qwen3_moe.routing_replay``), the rollout batch carries it as the extra ``routing`` (in the
+batch hash) and the policy's forwards (the loss, rollout correction's) replay it
+(models/routing_replay.py); the reference's do not. The family reports the mismatch in the ledger.
+
 **Episodes.** With ``objective.grpo.environment`` each sample is an episode of several turns
 (training/rollout/episodes.py, docs/post_training.md "Agentic rollouts"; the environment, its
 runner and the step records come from training/rollout/agent.py, as PPO's do): the tool environment
@@ -100,6 +105,7 @@ from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.generation.sampler import SamplingParams
+from models.routing_replay import replayed
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
@@ -275,7 +281,7 @@ class GRPOObjective:
         count = self.num_targets(micro)  # host labels: no device sync
         placed = micro.placed(self._context.place)
         mask = placed.labels != IGNORE_INDEX
-        logps = self._token_logps(model, placed, fuse=self.fuse_head).float()
+        logps = self._token_logps(model, replayed(placed), fuse=self.fuse_head).float()  # the sampler's routing
         old = placed.extras["old_logps"]
         weights = None if self.correction is None else policy_weights(placed.extras, mask, self.correction)
         per_token, terms = per_token_loss(logps, old, placed.extras.get("ref_logps"), placed.extras["advantages"],
@@ -362,7 +368,7 @@ class GRPOObjective:
         """(B, T) the trainer's log-probs of the sampled tokens with the weights that sampled them
         (rollout correction's pi_train), micro-batch by micro-batch as the loss runs them."""
         place = self._context.place
-        return torch.cat([self._token_logps(self._model, micro.placed(place), fuse=self.fuse_head).float().cpu()
+        return torch.cat([self._token_logps(self._model, replayed(micro.placed(place)), fuse=self.fuse_head).float().cpu()
                           for micro in batch.micro_batches(self.config.train.micro_batch_size)])
 
     def _reference_logps(self, batch: Batch) -> torch.Tensor:

@@ -93,6 +93,7 @@ from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.generation.sampler import SamplingParams
+from models.routing_replay import replayed
 from training.objectives.base import (OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, PartSpec, check_state,
                                       metric)
 from training.objectives.critic import Critic, build_critic
@@ -294,7 +295,7 @@ class PPOObjective:
         if self.exact:  # the trainer's forward would give these bits: the first update checks that it does
             old_logps = sampled
         else:
-            old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, placed))
+            old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, replayed(placed)))
             clock.lap("policy_logps_s")
         old_values = self._each_micro(out, self._values) * mask
         clock.lap("critic_values_s")
@@ -348,7 +349,7 @@ class PPOObjective:
         placed = micro.placed(self._context.place)
         mask = placed.labels != IGNORE_INDEX
         extras = placed.extras
-        logps = self._token_logps(model, placed).float()
+        logps = self._token_logps(model, replayed(placed)).float()  # the sampler's routing, where recorded
         check_exact(logps, placed)  # under determinism.batch_invariant, on the first update: exit 5 on a difference
         values = self._values(placed, critic=parts[CRITIC])
         policy, policy_terms = policy_loss(logps, extras["old_logps"], extras["advantages"], mask, self.clip)

@@ -9,7 +9,8 @@ the rollout's own counts (dynamic-sampling rounds, groups replaced) and its timi
 ``Experience.batch`` lays it out for the loop: one row per completion (prompt + completion,
 padded to ``data.seq_len``; labels on the completion only), global row
 ``prompt row * group_size + sample index``, with per-row extras ``advantages`` (B,) float32 and
-``old_logps`` (B, T) float32 (the sampler's log-probs, aligned with the labels). The objective
+``old_logps`` (B, T) float32 (the sampler's log-probs, aligned with the labels) and, where the sampler
+recorded each token's experts (routing replay), ``routing`` (B, T, layers, top_k) int64. The objective
 attaches the experience itself to that batch (``Batch.prepared``), so the step's ledger fields
 read it from the batch they are given (``summary`` is what each rank contributes to them, and
 ``rollout_fields`` turns every rank's summaries into the step's rollout statistics).
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from data.batch import IGNORE_INDEX, Batch
+from models.routing_replay import ROUTING
 
 if TYPE_CHECKING:
     from training.rollout.episodes import EpisodeResult
@@ -53,6 +55,9 @@ class Trajectory:
     """Per token of ``tokens``: 1 sampled, 0 an observation (an episode's tool output); empty: all sampled."""
     episode: Optional[EpisodeResult] = None
     """The episode's turns, when an environment played several (training/rollout/episodes.py)."""
+    routing: Optional[torch.Tensor] = None
+    """(prompt + completion tokens or more, layers, top_k) int64: the sampler's recorded experts of each token
+    (routing replay, models/routing_replay.py); None where the model records none."""
 
     @property
     def sampled(self) -> int:
@@ -126,13 +131,16 @@ class Experience:
                 labels[i, p - 1:p + c - 1] = tokens
             old_logps[i, p - 1:p + c - 1] = logprobs
         G = self.group_size
+        extras = {"advantages": torch.tensor(self.advantages, dtype=torch.float32), "old_logps": old_logps}
+        if any(t.routing is not None for t in self.trajectories):  # routing replay: (B, T, layers, top_k)
+            extras[ROUTING] = recorded_routing(self.trajectories, width)
         return Batch(
             step=prompts.step, input_ids=input_ids, labels=labels,
             position_ids=torch.arange(width).expand(n, width).clone(), document_ids=document_ids,
             sequence_index=[t.row for t in self.trajectories],
             provenance=[prompts.provenance[i // G] for i in range(n)],
             state=prompts.state,
-            extras={"advantages": torch.tensor(self.advantages, dtype=torch.float32), "old_logps": old_logps},
+            extras=extras,
         )
 
     def summary(self) -> dict[str, Any]:
@@ -149,6 +157,17 @@ class Experience:
         if any(t.episode is not None for t in self.trajectories):  # (global row, digest, record) per episode
             summary["episodes"] = [(t.row, t.episode.digest, t.episode.record()) for t in self.trajectories]
         return summary
+
+
+def recorded_routing(trajectories: tuple[Trajectory, ...], width: int) -> torch.Tensor:
+    """(B, width, layers, top_k) int64: each row's recorded experts over its prompt + completion, -1 beyond."""
+    shape = next(t.routing.shape[1:] for t in trajectories if t.routing is not None)
+    routing = torch.full((len(trajectories), width, *shape), -1, dtype=torch.int64)
+    for i, t in enumerate(trajectories):
+        if t.routing is not None:
+            length = min(len(t.prompt_ids) + len(t.tokens), width)
+            routing[i, :length] = t.routing[:length]
+    return routing
 
 
 def rollout_fields(parts: list[dict[str, Any]], *, group_size: int, shaping: bool, masking: bool,

@@ -146,7 +146,7 @@ def cut_at_marker(sample: Sample, tokenizer, marker: Optional[str], stop_ids) ->
                 hi = mid
             else:
                 lo = mid + 1
-        sample = Sample(tokens=tokens[:lo], logprobs=sample.logprobs[:lo], finish_reason="stop")
+        sample = Sample(tokens=tokens[:lo], logprobs=sample.logprobs[:lo], finish_reason="stop", routing=sample.routing)
         tokens = sample.tokens
     text = tokenizer.decode([t for t in tokens if t not in stop_ids])
     if marker:

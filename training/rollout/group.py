@@ -110,7 +110,7 @@ class GroupRollout:
                                         tokens=list(completion.sample.tokens),
                                         logprobs=completion.sample.logprobs[:len(completion.sample.tokens)],
                                         truncated=completion.truncated, reward=outcome.reward,
-                                        reward_errors=outcome.reward_errors))
+                                        reward_errors=outcome.reward_errors, routing=completion.sample.routing))
             groups.append(self._shaped_group(group))
         return groups
 
