@@ -6,8 +6,8 @@ forward chose: equal to the full forward's under batch-invariant numerics, the l
 where a perturbed router would choose others, counts those tokens in ``routing_replay_mismatch``,
 and still gives the router its gradient (the weights are the router's probabilities at the recorded
 experts, renormalized). Without the key nothing is recorded, a record is refused, and the config
-hash is the one without the key; a GRPO step's rollout batch carries the record in its batch hash
-and its loss forward reports a mismatch of 0 (sampler and trainer route alike).
+hash is the one without the key; a GRPO and a PPO step's rollout batch carries the record in its
+batch hash and the loss forward reports a mismatch of 0 (sampler and trainer route alike).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from models.qwen3_moe.family import Qwen3MoeSettings
 from models.qwen3_moe.moe import SparseMoe
 from models.routing_replay import ROUTING, replayed
 from training.determinism import numerics
-from training.objectives import grpo
+from training.objectives import grpo, ppo
 from training.objectives.base import ObjectiveContext
 from tests import launch
 
@@ -153,36 +153,48 @@ def test_the_key_is_hashed_only_when_set():
     assert load(path, ["model.qwen3_moe.routing_replay=true"]).hash != base.hash
 
 
-GRPO = ["parallel.strategy=none", "determinism.batch_invariant=true", "train.global_batch_size=2",
-        "train.micro_batch_size=2", "data.num_streams=2", "objective.grpo.kl_coef=0", "objective.grpo.group_size=2",
-        "objective.grpo.max_new_tokens=4", "model.arch=qwen3_moe", "model.qwen3_moe.num_experts=4",
+TINY = ["parallel.strategy=none", "determinism.batch_invariant=true", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "data.num_streams=2", "model.arch=qwen3_moe", "model.qwen3_moe.num_experts=4",
         "model.qwen3_moe.num_experts_per_tok=2", "model.qwen3_moe.moe_intermediate_size=32",
         "model.qwen3_moe.mlp_only_layers=[0]", "model.qwen3_moe.routing_replay=true"]
+RUNS = {"grpo": (grpo.GRPOObjective, "e2e-grpo.yaml", ["objective.grpo.kl_coef=0", "objective.grpo.group_size=2",
+                                                       "objective.grpo.max_new_tokens=4"]),
+        "ppo": (ppo.PPOObjective, "e2e-ppo.yaml", ["objective.ppo.kl_coef=0", "objective.ppo.kl_target=0",
+                                                   "objective.ppo.max_new_tokens=4"])}
 
 
-def test_a_grpo_step_carries_the_record_in_its_batch_hash_and_replays_it():
-    config = load(launch.ROOT / "tests" / "configs" / "e2e-grpo.yaml", GRPO)
+@pytest.mark.parametrize("method", sorted(RUNS))
+def test_a_rollout_batch_carries_the_record_in_its_batch_hash_and_the_loss_replays_it(method):
+    """GRPO's and PPO's first update: the batch's ``routing`` extra covers each row's prompt + completion
+    but its last token, changes the row digests, and the loss forward replays it (mismatch 0: under
+    batch-invariant numerics sampler and trainer route alike)."""
+    objective_class, path, overrides = RUNS[method]
+    config = load(launch.ROOT / "tests" / "configs" / path, [*TINY, *overrides])
     model = models.build(config.model, generator=seeding.generator(config.train.seed, "model_init"))
     model.use_numerics(numerics(config))
     dist = SimpleNamespace(rank=0, world_size=1, is_distributed=False, device=torch.device("cpu"), backend="gloo",
                            all_gather_object=lambda obj: [obj])
-    objective = grpo.GRPOObjective(config)
-    objective.setup(model, ObjectiveContext(config=config, dist=dist, parallel=SimpleNamespace(device=dist.device),
-                                            place=lambda t: t))
+    context = ObjectiveContext(config=config, dist=dist, parallel=SimpleNamespace(device=dist.device),
+                               place=lambda t: t)
+    objective = objective_class(config)
+    parts = {name: part.module for name, part in objective.extra_parts(context).items()} \
+        if hasattr(objective, "extra_parts") else {}
+    objective.setup(model, context)
     plan = make_plan(config.data, seed=config.train.seed, global_batch_size=config.train.global_batch_size,
                      rank=0, world_size=1)
     with torch.no_grad():
         batch = objective.prepare(next(iterate_serial(plan)))
     routing = batch.extras[ROUTING]
-    layers = model.dims.num_sparse_layers
-    assert routing.shape == (*batch.input_ids.shape, layers, 2)
+    assert routing.shape == (*batch.input_ids.shape, model.dims.num_sparse_layers, 2)
     ends = (batch.document_ids == 0).sum(dim=1)  # each row's prompt + completion
     for row, end in enumerate(ends.tolist()):
         assert (routing[row, : end - 1] >= 0).all() and (routing[row, end - 1:] == -1).all()
     other = batch.with_extras(**{ROUTING: routing.flip(-1)})
     assert [d for _, d in other.row_digests()] != [d for _, d in batch.row_digests()]
-    assert (batch.labels != IGNORE_INDEX).any()
+    first = objective.update_batch(batch, 0) if hasattr(objective, "update_batch") else batch
+    assert (first.labels != IGNORE_INDEX).any()
     with record_emitted([model]) as emitted:
-        objective.loss(model, batch)
+        objective.loss(model, first, parts) if parts else objective.loss(model, first)
     mismatch = dict(emitted.metrics())["routing_replay_mismatch"]
-    assert mismatch.sum.item() == 0 and float(mismatch.count) == (routing[:, :, 0, 0] >= 0).sum().item()
+    recorded = (first.extras[ROUTING][:, :, 0, 0] >= 0).sum().item()
+    assert recorded > 0 and mismatch.sum.item() == 0 and float(mismatch.count) == recorded
