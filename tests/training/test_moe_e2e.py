@@ -5,14 +5,16 @@ The four guarantees are its row of the guarantee table (tests/methods.py, ``MOE`
 gives the uninterrupted ledger bit for bit (the ``model/*`` fields and so the router bias included),
 replay before and after a checkpoint verifies, the 2-rank checkpoint resumed on 1 rank and micro-
 batches 1 x 4 against 4 x 1 keep the batches, the loss and the fields the row's note names. Here, on
-the row's run: the balancing fields in the ledger, the bias a checkpoint holds being the one the next
-step chose with; bad expert settings refused by train.py's launcher (exit 2) before any rank starts: a
+the row's run: the balancing fields in the ledger, in the metric records (TensorBoard's) and on runs
+plot's expert-load panels, the bias a checkpoint holds being the one the next step chose with; bad
+expert settings refused by train.py's launcher (exit 2) before any rank starts: a
 ``parallel.ep`` that does not divide the experts, a top-k above them; and a resume at another expert
 count refused (exit 4), naming both counts.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +48,17 @@ def test_the_ledger_reports_the_load_the_balancing_loss_and_the_bias(reference):
         assert line[f"model/layer{MOE_SPARSE_LAYER}_load_min"] <= 1.0 <= line[f"model/layer{MOE_SPARSE_LAYER}_load_max"]
         assert line["model/aux/load_balance"] > 0
     assert any(line[MOE_BIAS_FIELDS[1]] > 0 for line in lines[1:])  # it moved
+
+
+def test_the_metric_records_and_runs_plot_get_the_balancing_fields(reference):
+    """metrics.jsonl's records are what the TensorBoard sink writes (``<name>/mean|min|max``, the
+    row's config turns TensorBoard off; tests/experiments/test_tracking.py checks the sink)."""
+    from experiments.plots import panels, run_series
+
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(set(MOE_FIELDS) <= set(record["metrics"]) for record in records)
+    laid = {name: (group, set(lines)) for group, name, lines in panels(run_series(reference))}
+    assert laid["model/load_max"] == laid["model/bias_min"] == ("expert load", {f"layer{MOE_SPARSE_LAYER}"})
 
 
 def test_the_checkpoint_holds_the_bias_the_next_step_chose_with(reference):
