@@ -95,7 +95,7 @@ class SourceConfig:
     text_unit: Literal["file", "line"] = "file"
     """Text format: each file is one document, or each non-blank line is one."""
     record: RecordKindName = "text"
-    """Record kind: text (text_column), chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"}), prompt ({"prompt", "answer"}: GRPO prompts), preference ({"prompt", "chosen", "rejected"}: DPO pairs) or image_chat ({"messages", "images"}: images in user turns)."""
+    """Record kind: text (text_column), chat ({"messages": [...]}), prompt_completion ({"prompt", "completion"}), prompt ({"prompt", "answer"}: GRPO prompts), preference ({"prompt", "chosen", "rejected"}: DPO pairs), image_chat ({"messages", "images"}: images in user turns) or image_prompt ({"prompt", "answer", "images"}: GRPO prompts with images)."""
 
 
 @dataclass(frozen=True)

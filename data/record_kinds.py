@@ -29,7 +29,8 @@ from core.record_kinds import register_record_kind_name, unregister_record_kind_
 from data.fields import DocField
 
 BUILT_IN = ("data.kinds.text:KIND", "data.kinds.chat:KIND", "data.kinds.prompt_completion:KIND",
-            "data.kinds.prompt:KIND", "data.preference:KIND", "data.kinds.image_chat:KIND")
+            "data.kinds.prompt:KIND", "data.preference:KIND", "data.kinds.image_chat:KIND",
+            "data.kinds.image_prompt:KIND")
 """The built-in rows, by import path, in the order of ``data.sources[i].record``'s doc."""
 
 

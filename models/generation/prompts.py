@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from core.exceptions import DataError
 from models.generation.sampler import Sample, SampleKey, Sampler, SamplingParams
@@ -127,13 +127,16 @@ def sample_prompts(
     purpose: str = "generate",
     step: int = 0,
     samples_per_prompt: int = 1,
+    media: Optional[Sequence[Optional[Mapping[str, Sequence[Any]]]]] = None,
 ) -> list[tuple[int, int, Sample]]:
-    """(prompt index, sample index, sample) for every prompt and sample index, prompt-major."""
+    """(prompt index, sample index, sample) for every prompt and sample index, prompt-major; ``media``:
+    each prompt's, as ``Sampler.generate`` takes them (None: text prompts)."""
     if len(token_ids) != len(prompt_indices):
         raise ValueError(f"{len(token_ids)} token lists but {len(prompt_indices)} prompt indices")
     pairs = [(p, s) for p in range(len(token_ids)) for s in range(samples_per_prompt)]
     keys = [SampleKey(seed, purpose, step, prompt_indices[p], s) for p, s in pairs]
-    samples = sampler.generate([token_ids[p] for p, _ in pairs], keys, params)
+    per_sample = None if media is None else [media[p] for p, _ in pairs]
+    samples = sampler.generate([token_ids[p] for p, _ in pairs], keys, params, media=per_sample)
     return [(prompt_indices[p], s, sample) for (p, s), sample in zip(pairs, samples)]
 
 

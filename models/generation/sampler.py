@@ -856,8 +856,8 @@ class Sampler:
         ids = np.zeros((len(rows), max(len(p) for p in rows)), dtype=np.int64)
         for i, prompt in enumerate(rows):
             ids[i, : len(prompt)] = prompt
-        media = {name: [list(p.media.get(name, ())) if isinstance(p, MediaPrompt) else [] for p in rows]
-                 for name in fields}
+        media = {name: [[_on(item, self.device) for item in p.media.get(name, ())] if isinstance(p, MediaPrompt)
+                        else [] for p in rows] for name in fields}
         lengths = torch.tensor([len(p) for p in rows], device=self.device)
         return self.model.prompt_media(torch.from_numpy(ids).to(self.device), lengths, media)
 
@@ -1015,6 +1015,11 @@ def _fetch(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     landed = torch.cuda.Event()
     landed.record()
     return host, landed.synchronize
+
+
+def _on(item: object, device: torch.device) -> object:
+    """A media item on ``device`` (a tensor moved, anything else as it is)."""
+    return item.to(device) if isinstance(item, torch.Tensor) else item
 
 
 def _synchronize(device: torch.device) -> None:

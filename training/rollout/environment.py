@@ -22,7 +22,9 @@ answer, the one turn is scored with the configured reward functions (training/ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
+
+import torch
 
 from core.exceptions import DataError, DeterminismError
 from data.batch import Batch, DocSpan, prompt_and_answer
@@ -42,6 +44,9 @@ class Task:
     """The expected answer's text (the record's target tokens, decoded)."""
     source: DocSpan
     """The record the prompt comes from (named by errors about it)."""
+    media: Optional[dict[str, list[torch.Tensor]]] = None
+    """What the prompt's tokens show (its row of ``Batch.media``: per field its items, the images of an
+    ``image_prompt`` record), handed to the sampler with them; None for a text prompt."""
 
 
 def batch_tasks(batch: Batch, tokenizer) -> list[Task]:
@@ -54,7 +59,9 @@ def batch_tasks(batch: Batch, tokenizer) -> list[Task]:
         if not prompt:
             raise DataError("prompt record renders to no prompt token", file=span.shard, record=span.record + 1,
                             step=batch.step)
-        tasks.append(Task(index, prompt, tokenizer.decode(prompt), tokenizer.decode(answer), span))
+        media = {name: list(rows[r]) for name, rows in batch.media.items()}
+        tasks.append(Task(index, prompt, tokenizer.decode(prompt), tokenizer.decode(answer), span,
+                          media if any(media.values()) else None))
     return tasks
 
 

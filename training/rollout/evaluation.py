@@ -46,7 +46,7 @@ def evaluation_scores(generator: Generator, model: nn.Module, decoder: Decoder, 
         return (torch.tensor(rewards.mean(axis=1), dtype=torch.float32),
                 torch.tensor(exact.mean(axis=1), dtype=torch.float32))
     flat = generator.generate_from(model, [t.prompt_ids for t in tasks], held_out, params,
-                                   purpose=purpose, step=0, samples=samples)
+                                   purpose=purpose, step=0, samples=samples, media=[t.media for t in tasks])
     for p, task in enumerate(tasks):
         for s in range(samples):
             completion = decoder.completion(flat[p * samples + s])

@@ -139,6 +139,7 @@ class Experience:
             position_ids=torch.arange(width).expand(n, width).clone(), document_ids=document_ids,
             sequence_index=[t.row for t in self.trajectories],
             provenance=[prompts.provenance[i // G] for i in range(n)],
+            media={name: [rows[i // G] for i in range(n)] for name, rows in prompts.media.items()},
             state=prompts.state,
             extras=extras,
         )

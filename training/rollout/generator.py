@@ -63,13 +63,14 @@ class Generator:
                     kept.copy_(fresh)
 
     def generate(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], params: SamplingParams, *,
-                 purpose: str, step: int = 0, samples: int = 1) -> list[tuple[int, int, Sample]]:
+                 purpose: str, step: int = 0, samples: int = 1,
+                 media: Optional[Sequence[Optional[dict]]] = None) -> list[tuple[int, int, Sample]]:
         """(prompt index, sample index, sample) for ``samples`` completions of each prompt, prompt-major,
-        with the weights last loaded."""
+        with the weights last loaded; ``media``: each prompt's images (``Sampler.generate``), None: text."""
         if self._sampler is None:
             raise RuntimeError("Generator.generate before any weights were loaded (call load(model) first)")
         return sample_prompts(self._sampler, prompts, indices, params, seed=self.seed, purpose=purpose, step=step,
-                              samples_per_prompt=samples)
+                              samples_per_prompt=samples, media=media)
 
     def play_episodes(self, prompts: Sequence[Sequence[int]], key_of: Callable[[int, int], SampleKey],
                       params: SamplingParams, on_turns: Callable[[list[TurnEnd]], Sequence[Optional[Continuation]]],
@@ -81,14 +82,15 @@ class Generator:
         self._sampler.generate_episodes(prompts, key_of, params, on_turns, budgets)
 
     def generate_from(self, model: nn.Module, prompts: Sequence[Sequence[int]], indices: Sequence[int],
-                      params: SamplingParams, *, purpose: str, step: int, samples: int) -> list[Sample]:
+                      params: SamplingParams, *, purpose: str, step: int, samples: int,
+                      media: Optional[Sequence[Optional[dict]]] = None) -> list[Sample]:
         """Training's path: ``model`` in eval mode, its weights loaded, ``samples`` completions of each
         prompt (prompt-major), and the model's mode restored. Every rank calls it, even with no prompts."""
         was_training = model.training
         model.eval()
         try:
             self.load(model)
-            flat = self.generate(prompts, indices, params, purpose=purpose, step=step, samples=samples)
+            flat = self.generate(prompts, indices, params, purpose=purpose, step=step, samples=samples, media=media)
         finally:
             model.train(was_training)
         return [sample for _, _, sample in flat]

@@ -89,7 +89,8 @@ class GroupRollout:
         G = self.group_size
         started = time.perf_counter()
         flat = self.generator.generate_from(model, [t.prompt_ids for t in tasks], [t.index for t in tasks],
-                                            self.params, purpose=purpose, step=step, samples=G)
+                                            self.params, purpose=purpose, step=step, samples=G,
+                                            media=[t.media for t in tasks])
         timings["rollout_s"] += time.perf_counter() - started
         timings["rollout_tokens"] += sum(len(sample.tokens) for sample in flat)
         where_round = f", resample round {resample_round}" if resample_round else ""
