@@ -3,7 +3,7 @@
 A family whose ``generation_spec()`` declares ``routing`` (its sparse layers, top_k) has the sampler
 record every token's experts per sparse layer (models/generation/routing_record.py); each sample
 carries them (``Sample.routing``), the rollout batch as the extra ``ROUTING`` (B, T, layers, top_k)
-int64 (-1 where a token has none: padding, a completion's last token), in the batch hash. The
+int16 (-1 where a token has none: padding, a completion's last token), in the batch hash. The
 objectives hand it to the policy's training forwards with ``replayed(batch)``, which puts it where
 the forward contract carries what a family reads besides tokens (``media``); the family routes the
 recorded tokens to the recorded experts and reports the mismatch as a model metric. Nothing here

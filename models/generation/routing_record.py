@@ -2,7 +2,8 @@
 
 A model whose ``GenerationSpec`` declares ``routing`` (its sparse layers, top_k) gets caches that are
 also a routing record: ``RoutingKVCache`` holds, beside the keys and values, each row's experts per
-position and sparse layer, (batch + 1, slots, layers, top_k) int64, -1 where nothing was written.
+position and sparse layer, (batch + 1, slots, layers, top_k) int16 (an expert index; -1 where nothing
+was written; a quarter of int64's bytes, which a long rollout batch of a deep model notices).
 The model's cached forward writes a chunk's experts at the chunk's positions (``record_routing``),
 as it writes their keys and values; row copies (prefill cache -> cache) carry them along. A row's
 record is read back when its sample ends (``with_routing``): one entry per prompt token and sampled
@@ -29,7 +30,7 @@ class RoutingKVCache(KVCache):
     def __init__(self, *, routing: tuple[int, int], **cache: object) -> None:
         super().__init__(**cache)
         layers, top_k = routing
-        self.register_buffer(RECORD, torch.full((self.batch + 1, self.slots, layers, top_k), -1, dtype=torch.int64,
+        self.register_buffer(RECORD, torch.full((self.batch + 1, self.slots, layers, top_k), -1, dtype=torch.int16,
                                                 device=self.k0.device), persistent=False)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -39,7 +40,7 @@ class RoutingKVCache(KVCache):
     def record_routing(self, layer: int, position_ids: torch.Tensor, experts: torch.Tensor) -> None:
         """Store sparse layer ``layer``'s experts (B, T, top_k) of the tokens at position_ids (B, T)."""
         rows = torch.arange(experts.shape[0], device=experts.device)[:, None]  # (B, 1)
-        self.routing[rows, position_ids, layer] = experts
+        self.routing[rows, position_ids, layer] = experts.to(self.routing.dtype)
 
     def copy_rows(self, source: KVCache, rows: torch.Tensor, source_rows: torch.Tensor | None = None) -> None:
         """``KVCache.copy_rows``, the rows' routing records too (``source`` records as well)."""

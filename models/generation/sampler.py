@@ -202,7 +202,7 @@ class Sample:
     finish_reason: FinishReason
     """'stop' (a stop token was generated) or 'length' (max_new_tokens or the context ran out)."""
     routing: Optional[torch.Tensor] = None
-    """(prompt + generated tokens, layers, top_k) int64: each token's experts where the model's spec declares a
+    """(prompt + generated tokens, layers, top_k) int16: each token's experts where the model's spec declares a
     routing to record (models/generation/routing_record.py; -1: none); None otherwise."""
 
 

@@ -22,7 +22,7 @@ Routing replay (``model.qwen3_moe.routing_replay``): ``generation_spec()`` decla
 sparse layers, top_k), so the sampler's cache records every token's experts per sparse layer
 (``_forward_cached`` writes them where the cache has a routing record, models/generation/
 routing_record.py); a training forward handed that record as ``media[ROUTING]`` ((B, T, sparse
-layers, top_k) int64, -1 where a token has none) routes each recorded token to its recorded experts
+layers, top_k) integers, -1 where a token has none) routes each recorded token to its recorded experts
 (``moe.Router``) and reports ``metrics["routing_replay_mismatch"]``: the recorded tokens whose own
 top-k differs from the recorded one in at least one sparse layer, over the recorded tokens.
 
@@ -245,12 +245,12 @@ class Qwen3MoeForCausalLM(nn.Module):
             return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
 
     def _replayed_routing(self, media: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The recorded routing ``media`` holds, (B, T, sparse layers, top_k) int64, checked; None without one."""
+        """The recorded routing ``media`` holds, (B, T, sparse layers, top_k) as int64, checked; None without one."""
         if not isinstance(media, dict) or set(media) != {ROUTING}:
             return None
         replay = media[ROUTING]
         expected = (*input_ids.shape, self.dims.num_sparse_layers, self.dims.top_k)
-        if not self.routing_replay or tuple(replay.shape) != expected:
+        if not self.routing_replay or tuple(replay.shape) != expected or replay.is_floating_point():
             raise ConfigError(
                 f"model.arch {self.config.arch} was handed a recorded routing of shape {tuple(replay.shape)}, but "
                 f"routes {expected} with model.{self.config.arch}.routing_replay={self.routing_replay}",

@@ -94,10 +94,10 @@ def test_the_sampler_records_each_token_s_experts_as_the_full_forward_chooses_th
         _, own = _chosen(model, ids)
     for i, (prompt, sample) in enumerate(zip(PROMPTS, samples)):
         n = len(prompt) + len(sample.tokens)
-        assert sample.routing.shape == (n, 2, TOP_K)
+        assert sample.routing.shape == (n, 2, TOP_K) and sample.routing.dtype == torch.int16
         assert (sample.routing[n - 1] == -1).all()  # the last sampled token is never fed back
         for layer in range(2):  # every other token: the experts the trainer's own forward chooses
-            assert torch.equal(sample.routing[: n - 1, layer], own[layer][i, : n - 1])
+            assert torch.equal(sample.routing[: n - 1, layer].long(), own[layer][i, : n - 1])
 
 
 def test_a_replayed_forward_uses_the_recorded_experts_and_counts_the_tokens_that_differ():

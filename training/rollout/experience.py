@@ -10,7 +10,7 @@ the rollout's own counts (dynamic-sampling rounds, groups replaced) and its timi
 padded to ``data.seq_len``; labels on the completion only), global row
 ``prompt row * group_size + sample index``, with per-row extras ``advantages`` (B,) float32 and
 ``old_logps`` (B, T) float32 (the sampler's log-probs, aligned with the labels) and, where the sampler
-recorded each token's experts (routing replay), ``routing`` (B, T, layers, top_k) int64. The objective
+recorded each token's experts (routing replay), ``routing`` (B, T, layers, top_k) int16. The objective
 attaches the experience itself to that batch (``Batch.prepared``), so the step's ledger fields
 read it from the batch they are given (``summary`` is what each rank contributes to them, and
 ``rollout_fields`` turns every rank's summaries into the step's rollout statistics).
@@ -56,7 +56,7 @@ class Trajectory:
     episode: Optional[EpisodeResult] = None
     """The episode's turns, when an environment played several (training/rollout/episodes.py)."""
     routing: Optional[torch.Tensor] = None
-    """(prompt + completion tokens or more, layers, top_k) int64: the sampler's recorded experts of each token
+    """(prompt + completion tokens or more, layers, top_k) int16: the sampler's recorded experts of each token
     (routing replay, models/routing_replay.py); None where the model records none."""
 
     @property
@@ -161,9 +161,9 @@ class Experience:
 
 
 def recorded_routing(trajectories: tuple[Trajectory, ...], width: int) -> torch.Tensor:
-    """(B, width, layers, top_k) int64: each row's recorded experts over its prompt + completion, -1 beyond."""
+    """(B, width, layers, top_k) int16: each row's recorded experts over its prompt + completion, -1 beyond."""
     shape = next(t.routing.shape[1:] for t in trajectories if t.routing is not None)
-    routing = torch.full((len(trajectories), width, *shape), -1, dtype=torch.int64)
+    routing = torch.full((len(trajectories), width, *shape), -1, dtype=torch.int16)
     for i, t in enumerate(trajectories):
         if t.routing is not None:
             length = min(len(t.prompt_ids) + len(t.tokens), width)
