@@ -73,7 +73,8 @@ class Qwen3VLForConditionalGeneration(QwenVLForConditionalGeneration):
             touched = merged.sum() + sum(feature.sum() for feature in deepstack)
             return hidden + 0.0 * touched.to(hidden.dtype), None, ()
         pixels, grids = images.flat()
-        merged, deepstack = self.visual(pixels, grids)  # (image tokens, hidden) each
+        with self.numerics.kernels():  # batch_invariant's linears: an image's features whatever the batch
+            merged, deepstack = self.visual(pixels, grids)  # (image tokens, hidden) each
         placeholders = input_ids == self.dims.image_token_id
         if int(placeholders.sum()) != merged.shape[0]:  # the positions' row-by-row check runs first
             raise DataError(f"{int(placeholders.sum())} image placeholders for {merged.shape[0]} merged features")

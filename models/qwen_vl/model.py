@@ -138,7 +138,8 @@ class QwenVLForConditionalGeneration(nn.Module):
             stand_in = torch.zeros(side * side, vision.patch_dim, device=hidden.device, dtype=hidden.dtype)
             return hidden + 0.0 * self.visual(stand_in, [(1, side, side)]).sum().to(hidden.dtype)
         pixels, grids = images.flat()
-        features = self.visual(pixels, grids).to(hidden.dtype)  # (image tokens, hidden)
+        with self.numerics.kernels():  # batch_invariant: an image's features whatever else the batch holds
+            features = self.visual(pixels, grids).to(hidden.dtype)  # (image tokens, hidden)
         placeholders = input_ids == self.dims.image_token_id
         if int(placeholders.sum()) != features.shape[0]:  # the positions' row-by-row check runs first
             raise DataError(f"{int(placeholders.sum())} image placeholders for {features.shape[0]} merged features")
@@ -176,10 +177,12 @@ class QwenVLForConditionalGeneration(nn.Module):
         images = self.images(input_ids, media)
         rope = self.rotary_table(self._positions(input_ids, position_ids, images))  # from (3, B, T) positions
         mask = self.attention_mask(document_ids, seq_len, input_ids.device)
-        hidden = self.norm(self.language_blocks(input_ids, images, rope, mask))
-        if head is not None:
-            return head(hidden, self.lm_head.weight)
-        return self.lm_head(hidden)  # (B, T, vocab)
+        hidden = self.language_blocks(input_ids, images, rope, mask)
+        with self.numerics.kernels():  # batch_invariant's norm and head, as the cached forward's
+            hidden = self.norm(hidden)
+            if head is not None:
+                return head(hidden, self.lm_head.weight)
+            return self.lm_head(hidden)  # (B, T, vocab)
 
     def language_blocks(self, input_ids: torch.Tensor, images: ImageBatch | None, rope: RotaryTable,
                         mask: AttentionMask) -> torch.Tensor:
@@ -207,7 +210,8 @@ class QwenVLForConditionalGeneration(nn.Module):
         deepstack: tuple[torch.Tensor, ...] = ()
         if images is not None:
             pixels, grids = images.flat()
-            out = self.visual(pixels, grids)
+            with self.numerics.kernels():
+                out = self.visual(pixels, grids)
             merged, extra = out if isinstance(out, tuple) else (out, ())  # (image tokens, hidden) each
             if int(is_image.sum()) != merged.shape[0]:
                 raise DataError(f"{int(is_image.sum())} image placeholders for {merged.shape[0]} merged features")
@@ -242,7 +246,8 @@ class QwenVLForConditionalGeneration(nn.Module):
             if layer < len(deepstack):
                 placed, feature = deepstack[layer]
                 hidden = hidden + torch.where(placed, feature, torch.zeros_like(feature))
-        return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
+        with self.numerics.kernels():
+            return self.lm_head(self.norm(hidden[:, -1]))  # (B, vocab)
 
     def use_numerics(self, numerics: Numerics) -> None:
         """Run every forward under ``numerics`` (models/numerics.py): every module of both towers that reads one."""

@@ -136,3 +136,35 @@ def test_media_for_a_text_family_are_refused():
     sampler = Sampler(build_sampler_model(), max_batch=2, max_len=16, prefill_chunk=8)
     with pytest.raises(ConfigError, match="reads text prompts only"):
         sampler.generate([[1, 2]], [SampleKey(0, "test", 0, 0)], GREEDY, media=[{"pixel_values": []}])
+
+
+def test_log_probs_are_the_trainers_bit_for_bit_under_batch_invariant(model):
+    """Under determinism.batch_invariant the sampler's log-probs are the trainer's exactly: the trainer's
+    forward over every prompt and completion in one batch (as GRPO's update reads them), and over each
+    alone (its final norm and head under the kernels too)."""
+    from models.numerics import Numerics
+
+    exact = Numerics(batch_invariant=True)
+    model.use_numerics(exact)
+    try:
+        prompts = _prompts()
+        sampler = Sampler(model, max_batch=4, max_len=48, prefill_chunk=8)
+        keys = [SampleKey(3, "test", 1, i) for i in range(len(prompts))]
+        params = SamplingParams(temperature=1.0, top_k=8, max_new_tokens=8)
+        samples = sampler.generate([p for p, _ in prompts], keys, params, media=[m for _, m in prompts])
+        rows = [prompt + sample.tokens for (prompt, _), sample in zip(prompts, samples)]
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+        media = {name: [[] if m is None else m[name] for _, m in prompts] for name in ("pixel_values", "image_grid_thw")}
+        logits = model_forward(model, ModelInputs(ids, None, media=media)).logits
+        for i, ((prompt, _), sample) in enumerate(zip(prompts, samples)):
+            at = logits[i, len(prompt) - 1: len(prompt) - 1 + len(sample.tokens)]
+            trainer = exact.token_logprobs()(at.float(), torch.tensor(sample.tokens))
+            assert sample.logprobs == trainer.tolist()
+            alone = {name: [items[i]] for name, items in media.items()}
+            logits_alone = model_forward(model, ModelInputs(torch.tensor([rows[i]]), None, media=alone)).logits[0]
+            at = logits_alone[len(prompt) - 1: len(prompt) - 1 + len(sample.tokens)]
+            assert sample.logprobs == exact.token_logprobs()(at.float(), torch.tensor(sample.tokens)).tolist()
+    finally:
+        model.use_numerics(Numerics.for_model(model.config))
