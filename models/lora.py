@@ -15,6 +15,11 @@ adapters are ``layers.0.self_attn.q_proj.lora_A.weight`` / ``.lora_B.weight``. T
 our names are Hugging Face's without the leading ``model.``. A PEFT adapter file's key is
 ``base_model.model.`` + the Hugging Face name (``base_model.model.model.layers.0...``).
 
+Mixtures of experts. The experts a model's plan declares (``Stack.experts``) hold their weights
+stacked on dim 0, not as linears: they take no adapters, and a target naming one of their weights is a
+ConfigError even where a dense block has a linear of that name (docs/models.md, Qwen3-MoE, says what
+adapters on experts would need). Adapters on the attention of such a model are the plain case.
+
 Keyed init. Each ``lora_A`` is drawn from a CPU generator seeded by
 ``core.seeding.derive_seed(seed, "lora:<canonical name>")``, uniform in
 +-1/sqrt(in_features) (PEFT's kaiming-uniform with a=sqrt(5)), in fp32 on the CPU, then

@@ -1,6 +1,7 @@
 """LoRA on a Qwen3-MoE model (models/lora.py, the family's LoRA targets): adapters on the attention
-train alone (router, experts and the rest of the base get no gradient) and their PEFT export loads in
-peft on transformers' Qwen3MoeForCausalLM with our logits."""
+train alone (router, experts and the rest of the base get no gradient), their PEFT export loads in
+peft on transformers' Qwen3MoeForCausalLM with our logits and so does the merged export, and a target
+naming a stacked expert weight is refused (docs/models.md, Qwen3-MoE, says why)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from core.config import LoRAConfig
 from core.exceptions import ConfigError
 from models.builder import build
 from models.forward import ModelInputs, model_forward
-from models.hf_weights import load_pretrained
-from models.lora import ADAPTER_CONFIG, apply_lora, load_peft_adapter, lora_modules, save_peft_adapter
+from models.hf_weights import load_pretrained, save_pretrained
+from models.lora import (ADAPTER_CONFIG, apply_lora, load_peft_adapter, lora_modules, merge_lora,
+                         save_peft_adapter)
 from tests.models.test_qwen3_moe import _config, _hf_model, _ids
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -88,6 +90,11 @@ def test_peft_on_transformers_qwen3_moe_computes_our_logits(tmp_path):
     load_peft_adapter(again, tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(_logits(again, ids), got)
+
+    save_pretrained(merge_lora(ours), tmp_path / "merged")  # the other export: a plain Qwen3MoeForCausalLM
+    merged = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-5)
 
 
 def test_a_stacked_expert_weight_is_refused_naming_why_and_the_valid_targets():
