@@ -378,7 +378,9 @@ class Sampler:
         self.prefill_ahead = on_cuda if prefill_ahead is None else prefill_ahead
         # Where prompts are prefilled ahead on CUDA: their stream, beside the decode steps'.
         self._side = torch.cuda.Stream(self.device) if on_cuda and self.prefill_ahead else None
-        self.compile = on_cuda if compile is None else compile
+        # The batch-invariant kernels (models/batch_invariant.py) run eagerly: their function mode
+        # is not one torch.compile traces, and their fixed-shape loops gain nothing from graphs.
+        self.compile = (on_cuda and not self.numerics.batch_invariant) if compile is None else compile
         self.cuda_graphs = (self.compile and on_cuda) if cuda_graphs is None else cuda_graphs
         # Slots rounded up to whole prefill chunks: chunk positions never leave the cache.
         slots = math.ceil(max_len / self.prefill_chunk) * self.prefill_chunk
