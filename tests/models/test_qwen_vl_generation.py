@@ -91,6 +91,32 @@ def test_greedy_image_prompts_follow_the_trainer_forward(model, max_batch):
         _trainer_check(model, prompt, media, sample)
 
 
+def test_qwen3_vl_image_prompts_follow_the_trainer_forward():
+    """The subclass family: interleaved M-RoPE and DeepStack's features added after the first blocks at
+    the image tokens of a prefill chunk, as the trainer adds them."""
+    from models.qwen3_vl.family import Qwen3VLSettings
+    from models.qwen3_vl.model import empty_model as qwen3_vl_model
+
+    settings = Qwen3VLSettings(depth=3, hidden_size=32, num_heads=4, intermediate_size=48, patch_size=14,
+                               temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+                               deepstack_visual_indexes=(0, 2), image_token_id=IMAGE, video_token_id=VIDEO,
+                               vision_start_token_id=START, vision_end_token_id=END, mrope_section=(4, 2, 2))
+    config = model_config_class()(arch="qwen3_vl", vocab_size=99, hidden_size=32, intermediate_size=37, num_layers=3,
+                                  num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                                  tie_embeddings=False, max_position_embeddings=512, qwen3_vl=settings)
+    model = qwen3_vl_model(config)
+    model.init_weights(torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.lm_head.weight[[IMAGE, VIDEO]] = 0.0
+    model.eval()
+    prompts = _prompts()
+    sampler = Sampler(model, max_batch=4, max_len=48, prefill_chunk=8)
+    keys = [SampleKey(0, "test", 0, i) for i in range(len(prompts))]
+    samples = sampler.generate([p for p, _ in prompts], keys, GREEDY, media=[m for _, m in prompts])
+    for (prompt, media), sample in zip(prompts, samples):
+        _trainer_check(model, prompt, media, sample)
+
+
 def test_sampled_log_probs_are_the_trainer_forwards(model):
     prompts = _prompts()
     sampler = Sampler(model, max_batch=4, max_len=48, prefill_chunk=8)
