@@ -6,8 +6,10 @@ position and sparse layer, (batch + 1, slots, layers, top_k) int16 (an expert in
 was written; a quarter of int64's bytes, which a long rollout batch of a deep model notices).
 The model's cached forward writes a chunk's experts at the chunk's positions (``record_routing``),
 as it writes their keys and values; row copies (prefill cache -> cache) carry them along. A row's
-record is read back when its sample ends (``with_routing``): one entry per prompt token and sampled
-token, the last sampled token's -1 (it is never fed back, so no forward routed it).
+record is read back when its sample ends (``with_routing``: at the end of its group, or on the
+refill schedule when the row is handed back, before its next prompt is copied in): one entry per
+prompt token and sampled token, the last sampled token's -1 (it is never fed back, so no forward
+routed it).
 """
 
 from __future__ import annotations
@@ -49,15 +51,20 @@ class RoutingKVCache(KVCache):
         self.routing.index_copy_(0, rows, held)
 
     def with_routing(self, samples: Sequence, prompts: Sequence[Sequence[int]]) -> list:
-        """``samples`` (rows 0.. of this cache, from ``prompts``) each with its row's record
-        (prompt + sampled tokens, layers, top_k) on the host."""
-        out = []
-        for row, (sample, prompt) in enumerate(zip(samples, prompts)):
-            length = len(prompt) + len(sample.tokens)
-            record = self.routing[row, :length].cpu().clone()
-            record[length - 1] = -1  # the last sampled token: never fed back
-            out.append(dataclasses.replace(sample, routing=record))
-        return out
+        """``samples`` (rows 0.. of this cache, from ``prompts``) each with its row's record (``with_routing``)."""
+        return with_routing(samples, prompts, self.routing[: len(samples)].cpu())
+
+
+def with_routing(samples: Sequence, prompts: Sequence[Sequence[int]], records: torch.Tensor) -> list:
+    """``samples`` (from ``prompts``) each with its row of ``records`` (samples, slots, layers, top_k) cut to its
+    prompt + sampled tokens, the last sampled token's -1 (module docstring)."""
+    out = []
+    for sample, prompt, row in zip(samples, prompts, records):
+        length = len(prompt) + len(sample.tokens)
+        record = row[:length].clone()
+        record[length - 1] = -1  # the last sampled token: never fed back
+        out.append(dataclasses.replace(sample, routing=record))
+    return out
 
 
 def cache_for(spec: GenerationSpec, *, batch: int, slots: int) -> KVCache:

@@ -71,7 +71,7 @@ from models import ModelInputs, model_forward
 from models.generation.kv_cache import KVCache
 from models.generation.nucleus import UNIFORM_BITS, CapturedGraph, draw_kept, fixed_point, inverse_cdf, nucleus_cut
 from models.generation.protocol import GenerationModel, check_plain
-from models.generation.routing_record import cache_for
+from models.generation.routing_record import cache_for, with_routing
 from models.generation.scheduler import EpisodeRows, RowSlots, RowState, StagingPool, done_lag, upload
 from models.numerics import stock_token_logprobs
 
@@ -428,7 +428,7 @@ class Sampler:
                 from models.generation.beam import beam_search
 
                 return beam_search(self, rows, list(keys), params)
-            if self.schedule == "refill" and self.spec.routing is None:  # a routing record is read per group
+            if self.schedule == "refill":
                 return self._generate_refill(rows, list(keys), params)
             samples: list[Sample] = []
             for start in range(0, len(rows), self.max_batch):
@@ -561,12 +561,15 @@ class Sampler:
         self._stops.copy_(self._stop_table(params))
         decode = self._refill_step(params)  # before any row is filled: capturing it runs one step
         samples: list[Optional[Sample]] = [None] * len(prompts)
-        in_flight: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (samples, tokens, log-probs)
+        # (samples, tokens, log-probs, their rows' routing records or None)
+        in_flight: list[tuple[list[int], torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = []
 
         def landed() -> None:  # the rows handed back at the last refill point: their copies are on the host
-            for indices, tokens, logprobs in in_flight:
+            for indices, tokens, logprobs, records in in_flight:
                 ended = _collect(tokens.tolist(), logprobs.tolist(), [budgets[i] for i in indices],
                                  params.stop_token_ids)
+                if records is not None:  # routing replay (models/generation/routing_record.py)
+                    ended = with_routing(ended, [prompts[i] for i in indices], records)
                 for i, sample in zip(indices, ended):
                     samples[i] = sample
 
@@ -589,11 +592,12 @@ class Sampler:
                     handed_back, assigned = slots.refill(finished)
                     for row, sample in assigned:
                         ends_by[row] = step + budgets[sample]
+                    records = self._routing_records(handed_back)  # before the refill rewrites these rows
                     if assigned:  # first, so that the device works while the host collects
                         taken = pool.take([sample for _, sample in assigned]) if pool is not None else []
                         self._refill(state, assigned, prompts, keys, budgets, taken, width)
                     # Fetched after the refill's kernels but before the next decode step writes these rows.
-                    handing = [self._hand_back(state, handed_back, width)] if handed_back else []
+                    handing = [(*self._hand_back(state, handed_back, width), records)] if handed_back else []
                     # The next pending prompts, for the points to come: staged once the next step is queued.
                     groups = pool.next_groups(slots.pending) if pool is not None else []
                 if not slots.busy:
@@ -620,6 +624,14 @@ class Sampler:
         (rows,) = upload([np.array([row for row, _ in handed_back], dtype=np.int64)], self.device)
         tokens, logprobs = state.outputs(rows, width)
         return [sample for _, sample in handed_back], _to_host(tokens), _to_host(logprobs)
+
+    def _routing_records(self, handed_back: list[tuple[int, int]]) -> Optional[torch.Tensor]:
+        """The finished rows' routing records (k, slots, layers, top_k), on their way to the host; None where
+        the model records none or no row finished."""
+        if self.spec.routing is None or not handed_back:
+            return None
+        rows = torch.tensor([row for row, _ in handed_back], device=self.device)
+        return _to_host(self.cache.routing[rows])
 
     def _refill(self, state: RowState, assigned: list[tuple[int, int]], prompts: list[list[int]],
                 keys: list[SampleKey], budgets: list[int], taken: list[int], width: int) -> None:

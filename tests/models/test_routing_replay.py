@@ -53,8 +53,8 @@ def _model(config=CONFIG, numerics: Numerics = EXACT) -> torch.nn.Module:
     return model
 
 
-def _samples(model: torch.nn.Module):
-    sampler = Sampler(model, max_batch=4, max_len=24, prefill_chunk=4)
+def _samples(model: torch.nn.Module, *, schedule: str = "groups", rows: int = 4, ahead: bool = False):
+    sampler = Sampler(model, max_batch=rows, max_len=24, prefill_chunk=4, schedule=schedule, prefill_ahead=ahead)
     keys = [SampleKey(7, "replay", 0, i, 0) for i in range(len(PROMPTS))]
     return sampler.generate(PROMPTS, keys, SamplingParams(temperature=1.0, max_new_tokens=6))
 
@@ -85,10 +85,14 @@ def _chosen(model: torch.nn.Module, ids: torch.Tensor, routing: torch.Tensor | N
     return out, chosen
 
 
-def test_the_sampler_records_each_token_s_experts_as_the_full_forward_chooses_them():
+@pytest.mark.parametrize("schedule, rows, ahead", [("groups", 4, False), ("refill", 2, False), ("refill", 2, True)],
+                         ids=["groups", "refill", "refill-prefilled-ahead"])
+def test_the_sampler_records_each_token_s_experts_as_the_full_forward_chooses_them(schedule, rows, ahead):
+    """On either schedule: on refill with 2 rows for 3 prompts a row is handed back and refilled (its
+    record read before its next prompt is copied in), with ``ahead`` from the staging pool."""
     model = _model()
     assert model.generation_spec().routing == (2, TOP_K)
-    samples = _samples(model)
+    samples = _samples(model, schedule=schedule, rows=rows, ahead=ahead)
     ids, routing = _rows(samples)
     with torch.no_grad():
         _, own = _chosen(model, ids)
