@@ -34,6 +34,8 @@ class RoutingKVCache(KVCache):
         layers, top_k = routing
         self.register_buffer(RECORD, torch.full((self.batch + 1, self.slots, layers, top_k), -1, dtype=torch.int16,
                                                 device=self.k0.device), persistent=False)
+        # Written in place by the sampler's compiled decode step, as the keys and values are: one address.
+        torch._dynamo.mark_static_address(self.routing)
 
     def tensors(self) -> list[torch.Tensor]:
         """The key and value buffers (``KVCache.tensors``), the routing record aside (rows of another width)."""
