@@ -156,13 +156,16 @@ def _prepare_photographs(out: Path, *, force: bool) -> None:
 
 
 def _prepare_image_chats(photographs: Path, *, force: bool) -> None:
-    """The image_chat records about the photographs and the tiny models' tokenizer with the vision
-    tokens (data/vision/chat_data.py), beside them; nothing without the photographs."""
+    """The image_chat records about the photographs, the image_prompt records (data/vision/prompt_data.py)
+    and the tiny models' tokenizer with the vision tokens (data/vision/chat_data.py), beside them;
+    nothing without the photographs."""
     from data.vision.chat_data import write_chat, write_tokenizer
+    from data.vision.prompt_data import write_prompts
 
     if not photographs.is_dir():
         return
-    for path, write in ((photographs.parent / "chat", write_chat), (photographs.parent / "tokenizer", write_tokenizer)):
+    for path, write in ((photographs.parent / "chat", write_chat), (photographs.parent / "prompts", write_prompts),
+                        (photographs.parent / "tokenizer", write_tokenizer)):
         print(f"wrote: {path}" if write(path, force=force) else f"up to date: {path}")
 
 

@@ -71,6 +71,21 @@ def test_a_record_encodes_as_a_prompt_with_its_images(images_root):
         encoder.document({"prompt": "<image>?", "images": ["../photographs/chelsea.png"]}, shard)
 
 
+def test_the_embedded_prompts_are_seeded_and_encode(images_root):
+    from data.vision.chat_data import SUBJECTS
+    from data.vision.prompt_data import image_prompts
+
+    records = image_prompts(12, seed=1, photographs="../photographs")
+    assert records == image_prompts(12, seed=1, photographs="../photographs")
+    assert {r["answer"] for r in records} <= {word for _, word in SUBJECTS.values()}
+    tokenizer = build_tokenizer(str(images_root / "tokenizer"))
+    template = ChatTemplate.for_tokenizer(str(images_root / "tokenizer"))
+    encoder = record_kind("image_prompt").encoder(EncoderSetup(template, tokenizer, "assistant", frozenset(), SMALL))
+    for record in records:
+        encoded = encoder.document(record, str(images_root / "records" / "part-000.jsonl"))
+        assert tokenizer.decode(encoded.ids[encoded.fields["target_mask"]].tolist()) == record["answer"]
+
+
 def test_rollouts_sample_with_the_prompts_images(images_root):
     from models.qwen_vl.model import empty_model
 

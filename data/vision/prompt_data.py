@@ -1,0 +1,53 @@
+"""The embedded image prompts: ``image_prompt`` records about the pinned photographs, for GRPO on the
+tiny vision-language models (configs/tiny-vl-grpo.yaml).
+
+``python -m data prepare`` writes them beside the photographs and the image chats
+(data/vision/chat_data.py): ``datasets/images/prompts/{train,eval}/part-000.jsonl``, records
+``{"prompt": "<image>Name the subject.", "answer": "cat", "images": ["../../photographs/chelsea.png"]}``
+(data/kinds/image_prompt.py) whose answer is the one word that names what the photograph shows:
+the image chats' one-word questions, so a model fine-tuned on those answers in the form a rule
+(``exact_answer``) checks. Drawn from a seeded generator: the same spec writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+from data.vision.chat_data import SUBJECTS
+from data.vision.photographs import PHOTOGRAPHS
+
+PROMPTS_DIR = Path("datasets/images/prompts")
+PROMPTS_SPEC = {"seed": 1, "train_n": 64, "eval_n": 16, "photographs": "../../photographs"}
+"""What the prompt files are written from (their ``.complete`` stamp holds it)."""
+QUESTIONS = ("<image>Name the subject.", "<image>Describe the image in one word.")
+"""The image chats' questions whose answer is one word (data/vision/chat_data.py ``ONE_IMAGE``)."""
+
+
+def image_prompts(n: int, seed: int, photographs: str) -> list[dict]:
+    """``n`` image_prompt records, one photograph each; image paths under ``photographs``."""
+    rng = random.Random(seed)
+    names = sorted(SUBJECTS)
+    out = []
+    for _ in range(n):
+        name = rng.choice(names)
+        out.append({"prompt": rng.choice(QUESTIONS), "answer": SUBJECTS[name][1],
+                    "images": [f"{photographs}/{PHOTOGRAPHS[name].file}"]})
+    return out
+
+
+def write_prompts(out: Path = PROMPTS_DIR, *, force: bool = False) -> bool:
+    """Write the train and eval prompts under ``out``; False when its stamp says they are there."""
+    stamp = out / ".complete"
+    if not force and stamp.is_file() and json.loads(stamp.read_text()) == PROMPTS_SPEC:
+        return False
+    shutil.rmtree(out, ignore_errors=True)
+    spec = PROMPTS_SPEC
+    records = image_prompts(spec["train_n"] + spec["eval_n"], spec["seed"], spec["photographs"])
+    for split, part in (("train", records[:spec["train_n"]]), ("eval", records[spec["train_n"]:])):
+        (out / split).mkdir(parents=True)
+        (out / split / "part-000.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in part))
+    stamp.write_text(json.dumps(spec))
+    return True
