@@ -131,7 +131,7 @@ def reorder_rows(cache: KVCache, rows: torch.Tensor, parents: torch.Tensor) -> N
     both a parent and a target."""
     if rows.numel() == 0:
         return
-    for buffer in cache.tensors():
+    for buffer in (*cache.tensors(), cache.position_offsets):  # a row's position offset goes with its keys
         buffer.index_copy_(0, rows, buffer.index_select(0, parents))
 
 

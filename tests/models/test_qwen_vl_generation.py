@@ -132,6 +132,23 @@ def test_sampled_log_probs_are_the_trainer_forwards(model):
         torch.testing.assert_close(torch.tensor(sample.logprobs), trainer, rtol=0, atol=2e-5)
 
 
+def test_beam_search_over_image_prompts_scores_by_the_trainer_forward(model):
+    """Each beam's cache row is copied from its parent's with its position offset: the best beam's
+    log-probs are the trainer's."""
+    prompts = _prompts()
+    sampler = Sampler(model, max_batch=4, max_len=48, prefill_chunk=8)
+    keys = [SampleKey(0, "test", 0, i) for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, num_beams=2, max_new_tokens=6)
+    samples = sampler.generate([p for p, _ in prompts], keys, params, media=[m for _, m in prompts])
+    for (prompt, media), sample in zip(prompts, samples):
+        ids = torch.tensor([prompt + sample.tokens])
+        batch_media = None if media is None else {name: [items] for name, items in media.items()}
+        logits = model_forward(model, ModelInputs(ids, None, media=batch_media)).logits[0]
+        at = logits[len(prompt) - 1: len(prompt) - 1 + len(sample.tokens)]
+        trainer = F.log_softmax(at.float(), -1).gather(1, torch.tensor(sample.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(sample.logprobs), trainer, rtol=0, atol=2e-5)
+
+
 def test_a_text_prompt_samples_the_same_beside_image_prompts(model):
     prompts = _prompts()
     sampler = Sampler(model, max_batch=4, max_len=48, prefill_chunk=8)
