@@ -14,8 +14,10 @@ A model built outside a run (a test, an export check, a frozen reference) carrie
 Every choice is today's, unchanged (docs/determinism.md, "Where numerics are decided"), but for
 ``determinism.batch_invariant`` (bitwise mode only, off by default): the batch-invariant kernels of
 models/batch_invariant.py for every linear, norm, activation, attention (training, prefill and
-cached decode alike) and the log-softmax the sampler and the trainer read, so a sampled token's
-log-prob equals the trainer's bitwise.
+cached decode alike) and the log-softmax the sampler and the trainer read, and a sampler that computes
+what the trainer computes at every precision: the generation copy keeps the trainer's parameter dtype
+and the sampler's forwards run under the training forward's autocast (``generation_dtype``,
+``sampler_autocast``), so a sampled token's log-prob equals the trainer's bitwise in fp32 and in bf16.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Numerics:
     sdpa_backends: Literal["deterministic", "all"] = "deterministic"
     """model.sdpa_backends: on CUDA, SDPA's memory-efficient and math backends only, or every backend."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """parallel.precision: the compute dtype, and the generation copy's on CUDA."""
+    """parallel.precision: the compute dtype, and the generation copy's on CUDA outside ``batch_invariant``."""
     batch_invariant: bool = False
     """determinism.batch_invariant: the batch-invariant kernels (models/batch_invariant.py) in every
     forward and in the sampler's log-probs; bitwise mode only."""
@@ -140,8 +142,29 @@ class Numerics:
 
     def generation_dtype(self, device: torch.device) -> Optional[torch.dtype]:
         """The generation copy's weights on ``device``: bf16 for a bf16 run on CUDA, else None (the
-        parameters' own dtype)."""
+        parameters' own dtype). Under ``batch_invariant`` None at every precision: the copy keeps the
+        trainer's parameters (fp32 master weights) and its forwards run under the training forward's
+        autocast (``sampler_autocast``), so that they compute what the trainer computes: a bf16 copy's
+        residual stream, norms' inputs, rotary products and KV cache would be bf16 where the trainer's
+        are fp32."""
+        if self.batch_invariant:
+            return None
         return torch.bfloat16 if self.precision == "bf16" and device.type == "cuda" else None
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """The training forward's autocast on ``device`` (``training.precision.Precision`` enters it
+        where no wrapper casts the parameters): the compute dtype's for bf16 and fp16, none for fp32."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+
+    def sampler_autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """The context the sampler's model forwards (prefill, decode, a prompt's media) run under: the
+        training forward's ``autocast`` under ``batch_invariant``, over the copy that keeps the trainer's
+        parameter dtype (``generation_dtype``); none otherwise (the bf16 copy computes in its own dtype)."""
+        if not self.batch_invariant:
+            return contextlib.nullcontext()
+        return self.autocast(device)
 
     # ------------------------------------------------------------------ the sampling rule
 

@@ -21,6 +21,7 @@ class Precision:
         """``numerics``: the run's (training.determinism.numerics, which the model carries);
         ``wrapper_casts``: the model is wrapped by FSDP2 with a bf16 mixed-precision policy
         (only true where fully_shard was applied: a single process is not sharded)."""
+        self.numerics = numerics
         self.name = numerics.precision
         self.dtype = numerics.compute_dtype
         self.device = device
@@ -32,7 +33,7 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         if not self.use_autocast:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return self.numerics.autocast(self.device)  # the sampler's too, under batch_invariant
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss

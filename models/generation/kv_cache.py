@@ -91,8 +91,10 @@ class KVCache(torch.nn.Module):
         if rows is None:
             rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         # Advanced indices around a slice put the indexed dims first: the target is (B, T, n_kv, hd).
-        keys[rows, :, position_ids] = k
-        values[rows, :, position_ids] = v
+        # Under autocast (Numerics.sampler_autocast) k or v may be bf16 beside an fp32 cache: widened
+        # exactly, the values the exact kernel reads (it widens them to fp32 too). Else a no-op.
+        keys[rows, :, position_ids] = k.to(keys.dtype)
+        values[rows, :, position_ids] = v.to(values.dtype)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer, each (B, n_kv_head, slots, head_dim): the scratch row left out.

@@ -758,8 +758,7 @@ class Sampler:
                     ids[row, : len(part)] = torch.tensor(part)
                     starts[row, 0], fill[row] = start, True
             positions_k = (starts + torch.arange(chunk)[None, :]).to(self.device)
-            model_forward(self.model, ModelInputs(ids.to(self.device), positions_k),
-                          cache=self.cache.redirected(fill.to(self.device)))
+            self._forward(ModelInputs(ids.to(self.device), positions_k), self.cache.redirected(fill.to(self.device)))
 
     def _checked_continuation(self, episode: int, turn: int, ids: list[int], budget: int) -> None:
         where = f"episode {episode}'s continuation after turn {turn}"
@@ -854,8 +853,7 @@ class Sampler:
             prefill_chunk = self._prefill_forward()
         else:
             def prefill_chunk(chunk_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-                return model_forward(self.model, ModelInputs(chunk_ids, positions, media=media),
-                                     cache=self.prefill_cache).logits
+                return self._forward(ModelInputs(chunk_ids, positions, media=media), self.prefill_cache)
         for c in range(chunks):
             prefill_chunk(ids[c], torch.arange(c * chunk, (c + 1) * chunk, device=self.device).expand(group, chunk))
 
@@ -873,7 +871,8 @@ class Sampler:
         media = {name: [[_on(item, self.device) for item in p.media.get(name, ())] if isinstance(p, MediaPrompt)
                         else [] for p in rows] for name in fields}
         lengths = torch.tensor([len(p) for p in rows], device=self.device)
-        return self.model.prompt_media(torch.from_numpy(ids).to(self.device), lengths, media)
+        with self.numerics.sampler_autocast(self.device):  # the training forward's, as ``_forward``
+            return self.model.prompt_media(torch.from_numpy(ids).to(self.device), lengths, media)
 
     def _copy_prefilled(self, rows: list[int]) -> None:
         """Copy the prefill cache's first ``len(rows)`` rows into cache rows ``rows``."""
@@ -900,7 +899,7 @@ class Sampler:
             return self._prefill_chunk_forward
 
         def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return model_forward(self.model, ModelInputs(ids, positions), cache=self.prefill_cache).logits
+            return self._forward(ModelInputs(ids, positions), self.prefill_cache)
 
         if self.compile and self.cuda_graphs:
             self._prefill_chunk_forward = CapturedGraph(torch.compile(forward, fullgraph=True, dynamic=False))
@@ -969,7 +968,14 @@ class Sampler:
 
     def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The decode step's model forward: (B, 1) tokens and positions -> (B, vocab) logits, into ``cache``."""
-        return model_forward(self.model, ModelInputs(tokens, positions), cache=self.cache).logits
+        return self._forward(ModelInputs(tokens, positions), self.cache)
+
+    def _forward(self, inputs: ModelInputs, cache: KVCache) -> torch.Tensor:
+        """Every model forward of the sampler: ``inputs`` into ``cache`` -> each row's last logits, under the
+        autocast the model's ``Numerics`` gives the sampler (``sampler_autocast``: the training forward's
+        under ``batch_invariant``, none otherwise)."""
+        with self.numerics.sampler_autocast(self.device):
+            return model_forward(self.model, inputs, cache=cache).logits
 
     def _decode_logits(self) -> Callable:
         """(tokens (B, 1), positions (B, 1)) -> (B, vocab) logits: the decode forward alone, compiled like the

@@ -7,7 +7,9 @@ log-probs == the trainer's (full logits and the fused head). The chain runs for 
 Qwen3-MoE; for the mixture also every layer's top-k experts of every token, the sampler's cached
 forward against the trainer's. The controls swap one invariant
 kernel for the stock one and see the chain break, so the chain's equalities are the kernels'
-doing, not this CPU's luck.
+doing, not this CPU's luck. In bf16 the chain runs the trainer's fp32 weights under bf16 autocast
+(``Numerics.autocast``) and the sampler over the same weights under ``Numerics.sampler_autocast``;
+its control samples from the default mode's bf16 copy without autocast and sees the chain break.
 """
 
 from __future__ import annotations
@@ -274,6 +276,87 @@ def test_the_sampler_s_cached_forward_routes_every_token_as_the_trainer_does():
         steps = [calls[0].view(len(rows), chunk, k)] + [c.view(len(rows), 1, k) for c in calls[1:]]
         assert torch.equal(torch.cat(steps, dim=1)[:batch], whole), layer
         assert len(torch.unique(whole.sort(dim=-1).values.view(-1, k), dim=0)) > 1  # the router does choose
+
+
+# ---------------------------------------------------------------- bf16: the trainer's autocast in the sampler
+
+BF16 = Numerics(batch_invariant=True, precision="bf16")
+CPU = torch.device("cpu")
+BF16_CASES = [pytest.param(QWEN3, id="qwen3"), pytest.param(QWEN2, id="qwen2")]
+
+
+def test_bf16_numerics_keep_the_parameters_and_give_the_sampler_the_training_autocast():
+    cuda = torch.device("cuda", 0)
+    assert BF16.generation_dtype(cuda) is None and BF16.generation_dtype(CPU) is None
+    with BF16.sampler_autocast(CPU):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    # The default mode: the bf16 copy on CUDA, no autocast around the sampler's forwards.
+    stock = Numerics(precision="bf16")
+    assert stock.generation_dtype(cuda) == torch.bfloat16
+    with stock.sampler_autocast(CPU):
+        assert not torch.is_autocast_enabled("cpu")
+    with EXACT.sampler_autocast(CPU):  # fp32: no autocast either
+        assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("model_config", BF16_CASES)
+def test_bf16_autocast_prefill_equals_the_trainer_and_decode_equals_prefill(model_config):
+    """The trainer's fp32 weights under bf16 autocast (``Numerics.autocast``, training/precision.py's);
+    the sampler's prefill and decode over the same weights under ``sampler_autocast``, into an fp32
+    cache: the same bits at every position."""
+    model, ids = _model(model_config, BF16), _ids(rows=3, length=24)
+    with torch.no_grad():
+        with BF16.autocast(CPU):
+            trainer = _run(model, ids)  # (3, T, V) bf16
+        assert trainer.dtype == torch.bfloat16
+        spec = model.generation_spec()
+        assert spec.dtype == torch.float32  # the cache holds the keys/values the trainer's attention reads
+        with BF16.sampler_autocast(CPU):
+            for t in (0, 9, 23):
+                positions = torch.arange(t + 1).expand(3, t + 1)
+                last = _run(model, ids[:, :t + 1], position_ids=positions,
+                            cache=KVCache.for_spec(spec, batch=3, slots=32))
+                assert torch.equal(last, trainer[:, t])
+            decode = KVCache.for_spec(spec, batch=4, slots=32)
+            rows = torch.cat([ids, ids[:1].flip(1)])
+            for t in range(ids.shape[1]):
+                logits = _run(model, rows[:, t:t + 1], position_ids=torch.full((4, 1), t), cache=decode)
+                assert torch.equal(logits[:3], trainer[:, t])
+
+
+def _trainer_logps(model, prompts, samples, numerics):
+    """The trainer's log-probs of each sample's tokens: one row per completion, under ``numerics``'
+    training autocast, through the fused head."""
+    rows = torch.zeros(len(prompts), 64, dtype=torch.long)
+    labels = torch.full_like(rows, -100)
+    for i, (prompt, sample) in enumerate(zip(prompts, samples)):
+        sequence = prompt + sample.tokens
+        rows[i, :len(sequence)] = torch.tensor(sequence)
+        labels[i, len(prompt) - 1:len(sequence) - 1] = torch.tensor(sample.tokens)
+    with torch.no_grad(), numerics.autocast(CPU):
+        trainer = _run(model, rows, head=lambda h, w: linear_token_logps(
+            h, w, labels, chunk_tokens=16, compute_dtype=torch.get_autocast_dtype("cpu"), invariant=True))
+    return [trainer[i, len(p) - 1:len(p) - 1 + len(s.tokens)] for i, (p, s) in enumerate(zip(prompts, samples))]
+
+
+@pytest.mark.parametrize("model_config", BF16_CASES)
+def test_bf16_sampler_log_probs_are_the_trainer_log_probs(model_config):
+    model, ids = _model(model_config, BF16), _ids()
+    prompts = [ids[i, :n].tolist() for i, n in enumerate(PROMPT_LENGTHS)]
+    samples = _sample(model, prompts, SAMPLED, max_batch=4)
+    for trainer, sample in zip(_trainer_logps(model, prompts, samples, BF16), samples):
+        assert torch.equal(trainer, torch.tensor(sample.logprobs, dtype=torch.float32))
+
+
+def test_control_a_bf16_copy_without_autocast_is_not_the_bf16_trainer():
+    """The computation the sampler ran before (the default mode's bf16 generation copy, its residual
+    stream, norms, rotary products and cache in bf16) is not the trainer's under autocast."""
+    model, ids = _model(QWEN3, BF16), _ids()
+    prompts = [ids[i, :n].tolist() for i, n in enumerate(PROMPT_LENGTHS)]
+    copy = _model(QWEN3, BF16).to(torch.bfloat16)
+    samples = _sample(copy, prompts, SAMPLED, max_batch=4)
+    trainer = _trainer_logps(model, prompts, samples, BF16)
+    assert not all(torch.equal(t, torch.tensor(s.logprobs, dtype=torch.float32)) for t, s in zip(trainer, samples))
 
 
 def test_the_trainer_finds_the_numerics_of_a_wrapped_model():

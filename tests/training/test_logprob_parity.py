@@ -5,6 +5,7 @@ first update's trainer log-probs equal the sampler's (parity exactly 0) and a fo
 token's last bit is a ``LogprobParityError`` (exit 5) naming the step, the completion's global row, the
 token's position and both log-probs; later updates (moved weights) are not checked. PPO's old log-probs
 are the sampler's, bitwise what the policy forward it no longer runs gives (full logits and fused head).
+GRPO in bf16 too: the trainer's autocast over fp32 weights, the sampler's forwards under the same one.
 The multi-rank runs: test_logprob_parity_e2e.py.
 """
 
@@ -26,6 +27,7 @@ from training.determinism import numerics
 from training.objectives import grpo, ppo
 from training.objectives.base import ObjectiveContext
 from training.objectives.logprob_parity import CHECKED, PARITY, LogprobParityError
+from training.precision import Precision
 from tests import launch
 
 CONFIGS = launch.ROOT / "tests" / "configs"
@@ -106,6 +108,21 @@ def test_grpo_parity_is_exactly_zero_and_a_difference_stops_the_run(grpo_run, mo
     # The second inner update trains moved weights: its rows carry no sampler log-probs to check.
     later = objective.update_batch(batch, 1)
     assert CHECKED not in later.extras and objective.loss(model, later).maxima[PARITY] > 0
+
+
+def test_bf16_grpo_parity_is_exactly_zero():
+    """parallel.precision=bf16: the trainer's fp32 weights under bf16 autocast (training/precision.py, as
+    the step enters it), and the sampler over the same weights under that autocast
+    (``Numerics.sampler_autocast``): parity 0. The trainer outside autocast computes otherwise."""
+    config = load(CONFIGS / "e2e-grpo.yaml", [*GRPO, "parallel.precision=bf16"])
+    model, objective, batch, _ = _setup(grpo.GRPOObjective, config)
+    assert (batch.labels != IGNORE_INDEX).any()
+    precision = Precision(model.numerics, device=torch.device("cpu"), wrapper_casts=False)
+    assert precision.use_autocast
+    with precision.autocast():
+        assert objective.loss(model, batch).maxima[PARITY].item() == 0.0
+    with pytest.raises(LogprobParityError):  # fp32 compute is not what sampled
+        objective.loss(model, batch)
 
 
 def test_moe_grpo_parity_is_exactly_zero():
