@@ -90,6 +90,11 @@ Notes on the rows that differ from the defaults:
   patches are ``Batch.media``, in the row digests, so ``batch_hash`` (kill/resume, replay, the
   1-rank resume, accumulation) covers the pixels. 6 steps, a checkpoint every 3; its e2e file
   mirrors the photographs: the first batch's hash changes and a replay does not verify.
+- ``vl-grpo`` runs GRPO on that model (tests/configs/e2e-vl-grpo.yaml) over the image prompts
+  ``python -m data prepare`` writes (data/kinds/image_prompt.py): each prompt's image goes to the
+  sampler's prefill (its rollouts) and, as ``Batch.media`` of its completion rows, to the update, so
+  ``rollout_hash`` and ``batch_hash`` depend on the pixels. As the grpo row, the 1-rank resume and
+  the accumulation check compare the first step after their common start. 3 steps, a checkpoint at 2.
 """
 
 from __future__ import annotations
@@ -268,9 +273,17 @@ VL_SFT = Method("vl-sft", "e2e-vl-sft.yaml", e2e_file="test_vl_sft_e2e.py", step
                 replay_steps=(2, 5), one_rank_step=3, one_rank_same=("batch_hash", "trained_tokens"),
                 accumulation_overrides=("parallel.strategy=none",))
 
+# Vision-language GRPO on the image prompts: rollouts sampled with each prompt's image, the update
+# reading it again from the completion rows' media.
+VL_GRPO = Method("vl-grpo", "e2e-vl-grpo.yaml", steps=3, timeout_s=600,
+                 kill=Kill(seed=73, steps=(1, 2), delay_s=1.0, wait_s=300, finish_s=600),
+                 replay_steps=(3,), one_rank_step=2, one_rank_same=("rollout_hash", "batch_hash", "reward_mean"),
+                 samples_from_weights=True, accumulation_steps=1, accumulation_overrides=("parallel.strategy=none",),
+                 accumulation_close={"grad_norm": (1e-5, 0.0)})
+
 METHODS = (PRETRAINING, PRETRAINING_FSDP, SFT, DPO, DPO_LORA_ADAPTER_OFF, DISTILL, LORA, QLORA, QLORA_FSDP, GRPO,
            FLOAT8_HEAD, PPO, REWARD_MODEL, TWO_PART, AGENT_GRPO, AGENT_PPO, GRPO_MODEL_REWARD, PPO_MODEL_REWARD,
-           GELU_LM, MOE, MOE_SFT, MOE_GRPO, VL_SFT)
+           GELU_LM, MOE, MOE_SFT, MOE_GRPO, VL_SFT, VL_GRPO)
 
 TABLE = "tests/training/test_guarantees.py"
 BY_NAME = {method.name: method for method in METHODS}
