@@ -28,7 +28,7 @@ that shape only).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 import numpy as np
 import torch
 from torch import nn
@@ -96,21 +96,22 @@ class GenerationEvaluation:
                 on_batch()
         return {f"{self.PREFIX}{k}": v for k, v in sums.items()}
 
-    def _score(self, prompts: list[tuple[int, list[int], str]], sums: dict[str, float]) -> None:
-        ids, indices = [p[1] for p in prompts], [p[0] for p in prompts]
-        greedy = self._generate(ids, indices, self.greedy, samples=1)
-        for (_, _, answer), (tokens, text) in zip(prompts, greedy):
+    def _score(self, prompts: list[tuple[int, list[int], str, Optional[dict]]], sums: dict[str, float]) -> None:
+        ids, indices, media = [p[1] for p in prompts], [p[0] for p in prompts], [p[3] for p in prompts]
+        greedy = self._generate(ids, indices, self.greedy, samples=1, media=media)
+        for (_, _, answer, _), (tokens, text) in zip(prompts, greedy):
             sums["accuracy"] += exact_answer(text, answer)
             sums["completion_len"] += len(tokens)
         sums["prompts"] += len(prompts)
         k = self.settings.samples
         if k > 0:
-            sampled = self._generate(ids, indices, self.sampled, samples=k)
+            sampled = self._generate(ids, indices, self.sampled, samples=k, media=media)
             scores = np.array([exact_answer(text, prompts[i // k][2]) for i, (_, text) in enumerate(sampled)])
             sums["sampled_accuracy"] += float(scores.reshape(len(prompts), k).mean(axis=1).sum()) if prompts else 0.0
 
-    def _prompts(self, batch: Batch, number: int) -> list[tuple[int, list[int], str]]:
-        """(held-out prompt index, prompt ids, answer text) of every row of this rank's batch."""
+    def _prompts(self, batch: Batch, number: int) -> list[tuple[int, list[int], str, Optional[dict]]]:
+        """(held-out prompt index, prompt ids, answer text, the row's media or None) of every row of this
+        rank's batch."""
         out = []
         for r, row in enumerate(batch.sequence_index):
             span = batch.provenance[r][0]
@@ -118,15 +119,17 @@ class GenerationEvaluation:
             if not prompt:
                 raise DataError("prompt record renders to no prompt token", file=span.shard, record=span.record + 1,
                                 hint="train.eval_generate.source needs non-empty prompts")
-            out.append((number * self.config.train.global_batch_size + row, prompt, self.tokenizer.decode(answer)))
+            media = {name: list(rows[r]) for name, rows in batch.media.items()}
+            out.append((number * self.config.train.global_batch_size + row, prompt, self.tokenizer.decode(answer),
+                        media if any(media.values()) else None))
         return out
 
     def _generate(self, ids: list[list[int]], indices: list[int], params: SamplingParams, *,
-                  samples: int) -> list[tuple[list[int], str]]:
+                  samples: int, media: list[Optional[dict]]) -> list[tuple[list[int], str]]:
         """(tokens, text without stop tokens and end-of-turn marker) per completion, prompt-major."""
         if not ids:
             return []
-        flat = self.generator.generate(ids, indices, params, purpose=PURPOSE, samples=samples)
+        flat = self.generator.generate(ids, indices, params, purpose=PURPOSE, samples=samples, media=media)
         completions = [self.decoder.completion(sample) for _, _, sample in flat]
         return [(list(c.sample.tokens), c.text) for c in completions]
 

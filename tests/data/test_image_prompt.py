@@ -125,3 +125,35 @@ def test_rollouts_sample_with_the_prompts_images(images_root):
         p = len(t.prompt_ids)
         at = logps[i, p - 1: p - 1 + len(t.tokens)].gather(1, torch.tensor(t.tokens)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(t.logprobs), at, rtol=0, atol=2e-5)
+
+
+def test_held_out_generation_hands_each_prompts_images_to_the_generator(images_root):
+    """train.eval_generate over image prompts (training/generation_eval.py): every prompt reaches the
+    generator with its row's images (none for a text prompt), and the evaluation runs through them."""
+    from models.qwen_vl.model import empty_model
+    from training.generation_eval import GenerationEvaluation
+
+    records = [_record("<image>Name the subject.", "cat", "chelsea.png"), _record("What is 2+2?", "4"),
+               _record("<image>Describe the image in one word.", "rocket", "rocket.jpg")]
+    source = _shard(images_root, records)
+    config = load("configs/tiny-vl-sft.yaml", [
+        "model.num_layers=1", "model.qwen2_5_vl.depth=1", "model.qwen2_5_vl.fullatt_block_indexes=[0]",
+        f"data.tokenizer={images_root / 'tokenizer'}", "data.num_streams=1", "data.process_pool=false",
+        "train.global_batch_size=4", "train.micro_batch_size=4", "data.images.max_pixels=3136",
+        f"train.eval_generate={{source: {{path: {source.parent}, record: image_prompt}}, prompts: 3, max_new_tokens: 4}}"])
+    model = empty_model(config.model)
+    model.init_weights(torch.Generator().manual_seed(0))
+    evaluation = GenerationEvaluation(config, rank=0, world_size=1, device=torch.device("cpu"))
+    calls = []
+    generate = evaluation.generator.generate
+
+    def recorded(ids, indices, params, **kwargs):
+        calls.append([None if m is None else len(m[GRIDS.name]) for m in kwargs["media"]])
+        return generate(ids, indices, params, **kwargs)
+
+    evaluation.generator.generate = recorded
+    with torch.no_grad():
+        sums = evaluation.evaluate(model.eval())
+    assert sums["generate/prompts"] == 3
+    assert calls and all(sorted(call, key=str) == [1, 1, None] for call in calls)
+
