@@ -230,14 +230,14 @@ def run_transformers(args: argparse.Namespace, config, device, peak: float | Non
         torch.backends.cudnn.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    model, class_name = hfb.build_hf_model(config.model, device)
+    hf_model, class_name = hfb.build_hf_model(config.model, device)
     result: dict[str, Any] = {"hf_class": class_name, "build_s": time.perf_counter() - started,
-                              "hf_params": sum(p.numel() for p in model.parameters()),
-                              "attn_implementation": model.config._attn_implementation,
+                              "hf_params": sum(p.numel() for p in hf_model.parameters()),
+                              "attn_implementation": hf_model.config._attn_implementation,
                               "output_router_logits": True, "compile": False}
-    implementation = experts_implementation(model)
+    implementation = experts_implementation(hf_model)
     result["experts_implementation"] = implementation
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+    optimizer = torch.optim.AdamW(hf_model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   **({"fused": True} if cuda else {"foreach": True}))
     generator = torch.Generator(device=device).manual_seed(0)
     batches = [torch.randint(0, config.model.vocab_size, (args.micro_batch, args.seq), device=device,
@@ -245,9 +245,9 @@ def run_transformers(args: argparse.Namespace, config, device, peak: float | Non
 
     def step(i: int) -> torch.Tensor:
         ids = batches[i % len(batches)]
-        loss = model(input_ids=ids, labels=ids, output_router_logits=True).loss  # (B, T) -> scalar
+        loss = hf_model(input_ids=ids, labels=ids, output_router_logits=True).loss  # (B, T) -> scalar
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        torch.nn.utils.clip_grad_norm_(hf_model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()

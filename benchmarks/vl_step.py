@@ -361,22 +361,22 @@ def run_transformers(args: argparse.Namespace, config, grid, token_ids: dict[str
         torch.backends.cudnn.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    model, class_name = build_hf_model(config.model, device)
+    hf_model, class_name = build_hf_model(config.model, device)
     result: dict[str, Any] = {"hf_class": class_name, "build_s": time.perf_counter() - started,
-                              "hf_params": sum(p.numel() for p in model.parameters()),
-                              "attn_implementation": model.config._attn_implementation, "compile": False}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                              "hf_params": sum(p.numel() for p in hf_model.parameters()),
+                              "attn_implementation": hf_model.config._attn_implementation, "compile": False}
+    optimizer = torch.optim.AdamW(hf_model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   **({"fused": True} if cuda else {"foreach": True}))
     generator = torch.Generator().manual_seed(0)
-    accepted = inspect.signature(model.forward).parameters
+    accepted = inspect.signature(hf_model.forward).parameters
     batches = [{k: v for k, v in hf_batch(args, config, grid, token_ids, device, generator).items() if k in accepted}
                for _ in range(min(2, args.warmup + args.steps))]
     result["image_tokens_per_row"] = int((batches[0]["input_ids"][0] == token_ids["image_token_id"]).sum())
 
     def step(i: int) -> torch.Tensor:
-        loss = model(**batches[i % len(batches)]).loss  # (B, T) ids and the images' patches -> scalar
+        loss = hf_model(**batches[i % len(batches)]).loss  # (B, T) ids and the images' patches -> scalar
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        torch.nn.utils.clip_grad_norm_(hf_model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
