@@ -70,6 +70,10 @@ class Numerics:
     batch_invariant: bool = False
     """determinism.batch_invariant: the batch-invariant kernels (models/batch_invariant.py) in every
     forward and in the sampler's log-probs; bitwise mode only."""
+    wrapper_casts: bool = False
+    """The training forward's parameters are cast by FSDP2's mixed-precision policy (bf16 parameters, no
+    autocast: ``training.precision.Precision``'s ``wrapper_casts``); training/builders.py sets it where
+    fully_shard wrapped the model."""
 
     def __post_init__(self) -> None:
         for name, (key, allowed) in _CHOICES.items():
@@ -146,22 +150,30 @@ class Numerics:
         trainer's parameters (fp32 master weights) and its forwards run under the training forward's
         autocast (``sampler_autocast``), so that they compute what the trainer computes: a bf16 copy's
         residual stream, norms' inputs, rotary products and KV cache would be bf16 where the trainer's
-        are fp32."""
+        are fp32. Where FSDP2's policy casts the trainer's parameters (``parameters_cast``), the copy holds them as
+        that policy does: bf16, with no autocast."""
         if self.batch_invariant:
-            return None
+            return self.compute_dtype if self.parameters_cast else None
         return torch.bfloat16 if self.precision == "bf16" and device.type == "cuda" else None
 
+    @property
+    def parameters_cast(self) -> bool:
+        """The training forward computes with parameters cast to bf16 by its wrapper (FSDP2's
+        mixed-precision policy, which casts bf16 only), not under autocast."""
+        return self.wrapper_casts and self.precision == "bf16"
+
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """The training forward's autocast on ``device`` (``training.precision.Precision`` enters it
-        where no wrapper casts the parameters): the compute dtype's for bf16 and fp16, none for fp32."""
-        if self.precision == "fp32":
+        """The training forward's autocast on ``device`` (``training.precision.Precision`` enters it):
+        the compute dtype's for bf16 and fp16; none for fp32 or where the wrapper casts the parameters."""
+        if self.precision == "fp32" or self.parameters_cast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
 
     def sampler_autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         """The context the sampler's model forwards (prefill, decode, a prompt's media) run under: the
         training forward's ``autocast`` under ``batch_invariant``, over the copy that keeps the trainer's
-        parameter dtype (``generation_dtype``); none otherwise (the bf16 copy computes in its own dtype)."""
+        parameter dtype (``generation_dtype``; none where FSDP2 casts the parameters, as in training); none
+        otherwise (the bf16 copy computes in its own dtype)."""
         if not self.batch_invariant:
             return contextlib.nullcontext()
         return self.autocast(device)

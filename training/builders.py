@@ -7,6 +7,7 @@ initialization and the first kernels already run under them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from typing import Any, Callable
 
@@ -81,6 +82,8 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
             backward_sm_carveout=carveout,
             after_backward=gathered.add_to_grad if gathered is not None else None,
         )
+        if plan.fsdp_applied:  # FSDP2's policy casts the parameters, not autocast: the sampler's copy follows
+            unwrap(model).use_numerics(dataclasses.replace(numerics, wrapper_casts=True))
     get_logger().info(
         "model: %s, %.2fM parameters (%.2fM trained), strategy %s, dp %d x tp %d",
         config.model.arch,

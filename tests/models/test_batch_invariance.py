@@ -33,7 +33,7 @@ from models.numerics import Numerics
 from models.qwen3_moe.family import Qwen3MoeSettings
 from models.qwen3_moe.dims import resolve_moe_dims
 from models.qwen3_moe.moe import Router, SparseMoe
-from training.objectives.token_logps import linear_token_logps, model_numerics, token_logps_from_logits
+from training.objectives.token_logps import autocast_dtype, linear_token_logps, model_numerics, token_logps_from_logits
 
 QWEN3 = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16, attention="sdpa")
@@ -335,7 +335,7 @@ def _trainer_logps(model, prompts, samples, numerics):
         labels[i, len(prompt) - 1:len(sequence) - 1] = torch.tensor(sample.tokens)
     with torch.no_grad(), numerics.autocast(CPU):
         trainer = _run(model, rows, head=lambda h, w: linear_token_logps(
-            h, w, labels, chunk_tokens=16, compute_dtype=torch.get_autocast_dtype("cpu"), invariant=True))
+            h, w, labels, chunk_tokens=16, compute_dtype=autocast_dtype(CPU), invariant=True))
     return [trainer[i, len(p) - 1:len(p) - 1 + len(s.tokens)] for i, (p, s) in enumerate(zip(prompts, samples))]
 
 
@@ -345,6 +345,27 @@ def test_bf16_sampler_log_probs_are_the_trainer_log_probs(model_config):
     prompts = [ids[i, :n].tolist() for i, n in enumerate(PROMPT_LENGTHS)]
     samples = _sample(model, prompts, SAMPLED, max_batch=4)
     for trainer, sample in zip(_trainer_logps(model, prompts, samples, BF16), samples):
+        assert torch.equal(trainer, torch.tensor(sample.logprobs, dtype=torch.float32))
+
+
+def test_under_fsdp_s_cast_the_sampler_runs_a_bf16_copy_without_autocast():
+    """Where FSDP2's policy casts the trainer's parameters to bf16 (``Numerics.wrapper_casts``, set by
+    training/builders.py), the trainer computes with bf16 parameters and no autocast: the generation copy
+    is that bf16 model and the sampler enters no autocast, so its log-probs are a bf16 model's. (FSDP's
+    trainer differs from that model still: its input cast rounds each block's rotary table to bf16,
+    docs/determinism.md.)"""
+    from training.rollout.generation_model import generation_model
+
+    cast = dataclasses.replace(BF16, wrapper_casts=True)
+    assert cast.parameters_cast and cast.generation_dtype(CPU) == torch.bfloat16
+    with cast.autocast(CPU), cast.sampler_autocast(CPU):
+        assert not torch.is_autocast_enabled("cpu")
+    model, ids = _model(QWEN3, cast), _ids()
+    copy = generation_model(model)
+    assert copy is not model and copy.embed_tokens.weight.dtype == torch.bfloat16 and copy.numerics is cast
+    prompts = [ids[i, :n].tolist() for i, n in enumerate(PROMPT_LENGTHS)]
+    samples = _sample(copy, prompts, SAMPLED, max_batch=4)
+    for trainer, sample in zip(_trainer_logps(copy, prompts, samples, cast), samples):
         assert torch.equal(trainer, torch.tensor(sample.logprobs, dtype=torch.float32))
 
 
