@@ -36,6 +36,9 @@ class GenerationSpec:
     """Where the model's parameters, and so its cache and every forward, live."""
     dtype: torch.dtype
     """The model's compute dtype, which its cache stores keys and values in."""
+    never_sampled: tuple[int, ...] = ()
+    """Token ids the model reads but the sampler never draws (an image family's placeholders, which only
+    a prompt's media fill); the log-probs it reports stay the model's, over the whole vocabulary."""
     routing: tuple[int, int] | None = None
     """(layers, top_k) of the routing the sampler records per token for replay (models/routing_replay.py); None: none."""
     routing: tuple[int, int] | None = None

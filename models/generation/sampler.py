@@ -231,7 +231,7 @@ class Continuation:
 
 def sample_next(
     logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, *, cut: Callable = nucleus_cut,
-    draw: Callable = draw_kept, token_logprobs: Callable = stock_token_logprobs,
+    draw: Callable = draw_kept, token_logprobs: Callable = stock_token_logprobs, never: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, vocab), uniforms (B,) -> (tokens (B,) int64, untempered log-probs (B,) fp32).
 
@@ -242,13 +242,15 @@ def sample_next(
     torch references (``nucleus_cut``, ``draw_kept``) or, on CUDA, the Triton kernels
     (``nucleus_cut_cuda``, ``draw_kept_cuda``); top-k and min-p go through a kept mask in torch.
     ``token_logprobs(logits, tokens)`` gives the log-probs (``Numerics.token_logprobs``: under
-    ``batch_invariant`` the function the trainer's log-probs read).
+    ``batch_invariant`` the function the trainer's log-probs read). ``never`` ((vocab,) bool): tokens
+    never drawn (``GenerationSpec.never_sampled``); the log-probs are still the unmasked logits'.
     """
     logits = logits.to(torch.float32)
+    drawn = logits if never is None else logits.masked_fill(never, float("-inf"))
     if params.greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = drawn.argmax(dim=-1)
     else:
-        probs = F.softmax(logits / params.temperature, dim=-1)
+        probs = F.softmax(drawn / params.temperature, dim=-1)
         steps = (uniforms.to(torch.float64) * 2**UNIFORM_BITS).to(torch.int64)  # exact: u = k / 2^24
         if params.top_k > 0 or params.min_p > 0:
             tokens = inverse_cdf(fixed_point(probs) * _kept(probs, params, cut), steps)
@@ -403,6 +405,11 @@ class Sampler:
         # whole decode steps, by sampling rule: with CUDA graphs, each a graph that reads and writes them.
         self._rows: Optional[RowState] = None
         self._stops = torch.zeros(spec.vocab_size, dtype=torch.bool, device=self.device)
+        # The tokens the rule never draws (the model's GenerationSpec.never_sampled); None: any.
+        self._never = None
+        if spec.never_sampled:
+            self._never = torch.zeros(spec.vocab_size, dtype=torch.bool, device=self.device)
+            self._never[list(spec.never_sampled)] = True
         self._refill_steps: dict[SamplingParams, Callable[[], None]] = {}
 
     # ------------------------------------------------------------------ public
@@ -989,7 +996,7 @@ class Sampler:
         """(logits (B, vocab), uniforms (B,)) -> (next tokens (B,), log-probs (B,)) by ``params``' rule."""
         cut, draw = self.numerics.sampling_kernels(self.device)
         return functools.partial(sample_next, params=params, cut=cut, draw=draw,
-                                 token_logprobs=self.numerics.token_logprobs())
+                                 token_logprobs=self.numerics.token_logprobs(), never=self._never)
 
     def _decode_step(self, params: SamplingParams) -> Callable:
         """(tokens (B, 1), positions (B, 1), uniforms (B,)) -> (next tokens (B,), log-probs (B,))."""

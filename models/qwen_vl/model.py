@@ -256,10 +256,12 @@ class QwenVLForConditionalGeneration(nn.Module):
                 module.numerics = numerics
 
     def generation_spec(self) -> GenerationSpec:
-        """The vocabulary and the language model's KV cache shape, on the model's device and dtype."""
+        """The vocabulary, the language model's KV cache shape on the model's device and dtype, and the
+        placeholders (image, video) the sampler never draws: only a prompt's media fill them."""
         text, weight = self.dims.text, self.embed_tokens.weight
         return GenerationSpec(vocab_size=text.vocab_size, num_layers=text.num_layers, num_kv_heads=text.num_kv_heads,
-                              head_dim=text.head_dim, device=weight.device, dtype=weight.dtype)
+                              head_dim=text.head_dim, device=weight.device, dtype=weight.dtype,
+                              never_sampled=(self.dims.image_token_id, self.dims.video_token_id))
 
     def init_weights(self, generator: torch.Generator) -> None:
         """Every parameter from ``generator`` (CPU), drawn in fp32 in registration order and copied to the

@@ -168,6 +168,30 @@ def test_an_image_changes_the_sample(model):
     assert first.logprobs != second.logprobs
 
 
+def test_the_placeholders_are_never_sampled_and_keep_their_share_of_the_log_probs(model):
+    """A model that favours the image and video placeholders over every other token: the sampler draws
+    neither (GenerationSpec.never_sampled), greedy or sampled, and reports the trainer's log-probs."""
+    import copy
+
+    favouring = copy.deepcopy(model)
+    with torch.no_grad():
+        favouring.lm_head.weight[[IMAGE, VIDEO]] = 5.0 * favouring.lm_head.weight.abs().max(dim=0).values
+    prompts = _prompts()
+    sampler = Sampler(favouring, max_batch=4, max_len=48, prefill_chunk=8)
+    keys = [SampleKey(0, "test", 0, i) for i in range(len(prompts))]
+    for params in (GREEDY, SamplingParams(temperature=1.0, max_new_tokens=10)):
+        samples = sampler.generate([p for p, _ in prompts], keys, params, media=[m for _, m in prompts])
+        for (prompt, media), sample in zip(prompts, samples):
+            assert not {IMAGE, VIDEO} & set(sample.tokens)
+            ids = torch.tensor([prompt + sample.tokens])
+            batch_media = None if media is None else {name: [items] for name, items in media.items()}
+            logits = model_forward(favouring, ModelInputs(ids, None, media=batch_media)).logits[0]
+            at = logits[len(prompt) - 1: len(prompt) - 1 + len(sample.tokens)]
+            assert at.argmax(-1).tolist() != sample.tokens  # the model's own choice would be a placeholder
+            trainer = F.log_softmax(at.float(), -1).gather(1, torch.tensor(sample.tokens)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(sample.logprobs), trainer, rtol=0, atol=2e-5)
+
+
 def test_a_prompt_ending_on_a_placeholder_is_refused(model):
     prompt, media = _prompt([10], [(1, 4, 4)], [], seed=0)
     sampler = Sampler(model, max_batch=2, max_len=48, prefill_chunk=8)
