@@ -32,7 +32,9 @@ alone decides:
   output are the same in the sampler's cached forward and in the trainer's.
 
 Elementwise operations (products, exp, cos/sin of the rotary table, divisions) round each element
-on its own and stay as they are. These kernels cost time (no library matmul in attention: its
+on its own and stay as they are. Under autocast (a bf16 run) ``linear``'s matmuls take autocast's
+bf16 inputs as the stock linear would, in the trainer and in the sampler alike: the sampler's
+forwards run under the training forward's autocast (``Numerics.sampler_autocast``). These kernels cost time (no library matmul in attention: its
 products are materialized ``KEY_BLOCK`` keys at a time); ``Numerics.batch_invariant`` (models/numerics.py)
 turns them on, in ``determinism.mode: bitwise`` with ``determinism.batch_invariant: true``.
 ``Linears`` is the context the model's forward runs its blocks under: it sends every

@@ -5,7 +5,9 @@ possibly with LoRA adapters), with its state under canonical names; whatever wra
 (DDP, compile, checkpoint wrappers) was removed by the layer that applied it
 (training/rollout/generation_model.py). The copy is a fresh model of the family (its ``build``),
 filled parameter by parameter; it carries the model's own ``Numerics`` (models/numerics.py), which
-also picks its dtype, so the sampler runs under the object the training forward runs under.
+also picks its dtype (``generation_dtype``; under ``batch_invariant`` the trainer's, the sampler's
+forwards then under the trainer's autocast), so the sampler runs under the object the training
+forward runs under.
 A family's row function (``ModelFamily.generation_copy``) calls ``generation_copy`` with its model
 class and its builder, saying whether it folds LoRA adapters and what else the copy must carry.
 """

@@ -38,7 +38,8 @@ class Generator:
     """``rows`` rows per forward, contexts of ``max_len`` tokens, keys under ``seed`` (module docstring).
 
     ``dtype``: the sampler's weights; default the one the trained model's ``Numerics`` picks
-    (``generation_dtype``: bf16 for a bf16 run on CUDA, else the parameters' own).
+    (``generation_dtype``: bf16 for a bf16 run on CUDA, else the parameters' own; under
+    ``determinism.batch_invariant`` the trainer's, the sampler's forwards then under its autocast).
     """
 
     def __init__(self, *, rows: int, max_len: int, seed: int, dtype: torch.dtype | None = None) -> None:
