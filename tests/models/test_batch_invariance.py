@@ -282,7 +282,7 @@ def test_the_sampler_s_cached_forward_routes_every_token_as_the_trainer_does():
 
 BF16 = Numerics(batch_invariant=True, precision="bf16")
 CPU = torch.device("cpu")
-BF16_CASES = [pytest.param(QWEN3, id="qwen3"), pytest.param(QWEN2, id="qwen2")]
+BF16_CASES = [pytest.param(QWEN3, id="qwen3"), pytest.param(QWEN2, id="qwen2"), pytest.param(MOE, id="qwen3-moe")]
 
 
 def test_bf16_numerics_keep_the_parameters_and_give_the_sampler_the_training_autocast():
