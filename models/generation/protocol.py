@@ -41,8 +41,6 @@ class GenerationSpec:
     a prompt's media fill); the log-probs it reports stay the model's, over the whole vocabulary."""
     routing: tuple[int, int] | None = None
     """(layers, top_k) of the routing the sampler records per token for replay (models/routing_replay.py); None: none."""
-    routing: tuple[int, int] | None = None
-    """(layers, top_k) of the routing the sampler records per token for replay (models/routing_replay.py); None: none."""
 
 
 @runtime_checkable
