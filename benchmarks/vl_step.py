@@ -45,14 +45,11 @@ import argparse
 import contextlib
 import inspect
 import json
-import math
 import random
-import shlex
 import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +59,10 @@ for _path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(_path))
 
 import hf_baseline as hfb  # noqa: E402  (the benchmarks folder is not a package)
+import lockstep_runs as lr  # noqa: E402
 import train_throughput as tt  # noqa: E402
-from moe_step import repeat_check  # noqa: E402
 
 PRESET = "configs/qwen2.5-vl-3b.yaml"
-GIB = hfb.GIB
 TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
 """model.qwen2_5_vl's token ids, set to the written tokenizer's."""
 TOKEN_NAMES = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -95,14 +91,7 @@ def train_overrides(args: argparse.Namespace, name: str, run_root: Path, corpus:
                     token_ids: dict[str, int]) -> list[str]:
     """train.py's overrides for one Lockstep run (module docstring)."""
     source = f'[{{path: "{corpus / "chat"}", name: vl-chat, record: image_chat}}]'
-    return [
-        *model_overrides(args, token_ids),
-        f"run.name={name}",
-        f"run.root={run_root}",
-        "parallel.strategy=none",
-        f"parallel.precision={args.precision}",
-        f"parallel.device={args.device}",
-        f"parallel.compile={'true' if args.compile else 'false'}",
+    return lr.train_overrides(args, name, run_root, model_overrides(args, token_ids), [
         f"data.sources={source}",
         "data.eval_source=null",
         f"data.tokenizer={corpus / 'tokenizer'}",
@@ -111,19 +100,7 @@ def train_overrides(args: argparse.Namespace, name: str, run_root: Path, corpus:
         "data.num_streams=1",
         f"data.workers={args.data_workers}",
         f"data.process_pool={'true' if args.data_workers > 1 else 'false'}",
-        f"train.micro_batch_size={args.micro_batch}",
-        f"train.global_batch_size={args.micro_batch}",
-        f"train.max_steps={args.warmup + args.steps + 1}",
-        "train.eval_interval=0",
-        "checkpoint.interval=0",
-        "checkpoint.at_end=false",
-        "metrics.tensorboard=false",
-        "metrics.log_interval=1",
-        f"determinism.mode={args.mode}",
-        f"runtime.watchdog_timeout_s={max(600, int(args.timeout))}",
-        "runtime.on_nonfinite=skip",
-        *args.override,
-    ]
+    ])
 
 
 def load_config(args: argparse.Namespace, run_root: Path, corpus: Path, token_ids: dict[str, int]):
@@ -260,33 +237,7 @@ def run_lockstep(args: argparse.Namespace, name: str, run_root: Path, corpus: Pa
                  peak: float | None, budget: tt.Budget) -> dict[str, Any]:
     """One train.py run (a child process, or ``train.main`` here with ``--in-process``) and its summary."""
     argv = ["--config", PRESET, *train_overrides(args, name, run_root, corpus, token_ids)]
-    command = [tt.PYTHON, "train.py", *argv]
-    result: dict[str, Any] = {"name": name, "command": shlex.join(command), "in_process": args.in_process}
-    timeout = budget.timeout(args.timeout)
-    if timeout is None:
-        return {**result, "status": "skipped", "error": "not started: --budget exhausted"}
-    started_at = time.time()
-    if args.in_process:
-        import train
-
-        started = time.monotonic()
-        code, timed_out, output = train.main(argv), False, None
-        result["seconds"] = time.monotonic() - started
-    else:
-        done = tt.launch(command, timeout=timeout, log_path=args.log_dir / f"{name}.log")
-        code, timed_out, output = done.returncode, done.timed_out, done
-        result["seconds"] = done.seconds
-    run_dir = next(iter(sorted(run_root.glob(f"{name}-*"))), None)
-    if run_dir is not None:
-        result.update(tt.summarize_run(run_dir, warmup=args.warmup, gpus=1, peak=peak, started_at=started_at))
-        result["ledger"] = tt.read_jsonl(run_dir / "ledger.jsonl")
-    ok = code == 0 and not timed_out and result.get("tokens_per_s")
-    result["returncode"] = code
-    result["status"] = "ok" if ok else ("timeout" if timed_out else "failed")
-    if not ok:
-        result["error"] = tt.failure_text(output, run_dir)["error"] if output is not None else (
-            result.get("error") or f"train.main returned {code}")
-    return result
+    return lr.run_lockstep(args, name, run_root, argv, peak, budget)
 
 
 # --------------------------------------------------------------------------- transformers
@@ -355,45 +306,23 @@ def run_transformers(args: argparse.Namespace, config, grid, token_ids: dict[str
     hf_baseline.py times."""
     import torch
 
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.cuda.reset_peak_memory_stats(device)
+    lr.prepare_device(device)
     started = time.perf_counter()
     hf_model, class_name = build_hf_model(config.model, device)
     result: dict[str, Any] = {"hf_class": class_name, "build_s": time.perf_counter() - started,
                               "hf_params": sum(p.numel() for p in hf_model.parameters()),
                               "attn_implementation": hf_model.config._attn_implementation, "compile": False}
-    optimizer = torch.optim.AdamW(hf_model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                  **({"fused": True} if cuda else {"foreach": True}))
+    optimizer = lr.hf_optimizer(hf_model, device)
     generator = torch.Generator().manual_seed(0)
     accepted = inspect.signature(hf_model.forward).parameters
     batches = [{k: v for k, v in hf_batch(args, config, grid, token_ids, device, generator).items() if k in accepted}
                for _ in range(min(2, args.warmup + args.steps))]
     result["image_tokens_per_row"] = int((batches[0]["input_ids"][0] == token_ids["image_token_id"]).sum())
 
-    def step(i: int) -> torch.Tensor:
-        loss = hf_model(**batches[i % len(batches)]).loss  # (B, T) ids and the images' patches -> scalar
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf_model.parameters(), 1.0, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    def loss_of(i: int) -> torch.Tensor:
+        return hf_model(**batches[i % len(batches)]).loss  # (B, T) ids and the images' patches -> scalar
 
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    losses = [step(i) for i in range(args.warmup)]
-    sync()
-    started = time.perf_counter()
-    losses += [step(args.warmup + i) for i in range(args.steps)]
-    sync()
-    window = time.perf_counter() - started
-    losses = [float(x) for x in losses]
-    result.update(
-        status="ok", step_time_s=window / args.steps, tokens_per_s=args.micro_batch * args.seq * args.steps / window,
-        loss_first=losses[0], loss_last=losses[-1], loss_finite=all(math.isfinite(x) for x in losses),
-        peak_mem_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
-    )
+    result.update(lr.timed_steps(hf_model, optimizer, loss_of, args, device))
     return with_mfu(result, flops, peak)  # the model, its optimizer state and the batches go with this frame
 
 
@@ -410,23 +339,10 @@ def table(report: dict[str, Any]) -> str:
              "| peak GiB | data wait |",
              "|---|---|---|---|---|---|---|---|"]
     for label, part in ((f"lockstep ({settings['mode']})", report["lockstep"]), ("transformers", report["transformers"])):
-        lines.append("| " + " | ".join([
-            label, part.get("status", "?"), tt.fmt(part.get("step_time_s"), ".3f"),
-            tt.fmt(part.get("tokens_per_s"), ",.0f"), tt.fmt(part.get("mfu_all_matmuls"), ".1%"),
-            tt.fmt(part.get("mfu_torchtitan"), ".1%"), tt.fmt(part.get("peak_mem_allocated_gib"), ".1f"),
-            tt.fmt(part.get("data_wait_fraction"), ".2%")]) + " |")
-    repeat = report["bitwise_repeat"]
-    lines.append("")
-    lines.append(f"bitwise repeat ({repeat['lines'][0]} steps, same seed): "
-                 + ("equal ledgers" if repeat["equal"] else f"DIFFERENT (first at step {repeat['first_differing_step']})"))
-    if report.get("speedup") is not None:
-        lines.append(f"Lockstep / transformers tokens/s: {report['speedup']:.2f}x (target 1.5x); "
-                     f"Lockstep's data wait {tt.fmt(report['lockstep'].get('data_wait_fraction'), '.2%')} of its step "
-                     "(target < 2%)")
-    for label in ("lockstep", "lockstep_repeat", "transformers"):
-        if report[label].get("status") not in ("ok", None):
-            lines.append(f"- {label}: {report[label].get('status')}: {str(report[label].get('error', ''))[:300]}")
-    return "\n".join(lines)
+        lines.append(lr.table_row(label, part, tt.fmt(part.get("data_wait_fraction"), ".2%")))
+    note = (f" (target 1.5x); Lockstep's data wait {tt.fmt(report['lockstep'].get('data_wait_fraction'), '.2%')} "
+            "of its step (target < 2%)")
+    return "\n".join([*lines, *lr.table_tail(report, note)])
 
 
 # --------------------------------------------------------------------------- main
@@ -434,65 +350,30 @@ def table(report: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=8, help="model.num_layers of the preset (the language model)")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=1)
+    lr.add_common_args(p, layers=8, layers_help="model.num_layers of the preset (the language model)")
     p.add_argument("--images", type=int, default=4, help="images in each row")
     p.add_argument("--image-size", type=int, default=448, help="side of each square image, pixels")
-    p.add_argument("--warmup", type=int, default=3, help="steps not measured")
-    p.add_argument("--steps", type=int, default=10, help="measured steps (Lockstep runs one more: the last hashes)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="Lockstep's parallel.precision")
-    p.add_argument("--mode", choices=("bitwise", "fast"), default="bitwise", help="Lockstep's determinism.mode")
-    p.add_argument("--compile", action="store_true", help="Lockstep with parallel.compile=true")
+    lr.add_run_args(p)
     p.add_argument("--data-workers", type=int, default=4,
                    help="Lockstep's data.workers (worker processes decoding the images when above 1)")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="one more train.py override for Lockstep's runs (repeatable)")
-    p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="run train.main in this process (default: on CPU only)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="override the card's dense bf16 peak")
-    p.add_argument("--timeout", type=float, default=540, help="seconds per Lockstep run (child processes)")
-    p.add_argument("--budget", type=float, default=0,
-                   help="seconds for the whole call: a Lockstep run is given what is left, not started under 45 s")
-    p.add_argument("--run-root", help="where the runs and the corpus go (default: a temporary directory, deleted)")
-    p.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, 1 + 1 steps: seconds")
-    p.add_argument("--out", default="bench_out/vl_step.json")
-    args = p.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE_SETTINGS.items():
-            setattr(args, key, value)
-    if min(args.layers, args.seq, args.micro_batch, args.images, args.image_size, args.warmup, args.steps,
-           args.data_workers) < 1:
-        p.error("--layers, --seq, --micro-batch, --images, --image-size, --warmup, --steps and --data-workers "
-                "must be >= 1")
-    if args.in_process is None:
-        args.in_process = args.device == "cpu"
-    args.log_dir = Path(args.out).resolve().parent / "logs"
-    return args
+    lr.add_launch_args(p, run_root_help="where the runs and the corpus go (default: a temporary directory, deleted)",
+                       out="bench_out/vl_step.json")
+    return lr.finish_args(p, p.parse_args(argv), SMOKE_SETTINGS,
+                          ("--layers", "--seq", "--micro-batch", "--images", "--image-size", "--warmup", "--steps",
+                           "--data-workers"))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-    import transformers
-
     import models
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("vl_step: no CUDA device; --smoke runs on CPU", file=sys.stderr)
+    started = lr.header("vl_step", args)
+    if started is None:
         return 2
-    device = torch.device(args.device)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak, peak_source = hfb.peak_flops_for(device_name if device.type == "cuda" else None, args.peak_tflops)
+    device, peak, report = started
     budget = tt.Budget(args.budget)
     run_root = Path(args.run_root or tempfile.mkdtemp(prefix="lockstep-vl-step-")).resolve()
     corpus = run_root / "corpus"
-    report: dict[str, Any] = {
-        "tool": "vl_step", "device_name": device_name, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "transformers": transformers.__version__, "peak_flops": peak, "peak_source": peak_source,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }
     try:
         token_ids = write_tokenizer(corpus / "tokenizer")
         config = load_config(args, run_root, corpus, token_ids)
@@ -502,27 +383,18 @@ def main(argv: list[str] | None = None) -> int:
                            "vision_depth": config.model.qwen2_5_vl.depth, "params_total": models.num_params(config.model),
                            "image_grid_thw": list(grid), "token_ids": token_ids, "flops_per_token": flops}
         report["corpus"] = write_corpus(corpus, args, config, 2 * (args.warmup + args.steps + 1) * args.micro_batch)
-        try:
-            report["transformers"] = run_transformers(args, config, grid, token_ids, device, peak, flops)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the parent keeps its context only while Lockstep's runs train
-        except Exception as error:  # an OOM or a failed build is recorded; Lockstep still runs
-            report["transformers"] = {"status": "oom" if "out of memory" in str(error).lower() else "failed",
-                                      "error": f"{type(error).__name__}: {error}"[:2000],
-                                      "traceback_tail": traceback.format_exc()[-4000:]}
-        for key, name in (("lockstep", "vl-step-a"), ("lockstep_repeat", "vl-step-b")):
-            report[key] = with_mfu(run_lockstep(args, name, run_root, corpus, token_ids, peak, budget), flops, peak)
-        report["bitwise_repeat"] = repeat_check(report["lockstep"], report["lockstep_repeat"])
-        ours, theirs = report["lockstep"].get("tokens_per_s"), report["transformers"].get("tokens_per_s")
-        report["speedup"] = ours / theirs if ours and theirs else None
+        report["transformers"] = lr.guarded_transformers(
+            lambda: run_transformers(args, config, grid, token_ids, device, peak, flops), device)
+        lr.compare(report, lambda name: with_mfu(run_lockstep(args, name, run_root, corpus, token_ids, peak,
+                                                                   budget), flops, peak),
+                   ("vl-step-a", "vl-step-b"))
     finally:
         hfb.write_json(args.out, report)
         if not args.run_root:
             shutil.rmtree(run_root, ignore_errors=True)
     print(table(report), flush=True)
     print(f"vl_step: results: {args.out}", flush=True)
-    parts_ok = all(report[k].get("status") == "ok" for k in ("lockstep", "lockstep_repeat", "transformers"))
-    return 0 if parts_ok and report["bitwise_repeat"]["equal"] else 1
+    return lr.exit_code(report)
 
 
 if __name__ == "__main__":

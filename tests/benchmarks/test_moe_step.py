@@ -4,37 +4,11 @@ into one JSON with both sides' timings, the experts kernels and the active-param
 
 from __future__ import annotations
 
-import gc
 import json
-import signal
 
 import pytest
-import torch
-import torch.utils.deterministic
 
-from benchmarks import moe_step
-from runtime.signals import STOP_SIGNALS
-
-
-@pytest.fixture
-def restore_process_state(monkeypatch):
-    """What train.main sets for the whole process (determinism switches, signal handlers, the cuBLAS
-    workspace variable), put back for the tests that run after this one in the same worker."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # bitwise mode's value; restored afterwards
-    flags = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory,
-             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    collecting = gc.isenabled()
-    yield
-    torch.use_deterministic_algorithms(flags[0])
-    torch.utils.deterministic.fill_uninitialized_memory = flags[1]
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags[2:4]
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[4:]
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-    if collecting:
-        gc.enable()
+from benchmarks import lockstep_runs, moe_step
 
 
 @pytest.mark.usefixtures("restore_process_state")
@@ -65,8 +39,8 @@ def test_the_smoke_trains_both_sides_and_repeats_bitwise(tmp_path, capfd):
 def test_the_repeat_check_names_the_first_differing_step():
     lines = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
     other = [lines[0], {"step": 2, "loss": 1.5000001}]
-    check = moe_step.repeat_check({"ledger": lines}, {"ledger": other})
+    check = lockstep_runs.repeat_check({"ledger": lines}, {"ledger": other})
     assert not check["equal"] and check["first_differing_step"] == 2
-    assert moe_step.repeat_check({"ledger": lines}, {"ledger": list(lines)})["equal"]
-    assert not moe_step.repeat_check({"ledger": lines}, {"ledger": lines[:1]})["equal"]
-    assert not moe_step.repeat_check({"ledger": []}, {"ledger": []})["equal"]
+    assert lockstep_runs.repeat_check({"ledger": lines}, {"ledger": list(lines)})["equal"]
+    assert not lockstep_runs.repeat_check({"ledger": lines}, {"ledger": lines[:1]})["equal"]
+    assert not lockstep_runs.repeat_check({"ledger": []}, {"ledger": []})["equal"]

@@ -13,7 +13,6 @@ import torch
 
 from benchmarks import vl_step
 from models.qwen_vl.flops import vision_flops
-from tests.benchmarks.test_moe_step import restore_process_state  # noqa: F401  (a fixture, used by name)
 
 
 @pytest.mark.usefixtures("restore_process_state")
