@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily
 from models.qwen.lora_targets import LORA_TARGETS
+from models.qwen_vl.family import TOWER_SIZES, check_features_and_tokens, check_tower, refuse_tensor_parallel
 
 if TYPE_CHECKING:
     from core.config import Config
@@ -76,10 +77,7 @@ def validate(config: Config) -> None:
     if model.arch != NAME:
         return
     check_settings(model)
-    if config.parallel.tp > 1:
-        raise ConfigError(f"model.arch {NAME} declares no tensor-parallel layout for its vision tower "
-                          f"(parallel.tp={config.parallel.tp})", key="parallel.tp",
-                          hint="set parallel.tp=1 (FSDP and DDP shard or replicate both stacks)")
+    refuse_tensor_parallel(config, NAME)
 
 
 def text_head_dim(model) -> int:
@@ -95,15 +93,7 @@ def text_head_dim(model) -> int:
 def check_settings(model) -> None:
     """``model.*`` and ``model.qwen3_vl.*`` of a model config against each other (ConfigError naming the key)."""
     s, key = settings_of(model), f"model.{NAME}"
-    for name in ("depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
-                 "temporal_patch_size", "spatial_merge_size", "num_position_embeddings"):
-        value = getattr(s, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{key}.{name} must be a positive integer, got {value!r}", key=f"{key}.{name}")
-    if s.hidden_size % s.num_heads or (s.hidden_size // s.num_heads) % 4:
-        raise ConfigError(f"{key}.hidden_size={s.hidden_size} / num_heads={s.num_heads} must be a head width "
-                          "divisible by 4 (the 2-D rotary gives a quarter to each of height and width, twice)",
-                          key=f"{key}.num_heads")
+    check_tower(s, key, (*TOWER_SIZES, "num_position_embeddings"))
     if math.isqrt(s.num_position_embeddings) ** 2 != s.num_position_embeddings:
         raise ConfigError(f"{key}.num_position_embeddings={s.num_position_embeddings} must be a square (the learned "
                           "positions are a square grid)", key=f"{key}.num_position_embeddings")
@@ -116,15 +106,7 @@ def check_settings(model) -> None:
         raise ConfigError(f"{key}.deepstack_visual_indexes gives {len(indexes)} DeepStack features for "
                           f"model.num_layers={model.num_layers} language blocks (one block each)",
                           key=f"{key}.deepstack_visual_indexes")
-    if s.out_hidden_size is not None and s.out_hidden_size != model.hidden_size:
-        raise ConfigError(f"{key}.out_hidden_size={s.out_hidden_size} must equal model.hidden_size="
-                          f"{model.hidden_size}: merged features replace token embeddings",
-                          key=f"{key}.out_hidden_size", hint="leave it unset")
-    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-        value = getattr(s, name)
-        if not 0 <= value < model.vocab_size:
-            raise ConfigError(f"{key}.{name}={value} is no token id of model.vocab_size={model.vocab_size}",
-                              key=f"{key}.{name}", hint="set the tokenizer's id of that special token")
+    check_features_and_tokens(model, s, key)
     if model.qkv_bias is True or model.qk_norm is False:
         which = "model.qkv_bias" if model.qkv_bias is True else "model.qk_norm"
         raise ConfigError(f"{NAME}'s language model has q/k RMSNorm and no q/k/v bias; {which} says otherwise",

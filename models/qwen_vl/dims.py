@@ -20,8 +20,8 @@ VISION_ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
-class VisionDims:
-    """Concrete sizes of the vision tower and its merger."""
+class TowerDims:
+    """Concrete sizes every Qwen VL vision tower has (Qwen2.5-VL's and Qwen3-VL's add their own)."""
 
     depth: int
     """Vision blocks."""
@@ -30,7 +30,7 @@ class VisionDims:
     num_heads: int
     """Attention heads per block."""
     intermediate_size: int
-    """Hidden width of a block's SiLU-gated MLP."""
+    """Hidden width of a block's MLP."""
     in_channels: int
     """Colour channels of a patch."""
     patch_size: int
@@ -39,10 +39,6 @@ class VisionDims:
     """Frames per patch."""
     spatial_merge_size: int
     """Patches per side of one merged token."""
-    window_size: int
-    """Side of an attention window, in pixels."""
-    fullatt_block_indexes: tuple[int, ...]
-    """Blocks that attend over the whole image."""
     out_hidden_size: int
     """Width of a merged feature (the language model's hidden size)."""
 
@@ -60,6 +56,30 @@ class VisionDims:
     def merge_unit(self) -> int:
         """Patches joined into one merged token."""
         return self.spatial_merge_size**2
+
+
+def tower_sizes(config: ModelConfig, s) -> dict[str, int]:
+    """``TowerDims``' fields from a vision section ``s`` of ``config``."""
+    return dict(depth=s.depth, hidden_size=s.hidden_size, num_heads=s.num_heads, intermediate_size=s.intermediate_size,
+                in_channels=s.in_channels, patch_size=s.patch_size, temporal_patch_size=s.temporal_patch_size,
+                spatial_merge_size=s.spatial_merge_size, out_hidden_size=config.hidden_size)
+
+
+def language_fields(config: ModelConfig, s) -> dict:
+    """The fields of a VL model's dims beside its vision tower: the language model's, the special tokens, M-RoPE."""
+    return dict(text=resolve_dims(config), image_token_id=s.image_token_id, video_token_id=s.video_token_id,
+                vision_start_token_id=s.vision_start_token_id, vision_end_token_id=s.vision_end_token_id,
+                mrope_section=tuple(s.mrope_section))
+
+
+@dataclass(frozen=True)
+class VisionDims(TowerDims):
+    """Concrete sizes of the Qwen2.5-VL vision tower (SiLU-gated MLPs, windowed attention) and its merger."""
+
+    window_size: int
+    """Side of an attention window, in pixels."""
+    fullatt_block_indexes: tuple[int, ...]
+    """Blocks that attend over the whole image."""
 
     @property
     def window_tokens(self) -> int:
@@ -101,11 +121,6 @@ def resolve_vl_dims(config: ModelConfig) -> QwenVLDims:
     """``config``'s shape; ConfigError naming the key where it cannot be built."""
     check_settings(config)
     s = settings_of(config)
-    vision = VisionDims(depth=s.depth, hidden_size=s.hidden_size, num_heads=s.num_heads,
-                        intermediate_size=s.intermediate_size, in_channels=s.in_channels, patch_size=s.patch_size,
-                        temporal_patch_size=s.temporal_patch_size, spatial_merge_size=s.spatial_merge_size,
-                        window_size=s.window_size, fullatt_block_indexes=tuple(s.fullatt_block_indexes),
-                        out_hidden_size=config.hidden_size)
-    return QwenVLDims(text=resolve_dims(config), vision=vision, image_token_id=s.image_token_id,
-                      video_token_id=s.video_token_id, vision_start_token_id=s.vision_start_token_id,
-                      vision_end_token_id=s.vision_end_token_id, mrope_section=tuple(s.mrope_section))
+    vision = VisionDims(**tower_sizes(config, s), window_size=s.window_size,
+                        fullatt_block_indexes=tuple(s.fullatt_block_indexes))
+    return QwenVLDims(vision=vision, **language_fields(config, s))

@@ -82,17 +82,25 @@ def validate(config: Config) -> None:
             raise ConfigError(f"data.images.{key}={getattr(config.data.images, key)} is not the vision tower's "
                               f"model.{NAME}.{name}={getattr(tower, name)}: images are cut into its patches",
                               key=f"data.images.{key}", hint=f"set data.images.{key}={getattr(tower, name)}")
+    refuse_tensor_parallel(config, NAME)
+
+
+def refuse_tensor_parallel(config: Config, name: str) -> None:
+    """A vision family's refusal of parallel.tp > 1 (model.arch ``name``): its tower has no such layout."""
     if config.parallel.tp > 1:
-        raise ConfigError(f"model.arch {NAME} declares no tensor-parallel layout for its vision tower "
+        raise ConfigError(f"model.arch {name} declares no tensor-parallel layout for its vision tower "
                           f"(parallel.tp={config.parallel.tp})", key="parallel.tp",
                           hint="set parallel.tp=1 (FSDP and DDP shard or replicate both stacks)")
 
 
-def check_settings(model) -> None:
-    """``model.*`` and ``model.qwen2_5_vl.*`` of a model config against each other (ConfigError naming the key)."""
-    s, key = settings_of(model), f"model.{NAME}"
-    for name in ("depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
-                 "temporal_patch_size", "spatial_merge_size", "window_size"):
+TOWER_SIZES = ("depth", "hidden_size", "num_heads", "intermediate_size", "in_channels", "patch_size",
+               "temporal_patch_size", "spatial_merge_size")
+"""The vision section's sizes every Qwen VL tower has, each a positive integer."""
+
+
+def check_tower(s, key: str, sizes: tuple[str, ...]) -> None:
+    """A vision section ``s`` (under ``key``): ``sizes`` positive integers, a head width divisible by 4."""
+    for name in sizes:
         value = getattr(s, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{key}.{name} must be a positive integer, got {value!r}", key=f"{key}.{name}")
@@ -100,13 +108,11 @@ def check_settings(model) -> None:
         raise ConfigError(f"{key}.hidden_size={s.hidden_size} / num_heads={s.num_heads} must be a head width "
                           "divisible by 4 (the 2-D rotary gives a quarter to each of height and width, twice)",
                           key=f"{key}.num_heads")
-    if s.window_size % (s.patch_size * s.spatial_merge_size):
-        raise ConfigError(f"{key}.window_size={s.window_size} must be a multiple of patch_size * spatial_merge_size="
-                          f"{s.patch_size * s.spatial_merge_size}", key=f"{key}.window_size")
-    bad = [i for i in s.fullatt_block_indexes if not 0 <= i < s.depth]
-    if bad or len(set(s.fullatt_block_indexes)) != len(s.fullatt_block_indexes):
-        raise ConfigError(f"{key}.fullatt_block_indexes {list(s.fullatt_block_indexes)} must name distinct vision "
-                          f"blocks in [0, depth={s.depth})", key=f"{key}.fullatt_block_indexes")
+
+
+def check_features_and_tokens(model, s, key: str) -> None:
+    """A vision section ``s`` (under ``key``) against ``model.*``: the merged feature's width and the special
+    token ids within the vocabulary."""
     if s.out_hidden_size is not None and s.out_hidden_size != model.hidden_size:
         raise ConfigError(f"{key}.out_hidden_size={s.out_hidden_size} must equal model.hidden_size="
                           f"{model.hidden_size}: merged features replace token embeddings",
@@ -116,6 +122,20 @@ def check_settings(model) -> None:
         if not 0 <= value < model.vocab_size:
             raise ConfigError(f"{key}.{name}={value} is no token id of model.vocab_size={model.vocab_size}",
                               key=f"{key}.{name}", hint="set the tokenizer's id of that special token")
+
+
+def check_settings(model) -> None:
+    """``model.*`` and ``model.qwen2_5_vl.*`` of a model config against each other (ConfigError naming the key)."""
+    s, key = settings_of(model), f"model.{NAME}"
+    check_tower(s, key, (*TOWER_SIZES, "window_size"))
+    if s.window_size % (s.patch_size * s.spatial_merge_size):
+        raise ConfigError(f"{key}.window_size={s.window_size} must be a multiple of patch_size * spatial_merge_size="
+                          f"{s.patch_size * s.spatial_merge_size}", key=f"{key}.window_size")
+    bad = [i for i in s.fullatt_block_indexes if not 0 <= i < s.depth]
+    if bad or len(set(s.fullatt_block_indexes)) != len(s.fullatt_block_indexes):
+        raise ConfigError(f"{key}.fullatt_block_indexes {list(s.fullatt_block_indexes)} must name distinct vision "
+                          f"blocks in [0, depth={s.depth})", key=f"{key}.fullatt_block_indexes")
+    check_features_and_tokens(model, s, key)
     if model.qkv_bias is False or model.qk_norm is True:
         which = "model.qkv_bias" if model.qkv_bias is False else "model.qk_norm"
         raise ConfigError(f"{NAME}'s language model has q/k/v bias and no q/k norm; {which} says otherwise",
