@@ -11,19 +11,7 @@ from __future__ import annotations
 from core.config import ModelConfig
 from models.qwen import flops as qwen_flops
 from models.qwen3_vl.dims import Qwen3VisionDims, resolve_qwen3_vl_dims
-
-
-def num_params(config: ModelConfig, *, non_embedding: bool = False) -> int:
-    """Parameters of both towers (a tied embedding/head counted once); ``non_embedding=True`` leaves
-    out the token embedding and the output head."""
-    vision = resolve_qwen3_vl_dims(config).vision
-    return qwen_flops.num_params(config, non_embedding=non_embedding) + _vision_params(vision)
-
-
-def flops_per_token(config: ModelConfig, seq_len: int, *, include_embedding_head: bool) -> int:
-    """The language model's training FLOPs per token at ``seq_len`` (module docstring)."""
-    resolve_qwen3_vl_dims(config)
-    return qwen_flops.flops_per_token(config, seq_len, include_embedding_head=include_embedding_head)
+from models.qwen_vl.flops import counters
 
 
 def block_linears(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -40,3 +28,6 @@ def _vision_params(v: Qwen3VisionDims) -> int:
     mlp = (width * width + width) + (width * v.out_hidden_size + v.out_hidden_size)
     mergers = (2 * h + mlp) + len(v.deepstack_visual_indexes) * (2 * width + mlp)
     return v.patch_dim * h + h + v.num_position_embeddings * h + v.depth * block + mergers
+
+
+num_params, flops_per_token = counters(resolve_qwen3_vl_dims, _vision_params)

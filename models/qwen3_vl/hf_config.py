@@ -19,6 +19,7 @@ from core.model_families import ModelFamily
 from models.hf_config import FieldReader, with_section
 from models.qwen3_vl.dims import VISION_ROPE_THETA, Qwen3VLDims
 from models.qwen3_vl.family import HF_ARCHITECTURE, NAME, Qwen3VLSettings
+from models.qwen_vl.hf_config import check_vision_rope, read_towers, rope, token_ids, top_level
 
 _DEFAULT_ROPE_THETA = 500000.0
 _DEFAULT_RMS_EPS = 1e-6
@@ -30,14 +31,7 @@ _VISION_ACT = "gelu_pytorch_tanh"
 
 def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) -> ModelConfig:
     """``base`` with the shape of a Qwen3-VL config.json (``model.*`` and ``model.qwen3_vl``)."""
-    nested = reader.get("text_config")
-    if nested is not None and not isinstance(nested, dict):
-        raise reader.error("text_config", f"text_config must be an object, got {nested!r}")
-    text = FieldReader(nested, reader.file) if nested else reader
-    vision_raw = reader.get("vision_config")
-    if not isinstance(vision_raw, dict):
-        raise reader.error("vision_config", f"vision_config must be an object, got {vision_raw!r}")
-    vision = FieldReader(vision_raw, reader.file)
+    text, vision = read_towers(reader)
     for where, expected in ((text, "silu"), (vision, _VISION_ACT)):
         if where.get("hidden_act", expected) != expected:
             raise where.error("hidden_act", f"activation {where.get('hidden_act')!r} is not supported",
@@ -45,11 +39,9 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
     if text.get("attention_bias", False):
         raise text.error("attention_bias", "attention biases are not supported (Qwen3-VL has none)",
                          hint="set attention_bias to false if the checkpoint has no q/k/v/o biases")
-    theta, section = _rope(text)
-    vision_theta = (vision.get("rope_parameters") or {}).get("rope_theta", VISION_ROPE_THETA)
-    if vision_theta != VISION_ROPE_THETA:
-        raise vision.error("rope_parameters.rope_theta", f"the vision rotary base {vision_theta} is not supported",
-                           hint=f"only {VISION_ROPE_THETA} (Qwen3-VL's) is implemented")
+    theta, section = rope(text, default_theta=_DEFAULT_ROPE_THETA,
+                          default_section=_DEFAULT_SECTION)
+    check_vision_rope(vision, VISION_ROPE_THETA, "Qwen3-VL")
     hidden_size = text.integer("hidden_size")
     indexes = vision.get("deepstack_visual_indexes", list(Qwen3VLSettings.deepstack_visual_indexes))
     if not isinstance(indexes, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indexes):
@@ -62,9 +54,7 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
         num_position_embeddings=vision.integer("num_position_embeddings"),
         deepstack_visual_indexes=tuple(indexes),
         out_hidden_size=vision.integer("out_hidden_size", default=hidden_size),
-        image_token_id=_token(reader, "image_token_id"), video_token_id=_token(reader, "video_token_id"),
-        vision_start_token_id=_token(reader, "vision_start_token_id"),
-        vision_end_token_id=_token(reader, "vision_end_token_id"), mrope_section=section)
+        mrope_section=section, **token_ids(reader, Qwen3VLSettings))
     tied = reader.flag("tie_word_embeddings", default=False) or text.flag("tie_word_embeddings", default=False)
     num_heads = text.integer("num_attention_heads")
     base = with_section(base, NAME)
@@ -83,14 +73,7 @@ def config_to_hf(config: ModelConfig, dims: Qwen3VLDims, dtype_name: str) -> dic
     """The config.json that transformers loads as Qwen3VLForConditionalGeneration."""
     text, vision = dims.text, dims.vision
     return {
-        "architectures": [HF_ARCHITECTURE],
-        "model_type": NAME,
-        "dtype": dtype_name,
-        "image_token_id": dims.image_token_id,
-        "video_token_id": dims.video_token_id,
-        "vision_start_token_id": dims.vision_start_token_id,
-        "vision_end_token_id": dims.vision_end_token_id,
-        "tie_word_embeddings": text.tie_embeddings,
+        **top_level(dims, HF_ARCHITECTURE, NAME, dtype_name),
         "text_config": {
             "model_type": "qwen3_vl_text", "vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
             "intermediate_size": text.intermediate_size, "num_hidden_layers": text.num_layers,
@@ -112,37 +95,3 @@ def config_to_hf(config: ModelConfig, dims: Qwen3VLDims, dtype_name: str) -> dic
             "rope_parameters": {"rope_type": "axial", "rope_theta": VISION_ROPE_THETA},
         },
     }
-
-
-def _rope(text: FieldReader) -> tuple[float, tuple[int, ...]]:
-    """RoPE's base and M-RoPE sections from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (the
-    published checkpoints); a RoPE scaling of another kind is refused."""
-    for field in ("rope_parameters", "rope_scaling"):
-        params = text.get(field)
-        if params is None:
-            continue
-        if not isinstance(params, dict):
-            raise text.error(field, f"{field} must be an object, got {params!r}")
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ("default", "mrope"):
-            raise text.error(f"{field}.rope_type", f"RoPE scaling {kind!r} is not supported",
-                             hint="only M-RoPE without scaling is implemented")
-        section = params.get("mrope_section", list(_DEFAULT_SECTION))
-        if (not isinstance(section, list) or len(section) != 3
-                or not all(isinstance(p, int) and not isinstance(p, bool) for p in section)):
-            raise text.error(f"{field}.mrope_section", f"mrope_section must list three integers, got {section!r}")
-        theta = params.get("rope_theta", text.get("rope_theta", _DEFAULT_ROPE_THETA))
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-            raise text.error(f"{field}.rope_theta", f"rope_theta must be a positive number, got {theta!r}")
-        return float(theta), tuple(section)
-    theta = text.get("rope_theta", _DEFAULT_ROPE_THETA)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise text.error("rope_theta", f"rope_theta must be a positive number, got {theta!r}")
-    return float(theta), _DEFAULT_SECTION
-
-
-def _token(reader: FieldReader, key: str) -> int:
-    value = reader.get(key, getattr(Qwen3VLSettings, key))
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise reader.error(key, f"{key} must be a token id, got {value!r}")
-    return value

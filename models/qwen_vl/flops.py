@@ -9,22 +9,11 @@ batch of images (MFU over both towers: the text's per-token figure times the tok
 
 from __future__ import annotations
 
+from typing import Callable
+
 from core.config import ModelConfig
 from models.qwen import flops as qwen_flops
 from models.qwen_vl.dims import VisionDims, resolve_vl_dims
-
-
-def num_params(config: ModelConfig, *, non_embedding: bool = False) -> int:
-    """Parameters of both towers (a tied embedding/head counted once); ``non_embedding=True`` leaves
-    out the token embedding and the output head."""
-    vision = resolve_vl_dims(config).vision
-    return qwen_flops.num_params(config, non_embedding=non_embedding) + _vision_params(vision)
-
-
-def flops_per_token(config: ModelConfig, seq_len: int, *, include_embedding_head: bool) -> int:
-    """The language model's training FLOPs per token at ``seq_len`` (module docstring)."""
-    resolve_vl_dims(config)
-    return qwen_flops.flops_per_token(config, seq_len, include_embedding_head=include_embedding_head)
 
 
 def vision_flops(config: ModelConfig, grids: list[tuple[int, int, int]]) -> int:
@@ -68,3 +57,23 @@ def _vision_params(v: VisionDims) -> int:
     block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (2 * (h * inner + inner) + inner * h + h)
     merger = h + (width * width + width) + (width * v.out_hidden_size + v.out_hidden_size)
     return v.patch_dim * h + v.depth * block + merger
+
+
+def counters(resolve: Callable, vision_params: Callable) -> tuple[Callable, Callable]:
+    """The row's ``num_params`` and ``flops_per_token`` for a Qwen VL family whose shape ``resolve`` gives
+    (refusing a config it cannot build) and whose tower has ``vision_params(dims.vision)`` parameters."""
+
+    def num_params(config: ModelConfig, *, non_embedding: bool = False) -> int:
+        """Parameters of both towers (a tied embedding/head counted once); ``non_embedding=True`` leaves
+        out the token embedding and the output head."""
+        return qwen_flops.num_params(config, non_embedding=non_embedding) + vision_params(resolve(config).vision)
+
+    def flops_per_token(config: ModelConfig, seq_len: int, *, include_embedding_head: bool) -> int:
+        """The language model's training FLOPs per token at ``seq_len`` (module docstring)."""
+        resolve(config)
+        return qwen_flops.flops_per_token(config, seq_len, include_embedding_head=include_embedding_head)
+
+    return num_params, flops_per_token
+
+
+num_params, flops_per_token = counters(resolve_vl_dims, _vision_params)
