@@ -26,12 +26,14 @@ from models.forward import ModelInputs, model_forward
 from models.hf_weights import load_pretrained, save_pretrained
 from models.qwen_vl.family import QwenVLSettings
 from models.qwen_vl.model import empty_model
+from tests.models.vl_cases import (
+    END, IMAGE, INPUT_CASES, START, VIDEO, assert_images_reach_the_logits, assert_logits_equal, export_pair,
+    hf_inputs, ours_and_theirs, rows_with_images,
+)
 
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGE, VIDEO, START, END = 3, 4, 5, 6
-PATCH_VALUES = 3 * 2 * 14 * 14  # channels x frames x patch x patch
 SETTINGS = QwenVLSettings(depth=3, hidden_size=32, num_heads=4, intermediate_size=48, patch_size=14,
                           temporal_patch_size=2, spatial_merge_size=2, window_size=56, fullatt_block_indexes=(1,),
                           image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
@@ -50,73 +52,15 @@ def pair(tmp_path_factory):
     """Our model (random, norms and biases moved off 1 and 0) and transformers' model loaded from its export."""
     model = empty_model(tiny_config())
     model.init_weights(torch.Generator().manual_seed(1))
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_q" in name or name.endswith(".bias"):
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-    path = tmp_path_factory.mktemp("qwen_vl") / "export"
-    save_pretrained(model, path)
-    theirs = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, attn_implementation="sdpa")
-    return model.eval(), theirs.eval(), path
+    return export_pair(model, tmp_path_factory.mktemp("qwen_vl"), transformers.Qwen2_5_VLForConditionalGeneration)
 
 
-def rows_with_images(grids_per_row: list[list[tuple[int, int, int]]], seed: int = 0):
-    """Token ids (text, then per image: start, its placeholders, end, text), right-filled with text, and the media."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def text(n: int) -> list[int]:
-        return torch.randint(7, 99, (n,), generator=generator).tolist()
-
-    rows = []
-    for grids in grids_per_row:
-        ids = text(3)
-        for t, h, w in grids:
-            ids += [START] + [IMAGE] * (t * h * w // 4) + [END] + text(2)
-        rows.append(ids)
-    length = max(map(len, rows)) + 2
-    ids = torch.tensor([r + text(length - len(r)) for r in rows])
-    pixels = [[torch.randn(t * h * w, PATCH_VALUES, generator=generator) for t, h, w in g] for g in grids_per_row]
-    media = {"pixel_values": pixels, "image_grid_thw": [[torch.tensor(g) for g in grids] for grids in grids_per_row]}
-    return ids, media
-
-
-def hf_inputs(ids: torch.Tensor, media) -> dict:
-    grids = [g for row in media["image_grid_thw"] for g in row]
-    if not grids:
-        return {"input_ids": ids}
-    return {"input_ids": ids, "pixel_values": torch.cat([p for row in media["pixel_values"] for p in row]),
-            "image_grid_thw": torch.stack(grids), "mm_token_type_ids": (ids == IMAGE).int()}
-
-
-def ours_and_theirs(pair, grids_per_row, seed=0):
-    ours, theirs, _ = pair
-    ids, media = rows_with_images(grids_per_row, seed)
-    with torch.no_grad():
-        mine = model_forward(ours, ModelInputs(ids, media=media)).logits
-        reference = theirs(**hf_inputs(ids, media)).logits
-    return mine, reference, ids, media
-
-
-def assert_logits_equal(mine: torch.Tensor, reference: torch.Tensor) -> None:
-    scale = reference.abs().max()
-    assert (mine - reference).abs().max() <= 1e-5 * scale, float((mine - reference).abs().max() / scale)
-
-
-@pytest.mark.parametrize("grids", [
-    pytest.param([[], []], id="text-only"),
-    pytest.param([[(1, 8, 12)]], id="one-image"),
-    pytest.param([[(1, 8, 12), (1, 4, 4)]], id="several-images-per-row"),
-    pytest.param([[(1, 6, 10)], [(1, 4, 4), (1, 12, 8)], []], id="different-sizes-in-one-batch"),
-])
+@pytest.mark.parametrize("grids", INPUT_CASES)
 def test_logits_equal_transformers(pair, grids):
     mine, reference, ids, media = ours_and_theirs(pair, grids)
     assert_logits_equal(mine, reference)
-    if any(grids):  # the images reach the logits: other pixels give other logits
-        other = {**media, "pixel_values": [[p.flip(0) for p in row] for row in media["pixel_values"]]}
-        with torch.no_grad():
-            changed = model_forward(pair[0], ModelInputs(ids, media=other)).logits
-        assert not torch.allclose(changed, mine)
+    if any(grids):
+        assert_images_reach_the_logits(pair[0], ids, media, mine)
 
 
 def test_mrope_positions_equal_transformers_get_rope_index(pair):

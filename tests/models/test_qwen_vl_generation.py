@@ -23,9 +23,8 @@ from models.generation.sampler import SampleKey, Sampler, SamplingParams
 from models.qwen_vl.family import QwenVLSettings
 from models.qwen_vl.model import empty_model
 from tests.models.sampler_model import build_sampler_model
+from tests.models.vl_cases import END, IMAGE, PATCH_VALUES, START, VIDEO
 
-IMAGE, VIDEO, START, END = 3, 4, 5, 6
-PATCH_VALUES = 3 * 2 * 14 * 14  # channels x frames x patch x patch
 SETTINGS = QwenVLSettings(depth=2, hidden_size=32, num_heads=4, intermediate_size=48, patch_size=14,
                           temporal_patch_size=2, spatial_merge_size=2, window_size=56, fullatt_block_indexes=(1,),
                           image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
