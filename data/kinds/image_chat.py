@@ -80,20 +80,29 @@ class ImageChatDocuments:
 
     def document(self, record: Any, shard: Optional[str] = None) -> Encoded:
         messages, first_completion = chat_messages(record)
-        paths = _image_paths(record)
-        shown = _placeholders(messages)
-        if shown != len(paths):
-            raise RecordError(f"the record's user turns hold {shown} {PLACEHOLDER} placeholders but 'images' lists "
-                              f"{len(paths)} images: each image needs one placeholder, in order")
-        images = [self._image(path, k, shard) for k, path in enumerate(paths)]
-        vision = f"{VISION_START}{IMAGE_PAD}{VISION_END}"
-        rendered_messages = [dict(m, content=m["content"].replace(PLACEHOLDER, vision)) if m["role"] == "user" else m
-                             for m in messages]
+        images, rendered_messages = self._shown(record, messages, shard, "record")
         rendered = self.template.render_spans(rendered_messages, first_completion, self.loss_on,
                                               tools=tools_of(record))
         ids, offsets = self.tokenizer.encode_offsets(rendered.text)
-        mask = token_mask(offsets, rendered.spans)
-        ids, mask = self._expand(np.asarray(ids, dtype=np.int32), mask, images)
+        return self._encoded(np.asarray(ids, dtype=np.int32), token_mask(offsets, rendered.spans), images)
+
+    def _shown(self, record: dict, messages: list[dict], shard: Optional[str],
+               whose: str) -> tuple[list[ProcessedImage], list[dict]]:
+        """``record``'s images, loaded and processed, and ``messages`` with each user turn's placeholder
+        written as the vision tokens; RecordError (naming ``whose`` turns) where the counts differ."""
+        paths = _image_paths(record)
+        shown = _placeholders(messages)
+        if shown != len(paths):
+            raise RecordError(f"the {whose}'s user turns hold {shown} {PLACEHOLDER} placeholders but 'images' lists "
+                              f"{len(paths)} images: each image needs one placeholder, in order")
+        images = [self._image(path, k, shard) for k, path in enumerate(paths)]
+        vision = f"{VISION_START}{IMAGE_PAD}{VISION_END}"
+        return images, [dict(m, content=m["content"].replace(PLACEHOLDER, vision)) if m["role"] == "user" else m
+                        for m in messages]
+
+    def _encoded(self, ids: np.ndarray, mask: np.ndarray, images: list[ProcessedImage]) -> Encoded:
+        """The rendered ``ids`` and target ``mask`` with each image's pad expanded, and the images' patches."""
+        ids, mask = self._expand(ids, mask, images)
         fields: dict[str, Any] = {TARGET_MASK.name: mask}
         if images:
             fields[PIXELS.name] = [image.pixel_values for image in images]

@@ -17,10 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from data.chat_template import RecordError
 from data.fields import TARGET_MASK
-from data.kinds.image_chat import (GRIDS, IMAGE_PAD, PIXELS, PLACEHOLDER, VISION_END, VISION_START,
-                                   ImageChatDocuments, _image_paths, _placeholders)
+from data.kinds.image_chat import GRIDS, PIXELS, ImageChatDocuments
 from data.kinds.prompt import prompt_parts
 from data.record_kinds import Encoded, RecordKind
 
@@ -31,26 +29,13 @@ class ImagePromptDocuments(ImageChatDocuments):
 
     def document(self, record: Any, shard: Optional[str] = None) -> Encoded:
         messages, answer, tools = prompt_parts(record)
-        paths = _image_paths(record)
-        shown = _placeholders(messages)
-        if shown != len(paths):
-            raise RecordError(f"the prompt's user turns hold {shown} {PLACEHOLDER} placeholders but 'images' lists "
-                              f"{len(paths)} images: each image needs one placeholder, in order")
-        images = [self._image(path, k, shard) for k, path in enumerate(paths)]
-        vision = f"{VISION_START}{IMAGE_PAD}{VISION_END}"
-        rendered = [dict(m, content=m["content"].replace(PLACEHOLDER, vision)) if m["role"] == "user" else m
-                    for m in messages]
+        images, rendered = self._shown(record, messages, shard, "prompt")
         prompt_ids = self.tokenizer.encode_array(self.template.render(rendered, add_generation_prompt=True,
                                                                       tools=tools))
         answer_ids = self.tokenizer.encode_array(answer)
         ids = np.concatenate([prompt_ids, answer_ids]).astype(np.int32)
         mask = np.concatenate([np.zeros(len(prompt_ids), dtype=bool), np.ones(len(answer_ids), dtype=bool)])
-        ids, mask = self._expand(ids, mask, images)
-        fields: dict[str, Any] = {TARGET_MASK.name: mask}
-        if images:
-            fields[PIXELS.name] = [image.pixel_values for image in images]
-            fields[GRIDS.name] = [np.asarray(image.grid_thw, dtype=np.int64) for image in images]
-        return Encoded(ids, fields)
+        return self._encoded(ids, mask, images)
 
 
 KIND = RecordKind(name="image_prompt", summary='{"prompt", "answer", "images": [...]}: a GRPO/PPO prompt whose '

@@ -21,30 +21,22 @@ from data.chat_template import ChatTemplate, RecordError
 from data.kinds.image_chat import GRIDS, IMAGE_PAD, PIXELS, VISION_END, VISION_START
 from data.pipeline import build
 from data.record_kinds import EncoderSetup, record_kind
-from data.tokenizers import ByteTokenizer, build_tokenizer
-from data.vision.chat_data import TOKEN_IDS, conversations, write_chat, write_tokenizer
+from data.tokenizers import ByteTokenizer
+from data.vision.chat_data import TOKEN_IDS, conversations
 from data.vision.images import load_image
-from data.vision.photographs import copy_photographs
-
-SMALL = ImagesConfig(min_pixels=28 * 28, max_pixels=56 * 56)  # 1..4 image tokens a photograph
+from tests.data.image_cases import SMALL, encoder_of, write_images_root
 
 
 @pytest.fixture(scope="module")
 def images_root(tmp_path_factory) -> Path:
     """datasets/images as `python -m data prepare` writes it: photographs, chats, tokenizer."""
     pytest.importorskip("skimage", reason="pip install scikit-image (requirements-dev.txt)")
-    root = tmp_path_factory.mktemp("images")
-    copy_photographs(root / "photographs")
-    write_chat(root / "chat")
-    write_tokenizer(root / "tokenizer")
-    return root
+    return write_images_root(tmp_path_factory.mktemp("images"), chat=True)
 
 
 @pytest.fixture(scope="module")
 def encoder(images_root):
-    tokenizer = build_tokenizer(str(images_root / "tokenizer"))
-    template = ChatTemplate.for_tokenizer(str(images_root / "tokenizer"))
-    return record_kind("image_chat").encoder(EncoderSetup(template, tokenizer, "assistant", frozenset(), SMALL))
+    return encoder_of(images_root, "image_chat")
 
 
 def _shard(root: Path, records: list, name: str = "part-000.jsonl") -> Path:
@@ -139,10 +131,8 @@ def _batches(config: DataConfig, n: int, batch_size: int = 4):
 @pytest.mark.parametrize("image", ["truncated.png", "text.png", "zero.png", "missing.png", "astronaut.png"])
 def test_a_bad_image_is_a_record_error_naming_the_image(images_root, image):
     why = _corrupt(images_root)[image]
-    tokenizer = build_tokenizer(str(images_root / "tokenizer"))
-    encoder = record_kind("image_chat").encoder(EncoderSetup(
-        ChatTemplate.for_tokenizer(str(images_root / "tokenizer")), tokenizer, "assistant", frozenset(),
-        ImagesConfig(min_pixels=784, max_pixels=3136, max_image_pixels=250_000)))
+    encoder = encoder_of(images_root, "image_chat", ImagesConfig(min_pixels=784, max_pixels=3136,
+                                                                  max_image_pixels=250_000))
     with pytest.raises(RecordError) as error:
         encoder.document(_record("Look: <image>", "Bad.", image), shard=str(_shard(images_root, [])))
     assert f"images[0] '../photographs/{image}'" in str(error.value) and why in str(error.value)

@@ -15,30 +15,24 @@ import pytest
 import torch
 
 from core.config import load
-from core.config_sections import DataConfig, ImagesConfig, SourceConfig
-from data.chat_template import ChatTemplate, RecordError
+from core.config_sections import DataConfig, SourceConfig
+from data.chat_template import RecordError
 from data.kinds.image_chat import GRIDS, IMAGE_PAD, PIXELS
 from data.pipeline import build
-from data.record_kinds import EncoderSetup, record_kind
 from data.tokenizers import build_tokenizer
-from data.vision.chat_data import write_tokenizer
-from data.vision.photographs import copy_photographs
 from models.forward import model_forward
 from models.generation.sampler import SamplingParams
 from training.rollout.environment import batch_tasks
 from training.rollout.experience import Experience, Trajectory
 from training.rollout.generator import Generator
-
-SMALL = ImagesConfig(min_pixels=28 * 28, max_pixels=56 * 56)  # 1..4 image tokens a photograph
+from tests.data.image_cases import SMALL, encoder_of, write_images_root
 
 
 @pytest.fixture(scope="module")
 def images_root(tmp_path_factory) -> Path:
     """The photographs and the tokenizer with the vision tokens, as `python -m data prepare` writes them."""
     pytest.importorskip("skimage", reason="pip install scikit-image (requirements-dev.txt)")
-    root = tmp_path_factory.mktemp("images")
-    copy_photographs(root / "photographs")
-    write_tokenizer(root / "tokenizer")
+    root = write_images_root(tmp_path_factory.mktemp("images"), chat=False)
     (root / "records").mkdir()
     return root
 
@@ -54,16 +48,14 @@ def _shard(root: Path, records: list[dict]) -> Path:
 
 
 def test_a_record_encodes_as_a_prompt_with_its_images(images_root):
-    tokenizer = build_tokenizer(str(images_root / "tokenizer"))
-    template = ChatTemplate.for_tokenizer(str(images_root / "tokenizer"))
-    encoder = record_kind("image_prompt").encoder(EncoderSetup(template, tokenizer, "assistant", frozenset(), SMALL))
+    encoder = encoder_of(images_root, "image_prompt")
     shard = str(images_root / "records" / "part-000.jsonl")
     encoded = encoder.document(_record("<image>What is in the picture?", "cat", "chelsea.png"), shard)
-    pad = tokenizer.encode(IMAGE_PAD)[0]
+    pad = encoder.tokenizer.encode(IMAGE_PAD)[0]
     (grid,) = encoded.fields[GRIDS.name]
     assert int((encoded.ids == pad).sum()) == int(np.prod(grid)) // 4  # the pads of its merged grid
     mask = encoded.fields["target_mask"]
-    assert tokenizer.decode(encoded.ids[mask].tolist()) == "cat"  # only the answer is marked
+    assert encoder.tokenizer.decode(encoded.ids[mask].tolist()) == "cat"  # only the answer is marked
     assert len(encoded.fields[PIXELS.name]) == 1
     with pytest.raises(RecordError, match="1 <image> placeholders but 'images' lists 2"):
         encoder.document(_record("<image>?", "cat", "chelsea.png", "rocket.jpg"), shard)
@@ -78,12 +70,10 @@ def test_the_embedded_prompts_are_seeded_and_encode(images_root):
     records = image_prompts(12, seed=1, photographs="../photographs")
     assert records == image_prompts(12, seed=1, photographs="../photographs")
     assert {r["answer"] for r in records} <= {word for _, word in SUBJECTS.values()}
-    tokenizer = build_tokenizer(str(images_root / "tokenizer"))
-    template = ChatTemplate.for_tokenizer(str(images_root / "tokenizer"))
-    encoder = record_kind("image_prompt").encoder(EncoderSetup(template, tokenizer, "assistant", frozenset(), SMALL))
+    encoder = encoder_of(images_root, "image_prompt")
     for record in records:
         encoded = encoder.document(record, str(images_root / "records" / "part-000.jsonl"))
-        assert tokenizer.decode(encoded.ids[encoded.fields["target_mask"]].tolist()) == record["answer"]
+        assert encoder.tokenizer.decode(encoded.ids[encoded.fields["target_mask"]].tolist()) == record["answer"]
 
 
 def test_rollouts_sample_with_the_prompts_images(images_root):
