@@ -23,6 +23,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from data.vision.photographs import PHOTOGRAPHS
 
@@ -77,15 +78,22 @@ def conversations(n: int, seed: int, photographs: str) -> list[dict]:
 
 def write_chat(out: Path = CHAT_DIR, *, force: bool = False) -> bool:
     """Write the train and eval conversations under ``out``; False when its stamp says they are there."""
+    return write_splits(out, CHAT_SPEC, conversations, force=force)
+
+
+def write_splits(out: Path, spec: dict, records: Callable[[int, int, str], list[dict]], *, force: bool) -> bool:
+    """``records(train_n + eval_n, seed, photographs)`` of ``spec``, the first ``train_n`` as
+    ``out/train/part-000.jsonl`` and the rest as ``out/eval/part-000.jsonl`` (keys sorted), ``out`` replaced
+    and stamped with ``spec``; False (nothing written) when the stamp already holds ``spec``."""
     stamp = out / ".complete"
-    if not force and stamp.is_file() and json.loads(stamp.read_text()) == CHAT_SPEC:
+    if not force and stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return False
     shutil.rmtree(out, ignore_errors=True)
-    records = conversations(CHAT_SPEC["train_n"] + CHAT_SPEC["eval_n"], CHAT_SPEC["seed"], CHAT_SPEC["photographs"])
-    for split, part in (("train", records[:CHAT_SPEC["train_n"]]), ("eval", records[CHAT_SPEC["train_n"]:])):
+    written = records(spec["train_n"] + spec["eval_n"], spec["seed"], spec["photographs"])
+    for split, part in (("train", written[:spec["train_n"]]), ("eval", written[spec["train_n"]:])):
         (out / split).mkdir(parents=True)
         (out / split / "part-000.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in part))
-    stamp.write_text(json.dumps(CHAT_SPEC))
+    stamp.write_text(json.dumps(spec))
     return True
 
 

@@ -11,12 +11,10 @@ the image chats' one-word questions, so a model fine-tuned on those answers in t
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
 from pathlib import Path
 
-from data.vision.chat_data import SUBJECTS
+from data.vision.chat_data import SUBJECTS, write_splits
 from data.vision.photographs import PHOTOGRAPHS
 
 PROMPTS_DIR = Path("datasets/images/prompts")
@@ -40,14 +38,4 @@ def image_prompts(n: int, seed: int, photographs: str) -> list[dict]:
 
 def write_prompts(out: Path = PROMPTS_DIR, *, force: bool = False) -> bool:
     """Write the train and eval prompts under ``out``; False when its stamp says they are there."""
-    stamp = out / ".complete"
-    if not force and stamp.is_file() and json.loads(stamp.read_text()) == PROMPTS_SPEC:
-        return False
-    shutil.rmtree(out, ignore_errors=True)
-    spec = PROMPTS_SPEC
-    records = image_prompts(spec["train_n"] + spec["eval_n"], spec["seed"], spec["photographs"])
-    for split, part in (("train", records[:spec["train_n"]]), ("eval", records[spec["train_n"]:])):
-        (out / split).mkdir(parents=True)
-        (out / split / "part-000.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in part))
-    stamp.write_text(json.dumps(spec))
-    return True
+    return write_splits(out, PROMPTS_SPEC, image_prompts, force=force)
