@@ -28,8 +28,9 @@ INPUT_CASES = [
 
 
 def export_pair(model, directory: Path, hf_class):
-    """``model`` (random, its norms and biases moved off 1 and 0) and ``hf_class`` loaded from its export
-    under ``directory``, both in eval mode, and the export's path."""
+    """``model`` (initialized at seed 1, its norms and biases then moved off 1 and 0) and ``hf_class`` loaded
+    from its export under ``directory``, both in eval mode, and the export's path."""
+    model.init_weights(torch.Generator().manual_seed(1))
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -86,9 +87,13 @@ def assert_logits_equal(mine: torch.Tensor, reference: torch.Tensor) -> None:
     assert (mine - reference).abs().max() <= 1e-5 * scale, float((mine - reference).abs().max() / scale)
 
 
-def assert_images_reach_the_logits(model, ids: torch.Tensor, media, logits: torch.Tensor) -> None:
-    """Other pixels (each image's patches in reverse order) give other logits."""
-    other = {**media, "pixel_values": [[p.flip(0) for p in row] for row in media["pixel_values"]]}
-    with torch.no_grad():
-        changed = model_forward(model, ModelInputs(ids, media=other)).logits
-    assert not torch.allclose(changed, logits)
+def assert_logits_equal_transformers(pair, grids_per_row) -> None:
+    """Our logits equal transformers' for the rows of ``grids_per_row``; where they show images, other pixels
+    (each image's patches in reverse order) give other logits."""
+    mine, reference, ids, media = ours_and_theirs(pair, grids_per_row)
+    assert_logits_equal(mine, reference)
+    if any(grids_per_row):
+        other = {**media, "pixel_values": [[p.flip(0) for p in row] for row in media["pixel_values"]]}
+        with torch.no_grad():
+            changed = model_forward(pair[0], ModelInputs(ids, media=other)).logits
+        assert not torch.allclose(changed, mine)
