@@ -9,13 +9,16 @@ transformers model, and its table's header and last column.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 for _path in (ROOT, ROOT / "benchmarks"):
@@ -270,7 +273,23 @@ def table_tail(report: dict[str, Any], speedup_note: str = "") -> list[str]:
     return lines
 
 
-def exit_code(report: dict[str, Any]) -> int:
-    """0 where every part ran and the repeat's ledgers are equal, else 1."""
+@contextlib.contextmanager
+def run_root_of(args: argparse.Namespace, prefix: str, report: dict[str, Any]) -> Iterator[Path]:
+    """Where the runs go (``--run-root``, else a temporary directory deleted after); ``report`` is written to
+    ``--out`` when the block ends, whether or not it raised."""
+    run_root = Path(args.run_root or tempfile.mkdtemp(prefix=prefix)).resolve()
+    try:
+        yield run_root
+    finally:
+        hfb.write_json(args.out, report)
+        if not args.run_root:
+            shutil.rmtree(run_root, ignore_errors=True)
+
+
+def finish(tool: str, args: argparse.Namespace, report: dict[str, Any], table: str) -> int:
+    """Print ``table`` and where the results are; 0 where every part ran and the repeat's ledgers are equal,
+    else 1."""
+    print(table, flush=True)
+    print(f"{tool}: results: {args.out}", flush=True)
     parts_ok = all(report[k].get("status") == "ok" for k in PARTS)
     return 0 if parts_ok and report["bitwise_repeat"]["equal"] else 1

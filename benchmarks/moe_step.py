@@ -7,7 +7,7 @@ The shape is configs/qwen3-30b-a3b.yaml with ``model.num_layers`` cut (``--layer
 parameters, 0.85B of them active per token, 0.62B of which the embedding and the output head),
 random init, ``--micro-batch`` x ``--seq`` tokens a step (default 1 x 4096), bf16.
 
-- **Lockstep** trains through train.py, as a user runs it (benchmarks/train_throughput.py's overrides):
+- **Lockstep** trains through train.py, as a user runs it (benchmarks/lockstep_runs.py's overrides):
   ``parallel.strategy=none`` (bf16 autocast over fp32 master weights, fused AdamW on CUDA), the
   default ``determinism.mode=bitwise`` (``--mode fast`` changes it), ``parallel.compile=false``
   (``--compile`` turns it on), no accumulation, no checkpoint, no evaluation, metrics every step,
@@ -41,9 +41,7 @@ import argparse
 import contextlib
 import json
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -255,21 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                        "params_active": active_params(config.model),
                        "flops_per_token": flops}
     budget = tt.Budget(args.budget)
-    run_root = Path(args.run_root or tempfile.mkdtemp(prefix="lockstep-moe-step-")).resolve()
-    try:
+    with lr.run_root_of(args, "lockstep-moe-step-", report) as run_root:
         report["transformers"] = lr.guarded_transformers(lambda: run_transformers(args, config, device, peak), device)
         report["lockstep_experts"] = lockstep_expert_kernel(config, device)
         tokens = 2 * (args.warmup + args.steps + 1) * args.micro_batch * args.seq
         corpus = write_corpus(run_root / "corpus", tokens)
         lr.compare(report, lambda name: run_lockstep(args, name, run_root, corpus, peak, budget),
                    ("moe-step-a", "moe-step-b"))
-    finally:
-        hfb.write_json(args.out, report)
-        if not args.run_root:
-            shutil.rmtree(run_root, ignore_errors=True)
-    print(table(report), flush=True)
-    print(f"moe_step: results: {args.out}", flush=True)
-    return lr.exit_code(report)
+    return lr.finish("moe_step", args, report, table(report))
 
 
 if __name__ == "__main__":

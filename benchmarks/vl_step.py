@@ -8,7 +8,7 @@ cut (``--layers``, default 8), random init, ``--micro-batch`` rows of ``--seq`` 
 1 x 4096), each row holding ``--images`` images of ``--image-size`` pixels square (default 4 of 448: a
 patch grid (1, 32, 32), 256 merged tokens each), bf16.
 
-- **Lockstep** trains through train.py, as a user runs it (benchmarks/moe_step.py's overrides):
+- **Lockstep** trains through train.py, as a user runs it (benchmarks/lockstep_runs.py's overrides):
   ``parallel.strategy=none`` (bf16 autocast over fp32 master weights, fused AdamW on CUDA), the default
   ``determinism.mode=bitwise`` (``--mode fast`` changes it), ``parallel.compile=false`` (``--compile``
   turns it on), SFT on the answers, no accumulation, checkpoint or evaluation, metrics every step. Its
@@ -46,9 +46,7 @@ import contextlib
 import inspect
 import json
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -372,9 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device, peak, report = started
     budget = tt.Budget(args.budget)
-    run_root = Path(args.run_root or tempfile.mkdtemp(prefix="lockstep-vl-step-")).resolve()
-    corpus = run_root / "corpus"
-    try:
+    with lr.run_root_of(args, "lockstep-vl-step-", report) as run_root:
+        corpus = run_root / "corpus"
         token_ids = write_tokenizer(corpus / "tokenizer")
         config = load_config(args, run_root, corpus, token_ids)
         grid = image_grid(args, config)
@@ -388,13 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         lr.compare(report, lambda name: with_mfu(run_lockstep(args, name, run_root, corpus, token_ids, peak,
                                                                    budget), flops, peak),
                    ("vl-step-a", "vl-step-b"))
-    finally:
-        hfb.write_json(args.out, report)
-        if not args.run_root:
-            shutil.rmtree(run_root, ignore_errors=True)
-    print(table(report), flush=True)
-    print(f"vl_step: results: {args.out}", flush=True)
-    return lr.exit_code(report)
+    return lr.finish("vl_step", args, report, table(report))
 
 
 if __name__ == "__main__":
