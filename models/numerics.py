@@ -73,7 +73,7 @@ class Numerics:
     wrapper_casts: bool = False
     """The training forward's parameters are cast by FSDP2's mixed-precision policy (bf16 parameters, no
     autocast: ``training.precision.Precision``'s ``wrapper_casts``); training/builders.py sets it where
-    fully_shard wrapped the model."""
+    the data-parallel wrapper holds the parameters sharded."""
 
     def __post_init__(self) -> None:
         for name, (key, allowed) in _CHOICES.items():

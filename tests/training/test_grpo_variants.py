@@ -183,7 +183,7 @@ def _stub_rollouts(objective):
              (ids("ABCDE"), "length"), (ids("abcdef"), "length")]
     stubbed = [Sample(tokens=tokens, logprobs=[-2.0 + 0.1 * i for i in range(len(tokens))], finish_reason=reason)
                for tokens, reason in group]
-    objective.generator.generate_from = lambda model, prompts, indices, params, *, purpose, step, samples: [
+    objective.generator.generate_from = lambda model, prompts, indices, params, *, purpose, step, samples, media=None: [
         sample for _ in prompts for sample in stubbed]
     return [len(tokens) for tokens, _ in group]
 
@@ -342,7 +342,7 @@ def _stub_resampling(objective, calls: list, uniform_rows: dict | None = None):
     if uniform_rows is None:
         uniform_rows = {"grpo": {0, 2}, "grpo.resample1": {2}, "grpo.resample2": {2}}
 
-    def generate_from(model, prompts, indices, params, *, purpose, step, samples):
+    def generate_from(model, prompts, indices, params, *, purpose, step, samples, media=None):
         calls.append((purpose, list(indices)))
         return [sample for index in indices for sample in (uniform if index in uniform_rows.get(purpose, ()) else mixed)]
 
