@@ -179,7 +179,7 @@ def sigkill_then_resume_is_identical(refs: References, method: Method) -> None:
     else:
         killed = launch.kill_and_resume(refs.workdir, args, name=name, seed=kill.seed, kills=kill.kills,
                                         steps=kill.steps, delay_s=kill.delay_s, wait_s=kill.wait_s,
-                                        finish_s=kill.finish_s, entry=method.entry)
+                                        finish_s=kill.finish_s, entry=method.entry, last_step=method.steps)
     assert launch.ledger(killed) == launch.ledger(reference)
     assert not (killed / ".lock").exists()
 

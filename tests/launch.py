@@ -364,12 +364,15 @@ def spawn_json_ranks(target, out_dir: Path, *, world: int = 2, timeout: float = 
 
 def kill_and_resume(cwd: Path, args: list[str], *, name: str, seed: int, kills: int = 2,
                     steps: tuple[int, int] = (1, 3), delay_s: float = 0.2, wait_s: float = 120,
-                    finish_s: float = 300, entry: str = TRAIN, rendezvous: str = "direct") -> Path:
+                    finish_s: float = 300, entry: str = TRAIN, rendezvous: str = "direct",
+                    last_step: int | None = None) -> Path:
     """Start ``args`` (whose run.name is ``name``) on 2 ranks, SIGKILL the whole job at random
     moments ``kills`` times (``steps`` steps after each (re)start, then up to ``delay_s`` later:
     mid-step, mid-rollout or mid-checkpoint), resume it by run ID each time, and return its run dir
     once the last attempt has finished (exit 0, at least one kill landed). Tied to the run's
-    progress, not to the clock: a short run can finish within any fixed window."""
+    progress, not to the clock: a short run can finish within any fixed window. With ``last_step`` (the
+    run's train.max_steps) a kill waits for no line past the one before it, so that it lands before the
+    run ends however fast its steps are."""
     rng = random.Random(seed)
     job = start(cwd, args, entry=entry, rendezvous=rendezvous)
     assert wait_for(lambda: list((cwd / "runs").glob(f"{name}-*")), timeout=120)
@@ -377,6 +380,8 @@ def kill_and_resume(cwd: Path, args: list[str], *, name: str, seed: int, kills: 
     done = 0
     while done < kills:
         target = len(ledger(run_dir)) + rng.randint(*steps)
+        if last_step is not None:
+            target = min(target, last_step - 1)
         wait_for(lambda: len(ledger(run_dir)) >= target or job.poll() is not None, timeout=wait_s)
         time.sleep(rng.uniform(0.0, delay_s))
         if job.poll() is not None:
