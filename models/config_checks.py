@@ -47,6 +47,13 @@ def _validate_lora(config: Config) -> None:
         raise ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}", key="model.lora.alpha")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}", key="model.lora.dropout")
+    if lora.dropout > 0.0 and config.determinism.batch_invariant:
+        raise ConfigError(
+            f"model.lora.dropout={lora.dropout} under determinism.batch_invariant: the trainer's forward drops "
+            "adapter inputs the sampler's does not, so their log-probs cannot agree bit for bit",
+            key="model.lora.dropout",
+            hint="set model.lora.dropout=0.0, or leave determinism.batch_invariant off",
+        )
     valid = model_family(config.model.arch).lora_targets
     if not lora.targets:
         raise ConfigError("model.lora.targets is empty", key="model.lora.targets", hint=f"valid: {', '.join(valid)}")

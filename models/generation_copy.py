@@ -71,10 +71,15 @@ def generation_copy(
                           hint="export the merged model (python -m training export --merge) and load that")
     fresh = build(model.config, device=device, dtype=dtype)
     fresh.use_numerics(model.numerics)
+    merge = model.numerics.merges_adapters  # batch_invariant: the copy runs the trainer's unmerged adapters
     for name, source in adapters.items():  # the same adapters (names, rank, alpha, dtype); values follow
         wrapper = LoRALinear(fresh.get_submodule(name), rank=source.rank, alpha=source.alpha, dropout=0.0, name=name)
-        wrapper.to(dtype=source.lora_A.weight.dtype)
-        wrapper.base_layer.to(dtype=dtype)
+        adapter_dtype, base_dtype = source.lora_A.weight.dtype, dtype
+        if not merge:  # each part as the trainer computes it
+            adapter_dtype = model.numerics.unmerged_dtype(device, adapter_dtype)
+            base_dtype = model.numerics.unmerged_dtype(device, source.base_layer.weight.dtype)
+        wrapper.to(dtype=adapter_dtype)
+        wrapper.base_layer.to(dtype=base_dtype)
         parent, leaf = name.rsplit(".", 1)
         setattr(fresh.get_submodule(parent), leaf, wrapper)
     params = dict(fresh.named_parameters())  # a tied head appears once, under the embedding's name
@@ -93,7 +98,7 @@ def generation_copy(
         if carry is not None:
             carry(model, fresh)
     fresh.tie_weights()
-    if adapters:
+    if adapters and merge:
         fresh = merge_lora(fresh, inplace=True)
     for param in fresh.parameters():
         param.requires_grad_(False)

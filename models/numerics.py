@@ -18,6 +18,8 @@ cached decode alike) and the log-softmax the sampler and the trainer read, and a
 what the trainer computes at every precision: the generation copy keeps the trainer's parameter dtype
 and the sampler's forwards run under the training forward's autocast (``generation_dtype``,
 ``sampler_autocast``), so a sampled token's log-prob equals the trainer's bitwise in fp32 and in bf16.
+A LoRA model's copy then keeps its adapters unmerged (``merges_adapters``, ``unmerged_dtype``): the
+sampler runs the trainer's ``base(x) + scaling * B(A(x))``, not a merged weight, which rounds otherwise.
 """
 
 from __future__ import annotations
@@ -155,6 +157,21 @@ class Numerics:
         if self.batch_invariant:
             return self.compute_dtype if self.parameters_cast else None
         return torch.bfloat16 if self.precision == "bf16" and device.type == "cuda" else None
+
+    @property
+    def merges_adapters(self) -> bool:
+        """Whether the generation copy folds a LoRA model's adapters into its base weights
+        (``models.lora.merge_lora``): not under ``batch_invariant``, where the copy keeps them and the
+        sampler runs the trainer's unmerged ``base(x) + scaling * B(A(x))`` (the merged
+        ``(W + scaling * B @ A) x`` is another computation, whose bits differ in general)."""
+        return not self.batch_invariant
+
+    def unmerged_dtype(self, device: torch.device, trained: torch.dtype) -> torch.dtype:
+        """The dtype of an unmerged LoRA part (a base linear or an adapter) in the generation copy, given
+        the trained part's: its own (a bf16 run's frozen base stored in bf16, ``frozen_base_dtype``;
+        fp32 adapters), or the compute dtype where FSDP2's policy casts every parameter
+        (``generation_dtype``)."""
+        return self.generation_dtype(device) or trained
 
     @property
     def parameters_cast(self) -> bool:
