@@ -217,16 +217,16 @@ class Experts(nn.Module):
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj, self.down_proj))
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        # unbind: one backward node that stacks the experts' gradients (zeros for an expert without rows)
+        # unbind: one backward node that stacks the experts' gradients. Every block runs, an empty one
+        # too: its (0, d) output adds no row and its weight gradient is exactly zero (not none, also
+        # where this rank's experts got no rows under expert parallelism), and no Python branch reads a
+        # block's size, so torch.compile traces the loop whole (the sizes stay symbolic).
         gate, up, down = (w.unbind(0) for w in weights)
         blocks = counts.reshape(counts.shape[0], -1)  # (experts, blocks of each)
         outputs = []
         for block, rows in enumerate(x.split(blocks.flatten().tolist())):
             expert = block // blocks.shape[1]
-            if rows.shape[0]:
-                outputs.append(F.linear(F.silu(F.linear(rows, gate[expert])) * F.linear(rows, up[expert]), down[expert]))
-        if not outputs:  # no rows for any of this rank's experts (expert parallelism): zero gradients, not none
-            outputs.append(F.linear(F.silu(F.linear(x, gate[0])) * F.linear(x, up[0]), down[0]))
+            outputs.append(F.linear(F.silu(F.linear(rows, gate[expert])) * F.linear(rows, up[expert]), down[expert]))
         return torch.cat(outputs)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
