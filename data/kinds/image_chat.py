@@ -91,14 +91,12 @@ class ImageChatDocuments:
         """``record``'s images, loaded and processed, and ``messages`` with each user turn's placeholder
         written as the vision tokens; RecordError (naming ``whose`` turns) where the counts differ."""
         paths = _image_paths(record)
-        shown = _placeholders(messages)
+        shown = placeholders(messages)
         if shown != len(paths):
             raise RecordError(f"the {whose}'s user turns hold {shown} {PLACEHOLDER} placeholders but 'images' lists "
                               f"{len(paths)} images: each image needs one placeholder, in order")
         images = [self._image(path, k, shard) for k, path in enumerate(paths)]
-        vision = f"{VISION_START}{IMAGE_PAD}{VISION_END}"
-        return images, [dict(m, content=m["content"].replace(PLACEHOLDER, vision)) if m["role"] == "user" else m
-                        for m in messages]
+        return images, [dict(m, content=show_images(m["content"])) if m["role"] == "user" else m for m in messages]
 
     def _encoded(self, ids: np.ndarray, mask: np.ndarray, images: list[ProcessedImage]) -> Encoded:
         """The rendered ``ids`` and target ``mask`` with each image's pad expanded, and the images' patches."""
@@ -118,17 +116,30 @@ class ImageChatDocuments:
 
     def _expand(self, ids: np.ndarray, mask: np.ndarray,
                 images: list[ProcessedImage]) -> tuple[np.ndarray, np.ndarray]:
-        """Each image's one pad token repeated once per merged patch; no vision token trained."""
-        vision_ids = np.asarray(list(self.vision.values()), dtype=ids.dtype)
-        counts = {name: int((ids == token).sum()) for name, token in self.vision.items()}
-        if any(n != len(images) for n in counts.values()):
-            found = ", ".join(f"{n} {name}" for name, n in counts.items())
-            raise RecordError(f"the rendered record holds {found} for {len(images)} images: its text writes vision "
-                              "tokens of its own (or the chat template drops some)")
-        repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[ids == self.vision[IMAGE_PAD]] = [image.tokens for image in images]
-        mask = mask & ~np.isin(ids, vision_ids)
-        return np.repeat(ids, repeats), np.repeat(mask, repeats)
+        return expand_pads(ids, mask, images, self.vision)
+
+
+def show_images(content: str) -> str:
+    """A user turn's text with each ``<image>`` written as what the chat template writes for an image:
+    ``<|vision_start|><|image_pad|><|vision_end|>``."""
+    return content.replace(PLACEHOLDER, f"{VISION_START}{IMAGE_PAD}{VISION_END}")
+
+
+def expand_pads(ids: np.ndarray, mask: np.ndarray, images: list[ProcessedImage],
+                vision: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Rendered ``ids`` with each image's one pad token repeated once per merged patch, and ``mask`` with no
+    vision token marked; ``vision``: ``vision_token_ids``. RecordError where the rendered text holds other
+    counts of vision tokens than ``images``."""
+    vision_ids = np.asarray(list(vision.values()), dtype=ids.dtype)
+    counts = {name: int((ids == token).sum()) for name, token in vision.items()}
+    if any(n != len(images) for n in counts.values()):
+        found = ", ".join(f"{n} {name}" for name, n in counts.items())
+        raise RecordError(f"the rendered record holds {found} for {len(images)} images: its text writes vision "
+                          "tokens of its own (or the chat template drops some)")
+    repeats = np.ones(len(ids), dtype=np.int64)
+    repeats[ids == vision[IMAGE_PAD]] = [image.tokens for image in images]
+    mask = mask & ~np.isin(ids, vision_ids)
+    return np.repeat(ids, repeats), np.repeat(mask, repeats)
 
 
 def _image_paths(record: dict) -> list[str]:
@@ -146,7 +157,7 @@ def _image_paths(record: dict) -> list[str]:
     return images
 
 
-def _placeholders(messages: list[dict]) -> int:
+def placeholders(messages: list[dict]) -> int:
     """The ``<image>`` placeholders of the user turns; RecordError for one in another turn."""
     shown = 0
     for i, message in enumerate(messages):

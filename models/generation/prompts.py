@@ -10,7 +10,9 @@ nor a run directory:
   ``{"prompt": [messages]}`` or ``{"messages": [messages]}`` (a chat prompt: render it with
   ``add_generation_prompt``). A prompt's index is its line number (from 0), which is also
   its ``SampleKey.prompt_index``, so a sample does not depend on which other lines a file
-  holds or how they are batched.
+  holds or how they are batched. A line may list ``"images": ["cat.png", ...]``, paths
+  relative to the file (``Prompt.images``, resolved): the images its ``<image>``
+  placeholders show, which a vision-language model's generate loads (training/cli/generate.py).
 - ``context_length``: the Sampler's ``max_len`` for a set of prompts, rounded up to a
   multiple, so that most prompt files share one (a sample is bitwise reproducible for the
   same Sampler settings; docs/models.md, Generation).
@@ -39,6 +41,9 @@ class Prompt:
     """Line number in the file, from 0; the prompt_index of its samples' keys."""
     text: Optional[str] = None
     messages: Optional[tuple[dict[str, str], ...]] = None
+    """Chat messages (rendered with the generation prompt)."""
+    images: tuple[Path, ...] = ()
+    """The images the prompt shows, in the order of its ``<image>`` placeholders (paths resolved against the file's directory)."""
 
 
 PROMPTS_MAX_BYTES = 64 * 1024**2
@@ -84,19 +89,28 @@ def _parse_prompt(line: str, number: int, path: Path) -> Prompt:
         raise fail(f"not JSON ({exc})") from exc
     if not isinstance(record, dict):
         raise fail(f"a {type(record).__name__}, not a JSON object")
+    images = _images(record.get("images", []), path, fail)
     value = record.get("prompt", record.get("messages"))
     if isinstance(value, str):
         if not value:
             raise fail("the prompt is empty")
         _check_text(value, "the prompt", fail)
-        return Prompt(index=number, text=value)
+        return Prompt(index=number, text=value, images=images)
     if isinstance(value, list) and value:
         for i, message in enumerate(value):
             if not (isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)):
                 raise fail(f"message {i} is not {{'role': one of {', '.join(ROLES)}, 'content': str}}")
             _check_text(message["content"], f"message {i}'s content", fail)
-        return Prompt(index=number, messages=tuple({"role": m["role"], "content": m["content"]} for m in value))
+        return Prompt(index=number, messages=tuple({"role": m["role"], "content": m["content"]} for m in value),
+                      images=images)
     raise fail("has no non-empty 'prompt' (text or messages) or 'messages'")
+
+
+def _images(value: Any, path: Path, fail) -> tuple[Path, ...]:
+    """A line's ``images``: a list of non-empty path strings, each resolved against the file's directory."""
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise fail(f"'images' must be a list of non-empty paths relative to the file, got {value!r}")
+    return tuple(path.parent / item for item in value)
 
 
 def _check_text(text: str, what: str, fail) -> None:

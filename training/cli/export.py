@@ -1,7 +1,8 @@
 """Export a checkpoint as a Hugging Face model directory.
 
 ``python -m training export --run RUN_ID [--step S] --to DIR`` writes ``config.json``,
-``model.safetensors`` (sharded above 5 GB) and the tokenizer files with the chat template,
+``model.safetensors`` (sharded above 5 GB), the tokenizer files with the chat template and, for a
+vision-language model, ``preprocessor_config.json`` (the run's ``data.images``),
 which ``transformers`` loads as ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` with the same
 logits as Lockstep's model from that checkpoint.
 
@@ -50,6 +51,8 @@ from core.objective_kinds import objective_kind
 from core.layout import RunPaths
 from data.chat_template import ChatTemplate, read_tokenizer_config
 from data.tokenizers import ByteTokenizer, build_tokenizer, tokenizer_directory
+from data.vision.images import processing_of
+from data.vision.prompt_images import write_processor_config
 from models.hf_config import config_path
 from models.hf_weights import save_pretrained
 from models.lora import merge_lora, save_peft_adapter
@@ -110,6 +113,8 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
         kill_point("weights")
         _keep_source_architecture(paths, config, staging, state)
         _write_tokenizer(config, paths, staging)
+        if callable(getattr(model, "prompt_media", None)):  # a vision-language model: how its images are cut
+            write_processor_config(staging, processing_of(config.data.images))
         score = read_checkpoint_score(path)
         if score is not None:  # a reward model: a sequence classifier
             write_classifier(staging, score)

@@ -1,6 +1,6 @@
 """``python -m training generate``: sample from a run's checkpoint or a Hugging Face directory.
 
-    python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
+    python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT [--image PATH ...] | --prompts FILE.jsonl)
         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--samples N] [--seed S]
         [--num-beams N [--length-penalty L] [--early-stopping false|true|never]]
         [--chat | --no-chat] [--out FILE.jsonl [--overwrite]] [--root runs]
@@ -30,6 +30,18 @@
 - **Stopping.** A sample ends at the tokenizer's EOS, or at the template's end-of-turn marker
   (a single token such as Qwen's ``<|im_end|>``; a marker of several tokens, as with the byte
   tokenizer, is cut on the host: the tokens after it are dropped).
+- **Images.** A vision-language model (one whose forward reads a prompt's media, ``prompt_media``: qwen2_5_vl,
+  qwen3_vl) is shown images by ``--image PATH`` (repeatable: the images of ``--prompt``, in order) or by a prompts
+  file's ``"images": ["cat.png", ...]`` (paths relative to the file). Each ``<image>`` of the prompt (a user turn's,
+  for messages) stands for the next image; a text prompt without one shows its images before its text. They are
+  shown as the pipeline shows an ``image_prompt`` record's (data/vision/prompt_images.py): the vision tokens in
+  the rendered text, each image decoded and cut into patches under the run's ``data.images``, or a Hugging Face
+  directory's ``preprocessor_config.json`` (an export of a run writes the run's), its pad repeated once per merged
+  patch. ``prompt`` in the output is the rendered text with one pad per image. A missing, corrupt or unreadable
+  ``--image``, images for a text-only model, a directory without ``preprocessor_config.json`` or a prompt whose
+  placeholders do not match its images is a usage error (exit 2) naming the file; a prompts file's bad image is a
+  data error (exit 3) naming the file, its line and the image, as its other bad lines are. Missing files are
+  found before the model is loaded.
 - **Prompts.** A prompts file larger than 64 MiB (or endless, like ``/dev/zero``) is refused, and so
   is a prompt holding a lone surrogate (``"\\ud83d"``: valid JSON, but no text), naming the file
   and line, or ``--prompt``; both before the model is loaded.
@@ -59,6 +71,15 @@ from core.exceptions import ConfigError, DataError, LockstepError, UsageError
 from core.objective_kinds import objective_kind
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
+from data.vision.images import ImageProcessing, processing_of
+from data.vision.prompt_images import (
+    PROCESSOR_CONFIG,
+    PromptImages,
+    ShownPrompt,
+    read_processor_config,
+    shown_messages,
+    shown_text,
+)
 from models.generation.prompts import Prompt, context_length, read_prompts, sample_record
 from models.generation.sampler import SamplingParams
 from models.hf_config import model_config_from_hf
@@ -82,6 +103,8 @@ class Source:
     label: str
     template_clock: Optional[str] = None
     """What the template's strftime_now reads (a run's data.template_clock; none for a Hugging Face directory)."""
+    images: Optional[ImageProcessing] = None
+    """How its images are cut into patches: a run's data.images, a directory's preprocessor_config.json (None: it has none)."""
 
 
 def load_source(spec: str, *, root: str, step: Optional[int], device: torch.device) -> Source:
@@ -96,7 +119,7 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
         check_tokenizer_config(str(path))  # a DataError naming the file, before anything reads it
         _check_fits(model_config_from_hf(path), device)
         model = load_pretrained(path, device=device)
-        return Source(model, str(path), None, _directory_is_chat(path), str(path))
+        return Source(model, str(path), None, _directory_is_chat(path), str(path), images=read_processor_config(path))
     from core.run_context import load_recorded_config
     from training.cli.export import check_tokenizer_config
     from training.checkpoint.load import checkpoint_dir, load_checkpoint_model, resolve_run
@@ -109,7 +132,7 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
     model = load_checkpoint_model(config, checkpoint).to(device)
     chat = objective_kind(config.objective.kind).capabilities.chat_model
     return Source(model, config.data.tokenizer, config.data.chat_template, chat,
-                  str(checkpoint), config.data.template_clock)
+                  str(checkpoint), config.data.template_clock, images=processing_of(config.data.images))
 
 
 def _directory_is_chat(path: Path) -> bool:
@@ -139,9 +162,18 @@ def run_generate(args) -> int:
     if args.num_beams > args.batch:
         raise UsageError(f"--num-beams {args.num_beams} needs as many rows per forward, but --batch is {args.batch}",
                          hint=f"pass --batch {args.num_beams} or more")
+    if args.image and args.prompt is None:
+        raise UsageError("--image shows images to --prompt; a prompts file lists each line's own",
+                         hint='give the images in the file: {"prompt": "...", "images": ["cat.png"]}')
     if args.prompt is not None:
         check_prompt_argument(args.prompt)
-    prompts = [Prompt(index=0, text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
+    prompts = ([Prompt(index=0, text=args.prompt, images=tuple(args.image or ()))] if args.prompt is not None
+               else read_prompts(args.prompts))
+    for prompt in prompts:
+        for path in prompt.images:
+            if not path.is_file():
+                raise _image_error(DataError("image file is missing" if not path.exists() else "not a file",
+                                             file=str(path)), prompt, args.prompts)
     if args.out is not None:
         check_out(args.out, overwrite=args.overwrite)  # before minutes of loading and sampling
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -150,14 +182,19 @@ def run_generate(args) -> int:
     tokenizer = build_tokenizer(source.tokenizer_spec)
     template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template, clock=source.template_clock)
     chat = source.chat_by_default if args.chat is None else args.chat
-    texts = [_prompt_text(p, template, chat) for p in prompts]
-    ids = [list(tokenizer.encode_array(text)) for text in texts]
+    shown = _shown_prompts(prompts, source, tokenizer, template, chat, args.prompts)
+    texts, ids = [s.text for s in shown], [s.ids for s in shown]
+    media = None
+    if any(s.media is not None for s in shown):  # the sampler takes tensors, as Batch.media holds them
+        media = [None if s.media is None else {name: [torch.from_numpy(item) for item in items]
+                                               for name, items in s.media.items()} for s in shown]
     decoder = Decoder(tokenizer, template)
     params = sampling_params(args, stop_token_ids=decoder.stop_ids)
     limit = model.config.max_position_embeddings
     generator = Generator.over(model, rows=args.batch, seed=args.seed,
                                max_len=context_length([len(i) for i in ids], args.max_new_tokens, limit=limit))
-    samples = generator.generate(ids, [p.index for p in prompts], params, purpose=PURPOSE, samples=args.samples)
+    samples = generator.generate(ids, [p.index for p in prompts], params, purpose=PURPOSE, samples=args.samples,
+                                 media=media)
     by_index = {p.index: text for p, text in zip(prompts, texts)}
     lines = _record_lines(samples, decoder, by_index)
     try:
@@ -237,11 +274,63 @@ def write_out(path: Path, lines: Iterator[str], *, overwrite: bool) -> None:
 
 
 def _prompt_text(prompt: Prompt, template: ChatTemplate, chat: bool) -> str:
+    """The text fed to the model; a prompt with images has them written as their vision tokens."""
+    shown = len(prompt.images)
     if prompt.messages is not None:
-        return template.render(list(prompt.messages), add_generation_prompt=True)
+        messages = shown_messages(prompt.messages, shown) if shown else list(prompt.messages)
+        return template.render(messages, add_generation_prompt=True)
+    text = shown_text(prompt.text, shown) if shown else prompt.text
     if chat:
-        return template.render([{"role": "user", "content": prompt.text}], add_generation_prompt=True)
-    return prompt.text
+        return template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    return text
+
+
+def _shown_prompts(prompts: list[Prompt], source: Source, tokenizer, template: ChatTemplate, chat: bool,
+                   prompts_file: Optional[Path]) -> list[ShownPrompt]:
+    """Each prompt rendered and tokenized; one with images shown as the pipeline shows them (module docstring)."""
+    vision = _prompt_images(prompts, source, tokenizer)
+    shown = []
+    for prompt in prompts:
+        if not prompt.images:
+            text = _prompt_text(prompt, template, chat)
+            shown.append(ShownPrompt(text, list(tokenizer.encode_array(text)), None))
+            continue
+        try:
+            images = vision.load(prompt.images)
+            shown.append(vision.prompt(_prompt_text(prompt, template, chat), images))
+        except DataError as exc:
+            raise _image_error(exc, prompt, prompts_file) from None
+    return shown
+
+
+def _prompt_images(prompts: list[Prompt], source: Source, tokenizer) -> Optional[PromptImages]:
+    """What shows the prompts' images (None: no prompt has any); a UsageError naming the first image where
+    the model reads no images or the source does not say how to cut them."""
+    first = next((path for p in prompts for path in p.images), None)
+    if first is None:
+        return None
+    if not callable(getattr(source.model, "prompt_media", None)):  # what the sampler asks of a model too
+        raise UsageError(f"--from {source.label} is a text-only model ({type(source.model).__name__} reads no "
+                         f"images), but the prompts show {first}", file=str(first),
+                         hint="drop the images, or generate from a vision-language run or export")
+    if source.images is None:
+        raise UsageError(f"--from {source.label} has no {PROCESSOR_CONFIG}: how its images are cut into patches is "
+                         f"not known, so {first} cannot be shown", file=str(first),
+                         hint=f"write {PROCESSOR_CONFIG} (transformers' Qwen2-VL image processor's fields) there, "
+                              "or generate from the run")
+    return PromptImages(tokenizer, source.images)
+
+
+def _image_error(exc: DataError, prompt: Prompt, prompts_file: Optional[Path]) -> LockstepError:
+    """A prompt's image error: a UsageError naming ``--image``'s file, or a DataError naming the prompts
+    file's line and the image."""
+    image = exc.context.get("file")
+    if prompts_file is None:
+        where = f"--image {image}: " if image else "--prompt with --image: "
+        return UsageError(where + exc.message, file=image, hint=exc.hint)
+    about = f" ({image})" if image else ""
+    return DataError(f"{prompts_file.name} line {prompt.index + 1}: {exc.message}{about}", file=str(prompts_file),
+                     record=prompt.index + 1, hint=exc.hint)
 
 
 def add_arguments(p) -> None:
@@ -251,6 +340,8 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="one text prompt (prompt index 0)")
     src.add_argument("--prompts", type=Path, default=None, help="JSONL file, one prompt per line")
+    p.add_argument("--image", type=Path, action="append", default=None,
+                   help="an image --prompt shows (repeatable, in the order of its <image> placeholders)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: 1, or 0 with --num-beams)")
     p.add_argument("--top-p", type=float, default=1.0)
