@@ -34,6 +34,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from core import config_checks
+from core.config_errors import check_each
 from core.config_schema import ObjectiveConfig, model_config_class, objective_config_class, registered_sections, schema_of
 from core.config_sections import (AugmentConfig, DataConfig, DeterminismConfig, LoRAConfig, MetricsConfig,  # noqa: F401
                                   ModelArch, ModelConfig, ParallelConfig, SourceConfig)
@@ -454,19 +455,12 @@ def validate(config: Config, world_size: int | None = None) -> None:
     """Core's checks of the run's own sections, then those the layers above registered for theirs
     (core/config_checks.py: parallelism, the optimizer, the model and LoRA), then the model family's
     and the objective kind's own (``ModelFamily.validate``, ``ObjectiveKind.validate``), then
-    held-out generation's. ``world_size`` adds the batch-divisibility checks (every violated one in
-    one error: core/batch_shape.py). The model's shape rules live with the model (``models.qwen.dims``);
-    train.py asks them early too."""
-    config_checks.check_run_sections(config, world_size)
-    for check in config_checks.registered_checks():
-        check(config)
-    family = model_family(config.model.arch)
-    if family.validate is not None:
-        family.validate(config)
-    kind = objective_kind(config.objective.kind)
-    if kind.validate is not None:
-        kind.validate(config)
-    config_checks.check_eval_generate(config)
+    held-out generation's: every violated constraint in one error, a check that reads a section
+    found wrong left out (core/config_errors.py). ``world_size`` adds the batch-divisibility checks
+    (core/batch_shape.py). The model's shape rules live with the model (``models.qwen.dims``)."""
+    check_each(config, (lambda view: config_checks.check_run_sections(view, world_size),
+                        *config_checks.registered_checks(), model_family(config.model.arch).validate,
+                        objective_kind(config.objective.kind).validate, config_checks.check_eval_generate))
 
 
 def validate_world(config: Config, world_size: int) -> None:

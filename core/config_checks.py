@@ -1,12 +1,14 @@
 """The checks of a loaded config: core's own, of the run's sections, and the registry of those the
 layers above register for the sections they read.
 
-core.config.validate runs ``check_run_sections`` (run, train, data, checkpoint, runtime, the batch
-shape), then every registered check in the order of registration (training/registry.py registers
-distributed/config_checks.py's parallelism checks, training/optimizers/config_checks.py's and
-models/config_checks.py's), then the model family's and the objective kind's own, then
-``check_eval_generate``. A check is registered by import path (``module:function``), so registering
-imports nothing; each is imported when a config is first validated, and imports no torch.
+core.config.validate runs ``check_run_sections`` (the fields of run, train, data, checkpoint and
+runtime, then the batch shape), then every registered check in the order of registration
+(training/registry.py registers distributed/config_checks.py's parallelism checks,
+training/optimizers/config_checks.py's and models/config_checks.py's), then the model family's and
+the objective kind's own, then ``check_eval_generate``, and reports every violated constraint at
+once: each check runs on its own, and one that reads a section an earlier one found wrong stops
+unreported (core/config_errors.py). A check is registered by import path (``module:function``), so
+registering imports nothing; each is imported when a config is first validated, and imports no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 from typing import TYPE_CHECKING, Any, Callable
 
 from core.batch_shape import check_batch_shape
+from core.config_errors import check_each, raise_together
 from core.exceptions import ConfigError
 from core.record_kinds import one_per_row
 from core.registration import ensure_registered, import_attr
@@ -27,8 +30,8 @@ _CHECKS: dict[str, str] = {}
 
 
 def register_check(name: str, path: str) -> None:
-    """Add the check ``path`` (``module:function`` taking a loaded Config, raising ConfigError) under
-    ``name``. The same path again does nothing; another path under a registered name is refused."""
+    """Add the check ``path`` (``module:function`` taking a loaded Config, raising ConfigError, or
+    ConfigErrors for several: core/config_errors.py) under ``name``. The same path again does nothing; another path under a registered name is refused."""
     known = _CHECKS.get(name)
     if known is not None and known != path:
         raise ConfigError(f"config check {name!r} is registered twice, as {known!r} and {path!r}",
@@ -43,42 +46,50 @@ def registered_checks() -> tuple[Callable[[Any], None], ...]:
 
 
 def check_run_sections(config: Config, world_size: int | None = None) -> None:
-    """run.*, train.*, data.*, checkpoint.*, runtime.* on their own, and the batch shape."""
+    """run.*, train.*, data.*, checkpoint.*, runtime.* field by field (every violated one), then the
+    batch shape if the sections it reads hold (core/config_errors.py)."""
+    check_each(config, (check_fields, lambda view: check_batch_shape(view, world_size)))
+
+
+def check_fields(config: Config) -> None:
+    """The fields of run, train, data, checkpoint and runtime, each on its own: every violated one at
+    once (one ConfigError as it is, several as ConfigErrors)."""
     d, t = config.data, config.train
-    validate_run_name(config.run.name)
-    _validate_numbers(config)
-    _positive("train.max_steps", t.max_steps)
-    _positive("train.global_batch_size", t.global_batch_size)
-    _positive("train.micro_batch_size", t.micro_batch_size)
-    _positive("data.seq_len", d.seq_len)
-    _positive("data.num_streams", d.num_streams)
-    _positive("data.max_in_flight", d.max_in_flight)
+    found = [*_caught(validate_run_name, config.run.name), *_number_errors(config)]
+    for key, value in (("train.max_steps", t.max_steps), ("train.global_batch_size", t.global_batch_size),
+                       ("train.micro_batch_size", t.micro_batch_size), ("data.seq_len", d.seq_len),
+                       ("data.num_streams", d.num_streams), ("data.max_in_flight", d.max_in_flight)):
+        if value <= 0:
+            found.append(ConfigError(f"{key} must be > 0, got {value}", key=key))
     if d.workers < 0:
-        raise ConfigError("data.workers must be >= 0", key="data.workers")
+        found.append(ConfigError("data.workers must be >= 0", key="data.workers"))
     if t.loss_chunk_tokens < 0:
-        raise ConfigError("train.loss_chunk_tokens must be >= 0 (0: full logits)", key="train.loss_chunk_tokens")
-    check_batch_shape(config, world_size)
+        found.append(ConfigError("train.loss_chunk_tokens must be >= 0 (0: full logits)", key="train.loss_chunk_tokens"))
     for i, source in enumerate(d.sources):
         if not source.path:
-            raise ConfigError(f"data.sources[{i}].path is empty", key=f"data.sources[{i}].path")
+            found.append(ConfigError(f"data.sources[{i}].path is empty", key=f"data.sources[{i}].path"))
         if not math.isfinite(source.weight) or source.weight <= 0:
-            raise ConfigError(
+            found.append(ConfigError(
                 f"data.sources[{i}].weight must be a finite number > 0, got {source.weight}",
                 key=f"data.sources[{i}].weight",
-            )
+            ))
     if config.checkpoint.interval < 0 or config.checkpoint.keep < 0:
-        raise ConfigError("checkpoint.interval and checkpoint.keep must be >= 0", key="checkpoint")
+        found.append(ConfigError("checkpoint.interval and checkpoint.keep must be >= 0", key="checkpoint"))
+    raise_together(found)
 
 
 def check_eval_generate(config: Config) -> None:
-    """train.eval_generate.* (docs/post_training.md, held-out generation): a prompt source and sane sizes."""
+    """train.eval_generate.* (docs/post_training.md, held-out generation): a prompt source and sane
+    sizes, every violated one at once."""
     e, key = config.train.eval_generate, "train.eval_generate"
     if e.source is None:
         return
+    found = []
     if not one_per_row(e.source.record, key=f"{key}.source.record"):
-        raise ConfigError(f"{key}.source must hold prompt records (one a row), got record: {e.source.record}",
-                          key=f"{key}.source.record",
-                          hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval with record: prompt')
+        found.append(ConfigError(
+            f"{key}.source must hold prompt records (one a row), got record: {e.source.record}",
+            key=f"{key}.source.record",
+            hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval with record: prompt'))
     checks = (
         ("prompts", e.prompts >= 1, ">= 1"),
         ("max_new_tokens", e.max_new_tokens >= 1, ">= 1"),
@@ -87,7 +98,17 @@ def check_eval_generate(config: Config) -> None:
     )
     for name, ok, expected in checks:
         if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
+            found.append(ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}"))
+    raise_together(found)
+
+
+def _caught(check: Callable[..., None], *args: Any) -> list[ConfigError]:
+    """The ConfigError ``check(*args)`` raises, as a list (empty: it passed)."""
+    try:
+        check(*args)
+    except ConfigError as error:
+        return [error]
+    return []
 
 
 RUN_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -105,23 +126,20 @@ def validate_run_name(name: str) -> None:
         )
 
 
-def _validate_numbers(config: Config) -> None:
+def _number_errors(config: Config) -> list[ConfigError]:
     """Values whose wrong sign or non-finite value would only fail (or silently misbehave) later."""
-    t = config.train
+    t, found = config.train, []
     if not math.isfinite(t.lr) or t.lr < 0:
-        raise ConfigError(f"train.lr must be a finite number >= 0, got {t.lr}", key="train.lr")
+        found.append(ConfigError(f"train.lr must be a finite number >= 0, got {t.lr}", key="train.lr"))
     if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}", key="train.warmup_steps")
+        found.append(ConfigError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}", key="train.warmup_steps"))
     if not math.isfinite(t.min_lr_ratio) or not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}", key="train.min_lr_ratio")
+        found.append(ConfigError(f"train.min_lr_ratio must lie in [0, 1], got {t.min_lr_ratio}",
+                                 key="train.min_lr_ratio"))
     if config.runtime.gc_interval < 0:
-        raise ConfigError(
+        found.append(ConfigError(
             f"runtime.gc_interval must be >= 0, got {config.runtime.gc_interval}",
             key="runtime.gc_interval",
             hint="0 leaves Python's automatic garbage collection on",
-        )
-
-
-def _positive(key: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value}", key=key)
+        ))
+    return found

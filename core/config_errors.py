@@ -1,0 +1,149 @@
+"""Every violated constraint of a config at once: the checks run one after another, each on a view
+of the config that refuses the values of a section another check already found wrong.
+
+``core.config.validate`` hands its checks to ``check_each``: core's field checks of each section
+first, then the cross-section checks (core/config_checks.py, the registered ones, the model
+family's, the objective kind's). A check raises a ConfigError (or several, as ``ConfigErrors``);
+each is kept and the next check runs. A check that reads a value of a section named by an error
+already kept (the section that holds the error's key: ``train`` for ``train.lr``,
+``model.lora`` for ``model.lora.rank``, ``data`` for ``data.sources[0].path``) stops there and
+reports nothing, so a check never runs on a value known to be wrong and no violation is reported
+twice. One violation is raised as it is, so its line reads as it always did; several are raised
+as one ``ConfigErrors``, one line each.
+
+A check reads the config through attributes (``config.parallel.tp``); a section it gets is a view
+too (isinstance sees its class), and lists, tuples and plain values are the config's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from core.exceptions import ConfigError
+
+
+class ConfigErrors(ConfigError):
+    """Several violated constraints of one config, each a ConfigError of its own (``errors``, in the
+    order the checks ran). Printed as a header line and one indented line per violation: its
+    message, its key and its hint. ``context`` and ``hint`` are the first violation's, the one a
+    loader that stops at the first would have raised."""
+
+    def __init__(self, errors: Sequence[ConfigError]) -> None:
+        self.errors = tuple(errors)
+        lines = "".join(f"\n  {_line(error)}" for error in self.errors)
+        first = self.errors[0]
+        super().__init__(f"{len(self.errors)} violated constraints, one a line:{lines}", hint=first.hint,
+                         **first.context)
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+def _line(error: ConfigError) -> str:
+    """An error's line without its kind (``config error: ``)."""
+    return str(error).removeprefix(f"{error.kind}: ")
+
+
+def raise_together(errors: Sequence[ConfigError]) -> None:
+    """Nothing for no error, the error itself for one, one ConfigErrors for several."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+
+
+def check_each(config: Any, checks: Iterable[Optional[Callable[[Any], None]]]) -> None:
+    """Run every check (None: none there) on ``config`` and raise what they found together
+    (``raise_together``). Called with a view, from a check that ``check_each`` runs, it adds to
+    that collection instead: its own checks are gated and reported with the others."""
+    if isinstance(config, _SectionView):
+        collection = config._collection
+        for check in checks:
+            collection.run(check)
+        return
+    collection = _Collection(config)
+    for check in checks:
+        collection.run(check)
+    raise_together(collection.errors)
+
+
+class _ReadsWrongSection(Exception):
+    """A check read a value of a section an earlier check found wrong: the check stops, unreported."""
+
+
+class _Collection:
+    """The errors found so far and the sections they name."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.errors: list[ConfigError] = []
+        self.wrong: set[str] = set()
+        """Sections (dotted paths of the config's dataclasses; "" the whole config) holding an error's key."""
+
+    def run(self, check: Optional[Callable[[Any], None]]) -> None:
+        if check is None:
+            return
+        try:
+            check(_SectionView(self.config, "", self))
+        except _ReadsWrongSection:
+            return
+        except ConfigErrors as found:
+            self.add(found.errors)
+        except ConfigError as found:
+            self.add([found])
+
+    def add(self, errors: Iterable[ConfigError]) -> None:
+        for error in errors:
+            if isinstance(error, ConfigErrors):
+                self.add(error.errors)
+                continue
+            self.errors.append(error)
+            keys = str(error.context.get("key", "")).split(",")
+            self.wrong.update(section_of(self.config, key.strip()) for key in keys)
+
+    def refuses(self, path: str) -> bool:
+        return "" in self.wrong or path in self.wrong
+
+
+def section_of(config: Any, key: str) -> str:
+    """The section that holds ``key``: the longest run of its dotted parts that names dataclasses
+    of ``config`` (``train`` for train.lr, ``parallel`` for parallel, ``data`` for data.sources[1].path,
+    "" for a key that names none)."""
+    node, parts = config, []
+    for part in key.split("."):
+        value = getattr(node, part, None) if part.isidentifier() else None
+        if not _is_section(value):
+            break
+        node = value
+        parts.append(part)
+    return ".".join(parts)
+
+
+def _is_section(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+class _SectionView:
+    """A section of the config as a check reads it: its sections as views, its values as they are,
+    unless an earlier error named this section (then the check stops: ``_ReadsWrongSection``)."""
+
+    __slots__ = ("_section", "_path", "_collection")
+
+    def __init__(self, section: Any, path: str, collection: _Collection) -> None:
+        self._section, self._path, self._collection = section, path, collection
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._section, name)
+        if _is_section(value):
+            return _SectionView(value, f"{self._path}.{name}".lstrip("."), self._collection)
+        if self._collection.refuses(self._path):
+            raise _ReadsWrongSection(f"{self._path}.{name}")
+        return value
+
+    @property
+    def __class__(self) -> type:  # isinstance(view, ModelConfig) holds as for the section itself
+        return type(self._section)
+
+    def __repr__(self) -> str:
+        return f"view of {self._section!r}"

@@ -1,0 +1,100 @@
+"""Every violated constraint of a config at once (core/config_errors.py): one error as it always read,
+several as one ConfigErrors with a line each, and a check that reads a section already found wrong
+left out (so nothing is reported twice, and no check runs on a value known to be wrong)."""
+
+from __future__ import annotations
+
+import pytest
+
+from core import config as config_lib
+from core.config_errors import ConfigErrors, check_each, section_of
+from core.exceptions import ConfigError, ExitCode
+from models.config_checks import validate_model
+from tests import launch
+from training.command_line import check_before_ranks
+
+TINY = str(launch.ROOT / "configs" / "tiny.yaml")
+THREE_WRONG = ["train.lr=-1", "model.num_layers=0", "data.seq_len=-5"]
+
+
+def _refusal(overrides: list[str], world_size: int | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY, overrides, world_size=world_size)
+    return info.value
+
+
+def test_several_violations_are_named_together_one_a_line():
+    error = _refusal(THREE_WRONG)
+    assert isinstance(error, ConfigErrors) and error.exit_code == ExitCode.CONFIG
+    assert str(error).splitlines() == [
+        "config error: 3 violated constraints, one a line:",
+        "  train.lr must be a finite number >= 0, got -1.0 [key=train.lr]",
+        "  data.seq_len must be > 0, got -5 [key=data.seq_len]",
+        "  model.num_layers must be > 0, got 0 [key=model.num_layers]",
+    ]
+    assert error.context == {"key": "train.lr"}  # the first one's, as a loader stopping there raised it
+
+
+def test_checks_of_every_layer_and_their_hints_are_listed():
+    """Core's fields, a registered check (distributed/), the objective kind's and held-out generation's."""
+    error = _refusal(["runtime.gc_interval=-1", "parallel.fsdp_unit_blocks=0", "objective.kind=dpo",
+                      "train.eval_generate.source.path=x", "train.eval_generate.source.record=prompt",
+                      "train.eval_generate.prompts=0", "train.eval_generate.samples=-1"])
+    assert [e.context["key"] for e in error.errors] == [
+        "runtime.gc_interval", "parallel.fsdp_unit_blocks", "data.sources",
+        "train.eval_generate.prompts", "train.eval_generate.samples"]
+    lines = str(error).splitlines()[1:]
+    assert len(lines) == 5 and all(f"[key={e.context['key']}]" in line for e, line in zip(error.errors, lines))
+    assert lines[0].endswith("-> 0 leaves Python's automatic garbage collection on")
+    assert lines[1].endswith("-> 1 shards every transformer block on its own")
+
+
+def test_one_violation_reads_as_it_always_did():
+    error = _refusal(["train.lr=-1"])
+    assert type(error) is ConfigError
+    assert str(error) == "config error: train.lr must be a finite number >= 0, got -1.0 [key=train.lr]"
+    error = _refusal(["data.sources=[{path: x, weight: .inf}]"])
+    assert str(error) == ("config error: data.sources[0].weight must be a finite number > 0, got inf "
+                          "[key=data.sources[0].weight]")
+
+
+def test_a_check_reading_a_wrong_section_is_left_out():
+    """The batch shape divides by the micro-batch: with it refused, the check does not run (it would
+    divide by zero) and says nothing about divisibility."""
+    error = _refusal(["train.micro_batch_size=0", "data.seq_len=-5"], world_size=2)
+    assert [e.context["key"] for e in error.errors] == ["train.micro_batch_size", "data.seq_len"]
+    assert "divisible" not in str(error)
+
+
+def test_a_violation_two_checks_see_is_reported_once():
+    """qwen3_moe's settings are checked where its shape resolves (models/config_checks.py) and by the
+    family's own validate: the second reads the section the first found wrong and stops."""
+    error = _refusal(["model.arch=qwen3_moe", "model.qwen3_moe.num_experts=0", "train.lr=-1"])
+    assert [e.context["key"] for e in error.errors] == ["train.lr", "model.qwen3_moe.num_experts"]
+    error = _refusal(["model.arch=qwen3_moe", "model.qwen3_moe.num_experts=0"])
+    assert type(error) is ConfigError and error.context["key"] == "model.qwen3_moe.num_experts"
+
+
+def test_a_check_called_on_its_own_raises_all_it_found():
+    """validate_model outside the loader collects on its own: the vocabulary and LoRA at once."""
+    config = config_lib.from_dict({"model": {"vocab_size": 0, "lora": {"rank": -1}}})
+    with pytest.raises(ConfigErrors) as info:
+        validate_model(config)
+    assert [e.context["key"] for e in info.value.errors] == ["model.vocab_size", "model.lora.rank"]
+    check_each(config_lib.load(TINY), (validate_model, None))  # a valid config: nothing raised
+
+
+def test_the_check_before_ranks_lists_them_all():
+    with pytest.raises(ConfigErrors) as info:
+        check_before_ranks(["--config", TINY, *THREE_WRONG, "parallel.device=cpu"], 2)
+    assert len(info.value.errors) == 3
+
+
+def test_a_keys_section_is_the_dataclass_that_holds_it():
+    config = config_lib.load(TINY)
+    assert section_of(config, "train.lr") == "train"
+    assert section_of(config, "parallel") == "parallel"
+    assert section_of(config, "model.lora.rank") == "model.lora"
+    assert section_of(config, "data.sources[0].path") == "data"
+    assert section_of(config, "train.eval_generate.prompts") == "train.eval_generate"
+    assert section_of(config, "") == section_of(config, "no.such.key") == ""
