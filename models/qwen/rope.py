@@ -5,14 +5,14 @@ checkpoints), not adjacent dimensions. Nothing is cached in buffers (no buffer t
 after a meta-device ``to_empty``, no state_dict entry): the model computes a ``RotaryTable``
 from the integer ``position_ids`` once per forward and hands it to every block. Computing
 cos and sin inside each layer instead cost a few percent of a 0.5B step on an H200 (the
-compiled kernels re-evaluate them for every head). The table travels in a frozen dataclass,
-which FSDP's mixed-precision input cast does not look into, so the fp32 angles are never
-rounded to bf16.
+compiled kernels re-evaluate them for every head). The table travels in an object of a plain
+class: FSDP2's mixed-precision input cast (``cast_forward_inputs``) enters tensors, dataclasses,
+dicts, named tuples, lists and tuples (torch.distributed.utils' ``_apply_to_tensors``) and would
+round the angles to bf16 at every block under a bf16 policy, but passes any other object as it is,
+so the fp32 angles are never rounded (a frozen dataclass, as the table was before, was entered).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -32,12 +32,17 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tup
     return angles.cos(), angles.sin()
 
 
-@dataclass(frozen=True)
 class RotaryTable:
-    """cos and sin of the rotation angles of one batch, each (B or 1, T, head_dim/2), fp32."""
+    """cos and sin of the rotation angles of one batch, each (B or 1, T, head_dim/2), fp32.
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    Not a dataclass nor a tuple, so that FSDP2's input cast leaves it fp32 (module docstring); set
+    once, never written after."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos = cos
+        """cos of the angles, (B or 1, T, head_dim/2) fp32."""
+        self.sin = sin
+        """sin of the angles, (B or 1, T, head_dim/2) fp32."""
 
     @classmethod
     def build(cls, position_ids: torch.Tensor, head_dim: int, theta: float) -> "RotaryTable":

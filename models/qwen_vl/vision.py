@@ -15,8 +15,8 @@ model's width; the features are put back in the images' own block-major order.
 Attention over variable-length segments (windows or frames) runs as one non-causal SDPA call per
 distinct segment length over all segments of that length (``Segments``), so no mask of the
 whole patch sequence is built. Each block is callable alone, ``block(hidden, rope, segments)``,
-with ``hidden`` its only floating-point tensor argument (the rotary table is a frozen dataclass
-that FSDP's input cast does not enter): FSDP, activation checkpointing and compile wrap the
+with ``hidden`` its only floating-point tensor argument (the rotary table is an object FSDP's input
+cast does not enter, models/qwen/rope.py): FSDP, activation checkpointing and compile wrap the
 blocks of this stack as they wrap the language model's.
 """
 
