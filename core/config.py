@@ -455,12 +455,13 @@ def validate(config: Config, world_size: int | None = None) -> None:
     """Core's checks of the run's own sections, then those the layers above registered for theirs
     (core/config_checks.py: parallelism, the optimizer, the model and LoRA), then the model family's
     and the objective kind's own (``ModelFamily.validate``, ``ObjectiveKind.validate``), then
-    held-out generation's: every violated constraint in one error, a check that reads a section
-    found wrong left out (core/config_errors.py). ``world_size`` adds the batch-divisibility checks
-    (core/batch_shape.py). The model's shape rules live with the model (``models.qwen.dims``)."""
+    held-out generation's, then the model's shape as its family resolves it (``models.qwen.dims``):
+    every violated constraint in one error, a check that reads a section found wrong left out
+    (core/config_errors.py). ``world_size`` adds the batch-divisibility checks (core/batch_shape.py)."""
     check_each(config, (lambda view: config_checks.check_run_sections(view, world_size),
                         *config_checks.registered_checks(), model_family(config.model.arch).validate,
-                        objective_kind(config.objective.kind).validate, config_checks.check_eval_generate))
+                        objective_kind(config.objective.kind).validate, config_checks.check_eval_generate,
+                        config_checks.check_model_shape))
 
 
 def validate_world(config: Config, world_size: int) -> None:

@@ -5,9 +5,9 @@ core.config.validate runs ``check_run_sections`` (the fields of run, train, data
 runtime, then the batch shape), then every registered check in the order of registration
 (training/registry.py registers distributed/config_checks.py's parallelism checks,
 training/optimizers/config_checks.py's and models/config_checks.py's), then the model family's and
-the objective kind's own, then ``check_eval_generate``, and reports every violated constraint at
-once: each check runs on its own, and one that reads a section an earlier one found wrong stops
-unreported (core/config_errors.py). A check is registered by import path (``module:function``), so
+the objective kind's own, then ``check_eval_generate`` and ``check_model_shape``, and reports every
+violated constraint at once: each check runs on its own, and one that reads a section an earlier
+one found wrong stops unreported (core/config_errors.py). A check is registered by import path (``module:function``), so
 registering imports nothing; each is imported when a config is first validated, and imports no torch.
 """
 
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from core.batch_shape import check_batch_shape
 from core.config_errors import check_each, raise_together
 from core.exceptions import ConfigError
+from core.model_families import model_family
 from core.record_kinds import one_per_row
 from core.registration import ensure_registered, import_attr
 
@@ -100,6 +101,16 @@ def check_eval_generate(config: Config) -> None:
         if not ok:
             found.append(ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}"))
     raise_together(found)
+
+
+def check_model_shape(config: Config) -> None:
+    """The model's shape, as its family resolves it to count its parameters (``ModelFamily.num_params``:
+    models.qwen.dims' rules for the Qwen rows), so a shape the family cannot build is refused before a
+    rank starts. Asked last, so a violation the family's own checks name reads as theirs; not with
+    model.init_from, whose config.json gives the shape (checked where it is read)."""
+    model = config.model
+    if model.init_from is None:
+        import_attr(model_family(model.arch).num_params)(model)
 
 
 def _caught(check: Callable[..., None], *args: Any) -> list[ConfigError]:

@@ -1,7 +1,8 @@
 """Typed errors for Lockstep, each mapped to a process exit code (docs/contracts.md).
 
 Every error carries the context needed to act on it (key, file, record, step, rank) and a
-hint that says what to do next. ``str(error)`` is the single line printed on exit.
+hint that says what to do next. ``str(error)`` is the single line printed on exit (a config
+error naming several violations prints a line for each: core/config_errors.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The checks of model.* on a loaded config that need no model code: its vocabulary, LoRA
 (model.lora.*) and NF4 (model.quantize_base), on their own and against parallel.*; registered with
 core.config's loader (core/config_checks.py, training/registry.py). The shape rules live with each
-family (models.qwen.dims, asked where the model is built); the loader asks them through the
-family's parameter count (models/flops.py), so the family's counting module imports no torch.
-Torch-free: the launcher checks a config before torch is imported.
+family (models.qwen.dims, asked where the model is built, and by the loader last of all:
+core.config_checks.check_model_shape). Torch-free: the launcher checks a config before torch is
+imported.
 """
 
 from __future__ import annotations
@@ -14,33 +14,27 @@ from typing import TYPE_CHECKING
 from core.config_errors import check_each
 from core.exceptions import ConfigError
 from core.model_families import model_family
-from models.flops import num_params
 
 if TYPE_CHECKING:
     from core.config import Config
 
 
 def validate_model(config: Config) -> None:
-    """model.vocab_size and the family's shape rules, then model.lora and model.quantize_base
-    (docs/models.md, LoRA): each violated one (core/config_errors.py)."""
-    check_each(config, (_validate_shape, _validate_lora))
+    """model.vocab_size, then model.lora and model.quantize_base (docs/models.md, LoRA): each
+    violated one (core/config_errors.py)."""
+    check_each(config, (_validate_vocab, _validate_lora))
 
 
-def _validate_shape(config: Config) -> None:
-    """model.vocab_size, then the shape the family resolves to count its parameters (models.qwen.dims'
-    rules for the Qwen rows), so a shape it cannot build is refused before a rank starts; with
-    model.init_from the directory's config.json gives the shape, checked where it is read."""
-    model = config.model
-    if model.vocab_size <= 0:
-        raise ConfigError(f"model.vocab_size must be > 0, got {model.vocab_size}", key="model.vocab_size")
-    if model.init_from is None:
-        num_params(model)
+def _validate_vocab(config: Config) -> None:
+    """model.vocab_size on its own (the tokenizer's ids are checked where the tokenizer is loaded)."""
+    if config.model.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size must be > 0, got {config.model.vocab_size}", key="model.vocab_size")
 
 
 def _validate_lora(config: Config) -> None:
     """model.lora and model.quantize_base on their own and against parallel.* (docs/models.md, LoRA)."""
     lora = config.model.lora
-    if lora.rank < 0:  # before model.* is read: reported beside a wrong model shape
+    if lora.rank < 0:  # before model.* is read: reported beside a wrong model.vocab_size
         raise ConfigError(f"model.lora.rank must be >= 0 (0: off), got {lora.rank}", key="model.lora.rank")
     quantize = config.model.quantize_base
     if lora.rank == 0:

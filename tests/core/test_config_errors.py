@@ -67,12 +67,15 @@ def test_a_check_reading_a_wrong_section_is_left_out():
 
 
 def test_a_violation_two_checks_see_is_reported_once():
-    """qwen3_moe's settings are checked where its shape resolves (models/config_checks.py) and by the
-    family's own validate: the second reads the section the first found wrong and stops."""
+    """qwen3_moe's settings are checked by the family's own validate and again where its shape
+    resolves (core.config_checks.check_model_shape, asked last): the second reads the section the
+    first found wrong and stops."""
     error = _refusal(["model.arch=qwen3_moe", "model.qwen3_moe.num_experts=0", "train.lr=-1"])
     assert [e.context["key"] for e in error.errors] == ["train.lr", "model.qwen3_moe.num_experts"]
-    error = _refusal(["model.arch=qwen3_moe", "model.qwen3_moe.num_experts=0"])
-    assert type(error) is ConfigError and error.context["key"] == "model.qwen3_moe.num_experts"
+    error = _refusal(["model.arch=qwen3_moe", "model.num_layers=0"])
+    assert str(error) == ("config error: model.qwen3_moe: no layer of model.num_layers=0 is a mixture of experts "
+                          "(decoder_sparse_step=1, mlp_only_layers=[]) [key=model.qwen3_moe.decoder_sparse_step] "
+                          "-> use model.arch qwen3 for a dense model")
 
 
 def test_a_check_called_on_its_own_raises_all_it_found():
