@@ -20,6 +20,12 @@ stacked on dim 0, not as linears: they take no adapters, and a target naming one
 ConfigError even where a dense block has a linear of that name (docs/models.md, Qwen3-MoE, says what
 adapters on experts would need). Adapters on the attention of such a model are the plain case.
 
+Vision towers. A vision-language model names its tower (``vision_tower``) and how it trains
+(``tower_training``, its family's ``model.<arch>.tower``): ``lora`` wraps every linear of the tower's
+blocks whatever the targets name, ``full`` and ``frozen`` wrap none of them (``full`` trains every
+tower parameter beside the adapters, as ``modules_to_save`` would; ``frozen`` keeps them frozen), and
+unset the targets wrap the tower's block linears whose names they list, as any other's.
+
 Keyed init. Each ``lora_A`` is drawn from a CPU generator seeded by
 ``core.seeding.derive_seed(seed, "lora:<canonical name>")``, uniform in
 +-1/sqrt(in_features) (PEFT's kaiming-uniform with a=sqrt(5)), in fp32 on the CPU, then
@@ -257,8 +263,9 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int) -> list[str]:
             key="model.lora.targets",
             hint=f"valid names for this model: {', '.join(valid)}",
         )
+    tower, training = _tower(model)
     for name, module in list(_block_linears(model)):
-        if name.rsplit(".", 1)[-1] not in config.targets:
+        if not _wrapped(name, config.targets, tower, training):
             continue
         if isinstance(module, LoRALinear):
             raise ValueError(f"{name} already has adapters; apply_lora wraps each linear once")
@@ -266,7 +273,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int) -> list[str]:
         wrapper.reset_adapters(seed)
         parent, leaf = name.rsplit(".", 1)
         setattr(model.get_submodule(parent), leaf, wrapper)
-    extra = _modules_to_save(model, config.modules_to_save)
+    extra = [*_modules_to_save(model, config.modules_to_save), *([tower] if training == "full" else [])]
     trainable = []
     for name, param in model.named_parameters():
         train = is_adapter_name(name) or any(name.startswith(f"{m}.") for m in extra)
@@ -274,6 +281,21 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int) -> list[str]:
         if train:
             trainable.append(name)
     return sorted(trainable, key=lambda n: not is_adapter_name(n))
+
+
+def _tower(model: nn.Module) -> tuple[str | None, str | None]:
+    """A vision-language model's tower (its module name, ``vision_tower``) and how it trains
+    (``tower_training``: full, frozen, lora, None: as the language model); (None, None) without a tower."""
+    tower = getattr(model, "vision_tower", None)
+    return (tower, model.tower_training) if tower else (None, None)
+
+
+def _wrapped(name: str, targets: tuple[str, ...], tower: str | None, training: str | None) -> bool:
+    """Whether ``apply_lora`` wraps the block linear ``name``: a linear of the vision tower as the tower trains
+    (lora: every one; full, frozen: none; None: as the others), any other when ``targets`` name it."""
+    if tower is not None and training is not None and name.startswith(f"{tower}."):
+        return training == "lora"
+    return name.rsplit(".", 1)[-1] in targets
 
 
 def _modules_to_save(model: nn.Module, names: tuple[str, ...]) -> list[str]:

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Optional
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily
 from models.qwen.lora_targets import LORA_TARGETS
-from models.qwen_vl.family import TOWER_SIZES, check_features_and_tokens, check_tower, refuse_tensor_parallel
+from models.qwen_vl.family import (
+    TOWER_SIZES,
+    TowerTraining,
+    check_features_and_tokens,
+    check_tower,
+    check_tower_training,
+    refuse_tensor_parallel,
+)
 
 if TYPE_CHECKING:
     from core.config import Config
@@ -64,6 +71,8 @@ class Qwen3VLSettings:
     """The token after an image's placeholders (recorded in exports)."""
     mrope_section: tuple[int, ...] = (24, 20, 20)
     """Rotary frequency pairs of the (temporal, height, width) positions, interleaved (pair i: height if i % 3 == 1 and i < 3 * section[1], width if i % 3 == 2 and i < 3 * section[2], else temporal); they sum to head_dim / 2."""
+    tower: TowerTraining = None
+    """How the vision tower (its DeepStack mergers too) trains: full (every parameter, beside LoRA's adapters too), frozen (no gradient, no optimizer state, no adapters), lora (adapters on every linear of its blocks; needs model.lora.rank > 0); unset: as the language model (in full, or under model.lora the targets its block linears' names match)."""
 
 
 def settings_of(model) -> Qwen3VLSettings:
@@ -77,6 +86,7 @@ def validate(config: Config) -> None:
     if model.arch != NAME:
         return
     check_settings(model)
+    check_tower_training(config, settings_of(model).tower, f"model.{NAME}.tower")
     refuse_tensor_parallel(config, NAME)
 
 
@@ -143,6 +153,7 @@ QWEN3_VL = ModelFamily(
     generation_copy=f"{_CODE}.generation_copy:generation_copy",
     lora_targets=(*LORA_TARGETS, "qkv", "proj", "linear_fc1", "linear_fc2"),
     validate=validate,
+    hashed_only_when_set=("tower",),
 )
 
 FAMILIES = (QWEN3_VL,)

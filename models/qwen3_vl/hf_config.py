@@ -18,7 +18,7 @@ from core.config import ModelConfig
 from core.model_families import ModelFamily
 from models.hf_config import FieldReader, with_section
 from models.qwen3_vl.dims import VISION_ROPE_THETA, Qwen3VLDims
-from models.qwen3_vl.family import HF_ARCHITECTURE, NAME, Qwen3VLSettings
+from models.qwen3_vl.family import HF_ARCHITECTURE, NAME, Qwen3VLSettings, settings_of
 from models.qwen_vl.hf_config import check_vision_rope, read_towers, rope, token_ids, top_level
 
 _DEFAULT_ROPE_THETA = 500000.0
@@ -54,7 +54,8 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
         num_position_embeddings=vision.integer("num_position_embeddings"),
         deepstack_visual_indexes=tuple(indexes),
         out_hidden_size=vision.integer("out_hidden_size", default=hidden_size),
-        mrope_section=section, **token_ids(reader, Qwen3VLSettings))
+        mrope_section=section, tower=settings_of(base).tower,  # how it trains: the run's, not the file's
+        **token_ids(reader, Qwen3VLSettings))
     tied = reader.flag("tie_word_embeddings", default=False) or text.flag("tie_word_embeddings", default=False)
     num_heads = text.integer("num_attention_heads")
     base = with_section(base, NAME)

@@ -11,7 +11,7 @@ imported; the code it names is imported when a model is built. training/registry
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily
@@ -19,6 +19,9 @@ from models.qwen.lora_targets import LORA_TARGETS
 
 if TYPE_CHECKING:
     from core.config import Config
+
+TowerTraining = Optional[Literal["full", "frozen", "lora"]]
+"""A vision section's ``tower`` key: how its vision tower trains (None: as the language model)."""
 
 NAME = "qwen2_5_vl"
 """The model.arch value, and the model.<name> section's key."""
@@ -62,6 +65,8 @@ class QwenVLSettings:
     """The token after an image's placeholders (recorded in exports)."""
     mrope_section: tuple[int, ...] = (16, 24, 24)
     """Rotary frequency pairs given to the (temporal, height, width) positions; they sum to head_dim / 2."""
+    tower: TowerTraining = None
+    """How the vision tower trains: full (every parameter, beside LoRA's adapters too), frozen (no gradient, no optimizer state, no adapters), lora (adapters on every linear of its blocks; needs model.lora.rank > 0); unset: as the language model (in full, or under model.lora the targets its block linears' names match)."""
 
 
 def settings_of(model) -> QwenVLSettings:
@@ -76,6 +81,7 @@ def validate(config: Config) -> None:
         return
     check_settings(model)
     tower = settings_of(model)
+    check_tower_training(config, tower.tower, f"model.{NAME}.tower")
     for key, name in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
                       ("merge_size", "spatial_merge_size")):
         if getattr(config.data.images, key) != getattr(tower, name):
@@ -83,6 +89,18 @@ def validate(config: Config) -> None:
                               f"model.{NAME}.{name}={getattr(tower, name)}: images are cut into its patches",
                               key=f"data.images.{key}", hint=f"set data.images.{key}={getattr(tower, name)}")
     refuse_tensor_parallel(config, NAME)
+
+
+def check_tower_training(config: Config, tower: TowerTraining, key: str) -> None:
+    """A vision section's ``tower`` (under ``key``) against ``model.lora`` and ``model.quantize_base``."""
+    if tower == "lora" and config.model.lora.rank <= 0:
+        raise ConfigError(f"{key}=lora puts adapters on the vision tower, but model.lora.rank is "
+                          f"{config.model.lora.rank} (no adapters)", key=key,
+                          hint="set model.lora.rank > 0, or the tower to full or frozen")
+    if tower == "full" and config.model.quantize_base != "none":
+        raise ConfigError(f"{key}=full trains the vision tower's linears, which model.quantize_base="
+                          f"{config.model.quantize_base} stores quantized and frozen", key=key,
+                          hint="set the tower to lora or frozen, or model.quantize_base=none")
 
 
 def refuse_tensor_parallel(config: Config, name: str) -> None:
@@ -172,6 +190,7 @@ QWEN2_5_VL = ModelFamily(
     generation_copy=f"{_CODE}.generation_copy:generation_copy",
     lora_targets=(*LORA_TARGETS, "qkv", "proj"),
     validate=validate,
+    hashed_only_when_set=("tower",),
 )
 
 FAMILIES = (QWEN2_5_VL,)

@@ -17,7 +17,7 @@ from core.config import ModelConfig
 from core.model_families import ModelFamily
 from models.hf_config import FieldReader, with_section
 from models.qwen_vl.dims import VISION_ROPE_THETA, QwenVLDims
-from models.qwen_vl.family import HF_ARCHITECTURE, NAME, QwenVLSettings
+from models.qwen_vl.family import HF_ARCHITECTURE, NAME, QwenVLSettings, settings_of
 
 _DEFAULT_ROPE_THETA = 1000000.0
 _DEFAULT_RMS_EPS = 1e-6
@@ -48,7 +48,8 @@ def config_from_hf(reader: FieldReader, family: ModelFamily, base: ModelConfig) 
         spatial_merge_size=vision.integer("spatial_merge_size"), window_size=vision.integer("window_size"),
         fullatt_block_indexes=tuple(int(i) for i in vision.get("fullatt_block_indexes", ())),
         out_hidden_size=vision.integer("out_hidden_size", default=hidden_size),
-        mrope_section=section, **token_ids(reader, QwenVLSettings))
+        mrope_section=section, tower=settings_of(base).tower,  # how it trains: the run's, not the file's
+        **token_ids(reader, QwenVLSettings))
     tied = reader.flag("tie_word_embeddings", default=False) or text.flag("tie_word_embeddings", default=False)
     base = with_section(base, NAME)
     return dataclasses.replace(

@@ -22,7 +22,7 @@ at M-RoPE position (slot + the row's offset) on all three axes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -81,6 +81,8 @@ class QwenVLForConditionalGeneration(nn.Module):
     """The config's resolved shape (``dims``: ``text`` and ``vision``); a subclass family's own."""
     tower_class: ClassVar[type[nn.Module]] = VisionTower
     """The vision tower, built from ``dims.vision``; a subclass family's own."""
+    vision_tower: ClassVar[str] = "visual"
+    """The vision tower's module name: what ``tower_training`` applies to (models/lora.py asks it)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -88,11 +90,20 @@ class QwenVLForConditionalGeneration(nn.Module):
         self.dims = dims = self.resolve_shape(config)
         self.numerics = Numerics.for_model(config)
         self.visual = self.tower_class(dims.vision, numerics=self.numerics)
+        if self.tower_training == "frozen":  # no gradient, so no optimizer state; LoRA adds it no adapter
+            self.visual.requires_grad_(False)
         self.embed_tokens = nn.Embedding(dims.text.vocab_size, dims.text.hidden_size)
         self.layers = nn.ModuleList(QwenBlock(dims.text, numerics=self.numerics) for _ in range(dims.text.num_layers))
         self.norm = RMSNorm(dims.text.hidden_size, dims.text.rms_norm_eps)
         self.lm_head = nn.Linear(dims.text.hidden_size, dims.text.vocab_size, bias=False)
         self.tie_weights()
+
+    @property
+    def tower_training(self) -> Optional[str]:
+        """How the vision tower trains: the ``model.<arch>.tower`` key (full, frozen, lora; None: as the language
+        model). Frozen is applied here; models/lora.py applies the others under ``model.lora``."""
+        section = getattr(self.config, self.config.arch, None)
+        return None if section is None else section.tower
 
     @property
     def parallel_plan(self) -> ModelParallelPlan:

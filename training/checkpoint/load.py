@@ -107,8 +107,11 @@ def load_checkpoint_model(config: Config, path: Path) -> torch.nn.Module:
         model_config = config.model
         if model_config.init_from is not None:
             model_config = model_config_from_hf(_shape_source(config, path), base=model_config)
-        model_config = dataclasses.replace(model_config, init_from=None)
-        model = models.build(model_config)  # seeded init, then every tensor is overwritten
+        # the run's own init: what a frozen part (a vision tower), which the checkpoint leaves out, still holds
+        model = models.build(dataclasses.replace(model_config, init_from=None),
+                             generator=seeding.generator(config.train.seed, "model_init"))
+        if config.model.init_from is not None and not all(p.requires_grad for p in model.parameters()):
+            model = models.build(model_config)  # the frozen part as the run read it
     frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
     state = {f"{MODEL_KEY}.{k}": v for k, v in model.state_dict().items() if k not in frozen}
     reader = SafeFileSystemReader(str(path / DCP_DIR))
