@@ -30,6 +30,18 @@ def test_local_hugging_face_tokenizer_directory(tmp_path):
     assert tok.fingerprint.startswith("hf-") and tok.fingerprint == build_tokenizer(str(tmp_path / "tok" / "tokenizer.json")).fingerprint
 
 
+def test_a_tokenizer_file_is_parsed_once_a_process_and_again_once_its_bytes_change(tmp_path):
+    """The builds of one file share its parse (data/tokenizers.py ``_PARSED``); another file
+    (here, retrained in place with another vocabulary) is parsed anew and encodes as itself."""
+    directory = train_local_tokenizer(tmp_path / "tok")
+    first, second = build_tokenizer(str(directory)), build_tokenizer(str(directory / "tokenizer.json"))
+    assert first._tok is second._tok
+    train_local_tokenizer(directory, ["abc abc abd\n"] * 50, vocab_size=270)
+    third = build_tokenizer(str(directory))
+    assert third._tok is not first._tok and third.fingerprint != first.fingerprint
+    assert third.encode("abc") != first.encode("abc") and third.decode(third.encode("abc abd")) == "abc abd"
+
+
 def test_missing_tokenizer_is_a_data_error_that_says_nothing_is_downloaded(tmp_path):
     with pytest.raises(DataError, match="never downloads"):
         build_tokenizer("Qwen/Qwen3-0.6B")
