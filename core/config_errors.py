@@ -12,7 +12,9 @@ twice. One violation is raised as it is, so its line reads as it always did; sev
 as one ``ConfigErrors``, one line each.
 
 A check reads the config through attributes (``config.parallel.tp``); a section it gets is a view
-too (isinstance sees its class), and lists, tuples and plain values are the config's own.
+too (isinstance sees its class, ``==`` compares the section), and lists, tuples and plain values
+are the config's own. A view is no dataclass instance: a check that needs one
+(``dataclasses.replace``) belongs where the model or the run is built, not in the loader.
 """
 
 from __future__ import annotations
@@ -102,8 +104,11 @@ class _Collection:
             keys = str(error.context.get("key", "")).split(",")
             self.wrong.update(section_of(self.config, key.strip()) for key in keys)
 
-    def refuses(self, path: str) -> bool:
-        return "" in self.wrong or path in self.wrong
+    def refuses(self, path: str, *, within: bool = False) -> bool:
+        """Whether ``path`` is a wrong section (``within``: or holds one)."""
+        if "" in self.wrong or path in self.wrong:
+            return True
+        return within and any(wrong.startswith(f"{path}.") for wrong in self.wrong)
 
 
 def section_of(config: Any, key: str) -> str:
@@ -140,6 +145,14 @@ class _SectionView:
         if self._collection.refuses(self._path):
             raise _ReadsWrongSection(f"{self._path}.{name}")
         return value
+
+    def __eq__(self, other: object) -> bool:
+        if self._collection.refuses(self._path, within=True):
+            raise _ReadsWrongSection(self._path)
+        return self._section == (other._section if isinstance(other, _SectionView) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._section)
 
     @property
     def __class__(self) -> type:  # isinstance(view, ModelConfig) holds as for the section itself

@@ -101,3 +101,28 @@ def test_a_keys_section_is_the_dataclass_that_holds_it():
     assert section_of(config, "data.sources[0].path") == "data"
     assert section_of(config, "train.eval_generate.prompts") == "train.eval_generate"
     assert section_of(config, "") == section_of(config, "no.such.key") == ""
+
+
+def test_a_check_sees_sections_as_they_are_until_one_is_wrong():
+    config = config_lib.load(TINY)
+    seen = []
+
+    def look(view):
+        seen.append((isinstance(view.model, type(config.model)), view.model == config.model,
+                     view.model.lora == config.model.lora, view.data.sources == config.data.sources))
+
+    def refuse_lr(view):
+        raise ConfigError("wrong", key="train.lr")
+
+    check_each(config, (look,))
+    def compares_train(view):
+        if view.train == config.train:
+            raise ZeroDivisionError  # never reached: train is wrong by then
+
+    def reads_lr(view):
+        raise ZeroDivisionError(view.train.lr)  # the same
+
+    with pytest.raises(ConfigError) as info:
+        check_each(config, (refuse_lr, compares_train, reads_lr, look))
+    assert str(info.value) == "config error: wrong [key=train.lr]"
+    assert seen == [(True, True, True, True)] * 2
