@@ -78,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     x (..., in), weight (out, in) -> (..., out) in x's dtype. Differentiable."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    blocks = -(-count // ROW_BLOCK)
+    blocks = max(-(-count // ROW_BLOCK), 1)  # no rows (an expert without tokens): one padded block, none kept
     padded = F.pad(rows, (0, 0, 0, blocks * ROW_BLOCK - count))
     weight_t = weight.t()
     parts = [padded[i * ROW_BLOCK:(i + 1) * ROW_BLOCK] @ weight_t for i in range(blocks)]

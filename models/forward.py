@@ -33,8 +33,13 @@ over in the global batch (``per``: every input token, every target token, every 
 weight. training/step.py is the one place that adds it to the objective's loss: it divides the
 sum by the global count of its unit, as it divides the objective's sum by the global count of
 targets, so its gradient does not depend on how the batch is split into micro-batches and
-ranks. A metric (``ModelMetric``) is a sum and a count, both summed over micro-batches and
-ranks; the ledger gets their ratio as ``model/<name>``.
+ranks. A loss that is no such sum but a product of two means over the global batch (a router's
+load-balancing loss: tokens per expert times router probability per expert) is a
+``PooledProductLoss``: the forward hands over its counts (no gradient) and its sums (with their
+graph), and the step forms the loss from the counts reduced over the step's micro-batches and the
+data-parallel ranks, so it is the global batch's value, and its gradient exactly so. A metric
+(``ModelMetric``) is a sum and a count, both summed over micro-batches and ranks; the ledger gets
+their ratio as ``model/<name>``.
 
 A head runs inside the model's forward, where wrappers such as FSDP hold the output weight
 unsharded. ``model`` may be wrapped (DDP, FSDP2, compiled blocks): it is called, so every
@@ -108,6 +113,45 @@ class AuxLoss:
 
 
 @dataclass(frozen=True)
+class PooledProductLoss:
+    """A loss over the global batch of the form ``scale * sum_k f_k * p_k``, where ``f`` and ``p`` are
+    ``counts`` and ``sums`` pooled over their R rows and divided by ``R * U`` (U: the global batch's
+    count of ``per``); ``value`` is that formula. Only ``sums`` carries a gradient, so with the global
+    counts known each forward's share, ``value(global counts, its sums, U)``, adds up to the global
+    loss and its gradient exactly; training/step.py reduces the counts over the step before it forms
+    any share (a load-balancing loss: rows are sparse layers, k experts)."""
+
+    counts: torch.Tensor
+    """(R, K) this forward's counts (tokens per expert per layer), without gradient."""
+    sums: torch.Tensor
+    """(R, K) fp32 this forward's sums over its units (router probabilities per expert per layer), with their graph."""
+    units: int
+    """This forward's count of ``per`` (its input tokens)."""
+    per: str
+    """The unit the means are over in the global batch: one of ``NORMALIZERS``."""
+    scale: float = 1.0
+    """The factor in front of the product (a load-balancing loss: the expert count)."""
+    weight: float = 1.0
+    """Its coefficient in the loss that is backpropagated."""
+
+    def __post_init__(self) -> None:
+        if self.per not in NORMALIZERS:
+            raise ValueError(f"a pooled product loss is averaged over one of {NORMALIZERS}, not {self.per!r}")
+
+    def value(self, counts: torch.Tensor, sums: torch.Tensor, units: int) -> torch.Tensor:
+        """``scale * sum_k f_k * p_k`` with ``f = counts`` and ``p = sums`` pooled over rows, each over ``R * units``."""
+        rows = counts.shape[0] * max(units, 1)
+        f = counts.sum(dim=0).to(torch.float32) / rows  # (K,)
+        p = sums.sum(dim=0) / rows  # (K,)
+        return self.scale * (f * p).sum()
+
+    @property
+    def sum(self) -> torch.Tensor:
+        """This forward's loss as if it were the whole batch, times its units (an ``AuxLoss``'s sum)."""
+        return self.value(self.counts, self.sums, self.units) * self.units
+
+
+@dataclass(frozen=True)
 class ModelMetric:
     """A statistic the model reports (a layer's router load): a sum and what it is divided by."""
 
@@ -127,7 +171,7 @@ class ModelOutput:
     """(B, T, d) final normalized hidden states."""
     head: Any = None
     """The result of the ``head`` function."""
-    aux_losses: dict[str, AuxLoss] = field(default_factory=dict)
+    aux_losses: dict[str, AuxLoss | PooledProductLoss] = field(default_factory=dict)
     """Losses the model adds to the objective's, by name (a router's balance loss); Qwen: none."""
     metrics: dict[str, ModelMetric] = field(default_factory=dict)
     """Statistics the model reports, by name (per-layer router load); Qwen: none."""
@@ -213,22 +257,24 @@ class EmittedOutputs:
     reads what the model added beside it here. Forwards of other modules (a frozen teacher) and
     forwards run without gradients are left out."""
 
-    def __init__(self, trained: Sequence[nn.Module]) -> None:
+    def __init__(self, trained: Sequence[nn.Module], *, without_grad: bool = False) -> None:
         self._trained = tuple(trained)
+        self._without_grad = without_grad
         self._ids: set[int] | None = None  # every module of the trained ones, found on first use
         self.outputs: list[ModelOutput] = []
         """The emitting forwards' outputs."""
 
     def take(self, model: nn.Module, out: ModelOutput) -> None:
-        """Keep ``out`` if ``model`` is (part of) a trained module and gradients are on."""
-        if not torch.is_grad_enabled():
+        """Keep ``out`` if ``model`` is (part of) a trained module and gradients are on (or the block
+        records without them: the step's statistics pass)."""
+        if not (torch.is_grad_enabled() or self._without_grad):
             return
         if self._ids is None:
             self._ids = {id(sub) for module in self._trained for sub in module.modules()}
         if id(model) in self._ids:
             self.outputs.append(out)
 
-    def aux_losses(self) -> Iterator[tuple[str, AuxLoss]]:
+    def aux_losses(self) -> Iterator[tuple[str, AuxLoss | PooledProductLoss]]:
         for out in self.outputs:
             yield from out.aux_losses.items()
 
@@ -238,9 +284,10 @@ class EmittedOutputs:
 
 
 @contextlib.contextmanager
-def record_emitted(trained: Sequence[nn.Module]) -> Iterator[EmittedOutputs]:
-    """Collect, for the block's duration, what ``trained``'s forwards emit besides their result."""
-    emitted = EmittedOutputs(trained)
+def record_emitted(trained: Sequence[nn.Module], *, without_grad: bool = False) -> Iterator[EmittedOutputs]:
+    """Collect, for the block's duration, what ``trained``'s forwards emit besides their result
+    (``without_grad``: also from forwards run without gradients)."""
+    emitted = EmittedOutputs(trained, without_grad=without_grad)
     token = _RECORDING.set(emitted)
     try:
         yield emitted

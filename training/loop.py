@@ -449,6 +449,7 @@ class Trainer:
                 poison=lambda loss: guards.faults.poison_loss(step, loss),
                 parts=self._other_modules(),
                 units=units,
+                sum_over_replicas=self._sum_over_replicas,
             )
         with timer.phase("communication"):
             self.parallel.finish_backward()

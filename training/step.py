@@ -13,6 +13,15 @@ metrics and the auxiliary losses' values travel with the objective's metric sums
 ``model/`` names (``model_sum_names``) and reach the ledger as ``model/<name>`` and
 ``model/aux/<name>`` (``model_fields``). A model that emits neither (Qwen) runs exactly the
 arithmetic it always did.
+
+A ``PooledProductLoss`` (a router's load-balancing loss: tokens per expert times router probability
+per expert, each a mean over the global batch) is formed over the global batch's counts: after the
+first micro-batch's forward and before its backward, the counts of the step's other micro-batches
+are read by a statistics pass (``objective.loss`` once more per micro-batch, without gradients; none
+with one micro-batch) and all of them summed over the data-parallel ranks (one all-reduce of
+integers, ``sum_over_replicas``). Each micro-batch then backpropagates
+``weight * value(global counts, its own sums, global units) * dp_size``: the shares add up to the
+global loss and its gradient, whatever the micro-batch split and the world size.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from torch import nn
 
 from core.exceptions import ConfigError
 from data.batch import IGNORE_INDEX
-from models.forward import INPUT_TOKEN, ROW, TARGET_TOKEN, EmittedOutputs, model_forward, record_emitted
+from models.forward import (INPUT_TOKEN, ROW, TARGET_TOKEN, EmittedOutputs, PooledProductLoss, model_forward,
+                            record_emitted)
 from training.losses import Loss
 from training.precision import Precision
 
@@ -46,6 +56,7 @@ def forward_backward(
     backward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     parts: Mapping[str, nn.Module] | None = None,
     units: Mapping[str, int] | None = None,
+    sum_over_replicas: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Accumulate gradients over ``micro_batches`` with ``objective.loss`` (training/objectives);
     returns this rank's summed loss (fp32), summed metrics and the maxima over micro-batches
@@ -55,12 +66,24 @@ def forward_backward(
     the objective trains beside ``model`` (training/parts.py), handed to its ``loss`` by name and
     synchronized with the model, on the last micro-batch. ``units``: the global batch's count of
     each unit an auxiliary loss may average over (``global_units``), needed only where the model
-    emits auxiliary losses; the model's sums join the returned metric sums (``model_sum_names``)."""
+    emits auxiliary losses; the model's sums join the returned metric sums (``model_sum_names``).
+    ``sum_over_replicas``: an integer tensor summed exactly over the data-parallel replicas (None: one
+    replica), for the counts of a ``PooledProductLoss`` (module docstring)."""
     local_sum = torch.zeros((), dtype=torch.float32, device=device)
     metrics: dict[str, torch.Tensor] = {}
     maxima: dict[str, torch.Tensor] = {}
     last = len(micro_batches) - 1
     trained = [model, *(parts or {}).values()]
+    pooled: dict[str, torch.Tensor] | None = None  # each pooled loss's counts over the global batch
+
+    def statistics(index: int, micro) -> EmittedOutputs:
+        """What micro-batch ``index``'s forwards emit, run without gradients (its counts)."""
+        if before_forward is not None:
+            before_forward(index)  # the same dropout keys as its training forward: the same routing
+        with torch.no_grad(), precision.autocast(), record_emitted(trained, without_grad=True) as seen:
+            objective.loss(model, micro, parts) if parts else objective.loss(model, micro)
+        return seen
+
     for i, micro in enumerate(micro_batches):
         if before_forward is not None:
             before_forward(i)
@@ -73,14 +96,18 @@ def forward_backward(
                 loss_sum = out.sum
                 if poison is not None:
                     loss_sum = poison(loss_sum)
+            if pooled is None and has_pooled_losses(emitted):  # the first micro-batch: before any backward
+                with _phase(timer, "forward"):
+                    later = [statistics(j, m) for j, m in enumerate(micro_batches[i + 1:], start=i + 1)]
+                    pooled = pooled_counts([emitted, *later], sum_over_replicas)
             with _phase(timer, "backward"), backward_context():
                 scaled = loss_sum * (dp_size / global_targets)
                 if emitted.outputs:
-                    scaled = scaled + aux_loss(emitted, units, dp_size)
+                    scaled = scaled + aux_loss(emitted, units, dp_size, pooled)
                 precision.scale(scaled).backward()
         local_sum += loss_sum.detach()
         if emitted.outputs:
-            _add_model_sums(metrics, emitted, local_units(micro), device)
+            _add_model_sums(metrics, emitted, local_units(micro), device, units, pooled)
         for name, value in out.metrics.items():
             metrics[name] = metrics[name] + value.detach().float() if name in metrics else value.detach().float()
         for name, value in out.maxima.items():
@@ -105,29 +132,69 @@ def local_units(batch) -> dict[str, int]:
     return {INPUT_TOKEN: batch.input_ids.numel(), TARGET_TOKEN: int((batch.labels != IGNORE_INDEX).sum()), ROW: rows}
 
 
-def aux_loss(emitted: EmittedOutputs, units: Mapping[str, int] | None, dp_size: int) -> torch.Tensor:
+def aux_loss(emitted: EmittedOutputs, units: Mapping[str, int] | None, dp_size: int,
+             pooled: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The backward's share of the model's auxiliary losses: each ``weight * sum * dp_size / global
-    count of its unit``, as the objective's sum is scaled by ``dp_size / global targets``."""
+    count of its unit``, as the objective's sum is scaled by ``dp_size / global targets``; a pooled
+    product loss's sum is its ``pooled_share`` of the global loss."""
     if units is None:
         raise ConfigError("the model emits auxiliary losses but the step was given no global unit counts",
                           key="model.arch", hint="pass forward_backward the global batch's units (global_units)")
     total = None
-    for _, aux in emitted.aux_losses():
-        term = aux.sum * (aux.weight * dp_size / max(units[aux.per], 1))
+    for name, aux in emitted.aux_losses():
+        total_units = max(units[aux.per], 1)
+        summed = pooled_share(aux, pooled[name], total_units) if isinstance(aux, PooledProductLoss) else aux.sum
+        term = summed * (aux.weight * dp_size / total_units)
         total = term if total is None else total + term
     return total
 
 
+def has_pooled_losses(emitted: EmittedOutputs) -> bool:
+    """Whether the model emitted a loss formed over the global batch's counts (``PooledProductLoss``)."""
+    return any(isinstance(aux, PooledProductLoss) for _, aux in emitted.aux_losses())
+
+
+def pooled_counts(seen: Sequence[EmittedOutputs],
+                  sum_over_replicas: Callable[[torch.Tensor], torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Each pooled product loss's counts summed over the forwards of ``seen`` (the step's micro-batches)
+    and over the data-parallel replicas (one all-reduce of every name's counts, int64: exact)."""
+    counts: dict[str, torch.Tensor] = {}
+    for emitted in seen:
+        for name, aux in emitted.aux_losses():
+            if isinstance(aux, PooledProductLoss):
+                local = aux.counts.detach().to(torch.int64)
+                counts[name] = counts[name] + local if name in counts else local
+    if sum_over_replicas is None:
+        return counts
+    names = sorted(counts)
+    flat = torch.cat([counts[name].reshape(-1) for name in names])
+    summed = sum_over_replicas(flat).to(flat.device)
+    sizes = [counts[name].numel() for name in names]
+    return {name: part.view(counts[name].shape) for name, part in zip(names, summed.split(sizes))}
+
+
+def pooled_share(aux: PooledProductLoss, counts: torch.Tensor, total_units: int) -> torch.Tensor:
+    """This forward's share of a pooled product loss, as an ``AuxLoss`` sum (times the global units):
+    the global counts with this forward's own sums, which alone carry the gradient."""
+    return aux.value(counts.to(aux.sums.device), aux.sums, total_units) * total_units
+
+
 def _add_model_sums(metrics: dict[str, torch.Tensor], emitted: EmittedOutputs, units: Mapping[str, int],
-                    device: torch.device) -> None:
+                    device: torch.device, global_units: Mapping[str, int] | None = None,
+                    pooled: Mapping[str, torch.Tensor] | None = None) -> None:
     """Add this micro-batch's model sums to ``metrics``: each auxiliary loss's weighted sum over its
-    local count of units, each metric's sum over its count (``model_sum_names``)."""
+    local count of units (a pooled product loss: its share, ``pooled_share``), each metric's sum over
+    its count (``model_sum_names``)."""
     def add(name: str, value: Any) -> None:
         value = torch.as_tensor(value, dtype=torch.float32, device=device).detach().reshape(())
         metrics[name] = metrics[name] + value if name in metrics else value
 
     for name, aux in emitted.aux_losses():
-        add(AUX_PREFIX + name, aux.sum.detach().float() * aux.weight)
+        if isinstance(aux, PooledProductLoss):
+            summed = pooled_share(aux, pooled[name], max(global_units[aux.per], 1)).detach()
+        else:
+            summed = aux.sum.detach()
+        add(AUX_PREFIX + name, summed.float() * aux.weight)
         add(AUX_PREFIX + name + COUNT_SUFFIX, float(units[aux.per]))
     for name, value in emitted.metrics():
         add(MODEL_PREFIX + name, value.sum.detach().float() if isinstance(value.sum, torch.Tensor) else value.sum)

@@ -8,9 +8,10 @@ Face checkpoints with the leading ``model.`` removed, except that each block's e
 
 The forward returns a ``ModelOutput`` (models/forward.py) with, beside the logits:
 
-- ``aux_losses["load_balance"]``: the load-balancing loss of this forward (``moe.load_balancing_loss``,
-  transformers' formula over all sparse layers) times its input tokens, averaged over the global
-  batch's input tokens with weight ``router_aux_loss_coef`` (left out where the coefficient is 0);
+- ``aux_losses["load_balance"]``: the load-balancing loss (``moe.load_balance``, transformers' formula
+  over all sparse layers) as a ``PooledProductLoss`` of this forward's tokens per expert and router
+  probability sums per sparse layer, which training/step.py forms over the global batch's counts,
+  with weight ``router_aux_loss_coef`` (left out where the coefficient is 0);
 - ``metrics["layer<i>_load_min"]`` and ``["layer<i>_load_max"]`` for each sparse layer i: the fewest
   and the most tokens an expert received, over the mean tokens per expert (N * top_k / E), so 1.0 is
   a perfectly even load; summed over micro-batches and ranks as sums and counts;
@@ -48,7 +49,7 @@ from core.model_plan import ModelParallelPlan
 from core.registration import import_attr
 from models import init
 from models.attention import AttentionMask, build_attention_mask, cache_mask
-from models.forward import INPUT_TOKEN, AuxLoss, ModelMetric, ModelOutput
+from models.forward import ModelMetric, ModelOutput
 from models.generation.kv_cache import KVCache
 from models.generation.protocol import GenerationSpec
 from models.numerics import Numerics
@@ -56,7 +57,7 @@ from models.qwen.model import QwenAttention, QwenMLP, RMSNorm
 from models.qwen.rope import RotaryTable
 from models.qwen3_moe.dims import MoeDims, resolve_moe_dims
 from models.qwen3_moe.family import settings_of
-from models.qwen3_moe.moe import BIAS, Router, SparseMoe, bias_step, load_balancing_loss
+from models.qwen3_moe.moe import BIAS, Router, SparseMoe, bias_step, load_balance
 from models.routing_replay import ROUTING
 
 
@@ -216,9 +217,8 @@ class Qwen3MoeForCausalLM(nn.Module):
             stacked = torch.stack([c.to(torch.int64) for c in counts])  # (sparse layers, E)
             self.step_counts = stacked if self.step_counts is None else self.step_counts + stacked
         aux = {}
-        if self.dims.router_aux_loss_coef > 0:
-            balance = load_balancing_loss(prob_sums, counts, tokens)
-            aux["load_balance"] = AuxLoss(balance * tokens, per=INPUT_TOKEN, weight=self.dims.router_aux_loss_coef)
+        if self.dims.router_aux_loss_coef > 0:  # the step pools the counts over the global batch first
+            aux["load_balance"] = load_balance(prob_sums, counts, tokens, weight=self.dims.router_aux_loss_coef)
         with self.numerics.kernels():
             hidden = self.norm(hidden)
             if head is not None:

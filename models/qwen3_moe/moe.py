@@ -35,8 +35,8 @@ own top-k; their weights are still its own probabilities at those experts, renor
 ``norm_topk_prob``, so the router keeps its gradient. ``Routing.mismatched`` marks the recorded tokens
 whose own top-k (as a set) differs from the recorded one.
 
-``load_balancing_loss`` is transformers' ``load_balancing_loss_func`` over the sparse layers of one
-forward (docs/models.md, "Qwen3-MoE").
+``load_balance`` is transformers' ``load_balancing_loss_func`` over the sparse layers, formed by the
+training step over the global batch's tokens per expert (docs/models.md, "Qwen3-MoE").
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import batch_invariant
+from models.forward import INPUT_TOKEN, PooledProductLoss
 from models.qwen3_moe.dims import MoeDims
 
 ExpertKernel = Literal["auto", "loop", "grouped"]
@@ -280,15 +281,21 @@ class SparseMoe(nn.Module):
                          mismatched=mismatched)
 
 
-def load_balancing_loss(prob_sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], tokens: int) -> torch.Tensor:
-    """transformers' ``load_balancing_loss_func`` of one forward over its L sparse layers, from each
-    layer's router probabilities summed over its ``tokens`` tokens (E,) and its tokens per expert (E,):
+def load_balance(prob_sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], tokens: int, *,
+                 weight: float = 1.0) -> PooledProductLoss:
+    """transformers' ``load_balancing_loss_func`` over L sparse layers, from each layer's router
+    probabilities summed over the ``tokens`` tokens (E,) and its tokens per expert (E,):
 
         E * sum_e f_e * P_e,  f_e = sum_l count_le / (L * tokens),  P_e = sum_l prob_le / (L * tokens).
 
     ``f`` sums to ``top_k`` (each token counts once per chosen expert), so a perfectly even router gives
-    ``top_k``. Only ``P`` carries a gradient."""
-    rows = len(prob_sums) * tokens
-    f = torch.stack(list(counts)).sum(dim=0).to(torch.float32) / rows  # (E,)
-    p = torch.stack(list(prob_sums)).sum(dim=0) / rows  # (E,)
-    return f.numel() * (f * p).sum()
+    ``top_k``. Only ``P`` carries a gradient. As a ``PooledProductLoss`` (models/forward.py) the
+    training step forms it over the global batch: f from the counts of every micro-batch and rank."""
+    return PooledProductLoss(counts=torch.stack(list(counts)).detach(), sums=torch.stack(list(prob_sums)),
+                             units=tokens, per=INPUT_TOKEN, scale=float(len(counts[0])), weight=weight)
+
+
+def load_balancing_loss(prob_sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], tokens: int) -> torch.Tensor:
+    """``load_balance``'s value over these ``tokens`` alone (one forward taken as the whole batch)."""
+    loss = load_balance(prob_sums, counts, tokens)
+    return loss.value(loss.counts, loss.sums, tokens)
