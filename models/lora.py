@@ -64,6 +64,13 @@ have its backward inside the ``with`` too; a forward under ``torch.no_grad()`` (
 reference) saves nothing and is never recomputed. ``modules_to_save`` are not restored: they
 stay as trained (PEFT would use its kept original copies).
 
+Batch-invariant numerics (``determinism.batch_invariant``). The wrapper's three matmuls are plain
+``F.linear`` calls, which the block's kernels context (``Numerics.kernels``) sends to the invariant
+``linear`` of models/batch_invariant.py, as it sends the base model's. The sampler's generation copy
+then keeps the adapters unmerged (``Numerics.merges_adapters``, models/generation_copy.py): a merged
+weight ``W + scaling * B @ A`` computes other bits than ``base(x) + scaling * B(A(x))``. A dropout on
+the adapters is refused in that mode (models/config_checks.py).
+
 Base identity. ``base_identity`` is the sha256 over every non-adapter parameter, keyed by
 canonical name in sorted order, each contributing its name, dtype, shape and raw bytes (an
 NF4 weight: its packed tensors). Compute it on the plain model before training (a
