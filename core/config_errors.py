@@ -60,13 +60,12 @@ def check_each(config: Any, checks: Iterable[Optional[Callable[[Any], None]]]) -
     (``raise_together``). Called with a view, from a check that ``check_each`` runs, it adds to
     that collection instead: its own checks are gated and reported with the others."""
     if isinstance(config, _SectionView):
-        collection = config._collection
         for check in checks:
-            collection.run(check)
+            config._collection.run(check, config)
         return
     collection = _Collection(config)
     for check in checks:
-        collection.run(check)
+        collection.run(check, _SectionView(config, "", collection))
     raise_together(collection.errors)
 
 
@@ -83,15 +82,14 @@ class _Collection:
         self.wrong: set[str] = set()
         """Sections (dotted paths of the config's dataclasses; "" the whole config) holding an error's key."""
 
-    def run(self, check: Optional[Callable[[Any], None]]) -> None:
+    def run(self, check: Optional[Callable[[Any], None]], view: _SectionView) -> None:
+        """``check(view)``: what it raises is kept; a read of a wrong section ends it, unreported."""
         if check is None:
             return
         try:
-            check(_SectionView(self.config, "", self))
+            check(view)
         except _ReadsWrongSection:
             return
-        except ConfigErrors as found:
-            self.add(found.errors)
         except ConfigError as found:
             self.add([found])
 

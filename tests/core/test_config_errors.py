@@ -87,6 +87,26 @@ def test_a_check_called_on_its_own_raises_all_it_found():
     check_each(config_lib.load(TINY), (validate_model, None))  # a valid config: nothing raised
 
 
+def test_checks_of_a_section_collect_into_the_loaders_collection():
+    """check_each on a section's view, from inside a check: each check gets that section, and what
+    they raise joins the outer collection, gated by what it found before."""
+    def lora_checks(view):
+        check_each(view.model.lora, (lambda lora: lora.rank, refuse_alpha, refuse_rank))
+
+    def refuse_alpha(lora):
+        raise ConfigError(f"alpha {lora.alpha}", key="model.lora.alpha")
+
+    def refuse_rank(lora):
+        raise ConfigError(f"rank {lora.rank}", key="model.lora.rank")  # model.lora is wrong by then: left out
+
+    def refuse_lr(view):
+        raise ConfigError("lr", key="train.lr")
+
+    with pytest.raises(ConfigErrors) as info:
+        check_each(config_lib.load(TINY), (refuse_lr, lora_checks))
+    assert [e.message for e in info.value.errors] == ["lr", "alpha 16.0"]
+
+
 def test_the_check_before_ranks_lists_them_all():
     with pytest.raises(ConfigErrors) as info:
         check_before_ranks(["--config", TINY, *THREE_WRONG, "parallel.device=cpu"], 2)
