@@ -109,8 +109,9 @@ def check_model_shape(config: Config) -> None:
     rank starts. Asked last, so a violation the family's own checks name reads as theirs; not with
     model.init_from, whose config.json gives the shape (checked where it is read)."""
     model = config.model
-    if model.init_from is None:
-        import_attr(model_family(model.arch).num_params)(model)
+    counter = model_family(model.arch).num_params
+    if model.init_from is None and counter:
+        import_attr(counter)(model)
 
 
 def _caught(check: Callable[..., None], *args: Any) -> list[ConfigError]:
