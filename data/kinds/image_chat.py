@@ -2,7 +2,11 @@
 
 A record is ``{"messages": [...], "images": ["photos/cat.png", ...]}`` (``tools`` as for ``chat``).
 Each ``<image>`` in a user turn's content stands for the next image of ``images``, in order; a path
-is relative to the directory of the JSONL (or Parquet) file that holds the record.
+is relative to the directory of the JSONL (or Parquet) file that holds the record. A Parquet record
+may carry the images themselves instead: ``images`` a list of binary items (each an image file's
+bytes), or of Hugging Face datasets' Image structs ``{"bytes", "path"}`` (the bytes where set, else
+the path); they are decoded, checked and hashed (``ProcessedImage.sha256``) as the same bytes read
+from a file are, and a bad one is named by its index and size.
 
 Encoding, as transformers' Qwen2.5-VL chat template and processor do it:
 
@@ -90,12 +94,12 @@ class ImageChatDocuments:
                whose: str) -> tuple[list[ProcessedImage], list[dict]]:
         """``record``'s images, loaded and processed, and ``messages`` with each user turn's placeholder
         written as the vision tokens; RecordError (naming ``whose`` turns) where the counts differ."""
-        paths = _image_paths(record)
+        sources = _image_sources(record)
         shown = placeholders(messages)
-        if shown != len(paths):
+        if shown != len(sources):
             raise RecordError(f"the {whose}'s user turns hold {shown} {PLACEHOLDER} placeholders but 'images' lists "
-                              f"{len(paths)} images: each image needs one placeholder, in order")
-        images = [self._image(path, k, shard) for k, path in enumerate(paths)]
+                              f"{len(sources)} images: each image needs one placeholder, in order")
+        images = [self._image(source, k, shard) for k, source in enumerate(sources)]
         return images, [dict(m, content=show_images(m["content"])) if m["role"] == "user" else m for m in messages]
 
     def _encoded(self, ids: np.ndarray, mask: np.ndarray, images: list[ProcessedImage]) -> Encoded:
@@ -107,12 +111,17 @@ class ImageChatDocuments:
             fields[GRIDS.name] = [np.asarray(image.grid_thw, dtype=np.int64) for image in images]
         return Encoded(ids, fields)
 
-    def _image(self, path: str, index: int, shard: Optional[str]) -> ProcessedImage:
-        where = Path(shard).parent / path if shard else Path(path)
+    def _image(self, source: str | bytes, index: int, shard: Optional[str]) -> ProcessedImage:
+        if isinstance(source, bytes):  # decoded as the file would be: its sha256 is that of the same bytes
+            try:
+                return load_image(source, self.processing, file=shard)
+            except DataError as exc:
+                raise RecordError(f"images[{index}] ({len(source)} bytes in the record): {exc.message}") from None
+        where = Path(shard).parent / source if shard else Path(source)
         try:
             return load_image(where, self.processing)
         except DataError as exc:
-            raise RecordError(f"images[{index}] {path!r} ({where}): {exc.message}") from None
+            raise RecordError(f"images[{index}] {source!r} ({where}): {exc.message}") from None
 
     def _expand(self, ids: np.ndarray, mask: np.ndarray,
                 images: list[ProcessedImage]) -> tuple[np.ndarray, np.ndarray]:
@@ -142,19 +151,31 @@ def expand_pads(ids: np.ndarray, mask: np.ndarray, images: list[ProcessedImage],
     return np.repeat(ids, repeats), np.repeat(mask, repeats)
 
 
-def _image_paths(record: dict) -> list[str]:
+def _image_sources(record: dict) -> list[str | bytes]:
+    """The record's images: each a path relative to its file, or the image file's bytes (a Parquet binary
+    item, or Hugging Face datasets' Image struct ``{"bytes", "path"}``, its bytes when set)."""
     images = record.get("images")
     if images is None:
         return []
     if not isinstance(images, list):
-        raise RecordError(f"'images' must be a list of paths relative to the record's file, got "
-                          f"{type(images).__name__}")
-    for k, path in enumerate(images):
-        if not isinstance(path, str) or not path:
-            raise RecordError(f"images[{k}] must be a non-empty path string, got {path!r}")
-        if PurePath(path).is_absolute():
-            raise RecordError(f"images[{k}] {path!r} is absolute: image paths are relative to the record's file")
-    return images
+        raise RecordError(f"'images' must be a list of paths relative to the record's file (or of images' bytes), "
+                          f"got {type(images).__name__}")
+    sources: list[str | bytes] = []
+    for k, item in enumerate(images):
+        if isinstance(item, dict):
+            item = item.get("bytes") if item.get("bytes") is not None else item.get("path")
+        if isinstance(item, (bytes, bytearray)):
+            if not item:
+                raise RecordError(f"images[{k}] holds 0 bytes: an image's bytes are its encoded file (PNG, JPEG ...)")
+            sources.append(bytes(item))
+            continue
+        if not isinstance(item, str) or not item:
+            what = f"a {type(item).__name__}" if not isinstance(item, str) else "an empty string"
+            raise RecordError(f"images[{k}] must be a non-empty path string or an image's bytes, got {what}")
+        if PurePath(item).is_absolute():
+            raise RecordError(f"images[{k}] {item!r} is absolute: image paths are relative to the record's file")
+        sources.append(item)
+    return sources
 
 
 def placeholders(messages: list[dict]) -> int:

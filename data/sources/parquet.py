@@ -23,7 +23,7 @@ class ParquetFormat:
 
     def units(self, shard: str, shard_id: str) -> list[Unit]:
         meta = self._open(shard).metadata
-        names = meta.schema.names
+        names = meta.schema.to_arrow_schema().names  # top-level columns (schema.names lists nested leaves)
         if self.columns is not None:
             missing = [c for c in self.columns if c not in names]
             if missing:
