@@ -16,9 +16,14 @@ our names are Hugging Face's without the leading ``model.``. A PEFT adapter file
 ``base_model.model.`` + the Hugging Face name (``base_model.model.model.layers.0...``).
 
 Mixtures of experts. The experts a model's plan declares (``Stack.experts``) hold their weights
-stacked on dim 0, not as linears: they take no adapters, and a target naming one of their weights is a
-ConfigError even where a dense block has a linear of that name (docs/models.md, Qwen3-MoE, says what
-adapters on experts would need). Adapters on the attention of such a model are the plain case.
+stacked on dim 0, not as linears: a target naming one of their weights is a ConfigError even where a
+dense block has a linear of that name. An experts module that declares ``wants_adapters`` (its
+family's key, ``adapter_key``: ``model.qwen3_moe.lora_experts``) is given per-expert adapters by
+``apply_lora`` through its own ``add_adapters`` (its ``lora_A`` and ``lora_B`` parameters, keyed init
+as here, no dropout), switched off by ``adapters_disabled`` (its ``adapter_disabled``) and folded by
+``merge_lora`` (its ``merge_adapters``); PEFT has no form for them, so the adapter export and
+``model.lora.init_from`` refuse such a model (``adapted_experts``). Adapters on the attention of a
+mixture are the plain case.
 
 Vision towers. A vision-language model names its tower (``vision_tower``) and how it trains
 (``tower_training``, its family's ``model.<arch>.tower``): ``lora`` wraps every linear of the tower's
@@ -226,18 +231,37 @@ def _block_linears(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
             yield name, module
 
 
-def _expert_weight_names(model: nn.Module) -> set[str]:
-    """The parameter names (last part) of the stacked expert weights the model's plan declares (a
-    dense block of a mixture's stack has no experts module)."""
-    names = set()
+def _experts_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every block's experts the model's plan declares (a dense block of a mixture's
+    stack has no experts module)."""
     for stack in model.parallel_plan.stacks:
-        for block in model.get_submodule(stack.path) if stack.experts is not None else ():
+        for index, block in enumerate(model.get_submodule(stack.path) if stack.experts is not None else ()):
             try:
                 experts = block.get_submodule(stack.experts.path)
             except AttributeError:
                 continue
-            names.update(name.rsplit(".", 1)[-1] for name, _ in experts.named_parameters())
-    return names
+            yield f"{stack.path}.{index}.{stack.experts.path}", experts
+
+
+def _expert_weight_names(model: nn.Module) -> set[str]:
+    """The parameter names (last part) of the stacked expert weights the model's plan declares."""
+    return {name for _, experts in _experts_modules(model) for name, _ in experts.named_parameters(recurse=False)}
+
+
+def adapted_experts(model: nn.Module) -> list[nn.Module]:
+    """The experts modules that carry adapters (``add_adapters``, module docstring)."""
+    return [m for m in model.modules() if hasattr(m, "merge_adapters") and "lora_A" in m._modules]
+
+
+def _refuse_adapted_experts(model: nn.Module, what: str) -> None:
+    """A ConfigError where ``model``'s experts carry adapters, which ``what`` (a PEFT form) cannot hold."""
+    adapted = adapted_experts(model)
+    if adapted:
+        key = getattr(adapted[0], "adapter_key", "model.lora.targets")
+        raise ConfigError(
+            f"{what}: this model's experts carry adapters ({key}), stacked one per expert on separate gate and up "
+            f"weights, which PEFT has no form for (docs/models.md, Qwen3-MoE)", key=key,
+            hint="export the adapters merged into the model (python -m training export --merge), or leave the key unset")
 
 
 # --------------------------------------------------------------------------- apply
@@ -258,8 +282,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int) -> list[str]:
     if stacked:
         raise ConfigError(
             f"model.lora.targets names {stacked[0]!r}, which in this model's mixture-of-experts blocks is a "
-            f"stacked expert weight (one slice per expert), not a linear layer: LoRA on experts is not supported "
-            f"(docs/models.md, Qwen3-MoE)",
+            f"stacked expert weight (one slice per expert), not a linear layer: the experts take adapters by their "
+            f"family's key (docs/models.md, Qwen3-MoE)",
             key="model.lora.targets",
             hint=f"adapt the attention and dense layers only; valid names for this model: {', '.join(valid)}",
         )
@@ -280,6 +304,9 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int) -> list[str]:
         wrapper.reset_adapters(seed)
         parent, leaf = name.rsplit(".", 1)
         setattr(model.get_submodule(parent), leaf, wrapper)
+    for name, experts in list(_experts_modules(model)):
+        if getattr(experts, "wants_adapters", False):
+            experts.add_adapters(rank=config.rank, alpha=config.alpha, dropout=config.dropout, seed=seed, name=name)
     extra = [*_modules_to_save(model, config.modules_to_save), *([tower] if training == "full" else [])]
     trainable = []
     for name, param in model.named_parameters():
@@ -337,7 +364,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     trained weights. A model without adapters is a ValueError; a nested use restores the
     outer state.
     """
-    wrapped = lora_modules(model)
+    wrapped = [*lora_modules(model), *adapted_experts(model)]
     if not wrapped:
         raise ValueError("adapters_disabled needs a model with LoRA adapters (apply_lora first)")
     before = [module.adapter_disabled for module in wrapped]
@@ -416,6 +443,8 @@ def merge_lora(model: nn.Module, *, inplace: bool = False) -> nn.Module:
             plain.bias.copy_(base.bias)
         parent, leaf = name.rsplit(".", 1)
         setattr(merged.get_submodule(parent), leaf, plain)
+    for experts in adapted_experts(merged):
+        experts.merge_adapters()
     for param in merged.parameters():
         param.requires_grad_(True)
     if hasattr(merged, "config"):
@@ -428,6 +457,7 @@ def merge_lora(model: nn.Module, *, inplace: bool = False) -> nn.Module:
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT key -> tensor of every adapter and every other trainable (modules_to_save) parameter."""
+    _refuse_adapted_experts(model, "a PEFT adapter export")
     out = {}
     for name, param in model.named_parameters():
         if is_adapter_name(name) or param.requires_grad:
@@ -493,6 +523,7 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> None:
     wrapped = lora_modules(model)
     if not wrapped:
         raise ValueError("load_peft_adapter needs a model with adapters (apply_lora first)")
+    _refuse_adapted_experts(model, "model.lora.init_from (a PEFT adapter directory)")
     check_peft_adapter(directory, rank=wrapped[0].rank, alpha=wrapped[0].alpha)
     weights_file = directory / ADAPTER_WEIGHTS
     trained = {n: p for n, p in model.named_parameters() if is_adapter_name(n) or p.requires_grad}

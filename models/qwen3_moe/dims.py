@@ -32,6 +32,8 @@ class MoeDims(QwenDims):
     """Weight of the load-balancing auxiliary loss."""
     bias_update_rate: float = 0.0
     """Step of the auxiliary-loss-free balancing bias (0: the routers have no bias)."""
+    lora_experts: bool = False
+    """The experts take LoRA adapters when the model's adapters are applied (models/lora.py)."""
 
     @property
     def num_sparse_layers(self) -> int:
@@ -53,4 +55,5 @@ def resolve_moe_dims(config: ModelConfig) -> MoeDims:
         sparse=sparse_layers(s, config.num_layers),
         router_aux_loss_coef=s.router_aux_loss_coef,
         bias_update_rate=s.bias_update_rate,
+        lora_experts=s.lora_experts,
     )

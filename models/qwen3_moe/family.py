@@ -46,6 +46,8 @@ class Qwen3MoeSettings:
     """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert router bias, added only to choose the top-k, moved by this rate times sign(mean load - load) after each optimizer step (0: off, no bias)."""
     routing_replay: bool = False
     """Routing replay (R3): the sampler records each token's top-k experts per sparse layer with its rollouts, the policy's training forward routes those tokens to them (weights from its own router), and the ledger adds model/routing_replay_mismatch, the fraction of replayed tokens whose own top-k differs in some layer."""
+    lora_experts: bool = False
+    """LoRA on the experts too (model.lora.rank > 0): per-expert low-rank adapters on every sparse layer's stacked gate_proj, up_proj and down_proj, A (E, rank, in) and B (E, out, rank), merged on export (no PEFT form: docs/models.md, Qwen3-MoE)."""
 
 
 def settings_of(model_config) -> Qwen3MoeSettings:
@@ -63,12 +65,30 @@ def validate(config: Config) -> None:
     """The checks of model.qwen3_moe and of the model.* keys this family reads its own way, and that
     parallel.ep splits the experts evenly."""
     check_model(config.model)
+    check_lora_experts(config)
     experts, ep = settings_of(config.model).num_experts, config.parallel.ep
     if ep > 1 and experts % ep:
         raise ConfigError(
             f"parallel.ep={ep} does not divide model.{NAME}.num_experts={experts}: each expert-parallel rank "
             f"holds the same number of experts", key="parallel.ep",
             hint=f"use a parallel.ep that divides {experts}, or a num_experts that is a multiple of {ep}")
+
+
+def check_lora_experts(config: Config) -> None:
+    """``lora_experts`` needs adapters (model.lora.rank > 0), no adapter dropout and whole experts on each rank."""
+    if not settings_of(config.model).lora_experts:
+        return
+    key, lora = f"model.{NAME}.lora_experts", config.model.lora
+    if lora.rank <= 0:
+        raise ConfigError(f"{key} adds adapters to the experts, but model.lora.rank={lora.rank} turns LoRA off",
+                          key=key, hint="set model.lora.rank > 0, or leave lora_experts unset")
+    if lora.dropout:
+        raise ConfigError(f"{key}: the experts' adapters take no dropout, but model.lora.dropout={lora.dropout}",
+                          key="model.lora.dropout", hint="set model.lora.dropout to 0 with adapters on the experts")
+    if config.parallel.ep > 1:
+        raise ConfigError(f"{key}: the experts' adapters are not split over expert-parallel ranks, but "
+                          f"parallel.ep={config.parallel.ep}", key="parallel.ep",
+                          hint="train adapters on the experts at parallel.ep=1 (FSDP shards them with their blocks)")
 
 
 def check_model(model) -> None:
@@ -126,7 +146,7 @@ QWEN3_MOE = ModelFamily(
     generation_copy=f"{_HERE}.generation_copy:generation_copy",
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
     validate=validate,
-    hashed_only_when_set=("bias_update_rate", "routing_replay"),
+    hashed_only_when_set=("bias_update_rate", "routing_replay", "lora_experts"),
 )
 
 FAMILIES = (QWEN3_MOE,)

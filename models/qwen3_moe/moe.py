@@ -50,6 +50,7 @@ from torch import nn
 
 from models import batch_invariant
 from models.forward import INPUT_TOKEN, PooledProductLoss
+from models.qwen3_moe import expert_lora
 from models.qwen3_moe.dims import MoeDims
 
 ExpertKernel = Literal["auto", "loop", "grouped"]
@@ -184,7 +185,13 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """``num_experts`` SiLU-gated MLPs, their weights stacked on dim 0 (the plan's ``Experts``):
-    ``gate_proj`` and ``up_proj`` (E, moe_intermediate, hidden), ``down_proj`` (E, hidden, moe_intermediate)."""
+    ``gate_proj`` and ``up_proj`` (E, moe_intermediate, hidden), ``down_proj`` (E, hidden, moe_intermediate).
+
+    Under ``model.qwen3_moe.lora_experts`` models/lora.py's ``apply_lora`` adds per-expert adapters to
+    the three (models/qwen3_moe/expert_lora.py), which both kernels add to the base projections."""
+
+    adapter_key = expert_lora.KEY
+    """The config key that puts adapters here (models/lora.py names it in its refusals)."""
 
     def __init__(self, dims: MoeDims, *, kernel: ExpertKernel = "auto") -> None:
         super().__init__()
@@ -193,6 +200,20 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(experts, inner, width))
         self.up_proj = nn.Parameter(torch.empty(experts, inner, width))
         self.down_proj = nn.Parameter(torch.empty(experts, width, inner))
+        self.wants_adapters = dims.lora_experts
+        """Whether ``apply_lora`` adds adapters here (model.qwen3_moe.lora_experts)."""
+        self.adapter_disabled = False
+        """True inside ``models.lora.adapters_disabled``: the base experts alone."""
+        self.scaling = 0.0
+        """alpha / rank of the adapters, once added."""
+
+    def add_adapters(self, *, rank: int, alpha: float, dropout: float, seed: int, name: str) -> None:
+        """Per-expert adapters on gate, up and down (``expert_lora.add``); ``name``: this module's canonical name."""
+        expert_lora.add(self, rank=rank, alpha=alpha, dropout=dropout, seed=seed, name=name)
+
+    def merge_adapters(self) -> None:
+        """Fold the adapters into the stacked weights and drop them (``expert_lora.merge``)."""
+        expert_lora.merge(self)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, hidden): rows grouped by expert, ``counts`` (E,) rows each -> (M, hidden) in the same order.
@@ -204,11 +225,13 @@ class Experts(nn.Module):
         micro-batch: the same bits)."""
         kernel = "loop" if batch_invariant.active() else self.kernel  # the loop's linears are batch-invariant
         weights = self._local_weights()
+        adapters = expert_lora.active(self)
         if kernel == "auto":
-            kernel = "grouped" if grouped_mm_supported(x, weights[2].shape[1:]) else "loop"
+            widths = (*weights[2].shape[1:], *(() if adapters is None else (self.rank,)))
+            kernel = "grouped" if grouped_mm_supported(x, widths) else "loop"
         if kernel == "grouped":
-            return self._grouped(x, counts.reshape(counts.shape[0], -1).sum(dim=1), weights)
-        return self._loop(x, counts, weights)
+            return self._grouped(x, counts.reshape(counts.shape[0], -1).sum(dim=1), weights, adapters)
+        return self._loop(x, counts, weights, adapters)
 
     def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """gate, up, down: the stacked weights, or this rank's experts of them where expert parallelism
@@ -217,7 +240,8 @@ class Experts(nn.Module):
 
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...],
+              adapters: tuple[expert_lora.Adapter, ...] | None = None) -> torch.Tensor:
         # unbind: one backward node that stacks the experts' gradients. Every block runs, an empty one
         # too: its (0, d) output adds no row and its weight gradient is exactly zero (not none, also
         # where this rank's experts got no rows under expert parallelism), and no Python branch reads a
@@ -225,19 +249,32 @@ class Experts(nn.Module):
         gate, up, down = (w.unbind(0) for w in weights)
         blocks = counts.reshape(counts.shape[0], -1)  # (experts, blocks of each)
         outputs = []
+        if adapters is None:
+            for block, rows in enumerate(x.split(blocks.flatten().tolist())):
+                expert = block // blocks.shape[1]
+                outputs.append(F.linear(F.silu(F.linear(rows, gate[expert])) * F.linear(rows, up[expert]), down[expert]))
+            return torch.cat(outputs)
+        lora = [tuple(zip(a.unbind(0), b.unbind(0))) for a, b in adapters]  # per projection, per expert (A_e, B_e)
         for block, rows in enumerate(x.split(blocks.flatten().tolist())):
-            expert = block // blocks.shape[1]
-            outputs.append(F.linear(F.silu(F.linear(rows, gate[expert])) * F.linear(rows, up[expert]), down[expert]))
+            e = block // blocks.shape[1]
+            hidden = (F.silu(expert_lora.project(rows, gate[e], lora[0][e], self.scaling))
+                      * expert_lora.project(rows, up[e], lora[1][e], self.scaling))
+            outputs.append(expert_lora.project(hidden, down[e], lora[2][e], self.scaling))
         return torch.cat(outputs)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                 adapters: tuple[expert_lora.Adapter, ...] | None = None) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         offsets = counts.cumsum(0).to(torch.int32)  # the last is x's row count: every output row is written
         x = x.to(dtype)
         gate_proj, up_proj, down_proj = (w.to(dtype).transpose(-2, -1) for w in weights)
-        gate = torch._grouped_mm(x, gate_proj, offs=offsets)  # (M, inner)
-        up = torch._grouped_mm(x, up_proj, offs=offsets)  # (M, inner)
-        return torch._grouped_mm(F.silu(gate) * up, down_proj, offs=offsets)
+        if adapters is None:
+            gate = torch._grouped_mm(x, gate_proj, offs=offsets)  # (M, inner)
+            up = torch._grouped_mm(x, up_proj, offs=offsets)  # (M, inner)
+            return torch._grouped_mm(F.silu(gate) * up, down_proj, offs=offsets)
+        gate = expert_lora.project_grouped(x, gate_proj, adapters[0], self.scaling, offsets)  # (M, inner)
+        up = expert_lora.project_grouped(x, up_proj, adapters[1], self.scaling, offsets)  # (M, inner)
+        return expert_lora.project_grouped(F.silu(gate) * up, down_proj, adapters[2], self.scaling, offsets)
 
 
 class SparseMoe(nn.Module):
