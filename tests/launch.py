@@ -181,19 +181,21 @@ def _close_zygotes() -> None:
         zygote.close()
 
 
-def popen(cmd: list[str], cwd: Path, environment: dict[str, str], *, capture: bool = True) -> subprocess.Popen | Job:
+def popen(cmd: list[str], cwd: Path, environment: dict[str, str], *, capture: bool = True,
+          output: int | None = None) -> subprocess.Popen | Job:
     """``cmd`` started in a session of its own (``start_new_session``), its stdout and stderr in text
-    pipes (``capture``): as a fork of this process's zygote where it can (``python SCRIPT.py ...`` in
-    ``env``'s environment: tests/zygote.py), else as a fresh process."""
+    pipes (``capture``), or both in the open file ``output`` (a file descriptor) where one is given:
+    as a fork of this process's zygote where it can (``python SCRIPT.py ...`` in ``env``'s
+    environment: tests/zygote.py), else as a fresh process."""
     zygote = _zygote_for(cmd, environment)
     if zygote is not None:
         try:
-            return zygote.start(cmd, cwd, environment, capture=capture)
+            return zygote.start(cmd, cwd, environment, capture=capture, output=output)
         except ZygoteGone:  # its import failed (a fresh process shows why) or it was killed
             pass
-    pipe = subprocess.PIPE if capture else None
-    return subprocess.Popen(cmd, cwd=cwd, env=environment, stdout=pipe, stderr=pipe, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    pipe = subprocess.PIPE if capture and output is None else output
+    return subprocess.Popen(cmd, cwd=cwd, env=environment, stdout=pipe, text=True, stdin=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT if output is not None else pipe, start_new_session=True)
 
 
 def finish(job: subprocess.Popen | Job, timeout: float) -> tuple[str, str]:

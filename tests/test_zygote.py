@@ -51,6 +51,19 @@ def test_a_job_is_the_script_run_as_main_in_its_own_session(zygote, tmp_path):
     assert seen["pid"] == job.pid == seen["pgid"]  # a session (and process group) of its own
 
 
+def test_a_job_writes_both_streams_into_an_open_file_where_one_is_given(zygote, tmp_path):
+    z, env = zygote
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "job.log"
+    with log.open("a") as handle:
+        job = z.start([sys.executable, str(script), "0"], tmp_path, env, output=handle.fileno())
+    assert job.stdout is None and job.stderr is None and job.wait(timeout=60) == 0
+    lines = log.read_text().splitlines()  # the two streams' lines, in either order
+    assert len(lines) == 2 and "to stderr" in lines
+    assert json.loads(next(line for line in lines if line != "to stderr"))["argv"] == [str(script), "0"]
+
+
 def test_a_killed_job_reports_the_signal_and_a_wait_times_out(zygote, tmp_path):
     z, env = zygote
     script = tmp_path / "job.py"

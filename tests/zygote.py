@@ -253,12 +253,15 @@ class Zygote:
 
         return kept(env) == kept(self.env)
 
-    def start(self, command: list[str], cwd: Path, env: dict[str, str], *, capture: bool = True) -> Job:
-        """``command`` as a job (``Job``), its stdout and stderr in pipes (``capture``) or this process's."""
+    def start(self, command: list[str], cwd: Path, env: dict[str, str], *, capture: bool = True,
+              output: int | None = None) -> Job:
+        """``command`` as a job (``Job``), its stdout and stderr in pipes (``capture``), both in the
+        open file ``output`` (a file descriptor) where one is given, or else this process's."""
         conn = self._connect()
+        capture = capture and output is None
         with open(os.devnull, "rb") as devnull:
             pipes = [os.pipe() for _ in range(2)] if capture else []
-            outputs = [w for _, w in pipes] if capture else [1, 2]
+            outputs = [w for _, w in pipes] if capture else [output, output] if output is not None else [1, 2]
             body = pickle.dumps((list(command), str(cwd), dict(env)))
             socket.send_fds(conn, [_LENGTH.pack(len(body))], [devnull.fileno(), *outputs])
             conn.sendall(body)

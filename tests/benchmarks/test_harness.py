@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import signal
 import subprocess
 import sys
@@ -101,22 +100,30 @@ def test_determinism_kill_job_ends_every_rank(tmp_path):
     assert not [pid for pid in ranks if _alive(pid)]
 
 
-def test_determinism_benchmark_passes_its_checks_on_cpu_ranks(e2e_workdir, tmp_path):
+def test_determinism_benchmark_passes_its_checks_on_cpu_ranks(e2e_workdir, tmp_path, monkeypatch, capsys):
     """benchmarks/gpu_determinism.py end to end on 2 gloo ranks (the GPU runs' evidence comes
     from this script): two fresh runs, SIGKILL and resume, replay, and the first checkpoint
-    resumed on one rank, all passing, with the JSON saying so."""
+    resumed on one rank, all passing, with the JSON saying so. Its ``main`` runs here and starts
+    each job as tests/launch.py does (ranks forked from the zygote's import, not torchrun's fresh
+    interpreters: about 40 CPU-s less); ending a torchrun job whole is the test above."""
     import json
 
+    from tests import launch
+
+    det = _module("gpu_determinism")
+
+    def start(gpus: int, train_args: list[str], log: Path):
+        with log.open("a") as handle:
+            return launch.popen(launch.command(gpus, train_args), det.WORKDIR, launch.env(det.WORKDIR),
+                                output=handle.fileno())
+
+    monkeypatch.setattr(det, "start", start)
     out = tmp_path / "det.json"
     config = ROOT / "tests" / "configs" / "e2e.yaml"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_determinism.py"), "--config", str(config), "--gpus", "2",
-         "--resume-on", "1", "--seq", "64", "--global-batch", "4", "--steps", "7", "--interval", "3",
-         "--workdir", str(e2e_workdir), "--run-root", str(tmp_path / "runs"), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=400,
-        env=dict(os.environ, TMPDIR=str(tmp_path)),  # where the replay's own directory goes
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code = det.main(["--config", str(config), "--gpus", "2", "--resume-on", "1", "--seq", "64", "--global-batch", "4",
+                     "--steps", "7", "--interval", "3", "--workdir", str(e2e_workdir),
+                     "--run-root", str(tmp_path / "runs"), "--out", str(out)])
+    assert code == 0, capsys.readouterr().out[-3000:] + (tmp_path / "runs" / "g2" / "train.log").read_text()[-3000:]
     results = json.loads(out.read_text())
     assert results["env"]["torch"] == torch.__version__ and results["env"]["cpu_model"]  # which machine
     case = results["cases"]["2gpu"]

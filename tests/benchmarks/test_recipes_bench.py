@@ -5,8 +5,7 @@ transformers' load), and its refusals."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,18 +29,25 @@ def test_an_unknown_recipe_or_missing_data_is_refused_naming_it(tmp_path, capsys
 
 
 @pytest.mark.slow
-def test_the_proof_of_a_recipe_runs_whole_on_cpu(tmp_path, qwen_vocabulary):
+def test_the_proof_of_a_recipe_runs_whole_on_cpu(tmp_path, qwen_vocabulary, monkeypatch, capsys):
+    """The proof's ``main`` runs here; each command it starts (the random checkpoint, the runs,
+    the export and its check) starts as tests/launch.py starts a job, with the suite's environment:
+    a fork of the zygote's import where it is ``python SCRIPT.py`` (about 4 CPU-s less each)."""
     from data.tasks import write_task_datasets
 
+    def start(cmd: list[str], log: bench.Log, cwd: Path):
+        log.command(cmd)
+        with log.path.open("a") as handle:
+            return launch.popen(cmd, cwd, launch.env(cwd), output=handle.fileno())
+
+    monkeypatch.setattr(bench, "start", start)
     write_task_datasets(tmp_path / "datasets" / "tasks", seed=0, train_n=128, eval_n=8, shards=8)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(launch.ROOT / "benchmarks" / "recipes.py"), "--tiny", "--steps", "6",
-         "--recipes", "qwen3-0.6b-sft", "--out", str(out), "--work", str(tmp_path / "work"),
-         "--workdir", str(tmp_path), "--tokenizer", str(launch.ROOT / qwen_vocabulary)],
-        cwd=tmp_path, env=launch.env(tmp_path), capture_output=True, text=True, timeout=900)
+    code = bench.main(["--tiny", "--steps", "6", "--recipes", "qwen3-0.6b-sft", "--out", str(out), "--work",
+                       str(tmp_path / "work"), "--workdir", str(tmp_path), "--tokenizer",
+                       str(launch.ROOT / qwen_vocabulary)])
     log = out / "qwen3-0.6b-sft.log"
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + (log.read_text() if log.is_file() else "")
+    assert code == 0, capsys.readouterr().out[-3000:] + (log.read_text() if log.is_file() else "")
     result = json.loads((out / "recipes.json").read_text())["recipes"]["qwen3-0.6b-sft"]
     assert result["reference"]["step_time_s"] > 0
     assert any(line.startswith("step 1/6") for line in result["reference"]["console"]["head"])
