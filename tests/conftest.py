@@ -8,7 +8,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import os  # noqa: E402
-import subprocess  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -39,15 +38,13 @@ register_all()
 
 @pytest.fixture(scope="session")
 def e2e_workdir(tmp_path_factory):
-    """A working directory holding the prepared stdlib shards, shared by end-to-end tests."""
+    """A working directory holding the prepared stdlib shards, shared by end-to-end tests
+    (``python -m data prepare``, forked from the worker's zygote: tests/launch.py)."""
+    from tests import launch
+
     workdir = tmp_path_factory.mktemp("e2e")
-    subprocess.run(
-        [sys.executable, "-m", "data", "prepare", "--out", str(workdir / "datasets" / "stdlib")],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    done = launch.run_module(ROOT, ["data", "prepare", "--out", str(workdir / "datasets" / "stdlib")], timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return workdir
 
 

@@ -7,7 +7,8 @@ tests/ranks.py on the 2-core test machine, and most end-to-end tests check the r
 tests/ranks.py imports train.py's modules once and forks the ranks from there (``--preload
 train``: every script the ranks run is train.py or imports it), about 1.9 s less CPU per
 2-rank job than a fresh interpreter per rank.
-Every job started as ``python SCRIPT.py ...`` (ranks.py, in_turn.py, train.py alone) is a fork of
+Every job started as ``python SCRIPT.py ...`` (ranks.py, in_turn.py, train.py alone) or ``python -m
+MODULE ...`` (``run_module``: ``training export``, ``experiments runs``) is a fork of
 this pytest process's zygote (tests/zygote.py, ``popen``), which imported train.py's modules once:
 about 4 s of CPU less per job again, the suite's largest single cost before it.
 The tests that stay on torchrun are those about it or the commands a user types: its restarts
@@ -233,11 +234,11 @@ def train_in_turn(cwd: Path, runs: list[list[str]], *, timeout: float = 300, ent
 
 
 def run_module(cwd: Path, args: list[str], *, timeout: float = 300) -> Result:
-    """``python -m <args>`` (e.g. ``["training", "export", ...]``) in ``cwd`` with the suite's env."""
-    proc = subprocess.run(
-        [PYTHON, "-m", *args], cwd=cwd, env=env(cwd), capture_output=True, text=True, timeout=timeout
-    )
-    return Result(proc.returncode, proc.stdout, proc.stderr)
+    """``python -m <args>`` (e.g. ``["training", "export", ...]``) in ``cwd`` with the suite's env
+    (a fork of the zygote, ``popen``)."""
+    job = popen([PYTHON, "-m", *args], cwd, env(cwd))
+    out, err = finish(job, timeout)
+    return Result(job.returncode, out, err)
 
 
 def start(cwd: Path, args: list[str], *, nproc: int = 2, entry: str = TRAIN,

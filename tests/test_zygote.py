@@ -64,6 +64,20 @@ def test_a_job_writes_both_streams_into_an_open_file_where_one_is_given(zygote, 
     assert json.loads(next(line for line in lines if line != "to stderr"))["argv"] == [str(script), "0"]
 
 
+def test_a_module_job_is_what_python_dash_m_runs(zygote, tmp_path):
+    z, env = zygote
+    (tmp_path / "zygote_job_module.py").write_text(SCRIPT)
+    command = [sys.executable, "-m", "zygote_job_module", "4", "y"]
+    job = z.start(command, tmp_path, env)
+    out, err = job.communicate(timeout=60)
+    fresh = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    seen, want = json.loads(out), json.loads(fresh.stdout)
+    assert job.returncode == fresh.returncode == 4 and err == fresh.stderr == "to stderr\n"
+    assert {k: seen[k] for k in ("argv", "cwd", "name", "path0", "value")} == \
+        {k: want[k] for k in ("argv", "cwd", "name", "path0", "value")}
+    assert seen["argv"][0] == str(tmp_path / "zygote_job_module.py") and seen["pid"] == seen["pgid"]
+
+
 def test_a_killed_job_reports_the_signal_and_a_wait_times_out(zygote, tmp_path):
     z, env = zygote
     script = tmp_path / "job.py"
@@ -81,7 +95,9 @@ def test_a_killed_job_reports_the_signal_and_a_wait_times_out(zygote, tmp_path):
 def test_only_the_environment_the_zygote_imported_in_starts_there(zygote, tmp_path):
     z, env = zygote
     assert Zygote.runs([sys.executable, "x.py"], sys.executable)
-    assert not Zygote.runs([sys.executable, "-m", "training"], sys.executable)
+    assert Zygote.runs([sys.executable, "-m", "training"], sys.executable)
+    assert not Zygote.runs([sys.executable, "-m"], sys.executable)
+    assert not Zygote.runs([sys.executable, "-c", "pass"], sys.executable)
     assert z.matches({**env, "TMPDIR": "/elsewhere", "PYTEST_CURRENT_TEST": "another"})
     assert not z.matches({**env, "ZYGOTE_TEST_VALUE": "changed"})
 

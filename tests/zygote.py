@@ -1,10 +1,11 @@
 """``python tests/zygote.py SOCKET MODULE``: import MODULE once, then start every job asked for on the
 Unix socket SOCKET as a fork of this process, so that a job pays no import of its own.
 
-A job is a command ``[python, SCRIPT, ARGS...]`` with its working directory, environment and
-standard streams (file descriptors sent over the socket). Its process is what ``python SCRIPT
-ARGS`` would be, started in a session of its own (as ``subprocess.Popen(start_new_session=True)``):
-SCRIPT runs as ``__main__`` with its folder first on the module path, and leaves through the
+A job is a command ``[python, SCRIPT, ARGS...]`` or ``[python, -m, MODULE, ARGS...]`` with its
+working directory, environment and standard streams (file descriptors sent over the socket). Its
+process is what ``python SCRIPT ARGS`` (``python -m MODULE ARGS``) would be, started in a session
+of its own (as ``subprocess.Popen(start_new_session=True)``): SCRIPT runs as ``__main__`` with its
+folder first on the module path (MODULE, with the working directory first), and leaves through the
 interpreter's own exit. What differs is only what MODULE's import read of the environment: the
 caller (``Zygote.start``) sends a job here only when its environment equals this process's, but
 for the variables that change from test to test (``VOLATILE``).
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 POLL_S = 0.02
+MODULE_FLAG = "-m"
 VOLATILE = frozenset({"TMPDIR", "PYTEST_CURRENT_TEST"})
 """Environment variables a job may set to other values than the zygote's: none is read on import."""
 _LENGTH = struct.Struct("!I")
@@ -127,8 +129,9 @@ def _receive(conn: socket.socket) -> tuple[list[str], str, dict[str, str], list[
 
 
 def become_job(command: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> None:
-    """In a forked child: ``python SCRIPT ARGS`` (``command[1:]``). Never returns: the script's exit
-    (``SystemExit``, an exception, or its end as exit 0) leaves through the interpreter's own exit."""
+    """In a forked child: ``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` (``command[1:]``).
+    Never returns: the script's exit (``SystemExit``, an exception, or its end as exit 0) leaves
+    through the interpreter's own exit."""
     os.setsid()
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
@@ -139,6 +142,11 @@ def become_job(command: list[str], cwd: str, env: dict[str, str], fds: list[int]
     tempfile.tempdir = None  # TMPDIR read again
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    if command[1] == MODULE_FLAG:  # sys.argv[0] becomes the module's file, as python -m sets it
+        sys.argv = [command[2], *command[3:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(command[2], run_name="__main__", alter_sys=True)
+        raise SystemExit(0)
     script = command[1]
     sys.argv = [script, *command[2:]]
     sys.path[0] = os.path.dirname(os.path.realpath(script))
@@ -242,8 +250,9 @@ class Zygote:
 
     @staticmethod
     def runs(command: list[str], python: str) -> bool:
-        """Whether ``command`` is one a zygote starts: ``python SCRIPT.py ...``."""
-        return len(command) >= 2 and command[0] == python and command[1].endswith(".py")
+        """Whether ``command`` is one a zygote starts: ``python SCRIPT.py ...`` or ``python -m MODULE ...``."""
+        return len(command) >= 2 and command[0] == python and (
+            command[1].endswith(".py") or (command[1] == MODULE_FLAG and len(command) >= 3))
 
     def matches(self, env: dict[str, str]) -> bool:
         """Whether a job in ``env`` may start here: this zygote imported in the same environment (but

@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -117,10 +115,7 @@ def test_crash_then_resume_is_identical(e2e_workdir, reference):
 
 def test_run_browser_lists_states_and_plots(e2e_workdir, reference, tmp_path):
     root = str(e2e_workdir / "runs")
-    listing = subprocess.run(
-        [sys.executable, "-m", "experiments", "runs", "list", "--root", root],
-        cwd=launch.ROOT, capture_output=True, text=True, timeout=120,
-    )
+    listing = launch.run_module(launch.ROOT, ["experiments", "runs", "list", "--root", root], timeout=120)
     assert listing.returncode == 0, listing.stderr
     rows = {line.split()[0]: line for line in listing.stdout.splitlines() if line.strip()}
     assert "finished" in rows[reference.name]
@@ -129,9 +124,7 @@ def test_run_browser_lists_states_and_plots(e2e_workdir, reference, tmp_path):
         if matching:
             assert state in matching[0], matching[0]
     png = tmp_path / "plot.png"
-    plot = subprocess.run(
-        [sys.executable, "-m", "experiments", "runs", "plot", reference.name, "--root", root, "--out", str(png)],
-        cwd=launch.ROOT, capture_output=True, text=True, timeout=120,
-    )
+    plot = launch.run_module(launch.ROOT, ["experiments", "runs", "plot", reference.name, "--root", root,
+                                           "--out", str(png)], timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -45,10 +43,9 @@ def test_the_step_lines_show_tool_calls_and_runs_episodes_prints_a_step(referenc
         reference_runs.result(AGENT_GRPO).stdout, re.M)}
     assert shown == {step: (line["tool_calls"], line["malformed_calls"]) for step, line in lines.items()}
 
-    def episodes(step: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "experiments", "runs", "episodes", reference.name,
-                               "--step", str(step), "--root", str(reference.parent)],
-                              cwd=launch.ROOT, capture_output=True, text=True, timeout=120)
+    def episodes(step: int) -> launch.Result:
+        return launch.run_module(launch.ROOT, ["experiments", "runs", "episodes", reference.name, "--step", str(step),
+                                               "--root", str(reference.parent)], timeout=120)
 
     printed = episodes(2)
     assert printed.returncode == 0, printed.stderr

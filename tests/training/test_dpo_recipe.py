@@ -20,8 +20,6 @@ an export).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,9 +50,8 @@ def _sft_start(workdir) -> Path:
         "train.lr=3e-3", "data.seq_len=256", "data.packing=whole", "checkpoint.interval=0",
         "data.sources=[{path: datasets/tasks/sft/train, record: chat}]", "data.eval_source=null"], nproc=1)
     out = workdir / "dpo-start-export"
-    export = subprocess.run([sys.executable, "-m", "training", "export", "--run", str(_run_dir(workdir, result)),
-                             "--to", str(out)], cwd=workdir, env=launch.env(workdir), capture_output=True, text=True,
-                            timeout=120)
+    export = launch.run_module(workdir, ["training", "export", "--run", str(_run_dir(workdir, result)), "--to", str(out)],
+                               timeout=120)
     assert export.returncode == 0, export.stderr
     return out
 
