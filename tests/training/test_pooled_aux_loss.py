@@ -1,7 +1,6 @@
 """Qwen3-MoE's load-balancing loss over the global batch (models/forward.py ``PooledProductLoss``,
 training/step.py): the step sums every micro-batch's and rank's tokens per expert before it forms the
-loss, so 1 x 4 rows and 4 x 1 give the same value and gradient, and so do 2 ranks and 1 (gloo, two
-spawned processes). The values differ only by sums in another order (the router's probabilities per
+loss, so 1 x 4 rows and 4 x 1 give the same value and gradient, and so do 2 ranks and 1 (gloo, DDP). The values differ only by sums in another order (the router's probabilities per
 expert summed over other tokens): the value came out equal, the gradients within 1e-6; the per-forward
 loss it replaces was 1e-2 apart.
 One micro-batch on one rank computes the forward's own value with the same operations, bit for bit."""
@@ -14,8 +13,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from core.config import ParallelConfig
+from core.distributed_context import DistributedContext
 from data.batch import IGNORE_INDEX, Batch
 from models.builder import build
 from models.forward import INPUT_TOKEN, ModelInputs, PooledProductLoss, model_forward, record_emitted
@@ -115,35 +115,27 @@ def test_accumulation_one_by_four_equals_four_by_one():
     assert not math.isclose(sum(per_forward) / ROWS, value, rel_tol=1e-3)
 
 
-def _rank(rank: int, init_file: str, out_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        model = _model()
-        half = _batch(slice(rank * 2, rank * 2 + 2))
+def _two_ranks() -> dict:
+    """One of 2 gloo ranks (tests/distributed/dist_harness.py): its half of the rows, one row a
+    micro-batch, under DDP; the averaged gradients and the model sums over both ranks."""
+    with DistributedContext.from_env(ParallelConfig(device="cpu", backend="gloo", timeout_s=60)) as context:
+        model = torch.nn.parallel.DistributedDataParallel(_model())
+        half = _batch(slice(context.rank * 2, context.rank * 2 + 2))
 
         def sum_over_replicas(tensor: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(tensor)
             return tensor
 
         grads, sums = _step(model, half.micro_batches(1), dp_size=2, sum_over_replicas=sum_over_replicas)
-        for grad in grads.values():  # as DDP: the ranks' gradients averaged
-            dist.all_reduce(grad)
-            grad /= 2
         for value in sums.values():
             dist.all_reduce(value)
-        if rank == 0:
-            torch.save((grads, sums), out_file)
-    finally:
-        dist.destroy_process_group()
+        return {"grads": {name.removeprefix("module."): grad for name, grad in grads.items()}, "sums": sums}
 
 
-def test_two_ranks_equal_one_rank(tmp_path):
-    context = mp.get_context("spawn")
-    out_file = tmp_path / "rank0.pt"
-    workers = [context.Process(target=_rank, args=(rank, str(tmp_path / "init"), str(out_file))) for rank in range(2)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=180)
-        assert worker.exitcode == 0
-    _assert_same_step(torch.load(out_file), _step(_model(), _batch().micro_batches(ROWS)), rel=1e-7)
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank():
+    from tests.distributed.dist_harness import run_on_ranks
+
+    one = _step(_model(), _batch().micro_batches(ROWS))
+    for result in run_on_ranks(_two_ranks, 2):
+        _assert_same_step((result["grads"], result["sums"]), one, rel=1e-7)
