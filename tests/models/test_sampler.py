@@ -39,10 +39,23 @@ def _keys(count, *, seed=1, sample_index=0):
     return [SampleKey(seed, "test", 3, prompt_index, sample_index) for prompt_index in range(count)]
 
 
+@pytest.fixture(scope="module")
+def batched(sampler):
+    """params -> the module's sampler's samples of ``_prompts()`` under ``_keys(8)``, generated once
+    (the batch the invariance and stop-token tests start from)."""
+    computed = {}
+
+    def samples(params: SamplingParams) -> list:
+        if params not in computed:
+            computed[params] = sampler.generate(_prompts(), _keys(len(LENGTHS)), params)
+        return computed[params]
+
+    return samples
+
+
 @pytest.mark.parametrize("params", [SAMPLED, FILTERED], ids=["plain", "filtered"])
-def test_a_sample_does_not_depend_on_batch_size_or_order(sampler, params):
-    prompts, keys = _prompts(), _keys(len(LENGTHS))
-    batched = sampler.generate(prompts, keys, params)
+def test_a_sample_does_not_depend_on_batch_size_or_order(sampler, batched, params):
+    prompts, keys, batched = _prompts(), _keys(len(LENGTHS)), batched(params)
     alone = [sampler.generate([p], [k], params)[0] for p, k in zip(prompts, keys)]
     order = [5, 2, 7, 0, 3, 6, 1, 4]
     shuffled = sampler.generate([prompts[i] for i in order], [keys[i] for i in order], params)
@@ -95,9 +108,8 @@ def test_sampled_log_probs_are_the_untempered_model_log_probs(sampler_model, sam
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, rtol=0, atol=1e-5)
 
 
-def test_stop_tokens_end_a_sample_and_are_kept(sampler):
-    prompts = _prompts()
-    free = sampler.generate(prompts, _keys(8), SAMPLED)
+def test_stop_tokens_end_a_sample_and_are_kept(sampler, batched):
+    prompts, free = _prompts(), batched(SAMPLED)
     stop = free[2].tokens[4]  # the token sample 2 draws 5th
     stopped = sampler.generate(prompts, _keys(8), dataclasses.replace(SAMPLED, stop_token_ids=(stop,)))
     for before, after in zip(free, stopped):

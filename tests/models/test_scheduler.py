@@ -36,13 +36,29 @@ def _keys():
     return [SampleKey(1, "test", 3, prompt_index, prompt_index % 2) for prompt_index in range(len(LENGTHS))]
 
 
+@pytest.fixture(scope="module")
+def group_samples(sampler_model):
+    """(rule, prefill_rows) -> the group schedule's samples of ``_prompts()`` under ``_keys()``, generated
+    once for the module (the refill tests compare against them)."""
+    computed = {}
+
+    def samples(rule: str, prefill_rows=None) -> list:
+        if (rule, prefill_rows) not in computed:
+            groups = _sampler(sampler_model, "groups", prefill_rows)
+            computed[rule, prefill_rows] = groups.generate(_prompts(), _keys(), RULES[rule])
+        return computed[rule, prefill_rows]
+
+    return samples
+
+
 @pytest.mark.parametrize("rule,prefill_rows", [(rule, None) for rule in sorted(RULES)] + [("filtered", 1), ("sampled", 3)])
-def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sampler_model, rule, prefill_rows):
+def test_refill_equals_the_group_schedule_each_sample_alone_and_any_order(sampler_model, group_samples, rule,
+                                                                          prefill_rows):
     """Also with prefills of fewer rows than the cache has: 1 (a prompt per forward) and 3 (a
     refill point's prompts split across forwards, the last padded)."""
     params, prompts, keys = RULES[rule], _prompts(), _keys()
-    refill, groups = _sampler(sampler_model, "refill", prefill_rows), _sampler(sampler_model, "groups", prefill_rows)
-    expected = groups.generate(prompts, keys, params)
+    refill = _sampler(sampler_model, "refill", prefill_rows)
+    expected = group_samples(rule, prefill_rows)
     got = refill.generate(prompts, keys, params)
     assert got == expected  # tokens, log-probs (exact floats) and finish reasons
     order = np.random.default_rng(7).permutation(len(prompts)).tolist()
@@ -76,7 +92,8 @@ def test_refill_steps_captured_as_one_graph_give_the_group_schedules_samples(sam
 # prefill and a point every 7 steps, some points free more rows than the pool holds.
 @pytest.mark.parametrize("every,ahead,prefill_rows", [(1, False, None), (7, False, None), (1, True, 3), (7, True, 1),
                                                       (16, True, None)])
-def test_the_refill_interval_and_prefilling_ahead_change_no_sample(sampler_model, every, ahead, prefill_rows):
+def test_the_refill_interval_and_prefilling_ahead_change_no_sample(sampler_model, group_samples, every, ahead,
+                                                                   prefill_rows):
     params, prompts, keys = RULES["filtered"], _prompts(), _keys()
     refill = Sampler(sampler_model, max_batch=4, max_len=40, prefill_chunk=8, refill_every=every,
                      prefill_ahead=ahead, prefill_rows=prefill_rows)
@@ -93,7 +110,7 @@ def test_the_refill_interval_and_prefilling_ahead_change_no_sample(sampler_model
         return refill_rows(state, assigned, prompts, keys, budgets, held, width)
 
     refill._stage, refill._refill = counted_stage, counted_refill
-    assert refill.generate(prompts, keys, params) == _sampler(sampler_model, "groups").generate(prompts, keys, params)
+    assert refill.generate(prompts, keys, params) == group_samples("filtered")
     assert sum(taken) + sum(topped_up) == len(prompts)  # every sample starts once
     if not ahead:
         assert not staged and not any(taken), (staged, taken)
@@ -156,11 +173,11 @@ def test_finished_rows_take_the_next_samples_and_save_decode_steps(sampler_model
 
         sampler.model._forward_cached = counted
         try:
-            sampler.generate(prompts, keys, params)
+            samples = sampler.generate(prompts, keys, params)
         finally:
             del sampler.model._forward_cached
         counts[schedule] = sum(1 for width in calls if width == 1)  # decode steps (prefill chunks are 8 wide)
-        lengths = [len(s.tokens) for s in sampler.generate(prompts, keys, params)]
+        lengths = [len(s.tokens) for s in samples]  # of the samples whose forwards were counted
         every = sampler.refill_every if schedule == "refill" else 16
         assert counts[schedule] == decode_steps(lengths, 4, every, schedule, budget=96), (schedule, counts)
     assert counts["refill"] < 0.6 * counts["groups"], counts
