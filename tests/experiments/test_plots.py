@@ -75,7 +75,8 @@ def test_runs_plot_draws_the_series_and_compares_runs(tmp_path, capsys):
     assert compared["loss"] == {"a-1": [[1, 3.0], [2, 2.0]], "b-1": [[1, 4.0], [2, 1.0], [3, 0.5]]}
     assert compared["eval/reward_mean"] == {"a-1": [[2, 0.25]], "b-1": [[3, 0.5]]}
 
-    assert main(["runs", "plot", "a-1", "b-1", "--root", str(root)]) == 0  # default: a name from the run IDs
+    # Without --out the comparison is named from the run IDs (whatever is drawn: one series here).
+    assert main(["runs", "plot", "a-1", "b-1", "--root", str(root), "--series", "loss"]) == 0
     default = capsys.readouterr().out.split()[-1]
     assert default.startswith(str(root / "compare-")) and default.endswith(".png")
 
