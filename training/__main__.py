@@ -4,7 +4,7 @@
                               [--root runs] [--adapter | --merge]  (LoRA runs: PEFT adapter dir, or merged model)
                               (where it may write and how: training/cli/export_target.py)
 
-    python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT | --prompts FILE.jsonl)
+    python -m training generate --from RUN_ID|RUN_DIR|HF_DIR [--step S] (--prompt TEXT [--image PATH ...] | --prompts FILE.jsonl)
                                 [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--num-beams N]
                                 [--out FILE.jsonl [--overwrite]]  (never inside a run directory)
                                 (training/cli/generate.py)
