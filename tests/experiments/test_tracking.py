@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from core.config import MetricsConfig
 from core.distributed_context import DistributedContext
@@ -67,6 +66,8 @@ def test_interval_means_throughput_mfu_eta_and_all_sinks(tmp_path):
     assert len(printed) == 3
     assert printed[0].startswith("step 2/5 | loss 8.5000 | lr 1.00e-03 | 500 tok/s | MFU 50.0%")
     assert "ETA 0:00:06" in printed[0]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
@@ -150,6 +151,8 @@ def test_resumed_run_purges_overlapping_tensorboard_steps(tmp_path):
 
     run(0, 6, loss=1.0)  # crashed after step 6, last checkpoint at step 4
     run(4, 8, loss=2.0)  # resumed: steps 5 and 6 again
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     values = {e.step: e.value for e in acc.Scalars("loss/mean")}
