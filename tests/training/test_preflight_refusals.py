@@ -3,9 +3,6 @@ a vocabulary smaller than the tokenizer's, a model whose training state cannot f
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import psutil
 import pytest
 import torch
@@ -46,11 +43,8 @@ def test_ranks_on_one_host_share_its_memory():
 
 def test_train_refuses_a_huge_model_before_writing_anything(tmp_path):
     root = tmp_path / "runs"
-    proc = subprocess.run(
-        [sys.executable, str(launch.ROOT / "train.py"), "--config", str(launch.ROOT / "configs" / "tiny.yaml"),
-         "model.hidden_size=1000000", f"run.root={root}"],
-        cwd=tmp_path, env=launch.env(tmp_path), capture_output=True, text=True, timeout=120,
-    )
+    proc = launch.train(tmp_path, ["--config", str(launch.ROOT / "configs" / "tiny.yaml"), "model.hidden_size=1000000",
+                                   f"run.root={root}"], nproc=1, timeout=120)
     assert proc.returncode == ExitCode.CONFIG, proc.stderr
     assert "model" in proc.stderr and "GiB" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -147,11 +141,9 @@ def test_a_lora_init_from_that_is_no_adapter_is_a_config_error(tmp_path):
 def test_train_refuses_a_huge_or_missing_teacher_before_writing_anything(tmp_path, override, key):
     root = tmp_path / "runs"
     teacher = _teacher_dir(tmp_path, hidden_size=10_000_000)
-    proc = subprocess.run(
-        [sys.executable, str(launch.ROOT / "train.py"), "--config", str(launch.ROOT / "configs" / "tiny-distill.yaml"),
-         override.format(teacher=teacher), "parallel.device=cpu", f"run.root={root}"],
-        cwd=tmp_path, env=launch.env(tmp_path), capture_output=True, text=True, timeout=120,
-    )
+    proc = launch.train(tmp_path, ["--config", str(launch.ROOT / "configs" / "tiny-distill.yaml"),
+                                   override.format(teacher=teacher), "parallel.device=cpu", f"run.root={root}"],
+                        nproc=1, timeout=120)
     assert proc.returncode == ExitCode.CONFIG, proc.stderr
     assert f"key={key}" in proc.stderr and "config error" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

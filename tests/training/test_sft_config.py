@@ -5,8 +5,6 @@ tokenizer of the ``model.init_from`` directory. Both name the file."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from data.tokenizers import ByteTokenizer
 from tests import launch
@@ -15,8 +13,7 @@ SFT = ["--config", str(launch.ROOT / "configs" / "tiny-sft.yaml"), "parallel.str
 
 
 def _train(cwd, args):
-    return subprocess.run([sys.executable, str(launch.ROOT / "train.py"), *args], cwd=cwd, env=launch.env(cwd),
-                          capture_output=True, text=True, timeout=120)
+    return launch.train(cwd, args, nproc=1, timeout=120)
 
 
 def test_a_template_without_an_assistant_span_exits_2_naming_the_file(tmp_path):
