@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests import launch
-from tests.zygote import Job, Zygote, ZygoteGone
+from tests.zygote import Job, Zygote, ZygoteGone, finished_jobs_cpu_s
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,11 @@ def test_a_job_is_the_script_run_as_main_in_its_own_session(zygote, tmp_path):
     script.write_text(SCRIPT)
     work = tmp_path / "work"
     work.mkdir()
+    before = finished_jobs_cpu_s()
     job = z.start([sys.executable, str(script), "3", "x"], work, {**env, "TMPDIR": str(tmp_path)})
+    assert job.cpu_s is None
     out, err = job.communicate(timeout=60)
+    assert job.cpu_s >= 0 and finished_jobs_cpu_s() == before + job.cpu_s  # tests/group_costs.py counts it
     seen = json.loads(out)
     assert job.returncode == 3 and err == "to stderr\n"
     assert seen["argv"] == [str(script), "3", "x"] and seen["name"] == "__main__"

@@ -42,6 +42,8 @@ VOLATILE = frozenset({"TMPDIR", "PYTEST_CURRENT_TEST"})
 """Environment variables a job may set to other values than the zygote's: none is read on import."""
 _LENGTH = struct.Struct("!I")
 _CODE = struct.Struct("!q")
+_END = struct.Struct("!qd")  # a job's exit code and CPU seconds (its own and its waited-for children's)
+_finished_cpu_s = 0.0
 
 
 # ---------------------------------------------------------------------------------------- the server
@@ -101,14 +103,14 @@ def serve(path: str, module: str) -> None:
             conn.sendall(_CODE.pack(pid))
             jobs[pid] = conn
         while jobs:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = jobs.pop(pid, None)
             if conn is None:
                 continue
             try:
-                conn.sendall(_CODE.pack(os.waitstatus_to_exitcode(status)))
+                conn.sendall(_END.pack(os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime))
             except OSError:  # the caller has gone
                 pass
             conn.close()
@@ -163,6 +165,13 @@ def _kill_group(pid: int) -> None:
 
 # ---------------------------------------------------------------------------------------- the client
 
+def finished_jobs_cpu_s() -> float:
+    """CPU seconds of the jobs this process's zygotes ran whose end it has read (``Job.wait``): a
+    zygote lives as long as this process, so ``resource.getrusage(RUSAGE_CHILDREN)`` sees them only
+    at its end (tests/group_costs.py adds them to a test's CPU seconds)."""
+    return _finished_cpu_s
+
+
 class ZygoteGone(RuntimeError):
     """The zygote ended (its import failed, or it was killed) before it could start a job."""
 
@@ -176,6 +185,8 @@ class Job:
         self.conn, self.pid, self.args = conn, pid, args
         self.stdout, self.stderr = stdout, stderr
         self.returncode: int | None = None
+        self.cpu_s: float | None = None
+        """CPU seconds of the job and its waited-for children, once it has ended."""
         self._readers: dict[str, threading.Thread] = {}
         self._output: dict[str, str] = {}
 
@@ -192,13 +203,15 @@ class Job:
         return self.returncode
 
     def _read_code(self) -> None:
+        global _finished_cpu_s
         data = b""
-        while len(data) < _CODE.size:
-            chunk = self.conn.recv(_CODE.size - len(data))
+        while len(data) < _END.size:
+            chunk = self.conn.recv(_END.size - len(data))
             if not chunk:
                 raise RuntimeError(f"the zygote ended before job {self.pid} did")
             data += chunk
-        (self.returncode,) = _CODE.unpack(data)
+        self.returncode, self.cpu_s = _END.unpack(data)
+        _finished_cpu_s += self.cpu_s
         self.conn.close()
 
     def communicate(self, input=None, timeout: float | None = None) -> tuple[str, str]:
