@@ -16,7 +16,7 @@ from torch import nn
 
 import models
 from core import seeding
-from core.config import Config
+from core.config import Config, ParallelConfig
 from core.distributed_context import DistributedContext
 from core.logging import EventLog, get_logger
 from core.objective_kinds import record_fields
@@ -30,6 +30,7 @@ from distributed.topology import build_mesh
 from experiments.tracking import MetricsTracker
 from models.flops import flops_per_token
 from models.lora import add_adapters
+from models.numerics import Numerics
 from training import determinism
 from training.record import ledger as ledger_lib
 from training.guards import Guards
@@ -54,6 +55,19 @@ def _gathered_embedding_grad(config: Config, model: nn.Module, topology):
     return gathered
 
 
+def eager_under_batch_invariance(parallel: ParallelConfig, numerics: Numerics) -> ParallelConfig:
+    """``parallel`` with ``compile`` off under ``determinism.batch_invariant``: dynamo traces a block
+    without the batch-invariant function mode (models/batch_invariant.py ``Linears``), so a compiled
+    block ran the stock kernels and the first sampled step stopped with exit 5 (a CPU run of
+    tests/configs/e2e-grpo.yaml: 2 of 12 tokens differed; Qwen3-0.6B's recipe on an H200: 128 of 128).
+    The sampler runs eagerly there for the same reason."""
+    if not (parallel.compile and numerics.batch_invariant):
+        return parallel
+    get_logger().info("parallel.compile: the blocks run eagerly under determinism.batch_invariant "
+                      "(the compiler would replace its kernels)")
+    return dataclasses.replace(parallel, compile=False)
+
+
 def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, ParallelPlan]:
     numerics = determinism.numerics(config)  # the run's one: the training forward's and the sampler's
     determinism.configure(numerics, dist.device, fill_uninitialized_memory=config.determinism.fill_uninitialized_memory)
@@ -68,7 +82,7 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
 
         model, plan = xla.setup(model, config, topology)
     else:
-        model = parallelize(model, config.parallel, dist, topology)
+        model = parallelize(model, eager_under_batch_invariance(config.parallel, numerics), dist, topology)
         reduces_beside_backward = topology.dp_size > 1 and config.parallel.strategy in ("ddp", "fsdp")
         carveout = config.parallel.backward_sm_carveout if reduces_beside_backward else 0
         check_carveout(carveout, dist.device)

@@ -95,3 +95,22 @@ def test_the_loop_s_precision_and_the_lora_base_dtype_come_from_the_run_s_numeri
     assert Precision(fp32, device=CPU, wrapper_casts=False).state_dict()["name"] == "fp32"
     assert bf16.frozen_base_dtype == torch.bfloat16  # models.lora.store_base_as
     assert fp16.frozen_base_dtype is None and fp32.frozen_base_dtype is None
+
+
+def test_under_batch_invariance_the_blocks_are_not_compiled(restore_torch_flags):
+    """A compiled block runs the stock kernels (dynamo traces it without the batch-invariant
+    function mode): under determinism.batch_invariant, parallel.compile leaves the blocks eager."""
+    from core.distributed_context import DistributedContext
+    from distributed import unwrap
+    from distributed.model_structure import plan_blocks
+    from training.builders import build_model
+
+    def compiled(overrides: list[str]) -> list[bool]:
+        config = config_lib.load(str(CONFIG), ["parallel.device=cpu", "parallel.compile=true", *overrides])
+        with DistributedContext.from_env(config.parallel) as dist:
+            model, _ = build_model(config, dist)
+            return [getattr(block, "_compiled_call_impl", None) is not None
+                    for _, _, block in plan_blocks(unwrap(model))]
+
+    assert all(compiled([])) and compiled([])
+    assert not any(compiled(["determinism.batch_invariant=true"]))
