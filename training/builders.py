@@ -30,6 +30,7 @@ from distributed.topology import build_mesh
 from experiments.tracking import MetricsTracker
 from models.flops import flops_per_token
 from models.lora import add_adapters
+from models.lora import base_identity as start_identity
 from models.numerics import Numerics
 from training import determinism
 from training.record import ledger as ledger_lib
@@ -76,6 +77,10 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
     base_identity = None
     if config.model.lora.rank > 0:  # adapters on the plain model, before parallelize (models/lora.py)
         base_identity = add_adapters(model, config.model, seed=config.train.seed, base_dtype=numerics.frozen_base_dtype)
+    elif any(not p.requires_grad for p in model.parameters()):
+        # Parts built frozen (a vision tower under model.<family>.tower: frozen) are not checkpointed: a
+        # resume rebuilds them from the run's start, so the start is recorded and checked as a LoRA base is.
+        base_identity = {"path": config.model.init_from or "init:seed", "sha256": start_identity(model)}
     topology = build_mesh(config.parallel, dist)
     if config.parallel.strategy == "xla_spmd":
         from training import xla  # needs torch_xla, which only the XLA interpreter has

@@ -161,3 +161,27 @@ def test_a_config_json_read_over_the_runs_config_keeps_how_the_tower_trains(tmp_
     read = model_config_from_hf(tmp_path, base=_config("frozen"))
     assert read.qwen2_5_vl.tower == "frozen"
     assert not any(p.requires_grad for p in load_pretrained(tmp_path, base=_config("frozen")).visual.parameters())
+
+
+def test_a_frozen_towers_start_is_recorded_so_a_resume_from_another_start_is_refused():
+    """A frozen tower is not in the checkpoint (a resume rebuilds it from the run's start): the run's
+    plan records that start's identity, and the checkpoint's frozen models' check compares it."""
+    from core.distributed_context import DistributedContext
+    from core.exceptions import CheckpointError
+    from training.builders import build_model
+    from training.checkpoint.state import check_frozen
+
+    def start(*overrides):
+        config = config_lib.load("configs/tiny-vl-sft.yaml", ["parallel.device=cpu", "parallel.strategy=none",
+                                                              *overrides])
+        with DistributedContext.from_env(config.parallel) as dist:
+            return build_model(config, dist)[1].base_identity
+
+    assert start() is None  # nothing frozen: nothing to record
+    frozen = start("model.qwen2_5_vl.tower=frozen")
+    assert frozen["path"] == "init:seed" and frozen == start("model.qwen2_5_vl.tower=frozen")
+    other = start("model.qwen2_5_vl.tower=frozen", "train.seed=7")  # another seeded start
+    assert other["sha256"] != frozen["sha256"]
+    check_frozen({"base": frozen}, {"base": frozen})
+    with pytest.raises(CheckpointError, match="frozen base model differs"):
+        check_frozen({"base": other}, {"base": frozen})
