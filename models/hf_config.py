@@ -11,13 +11,13 @@ anyway would give a model that silently computes something else.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from core.config import ModelConfig
 from core.config_schema import model_config_class
+from core.json_files import read_json_object
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily, hf_family, model_families, model_family
 from core.registration import import_attr
@@ -46,13 +46,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
             file=str(file),
             hint="point at a Hugging Face model directory (config.json plus model.safetensors)",
         )
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{file} is not readable JSON: {exc}", file=str(file)) from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{file} must hold a JSON object", file=str(file))
-    return raw
+    return read_json_object(file, ConfigError)
 
 
 def model_config_from_hf(path: str | Path, base: ModelConfig | None = None) -> ModelConfig:

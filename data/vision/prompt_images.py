@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from core.json_files import read_json_object
 from core.exceptions import ConfigError, DataError
 from data.kinds.image_chat import GRIDS, PIXELS, PLACEHOLDER, expand_pads, placeholders, show_images, vision_token_ids
 from data.vision.images import ImageProcessing, ProcessedImage, load_image
@@ -121,12 +122,7 @@ def read_processor_config(directory: Path) -> Optional[ImageProcessing]:
     file = Path(directory) / PROCESSOR_CONFIG
     if not file.is_file():
         return None
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{PROCESSOR_CONFIG} cannot be read as JSON: {exc}", file=str(file)) from None
-    if not isinstance(raw, dict):
-        raise DataError(f"{PROCESSOR_CONFIG} is a {type(raw).__name__}, not a JSON object", file=str(file))
+    raw = read_json_object(file, DataError)
     size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
     fields = {name: size[edge] for name, edge in _SIZES.items() if edge in size}
     fields.update({name: raw[name] for name in _SIZES if name in raw and name not in fields})
