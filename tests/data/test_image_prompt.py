@@ -64,12 +64,14 @@ def test_a_record_encodes_as_a_prompt_with_its_images(images_root):
 
 
 def test_the_embedded_prompts_are_seeded_and_encode(images_root):
-    from data.vision.chat_data import SUBJECTS
+    from data.vision.chat_data import SUBJECTS, conversations
     from data.vision.prompt_data import image_prompts
 
     records = image_prompts(12, seed=1, photographs="../photographs")
     assert records == image_prompts(12, seed=1, photographs="../photographs")
-    assert {r["answer"] for r in records} <= {word for _, word in SUBJECTS.values()}
+    assert {r["answer"] for r in records} <= {word.capitalize() for _, word in SUBJECTS.values()}  # as the chats'
+    chats = {m["content"] for r in conversations(64, seed=0, photographs="..") for m in r["messages"]}
+    assert {r["answer"] for r in records} <= chats  # an answer the chats teach, to the letter
     encoder = encoder_of(images_root, "image_prompt")
     for record in records:
         encoded = encoder.document(record, str(images_root / "records" / "part-000.jsonl"))
