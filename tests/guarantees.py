@@ -180,8 +180,25 @@ def sigkill_then_resume_is_identical(refs: References, method: Method) -> None:
         killed = launch.kill_and_resume(refs.workdir, args, name=name, seed=kill.seed, kills=kill.kills,
                                         steps=kill.steps, delay_s=kill.delay_s, wait_s=kill.wait_s,
                                         finish_s=kill.finish_s, entry=method.entry, last_step=method.steps)
-    assert launch.ledger(killed) == launch.ledger(reference)
+    got, want = launch.ledger(killed), launch.ledger(reference)
+    assert got == want, ledger_difference(got, want, killed)
     assert not (killed / ".lock").exists()
+
+
+def ledger_difference(got: list[dict], want: list[dict], run: Path) -> str:
+    """What a killed-and-resumed ledger does differently from the uninterrupted one, for the failure's
+    message (the run dirs do not outlive a passing session): the line counts, the first step that
+    differs with each differing field's two values, and the killed run's lifecycle events."""
+    lines = [f"{len(got)} lines resumed, {len(want)} uninterrupted"]
+    for mine, theirs in zip(got, want):
+        if mine != theirs:
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            lines.append(f"step {theirs.get('step')}: " + "; ".join(
+                f"{k} resumed {mine.get(k)!r} uninterrupted {theirs.get(k)!r}" for k in keys))
+            break
+    lines += [json.dumps({k: v for k, v in e.items() if k in ("event", "step", "path", "reason", "rank", "exit_code")})
+              for e in launch.events(run) if e.get("event") not in ("step", "eval")]
+    return "\n".join(lines)
 
 
 def replay_verifies(refs: References, method: Method, dumps: Path) -> None:
