@@ -34,6 +34,24 @@ def test_a_moe_copy_takes_the_whole_canonical_state_with_the_routers_biases():
     assert torch.equal(copy.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
 
 
+def test_each_load_of_a_fresh_copy_hands_the_sampler_the_routers_current_biases():
+    """Where every load makes a fresh copy (a sharded model, another dtype), the sampler's model
+    takes the copy's values in place: its buffers too, or it routes by the bias of the first load
+    (GRPO under FSDP: exit 5 at step 2 under determinism.batch_invariant, 2 of 12 tokens apart)."""
+    from training.rollout.generator import Generator
+
+    model = models.build(moe_config(bias_update_rate=0.01), generator=torch.Generator().manual_seed(2))
+    generator = Generator(rows=2, max_len=16, seed=0, dtype=torch.float64)  # a fresh copy at each load
+    generator.load(model)
+    kept = generator._sampler.model
+    with torch.no_grad():  # an update moved the bias (Qwen3MoeForCausalLM.after_update)
+        getattr(model.layers[2].mlp.gate, BIAS).copy_(torch.linspace(-0.2, 0.3, 6))
+    generator.load(model)
+    assert generator._sampler.model is kept  # the sampler keeps its model (and its compiled graphs)
+    assert torch.equal(getattr(kept.layers[2].mlp.gate, BIAS),
+                       getattr(model.layers[2].mlp.gate, BIAS).to(getattr(kept.layers[2].mlp.gate, BIAS).dtype))
+
+
 def test_a_family_that_does_not_fold_adapters_refuses_a_model_with_them():
     tuned = models.build(QWEN3, generator=torch.Generator().manual_seed(5))
     apply_lora(tuned, LoRAConfig(rank=4, alpha=8.0, targets=("q_proj",)), seed=1)

@@ -58,10 +58,15 @@ class Generator:
         plain = generation_model(model, dtype=self.dtype)
         if self._sampler is None:
             self._sampler = Sampler(plain, max_batch=self.rows, max_len=self.max_len)
-        elif self._sampler.model is not plain:  # a fresh copy: into the sampler's model
+        elif self._sampler.model is not plain:  # a fresh copy: into the sampler's model, in place
+            kept_buffers = dict(self._sampler.model.named_buffers())
             with torch.no_grad():
                 for kept, fresh in zip(self._sampler.model.parameters(), plain.parameters()):
                     kept.copy_(fresh)
+                # The state a model moves outside its parameters (a router's balancing bias after each
+                # update): under FSDP the sampler kept step 1's and routed by it ever after.
+                for name, fresh in plain.named_buffers():
+                    kept_buffers[name].copy_(fresh)
 
     def generate(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], params: SamplingParams, *,
                  purpose: str, step: int = 0, samples: int = 1,
