@@ -218,8 +218,11 @@ def test_two_ranks_one_hung_both_dump_and_exit_6(tmp_path):
         "stalled_on"
     ] == "compute"
 
-    # The flight recorder shows rank 0's all-reduce of step 2 as enqueued, not completed.
-    trace = pickle.loads((diag / "rank0_flight_recorder.pkl").read_bytes())
+    # The flight recorder shows rank 0's all-reduce of step 2 as enqueued, not completed. Where the
+    # file is missing, the bundle's section says why (its error, or no entries).
+    recorder = diag / "rank0_flight_recorder.pkl"
+    assert recorder.exists(), json.loads((diag / "rank0_watchdog.json").read_text())["flight_recorder"]
+    trace = pickle.loads(recorder.read_bytes())
     reduces = [e for e in trace["entries"] if "all_reduce" in e["profiling_name"]]
     assert [e["retired"] for e in reduces] == [True, False]
     assert trace["pg_status"]["0"]["last_enqueued_collective"] == 2
