@@ -97,6 +97,7 @@ def _prepare(args) -> int:
         _prepare_agent_tasks(Path(out).parent / TASKS_DIR / AGENT_DIR, force=args.force)
         _prepare_photographs(Path(out).parent / PHOTOGRAPHS_DIR, force=args.force)
         _prepare_image_chats(Path(out).parent / PHOTOGRAPHS_DIR, force=args.force)
+        _prepare_shapes(Path(out).parent / SHAPES_DIR, force=args.force)
     return 0
 
 
@@ -167,6 +168,16 @@ def _prepare_image_chats(photographs: Path, *, force: bool) -> None:
     for path, write in ((photographs.parent / "chat", write_chat), (photographs.parent / "prompts", write_prompts),
                         (photographs.parent / "tokenizer", write_tokenizer)):
         print(f"wrote: {path}" if write(path, force=force) else f"up to date: {path}")
+
+
+SHAPES_DIR = "images/shapes"
+"""The generated shapes task's images and records (data/vision/shapes.py)."""
+
+
+def _prepare_shapes(out: Path, *, force: bool) -> None:
+    from data.vision.shapes import write_shapes
+
+    print(f"wrote: {out}" if write_shapes(out, force=force) else f"up to date: {out}")
 
 
 def _prepare_tokenizer(args) -> int:
