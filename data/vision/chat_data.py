@@ -81,19 +81,40 @@ def write_chat(out: Path = CHAT_DIR, *, force: bool = False) -> bool:
     return write_splits(out, CHAT_SPEC, conversations, force=force)
 
 
+PARTS = 16
+"""Files a split is written as (``part-000.jsonl`` ...): a JSONL file is one unit of the pipeline, and a
+source with fewer units than ``data.num_streams`` repeats them across the streams (docs/data.md), so
+one file put the same records in every stream: a batch of 8 streams read 2 distinct records 8 times
+over, and tiny-vl-grpo's evaluation of "16 held-out prompts" scored 2 of them. 16 covers the
+configs' 8 streams, as ``datasets/tasks`` does."""
+
+
+def write_parts(directory: Path, records: list[dict]) -> None:
+    """``records`` (keys sorted, one a line) as ``PARTS`` files under ``directory``, in order: file i holds
+    the i-th of ``PARTS`` contiguous runs (as even as the count allows)."""
+    directory.mkdir(parents=True)
+    for i in range(PARTS):
+        run = records[len(records) * i // PARTS:len(records) * (i + 1) // PARTS]
+        (directory / f"part-{i:03d}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in run))
+
+
+def read_parts(directory: Path) -> list[dict]:
+    """The records ``write_parts`` wrote under ``directory``, in their order."""
+    return [json.loads(line) for part in sorted(directory.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
+
+
 def write_splits(out: Path, spec: dict, records: Callable[[int, int, str], list[dict]], *, force: bool) -> bool:
-    """``records(train_n + eval_n, seed, photographs)`` of ``spec``, the first ``train_n`` as
-    ``out/train/part-000.jsonl`` and the rest as ``out/eval/part-000.jsonl`` (keys sorted), ``out`` replaced
-    and stamped with ``spec``; False (nothing written) when the stamp already holds ``spec``."""
-    stamp = out / ".complete"
-    if not force and stamp.is_file() and json.loads(stamp.read_text()) == spec:
+    """``records(train_n + eval_n, seed, photographs)`` of ``spec``, the first ``train_n`` under
+    ``out/train/`` and the rest under ``out/eval/`` (``write_parts``), ``out`` replaced and stamped with
+    ``spec`` and ``PARTS``; False (nothing written) when the stamp already holds them."""
+    stamp, stamped = out / ".complete", {**spec, "parts": PARTS}
+    if not force and stamp.is_file() and json.loads(stamp.read_text()) == stamped:
         return False
     shutil.rmtree(out, ignore_errors=True)
     written = records(spec["train_n"] + spec["eval_n"], spec["seed"], spec["photographs"])
     for split, part in (("train", written[:spec["train_n"]]), ("eval", written[spec["train_n"]:])):
-        (out / split).mkdir(parents=True)
-        (out / split / "part-000.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in part))
-    stamp.write_text(json.dumps(spec))
+        write_parts(out / split, part)
+    stamp.write_text(json.dumps(stamped))
     return True
 
 

@@ -2,7 +2,7 @@
 tiny vision-language models (configs/tiny-vl-grpo.yaml).
 
 ``python -m data prepare`` writes them beside the photographs and the image chats
-(data/vision/chat_data.py): ``datasets/images/prompts/{train,eval}/part-000.jsonl``, records
+(data/vision/chat_data.py): ``datasets/images/prompts/{train,eval}/part-*.jsonl``, records
 ``{"prompt": "<image>Name the subject.", "answer": "Cat", "images": ["../../photographs/chelsea.png"]}``
 (data/kinds/image_prompt.py) whose answer is the one word that names what the photograph shows:
 the image chats' one-word questions, so a model fine-tuned on those answers in the form a rule

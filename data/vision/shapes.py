@@ -17,10 +17,10 @@ Guessing uniformly answers one in four of either question (4 counts, 4 colours).
 
 - ``images/{train,eval}-NNNN.png``: the drawn images; an eval image equal to one drawn before is
   drawn again, so no eval image is ever shown in training;
-- ``chat/{train,eval}/part-000.jsonl``: ``image_chat`` records (data/kinds/image_chat.py), each a
+- ``chat/{train,eval}/part-*.jsonl`` (``PARTS`` files a split): ``image_chat`` records (data/kinds/image_chat.py), each a
   question and its answer; two a training image (its count, and a colour when one applies), one an
   eval image (count and colour alternating);
-- ``prompts/{train,eval}/part-000.jsonl``: ``image_prompt`` records (data/kinds/image_prompt.py) with
+- ``prompts/{train,eval}/part-*.jsonl``: ``image_prompt`` records (data/kinds/image_prompt.py) with
   the same questions and an ``answer``: one a training image, and one an eval image (the chats' eval
   questions);
 - ``.complete``: the spec it was written from; the same spec writes the same bytes.
@@ -34,6 +34,8 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from data.vision.chat_data import PARTS, write_parts
 
 SHAPES_DIR = Path("datasets/images/shapes")
 SHAPES_SPEC = {"seed": 0, "train_images": 384, "eval_images": 32, "size": 56, "version": 2}
@@ -141,8 +143,8 @@ def generate(spec: dict) -> dict:
 def write_shapes(out: Path = SHAPES_DIR, *, force: bool = False) -> bool:
     """Write the images and the chat and prompt records under ``out``; False when its stamp says they
     are there."""
-    stamp = out / ".complete"
-    if not force and stamp.is_file() and json.loads(stamp.read_text()) == SHAPES_SPEC:
+    stamp, stamped = out / ".complete", {**SHAPES_SPEC, "parts": PARTS}
+    if not force and stamp.is_file() and json.loads(stamp.read_text()) == stamped:
         return False
     shutil.rmtree(out, ignore_errors=True)
     written = generate(SHAPES_SPEC)
@@ -151,8 +153,6 @@ def write_shapes(out: Path = SHAPES_DIR, *, force: bool = False) -> bool:
         (out / "images" / name).write_bytes(png)
     for kind in ("chat", "prompts"):
         for split, records in written[kind].items():
-            (out / kind / split).mkdir(parents=True)
-            (out / kind / split / "part-000.jsonl").write_text(
-                "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-    stamp.write_text(json.dumps(SHAPES_SPEC))
+            write_parts(out / kind / split, records)
+    stamp.write_text(json.dumps(stamped))
     return True

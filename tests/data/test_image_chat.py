@@ -240,5 +240,9 @@ def test_the_embedded_chats_show_every_photograph_and_pair_some(images_root):
     assert {p for r in records for p in r["images"]} == {f"../photographs/{f}" for f in
                                                         ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg")}
     assert conversations(64, 0, "x") == conversations(64, 0, "x")
-    lines = (images_root / "chat" / "train" / "part-000.jsonl").read_text().splitlines()
-    assert [json.loads(line)["images"][0].startswith("../../photographs/") for line in lines] == [True] * len(lines)
+    from data.vision.chat_data import CHAT_SPEC, PARTS, read_parts
+
+    written = read_parts(images_root / "chat" / "train")
+    assert len(list((images_root / "chat" / "train").glob("part-*.jsonl"))) == PARTS  # a unit for every stream
+    assert len(written) == CHAT_SPEC["train_n"]
+    assert [r["images"][0].startswith("../../photographs/") for r in written] == [True] * len(written)

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from data.kinds.image_chat import PIXELS
-from data.vision.chat_data import write_tokenizer
+from data.vision.chat_data import PARTS, read_parts, write_tokenizer
 from data.vision.shapes import BACKGROUND, COLOURS, KINDS, SHAPES_SPEC, draw_spec, questions, render, write_shapes
 from tests.data.image_cases import encoder_of
 
@@ -31,15 +31,11 @@ def shapes_root(tmp_path_factory) -> Path:
     return root
 
 
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_the_same_spec_writes_the_same_bytes(tmp_path, shapes_root):
     write_shapes(tmp_path / "again")
     first = sorted(p.relative_to(shapes_root / "shapes") for p in (shapes_root / "shapes").rglob("*") if p.is_file())
     again = sorted(p.relative_to(tmp_path / "again") for p in (tmp_path / "again").rglob("*") if p.is_file())
-    assert first == again and len(first) == SHAPES_SPEC["train_images"] + SHAPES_SPEC["eval_images"] + 5
+    assert first == again and len(first) == SHAPES_SPEC["train_images"] + SHAPES_SPEC["eval_images"] + 4 * PARTS + 1
     assert all((shapes_root / "shapes" / p).read_bytes() == (tmp_path / "again" / p).read_bytes() for p in first)
     assert not write_shapes(tmp_path / "again")  # its stamp says it is there
 
@@ -92,7 +88,7 @@ def test_records_answer_what_their_image_shows(shapes_root):
         assert (root / "images" / name).read_bytes() == render(shapes)
     for kind in ("chat", "prompts"):
         for split in ("train", "eval"):
-            for record in _read(root / kind / split / "part-000.jsonl"):
+            for record in read_parts(root / kind / split):
                 (image,) = record["images"]
                 name = image.removeprefix("../../images/")
                 assert name.startswith(split) and (root / kind / split / image).resolve().is_file()
@@ -103,12 +99,12 @@ def test_records_answer_what_their_image_shows(shapes_root):
 
 def test_eval_images_are_never_shown_in_training(shapes_root):
     root = shapes_root / "shapes"
-    train = {i for kind in ("chat", "prompts") for r in _read(root / kind / "train" / "part-000.jsonl") for i in r["images"]}
-    held = {i for kind in ("chat", "prompts") for r in _read(root / kind / "eval" / "part-000.jsonl") for i in r["images"]}
+    train = {i for kind in ("chat", "prompts") for r in read_parts(root / kind / "train") for i in r["images"]}
+    held = {i for kind in ("chat", "prompts") for r in read_parts(root / kind / "eval") for i in r["images"]}
     assert len(held) == SHAPES_SPEC["eval_images"] and not train & held
     assert not {(root / "images" / Path(i).name).read_bytes() for i in train} & {
         (root / "images" / Path(i).name).read_bytes() for i in held}  # no eval image equal to a training one
-    chat_eval = [r["messages"][0]["content"] for r in _read(root / "chat" / "eval" / "part-000.jsonl")]
+    chat_eval = [r["messages"][0]["content"] for r in read_parts(root / "chat" / "eval")]
     assert {q.split()[0] for q in chat_eval} == {"<image>How", "<image>What"}  # both questions held out
 
 
@@ -134,3 +130,16 @@ def test_every_record_encodes_through_its_kind(tmp_path, shapes_root, kind):
             mask = encoded.fields["target_mask"]
             answer = record["messages"][1]["content"] if kind == "image_chat" else record["answer"]
             assert encoder.tokenizer.decode(encoded.ids[mask].tolist()).startswith(answer)
+
+
+def test_every_split_is_spread_over_enough_files_for_every_stream(shapes_root):
+    """A JSONL file is one unit and a source with fewer units than data.num_streams repeats them in
+    every stream: each split is PARTS files (the configs' 8 streams read distinct records), holding
+    every record once."""
+    for kind in ("chat", "prompts"):
+        for split in ("train", "eval"):
+            files = sorted((shapes_root / "shapes" / kind / split).glob("part-*.jsonl"))
+            assert len(files) == PARTS >= 8
+            assert all(f.stat().st_size > 0 for f in files)
+    held_out = read_parts(shapes_root / "shapes" / "prompts" / "eval")
+    assert len({json.dumps(r, sort_keys=True) for r in held_out}) == len(held_out) == SHAPES_SPEC["eval_images"]
