@@ -276,25 +276,20 @@ def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
 
 
 def in_fresh_process(fn, *args):
-    """``fn(*args)`` in another process (``python tests/ranks.py --call``) with this process's module
+    """``fn(*args)`` in a fresh interpreter (``tests/ranks.py --call``) with this process's module
     path, working directory and environment: its return value, or its exception raised here.
     Unpickling ``fn`` and ``args`` there imports their modules, once: ranks that ``fn`` forks
     (``spawn_ranks``, tests/distributed/dist_harness.py ``run_on_ranks``) start with them imported.
     On the 2-core test machine the suite's 19 such 2-rank calls took 100 CPU-s with their tests
     against 122 with each rank spawned as a fresh interpreter (about 1.1 s less per call); a
-    call's wall time grows a little (one process imports, where two ranks imported at once).
-    The process is a fork of a zygote (``popen``) that imported train.py's modules in this
-    environment (the repository on PYTHONPATH added): the calls of a pytest worker share that
-    import instead of paying about 3 s of CPU each."""
+    call's wall time grows a little (one process imports, where two ranks imported at once)."""
     with tempfile.TemporaryDirectory() as tmp:
         call, result = Path(tmp) / "call.pkl", Path(tmp) / "result.pkl"
         call.write_bytes(pickle.dumps((list(sys.path), pickle.dumps((fn, args)))))
-        environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        job = popen([PYTHON, str(ROOT / "tests" / "ranks.py"), "--call", str(call), str(result)], Path.cwd(),
-                    environment, capture=False)
-        code = job.wait()
+        proc = subprocess.run([PYTHON, str(ROOT / "tests" / "ranks.py"), "--call", str(call), str(result)],
+                              stdin=subprocess.DEVNULL)
         if not result.is_file():
-            raise RuntimeError(f"tests/ranks.py --call exited {code} without handing back a result")
+            raise RuntimeError(f"tests/ranks.py --call exited {proc.returncode} without handing back a result")
         returned, value = pickle.loads(result.read_bytes())
     if returned:
         return value
