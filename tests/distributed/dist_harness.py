@@ -29,6 +29,18 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+_KEPT: list = []
+
+
+def keep_until_exit(obj):
+    """``obj``, referenced until the rank's ``os._exit`` (``_entry``), so that it is never freed. A DDP
+    model freed when ``fn`` returns destroys its Reducer while holding the GIL, whose process group
+    joins gloo's worker thread, which may be freeing its last all-reduce's tensors and so waits for the
+    GIL: a rank of tests/training/test_pooled_aux_loss.py hung there for 13 minutes (py-spy --native)."""
+    _KEPT.append(obj)
+    return obj
+
+
 def _fork_ranks(world_size: int, port: int, out_dir: str, fn, args) -> None:
     # The configs a rank loads need the registered kinds (tests/conftest.py): registered here
     # once, in the fresh process, for every rank forked from it.

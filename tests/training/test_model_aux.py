@@ -156,9 +156,10 @@ def _two_ranks(batch: Batch) -> dict:
     import torch.distributed as dist
 
     from core.distributed_context import DistributedContext
+    from tests.distributed.dist_harness import keep_until_exit
 
     with DistributedContext.from_env(ParallelConfig(device="cpu", backend="gloo", timeout_s=60)) as context:
-        model = torch.nn.parallel.DistributedDataParallel(penalized_model())
+        model = keep_until_exit(torch.nn.parallel.DistributedDataParallel(penalized_model()))
         rows = batch.select([context.rank * 2, context.rank * 2 + 1])
         local = local_units(rows)
         counts = torch.tensor([rows.num_target_tokens(), *local.values()], dtype=torch.float64)

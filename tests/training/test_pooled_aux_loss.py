@@ -23,6 +23,7 @@ from models.numerics import Numerics
 from training.precision import Precision
 from training.step import AUX_PREFIX, forward_backward, local_units, model_fields
 from tests.models.test_qwen3_moe import VOCAB, _config
+from tests.distributed.dist_harness import keep_until_exit
 from tests.training.test_model_aux import TokenCrossEntropy
 
 ROWS, SEQ = 4, 10
@@ -119,7 +120,7 @@ def _two_ranks() -> dict:
     """One of 2 gloo ranks (tests/distributed/dist_harness.py): its half of the rows, one row a
     micro-batch, under DDP; the averaged gradients and the model sums over both ranks."""
     with DistributedContext.from_env(ParallelConfig(device="cpu", backend="gloo", timeout_s=60)) as context:
-        model = torch.nn.parallel.DistributedDataParallel(_model())
+        model = keep_until_exit(torch.nn.parallel.DistributedDataParallel(_model()))
         half = _batch(slice(context.rank * 2, context.rank * 2 + 2))
 
         def sum_over_replicas(tensor: torch.Tensor) -> torch.Tensor:
