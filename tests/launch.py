@@ -275,25 +275,61 @@ def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
     return False
 
 
-def in_fresh_process(fn, *args):
+CALL_LIMIT_S = 600.0
+"""How long ``in_fresh_process`` waits for its call (and the ranks it forks) to end: the longest
+such call of the suite takes well under a minute, so a call past this is hung, and fails naming its
+function after the call's processes have printed their stacks (``tests/ranks.py --call``)."""
+
+
+def in_fresh_process(fn, *args, limit_s: float = CALL_LIMIT_S):
     """``fn(*args)`` in a fresh interpreter (``tests/ranks.py --call``) with this process's module
     path, working directory and environment: its return value, or its exception raised here.
     Unpickling ``fn`` and ``args`` there imports their modules, once: ranks that ``fn`` forks
     (``spawn_ranks``, tests/distributed/dist_harness.py ``run_on_ranks``) start with them imported.
     On the 2-core test machine the suite's 19 such 2-rank calls took 100 CPU-s with their tests
     against 122 with each rank spawned as a fresh interpreter (about 1.1 s less per call); a
-    call's wall time grows a little (one process imports, where two ranks imported at once)."""
+    call's wall time grows a little (one process imports, where two ranks imported at once).
+
+    A call still running after ``limit_s`` is hung (a rank that never returns waits forever
+    otherwise): every process of its session (the call and the ranks it forked) gets SIGUSR1, on
+    which they print every thread's stack to stderr, then SIGKILL, and a ``TimeoutError`` naming
+    ``fn`` is raised here."""
     with tempfile.TemporaryDirectory() as tmp:
         call, result = Path(tmp) / "call.pkl", Path(tmp) / "result.pkl"
         call.write_bytes(pickle.dumps((list(sys.path), pickle.dumps((fn, args)))))
-        proc = subprocess.run([PYTHON, str(ROOT / "tests" / "ranks.py"), "--call", str(call), str(result)],
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([PYTHON, str(ROOT / "tests" / "ranks.py"), "--call", str(call), str(result)],
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            _dump_stacks_then_kill(proc.pid)
+            proc.wait()
+            raise TimeoutError(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)!s} did not end "
+                               f"within {limit_s:.0f} s in tests/ranks.py --call: killed; the stacks of its "
+                               "processes are above in the test's stderr") from None
+        finally:
+            if proc.poll() is None:  # the test itself was interrupted: leave no ranks behind
+                _kill_session(proc.pid, signal.SIGKILL)
+                proc.wait()
         if not result.is_file():
             raise RuntimeError(f"tests/ranks.py --call exited {proc.returncode} without handing back a result")
         returned, value = pickle.loads(result.read_bytes())
     if returned:
         return value
     raise value
+
+
+def _kill_session(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the call started its own session: its process group is its pid
+    except ProcessLookupError:
+        pass
+
+
+def _dump_stacks_then_kill(pid: int, grace_s: float = 3.0) -> None:
+    _kill_session(pid, signal.SIGUSR1)  # faulthandler, registered by tests/ranks.py --call
+    time.sleep(grace_s)
+    _kill_session(pid, signal.SIGKILL)
 
 
 def spawn_ranks(target, args_for_rank, *, world: int = 2, timeout: float = 90,

@@ -31,6 +31,7 @@ waits for them) and writes what it returned, or the exception it raised, to RESU
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import runpy
@@ -116,6 +117,9 @@ def serve_call(call: Path, result: Path) -> None:
     """``--call``: the pickled call in ``call`` made here; ``(True, value)`` or ``(False,
     exception)`` pickled to ``result``, the exception with its traceback here as a note (what
     cannot be pickled comes back as a RuntimeError naming it)."""
+    # A call that outlives tests/launch.py's limit gets SIGUSR1: every thread's stack to stderr, in
+    # this process and in the ranks it forks (they inherit the handler), before it is killed.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     path, blob = pickle.loads(call.read_bytes())
     sys.path[:] = path
     trace = ""

@@ -81,3 +81,25 @@ def test_spawn_ranks_forks_separate_ranks_from_one_fresh_process(tmp_path):
     (pid0, parent0), (pid1, parent1) = ((tmp_path / f"rank{rank}").read_text().split() for rank in (0, 1))
     assert pid0 != pid1 and parent0 == parent1 != str(os.getpid())
 
+
+
+def _hang_in_a_forked_child(pid_file: str) -> None:
+    import time
+
+    child = os.fork()
+    if child == 0:  # a rank that never returns
+        Path(pid_file).write_text(str(os.getpid()))
+        time.sleep(3600)
+        os._exit(0)
+    os.waitpid(child, 0)  # its parent waits for it, as mp.start_processes(join=True) does
+
+
+def test_a_hung_call_fails_naming_its_function_after_printing_the_stacks_and_leaves_no_process(tmp_path, capfd):
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(TimeoutError, match=r"_hang_in_a_forked_child did not end within 8 s"):
+        launch.in_fresh_process(_hang_in_a_forked_child, str(pid_file), limit_s=8)
+    err = capfd.readouterr().err
+    # faulthandler's dump from both processes: the call's, waiting on its child, and the child's, asleep
+    assert err.count("in _hang_in_a_forked_child") >= 2, err
+    child = int(pid_file.read_text())
+    assert launch.wait_for(lambda: not Path(f"/proc/{child}").exists(), 5), "the forked child outlived the limit"

@@ -22,7 +22,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
     The ranks are forked, as ``torch.multiprocessing``'s processes, from one fresh process that
     has imported ``fn``'s module (``launch.in_fresh_process``): a rank's exception is raised here
     as torch's ``ProcessRaisedException``, whose message holds the rank's traceback, as
-    ``mp.spawn`` raises it."""
+    ``mp.spawn`` raises it. Ranks that have not all ended after ``launch.CALL_LIMIT_S`` print their
+    stacks and are killed, and a ``TimeoutError`` naming ``fn`` is raised (a hang fails its test)."""
     port = launch.free_port()
     with tempfile.TemporaryDirectory() as tmp:
         launch.in_fresh_process(_fork_ranks, world_size, port, tmp, fn, args)
