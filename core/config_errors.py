@@ -11,6 +11,15 @@ reports nothing, so a check never runs on a value known to be wrong and no viola
 twice. One violation is raised as it is, so its line reads as it always did; several are raised
 as one ``ConfigErrors``, one line each.
 
+A check of several constraints collects what it finds and raises it together (``raise_together``).
+It reads any other section before it finds anything, or leaves the constraints on it to checks of
+their own: a read refused after a find would end the check and lose the find. Checks of their own
+run through ``check_independent`` where none needs another to pass (each sees only the sections
+found wrong before them, so one's violation stops none of the others), through ``check_each`` where
+a later one judges a value an earlier one vouches for. Such a group, called inside a check, ends as
+one check: it raises what its checks found, or stops at a wrong section where one of them did, so
+the code after it runs only once they all passed.
+
 A check reads the config through attributes (``config.parallel.tp``); a section it gets is a view
 too (isinstance sees its class, ``==`` compares the section), and lists, tuples and plain values
 are the config's own. A view is no dataclass instance: a check that needs one
@@ -56,17 +65,49 @@ def raise_together(errors: Sequence[ConfigError]) -> None:
 
 
 def check_each(config: Any, checks: Iterable[Optional[Callable[[Any], None]]]) -> None:
-    """Run every check (None: none there) on ``config`` and raise what they found together
-    (``raise_together``). Called with a view, from a check that ``check_each`` runs, it adds to
-    that collection instead: its own checks are gated and reported with the others."""
-    if isinstance(config, _SectionView):
-        for check in checks:
-            config._collection.run(check, config)
-        return
-    collection = _Collection(config)
+    """Run every check (None: none there) on ``config``, each on a view that refuses the sections the
+    checks before it found wrong, and raise what they found together (``raise_together``). Called
+    with a view (inside a check), its checks start from what that view's collection found, and the
+    call ends as a check does (``_finish``)."""
+    collection, view_for = _start(config)
     for check in checks:
-        collection.run(check, _SectionView(config, "", collection))
-    raise_together(collection.errors)
+        collection.run(check, view_for(collection))
+    _finish(config, collection.errors, stopped=collection.stopped)
+
+
+def check_independent(config: Any, checks: Iterable[Optional[Callable[[Any], None]]]) -> None:
+    """Run checks that do not depend on one another (None: none there): each sees the sections found
+    wrong before them, not those the others find, so a violation one finds stops none of the others;
+    what they find is raised together in their order (``raise_together``). Called with a view, the
+    call ends as a check does (``_finish``)."""
+    collection, view_for = _start(config)
+    found: list[ConfigError] = []
+    stopped = False
+    for check in checks:
+        apart = collection.fork()
+        apart.run(check, view_for(apart))
+        found.extend(apart.errors)
+        stopped = stopped or apart.stopped
+    _finish(config, found, stopped=stopped)
+
+
+def _start(config: Any) -> tuple[_Collection, Callable[[_Collection], _SectionView]]:
+    """A collection for a group of checks (a view's: one that starts from what its collection found)
+    and the view of ``config`` a check of the group reads through a given collection."""
+    if isinstance(config, _SectionView):
+        section, path, collection = config._section, config._path, config._collection.fork()
+    else:
+        section, path, collection = config, "", _Collection(config)
+    return collection, lambda reading: _SectionView(section, path, reading)
+
+
+def _finish(config: Any, errors: Sequence[ConfigError], *, stopped: bool) -> None:
+    """Raise a group's errors together. A group run inside a check (``config`` a view) also stops
+    that check where one of its own checks stopped at a wrong section: the code after the call runs
+    only when every check of the group passed, as it would after checks that raise."""
+    raise_together(errors)
+    if stopped and isinstance(config, _SectionView):
+        raise _ReadsWrongSection(f"a check of {config._path or 'the config'} read a section found wrong")
 
 
 class _ReadsWrongSection(Exception):
@@ -81,6 +122,8 @@ class _Collection:
         self.errors: list[ConfigError] = []
         self.wrong: set[str] = set()
         """Sections (dotted paths of the config's dataclasses; "" the whole config) holding an error's key."""
+        self.stopped = False
+        """Whether a check stopped at a wrong section."""
 
     def run(self, check: Optional[Callable[[Any], None]], view: _SectionView) -> None:
         """``check(view)``: what it raises is kept; a read of a wrong section ends it, unreported."""
@@ -89,9 +132,15 @@ class _Collection:
         try:
             check(view)
         except _ReadsWrongSection:
-            return
+            self.stopped = True
         except ConfigError as found:
             self.add([found])
+
+    def fork(self) -> _Collection:
+        """A collection of no errors yet that refuses the sections this one refuses now."""
+        other = _Collection(self.config)
+        other.wrong = set(self.wrong)
+        return other
 
     def add(self, errors: Iterable[ConfigError]) -> None:
         for error in errors:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from core import config as config_lib
-from core.config_errors import ConfigErrors, check_each, section_of
+from core.config_errors import ConfigErrors, check_each, check_independent, section_of
 from core.exceptions import ConfigError, ExitCode
 from models.config_checks import validate_model
 from tests import launch
@@ -15,6 +15,7 @@ from training.command_line import check_before_ranks
 
 TINY = str(launch.ROOT / "configs" / "tiny.yaml")
 THREE_WRONG = ["train.lr=-1", "model.num_layers=0", "data.seq_len=-5"]
+CONFIGS = launch.ROOT / "configs"
 
 
 def _refusal(overrides: list[str], world_size: int | None = None) -> ConfigError:
@@ -146,3 +147,65 @@ def test_a_check_sees_sections_as_they_are_until_one_is_wrong():
         check_each(config, (refuse_lr, compares_train, reads_lr, look))
     assert str(info.value) == "config error: wrong [key=train.lr]"
     assert seen == [(True, True, True, True)] * 2
+
+
+def test_independent_checks_are_each_gated_only_by_what_was_found_before_them():
+    """check_each leaves out a check reading a section an earlier one found wrong; check_independent runs
+    each as if it were the first, so both train.* violations are named, while a check reading the section
+    found wrong before the group (train, by refuse_lr) is still left out."""
+    def refuse_warmup(view):
+        raise ConfigError(f"warmup {view.train.warmup_steps}", key="train.warmup_steps")
+
+    def refuse_max_steps(view):
+        raise ConfigError(f"max_steps {view.train.max_steps}", key="train.max_steps")
+
+    def refuse_vocab(view):
+        raise ConfigError(f"vocab {view.model.vocab_size}", key="model.vocab_size")
+
+    def refuse_layers(view):
+        raise ConfigError(f"layers {view.model.num_layers}", key="model.num_layers")
+
+    config = config_lib.load(TINY)
+    with pytest.raises(ConfigErrors) as info:
+        check_independent(config, (refuse_warmup, None, refuse_max_steps))
+    warmup, max_steps = f"warmup {config.train.warmup_steps}", f"max_steps {config.train.max_steps}"
+    assert [e.message for e in info.value.errors] == [warmup, max_steps]
+    with pytest.raises(ConfigError) as single:
+        check_each(config, (refuse_warmup, refuse_max_steps))
+    assert type(single.value) is ConfigError and single.value.message == warmup
+
+    def refuse_lr(view):
+        raise ConfigError("lr", key="train.lr")
+
+    with pytest.raises(ConfigErrors) as info:
+        check_each(config, (refuse_lr, lambda view: check_independent(view, (refuse_warmup, refuse_vocab,
+                                                                             refuse_layers))))
+    assert [e.message for e in info.value.errors] == ["lr", f"vocab {config.model.vocab_size}",
+                                                      f"layers {config.model.num_layers}"]
+
+
+def test_a_group_inside_a_check_ends_that_check_unless_all_of_it_passed():
+    """Code after a group (check_each or check_independent, called with a view) runs only once every
+    check of the group passed: not after a violation, nor after a check left out at a wrong section."""
+    ran = []
+
+    def group_then_more(checks):
+        def check(view):
+            check_independent(view, checks)
+            ran.append(len(checks))
+        return check
+
+    def refuse_lr(view):
+        raise ConfigError("lr", key="train.lr")
+
+    def reads_lr(view):
+        return view.train.lr
+
+    config = config_lib.load(TINY)
+    check_each(config, (group_then_more((reads_lr,)),))
+    assert ran == [1]
+    with pytest.raises(ConfigError, match="lr"):
+        check_each(config, (group_then_more((reads_lr, refuse_lr)),))
+    with pytest.raises(ConfigError, match="lr"):
+        check_each(config, (refuse_lr, group_then_more((reads_lr, reads_lr, reads_lr))))
+    assert ran == [1]
