@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
-from core.config_errors import check_each
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.model_families import model_family
 
@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 
 def validate_model(config: Config) -> None:
-    """model.vocab_size, then model.lora and model.quantize_base (docs/models.md, LoRA): each
-    violated one (core/config_errors.py)."""
-    check_each(config, (_validate_vocab, _validate_lora))
+    """model.vocab_size, and model.lora and model.quantize_base (docs/models.md, LoRA): every violated
+    one (core/config_errors.py)."""
+    check_independent(config, (_validate_vocab, _validate_lora))
 
 
 def _validate_vocab(config: Config) -> None:
@@ -32,69 +32,95 @@ def _validate_vocab(config: Config) -> None:
 
 
 def _validate_lora(config: Config) -> None:
-    """model.lora and model.quantize_base on their own and against parallel.* (docs/models.md, LoRA)."""
+    """model.lora and model.quantize_base on their own and against parallel.* (docs/models.md, LoRA).
+    A negative rank is reported alone: whether adapters are on decides what else is asked."""
     lora = config.model.lora
-    if lora.rank < 0:  # before model.* is read: reported beside a wrong model.vocab_size
+    if lora.rank < 0:
         raise ConfigError(f"model.lora.rank must be >= 0 (0: off), got {lora.rank}", key="model.lora.rank")
-    quantize = config.model.quantize_base
     if lora.rank == 0:
+        quantize = config.model.quantize_base
         needs_adapters = {
             "model.lora.init_from": lora.init_from is not None,
             "model.lora.modules_to_save": bool(lora.modules_to_save),
             "model.quantize_base": quantize != "none",
         }
-        for key, is_set in needs_adapters.items():
-            if is_set:
-                raise ConfigError(
-                    f"{key} is set but model.lora.rank is 0 (LoRA off)",
-                    key="model.lora.rank",
-                    hint=f"set model.lora.rank > 0 (e.g. 16) to train adapters, or unset {key}",
-                )
+        raise_together([ConfigError(
+            f"{key} is set but model.lora.rank is 0 (LoRA off)",
+            key="model.lora.rank",
+            hint=f"set model.lora.rank > 0 (e.g. 16) to train adapters, or unset {key}",
+        ) for key, is_set in needs_adapters.items() if is_set])
         return
+    check_independent(config, (_check_adapter_values, _check_dropout_under_batch_invariance, _check_targets,
+                               _check_lora_parallel))
+
+
+def _dropout_in_range(dropout: float) -> bool:
+    return 0.0 <= dropout < 1.0
+
+
+def _check_adapter_values(config: Config) -> None:
+    lora, found = config.model.lora, []
     if lora.alpha <= 0:
-        raise ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}", key="model.lora.alpha")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}", key="model.lora.dropout")
-    if lora.dropout > 0.0 and config.determinism.batch_invariant:
+        found.append(ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}", key="model.lora.alpha"))
+    if not _dropout_in_range(lora.dropout):
+        found.append(ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}", key="model.lora.dropout"))
+    raise_together(found)
+
+
+def _check_dropout_under_batch_invariance(config: Config) -> None:
+    dropout = config.model.lora.dropout
+    if _dropout_in_range(dropout) and dropout > 0.0 and config.determinism.batch_invariant:
         raise ConfigError(
-            f"model.lora.dropout={lora.dropout} under determinism.batch_invariant: the trainer's forward drops "
+            f"model.lora.dropout={dropout} under determinism.batch_invariant: the trainer's forward drops "
             "adapter inputs the sampler's does not, so their log-probs cannot agree bit for bit",
             key="model.lora.dropout",
             hint="set model.lora.dropout=0.0, or leave determinism.batch_invariant off",
         )
-    valid = model_family(config.model.arch).lora_targets
-    if not lora.targets:
+
+
+def _check_targets(config: Config) -> None:
+    """model.lora.targets: some, each a linear layer of the family's blocks (each wrong one named), none twice."""
+    valid, targets = model_family(config.model.arch).lora_targets, config.model.lora.targets
+    if not targets:
         raise ConfigError("model.lora.targets is empty", key="model.lora.targets", hint=f"valid: {', '.join(valid)}")
-    for name in lora.targets:
+    found = []
+    for name in targets:
         if name not in valid:
             near = _nearest(name, list(valid))
-            raise ConfigError(
+            found.append(ConfigError(
                 f"model.lora.targets names {name!r}, which is no linear layer of the model's blocks",
                 key="model.lora.targets",
                 hint=(f"did you mean {near!r}? " if near else "") + f"valid: {', '.join(valid)}",
-            )
-    if len(set(lora.targets)) != len(lora.targets):
-        raise ConfigError(f"model.lora.targets lists a name twice: {list(lora.targets)}", key="model.lora.targets")
-    p = config.parallel
-    if p.strategy == "xla_spmd":
-        raise ConfigError(
+            ))
+    if len(set(targets)) != len(targets):
+        found.append(ConfigError(f"model.lora.targets lists a name twice: {list(targets)}", key="model.lora.targets"))
+    raise_together(found)
+
+
+def _check_lora_parallel(config: Config) -> None:
+    """Adapters against parallel.*: the layouts and FP8 they do not run under."""
+    quantize, p, found = config.model.quantize_base, config.parallel, []
+    strategy, float8, tp = p.strategy, p.float8, p.tp  # every read before a find (core/config_errors.py)
+    if strategy == "xla_spmd":
+        found.append(ConfigError(
             "model.lora is not supported with parallel.strategy=xla_spmd",
             key="parallel.strategy",
             hint="use none, ddp or fsdp for adapter training",
-        )
-    if p.float8 != "none":
-        raise ConfigError(
-            f"model.lora with parallel.float8={p.float8} is not supported: FP8 would convert the frozen base "
+        ))
+    if float8 != "none":
+        found.append(ConfigError(
+            f"model.lora with parallel.float8={float8} is not supported: FP8 would convert the frozen base "
             "and the rank-sized adapter matmuls, a combination that is untested",
             key="parallel.float8",
             hint="set parallel.float8=none for adapter training",
-        )
-    if quantize == "nf4" and p.tp > 1:
-        raise ConfigError(
+        ))
+    if quantize == "nf4" and tp > 1:
+        found.append(ConfigError(
             "model.quantize_base=nf4 cannot be tensor-parallel (parallel.tp > 1): NF4 weights are not DTensor-shardable",
             key="model.quantize_base",
             hint="set parallel.tp=1 (FSDP or DDP shard/replicate NF4 bases), or quantize_base=none",
-        )
+        ))
+    raise_together(found)
 
 
 def _nearest(name: str, options: list[str]) -> str | None:

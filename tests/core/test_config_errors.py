@@ -209,3 +209,39 @@ def test_a_group_inside_a_check_ends_that_check_unless_all_of_it_passed():
     with pytest.raises(ConfigError, match="lr"):
         check_each(config, (refuse_lr, group_then_more((reads_lr, reads_lr, reads_lr))))
     assert ran == [1]
+
+
+def _keys(error: ConfigError) -> list[str]:
+    return [e.context["key"] for e in error.errors] if isinstance(error, ConfigErrors) else [error.context["key"]]
+
+
+def test_parallel_checks_name_every_violation():
+    """distributed/config_checks.py: parallel.* on its own, against the model (ddp_embedding_grad) and the
+    objective, and FP8's keys, each violation named with its own message and hint."""
+    error = _refusal(["parallel.ep=0", "parallel.fsdp_unit_blocks=0", "parallel.ddp_embedding_grad=gathered",
+                      "model.tie_embeddings=false"])
+    assert str(error).splitlines() == [
+        "config error: 3 violated constraints, one a line:",
+        "  parallel.ep must be >= 1, got 0 [key=parallel.ep] -> 1 keeps every expert on every rank (no expert "
+        "parallelism)",
+        "  parallel.fsdp_unit_blocks must be >= 1, got 0 [key=parallel.fsdp_unit_blocks] -> 1 shards every "
+        "transformer block on its own",
+        "  parallel.ddp_embedding_grad=gathered applies to tied embeddings; model.tie_embeddings is false "
+        "[key=parallel.ddp_embedding_grad] -> remove parallel.ddp_embedding_grad (dense is the default): an untied "
+        "embedding's gradient has no head part to reduce early",
+    ]
+    error = _refusal(["parallel.float8=tensorwise", "parallel.tp=2", "parallel.float8_head=true",
+                      "train.loss_chunk_tokens=0", "model.hidden_size=65"])
+    assert _keys(error) == ["parallel.precision", "parallel.float8", "parallel.float8_head", "parallel.float8_head",
+                            "model.hidden_size"]
+    assert "train.loss_chunk_tokens=0 computes the full logits" in str(error.errors[3])
+
+
+def test_optimizer_checks_name_every_violation():
+    error = _refusal(["train.optimizer=schedule_free_adamw", "train.muon_ns_steps=0", "train.lion_beta1=2"])
+    assert str(error).splitlines()[1:] == [
+        "  train.optimizer=schedule_free_adamw averages its iterates instead of decaying the LR; train.schedule=cosine "
+        "would decay it as well [key=train.schedule] -> set train.schedule=constant (train.warmup_steps still applies)",
+        "  train.muon_ns_steps must lie in [1, 100), got 0 [key=train.muon_ns_steps]",
+        "  train.lion_beta1 must lie in [0, 1), got 2.0 [key=train.lion_beta1]",
+    ]
