@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily
 
@@ -63,11 +64,13 @@ def sparse_layers(settings: Qwen3MoeSettings, num_layers: int) -> tuple[bool, ..
 
 def validate(config: Config) -> None:
     """The checks of model.qwen3_moe and of the model.* keys this family reads its own way, and that
-    parallel.ep splits the experts evenly."""
-    check_model(config.model)
-    check_lora_experts(config)
+    parallel.ep splits the experts evenly: every violated one (core/config_errors.py)."""
+    check_independent(config, (lambda view: check_model(view.model), check_lora_experts, _check_expert_split))
+
+
+def _check_expert_split(config: Config) -> None:
     experts, ep = settings_of(config.model).num_experts, config.parallel.ep
-    if ep > 1 and experts % ep:
+    if experts >= 1 and ep > 1 and experts % ep:  # num_experts < 1: check_model names it
         raise ConfigError(
             f"parallel.ep={ep} does not divide model.{NAME}.num_experts={experts}: each expert-parallel rank "
             f"holds the same number of experts", key="parallel.ep",
@@ -75,52 +78,85 @@ def validate(config: Config) -> None:
 
 
 def check_lora_experts(config: Config) -> None:
-    """``lora_experts`` needs adapters (model.lora.rank > 0), no adapter dropout and whole experts on each rank."""
-    if not settings_of(config.model).lora_experts:
-        return
-    key, lora = f"model.{NAME}.lora_experts", config.model.lora
+    """``lora_experts`` needs adapters (model.lora.rank > 0), no adapter dropout and whole experts on each
+    rank: every violated one."""
+    if settings_of(config.model).lora_experts:
+        check_independent(config, (_lora_experts_adapters, _lora_experts_ranks))
+
+
+_LORA_EXPERTS = f"model.{NAME}.lora_experts"
+
+
+def _lora_experts_adapters(config: Config) -> None:
+    key, lora, found = _LORA_EXPERTS, config.model.lora, []
     if lora.rank <= 0:
-        raise ConfigError(f"{key} adds adapters to the experts, but model.lora.rank={lora.rank} turns LoRA off",
-                          key=key, hint="set model.lora.rank > 0, or leave lora_experts unset")
+        found.append(ConfigError(f"{key} adds adapters to the experts, but model.lora.rank={lora.rank} turns LoRA off",
+                                 key=key, hint="set model.lora.rank > 0, or leave lora_experts unset"))
     if lora.dropout:
-        raise ConfigError(f"{key}: the experts' adapters take no dropout, but model.lora.dropout={lora.dropout}",
-                          key="model.lora.dropout", hint="set model.lora.dropout to 0 with adapters on the experts")
+        found.append(ConfigError(f"{key}: the experts' adapters take no dropout, but model.lora.dropout={lora.dropout}",
+                                 key="model.lora.dropout",
+                                 hint="set model.lora.dropout to 0 with adapters on the experts"))
+    raise_together(found)
+
+
+def _lora_experts_ranks(config: Config) -> None:
     if config.parallel.ep > 1:
-        raise ConfigError(f"{key}: the experts' adapters are not split over expert-parallel ranks, but "
+        raise ConfigError(f"{_LORA_EXPERTS}: the experts' adapters are not split over expert-parallel ranks, but "
                           f"parallel.ep={config.parallel.ep}", key="parallel.ep",
                           hint="train adapters on the experts at parallel.ep=1 (FSDP shards them with their blocks)")
 
 
 def check_model(model) -> None:
-    """``validate`` on a model section alone (also asked where a model is built from a config.json)."""
-    s = settings_of(model)
-    where = f"model.{NAME}"
+    """``validate`` on a model section alone (also asked where a model is built from a config.json):
+    every violated constraint."""
+    check_independent(model, (_check_experts, _check_layers, _check_balancing, _check_qk_norm))
+
+
+def _check_experts(model) -> None:
+    """The sizes of model.qwen3_moe, and top-k within the experts (once num_experts is valid)."""
+    s, where, found = settings_of(model), f"model.{NAME}", []
     for key in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
         value = getattr(s, key)
         if value < 1:
-            raise ConfigError(f"{where}.{key} must be >= 1, got {value}", key=f"{where}.{key}")
-    if not 1 <= s.num_experts_per_tok <= s.num_experts:
-        raise ConfigError(
+            found.append(ConfigError(f"{where}.{key} must be >= 1, got {value}", key=f"{where}.{key}"))
+    if s.num_experts >= 1 and not 1 <= s.num_experts_per_tok <= s.num_experts:
+        found.append(ConfigError(
             f"{where}.num_experts_per_tok={s.num_experts_per_tok} must be between 1 and "
             f"{where}.num_experts={s.num_experts}: a token cannot be routed to more experts than a block has",
             key=f"{where}.num_experts_per_tok",
-            hint=f"lower num_experts_per_tok to at most {s.num_experts}, or raise num_experts")
-    stray = [i for i in s.mlp_only_layers if not 0 <= i < model.num_layers]
+            hint=f"lower num_experts_per_tok to at most {s.num_experts}, or raise num_experts"))
+    raise_together(found)
+
+
+def _check_layers(model) -> None:
+    """mlp_only_layers within the model's layers, then some layer a mixture of experts (asked only of
+    valid mlp_only_layers and decoder_sparse_step: the rule divides by the step)."""
+    num_layers, s, where = model.num_layers, settings_of(model), f"model.{NAME}"
+    stray = [i for i in s.mlp_only_layers if not 0 <= i < num_layers]
     if stray or len(set(s.mlp_only_layers)) != len(s.mlp_only_layers):
         raise ConfigError(
             f"{where}.mlp_only_layers={list(s.mlp_only_layers)} must name distinct layers in [0, "
-            f"model.num_layers={model.num_layers})", key=f"{where}.mlp_only_layers")
-    if not any(sparse_layers(s, model.num_layers)):
+            f"model.num_layers={num_layers})", key=f"{where}.mlp_only_layers")
+    if s.decoder_sparse_step >= 1 and not any(sparse_layers(s, num_layers)):
         raise ConfigError(
-            f"{where}: no layer of model.num_layers={model.num_layers} is a mixture of experts "
+            f"{where}: no layer of model.num_layers={num_layers} is a mixture of experts "
             f"(decoder_sparse_step={s.decoder_sparse_step}, mlp_only_layers={list(s.mlp_only_layers)})",
             key=f"{where}.decoder_sparse_step", hint="use model.arch qwen3 for a dense model")
+
+
+def _check_balancing(model) -> None:
+    s, where, found = settings_of(model), f"model.{NAME}", []
     if not (math.isfinite(s.router_aux_loss_coef) and s.router_aux_loss_coef >= 0):
-        raise ConfigError(f"{where}.router_aux_loss_coef must be a finite number >= 0, got {s.router_aux_loss_coef}",
-                          key=f"{where}.router_aux_loss_coef")
+        found.append(ConfigError(
+            f"{where}.router_aux_loss_coef must be a finite number >= 0, got {s.router_aux_loss_coef}",
+            key=f"{where}.router_aux_loss_coef"))
     if not (math.isfinite(s.bias_update_rate) and s.bias_update_rate >= 0):
-        raise ConfigError(f"{where}.bias_update_rate must be a finite number >= 0, got {s.bias_update_rate}",
-                          key=f"{where}.bias_update_rate", hint="0 turns auxiliary-loss-free balancing off")
+        found.append(ConfigError(f"{where}.bias_update_rate must be a finite number >= 0, got {s.bias_update_rate}",
+                                 key=f"{where}.bias_update_rate", hint="0 turns auxiliary-loss-free balancing off"))
+    raise_together(found)
+
+
+def _check_qk_norm(model) -> None:
     if model.qk_norm is False:
         raise ConfigError("Qwen3-MoE's attention always normalizes q and k per head: model.qk_norm=false has no "
                           "Qwen3MoeForCausalLM to compute it", key="model.qk_norm", hint="leave model.qk_norm unset")

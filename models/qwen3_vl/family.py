@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily
 from models.qwen.lora_targets import LORA_TARGETS
@@ -21,9 +22,10 @@ from models.qwen_vl.family import (
     TOWER_SIZES,
     TowerTraining,
     check_features_and_tokens,
-    check_tower,
     check_tower_training,
+    positive_int,
     refuse_tensor_parallel,
+    tower_errors,
 )
 
 if TYPE_CHECKING:
@@ -81,13 +83,15 @@ def settings_of(model) -> Qwen3VLSettings:
 
 
 def validate(config: Config) -> None:
-    """The family's checks of a loaded config, each a ConfigError naming its key."""
-    model = config.model
-    if model.arch != NAME:
+    """The family's checks of a loaded config, each a ConfigError naming its key: every violated one
+    (core/config_errors.py)."""
+    if config.model.arch != NAME:
         return
-    check_settings(model)
-    check_tower_training(config, settings_of(model).tower, f"model.{NAME}.tower")
-    refuse_tensor_parallel(config, NAME)
+    check_independent(config, (
+        lambda view: check_settings(view.model),
+        lambda view: check_tower_training(view, settings_of(view.model).tower, f"model.{NAME}.tower"),
+        lambda view: refuse_tensor_parallel(view, NAME),
+    ))
 
 
 def text_head_dim(model) -> int:
@@ -101,27 +105,56 @@ def text_head_dim(model) -> int:
 
 
 def check_settings(model) -> None:
-    """``model.*`` and ``model.qwen3_vl.*`` of a model config against each other (ConfigError naming the key)."""
+    """``model.*`` and ``model.qwen3_vl.*`` of a model config against each other (ConfigError naming the key):
+    every violated constraint."""
+    key = f"model.{NAME}"
+    check_independent(model, (
+        _check_tower,
+        _check_deepstack_layers,
+        lambda view: check_features_and_tokens(view, settings_of(view), key),
+        _check_language_model,
+        _check_mrope,
+    ))
+
+
+def _check_tower(model) -> None:
+    """The vision section on its own: sizes, learned positions, DeepStack blocks (each asked once the
+    sizes it reads are valid)."""
     s, key = settings_of(model), f"model.{NAME}"
-    check_tower(s, key, (*TOWER_SIZES, "num_position_embeddings"))
-    if math.isqrt(s.num_position_embeddings) ** 2 != s.num_position_embeddings:
-        raise ConfigError(f"{key}.num_position_embeddings={s.num_position_embeddings} must be a square (the learned "
-                          "positions are a square grid)", key=f"{key}.num_position_embeddings")
+    found = tower_errors(s, key, (*TOWER_SIZES, "num_position_embeddings"))
+    positions = s.num_position_embeddings
+    if positive_int(positions) and math.isqrt(positions) ** 2 != positions:
+        found.append(ConfigError(f"{key}.num_position_embeddings={s.num_position_embeddings} must be a square (the "
+                                 "learned positions are a square grid)", key=f"{key}.num_position_embeddings"))
     indexes = list(s.deepstack_visual_indexes)
-    if (any(isinstance(i, bool) or not isinstance(i, int) for i in indexes) or not all(0 <= i < s.depth for i in indexes)
-            or indexes != sorted(set(indexes))):
-        raise ConfigError(f"{key}.deepstack_visual_indexes {indexes} must name distinct vision blocks in [0, "
-                          f"depth={s.depth}), ascending", key=f"{key}.deepstack_visual_indexes")
-    if len(indexes) > model.num_layers:
-        raise ConfigError(f"{key}.deepstack_visual_indexes gives {len(indexes)} DeepStack features for "
-                          f"model.num_layers={model.num_layers} language blocks (one block each)",
+    if positive_int(s.depth) and (
+            any(isinstance(i, bool) or not isinstance(i, int) for i in indexes)
+            or not all(0 <= i < s.depth for i in indexes) or indexes != sorted(set(indexes))):
+        found.append(ConfigError(f"{key}.deepstack_visual_indexes {indexes} must name distinct vision blocks in [0, "
+                                 f"depth={s.depth}), ascending", key=f"{key}.deepstack_visual_indexes"))
+    raise_together(found)
+
+
+def _check_deepstack_layers(model) -> None:
+    num_layers, s, key = model.num_layers, settings_of(model), f"model.{NAME}"
+    if len(s.deepstack_visual_indexes) > num_layers:
+        raise ConfigError(f"{key}.deepstack_visual_indexes gives {len(s.deepstack_visual_indexes)} DeepStack features "
+                          f"for model.num_layers={num_layers} language blocks (one block each)",
                           key=f"{key}.deepstack_visual_indexes")
-    check_features_and_tokens(model, s, key)
+
+
+def _check_language_model(model) -> None:
     if model.qkv_bias is True or model.qk_norm is False:
         which = "model.qkv_bias" if model.qkv_bias is True else "model.qk_norm"
         raise ConfigError(f"{NAME}'s language model has q/k RMSNorm and no q/k/v bias; {which} says otherwise",
                           key=which, hint=f"leave {which} unset")
+
+
+def _check_mrope(model) -> None:
+    """The language model's head width, then the three M-RoPE sections that split it, then their
+    interleaving (each asked once the one before holds)."""
     half = text_head_dim(model) // 2
+    s, key = settings_of(model), f"model.{NAME}"
     section = list(s.mrope_section)
     if (len(section) != 3 or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in section)
             or sum(section) != half):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Optional
 
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.model_families import ModelFamily
 from models.qwen.lora_targets import LORA_TARGETS
@@ -75,24 +76,33 @@ def settings_of(model) -> QwenVLSettings:
 
 
 def validate(config: Config) -> None:
-    """The family's checks of a loaded config, each a ConfigError naming its key."""
-    model = config.model
-    if model.arch != NAME:
+    """The family's checks of a loaded config, each a ConfigError naming its key: every violated one
+    (core/config_errors.py)."""
+    if config.model.arch != NAME:
         return
-    check_settings(model)
-    tower = settings_of(model)
-    check_tower_training(config, tower.tower, f"model.{NAME}.tower")
-    for key, name in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
-                      ("merge_size", "spatial_merge_size")):
-        if getattr(config.data.images, key) != getattr(tower, name):
-            raise ConfigError(f"data.images.{key}={getattr(config.data.images, key)} is not the vision tower's "
-                              f"model.{NAME}.{name}={getattr(tower, name)}: images are cut into its patches",
-                              key=f"data.images.{key}", hint=f"set data.images.{key}={getattr(tower, name)}")
-    refuse_tensor_parallel(config, NAME)
+    check_independent(config, (lambda view: check_settings(view.model), _check_tower_training, _check_image_patches,
+                               lambda view: refuse_tensor_parallel(view, NAME)))
+
+
+def _check_tower_training(config: Config) -> None:
+    check_tower_training(config, settings_of(config.model).tower, f"model.{NAME}.tower")
+
+
+def _check_image_patches(config: Config) -> None:
+    """data.images cuts the tower's patches (each size asked once check_tower holds it valid)."""
+    tower, images = settings_of(config.model), config.data.images
+    pairs = [(key, getattr(images, key), name, getattr(tower, name)) for key, name in (
+        ("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+        ("merge_size", "spatial_merge_size"))]
+    raise_together([ConfigError(f"data.images.{key}={value} is not the vision tower's model.{NAME}.{name}={size}: "
+                                "images are cut into its patches",
+                                key=f"data.images.{key}", hint=f"set data.images.{key}={size}")
+                    for key, value, name, size in pairs if positive_int(size) and value != size])
 
 
 def check_tower_training(config: Config, tower: TowerTraining, key: str) -> None:
-    """A vision section's ``tower`` (under ``key``) against ``model.lora`` and ``model.quantize_base``."""
+    """A vision section's ``tower`` (under ``key``) against ``model.lora`` and ``model.quantize_base``
+    (one value of ``tower``: at most one of them fails)."""
     if tower == "lora" and config.model.lora.rank <= 0:
         raise ConfigError(f"{key}=lora puts adapters on the vision tower, but model.lora.rank is "
                           f"{config.model.lora.rank} (no adapters)", key=key,
@@ -116,55 +126,90 @@ TOWER_SIZES = ("depth", "hidden_size", "num_heads", "intermediate_size", "in_cha
 """The vision section's sizes every Qwen VL tower has, each a positive integer."""
 
 
-def check_tower(s, key: str, sizes: tuple[str, ...]) -> None:
-    """A vision section ``s`` (under ``key``): ``sizes`` positive integers, a head width divisible by 4."""
-    for name in sizes:
-        value = getattr(s, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{key}.{name} must be a positive integer, got {value!r}", key=f"{key}.{name}")
-    if s.hidden_size % s.num_heads or (s.hidden_size // s.num_heads) % 4:
-        raise ConfigError(f"{key}.hidden_size={s.hidden_size} / num_heads={s.num_heads} must be a head width "
-                          "divisible by 4 (the 2-D rotary gives a quarter to each of height and width, twice)",
-                          key=f"{key}.num_heads")
+def positive_int(value) -> bool:
+    """Whether a size of a vision section is valid: an integer (not a bool) > 0."""
+    return not isinstance(value, bool) and isinstance(value, int) and value > 0
+
+
+def tower_errors(s, key: str, sizes: tuple[str, ...]) -> list[ConfigError]:
+    """A vision section ``s`` (under ``key``): ``sizes`` positive integers, and a head width divisible
+    by 4 (asked once hidden_size and num_heads are valid): every violated one."""
+    found = [ConfigError(f"{key}.{name} must be a positive integer, got {getattr(s, name)!r}", key=f"{key}.{name}")
+             for name in sizes if not positive_int(getattr(s, name))]
+    if (positive_int(s.hidden_size) and positive_int(s.num_heads)
+            and (s.hidden_size % s.num_heads or (s.hidden_size // s.num_heads) % 4)):
+        found.append(ConfigError(f"{key}.hidden_size={s.hidden_size} / num_heads={s.num_heads} must be a head width "
+                                 "divisible by 4 (the 2-D rotary gives a quarter to each of height and width, twice)",
+                                 key=f"{key}.num_heads"))
+    return found
 
 
 def check_features_and_tokens(model, s, key: str) -> None:
     """A vision section ``s`` (under ``key``) against ``model.*``: the merged feature's width and the special
-    token ids within the vocabulary."""
-    if s.out_hidden_size is not None and s.out_hidden_size != model.hidden_size:
-        raise ConfigError(f"{key}.out_hidden_size={s.out_hidden_size} must equal model.hidden_size="
-                          f"{model.hidden_size}: merged features replace token embeddings",
-                          key=f"{key}.out_hidden_size", hint="leave it unset")
+    token ids within the vocabulary, every violated one."""
+    hidden_size, vocab_size, found = model.hidden_size, model.vocab_size, []
+    if s.out_hidden_size is not None and s.out_hidden_size != hidden_size:
+        found.append(ConfigError(f"{key}.out_hidden_size={s.out_hidden_size} must equal model.hidden_size="
+                                 f"{hidden_size}: merged features replace token embeddings",
+                                 key=f"{key}.out_hidden_size", hint="leave it unset"))
     for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
         value = getattr(s, name)
-        if not 0 <= value < model.vocab_size:
-            raise ConfigError(f"{key}.{name}={value} is no token id of model.vocab_size={model.vocab_size}",
-                              key=f"{key}.{name}", hint="set the tokenizer's id of that special token")
+        if not 0 <= value < vocab_size:
+            found.append(ConfigError(f"{key}.{name}={value} is no token id of model.vocab_size={vocab_size}",
+                                     key=f"{key}.{name}", hint="set the tokenizer's id of that special token"))
+    raise_together(found)
 
 
 def check_settings(model) -> None:
-    """``model.*`` and ``model.qwen2_5_vl.*`` of a model config against each other (ConfigError naming the key)."""
+    """``model.*`` and ``model.qwen2_5_vl.*`` of a model config against each other (ConfigError naming the
+    key): every violated constraint."""
+    key = f"model.{NAME}"
+    check_independent(model, (
+        _check_tower,
+        lambda view: check_features_and_tokens(view, settings_of(view), key),
+        _check_language_model,
+        _check_head_dim,
+        _check_heads_and_mrope,
+    ))
+
+
+def _check_tower(model) -> None:
+    """The vision section on its own: sizes, window, full-attention blocks (each asked once the sizes it
+    reads are valid)."""
     s, key = settings_of(model), f"model.{NAME}"
-    check_tower(s, key, (*TOWER_SIZES, "window_size"))
-    if s.window_size % (s.patch_size * s.spatial_merge_size):
-        raise ConfigError(f"{key}.window_size={s.window_size} must be a multiple of patch_size * spatial_merge_size="
-                          f"{s.patch_size * s.spatial_merge_size}", key=f"{key}.window_size")
+    found = tower_errors(s, key, (*TOWER_SIZES, "window_size"))
+    if (all(positive_int(v) for v in (s.window_size, s.patch_size, s.spatial_merge_size))
+            and s.window_size % (s.patch_size * s.spatial_merge_size)):
+        found.append(ConfigError(f"{key}.window_size={s.window_size} must be a multiple of patch_size * "
+                                 f"spatial_merge_size={s.patch_size * s.spatial_merge_size}", key=f"{key}.window_size"))
     bad = [i for i in s.fullatt_block_indexes if not 0 <= i < s.depth]
-    if bad or len(set(s.fullatt_block_indexes)) != len(s.fullatt_block_indexes):
-        raise ConfigError(f"{key}.fullatt_block_indexes {list(s.fullatt_block_indexes)} must name distinct vision "
-                          f"blocks in [0, depth={s.depth})", key=f"{key}.fullatt_block_indexes")
-    check_features_and_tokens(model, s, key)
+    if positive_int(s.depth) and (bad or len(set(s.fullatt_block_indexes)) != len(s.fullatt_block_indexes)):
+        found.append(ConfigError(f"{key}.fullatt_block_indexes {list(s.fullatt_block_indexes)} must name distinct "
+                                 f"vision blocks in [0, depth={s.depth})", key=f"{key}.fullatt_block_indexes"))
+    raise_together(found)
+
+
+def _check_language_model(model) -> None:
     if model.qkv_bias is False or model.qk_norm is True:
         which = "model.qkv_bias" if model.qkv_bias is False else "model.qk_norm"
         raise ConfigError(f"{NAME}'s language model has q/k/v bias and no q/k norm; {which} says otherwise",
                           key=which, hint=f"leave {which} unset")
+
+
+def _check_head_dim(model) -> None:
     if model.head_dim is not None and model.head_dim * model.num_heads != model.hidden_size:
         raise ConfigError(f"{NAME}'s head width is hidden_size // num_heads, got model.head_dim={model.head_dim}",
                           key="model.head_dim", hint="leave model.head_dim unset")
-    if model.num_heads <= 0 or model.hidden_size % model.num_heads:
-        raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
-                          f"{model.num_heads}", key="model.num_heads")
-    half = model.hidden_size // model.num_heads // 2
+
+
+def _check_heads_and_mrope(model) -> None:
+    """The language model's head width, then the M-RoPE sections that split it."""
+    hidden_size, num_heads = model.hidden_size, model.num_heads
+    if num_heads <= 0 or hidden_size % num_heads:
+        raise ConfigError(f"model.hidden_size={hidden_size} is not divisible by model.num_heads="
+                          f"{num_heads}", key="model.num_heads")
+    s, key = settings_of(model), f"model.{NAME}"
+    half = hidden_size // num_heads // 2
     if len(s.mrope_section) != 3 or any(p < 0 for p in s.mrope_section) or sum(s.mrope_section) != half:
         raise ConfigError(f"{key}.mrope_section {list(s.mrope_section)} must be three counts summing to head_dim / 2 "
                           f"= {half}", key=f"{key}.mrope_section")

@@ -245,3 +245,23 @@ def test_optimizer_checks_name_every_violation():
         "  train.muon_ns_steps must lie in [1, 100), got 0 [key=train.muon_ns_steps]",
         "  train.lion_beta1 must lie in [0, 1), got 2.0 [key=train.lion_beta1]",
     ]
+
+
+def test_a_familys_validate_names_every_violation():
+    """models/qwen3_moe/family.py: its section's sizes, its balancing rates and model.qk_norm at once;
+    num_experts_per_tok and parallel.ep's split are judged against num_experts only once it is valid."""
+    moe = str(CONFIGS / "tiny-moe.yaml")
+    with pytest.raises(ConfigErrors) as info:
+        config_lib.load(moe, ["model.qwen3_moe.num_experts=0", "model.qwen3_moe.router_aux_loss_coef=-1",
+                              "model.qk_norm=false", "parallel.ep=2"])
+    assert str(info.value).splitlines()[1:] == [
+        "  model.qwen3_moe.num_experts must be >= 1, got 0 [key=model.qwen3_moe.num_experts]",
+        "  model.qwen3_moe.router_aux_loss_coef must be a finite number >= 0, got -1.0 "
+        "[key=model.qwen3_moe.router_aux_loss_coef]",
+        "  Qwen3-MoE's attention always normalizes q and k per head: model.qk_norm=false has no Qwen3MoeForCausalLM "
+        "to compute it [key=model.qk_norm] -> leave model.qk_norm unset",
+    ]
+    with pytest.raises(ConfigErrors) as info:  # the vision family: its tower, the images and parallel.tp
+        config_lib.load(str(CONFIGS / "tiny-vl-sft.yaml"), ["model.qwen2_5_vl.depth=0", "data.images.merge_size=3",
+                                                          "parallel.tp=2"])
+    assert _keys(info.value) == ["model.qwen2_5_vl.depth", "data.images.merge_size", "parallel.tp"]
