@@ -265,3 +265,24 @@ def test_a_familys_validate_names_every_violation():
         config_lib.load(str(CONFIGS / "tiny-vl-sft.yaml"), ["model.qwen2_5_vl.depth=0", "data.images.merge_size=3",
                                                           "parallel.tp=2"])
     assert _keys(info.value) == ["model.qwen2_5_vl.depth", "data.images.merge_size", "parallel.tp"]
+
+
+def test_an_objectives_validate_names_every_violation():
+    """training/objectives/grpo_settings.py: its own keys and its data at once, beside core's train.lr;
+    overlong_buffer is judged against max_new_tokens only once that is valid."""
+    with pytest.raises(ConfigErrors) as info:
+        config_lib.load(str(CONFIGS / "tiny-grpo.yaml"), [
+            "train.lr=-1", "objective.grpo.group_size=1", "objective.grpo.max_new_tokens=0",
+            "objective.grpo.overlong_buffer=5", "data.sources=[{path: x, record: text}]"])
+    assert str(info.value).splitlines()[1:] == [
+        "  train.lr must be a finite number >= 0, got -1.0 [key=train.lr]",
+        "  objective.grpo.group_size must be >= 2 (advantages compare completions of one prompt), got 1 "
+        "[key=objective.grpo.group_size]",
+        "  objective.grpo.max_new_tokens must be >= 1, got 0 [key=objective.grpo.max_new_tokens]",
+        "  objective.kind=grpo needs prompt sources only (data.sources[i].record: prompt) [key=data.sources] -> "
+        'records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl',
+    ]
+    with pytest.raises(ConfigErrors) as info:  # PPO's constraints between its keys, each named
+        config_lib.load(str(CONFIGS / "tiny-ppo.yaml"), ["objective.ppo.kl_target=1", "objective.ppo.kl_coef=0",
+                                                        "objective.ppo.kl_horizon=1", "objective.ppo.minibatches=3"])
+    assert _keys(info.value) == ["objective.ppo.kl_coef", "objective.ppo.kl_horizon", "objective.ppo.minibatches"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.config import Config
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from data.preference import PAIR_ROLE
@@ -40,20 +41,29 @@ class DistillSettings:
 
 
 def validate(config: Config) -> None:
-    """objective.distill.* (docs/post_training.md, distillation)."""
-    o, key = config.objective.distill, "objective.distill"
+    """objective.distill.* (docs/post_training.md, distillation) and its sources: every violated
+    constraint (core/config_errors.py)."""
+    check_independent(config, (_check_settings, _check_sources))
+
+
+def _check_settings(config: Config) -> None:
+    o, key, found = config.objective.distill, "objective.distill", []
     if not o.teacher or o.teacher in ("init", "adapter_off"):
-        raise ConfigError(f"{key}.teacher must name a Hugging Face directory or run:RUN_ID[@STEP], got {o.teacher!r}",
-                          key=f"{key}.teacher", hint="e.g. teacher: run:tiny-teacher-20260101-000000-abcd1234")
+        found.append(ConfigError(
+            f"{key}.teacher must name a Hugging Face directory or run:RUN_ID[@STEP], got {o.teacher!r}",
+            key=f"{key}.teacher", hint="e.g. teacher: run:tiny-teacher-20260101-000000-abcd1234"))
     checks = (
         ("temperature", math.isfinite(o.temperature) and o.temperature > 0, "> 0"),
         ("alpha", 0 <= o.alpha <= 1, "in [0, 1]"),
         ("beta", 0 <= o.beta <= 1, "in [0, 1]"),
         ("chunk_tokens", o.chunk_tokens >= 1, ">= 1"),
     )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
+    found += [ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
+              for name, ok, expected in checks if not ok]
+    raise_together(found)
+
+
+def _check_sources(config: Config) -> None:
     if any(record_kind(s.record).one_per_row or record_kind(s.record).declares(PAIR_ROLE.name)
            for s in config.data.sources):
         raise ConfigError("objective.kind=distill trains on text, chat or prompt_completion sources",

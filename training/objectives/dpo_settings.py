@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from core.config import Config
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from data.preference import PAIR_ROLE
@@ -43,7 +44,13 @@ class DPOSettings:
 
 
 def validate(config: Config) -> None:
-    """objective.dpo.* (docs/post_training.md, DPO): constants, reference and preference sources."""
+    """objective.dpo.* (docs/post_training.md, DPO): constants, reference and preference sources, every
+    violated one (core/config_errors.py)."""
+    check_independent(config, (_check_constants, _check_adapter_off_reference, _check_cache_reference,
+                               _check_sources))
+
+
+def _check_constants(config: Config) -> None:
     o, key = config.objective.dpo, "objective.dpo"
     checks = (
         ("beta", math.isfinite(o.beta) and o.beta > 0, "> 0"),
@@ -52,24 +59,41 @@ def validate(config: Config) -> None:
         ("lam", math.isfinite(o.lam) and o.lam >= 0, ">= 0"),
         ("nll_coef", math.isfinite(o.nll_coef) and o.nll_coef >= 0, ">= 0"),
     )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
-    if o.nll_coef > 0 and o.loss == "orpo":
-        raise ConfigError(f"{key}.nll_coef: orpo's loss already holds the chosen response's NLL",
-                          key=f"{key}.nll_coef", hint="leave nll_coef at 0 with orpo (its lam weighs the other term)")
-    if o.reference == "adapter_off" and config.model.lora.rank <= 0:
-        raise ConfigError(f"{key}.reference=adapter_off needs LoRA adapters (model.lora.rank > 0)",
-                          key=f"{key}.reference", hint="use reference: init, or set model.lora.rank")
-    if o.reference == "adapter_off" and config.model.lora.modules_to_save:
-        raise ConfigError(
-            f"{key}.reference=adapter_off with model.lora.modules_to_save {list(config.model.lora.modules_to_save)}: "
+    found = [ConfigError(f"{key}.{name} must be {expected}, got {getattr(o, name)!r}", key=f"{key}.{name}")
+             for name, ok, expected in checks if not ok]
+    if math.isfinite(o.nll_coef) and o.nll_coef > 0 and o.loss == "orpo":
+        found.append(ConfigError(f"{key}.nll_coef: orpo's loss already holds the chosen response's NLL",
+                                 key=f"{key}.nll_coef",
+                                 hint="leave nll_coef at 0 with orpo (its lam weighs the other term)"))
+    raise_together(found)
+
+
+def _check_adapter_off_reference(config: Config) -> None:
+    """reference=adapter_off: adapters to switch off, and none of the base's modules trained."""
+    o, key = config.objective.dpo, "objective.dpo"
+    if o.reference != "adapter_off":
+        return
+    rank, modules_to_save, found = config.model.lora.rank, config.model.lora.modules_to_save, []
+    if rank <= 0:
+        found.append(ConfigError(f"{key}.reference=adapter_off needs LoRA adapters (model.lora.rank > 0)",
+                                 key=f"{key}.reference", hint="use reference: init, or set model.lora.rank"))
+    if modules_to_save:
+        found.append(ConfigError(
+            f"{key}.reference=adapter_off with model.lora.modules_to_save {list(modules_to_save)}: "
             "switching the adapters off would keep those modules' trained weights, so the reference would not be the base",
             key=f"{key}.reference", hint="use reference: init (a frozen copy of the whole starting model), "
-            "or train adapters only (model.lora.modules_to_save: [])")
+            "or train adapters only (model.lora.modules_to_save: [])"))
+    raise_together(found)
+
+
+def _check_cache_reference(config: Config) -> None:
+    o, key = config.objective.dpo, "objective.dpo"
     if o.cache_reference and o.loss in ("simpo", "orpo"):
         raise ConfigError(f"{key}.cache_reference: {o.loss} is reference-free, there is nothing to cache",
                           key=f"{key}.cache_reference")
+
+
+def _check_sources(config: Config) -> None:
     sources = list(config.data.sources) + ([config.data.eval_source] if config.data.eval_source else [])
     if not config.data.sources or any(not record_kind(s.record).declares(PAIR_ROLE.name) for s in sources):
         raise ConfigError("objective.kind=dpo needs preference sources only (data.sources[i].record: preference)",

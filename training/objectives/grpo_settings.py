@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from core.config import Config
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from data.record_kinds import record_kind
@@ -73,8 +74,23 @@ class GRPOSettings:
 
 
 def validate(config: Config) -> None:
-    """objective.grpo.* (docs/post_training.md, GRPO) and what GRPO needs of data.* and train.*; reward
-    function paths are resolved by ``resolve_rewards`` (they import user code)."""
+    """objective.grpo.* (docs/post_training.md, GRPO) and what GRPO needs of data.* and train.*, every
+    violated constraint (core/config_errors.py); reward function paths are resolved by
+    ``resolve_rewards`` (they import user code)."""
+    check_independent(config, (
+        _check_settings,
+        lambda view: check_rewards(view.objective.grpo, "objective.grpo"),
+        lambda view: validate_rollout_correction(view.objective.grpo.rollout_correction, "objective.grpo"),
+        _check_model_reward_sampling,
+        _check_environment,
+        _check_environment_sampling,
+        lambda view: check_prompt_data(view, "grpo",
+                                       eval_hint="use data.eval_source and objective.grpo.eval_samples with grpo"),
+    ))
+
+
+def _check_settings(config: Config) -> None:
+    """The sizes and coefficients of objective.grpo (overlong_buffer asked once max_new_tokens is valid)."""
     g, key = config.objective.grpo, "objective.grpo"
     checks = (
         ("group_size", g.group_size >= 2, ">= 2 (advantages compare completions of one prompt)"),
@@ -88,51 +104,73 @@ def validate(config: Config) -> None:
         ("clip_eps_low", 0 <= g.clip_eps_low < 1, "in [0, 1)"),
         ("clip_eps_high", math.isfinite(g.clip_eps_high) and g.clip_eps_high >= 0, ">= 0"),
         ("std_eps", math.isfinite(g.std_eps) and g.std_eps > 0, "> 0"),
-        ("overlong_buffer", 0 <= g.overlong_buffer <= g.max_new_tokens,
+        ("overlong_buffer", g.max_new_tokens < 1 or 0 <= g.overlong_buffer <= g.max_new_tokens,
          f"in 0..max_new_tokens ({g.max_new_tokens}; 0: no overlong shaping)"),
         ("dynamic_sampling_rounds", 0 <= g.dynamic_sampling_rounds <= 16, "in 0..16 (0: no dynamic sampling)"),
     )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(g, name)!r}", key=f"{key}.{name}")
+    found = [ConfigError(f"{key}.{name} must be {expected}, got {getattr(g, name)!r}", key=f"{key}.{name}")
+             for name, ok, expected in checks if not ok]
     if g.rollout_slots < 0:
-        raise ConfigError(f"{key}.rollout_slots must be >= 0, got {g.rollout_slots}", key=f"{key}.rollout_slots",
-                          hint="0: one sampler row per completion of a step; n: n rows, refilled as completions end")
+        found.append(ConfigError(
+            f"{key}.rollout_slots must be >= 0, got {g.rollout_slots}", key=f"{key}.rollout_slots",
+            hint="0: one sampler row per completion of a step; n: n rows, refilled as completions end"))
     if not 1 <= g.inner_updates <= 64:
-        raise ConfigError(
+        found.append(ConfigError(
             f"{key}.inner_updates must be in 1..64, got {g.inner_updates}",
             key=f"{key}.inner_updates",
             hint="the optimizer updates made on each rollout batch; 1 is GRPO as published",
-        )
-    check_rewards(g, key)
-    validate_rollout_correction(g.rollout_correction, key)
-    if model_rewards(config) and g.dynamic_sampling_rounds > 0:
+        ))
+    raise_together(found)
+
+
+def _check_model_reward_sampling(config: Config) -> None:
+    key = "objective.grpo"
+    if model_rewards(config) and config.objective.grpo.dynamic_sampling_rounds > 0:
         raise ConfigError(f"{key}.dynamic_sampling_rounds: a model reward scores a whole rollout batch after it is "
                           "sampled, and dynamic sampling re-samples groups while the rollout is collected",
                           key=f"{key}.dynamic_sampling_rounds",
                           hint="dynamic_sampling_rounds: 0 with a model reward (its scores are rarely all equal)")
+
+
+def _check_environment(config: Config) -> None:
+    g = config.objective.grpo
     if g.environment is not None:
-        validate_environment(g.environment, key, max_new_tokens=g.max_new_tokens,
+        validate_environment(g.environment, "objective.grpo", max_new_tokens=g.max_new_tokens,
                              model_rewards=bool(model_rewards(config)))
-        if g.dynamic_sampling_rounds > 0:
-            raise ConfigError(f"{key}.dynamic_sampling_rounds: not with an environment (episodes are recorded per "
-                              "global row; a re-sampled group would need its own record)",
-                              key=f"{key}.dynamic_sampling_rounds", hint="dynamic_sampling_rounds: 0 with an environment")
-    check_prompt_data(config, "grpo", eval_hint="use data.eval_source and objective.grpo.eval_samples with grpo")
+
+
+def _check_environment_sampling(config: Config) -> None:
+    key = "objective.grpo"
+    if config.objective.grpo.environment is not None and config.objective.grpo.dynamic_sampling_rounds > 0:
+        raise ConfigError(f"{key}.dynamic_sampling_rounds: not with an environment (episodes are recorded per "
+                          "global row; a re-sampled group would need its own record)",
+                          key=f"{key}.dynamic_sampling_rounds", hint="dynamic_sampling_rounds: 0 with an environment")
 
 
 def check_prompt_data(config: Config, kind: str, *, eval_hint: str) -> None:
     """What a method that samples from prompts (GRPO, PPO) needs of data.* and train.eval_generate:
-    prompt records only, a held-out source of prompts, and its own evaluation."""
+    prompt records only, a held-out source of prompts, and its own evaluation; every violated one."""
+    check_independent(config, (lambda view: _check_prompt_sources(view, kind),
+                               lambda view: _check_held_out_prompts(view, kind),
+                               lambda view: _check_no_eval_generate(view, kind, eval_hint)))
+
+
+def _check_prompt_sources(config: Config, kind: str) -> None:
     if not config.data.sources or not all(record_kind(s.record).one_per_row for s in config.data.sources):
         raise ConfigError(f"objective.kind={kind} needs prompt sources only (data.sources[i].record: prompt)",
                           key="data.sources", hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl')
-    held_out = config.data.eval_source
-    if held_out is not None and config.train.eval_interval > 0 and not record_kind(held_out.record).one_per_row:
+
+
+def _check_held_out_prompts(config: Config, kind: str) -> None:
+    held_out, eval_interval = config.data.eval_source, config.train.eval_interval
+    if held_out is not None and eval_interval > 0 and not record_kind(held_out.record).one_per_row:
         raise ConfigError(
             f"objective.kind={kind} evaluates prompt records, data.eval_source is record: {held_out.record}",
             key="data.eval_source.record",
             hint='records {"prompt": ..., "answer": ...}; e.g. datasets/tasks/rl/eval, or data.eval_source=null')
+
+
+def _check_no_eval_generate(config: Config, kind: str, eval_hint: str) -> None:
     if config.train.eval_generate.source is not None:
         raise ConfigError(f"train.eval_generate: objective.kind={kind} evaluates its prompts itself (data.eval_source)",
                           key="train.eval_generate.source", hint=eval_hint)

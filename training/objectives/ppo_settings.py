@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from core.config import Config
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from training.objectives.grpo_settings import check_prompt_data
@@ -78,7 +79,21 @@ class PPOSettings:
 
 
 def validate(config: Config) -> None:
-    """objective.ppo.* (docs/post_training.md, PPO) and what PPO needs of data.* and train.*."""
+    """objective.ppo.* (docs/post_training.md, PPO) and what PPO needs of data.* and train.*, every
+    violated constraint (core/config_errors.py)."""
+    check_independent(config, (
+        _check_settings,
+        lambda view: check_rewards(view.objective.ppo, "objective.ppo"),
+        lambda view: validate_rollout_correction(view.objective.ppo.rollout_correction, "objective.ppo"),
+        _check_adaptive_kl_start,
+        _check_kl_horizon,
+        _check_minibatches,
+        _check_environment,
+        lambda view: check_prompt_data(view, "ppo", eval_hint="use data.eval_source with ppo"),
+    ))
+
+
+def _check_settings(config: Config) -> None:
     p, key = config.objective.ppo, "objective.ppo"
     checks = (
         ("group_size", p.group_size >= 1, ">= 1"),
@@ -100,30 +115,48 @@ def validate(config: Config) -> None:
         ("ppo_epochs", 1 <= p.ppo_epochs <= 16, "in 1..16"),
         ("minibatches", 1 <= p.minibatches <= 64, "in 1..64"),
     )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(p, name)!r}", key=f"{key}.{name}")
-    check_rewards(p, key)
-    validate_rollout_correction(p.rollout_correction, key)
-    if p.kl_target > 0 and p.kl_coef == 0:
+    raise_together([ConfigError(f"{key}.{name} must be {expected}, got {getattr(p, name)!r}", key=f"{key}.{name}")
+                    for name, ok, expected in checks if not ok])
+
+
+# The three constraints below relate keys of objective.ppo that _check_settings checks on their
+# own; each is asked only with valid values of them (a finite kl_target, group_size >= 1, ...).
+
+
+def _check_adaptive_kl_start(config: Config) -> None:
+    p, key = config.objective.ppo, "objective.ppo"
+    if math.isfinite(p.kl_target) and p.kl_target > 0 and p.kl_coef == 0:
         raise ConfigError(f"{key}.kl_target={p.kl_target} needs a starting kl_coef > 0", key=f"{key}.kl_coef",
                           hint="the adaptive coefficient is scaled from kl_coef; it cannot leave 0")
-    rows = config.train.global_batch_size * p.group_size
-    if p.kl_target > 0 and p.kl_horizon < rows:
+
+
+def _check_kl_horizon(config: Config) -> None:
+    global_batch_size, p, key = config.train.global_batch_size, config.objective.ppo, "objective.ppo"
+    rows = global_batch_size * p.group_size
+    valid = p.group_size >= 1 and p.kl_horizon >= 1 and math.isfinite(p.kl_target)
+    if valid and p.kl_target > 0 and p.kl_horizon < rows:
         raise ConfigError(
             f"{key}.kl_horizon={p.kl_horizon} is below a step's {rows} completions (train.global_batch_size "
-            f"{config.train.global_batch_size} x group_size {p.group_size}): the adaptive KL coefficient is "
+            f"{global_batch_size} x group_size {p.group_size}): the adaptive KL coefficient is "
             f"multiplied by 1 + e * {rows} / kl_horizon, e in [-0.2, 0.2], after each step, which must stay in [0.8, 1.2]",
             key=f"{key}.kl_horizon", hint=f"set kl_horizon >= {rows} (Ziegler et al. use 10000), or kl_target 0")
-    if rows % p.minibatches:
+
+
+def _check_minibatches(config: Config) -> None:
+    global_batch_size, p, key = config.train.global_batch_size, config.objective.ppo, "objective.ppo"
+    rows = global_batch_size * p.group_size
+    if p.group_size >= 1 and 1 <= p.minibatches <= 64 and rows % p.minibatches:
         raise ConfigError(
             f"{key}.minibatches={p.minibatches} does not divide the rollout batch's {rows} completions "
-            f"(train.global_batch_size {config.train.global_batch_size} x group_size {p.group_size})",
+            f"(train.global_batch_size {global_batch_size} x group_size {p.group_size})",
             key=f"{key}.minibatches", hint="choose a divisor of global_batch_size x group_size")
+
+
+def _check_environment(config: Config) -> None:
+    p = config.objective.ppo
     if p.environment is not None:
-        validate_environment(p.environment, key, max_new_tokens=p.max_new_tokens,
+        validate_environment(p.environment, "objective.ppo", max_new_tokens=p.max_new_tokens,
                              model_rewards=bool(model_rewards(config)))
-    check_prompt_data(config, "ppo", eval_hint="use data.eval_source with ppo")
 
 
 def resolve_rewards(config: Config) -> list:

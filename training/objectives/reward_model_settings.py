@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.config import Config
+from core.config_errors import check_independent, raise_together
 from core.exceptions import ConfigError
 from core.objective_kinds import ObjectiveCapabilities, ObjectiveKind
 from data.preference import PAIR_ROLE
@@ -29,26 +30,41 @@ class RewardModelSettings:
 
 def validate(config: Config) -> None:
     """objective.reward_model.* (docs/post_training.md, Reward model): constants, preference sources,
-    and what the score head needs of the model and the parallel layout."""
-    o, key = config.objective.reward_model, "objective.reward_model"
+    and what the score head needs of the model and the parallel layout; every violated one
+    (core/config_errors.py)."""
+    check_independent(config, (_check_constants, _check_sources, _check_tied_embeddings, _check_whole_hidden_states))
+
+
+def _check_constants(config: Config) -> None:
+    o, key, found = config.objective.reward_model, "objective.reward_model", []
     if not math.isfinite(o.margin):
-        raise ConfigError(f"{key}.margin must be finite, got {o.margin!r}", key=f"{key}.margin")
-    if o.margin_from == "record" and o.margin != 0:
-        raise ConfigError(f"{key}.margin={o.margin} is the fixed margin, and {key}.margin_from=record reads each "
-                          "pair's margin from its record", key=f"{key}.margin",
-                          hint="set margin: 0 with margin_from: record, or margin_from: fixed")
+        found.append(ConfigError(f"{key}.margin must be finite, got {o.margin!r}", key=f"{key}.margin"))
+    elif o.margin_from == "record" and o.margin != 0:
+        found.append(ConfigError(f"{key}.margin={o.margin} is the fixed margin, and {key}.margin_from=record reads "
+                                 "each pair's margin from its record", key=f"{key}.margin",
+                                 hint="set margin: 0 with margin_from: record, or margin_from: fixed"))
     if not (math.isfinite(o.center_coef) and o.center_coef >= 0):
-        raise ConfigError(f"{key}.center_coef must be >= 0, got {o.center_coef!r}", key=f"{key}.center_coef")
+        found.append(ConfigError(f"{key}.center_coef must be >= 0, got {o.center_coef!r}", key=f"{key}.center_coef"))
+    raise_together(found)
+
+
+def _check_sources(config: Config) -> None:
     sources = list(config.data.sources) + ([config.data.eval_source] if config.data.eval_source else [])
     if not config.data.sources or any(not record_kind(s.record).declares(PAIR_ROLE.name) for s in sources):
         raise ConfigError("objective.kind=reward_model needs preference sources only (data.sources[i].record: preference)",
                           key="data.sources", hint='records {"prompt", "chosen", "rejected"}; e.g. datasets/tasks/pref')
+
+
+def _check_tied_embeddings(config: Config) -> None:
     if not config.model.tie_embeddings:
         # The scores never use the output head: an untied one would get no gradient, which
         # data-parallel replication refuses.
         raise ConfigError("objective.kind=reward_model needs model.tie_embeddings=true: the score head replaces "
                           "the output head, and an untied output head would be an untrained parameter",
                           key="model.tie_embeddings", hint="start from a model with tied embeddings")
+
+
+def _check_whole_hidden_states(config: Config) -> None:
     if config.parallel.tp > 1:
         raise ConfigError("objective.kind=reward_model reads whole hidden states for its score head; "
                           f"parallel.tp={config.parallel.tp} splits them", key="parallel.tp",

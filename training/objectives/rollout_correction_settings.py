@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from core.config_errors import raise_together
 from core.exceptions import ConfigError
 
 
@@ -28,8 +29,8 @@ class RolloutCorrectionSettings:
 
 
 def validate_rollout_correction(settings: Optional[RolloutCorrectionSettings], section: str) -> None:
-    """``<section>.rollout_correction``: a ConfigError naming the key whose value is out of range,
-    or the section when it corrects nothing."""
+    """``<section>.rollout_correction``: a ConfigError naming each key whose value is out of range
+    (core/config_errors.py), or the section alone when it corrects nothing."""
     if settings is None:
         return
     key = f"{section}.rollout_correction"
@@ -43,7 +44,6 @@ def validate_rollout_correction(settings: Optional[RolloutCorrectionSettings], s
         ("mis_low", math.isfinite(s.mis_low) and 0 < s.mis_low <= 1, "in (0, 1]"),
         ("mis_high", math.isfinite(s.mis_high) and s.mis_high >= 1, ">= 1 and finite"),
     )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(s, name)!r}", key=f"{key}.{name}",
-                              hint="docs/post_training.md, Rollout correction")
+    raise_together([ConfigError(f"{key}.{name} must be {expected}, got {getattr(s, name)!r}", key=f"{key}.{name}",
+                                hint="docs/post_training.md, Rollout correction")
+                    for name, ok, expected in checks if not ok])

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from core.config_errors import raise_together
 from core.exceptions import ConfigError
 
 if TYPE_CHECKING:
@@ -35,24 +36,27 @@ class EnvironmentSettings:
 
 def validate_environment(e: EnvironmentSettings, section: str, *, max_new_tokens: int, model_rewards: bool) -> None:
     """The limits of ``<section>.environment`` (section: the method's settings, objective.<kind>), and
-    the method's rewards: rule rewards only (``model_rewards``: the method has a model reward)."""
+    the method's rewards: rule rewards only (``model_rewards``: the method has a model reward). Every
+    violated one (core/config_errors.py); max_episode_tokens is asked once max_new_tokens is valid
+    (the method's own check names it)."""
     key = f"{section}.environment"
     checks = (
         ("name", bool(e.name), "an environment name (calculator) or 'package.module:Class'"),
         ("max_turns", 1 <= e.max_turns <= 64, "in 1..64"),
         ("max_calls_per_turn", e.max_calls_per_turn >= 1, ">= 1"),
         ("max_observation_tokens", e.max_observation_tokens >= 1, ">= 1"),
-        ("max_episode_tokens", e.max_episode_tokens >= max_new_tokens,
+        ("max_episode_tokens", max_new_tokens < 1 or e.max_episode_tokens >= max_new_tokens,
          f">= max_new_tokens ({max_new_tokens}): one turn must fit"),
         ("tool_timeout_s", math.isfinite(e.tool_timeout_s) and e.tool_timeout_s > 0, "> 0"),
         ("on_env_error", e.on_env_error in ("error", "zero"), "error or zero"),
     )
-    for name, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
+    found = [ConfigError(f"{key}.{name} must be {expected}, got {getattr(e, name)!r}", key=f"{key}.{name}")
+             for name, ok, expected in checks if not ok]
     if model_rewards:
-        raise ConfigError(f"{section}.rewards: a model reward scores one completion, not an episode of several turns",
-                          key=f"{section}.rewards", hint="rule rewards score an episode's final answer")
+        found.append(ConfigError(
+            f"{section}.rewards: a model reward scores one completion, not an episode of several turns",
+            key=f"{section}.rewards", hint="rule rewards score an episode's final answer"))
+    raise_together(found)
 
 
 def episode_limits(e: EnvironmentSettings, section: str) -> "EpisodeLimits":

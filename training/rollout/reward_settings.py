@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from core.config_errors import raise_together
 from core.exceptions import ConfigError
 from training.rollout.rewards import RewardFunction, resolve_reward
 
@@ -35,17 +36,21 @@ class RewardSettings:
 
 
 def check_rewards(section: Any, key: str) -> None:
-    """At least one reward, finite weights, and a path exactly where the reward is a model (ConfigError)."""
+    """At least one reward, finite weights, and a path exactly where the reward is a model (ConfigError):
+    every violated one (core/config_errors.py)."""
     if len(section.rewards) < 1:
         raise ConfigError(f"{key}.rewards must be a list of at least one reward, got {section.rewards!r}",
                           key=f"{key}.rewards")
+    found = []
     for i, reward in enumerate(section.rewards):
         if not math.isfinite(reward.weight):
-            raise ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight")
+            found.append(ConfigError(f"{key}.rewards[{i}].weight must be finite", key=f"{key}.rewards[{i}].weight"))
         if (reward.name == MODEL_REWARD) != bool(reward.path):
-            raise ConfigError(f"{key}.rewards[{i}]: path names the reward model of a reward named {MODEL_REWARD!r}, "
-                              f"got name {reward.name!r} with path {reward.path!r}", key=f"{key}.rewards[{i}].path",
-                              hint="{name: model, path: run:RUN_ID | HF_DIR}; other rewards take no path")
+            found.append(ConfigError(
+                f"{key}.rewards[{i}]: path names the reward model of a reward named {MODEL_REWARD!r}, "
+                f"got name {reward.name!r} with path {reward.path!r}", key=f"{key}.rewards[{i}].path",
+                hint="{name: model, path: run:RUN_ID | HF_DIR}; other rewards take no path"))
+    raise_together(found)
 
 
 def resolve_rule_rewards(section: Any, key: str) -> list[RewardFunction]:
