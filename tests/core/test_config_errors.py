@@ -4,6 +4,8 @@ left out (so nothing is reported twice, and no check runs on a value known to be
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from core import config as config_lib
@@ -286,3 +288,36 @@ def test_an_objectives_validate_names_every_violation():
         config_lib.load(str(CONFIGS / "tiny-ppo.yaml"), ["objective.ppo.kl_target=1", "objective.ppo.kl_coef=0",
                                                         "objective.ppo.kl_horizon=1", "objective.ppo.minibatches=3"])
     assert _keys(info.value) == ["objective.ppo.kl_coef", "objective.ppo.kl_horizon", "objective.ppo.minibatches"]
+
+
+EVERY_OWNER = ["parallel.ep=0", "parallel.fsdp_unit_blocks=0", "train.lion_beta1=2", "train.muon_ns_steps=0",
+               "model.arch=qwen3_moe", "model.qwen3_moe.num_experts=0", "model.qwen3_moe.router_aux_loss_coef=-1",
+               "objective.kind=dpo", "objective.dpo.beta=0", "objective.dpo.lam=-1"]
+EVERY_OWNER_LINES = [
+    "parallel.ep must be >= 1, got 0 [key=parallel.ep]",
+    "parallel.fsdp_unit_blocks must be >= 1, got 0 [key=parallel.fsdp_unit_blocks]",
+    "train.muon_ns_steps must lie in [1, 100), got 0 [key=train.muon_ns_steps]",
+    "train.lion_beta1 must lie in [0, 1), got 2.0 [key=train.lion_beta1]",
+    "model.qwen3_moe.num_experts must be >= 1, got 0 [key=model.qwen3_moe.num_experts]",
+    "model.qwen3_moe.router_aux_loss_coef must be a finite number >= 0, got -1.0",
+    "objective.dpo.beta must be > 0, got 0.0 [key=objective.dpo.beta]",
+    "objective.dpo.lam must be >= 0, got -1.0 [key=objective.dpo.lam]",
+    "objective.kind=dpo needs preference sources only",
+]
+
+
+@pytest.mark.slow  # it starts train.py (tests/conftest.py, STARTS_PROCESSES)
+def test_nproc_names_every_owners_violations_before_any_rank_starts(tmp_path):
+    """python train.py --nproc 2: two violations of each owner (parallel, the optimizer, the family, the
+    objective) and the objective's data, one a line, exit 2, no rank started and nothing written."""
+    cmd = [launch.PYTHON, str(launch.ROOT / "train.py"), "--nproc", "2", "--config", TINY, *EVERY_OWNER]
+    result = subprocess.run(cmd, cwd=tmp_path, env=launch.env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == ExitCode.CONFIG, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"config error: {len(EVERY_OWNER_LINES)} violated constraints, one a line:", lines
+    assert len(lines) == 1 + len(EVERY_OWNER_LINES), lines
+    for line, expected in zip(lines[1:], EVERY_OWNER_LINES):
+        assert line.startswith(f"  {expected}"), (line, expected)
+    assert "[rank" not in result.stderr and "run_id:" not in result.stderr
+    assert list(tmp_path.iterdir()) == [tmp_path / "tmp"] and not any((tmp_path / "tmp").iterdir())
