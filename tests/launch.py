@@ -401,6 +401,25 @@ def spawn_json_ranks(target, out_dir: Path, *, world: int = 2, timeout: float = 
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def run_dirs_named(runs: Path, name: str) -> set[Path]:
+    """The run dirs under ``runs`` of runs whose ``run.name`` is exactly ``name``: IDs
+    ``<name>-<YYYYMMDD-HHMMSS>-<hash8>[.N]`` (core/run_context.py). A glob ``<name>-*`` would also
+    match another run whose name starts with ``name-`` (``killed-moe`` and ``killed-moe-sft``, which
+    share the suite's work dir: the moe row's kill check once resumed and compared the moe-sft row's
+    finished run)."""
+    pattern = re.compile(re.escape(name) + r"-\d{8}-\d{6}-[0-9a-f]{8}(\.\d+)?")
+    return {path for path in runs.glob(f"{name}-*") if pattern.fullmatch(path.name)} if runs.is_dir() else set()
+
+
+def new_run_dir(runs: Path, name: str, before: set[Path], job, timeout: float = 120) -> Path:
+    """The one run dir named ``name`` that ``job`` created (absent from ``before``)."""
+    created = lambda: run_dirs_named(runs, name) - before  # noqa: E731
+    assert wait_for(lambda: created() or job.poll() is not None, timeout=timeout) and created(), \
+        f"no new run dir {name}-<stamp>-<hash> under {runs} (job exit {job.poll()})"
+    (run_dir,) = created()
+    return run_dir
+
+
 def kill_and_resume(cwd: Path, args: list[str], *, name: str, seed: int, kills: int = 2,
                     steps: tuple[int, int] = (1, 3), delay_s: float = 0.2, wait_s: float = 120,
                     finish_s: float = 300, entry: str = TRAIN, rendezvous: str = "direct",
@@ -413,9 +432,9 @@ def kill_and_resume(cwd: Path, args: list[str], *, name: str, seed: int, kills: 
     run's train.max_steps) a kill waits for no line past the one before it, so that it lands before the
     run ends however fast its steps are."""
     rng = random.Random(seed)
+    before = run_dirs_named(cwd / "runs", name)
     job = start(cwd, args, entry=entry, rendezvous=rendezvous)
-    assert wait_for(lambda: list((cwd / "runs").glob(f"{name}-*")), timeout=120)
-    run_dir = next((cwd / "runs").glob(f"{name}-*"))
+    run_dir = new_run_dir(cwd / "runs", name, before, job)
     done = 0
     while done < kills:
         target = len(ledger(run_dir)) + rng.randint(*steps)
@@ -492,10 +511,10 @@ def stall_kill_and_resume(cwd: Path, args: list[str], *, name: str, entry: str =
     """Start ``args`` (run.name ``name``, 6 steps, a checkpoint at step 4) with step 5's data
     stalled, SIGKILL the job there, after the step-4 line (the step-4 checkpoint may be complete
     or torn), resume it by run ID without the fault, and return its run dir."""
+    before = run_dirs_named(cwd / "runs", name)
     job = start(cwd, [*args, "runtime.faults=[slow_data@5]", "runtime.fault_slow_data_s=30"], entry=entry,
                 rendezvous=rendezvous)
-    assert wait_for(lambda: list((cwd / "runs").glob(f"{name}-*")), timeout=120)
-    run_dir = next((cwd / "runs").glob(f"{name}-*"))
+    run_dir = new_run_dir(cwd / "runs", name, before, job)
     assert wait_for(lambda: len(ledger(run_dir)) >= 4, timeout=120), job.stderr
     assert job.poll() is None
     kill_job(job)

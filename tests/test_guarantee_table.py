@@ -7,13 +7,26 @@ from __future__ import annotations
 
 import pytest
 
-from tests import conftest
+from tests import conftest, launch
 from tests.methods import METHODS, TABLE, worker_group
 
 
 def test_row_names_are_unique():
     names = [method.name for method in METHODS]
     assert len(set(names)) == len(names), names
+
+
+def test_a_rows_runs_are_found_by_their_exact_name_not_by_another_rows_that_extends_it(tmp_path):
+    """Rows' run names may prefix one another (moe, moe-sft, moe-grpo) and share one work dir: a
+    row's kill check must find its own run, never the other row's."""
+    for run_id in ("killed-moe-20261202-112908-f3201818", "killed-moe-sft-20261202-112908-0a1b2c3d",
+                   "killed-moe-grpo-20261202-112909-0a1b2c3d", "killed-moe-20261202-112908-f3201818.2"):
+        (tmp_path / run_id).mkdir()
+    assert {d.name for d in launch.run_dirs_named(tmp_path, "killed-moe")} == {
+        "killed-moe-20261202-112908-f3201818", "killed-moe-20261202-112908-f3201818.2"}
+    assert {d.name for d in launch.run_dirs_named(tmp_path, "killed-moe-sft")} == {
+        "killed-moe-sft-20261202-112908-0a1b2c3d"}
+    assert launch.run_dirs_named(tmp_path / "absent", "killed-moe") == set()
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)

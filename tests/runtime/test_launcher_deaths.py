@@ -37,8 +37,9 @@ def _start_nproc(cwd, name: str) -> subprocess.Popen:
 def _training(cwd, job: subprocess.Popen, name: str):
     """(run dir, {rank: process}) once the job has written two ledger lines."""
     runs = cwd / "runs"
-    assert launch.wait_for(lambda: list(runs.glob(f"{name}-*/ledger.jsonl")), timeout=180), job.stderr.read()
-    run_dir = next(runs.glob(f"{name}-*"))
+    assert launch.wait_for(lambda: [d for d in launch.run_dirs_named(runs, name) if (d / "ledger.jsonl").is_file()],
+                           timeout=180), job.stderr.read()
+    (run_dir,) = launch.run_dirs_named(runs, name)
     assert launch.wait_for(lambda: len(launch.ledger(run_dir)) >= 2, timeout=120)
     ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(job.pid).children()}
     assert sorted(ranks) == [0, 1]

@@ -22,18 +22,8 @@ pytestmark = pytest.mark.slow
 
 ROWS = [pytest.param(method, id=method.name) for method in METHODS]
 
-# An open defect, kept visible: on the loaded 2-core CI machine a kill of the moe row once resumed
-# to a ledger that differed from the uninterrupted one (2026-12-02, at 93ca0e7); quiet reruns and
-# five kill points simulated by hand resume identically. Not strict: the check runs and reports
-# XPASS when it holds, XFAIL when it does not, until the cause is found.
-OPEN_DEFECTS = {"moe": "MoE SIGKILL + resume differed once under load: cause open (docs/models.md)"}
-KILL_ROWS = [pytest.param(method, id=method.name,
-                          marks=[pytest.mark.xfail(reason=OPEN_DEFECTS[method.name], strict=False)]
-                          if method.name in OPEN_DEFECTS else [])
-             for method in METHODS]
 
-
-@pytest.mark.parametrize("method", KILL_ROWS)
+@pytest.mark.parametrize("method", ROWS)
 def test_sigkill_at_random_moments_then_resume_is_identical(reference_runs, method):
     guarantees.sigkill_then_resume_is_identical(reference_runs, method)
 
