@@ -3,11 +3,11 @@
 A tiny random Qwen2.5-VL in fp32, prompts whose tokens show images (``Sampler.generate(media=...)``),
 prefilled in chunks of 8 so that an image's placeholders straddle chunks: each greedy token is the
 argmax of the trainer's full forward over prompt + generated tokens at its position, and each
-log-prob the trainer's (fp32 tolerance: the tower runs over the prefill group's images, the trainer's
+log-prob the trainer's (fp32 tolerance: the sampler's tower runs over each image alone, the trainer's
 over its batch's). Rows with and without images share a prefill group; a prompt shows two images of
 different sizes; more prompts than rows go through refill, whose row copies carry the rows'
-position offsets. A text prompt gives bitwise its sample alone, beside image prompts; a prompt that
-ends on a placeholder and media for a text-only family are refused.
+position offsets. A text prompt, and an image prompt, give bitwise their sample alone, beside
+other image prompts; a prompt that ends on a placeholder and media for a text-only family are refused.
 """
 
 from __future__ import annotations
@@ -155,6 +155,21 @@ def test_a_text_prompt_samples_the_same_beside_image_prompts(model):
     mixed = sampler.generate([p for p, _ in prompts], keys, GREEDY, media=[m for _, m in prompts])
     alone = sampler.generate([prompts[1][0]], keys[1:2], GREEDY)
     assert mixed[1] == alone[0]
+
+
+def test_an_image_prompt_samples_the_same_alone_as_beside_other_images(model):
+    """The tower reads each image on its own (models/qwen_vl/model.py ``_each_image_alone``): over a
+    group's every image at once its matmuls rounded by the group's patch count, so a prompt's
+    log-probs changed with the photographs of the prompts beside it (its windows' attention batched
+    with another image's windows of the same length)."""
+    prompts = [_prompt([19], [(1, 2, 4)], [16], seed=13), _prompt([15], [(1, 2, 4)], [17], seed=14),
+               *_prompts()[2:]]  # two images of one size: the old tower call batched their windows
+    sampler = Sampler(model, max_batch=4, max_len=48, prefill_chunk=8)
+    keys = [SampleKey(0, "test", 0, i) for i in range(len(prompts))]
+    mixed = sampler.generate([p for p, _ in prompts], keys, GREEDY, media=[m for _, m in prompts])
+    for i in range(len(prompts)):
+        alone = sampler.generate([prompts[i][0]], keys[i:i + 1], GREEDY, media=[prompts[i][1]])
+        assert mixed[i] == alone[0], i
 
 
 def test_an_image_changes_the_sample(model):
