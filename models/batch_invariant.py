@@ -40,6 +40,11 @@ turns them on, in ``determinism.mode: bitwise`` with ``determinism.batch_invaria
 ``Linears`` is the context the model's forward runs its blocks under: it sends every
 ``F.linear`` (plain, LoRA's, the tied head) and ``F.silu`` to these kernels, and ``active()`` tells
 the norm to use its own.
+
+On a CUDA device ``linear``, ``attend`` and ``attend_cached`` run models/batch_invariant_triton.py's
+Triton kernels instead (the same contract, other bits than the CPU's; the tree sums and elementwise
+kernels above are invariant on any device and stay). Without Triton they raise a ConfigError naming
+``determinism.batch_invariant``: there is no silent fallback to the stock kernels.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from core.exceptions import ConfigError
 
 ROW_BLOCK = 64
 """Rows per matmul of ``linear``: every call is a loop of ``(ROW_BLOCK, in) @ (in, out)`` matmuls."""
@@ -75,7 +82,10 @@ def pairwise_sum(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with every row computed by a matmul of one shape (module docstring).
 
-    x (..., in), weight (out, in) -> (..., out) in x's dtype. Differentiable."""
+    x (..., in), weight (out, in) -> (..., out) in x's dtype. Differentiable. On CUDA: the Triton matmul."""
+    if x.device.type == "cuda":
+        out = _cuda_kernels().linear(x, weight)
+        return out if bias is None else out + bias
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
     blocks = max(-(-count // ROW_BLOCK), 1)  # no rows (an expert without tokens): one padded block, none kept
@@ -132,19 +142,26 @@ class RelativeKeys:
     """The training forward's keys laid out by relative position: query t's key j is its document's j-th
     token, row t - position[t] + j, valid while j <= position[t] (causal) and in its document."""
 
-    index: torch.Tensor
-    """(B, T, S) int64: the row of query t's key j (clamped into the row where it is not valid)."""
-    valid: torch.Tensor
-    """(B, T, S) bool: whether query t reads key j."""
+    index: Optional[torch.Tensor]
+    """(B, T, S) int64: the row of query t's key j (clamped into the row where it is not valid); None on
+    CUDA, whose kernel reads ``positions`` and ``documents``."""
+    valid: Optional[torch.Tensor]
+    """(B, T, S) bool: whether query t reads key j; None on CUDA."""
     absolute: bool = False
     """Every row at positions 0..T-1 (its documents, if several, only masked): key j is row j for every
     query, a slice instead of a gather."""
+    positions: Optional[torch.Tensor] = None
+    """On CUDA: the (B or 1, T) positions the layout was built from (the Triton kernel's input)."""
+    documents: Optional[torch.Tensor] = None
+    """On CUDA: the (B or 1, T) document ids, or None (one document a row)."""
 
 
 def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tensor], batch: int) -> RelativeKeys:
     """The layout of ``attend`` for a packed batch: ``position_ids`` (B or 1, T) count from 0 at each
     document's first token (as the packer writes them); ``document_ids`` (B or 1, T) or None (one
-    document a row)."""
+    document a row). On CUDA the layout holds just these two: the Triton kernel finds the rows itself."""
+    if position_ids.device.type == "cuda":
+        return RelativeKeys(None, None, positions=position_ids, documents=document_ids)
     seq_len = position_ids.shape[-1]
     positions = position_ids.expand(batch, seq_len)
     query = torch.arange(seq_len, device=positions.device)
@@ -161,7 +178,12 @@ def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tenso
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RelativeKeys) -> torch.Tensor:
     """Causal attention of a packed batch. q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim)
-    -> (B, n_head, T, head_dim) in q's dtype."""
+    -> (B, n_head, T, head_dim) in q's dtype. On CUDA: the Triton kernel."""
+    if q.device.type == "cuda":
+        if layout.positions is None:
+            raise ValueError("batch_invariant.attend: CUDA queries with a layout built on the CPU; build the "
+                             "mask (models.attention.build_attention_mask) on the queries' device")
+        return _cuda_kernels().attend(q, k, v, layout.positions, layout.documents)
     batch, seq_len = q.shape[0], q.shape[2]
     rows = torch.arange(batch, device=q.device)[:, None, None]
 
@@ -179,7 +201,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RelativeKe
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of new queries over a whole cache, slot j holding position j. q (B, n_head, T, head_dim),
     k and v (B, n_kv_head, slots, head_dim), mask ``models.attention.cache_mask``'s (B, 1, T, slots)
-    -> (B, n_head, T, head_dim) in q's dtype: bitwise ``attend``'s for the same tokens."""
+    -> (B, n_head, T, head_dim) in q's dtype: bitwise ``attend``'s for the same tokens. On CUDA: the
+    Triton kernel (bitwise the CUDA ``attend``'s)."""
+    if q.device.type == "cuda":
+        return _cuda_kernels().attend_cached(q, k, v, mask)
 
     def block(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return x[:, :, None, None, start:stop]  # (B, n_kv, 1, 1, S', hd)
@@ -221,6 +246,22 @@ def _attend(q: torch.Tensor, keys_at, values_at, valid: torch.Tensor, length: in
         out = block if out is None else out + block
     out = out / pairwise_sum(weights).unsqueeze(-1)
     return out.reshape(batch, heads, seq_len, head_dim).to(q.dtype)
+
+
+def _cuda_kernels():
+    """models/batch_invariant_triton.py, imported on the first call on a CUDA device (Triton is
+    imported there and only there). Without Triton: a ConfigError, never the stock kernels."""
+    try:
+        from models import batch_invariant_triton
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.split(".")[0] != "triton":
+            raise
+        raise ConfigError("determinism.batch_invariant on a CUDA device needs Triton for its kernels "
+                          "(models/batch_invariant_triton.py), and triton is not installed",
+                          key="determinism.batch_invariant",
+                          hint="install the triton release that matches your torch build (pip install triton), "
+                               "or set determinism.batch_invariant: false") from error
+    return batch_invariant_triton
 
 
 _ACTIVE = [0]

@@ -133,6 +133,18 @@ def test_the_exact_kernel_attends_as_sdpa_does(config):
     torch.testing.assert_close(exact, stock, rtol=0, atol=1e-5)
 
 
+def test_without_triton_the_cuda_kernels_refuse_with_the_key_to_fix(monkeypatch):
+    """On CUDA the kernels are models/batch_invariant_triton.py's; where Triton is missing the dispatch
+    raises a ConfigError naming determinism.batch_invariant, never the stock kernels."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # ``import triton`` now fails as if not installed
+    monkeypatch.delitem(sys.modules, "models.batch_invariant_triton", raising=False)
+    with pytest.raises(ConfigError, match="needs Triton") as raised:
+        batch_invariant._cuda_kernels()
+    assert raised.value.context["key"] == "determinism.batch_invariant" and "pip install triton" in raised.value.hint
+
+
 def test_batch_invariance_needs_bitwise_mode():
     with pytest.raises(ConfigError, match="determinism.batch_invariant"):
         Numerics(mode="fast", batch_invariant=True)

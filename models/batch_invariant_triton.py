@@ -1,0 +1,327 @@
+"""The batch-invariant kernels on CUDA, in Triton: models/batch_invariant.py's contract at GPU speed.
+
+models/batch_invariant.py dispatches here when its inputs live on a CUDA device (Triton is then
+required: it raises a ConfigError without it). The contract is the CPU path's: a token's result
+depends on its own inputs only, never on the call's row count, its row, its packing neighbours or
+the cache's length, so the training forward, the sampler's prefill and its cached decode compute a
+token identically. The bits are not the CPU path's (other reduction orders); the equalities hold
+within a device, which is where the sampler and the trainer meet.
+
+- ``linear``: one Triton matmul, ``x @ weight.T`` by (BLOCK_M, BLOCK_N) output tiles, each the dot of
+  its rows and columns over the whole input width in BLOCK_K steps, always in the same order (no
+  split-K). The tile shape, warps and pipeline stages are ``matmul_tiles(weight shape, dtype)``: they
+  never depend on the number of rows, so a row's output tile is computed by the same instructions
+  whatever rows share it or wherever it sits (the tensor cores' products and the per-element
+  accumulation do not mix rows). The operands are the dtype autocast would give the stock linear
+  (bf16 under a bf16 autocast, else the inputs' own), accumulated in fp32; fp32 operands use
+  IEEE fp32 products, never TF32. The backward is the stock matmuls' (``LinearFunction``):
+  gradients must be deterministic, not batch-invariant.
+- ``attend`` / ``attend_cached``: one kernel over the *relative-key* layout of
+  models/batch_invariant.py: query t's key j is its document's j-th token (row ``t - position[t]
+  + j`` of a packed training row; slot j of the cache, which holds position j). The keys are
+  visited in blocks of ``ATTENTION_TILES.block_n`` counted from the document's first token, an
+  online softmax in fp32 (scores by IEEE fp32 products over head_dim, a running maximum, the
+  weighted values by IEEE fp32 products over the block's keys) updates a query's state block by
+  block up to the block holding its own position, and no further. A program holds
+  ``block_m`` query rows (a query and its GQA group's heads); rows of another document (a packed
+  row's neighbour) are computed in a pass of their own over their own key blocks, the others' state
+  left untouched, so a row's arithmetic is the same alone, beside neighbours, in a prefill chunk or
+  in a decode step. The whole tile configuration is one constant for every call. The backward
+  recomputes the attention with plain differentiable fp32 ops (``AttentionFunction``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A Triton kernel's fixed launch configuration."""
+
+    block_m: int
+    """Rows of the output tile (matmul: input rows; attention: query rows of one program)."""
+    block_n: int
+    """Columns of the output tile (matmul: output features; attention: keys per online-softmax step)."""
+    block_k: int
+    """matmul: input features per step of the K loop (attention: unused, the head_dim is one step)."""
+    num_warps: int
+    """Warps of a program: with the tile shape, it lays out which thread reduces which elements."""
+    num_stages: int
+    """Software-pipeline stages of the K loop's loads (the loads only: the sums keep their order)."""
+
+
+def matmul_tiles(out_features: int, in_features: int, dtype: torch.dtype) -> Tiles:
+    """The matmul's tiles for a weight of this shape and operand dtype: a function of these alone
+    (never of the row count), so every call with this weight rounds a row the same way. Today one
+    configuration per dtype: tensor-core tiles for bf16/fp16, FMA tiles for IEEE fp32."""
+    if dtype == torch.float32:
+        return Tiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
+    return Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+ATTENTION_TILES = Tiles(block_m=16, block_n=32, block_k=0, num_warps=4, num_stages=1)
+"""The attention kernel's one configuration (training, prefill and decode alike: a row's reductions
+are laid out by it, so it must not change between the trainer's call and the sampler's)."""
+
+_NO_START = 1 << 30
+"""A query row past the call's queries: its document start, larger than any real one."""
+
+
+# ---------------------------------------------------------------------------- the matmul
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, rows, cols, depth, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out (rows, cols) = x (rows, depth) @ w (cols, depth).T; one program per output tile, its K loop
+    from 0 to depth in BLOCK_K steps. ``rows`` is never specialized on (a value of 1 would compile
+    another kernel)."""
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, depth, BLOCK_K):
+        kk = start + k
+        a = tl.load(x_ptr + m[:, None] * depth + kk[None, :], mask=(m[:, None] < rows) & (kk[None, :] < depth),
+                    other=0.0)
+        b = tl.load(w_ptr + n[None, :] * depth + kk[:, None], mask=(n[None, :] < cols) & (kk[:, None] < depth),
+                    other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    tl.store(out_ptr + m[:, None] * cols + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < rows) & (n[None, :] < cols))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) @ weight (out, in).T -> (rows, out) in x's dtype, both contiguous and of one dtype."""
+    rows, depth = x.shape
+    cols = weight.shape[0]
+    out = torch.empty(rows, cols, device=x.device, dtype=x.dtype)
+    if rows == 0:
+        return out
+    tiles = matmul_tiles(cols, depth, weight.dtype)
+    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(cols, tiles.block_n))
+    _matmul_kernel[grid](x, weight, out, rows, cols, depth, "ieee" if x.dtype == torch.float32 else "tf32",
+                         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+class LinearFunction(torch.autograd.Function):
+    """The invariant matmul forward; the stock matmuls' backward (deterministic, row-count dependent)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
+def operand_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the stock ``F.linear`` would multiply in: autocast's where it is on for this device,
+    else the inputs' own (which must agree, as for the stock linear)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    if x.dtype != weight.dtype:
+        raise TypeError(f"batch_invariant.linear: input dtype {x.dtype} and weight dtype {weight.dtype} differ "
+                        "outside autocast (the stock linear refuses this too); cast one of them")
+    return x.dtype
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (no bias: models/batch_invariant.py adds it) with a row's bits independent of
+    the other rows. x (..., in), weight (out, in) -> (..., out) in the operand dtype. Differentiable."""
+    dtype = operand_dtype(x, weight)
+    rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+    weight = weight.to(dtype).contiguous()
+    if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+        out = LinearFunction.apply(rows, weight)
+    else:
+        out = matmul(rows, weight)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ---------------------------------------------------------------------------- the attention
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, doc_ptr,
+                      groups, q_len, k_len, head_dim, scale,
+                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sp_b, sp_t, sd_b, sd_t,
+                      RELATIVE: tl.constexpr, HAS_DOCS: tl.constexpr, NO_START: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program: BLOCK_M query rows (query t, group head g) of one (batch row, kv head), over the
+    keys of each row's document (models/batch_invariant_triton.py's docstring)."""
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    heads = tl.num_programs(2) * groups
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = r // groups
+    head = kv_head * groups + r % groups
+    row_ok = t < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + head[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=row_ok, other=0).to(tl.int32)
+    if RELATIVE:
+        start = t - pos  # the row of the document's first token
+    else:
+        start = tl.zeros_like(pos)  # the cache: slot j holds position j
+    start = tl.where(row_ok, start, NO_START)
+    if HAS_DOCS:
+        doc = tl.load(doc_ptr + b * sd_b + t * sd_t, mask=row_ok, other=-1)
+    k_base = k_ptr + b.to(tl.int64) * sk_b + kv_head * sk_h
+    v_base = v_ptr + b.to(tl.int64) * sv_b + kv_head * sv_h
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    first = tl.min(start, axis=0)
+    while first < NO_START:  # one pass per document start among the tile's rows
+        seg = start == first
+        last = tl.max(tl.where(seg, pos, -1), axis=0)
+        for key0 in range(0, last + 1, BLOCK_N):
+            j = key0 + tl.arange(0, BLOCK_N)
+            row = first + j
+            key_ok = (row >= 0) & (row < k_len) & (j <= last)
+            keys = tl.load(k_base + row[None, :] * sk_t + d[:, None], mask=key_ok[None, :] & d_ok[:, None],
+                           other=0.0).to(tl.float32)  # (BLOCK_D, BLOCK_N)
+            scores = tl.dot(q, keys, input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
+            valid = seg[:, None] & key_ok[None, :] & (j[None, :] <= pos[:, None])
+            if HAS_DOCS:
+                key_doc = tl.load(doc_ptr + b * sd_b + row * sd_t, mask=key_ok, other=-1)
+                valid = valid & (key_doc[None, :] == doc[:, None])
+            scores = tl.where(valid, scores, float("-inf"))
+            # A row updates only over the blocks up to its own position: the same blocks in every call.
+            live = seg & (key0 <= pos)
+            m_new = tl.where(live, tl.maximum(m_i, tl.max(scores, axis=1)), m_i)
+            live = live & (m_new > float("-inf"))
+            alpha = tl.where(live, tl.exp(m_i - m_new), 1.0)
+            weights = tl.where(valid & live[:, None], tl.exp(scores - m_new[:, None]), 0.0)
+            values = tl.load(v_base + row[:, None] * sv_t + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
+                             other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
+            l_i = tl.where(live, l_i * alpha + tl.sum(weights, axis=1), l_i)
+            acc = tl.where(live[:, None], acc * alpha[:, None] + tl.dot(weights, values, input_precision="ieee"), acc)
+            m_i = m_new
+        first = tl.min(tl.where(start > first, start, NO_START), axis=0)
+    out = acc / l_i[:, None]
+    offset = ((b.to(tl.int64) * heads + head[:, None]) * q_len + t[:, None]) * head_dim + d[None, :]
+    tl.store(out_ptr + offset, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      documents: Optional[torch.Tensor], relative: bool) -> torch.Tensor:
+    """The kernel's launch. q (B, n_head, T, hd); k, v (B, n_kv, S, hd); positions (B or 1, T) from 0 at
+    each document's first token; documents (B or 1, S) or None; relative: keys at rows
+    ``t - position + j`` of k (a packed training row), else at slot j (a cache) -> (B, n_head, T, hd)
+    in q's dtype."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    positions = positions.expand(batch, q_len)
+    out = torch.empty(batch, heads, q_len, head_dim, device=q.device, dtype=q.dtype)
+    if documents is not None:
+        documents = documents.expand(batch, k_len)
+        doc_args = (documents, documents.stride(0), documents.stride(1))
+    else:
+        doc_args = (positions, 0, 0)  # never read
+    groups = heads // kv_heads
+    tiles = ATTENTION_TILES
+    grid = (triton.cdiv(q_len * groups, tiles.block_m), batch, kv_heads)
+    _attention_kernel[grid](
+        q, k, v, out, positions, doc_args[0], groups, q_len, k_len, head_dim, head_dim**-0.5,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1), doc_args[1], doc_args[2],
+        RELATIVE=relative, HAS_DOCS=documents is not None, NO_START=_NO_START,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+def allowed_keys(positions: torch.Tensor, documents: Optional[torch.Tensor], relative: bool, batch: int,
+                 k_len: int) -> torch.Tensor:
+    """(B, T, S) bool: which key rows each query reads, the kernel's rule as a dense mask (the backward's)."""
+    positions = positions.expand(batch, -1)
+    query = torch.arange(positions.shape[1], device=positions.device)
+    key = torch.arange(k_len, device=positions.device)
+    start = (query - positions) if relative else torch.zeros_like(positions)
+    j = key[None, None, :] - start[:, :, None]  # the key row's place in the query's document
+    allowed = (j >= 0) & (j <= positions[:, :, None])
+    if documents is not None:
+        documents = documents.expand(batch, k_len)
+        allowed &= documents[:, None, :] == documents[:, :positions.shape[1], None]
+    return allowed
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The same attention by plain differentiable fp32 ops: q (B, H, T, hd), k, v (B, n_kv, S, hd),
+    allowed (B, T, S) -> (B, H, T, hd) in q's dtype."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    qg = q.to(torch.float32).reshape(batch, kv_heads, groups * q_len, head_dim)  # row g*T + t: head kv*G + g
+    scores = qg @ k.to(torch.float32).transpose(-1, -2) * head_dim**-0.5  # (B, n_kv, G*T, S)
+    scores = scores.view(batch, kv_heads, groups, q_len, k_len).masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = scores.softmax(dim=-1).view(batch, kv_heads, groups * q_len, k_len)
+    out = probs @ v.to(torch.float32)  # (B, n_kv, G*T, hd)
+    return out.view(batch, heads, q_len, head_dim).to(q.dtype)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """The invariant attention forward; the backward of ``dense_attention`` recomputed (deterministic
+    library matmuls and softmax, not batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, documents, relative):
+        ctx.save_for_backward(q, k, v, positions, documents)
+        ctx.relative = relative
+        return attention_forward(q, k, v, positions, documents, relative)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, positions, documents = ctx.saved_tensors
+        inputs = [x.detach().requires_grad_(needed) for x, needed in zip((q, k, v), ctx.needs_input_grad[:3])]
+        with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+            allowed = allowed_keys(positions, documents, ctx.relative, q.shape[0], k.shape[2])
+            out = dense_attention(*inputs, allowed)
+            wanted = [x for x in inputs if x.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
+        return (*(next(grads) if x.requires_grad else None for x in inputs), None, None, None)
+
+
+def _attention(q, k, v, positions, documents, relative: bool) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return AttentionFunction.apply(q, k, v, positions, documents, relative)
+    return attention_forward(q, k, v, positions, documents, relative)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+           documents: Optional[torch.Tensor]) -> torch.Tensor:
+    """Causal attention of a packed batch (``batch_invariant.attend`` on CUDA). q (B, n_head, T, hd);
+    k, v (B, n_kv, T, hd); positions (B or 1, T) from 0 at each document's first token; documents
+    (B or 1, T) or None -> (B, n_head, T, hd) in q's dtype."""
+    return _attention(q, k, v, positions, documents, relative=True)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of new queries over a whole cache (``batch_invariant.attend_cached`` on CUDA): q (B,
+    n_head, T, hd), k, v (B, n_kv, slots, hd), mask ``models.attention.cache_mask``'s (B, 1, T, slots),
+    slots 0..position of each query's row, from which the positions are read back."""
+    positions = mask[:, 0].sum(dim=-1) - 1  # (B, T): cache_mask allows slots 0..position
+    return _attention(q, k, v, positions, None, relative=False)
