@@ -123,6 +123,7 @@ def _lora_grpo(config):
     return model, objective, batch
 
 
+@pytest.mark.usefixtures("in_tasks_workdir")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_lora_grpo_parity_is_exactly_zero(precision):
     """A GRPO step's rollouts from the e2e config's tiny model with adapters: the first update's parity is

@@ -167,6 +167,7 @@ RUNS = {"grpo": (grpo.GRPOObjective, "e2e-grpo.yaml", ["objective.grpo.kl_coef=0
                                                    "objective.ppo.max_new_tokens=4"])}
 
 
+@pytest.mark.usefixtures("in_tasks_workdir")
 @pytest.mark.parametrize("method", sorted(RUNS))
 def test_a_rollout_batch_carries_the_record_in_its_batch_hash_and_the_loss_replays_it(method):
     """GRPO's and PPO's first update: the batch's ``routing`` extra covers each row's prompt + completion

@@ -605,8 +605,27 @@ def test_async_save_is_not_changed_by_steps_taken_before_wait(tmp_path, staging)
     assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected)
 
 
+@contextlib.contextmanager
+def lockstep_records():
+    """The records the ``lockstep`` logger emits at INFO and above meanwhile, from a handler of its own
+    (not caplog's: an in-process run earlier in the worker leaves the logger non-propagating, and
+    pytest attaches its capture handlers to such loggers too, so caplog could see a record twice)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("lockstep")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @pytest.mark.parametrize("staging, on_loop", [("host", True), ("device", False), ("auto", True)])
-def test_staging_decides_where_the_host_copy_is_made(tmp_path, monkeypatch, caplog, staging, on_loop):
+def test_staging_decides_where_the_host_copy_is_made(tmp_path, monkeypatch, staging, on_loop):
     """host copies on the loop's thread, device on the save thread; auto on a CPU is host."""
     model, opt = build(seed=0)
     train_steps(model, opt, 1, 1)
@@ -623,16 +642,15 @@ def test_staging_decides_where_the_host_copy_is_made(tmp_path, monkeypatch, capl
 
     spy(HostBuffers)
     spy(SnapshotBuffers)
-    monkeypatch.setattr(logging.getLogger("lockstep"), "propagate", True)  # setup_logging turns it off
-    caplog.set_level(logging.INFO, logger="lockstep")
     mgr = manager(tmp_path, async_save=True, staging=staging)
-    save(mgr, 1, model, opt)
-    mgr.wait()
-    save(mgr, 2, model, opt)
-    mgr.wait()
+    with lockstep_records() as records:
+        save(mgr, 1, model, opt)
+        mgr.wait()
+        save(mgr, 2, model, opt)
+        mgr.wait()
     assert len(threads) == 2
     assert all((t is threading.current_thread()) == on_loop for t in threads)
-    decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint staging")]
+    decisions = [r.getMessage() for r in records if r.getMessage().startswith("checkpoint staging")]
     logged_once = ["checkpoint staging: host (the state is not on a CUDA device)"]
     assert decisions == (logged_once if staging == "auto" else [])
 
@@ -821,9 +839,8 @@ def test_several_writer_threads_write_several_files_that_load_bitwise(tmp_path, 
     assert_bitwise_equal(full_state(fresh_model, fresh_opt), expected)
 
 
-def test_a_save_that_waits_for_the_previous_one_says_so(tmp_path, monkeypatch, caplog):
+def test_a_save_that_waits_for_the_previous_one_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpointing, "_SLOW_WAIT_WARN_S", 0.2)
-    monkeypatch.setattr(logging.getLogger("lockstep"), "propagate", True)  # setup_logging turns it off
     model, opt = build(seed=0)
     train_steps(model, opt, 1, 1)
     mgr = manager(tmp_path, async_save=True)
@@ -834,12 +851,13 @@ def test_a_save_that_waits_for_the_previous_one_says_so(tmp_path, monkeypatch, c
         run_in_background(self, *args)
 
     monkeypatch.setattr(CheckpointManager, "_run_in_background", slow)
-    save(mgr, 1, model, opt)
-    save(mgr, 2, model, opt)  # step 1 is still being written
-    mgr.wait()
-    save(mgr, 3, model, opt)  # nothing in flight: no warning
-    mgr.wait()
-    warnings = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    with lockstep_records() as records:
+        save(mgr, 1, model, opt)
+        save(mgr, 2, model, opt)  # step 1 is still being written
+        mgr.wait()
+        save(mgr, 3, model, opt)  # nothing in flight: no warning
+        mgr.wait()
+    warnings = [r.getMessage() for r in records if "waited" in r.getMessage()]
     assert len(warnings) == 1
     assert "checkpoint step 2 waited" in warnings[0] and "save of step 1" in warnings[0]
     assert "raise checkpoint.interval" in warnings[0]

@@ -11,6 +11,7 @@ The multi-rank runs: test_logprob_parity_e2e.py.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -64,15 +65,17 @@ MOE = ["model.arch=qwen3_moe", "model.qwen3_moe.num_experts=4", "model.qwen3_moe
 
 
 @pytest.fixture(scope="module")
-def grpo_run():
-    return _setup(grpo.GRPOObjective, load(CONFIGS / "e2e-grpo.yaml", GRPO))
+def grpo_run(tasks_workdir):
+    with contextlib.chdir(tasks_workdir):  # the configs' datasets/tasks paths
+        return _setup(grpo.GRPOObjective, load(CONFIGS / "e2e-grpo.yaml", GRPO))
 
 
 @pytest.fixture(scope="module")
-def ppo_run():
+def ppo_run(tasks_workdir):
     config = load(CONFIGS / "e2e-ppo.yaml", [*TINY, "objective.ppo.kl_coef=0", "objective.ppo.kl_target=0",
                                             "objective.ppo.max_new_tokens=4"])
-    return _setup(ppo.PPOObjective, config)
+    with contextlib.chdir(tasks_workdir):
+        return _setup(ppo.PPOObjective, config)
 
 
 def _off_by_one_bit(monkeypatch, module, row: int):
@@ -110,6 +113,7 @@ def test_grpo_parity_is_exactly_zero_and_a_difference_stops_the_run(grpo_run, mo
     assert CHECKED not in later.extras and objective.loss(model, later).maxima[PARITY] > 0
 
 
+@pytest.mark.usefixtures("in_tasks_workdir")
 def test_bf16_grpo_parity_is_exactly_zero():
     """parallel.precision=bf16: the trainer's fp32 weights under bf16 autocast (training/precision.py, as
     the step enters it), and the sampler over the same weights under that autocast
@@ -125,6 +129,7 @@ def test_bf16_grpo_parity_is_exactly_zero():
         objective.loss(model, batch)
 
 
+@pytest.mark.usefixtures("in_tasks_workdir")
 def test_moe_grpo_parity_is_exactly_zero():
     """A tiny Qwen3-MoE GRPO step's rollouts: routed alike in the sampler and the trainer, so parity 0."""
     model, objective, batch, _ = _setup(grpo.GRPOObjective, load(CONFIGS / "e2e-grpo.yaml", [*GRPO, *MOE]))
