@@ -154,6 +154,7 @@ def test_reasoning_traces_train_what_the_template_keeps(setup, reference, case):
             assert ids.tolist() == reference(messages)
 
 
+@pytest.mark.slow  # a sweep of the whole embedded corpus (14-21 CPU-s): in make test, not in the inner loop (make test-fast)
 def test_every_embedded_chat_and_preference_record_trains_exactly_its_answers():
     """The 20,512 tasks of ``python -m data prepare`` (train and eval), as chat SFT records and as
     preference pairs, with the byte tokenizer and ChatML (the tiny configs' setup): the trained

@@ -84,6 +84,7 @@ def test_pattern_and_special_tokens_are_the_packages():
     assert newer[:len(qwen_vocab.SPECIAL_TOKENS)] == list(qwen_vocab.SPECIAL_TOKENS)
 
 
+@pytest.mark.slow  # a sweep of the whole embedded corpus (14-21 CPU-s): in make test, not in the inner loop (make test-fast)
 def test_whole_embedded_corpus_has_the_packages_ids(qwen_dir, reference, auto):
     root, files = stdlib_files()
     texts = [doc.text for doc in stdlib_documents(root, files, [])]
