@@ -3,10 +3,11 @@ and the byte-level tokenizer with Qwen's chat and vision tokens that tiny vision
 
 ``python -m data prepare`` writes them beside the photographs (data/vision/photographs.py):
 
-- ``datasets/images/chat/{train,eval}/part-000.jsonl``: records ``{"messages": [...], "images": [...]}``
-  (data/kinds/image_chat.py) whose image paths are relative to the file
-  (``../../photographs/chelsea.png``): one or two photographs a conversation, a question and a short
-  answer that names what is shown;
+- ``datasets/images/chat/{train,eval}/part-*.jsonl`` (``write_parts``: the 96 training
+  conversations as 16 files of 6, the 8 held-out ones as 8 files of 1):
+  records ``{"messages": [...], "images": [...]}`` (data/kinds/image_chat.py) whose image paths are
+  relative to the file (``../../photographs/chelsea.png``): one or two photographs a conversation, a
+  question and a short answer that names what is shown;
 - ``datasets/images/tokenizer/``: a Hugging Face ``tokenizer.json``, the built-in byte tokenizer's
   (bytes 0..255, ``<|endoftext|>`` 256, ``<|pad|>`` 257) with ``<|im_start|>``, ``<|im_end|>``,
   ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>`` and ``<|video_pad|>`` as the special
@@ -25,6 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from core.exceptions import DataError
 from data.vision.photographs import PHOTOGRAPHS
 
 CHAT_DIR = Path("datasets/images/chat")
@@ -82,19 +84,33 @@ def write_chat(out: Path = CHAT_DIR, *, force: bool = False) -> bool:
 
 
 PARTS = 16
-"""Files a split is written as (``part-000.jsonl`` ...): a JSONL file is one unit of the pipeline, and a
-source with fewer units than ``data.num_streams`` repeats them across the streams (docs/data.md), so
-one file put the same records in every stream: a batch of 8 streams read 2 distinct records 8 times
-over, and tiny-vl-grpo's evaluation of "16 held-out prompts" scored 2 of them. 16 covers the
-configs' 8 streams, as ``datasets/tasks`` does."""
+"""Files a split of at least ``PARTS`` records is written as (``part-000.jsonl`` ...); a smaller split is one
+file a record. A JSONL file is one unit of the pipeline, and a source with fewer units than
+``data.num_streams`` repeats them across the streams (docs/data.md), so one file put the same records in
+every stream: a batch of 8 streams read 2 distinct records 8 times over, and tiny-vl-grpo's evaluation
+of "16 held-out prompts" scored 2 of them. 16 covers the configs' 8 streams, as ``datasets/tasks`` does;
+the 8 held-out chats, as 8 files, give each of 8 streams its own."""
+LAYOUT = "min(parts, records), none empty"
+"""How ``write_parts`` spreads a split, as the stamps of what it wrote record it: splits written when
+every split was ``PARTS`` files (the 8 held-out chats in 16, 8 of them empty) are written again."""
+
+
+def parts_of(count: int) -> int:
+    """The number of files ``write_parts`` writes ``count`` records as: ``PARTS``, or one a record below it."""
+    return min(PARTS, count)
 
 
 def write_parts(directory: Path, records: list[dict]) -> None:
-    """``records`` (keys sorted, one a line) as ``PARTS`` files under ``directory``, in order: file i holds
-    the i-th of ``PARTS`` contiguous runs (as even as the count allows)."""
+    """``records`` (keys sorted, one a line) as ``parts_of(len(records))`` files under ``directory``, in order:
+    file i holds the i-th of those contiguous runs (as even as the count allows), none empty. DataError
+    for no records: a split that holds nothing would be read as an empty source."""
+    if not records:
+        raise DataError("a split of no records: nothing to write", path=str(directory),
+                        hint="give the spec at least one record for this split (its train_n / eval_n)")
+    files = parts_of(len(records))
     directory.mkdir(parents=True)
-    for i in range(PARTS):
-        run = records[len(records) * i // PARTS:len(records) * (i + 1) // PARTS]
+    for i in range(files):
+        run = records[len(records) * i // files:len(records) * (i + 1) // files]
         (directory / f"part-{i:03d}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in run))
 
 
@@ -106,8 +122,8 @@ def read_parts(directory: Path) -> list[dict]:
 def write_splits(out: Path, spec: dict, records: Callable[[int, int, str], list[dict]], *, force: bool) -> bool:
     """``records(train_n + eval_n, seed, photographs)`` of ``spec``, the first ``train_n`` under
     ``out/train/`` and the rest under ``out/eval/`` (``write_parts``), ``out`` replaced and stamped with
-    ``spec`` and ``PARTS``; False (nothing written) when the stamp already holds them."""
-    stamp, stamped = out / ".complete", {**spec, "parts": PARTS}
+    ``spec``, ``PARTS`` and ``LAYOUT``; False (nothing written) when the stamp already holds them."""
+    stamp, stamped = out / ".complete", {**spec, "parts": PARTS, "layout": LAYOUT}
     if not force and stamp.is_file() and json.loads(stamp.read_text()) == stamped:
         return False
     shutil.rmtree(out, ignore_errors=True)
