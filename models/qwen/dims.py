@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ModelConfig
+from core.config_errors import raise_together
 from core.exceptions import ConfigError
 from core.model_families import model_family
 
@@ -50,37 +51,41 @@ class QwenDims:
 
 
 def resolve_dims(config: ModelConfig) -> QwenDims:
-    """Fill in family defaults and reject shapes the model cannot build (ConfigError)."""
+    """Fill in family defaults and reject shapes the model cannot build (ConfigError; every violation
+    at once, ``raise_together``: a relation between two sizes is asked only of valid sizes)."""
+    found: list[ConfigError] = []
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
         value = getattr(config, key)
         if value <= 0:
-            raise ConfigError(f"model.{key} must be > 0, got {value}", key=f"model.{key}")
-    if config.num_heads % config.num_kv_heads:
-        raise ConfigError(
+            found.append(ConfigError(f"model.{key} must be > 0, got {value}", key=f"model.{key}"))
+    heads_valid = config.num_heads > 0 and config.num_kv_heads > 0
+    if heads_valid and config.num_heads % config.num_kv_heads:
+        found.append(ConfigError(
             f"model.num_heads={config.num_heads} is not divisible by "
             f"model.num_kv_heads={config.num_kv_heads}",
             key="model.num_kv_heads",
-        )
-    if config.head_dim is None:
+        ))
+    head_dim = config.head_dim
+    if head_dim is None and config.hidden_size > 0 and config.num_heads > 0:
         if config.hidden_size % config.num_heads:
-            raise ConfigError(
+            found.append(ConfigError(
                 f"model.hidden_size={config.hidden_size} is not divisible by "
                 f"model.num_heads={config.num_heads}",
                 key="model.head_dim",
                 hint="set model.head_dim explicitly",
-            )
-        head_dim = config.hidden_size // config.num_heads
-    else:
-        head_dim = config.head_dim
+            ))
+        else:
+            head_dim = config.hidden_size // config.num_heads
     # Rotate-half RoPE pairs dimension i with i + head_dim/2, so head_dim must be even.
-    if head_dim <= 0 or head_dim % 2:
-        raise ConfigError(f"model.head_dim must be a positive even number, got {head_dim}", key="model.head_dim")
+    if head_dim is not None and (head_dim <= 0 or head_dim % 2):
+        found.append(ConfigError(f"model.head_dim must be a positive even number, got {head_dim}", key="model.head_dim"))
     if config.rope_theta <= 0:
-        raise ConfigError(f"model.rope_theta must be > 0, got {config.rope_theta}", key="model.rope_theta")
+        found.append(ConfigError(f"model.rope_theta must be > 0, got {config.rope_theta}", key="model.rope_theta"))
     if config.rms_norm_eps <= 0:
-        raise ConfigError(f"model.rms_norm_eps must be > 0, got {config.rms_norm_eps}", key="model.rms_norm_eps")
+        found.append(ConfigError(f"model.rms_norm_eps must be > 0, got {config.rms_norm_eps}", key="model.rms_norm_eps"))
     if config.init_std <= 0:
-        raise ConfigError(f"model.init_std must be > 0, got {config.init_std}", key="model.init_std")
+        found.append(ConfigError(f"model.init_std must be > 0, got {config.init_std}", key="model.init_std"))
+    raise_together(found)
     family = model_family(config.arch)
     return QwenDims(
         vocab_size=config.vocab_size,

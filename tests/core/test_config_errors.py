@@ -4,6 +4,7 @@ left out (so nothing is reported twice, and no check runs on a value known to be
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -247,6 +248,22 @@ def test_optimizer_checks_name_every_violation():
         "  train.muon_ns_steps must lie in [1, 100), got 0 [key=train.muon_ns_steps]",
         "  train.lion_beta1 must lie in [0, 1), got 2.0 [key=train.lion_beta1]",
     ]
+
+
+def test_the_models_shape_names_every_violation_and_relates_only_valid_sizes():
+    error = _refusal(["model.num_heads=6", "model.num_kv_heads=4", "model.rope_theta=-1", "model.init_std=0"])
+    assert str(error).splitlines()[1:] == [
+        "  model.num_heads=6 is not divisible by model.num_kv_heads=4 [key=model.num_kv_heads]",
+        "  model.rope_theta must be > 0, got -1.0 [key=model.rope_theta]",
+        "  model.init_std must be > 0, got 0.0 [key=model.init_std]",
+    ]
+    from models.qwen.dims import resolve_dims  # its own checks, as the family's parameter count asks them
+
+    model = config_lib.load(TINY, []).model
+    with pytest.raises(ConfigErrors) as info:
+        resolve_dims(dataclasses.replace(model, num_kv_heads=0, head_dim=None, hidden_size=64, num_heads=6,
+                                         rms_norm_eps=0.0))
+    assert [e.context["key"] for e in info.value.errors] == ["model.num_kv_heads", "model.head_dim", "model.rms_norm_eps"]
 
 
 def test_a_familys_validate_names_every_violation():
