@@ -492,7 +492,8 @@ def canonical_json(config: Config) -> str:
 # An objective kind lists its own such keys (ObjectiveKind.hashed_only_when_set), and a kind
 # registered after the registry existed has its whole section treated so (hash_default_section),
 # as has every model family's section (core/config_schema.py, registered_sections).
-HASHED_ONLY_WHEN_SET = ("train.eval_generate", "data.template_clock", "data.images", "parallel.ep", "determinism.batch_invariant")
+HASHED_ONLY_WHEN_SET = ("train.eval_generate", "data.template_clock", "data.template_thinking", "data.images",
+                        "parallel.ep", "determinism.batch_invariant")
 
 
 def _hashed_only_when_set() -> list[str]:

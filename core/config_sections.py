@@ -164,6 +164,8 @@ class DataConfig:
     """A chat template preset (qwen2.5, qwen3, chatml: data/templates/) or a Jinja2 template file, overriding the tokenizer's (default: qwen's is qwen2.5, a directory's its tokenizer_config.json's, else ChatML)."""
     template_clock: Optional[str] = None
     """The fixed instant a chat template's strftime_now reads (ISO 8601, e.g. '2026-01-01T00:00:00'; quote it in YAML); unset: templates that call it are refused."""
+    template_thinking: Optional[bool] = None
+    """The chat template's enable_thinking variable (false: Qwen3's template renders an empty think block into the generation prompt, so the model answers directly); unset: the template's default. Refused with a template that never reads enable_thinking."""
     images: ImagesConfig = field(default_factory=ImagesConfig)
     """How the images of image records (image_chat) are resized and cut into patches (data/vision; defaults: Qwen2.5-VL's processor)."""
 

@@ -11,6 +11,9 @@ tokens of ``tokenizer_config.json`` as variables (data/chat_sandbox.py adds a ti
 budget to every render, and a fixed clock). The rendered string is tokenized as a whole (no special tokens added), which is
 exactly what ``transformers``' ``apply_chat_template(..., tokenize=True)`` does, so the ids
 are the same (tests/data/test_chat_template.py checks it).
+``data.template_thinking`` (unset by default) is passed as the template variable
+``enable_thinking``, as ``apply_chat_template(..., enable_thinking=...)`` passes it; a template
+that never names that variable is refused (a ConfigError), since the setting would change nothing.
 
 Which tokens carry loss is found from the template's structure, never by searching for a
 message's content in the rendered text (an answer such as ``tan`` also occurs in the markup
@@ -122,6 +125,10 @@ the record's own system prompt), an assistant's calls as ``<tool_call>\\n{"name"
 renders exactly as CHATML_PLAIN renders it."""
 
 CHATML_END = "<|im_end|>"
+
+THINKING_VARIABLE = "enable_thinking"
+"""The template variable ``data.template_thinking`` sets, as ``apply_chat_template(..., enable_thinking=...)``
+passes it (Qwen3's template: false renders an empty think block into the generation prompt)."""
 
 CHATML_PRESET = "chatml"
 """``data.chat_template: chatml``: the built-in ChatML, whatever the tokenizer's own template."""
@@ -293,15 +300,20 @@ class ChatTemplate:
     """A Jinja2 chat template, rendered as Hugging Face renders it, within a time and size budget."""
 
     def __init__(self, source: str, *, origin: str, special_tokens: Optional[dict[str, str]] = None,
-                 clock: Optional[str] = None, max_seconds: float = MAX_SECONDS, max_chars: int = MAX_CHARS) -> None:
+                 clock: Optional[str] = None, thinking: Optional[bool] = None,
+                 max_seconds: float = MAX_SECONDS, max_chars: int = MAX_CHARS) -> None:
         self.source = source
-        self.fingerprint = hashlib.sha256((CHATML_PLAIN if source == CHATML_TEMPLATE else source).encode()).hexdigest()[:16]
-        """What the data state records of the template (its compat): a hash of the source. The
-        built-in ChatML keeps the one it had before it rendered tools, since every record without
-        tools renders to the same text: data states written before stay valid."""
+        hashed = (CHATML_PLAIN if source == CHATML_TEMPLATE else source) + _thinking_suffix(thinking)
+        self.fingerprint = hashlib.sha256(hashed.encode()).hexdigest()[:16]
+        """What the data state records of the template (its compat): a hash of the source, and of
+        ``thinking`` where it is set. The built-in ChatML keeps the one it had before it rendered
+        tools, since every record without tools renders to the same text: data states written
+        before stay valid."""
         self.origin = origin
         self.special_tokens = dict(special_tokens or {})
         self.clock = clock
+        self.thinking = thinking
+        """``data.template_thinking``: the template's ``enable_thinking`` variable (None: left undefined)."""
         self._budget = Budget(origin, max_seconds, max_chars)
         self._compiled = None
         self._header: Optional[tuple[Optional[str]]] = None
@@ -314,27 +326,30 @@ class ChatTemplate:
 
     @classmethod
     def for_tokenizer(cls, tokenizer_spec: str, override: Optional[str] = None, *,
-                      clock: Optional[str] = None) -> "ChatTemplate":
+                      clock: Optional[str] = None, thinking: Optional[bool] = None) -> "ChatTemplate":
         """``override`` (``data.chat_template``: a preset name, else a template file), else the
         tokenizer's: the ``qwen`` tokenizer's preset (Qwen2.5-Instruct's template, whatever the
         prepared directory holds), a tokenizer directory's template, else ChatML. ``clock`` is
-        ``data.template_clock`` (what ``strftime_now`` reads)."""
+        ``data.template_clock`` (what ``strftime_now`` reads), ``thinking`` ``data.template_thinking``
+        (the template's ``enable_thinking``; None leaves it undefined, the template's default)."""
         directory = _tokenizer_dir(tokenizer_spec)
         specials = _special_tokens(directory) if directory is not None else {}
         if override is None and tokenizer_spec == QWEN_SPEC:
             override = QWEN_TEMPLATE_PRESET
         if override == CHATML_PRESET:
-            return cls(CHATML_TEMPLATE, origin="built-in ChatML", special_tokens=specials, clock=clock)
+            return cls(CHATML_TEMPLATE, origin="built-in ChatML", special_tokens=specials, clock=clock,
+                       thinking=thinking)
         if override in PRESETS:
             source = preset_path(override).read_text(encoding="utf-8")
-            return cls(source, origin=f"data/templates/{PRESETS[override]}", special_tokens=specials, clock=clock)
+            return cls(source, origin=f"data/templates/{PRESETS[override]}", special_tokens=specials, clock=clock,
+                       thinking=thinking)
         if override is not None:
             path = Path(override)
             if not path.is_file():
                 raise ConfigError(f"chat template {override!r} is neither a preset ({', '.join(TEMPLATE_PRESETS)}) "
                                   "nor a file", key="data.chat_template",
                                   hint="name a preset, or the path of a Jinja2 template file")
-            return cls(path.read_text(), origin=str(path), special_tokens=specials, clock=clock)
+            return cls(path.read_text(), origin=str(path), special_tokens=specials, clock=clock, thinking=thinking)
         if directory is not None:
             config = directory / "tokenizer_config.json"
             template = read_tokenizer_config(config).get("chat_template") if config.is_file() else None
@@ -342,16 +357,19 @@ class ChatTemplate:
                 template = next((t.get("template") for t in template
                                  if isinstance(t, dict) and t.get("name") == "default"), None)
             if isinstance(template, str):
-                return cls(template, origin=str(config), special_tokens=specials, clock=clock)
-        return cls(CHATML_TEMPLATE, origin="built-in ChatML", special_tokens=specials, clock=clock)
+                return cls(template, origin=str(config), special_tokens=specials, clock=clock, thinking=thinking)
+        return cls(CHATML_TEMPLATE, origin="built-in ChatML", special_tokens=specials, clock=clock,
+                       thinking=thinking)
 
     def __getstate__(self) -> dict:
         return {"source": self.source, "origin": self.origin, "special_tokens": self.special_tokens,
-                "clock": self.clock, "max_seconds": self._budget.max_seconds, "max_chars": self._budget.max_chars}
+                "clock": self.clock, "thinking": self.thinking, "max_seconds": self._budget.max_seconds,
+                "max_chars": self._budget.max_chars}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["source"], origin=state["origin"], special_tokens=state["special_tokens"],
-                      clock=state["clock"], max_seconds=state["max_seconds"], max_chars=state["max_chars"])
+                      clock=state["clock"], thinking=state["thinking"], max_seconds=state["max_seconds"],
+                      max_chars=state["max_chars"])
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = False,
                tools: Optional[list[dict]] = None) -> str:
@@ -403,6 +421,8 @@ class ChatTemplate:
         template = self._template()  # a template that does not compile is a ConfigError, not a bad record
         variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                          documents=None, **self.special_tokens)
+        if self.thinking is not None:
+            variables[THINKING_VARIABLE] = self.thinking
         try:
             return render_within(template, self._budget, variables)
         except TemplateBudgetError as exc:
@@ -425,6 +445,13 @@ class ChatTemplate:
             except jinja2.TemplateError as exc:
                 raise ConfigError(f"chat template does not compile: {exc}", key="data.chat_template",
                                   file=self.origin) from None
+            if self.thinking is not None and not _reads_variable(env, self.source, THINKING_VARIABLE):
+                raise ConfigError(
+                    f"data.template_thinking={str(self.thinking).lower()} sets the chat template's "
+                    f"{THINKING_VARIABLE}, but this template never reads it: the setting would change nothing",
+                    key="data.template_thinking", file=self.origin,
+                    hint="use a template that reads enable_thinking (data.chat_template=qwen3), or leave "
+                         "data.template_thinking unset")
             if self.clock is None and uses_clock:
                 raise ConfigError(
                     "the chat template calls strftime_now: its text would depend on the day it is rendered",
@@ -532,6 +559,18 @@ class ChatTemplate:
                 bare, opened = "", ""
             self._header = (opened[len(bare):] or None,) if opened.startswith(bare) else (None,)
         return self._header[0]
+
+
+def _thinking_suffix(thinking: Optional[bool]) -> str:
+    """What ``thinking`` adds to the hashed source: nothing when unset (fingerprints stay as they were)."""
+    return "" if thinking is None else f"\n{{# {THINKING_VARIABLE}={str(thinking).lower()} #}}"
+
+
+def _reads_variable(env, source: str, name: str) -> bool:
+    """Whether the template's syntax tree names the variable ``name`` anywhere (read or tested)."""
+    from jinja2 import nodes
+
+    return any(node.name == name for node in env.parse(source).find_all(nodes.Name))
 
 
 def _without_calls(message: dict) -> dict:

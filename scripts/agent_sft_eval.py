@@ -66,7 +66,8 @@ def main() -> None:
     source = load_source(args.from_, root=args.root, step=args.step, device=torch.device("cpu"))
     model = source.model.eval()
     tokenizer = build_tokenizer(source.tokenizer_spec)
-    template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template, clock=source.template_clock)
+    template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template, clock=source.template_clock,
+                                          thinking=source.template_thinking)
     decoder = Decoder(tokenizer, template)
     params = SamplingParams(temperature=0.0, max_new_tokens=128, stop_token_ids=decoder.stop_ids)
     records = [json.loads(line) for part in sorted(EVAL.glob("*.jsonl")) for line in part.read_text().splitlines()]

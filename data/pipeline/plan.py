@@ -175,7 +175,8 @@ def record_encoders(config: DataConfig, kinds: list[RecordKind], tokenizer: Toke
     _check_packing(config, kinds)
     template = None
     if any(kind.uses_template for kind in kinds):
-        template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
+        template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock,
+                                              thinking=config.template_thinking)
         check_template(template, tokenizer)
     setup = EncoderSetup(template, tokenizer, config.loss_on, frozenset(record_fields), config.images)
     return template, [kind.encoder(setup) if kind.encoder is not None else None for kind in kinds]
@@ -189,7 +190,8 @@ def check_chat_config(config: DataConfig) -> None:
     _check_packing(config, kinds)
     template = None
     if any(kind.uses_template for kind in kinds):
-        template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock)
+        template = ChatTemplate.for_tokenizer(config.tokenizer, config.chat_template, clock=config.template_clock,
+                                              thinking=config.template_thinking)
         check_template(template, build_tokenizer(config.tokenizer))
     if any(kind.encoder is not None for kind in kinds):  # an encoder refuses what it cannot encode with (vision tokens)
         setup = EncoderSetup(template, build_tokenizer(config.tokenizer), config.loss_on, images=config.images)

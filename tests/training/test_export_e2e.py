@@ -123,3 +123,20 @@ def test_an_init_from_run_exports_from_any_directory_after_its_source_moved(pret
             {k: v for k, v in raw.items() if k != "torch_dtype"}
     finally:
         moved.rename(source)
+
+
+def test_an_export_records_template_thinking_and_generates_as_its_run_did(e2e_workdir, tmp_path):
+    """A run rendering with Qwen3's template and ``data.template_thinking=false``: its export's marker
+    records the setting, and ``generate`` from the export renders the empty think block the run's
+    prompts had, as ``generate`` from the run itself does."""
+    sft = launch.train(e2e_workdir, ["--config", str(launch.ROOT / "tests" / "configs" / "e2e-sft.yaml"),
+                                     "run.name=no-thinking", "train.max_steps=1", "parallel.strategy=none",
+                                     "data.chat_template=qwen3", "data.template_thinking=false"], nproc=1)
+    assert sft.returncode == 0, sft.stderr
+    run_dir = _run_dir(e2e_workdir, sft)
+    out = tmp_path / "no-thinking"
+    done = launch.run_module(e2e_workdir, ["training", "export", "--run", run_dir.name, "--to", str(out)])
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / EXPORT_MARKER).read_text())["template_thinking"] is False
+    expected = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert _generated_prompt(out, tmp_path) == expected == _generated_prompt(run_dir, tmp_path)

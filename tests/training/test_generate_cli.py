@@ -98,6 +98,32 @@ def test_an_exports_marker_decides_whether_text_prompts_are_chat(model_dir, tmp_
     assert code == 0 and record["prompt"] == expected
 
 
+@pytest.mark.parametrize("recorded, expected", [
+    (False, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    (True, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+    (None, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),  # not recorded: the template's default
+])
+def test_an_exports_recorded_template_thinking_renders_as_its_run_did(model_dir, tmp_path, recorded, expected):
+    """An export of a run that set data.template_thinking renders Qwen3's template with it
+    (enable_thinking), as training rendered the run's prompts."""
+    import shutil
+
+    from data.templates import preset_path
+    from training.cli.export_target import EXPORT_MARKER
+
+    export = tmp_path / "export"
+    shutil.copytree(model_dir, export)
+    tokenizer_config = json.loads((export / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = preset_path("qwen3").read_text()
+    (export / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    marker = {"lockstep_export": 1, "chat_model": True, "files": []}
+    if recorded is not None:
+        marker["template_thinking"] = recorded
+    (export / EXPORT_MARKER).write_text(json.dumps(marker))
+    code, [record] = generate(export, tmp_path, "--prompt", "Hi", "--max-new-tokens", "2")
+    assert code == 0 and record["prompt"] == expected
+
+
 @pytest.mark.parametrize("args, exit_code", [
     (["--max-new-tokens", "4"], 2),  # neither --prompt nor --prompts
     (["--prompt", "", "--max-new-tokens", "4"], 3),  # empty prompt

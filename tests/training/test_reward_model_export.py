@@ -353,3 +353,19 @@ def test_the_score_command_refuses_bad_input_naming_it(exported, e2e_workdir, tm
     missing = launch.run_module(e2e_workdir, ["training", "score", "--from", str(tmp_path / "nowhere"), "--pairs",
                                               str(bad)])
     assert missing.returncode in (2, 4) and "Traceback" not in missing.stderr, missing.stderr
+
+
+def test_score_from_an_export_reads_the_template_thinking_its_marker_records(exported, tmp_path):
+    """``score --from EXPORT`` renders as the run did: the run's data.template_thinking, recorded in the
+    export's marker where it was set, reaches the config the pairs are rendered with."""
+    from training.cli.export_target import EXPORT_MARKER
+    from training.cli.score import reward_source
+
+    run_dir, out = exported
+    assert "template_thinking" not in json.loads((out / EXPORT_MARKER).read_text())  # the run left it unset
+    assert reward_source(str(out), root="runs", step=None)[0].data.template_thinking is None
+    copy = tmp_path / "rm-thinking"
+    shutil.copytree(out, copy)
+    marker = json.loads((copy / EXPORT_MARKER).read_text())
+    (copy / EXPORT_MARKER).write_text(json.dumps({**marker, "template_thinking": False}))
+    assert reward_source(str(copy), root="runs", step=None)[0].data.template_thinking is False

@@ -19,7 +19,9 @@ the tokenizer directory's files (``tokenizer.json``, ``tokenizer_config.json``, 
 the built-in byte tokenizer is written as an equivalent byte-level ``tokenizer.json``. The
 chat template the run trained with goes into ``tokenizer_config.json``, a pretraining run's too; whether
 the model is a chat model (``objective.kind`` other than ``causal_lm``) goes into ``lockstep_export.json``
-as ``chat_model``, and ``generate --from DIR`` renders text prompts through the template by that.
+as ``chat_model``, and ``generate --from DIR`` renders text prompts through the template by that;
+a run's ``data.template_thinking``, where set, goes there as ``template_thinking``, and ``generate``
+and ``score`` pass it to the template as the run did (``enable_thinking``).
 
 LoRA runs (``model.lora.rank > 0``): the checkpoint holds only the adapters, so the base is
 rebuilt as the run built it and verified against the identity the checkpoint recorded (exit 4
@@ -90,6 +92,8 @@ def export(paths: RunPaths, out: Path, *, step: int | None = None, dtype: torch.
     about = {"run": paths.root.name, "checkpoint": str(path.resolve()),
              "form": "adapter" if adapter else "merged" if lora else "model",
              "chat_model": objective_kind(config.objective.kind).capabilities.chat_model}  # generate's default
+    if config.data.template_thinking is not None:  # recorded only where set: other markers stay as they were
+        about["template_thinking"] = config.data.template_thinking  # generate and score render as the run did
     if adapter:
         if dtype is not None:  # the adapters only (an NF4 base does not convert)
             for param in model.parameters():

@@ -9,8 +9,9 @@ built or written:
   ``runs/<id>/artifacts/init_from``, whose files that run's own exports read);
 - a non-empty ``--to`` is replaced only with ``--overwrite``, and only if it is a Lockstep export:
   it holds the ``lockstep_export.json`` every export writes (``EXPORT_MARKER``: the run, the
-  checkpoint, whether it is a chat model, and the list of files it wrote; ``generate`` reads
-  ``chat_model`` for its default), no run directory anywhere inside it, and no file the
+  checkpoint, whether it is a chat model, the run's ``data.template_thinking`` where set, and the
+  list of files it wrote; ``generate`` reads ``chat_model`` for its default and, with ``score``,
+  ``template_thinking`` for the template), no run directory anywhere inside it, and no file the
   export did not write (a README, evaluation results, a copied run: whatever replacing would lose).
   A directory that merely holds a ``config.json`` (a base model, a project, a run root) is never
   replaced; nor is an export from before the marker existed: delete it yourself or pick a new path;
@@ -166,8 +167,16 @@ def exported_chat_model(directory: Path) -> bool | None:
     return chat if isinstance(chat, bool) else None
 
 
+def exported_template_thinking(directory: Path) -> bool | None:
+    """The ``data.template_thinking`` of the run the export in ``directory`` came from, as its marker
+    records it (written only where the run set it); None where it records none."""
+    raw = _read_marker(directory / EXPORT_MARKER)
+    thinking = raw.get("template_thinking") if raw is not None else None
+    return thinking if isinstance(thinking, bool) else None
+
+
 def write_export_marker(directory: Path, about: dict[str, Any]) -> None:
-    """Write ``EXPORT_MARKER`` into a finished export: ``about`` (run, checkpoint, form, chat_model)
+    """Write ``EXPORT_MARKER`` into a finished export: ``about`` (run, checkpoint, form, chat_model, template_thinking)
     and every file the export wrote, so a later ``--overwrite`` replaces only what an export made."""
     files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
                    if (p.is_file() or p.is_symlink()) and p.name != EXPORT_MARKER)

@@ -8,7 +8,8 @@
 - ``--from``: a run directory (it holds ``config.yaml``), a Hugging Face directory (``config.json``
   and safetensors), else a run ID under ``--root``. A run gives the weights of its newest
   checkpoint (or ``--step``), verified against the manifest, and its tokenizer and chat
-  template (``data.tokenizer``, ``data.chat_template``); a Hugging Face directory gives its own.
+  template (``data.tokenizer``, ``data.chat_template``, ``data.template_thinking``); a Hugging Face
+  directory gives its own, and a Lockstep export the run's ``template_thinking`` (its marker).
 - **Chat template.** A prompt given as messages (``{"prompt": [...]}`` or ``{"messages": [...]}``
   in a prompts file) is always rendered with the template and ``add_generation_prompt``. A text
   prompt is rendered as one user message with ``--chat``, sent as raw text with ``--no-chat``,
@@ -83,7 +84,7 @@ from data.vision.prompt_images import (
 from models.generation.prompts import Prompt, context_length, read_prompts, sample_record
 from models.generation.sampler import SamplingParams
 from models.hf_config import model_config_from_hf
-from training.cli.export_target import enclosing_run_dir, exported_chat_model
+from training.cli.export_target import enclosing_run_dir, exported_chat_model, exported_template_thinking
 from training.memory_estimate import check_model_fits_for_inference, trained_model_config
 from training.rollout.generator import Decoder, Generator
 
@@ -103,6 +104,8 @@ class Source:
     label: str
     template_clock: Optional[str] = None
     """What the template's strftime_now reads (a run's data.template_clock; none for a Hugging Face directory)."""
+    template_thinking: Optional[bool] = None
+    """The template's enable_thinking: a run's data.template_thinking, or what an export's marker recorded of it."""
     images: Optional[ImageProcessing] = None
     """How its images are cut into patches: a run's data.images, a directory's preprocessor_config.json (None: it has none)."""
 
@@ -119,7 +122,8 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
         check_tokenizer_config(str(path))  # a DataError naming the file, before anything reads it
         _check_fits(model_config_from_hf(path), device)
         model = load_pretrained(path, device=device)
-        return Source(model, str(path), None, _directory_is_chat(path), str(path), images=read_processor_config(path))
+        return Source(model, str(path), None, _directory_is_chat(path), str(path),
+                      template_thinking=exported_template_thinking(path), images=read_processor_config(path))
     from core.run_context import load_recorded_config
     from training.cli.export import check_tokenizer_config
     from training.checkpoint.load import checkpoint_dir, load_checkpoint_model, resolve_run
@@ -132,7 +136,8 @@ def load_source(spec: str, *, root: str, step: Optional[int], device: torch.devi
     model = load_checkpoint_model(config, checkpoint).to(device)
     chat = objective_kind(config.objective.kind).capabilities.chat_model
     return Source(model, config.data.tokenizer, config.data.chat_template, chat,
-                  str(checkpoint), config.data.template_clock, images=processing_of(config.data.images))
+                  str(checkpoint), config.data.template_clock, template_thinking=config.data.template_thinking,
+                  images=processing_of(config.data.images))
 
 
 def _directory_is_chat(path: Path) -> bool:
@@ -180,7 +185,8 @@ def run_generate(args) -> int:
     source = load_source(args.from_, root=args.root, step=args.step, device=device)
     model = source.model.eval()
     tokenizer = build_tokenizer(source.tokenizer_spec)
-    template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template, clock=source.template_clock)
+    template = ChatTemplate.for_tokenizer(source.tokenizer_spec, source.chat_template, clock=source.template_clock,
+                                          thinking=source.template_thinking)
     chat = source.chat_by_default if args.chat is None else args.chat
     shown = _shown_prompts(prompts, source, tokenizer, template, chat, args.prompts)
     texts, ids = [s.text for s in shown], [s.ids for s in shown]

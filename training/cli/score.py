@@ -5,7 +5,8 @@
 
 - ``--from``: a ``reward_model`` run (a run directory, or a run ID under ``--root``; its newest
   checkpoint or ``--step``) or its Hugging Face export (a ``...ForSequenceClassification``
-  directory). A run gives its ``data.tokenizer`` and chat template, an export its own.
+  directory). A run gives its ``data.tokenizer`` and chat template (and ``data.template_thinking``), an
+  export its own (and the ``template_thinking`` its marker recorded of its run).
 - ``--pairs``: preference records, one JSON object a line, as ``record: preference`` reads them
   (``{"prompt", "chosen", "rejected"}``, strings or message lists; data/preference.py). Each side is
   rendered as training renders it, the whole conversation through the chat template, and scored at
@@ -38,6 +39,7 @@ from core.exceptions import DataError, UsageError
 from data.chat_template import ChatTemplate, RecordError
 from data.preference import PreferenceEncoder
 from data.tokenizers import build_tokenizer
+from training.cli.export_target import exported_template_thinking
 from training.objectives.model_reward import WIDTH_MULTIPLE, ModelReward, ScoreShape, build_model_reward
 
 KEY = "--from"
@@ -67,7 +69,7 @@ def run_score(args) -> int:
     config, source = reward_source(args.from_, root=args.root, step=args.step)
     tokenizer = build_tokenizer(config.data.tokenizer)
     template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template,
-                                          clock=config.data.template_clock)
+                                          clock=config.data.template_clock, thinking=config.data.template_thinking)
     pairs = read_pairs(args.pairs, PreferenceEncoder(template, tokenizer))
     reward = build_model_reward(config, source, dist=_one_process(device), key=KEY)
     longest = max(len(side) for pair in pairs for side in pair)
@@ -93,6 +95,9 @@ def reward_source(spec: str, *, root: str, step: int | None) -> tuple[Config, st
             raise UsageError(f"--from {spec}: the directory has no tokenizer.json to render the pairs with",
                              hint="export the reward model with `python -m training export`, which writes one")
         config = dataclasses.replace(config, model=model_config_from_hf(path, base=config.model))
+        thinking = exported_template_thinking(path)  # an export of a run that set data.template_thinking
+        if thinking is not None:
+            config = dataclasses.replace(config, data=dataclasses.replace(config.data, template_thinking=thinking))
         source = str(path)
     else:
         from core.run_context import load_recorded_config

@@ -145,7 +145,8 @@ class GRPOObjective:
         self.rewards = self.check_config(config)
         self.console = self._console_lines(g)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
-        self.template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
+        self.template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template,
+                                                   thinking=config.data.template_thinking)
         self.decoder = Decoder(self.tokenizer, self.template)
         self.agent = AgentRollouts(g.environment, rewards=self.rewards, on_reward_error=g.on_reward_error,
                                    section=SECTION, tokenizer=self.tokenizer, template=self.template)

@@ -166,7 +166,8 @@ class PPOObjective:
         self.exact = config.determinism.batch_invariant
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
-        self.template = template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template)
+        self.template = template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template,
+                                                              thinking=config.data.template_thinking)
         self.decoder = Decoder(self.tokenizer, template)
         self.agent = AgentRollouts(p.environment, rewards=self.rewards, on_reward_error=p.on_reward_error,
                                    section=SECTION, tokenizer=self.tokenizer, template=template)
