@@ -199,6 +199,7 @@ KIND = ObjectiveKind(
     validate=validate,
     resumable=("eval_samples", "eval_temperature"),  # an evaluation only: the ledger does not depend on them
     hashed_only_when_set=("advantage_std", "overlong_buffer", "mask_truncated", "dynamic_sampling_rounds",
-                          "rollout_slots", "rewards[].path", "environment", "rollout_correction"),
+                          "rollout_slots", "rewards[].path", "rewards[].strip_thinking", "environment",
+                          "rollout_correction"),
     hash_default_section=True,
 )

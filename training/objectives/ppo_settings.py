@@ -180,5 +180,5 @@ KIND = ObjectiveKind(
     settings=PPOSettings,
     validate=validate,
     # added later (model rewards, episodes): earlier configs keep their hashes
-    hashed_only_when_set=("rewards[].path", "environment", "rollout_correction"),
+    hashed_only_when_set=("rewards[].path", "rewards[].strip_thinking", "environment", "rollout_correction"),
 )

@@ -12,6 +12,11 @@ of 1.0 means the same thing in every run:
   when it does not follow a letter, digit or period (``10-3`` reads as 10 and 3).
 - ``format_regex``: ``re.fullmatch(pattern, completion.strip(), re.DOTALL)``.
 
+``strip_thinking`` (a setting of ``exact_answer`` and ``numeric_tolerance``): the answer is the
+text after the completion's last ``</think>``, so a reasoning model's think block (Qwen3's) is not
+compared; a completion that opens ``<think>`` and never closes it has no answer and scores 0; one
+without ``<think>`` or ``</think>`` is compared whole (``answer_text``).
+
 ``REWARDS`` names them for records that say which reward checks them (``"reward"`` key).
 """
 
@@ -31,6 +36,7 @@ from core import layout
 from core.exceptions import ConfigError, DataError
 
 _WHITESPACE = re.compile(r"\s+")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?![\d,])|\d+)(?:\.\d+)?")
 
 
@@ -38,6 +44,15 @@ def normalize_answer(text: str) -> str:
     """Whitespace trimmed and collapsed, one trailing period dropped."""
     text = _WHITESPACE.sub(" ", text.strip())
     return text[:-1].rstrip() if text.endswith(".") else text
+
+
+def answer_text(completion: str) -> str | None:
+    """The completion after its last ``</think>``; the whole completion where it has no think
+    block; None where a ``<think>`` is never closed (the answer was never written)."""
+    closed = completion.rfind(THINK_CLOSE)
+    if closed >= 0:
+        return completion[closed + len(THINK_CLOSE):]
+    return None if THINK_OPEN in completion else completion
 
 
 def exact_answer(completion: str, answer: str) -> float:
@@ -105,17 +120,26 @@ class RewardFunction:
     fn: Callable[..., float]
 
 
-def resolve_reward(name: str, *, weight: float, pattern: str = "", tol: float = 0.0,
+def resolve_reward(name: str, *, weight: float, pattern: str = "", tol: float = 0.0, strip_thinking: bool = False,
                    key: str = "objective.grpo.rewards") -> RewardFunction:
     """A built-in reward by name, or a user function ``package.module:function`` (imported now).
 
     Every reward is called as ``fn(completion, answer, prompt=prompt)``; a user function must
     accept that and return a finite float (docs/post_training.md, GRPO). An unknown name or a
-    path that does not import is a ConfigError naming the key.
+    path that does not import is a ConfigError naming the key, and so is ``strip_thinking`` on a
+    reward that compares no answer (one not in ``STRIPS_THINKING``).
     """
+    if strip_thinking and name not in STRIPS_THINKING:
+        raise strip_thinking_error(name, key)
     if name == "exact_answer":
+        if strip_thinking:
+            return RewardFunction(name, weight, lambda completion, answer, prompt: _on_answer(
+                exact_answer, completion, answer))
         return RewardFunction(name, weight, lambda completion, answer, prompt: exact_answer(completion, answer))
     if name == "numeric_tolerance":
+        if strip_thinking:
+            return RewardFunction(name, weight, lambda completion, answer, prompt: _on_answer(
+                numeric_tolerance, completion, answer, tol))
         return RewardFunction(name, weight,
                               lambda completion, answer, prompt: numeric_tolerance(completion, answer, tol))
     if name == "format_regex":
@@ -150,6 +174,27 @@ def resolve_reward(name: str, *, weight: float, pattern: str = "", tol: float = 
         raise ConfigError(f"reward function {name!r}: module {module_name!r} has no function {attr!r}",
                           key=f"{key}.name", hint="name a callable fn(completion, answer, prompt=...) -> float")
     return RewardFunction(name, weight, lambda completion, answer, prompt: fn(completion, answer, prompt=prompt))
+
+
+STRIPS_THINKING = ("exact_answer", "numeric_tolerance")
+"""The built-in rewards that compare an answer, and so take ``strip_thinking``."""
+
+
+def strip_thinking_error(name: str, key: str) -> ConfigError:
+    """The error of ``strip_thinking`` set on the reward ``name`` (``key``: the reward's config key)."""
+    return ConfigError(f"{key}: strip_thinking applies to the rewards that compare an answer "
+                       f"({', '.join(STRIPS_THINKING)}), not to {name!r}", key=f"{key}.strip_thinking",
+                       hint="drop strip_thinking from this reward (a function of your own can strip the think "
+                            "block itself: training.rollout.rewards.answer_text)")
+
+
+def _on_answer(check: Callable[..., float], completion: str, answer: str, *args) -> float:
+    """``check`` of the completion's answer text (after its last ``</think>``); 0.0 where a think
+    block is never closed. The record's answer is checked first either way, so a bad answer is
+    the record's error (AnswerError) whatever the completion holds."""
+    text = answer_text(completion)
+    value = check(completion if text is None else text, answer, *args)
+    return 0.0 if text is None else value
 
 
 def refuse_code_in_run_dir(module_name: str, *, what: str, key: str) -> None:
