@@ -132,3 +132,19 @@ def test_the_setting_is_a_reward_key_checked_with_the_objective_and_hashed_only_
         assert f"objective.{kind}.rewards[1].strip_thinking" in str(info.value)
     with pytest.raises(ConfigError, match="strip_thinking"):  # unknown keys stay refused
         load(GRPO, ["objective.grpo.rewards=[{name: exact_answer, strip_thinkin: true}]"])
+
+
+def test_held_out_accuracy_reads_the_answer_as_the_configured_rewards_do():
+    """training/rollout/evaluation.py: where a reward strips the think block, the evaluation's
+    exact-answer score does too (Qwen3's greedy accuracy would otherwise be 0 for its reasoning)."""
+    from training.rollout.evaluation import answer_strips_thinking
+    from training.rollout.reward_settings import RewardSettings
+    from training.rollout.rewards import exact_answer_of
+
+    stripped = (RewardSettings(name="format_regex", pattern=".*"), RewardSettings(name="exact_answer", strip_thinking=True))
+    assert answer_strips_thinking(stripped) and not answer_strips_thinking((RewardSettings(name="exact_answer"),))
+    completion = "<think>\n2 + 2\n</think>\n\n4"
+    assert exact_answer_of(completion, "4", strip_thinking=True) == 1.0
+    assert exact_answer_of(completion, "4") == 0.0  # the default: the whole completion
+    assert exact_answer_of("<think>\n2 + 2 is", "4", strip_thinking=True) == 0.0  # never closed: no answer
+    assert exact_answer_of("4", "4", strip_thinking=True) == exact_answer_of("4", "4") == 1.0

@@ -121,7 +121,7 @@ from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator
 from training.rollout.group import GroupRollout, rollout_progress
-from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
+from training.rollout.evaluation import answer_strips_thinking, evaluation_scores, evaluation_sums, held_out_indices
 
 PURPOSE = "grpo"
 SECTION = "objective.grpo"  # the settings' config section (errors name its keys)
@@ -357,7 +357,7 @@ class GRPOObjective:
                            samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         return evaluation_scores(self.generator, self._model, self.decoder, self.environment, batch, tasks, held_out,
                                  params, purpose=EVAL_PURPOSE, samples=samples,
-                                 episodes=self.episodes)
+                                 episodes=self.episodes, strip_thinking=answer_strips_thinking(self.g.rewards))
 
     def _evaluation_loss(self, micro: Batch) -> LossOutput:
         """Per held-out prompt: minus its greedy reward, and the metric sums of the scores ``prepare`` put in its extras."""

@@ -111,7 +111,7 @@ from training.rollout.episodes import EpisodeRunner
 from training.rollout.experience import Experience, rollout_fields
 from training.rollout.generator import Decoder, Generator
 from training.rollout.group import GroupRollout, rollout_progress
-from training.rollout.evaluation import evaluation_scores, evaluation_sums, held_out_indices
+from training.rollout.evaluation import answer_strips_thinking, evaluation_scores, evaluation_sums, held_out_indices
 
 PURPOSE = "ppo"
 SECTION = "objective.ppo"  # the settings' config section (errors name its keys)
@@ -461,7 +461,8 @@ class PPOObjective:
         held_out = held_out_indices(batch, tasks, self.config.train.global_batch_size)
         reward, exact = evaluation_scores(self.generator, self._model, self.decoder, self.environment, batch, tasks,
                                           held_out, self.eval_params, purpose=EVAL_PURPOSE, samples=1,
-                                          episodes=self.episodes)
+                                          episodes=self.episodes,
+                                          strip_thinking=answer_strips_thinking(self.p.rewards))
         return batch.with_extras(eval_reward=reward, eval_exact=exact)
 
     def _evaluation_loss(self, micro: Batch) -> LossOutput:

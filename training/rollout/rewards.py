@@ -188,6 +188,12 @@ def strip_thinking_error(name: str, key: str) -> ConfigError:
                             "block itself: training.rollout.rewards.answer_text)")
 
 
+def exact_answer_of(completion: str, answer: str, *, strip_thinking: bool = False) -> float:
+    """``exact_answer``, of the answer text alone under ``strip_thinking`` (held-out evaluation's score,
+    training/rollout/evaluation.py: as the configured rewards read a completion)."""
+    return _on_answer(exact_answer, completion, answer) if strip_thinking else exact_answer(completion, answer)
+
+
 def _on_answer(check: Callable[..., float], completion: str, answer: str, *args) -> float:
     """``check`` of the completion's answer text (after its last ``</think>``); 0.0 where a think
     block is never closed. The record's answer is checked first either way, so a bad answer is
