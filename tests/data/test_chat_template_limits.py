@@ -20,6 +20,7 @@ from core.exceptions import ConfigError, DataError, ExitCode
 from data.chat_template import CHATML_TEMPLATE, ChatEncoder, ChatTemplate, RecordError, TemplateLimitError
 from data.pipeline.plan import check_chat_config
 from data.tokenizers import ByteTokenizer
+from tests.launch import ROOT
 
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
 LOOP = "{% for m in messages %}<{{ m.role }}>{{ m.content }}<|im_end|>{% endfor %}"
@@ -236,3 +237,18 @@ def test_template_errors_in_the_data_tools_are_one_line(tmp_path, capsys):
     assert main(["inspect", "--config", str(config), "--step", "1"]) == ExitCode.CONFIG
     err = capsys.readouterr().err.strip()
     assert "size budget" in err and str(template) in err and "\n" not in err
+
+
+@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+def test_the_rollout_objectives_template_reads_the_configured_clock(tmp_path, kind):
+    """GRPO's and PPO's own template (stop ids, episode turns) is built with data.template_clock, as the
+    pipeline's is: a template calling strftime_now renders the run's fixed instant there too."""
+    from training.objectives.grpo import GRPOObjective
+    from training.objectives.ppo import PPOObjective
+
+    template = tmp_path / "dated.jinja"
+    template.write_text(DATED)
+    config = load(ROOT / "tests" / "configs" / f"e2e-{kind}.yaml",
+                  [f"data.chat_template={template}", 'data.template_clock="1999-12-31T23:59:00"'])
+    objective = (GRPOObjective if kind == "grpo" else PPOObjective)(config)
+    assert objective.template.render(CHAT).startswith("Today is 31 Dec 1999.\n")

@@ -146,6 +146,7 @@ class GRPOObjective:
         self.console = self._console_lines(g)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template,
+                                                   clock=config.data.template_clock,
                                                    thinking=config.data.template_thinking)
         self.decoder = Decoder(self.tokenizer, self.template)
         self.agent = AgentRollouts(g.environment, rewards=self.rewards, on_reward_error=g.on_reward_error,

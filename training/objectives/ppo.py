@@ -167,6 +167,7 @@ class PPOObjective:
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.template = template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template,
+                                                              clock=config.data.template_clock,
                                                               thinking=config.data.template_thinking)
         self.decoder = Decoder(self.tokenizer, template)
         self.agent = AgentRollouts(p.environment, rewards=self.rewards, on_reward_error=p.on_reward_error,
