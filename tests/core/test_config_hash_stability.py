@@ -52,8 +52,9 @@ HASHES = {
     "configs/tiny-qlora.yaml": "d5f0c5b2d64f2822769dcdd67e21e17617f90a5ba608ff62a427d591791ac9ab",
     "configs/tiny-sft.yaml": "9304890728027893d584835de6c554c1560b2ddef21134fcfb37e9c234d3df92",
     "configs/tiny-vl-grpo.yaml": "41f65a363a762ce51ed580683fa0c96474a6f1178379d8baf658437af5b5d908",
-    "configs/tiny-vl-shapes-grpo.yaml": "915533f7b1fb05c1df3407280a5c968bd043646aa318328921d3ac902d40eee4",
+    "configs/tiny-vl-shapes-grpo.yaml": "ab00bcff036f30b4c6068751d2f19d451e1fed98abcb1ad09a1fb406a43f7f6e",
     "configs/tiny-vl-shapes-sft.yaml": "aa3f1c9e0635b2793bfe3d339623e9c9049a0f56bd13cce9b3f44376f7444a2b",
+    "configs/tiny-vl-shapes-sft-short.yaml": "39bc5641062ad20407ab829e82856f34f003c15ea09fa8db94732627f43e9c5c",
     "configs/tiny-vl-sft.yaml": "dc9a76b7ad86c3a27fd080e84f2d6379fa29c946aa3ef4544ec6f0143e979702",
     "configs/tiny.yaml": "ad92bf007bfd1592991d2307afe0be346f3acf5c227e59b3365208012f704754",
 }
