@@ -41,9 +41,12 @@ turns them on, in ``determinism.mode: bitwise`` with ``determinism.batch_invaria
 ``F.linear`` (plain, LoRA's, the tied head) and ``F.silu`` to these kernels, and ``active()`` tells
 the norm to use its own.
 
-On a CUDA device ``linear``, ``attend`` and ``attend_cached`` run models/batch_invariant_triton.py's
-Triton kernels instead (the same contract, other bits than the CPU's; the tree sums and elementwise
-kernels above are invariant on any device and stay). Without Triton they raise a ConfigError naming
+On a CUDA device ``linear``, ``attend``, ``attend_cached``, ``rms_norm``, ``logsumexp`` (and so
+``token_logprobs``) and ``softmax`` run models/batch_invariant_triton.py's Triton kernels instead (the
+same contract, other bits than the CPU's): one launch a row reduction, where a tree sum takes one
+per level besides its elementwise steps (docs/determinism.md has the counts measured on an H200).
+``pairwise_sum`` itself (a mixture's few top-k slots) and the elementwise kernels are invariant on
+any device and stay. Without Triton the CUDA path raises a ConfigError naming
 ``determinism.batch_invariant``: there is no silent fallback to the stock kernels.
 """
 
@@ -79,11 +82,16 @@ def pairwise_sum(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return values.squeeze(dim)
 
 
+def _on_cuda(x: torch.Tensor) -> bool:
+    """Whether ``x``'s kernels are models/batch_invariant_triton.py's (a CUDA tensor)."""
+    return x.device.type == "cuda"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with every row computed by a matmul of one shape (module docstring).
 
     x (..., in), weight (out, in) -> (..., out) in x's dtype. Differentiable. On CUDA: the Triton matmul."""
-    if x.device.type == "cuda":
+    if _on_cuda(x):
         out = _cuda_kernels().linear(x, weight)
         return out if bias is None else out + bias
     rows = x.reshape(-1, x.shape[-1])
@@ -106,7 +114,14 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x^2) + eps))``, normalized in fp32, the mean a ``pairwise_sum``; cast back
-    to x's dtype before the weight, as models/qwen/model.py's ``RMSNorm``."""
+    to x's dtype before the weight, as models/qwen/model.py's ``RMSNorm``. On CUDA: one Triton program a row."""
+    if _on_cuda(x):
+        return _cuda_kernels().rms_norm(x, weight, eps)
+    return _rms_norm_by_trees(x, weight, eps)
+
+
+def _rms_norm_by_trees(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` by elementwise torch operations and a ``pairwise_sum`` (the CPU's; any device)."""
     x32 = x.to(torch.float32)
     mean_square = pairwise_sum(x32 * x32) / x32.shape[-1]
     normed = x32 / torch.sqrt(mean_square + eps).unsqueeze(-1)
@@ -114,7 +129,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """log sum exp over the last dimension in fp32 (fp64 stays): the max, then a ``pairwise_sum``."""
+    """log sum exp over the last dimension in fp32 (fp64 stays): the max, then a ``pairwise_sum``. On CUDA
+    (fp32, bf16, fp16): one Triton program a row."""
+    if _on_cuda(logits) and logits.dtype != torch.float64:
+        return _cuda_kernels().logsumexp(logits)
+    return _logsumexp_by_trees(logits)
+
+
+def _logsumexp_by_trees(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` by elementwise torch operations and a ``pairwise_sum`` (the CPU's; any device)."""
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     top = x.amax(dim=-1, keepdim=True)
     return top.squeeze(-1) + torch.log(pairwise_sum(torch.exp(x - top)))
@@ -122,7 +145,14 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
 
 def softmax(logits: torch.Tensor) -> torch.Tensor:
     """softmax over the last dimension in fp32 (fp64 stays): ``exp(x - max)`` over its ``pairwise_sum``
-    (a router's probabilities over its experts)."""
+    (a router's probabilities over its experts). On CUDA (fp32, bf16, fp16): one Triton program a row."""
+    if _on_cuda(logits) and logits.dtype != torch.float64:
+        return _cuda_kernels().softmax(logits)
+    return _softmax_by_trees(logits)
+
+
+def _softmax_by_trees(logits: torch.Tensor) -> torch.Tensor:
+    """``softmax`` by elementwise torch operations and a ``pairwise_sum`` (the CPU's; any device)."""
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     weights = torch.exp(x - x.amax(dim=-1, keepdim=True))
     return weights / pairwise_sum(weights).unsqueeze(-1)
@@ -160,7 +190,7 @@ def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tenso
     """The layout of ``attend`` for a packed batch: ``position_ids`` (B or 1, T) count from 0 at each
     document's first token (as the packer writes them); ``document_ids`` (B or 1, T) or None (one
     document a row). On CUDA the layout holds just these two: the Triton kernel finds the rows itself."""
-    if position_ids.device.type == "cuda":
+    if _on_cuda(position_ids):
         return RelativeKeys(None, None, positions=position_ids, documents=document_ids)
     seq_len = position_ids.shape[-1]
     positions = position_ids.expand(batch, seq_len)
@@ -179,7 +209,7 @@ def relative_keys(position_ids: torch.Tensor, document_ids: Optional[torch.Tenso
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RelativeKeys) -> torch.Tensor:
     """Causal attention of a packed batch. q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim)
     -> (B, n_head, T, head_dim) in q's dtype. On CUDA: the Triton kernel."""
-    if q.device.type == "cuda":
+    if _on_cuda(q):
         if layout.positions is None:
             raise ValueError("batch_invariant.attend: CUDA queries with a layout built on the CPU; build the "
                              "mask (models.attention.build_attention_mask) on the queries' device")
@@ -203,7 +233,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     k and v (B, n_kv_head, slots, head_dim), mask ``models.attention.cache_mask``'s (B, 1, T, slots)
     -> (B, n_head, T, head_dim) in q's dtype: bitwise ``attend``'s for the same tokens. On CUDA: the
     Triton kernel (bitwise the CUDA ``attend``'s)."""
-    if q.device.type == "cuda":
+    if _on_cuda(q):
         return _cuda_kernels().attend_cached(q, k, v, mask)
 
     def block(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:

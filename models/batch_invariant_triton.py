@@ -28,6 +28,19 @@ within a device, which is where the sampler and the trainer meet.
   left untouched, so a row's arithmetic is the same alone, beside neighbours, in a prefill chunk or
   in a decode step. The whole tile configuration is one constant for every call. The backward
   recomputes the attention with plain differentiable fp32 ops (``AttentionFunction``).
+- ``rms_norm``, ``logsumexp`` and ``softmax``: one program per row, which walks its row in steps of
+  ``row_block(width)`` elements (a function of the row's width alone), keeps one fp32 partial per
+  lane of the block (the mean square's squares, the log-partition's ``exp(x - max)``, the softmax's
+  weights), adds the steps in order and sums the lanes at the end by Triton's reduction of a block of
+  that width and ``ROW_WARPS`` warps. A row's bits thus depend on its values and its width, never on
+  the number of rows: the norm of a decode step's 16 rows and of a training micro-batch's 8,192, the
+  log-partition of the sampler's logits and of the trainer's fused-head chunk, agree. The kernels are
+  not specialized on their pointers' alignment or their integers' divisibility
+  (``do_not_specialize``): Triton picks a load's vector width from those, and with it which elements
+  a thread holds, so a row that sits at another offset (a sliced tensor, a moved row) would otherwise
+  be summed in another order. sqrt and divisions are IEEE-rounded (``sqrt_rn``, ``div_rn``), as
+  torch's are; exp and log are Triton's. The backwards recompute with plain differentiable torch ops
+  (``RowFunction``): deterministic, not batch-invariant, as the other backwards.
 """
 
 from __future__ import annotations
@@ -325,3 +338,187 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     slots 0..position of each query's row, from which the positions are read back."""
     positions = mask[:, 0].sum(dim=-1) - 1  # (B, T): cache_mask allows slots 0..position
     return _attention(q, k, v, positions, None, relative=False)
+
+
+# ---------------------------------------------------------------------------- the row reductions
+
+ROW_WARPS = 4
+"""Warps of a row program: with the block's width, it lays out which lanes each thread adds."""
+
+ROW_BLOCK_MAX = 4096
+"""The widest step of a row program (a vocabulary row is walked in steps of it)."""
+
+
+def row_block(width: int) -> int:
+    """The elements a row program reads per step: the row's width rounded up to a power of two, at
+    most ``ROW_BLOCK_MAX``. A function of the width alone, so every call on rows of this width sums
+    them in the same order."""
+    return min(ROW_BLOCK_MAX, triton.next_power_of_2(max(width, 16)))
+
+
+_ROW_NO_SPECIALIZE = dict(do_not_specialize=["width", "x_stride", "out_stride"],
+                          do_not_specialize_on_alignment=["x_ptr", "w_ptr", "out_ptr"])
+
+
+@triton.jit(**_ROW_NO_SPECIALIZE)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, width, x_stride, out_stride, eps, BLOCK: tl.constexpr):
+    """out[row] = w * (x / sqrt(mean(x^2) + eps)).to(x's dtype), the product rounded to out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < width, other=0.0).to(tl.float32)
+        squares += x * x
+    mean_square = tl.div_rn(tl.sum(squares, axis=0), width.to(tl.float32))
+    root = tl.sqrt_rn(mean_square + eps)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < width
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        normed = tl.div_rn(x, root).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * out_stride + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(**_ROW_NO_SPECIALIZE)
+def _logsumexp_kernel(x_ptr, w_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexpr):
+    """out[row] = max + log(sum(exp(x - max))) in fp32 (w_ptr unused); a row of -inf gives -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(x_row + cols, mask=cols < width, other=float("-inf")).to(tl.float32))
+    most = tl.max(top, axis=0)
+    most = tl.where(most == float("-inf"), 0.0, most)
+    weights = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+        weights += tl.exp(x - most)
+    tl.store(out_ptr + row * out_stride, most + tl.log(tl.sum(weights, axis=0)))
+
+
+@triton.jit(**_ROW_NO_SPECIALIZE)
+def _softmax_kernel(x_ptr, w_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexpr):
+    """out[row] = exp(x - max) / sum(exp(x - max)) in fp32 (w_ptr unused)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(x_row + cols, mask=cols < width, other=float("-inf")).to(tl.float32))
+    most = tl.max(top, axis=0)
+    weights = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+        weights += tl.where(cols < width, tl.exp(x - most), 0.0)
+    total = tl.sum(weights, axis=0)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < width
+        x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        tl.store(out_ptr + row * out_stride + cols, tl.div_rn(tl.exp(x - most), total), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous (rows, width): every row at a stride of its width."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _launch_rows(kernel, x: torch.Tensor, out: torch.Tensor, *extra, weight: Optional[torch.Tensor] = None) -> None:
+    """One program per row of ``x`` (rows, width), writing ``out``'s row (a value or width values)."""
+    rows, width = x.shape
+    if rows == 0:
+        return
+    kernel[(rows,)](x, x if weight is None else weight, out, width, x.stride(0), out.stride(0), *extra,
+                    BLOCK=row_block(width), num_warps=ROW_WARPS, num_stages=1)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x32 / sqrt(mean(x32^2) + eps)).to(x.dtype)`` over the last dimension, x32 = x in fp32:
+    x (..., width), weight (width,) -> (...,  width) in the promoted dtype of the two, as the product
+    of models/qwen/model.py's ``RMSNorm`` would be."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    _launch_rows(_rms_norm_kernel, rows, out, float(eps), weight=weight.contiguous())
+    return out.view(*x.shape[:-1], x.shape[-1])
+
+
+def logsumexp_forward(x: torch.Tensor) -> torch.Tensor:
+    """log sum exp over the last dimension in fp32: x (..., width) of any float dtype -> (...)."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape[0], device=x.device, dtype=torch.float32)
+    _launch_rows(_logsumexp_kernel, rows, out[:, None])
+    return out.view(x.shape[:-1])
+
+
+def softmax_forward(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension in fp32: x (..., width) -> (..., width) fp32."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape, device=x.device, dtype=torch.float32)
+    _launch_rows(_softmax_kernel, rows, out)
+    return out.view(x.shape)
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    normed = x32 / torch.sqrt((x32 * x32).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def _logsumexp_reference(x: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(x.to(torch.float32), dim=-1)
+
+
+def _softmax_reference(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x.to(torch.float32), dim=-1)
+
+
+class RowFunction(torch.autograd.Function):
+    """A row kernel's forward; the backward of its reference in plain torch ops, recomputed
+    (deterministic library reductions, not batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, forward, reference, x, weight, *extra):
+        ctx.reference, ctx.extra = reference, extra
+        ctx.has_weight = weight is not None
+        ctx.save_for_backward(x, *([weight] if weight is not None else []))
+        return forward(x, weight, *extra) if weight is not None else forward(x, *extra)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2:2 + len(saved)]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, needs)]
+        with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
+            out = ctx.reference(*inputs, *ctx.extra)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
+        per_input = [next(grads) if t.requires_grad else None for t in inputs]
+        if not ctx.has_weight:
+            per_input.append(None)
+        return (None, None, *per_input, *(None for _ in ctx.extra))
+
+
+def _differentiable(forward, reference, x: torch.Tensor, weight: Optional[torch.Tensor], *extra):
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return RowFunction.apply(forward, reference, x, weight, *extra)
+    return forward(x, weight, *extra) if weight is not None else forward(x, *extra)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``batch_invariant.rms_norm`` on CUDA (``_rms_norm_kernel``). Differentiable."""
+    return _differentiable(rms_norm_forward, _rms_norm_reference, x, weight, float(eps))
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``batch_invariant.logsumexp`` on CUDA for fp32/bf16/fp16 rows (``_logsumexp_kernel``). Differentiable."""
+    return _differentiable(logsumexp_forward, _logsumexp_reference, x, None)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """``batch_invariant.softmax`` on CUDA for fp32/bf16/fp16 rows (``_softmax_kernel``). Differentiable."""
+    return _differentiable(softmax_forward, _softmax_reference, x, None)
