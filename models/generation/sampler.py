@@ -46,7 +46,12 @@ default, replayed as a CUDA graph (``mode="reduce-overhead"``); the sampling rul
 top-p's cut and the draw: Triton kernels where Triton is installed, models/generation/nucleus.py;
 the model's ``Numerics`` picks them)
 is captured as a second graph. The prefill's forward (``prefill_rows`` x ``prefill_chunk``)
-is compiled and replayed as a graph with its own memory pool. A refill point waits for the
+is compiled and replayed as a graph with its own memory pool. Under ``Numerics.batch_invariant``
+nothing is compiled (the compiler would replace the batch-invariant kernels with its own): the
+same forwards and the whole refill decode step are captured as they run eagerly
+(``CapturedGraph``), the kernels the graph replays being the ones the eager step launched, so a
+replayed step computes the eager step's bits; a model with mixtures of experts stays eager there
+(its batch-invariant expert loop reads each expert's token count on the host). A refill point waits for the
 device once, for done flags fetched a step before it (so the device runs that step
 meanwhile); what it sends and fetches goes in page-locked copies that do not, and with
 ``prefill_ahead`` the next pending prompts wait prefilled in a staging pool, filled on a
@@ -330,8 +335,10 @@ class Sampler:
     (default: 16, at most max_batch) is the rows of every prefill forward: a shape, so it is one
     of the settings a sample depends on.
 
-    ``compile`` (default: on CUDA) compiles the decode step with static shapes;
-    ``cuda_graphs`` (default: with compile on CUDA) replays it as a CUDA graph.
+    ``compile`` (default: on CUDA, but not under ``Numerics.batch_invariant``) compiles the decode
+    step with static shapes; ``cuda_graphs`` (default: with compile on CUDA, and under
+    ``batch_invariant`` on CUDA for a model without experts, ``eager_graphs``) replays it as a CUDA
+    graph: torch.compile's where compiled, else the eager forward's launches, captured once.
     """
 
     def __init__(
@@ -381,9 +388,11 @@ class Sampler:
         # Where prompts are prefilled ahead on CUDA: their stream, beside the decode steps'.
         self._side = torch.cuda.Stream(self.device) if on_cuda and self.prefill_ahead else None
         # The batch-invariant kernels (models/batch_invariant.py) run eagerly: their function mode
-        # is not one torch.compile traces, and their fixed-shape loops gain nothing from graphs.
+        # is not one torch.compile traces. Their launches are captured as a graph instead.
         self.compile = (on_cuda and not self.numerics.batch_invariant) if compile is None else compile
-        self.cuda_graphs = (self.compile and on_cuda) if cuda_graphs is None else cuda_graphs
+        if cuda_graphs is None:
+            cuda_graphs = on_cuda and (self.compile or eager_graphs(model))
+        self.cuda_graphs = cuda_graphs
         # Slots rounded up to whole prefill chunks: chunk positions never leave the cache.
         slots = math.ceil(max_len / self.prefill_chunk) * self.prefill_chunk
         self.prefill_rows = prefill_rows
@@ -393,7 +402,7 @@ class Sampler:
             self.prefill_cache = cache_for(spec, batch=prefill_rows, slots=slots)
             # Prompts prefilled ahead wait here (StagingPool) for the refill points that take them.
             self.pool = cache_for(spec, batch=2 * prefill_rows, slots=slots) if self.prefill_ahead else None
-        if self.cuda_graphs:
+        if self.compile and self.cuda_graphs:
             for buffer in self.cache.tensors() + self.prefill_cache.tensors():
                 torch._dynamo.mark_static_address(buffer)
             for cache in (self.cache, self.prefill_cache):
@@ -908,17 +917,19 @@ class Sampler:
         def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return self._forward(ModelInputs(ids, positions), self.prefill_cache)
 
-        if self.compile and self.cuda_graphs:
-            self._prefill_chunk_forward = CapturedGraph(torch.compile(forward, fullgraph=True, dynamic=False))
+        if self.cuda_graphs:
+            self._prefill_chunk_forward = CapturedGraph(
+                torch.compile(forward, fullgraph=True, dynamic=False) if self.compile else forward)
         else:
             self._prefill_chunk_forward = self._compiled(forward)
         return self._prefill_chunk_forward
 
     def _compiled(self, forward: Callable) -> Callable:
         """A model forward of static shapes as the Sampler runs it: compiled where ``compile``, and
-        replayed as a CUDA graph where ``cuda_graphs``; as it is otherwise."""
+        replayed as a CUDA graph where ``cuda_graphs`` (torch.compile's, or without compile the eager
+        forward captured, ``CapturedGraph``); as it is otherwise."""
         if not self.compile:
-            return forward
+            return CapturedGraph(forward) if self.cuda_graphs else forward
         compiled = torch.compile(forward, mode="reduce-overhead" if self.cuda_graphs else "default",
                                  fullgraph=True, dynamic=False)
         if not self.cuda_graphs:
@@ -935,7 +946,7 @@ class Sampler:
         if self._rows is None:
             # The longest budget a prompt (of at least one token) leaves within max_len.
             self._rows = RowState(self.max_batch, self.max_len - 1, self.device)
-            if self.cuda_graphs:
+            if self.compile and self.cuda_graphs:
                 self._rows.compile()
         self._rows.reset()
         return self._rows
@@ -960,7 +971,8 @@ class Sampler:
             def step() -> None:
                 state.advance(*decode(*state.inputs(slots)), stops)
         else:
-            logits = torch.compile(self._decode_forward, fullgraph=True, dynamic=False)
+            logits = (torch.compile(self._decode_forward, fullgraph=True, dynamic=False) if self.compile
+                      else self._decode_forward)
             rule = self._rule(key)
 
             def whole() -> None:
@@ -1017,6 +1029,15 @@ class Sampler:
 
         self._decode_steps[key] = step
         return step
+
+
+def eager_graphs(model: GenerationModel) -> bool:
+    """Whether the Sampler replays ``model``'s uncompiled forwards as CUDA graphs by default: under
+    ``Numerics.batch_invariant`` (which compiles nothing), for a model whose parallel plan declares
+    no experts. A mixture's batch-invariant expert loop (models/qwen3_moe/moe.py) splits its tokens
+    by counts it reads on the host, which a captured graph would replay as they were at the capture."""
+    plan = getattr(model, "parallel_plan", None)
+    return model.numerics.batch_invariant and not (plan is not None and plan.has_experts)
 
 
 def _rule_key(params: SamplingParams) -> SamplingParams:

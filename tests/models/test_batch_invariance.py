@@ -145,6 +145,37 @@ def test_without_triton_the_cuda_kernels_refuse_with_the_key_to_fix(monkeypatch)
     assert raised.value.context["key"] == "determinism.batch_invariant" and "pip install triton" in raised.value.hint
 
 
+def test_on_cuda_the_row_reductions_are_the_triton_kernels_and_fp64_stays_on_the_trees(monkeypatch):
+    """The norm, the log-partition (and so ``token_logprobs``) and the softmax dispatch to
+    models/batch_invariant_triton.py's row kernels where the tensors are on CUDA; fp64 keeps the tree
+    sums (the kernels compute in fp32). Here the CUDA side is a stand-in that records its calls."""
+    import types
+
+    calls = []
+
+    def kernel(name):
+        def run(x, *args):
+            calls.append(name)
+            return torch.full(x.shape[:-1] if name == "logsumexp" else x.shape, float(len(calls)))
+        return run
+
+    monkeypatch.setattr(batch_invariant, "_on_cuda", lambda x: True)
+    monkeypatch.setattr(batch_invariant, "_cuda_kernels", lambda: types.SimpleNamespace(
+        rms_norm=kernel("rms_norm"), logsumexp=kernel("logsumexp"), softmax=kernel("softmax")))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(batch_invariant.rms_norm(x, torch.ones(8), 1e-6), torch.full((3, 8), 1.0))
+    assert torch.equal(batch_invariant.logsumexp(x.bfloat16()), torch.full((3,), 2.0))
+    assert torch.equal(batch_invariant.softmax(x), torch.full((3, 8), 3.0))
+    tokens = torch.tensor([0, 5, 7])
+    picked = x.gather(-1, tokens[:, None])[:, 0]
+    assert torch.equal(batch_invariant.token_logprobs(x, tokens), picked - 4.0)
+    assert calls == ["rms_norm", "logsumexp", "softmax", "logsumexp"]
+    x64 = x.double()
+    assert torch.equal(batch_invariant.logsumexp(x64), batch_invariant._logsumexp_by_trees(x64))
+    assert torch.equal(batch_invariant.softmax(x64), batch_invariant._softmax_by_trees(x64))
+    assert len(calls) == 4
+
+
 def test_batch_invariance_needs_bitwise_mode():
     with pytest.raises(ConfigError, match="determinism.batch_invariant"):
         Numerics(mode="fast", batch_invariant=True)
@@ -242,6 +273,20 @@ def test_the_sampler_log_probs_are_the_trainer_log_probs(model_config, params, m
             for i, (prompt, sample) in enumerate(zip(prompts, samples)):
                 picked = trainer[i, len(prompt) - 1:len(prompt) - 1 + len(sample.tokens)]
                 assert torch.equal(picked, torch.tensor(sample.logprobs, dtype=torch.float32))
+
+
+def test_on_cuda_the_sampler_replays_the_eager_forwards_as_graphs_but_not_a_mixture_s():
+    """Under batch_invariant nothing is compiled; the Sampler's default replays the eager decode step
+    as a CUDA graph (``eager_graphs``), except for a model whose plan declares experts: its expert
+    loop reads token counts on the host, which a graph would replay frozen. The stock numerics leave
+    graphs to torch.compile."""
+    from models.generation.sampler import eager_graphs
+
+    assert eager_graphs(_model(QWEN3)) and eager_graphs(_model(QWEN2))
+    assert not eager_graphs(_model(MOE))
+    assert not eager_graphs(_model(QWEN3, Numerics()))
+    sampler = Sampler(_model(QWEN3), max_batch=2, max_len=16)  # on the CPU: neither compiled nor graphed
+    assert not sampler.compile and not sampler.cuda_graphs
 
 
 def _routes(model: torch.nn.Module, forwards) -> list[list[torch.Tensor]]:
