@@ -1,7 +1,7 @@
 """The batch-invariant kernels on one CUDA GPU (``determinism.batch_invariant``): the chain, exact, and its cost.
 
     python benchmarks/batch_invariant_gpu.py --out bench_out/batch_invariant_gpu.json \
-        [--parts chain,kernels,sampler,grpo] [--grpo-steps 4] [--grpo-timeout 300] [--work /tmp/lockstep-bi]
+        [--parts chain,kernels,sampler,logprobs,grpo] [--grpo-steps 3] [--grpo-timeout 300] [--work /tmp/lockstep-bi]
     python benchmarks/batch_invariant_gpu.py --out bench_out/bi-cpu.json --parts grpo --grpo-steps 2 \
         --grpo-config tests/configs/e2e-grpo.yaml --set parallel.device=cpu   # the GRPO part, CPU smoke
 
@@ -18,30 +18,47 @@
      every token's output the same bits in all six. Two dtype cases: the bf16 autocast trainer's
      (q and k fp32 after the rotary, v bf16, an fp32 cache) and bf16 throughout (FSDP2's bf16
      parameters, a bf16 cache).
+   - ``rows``: the row reductions (the norm over the hidden size in fp32 and bf16 and over a head,
+     the log-partition over the vocabulary of fp32 and bf16 logits, a softmax over 128 experts): a
+     row among 1, 7, 64 and 1000 rows, moved to row 500, and read through a view starting at row 3.
    - ``control``: the same comparisons with the stock kernels (``F.linear``'s cuBLAS; SDPA in
-     training, the cached path's SDPA or fp32 matmuls in the cache): they break.
+     training, the cached path's SDPA or fp32 matmuls in the cache; torch's mean, logsumexp and
+     softmax); and the row kernels' largest difference from the stock ones.
 2. ``kernels``: forward times (CUDA events, median of 20) of the invariant kernels and the stock
-   ones at the GRPO recipe's sizes.
-3. ``sampler``: the Sampler alone at the Qwen3-0.6B shape (random weights, bf16 parameters and no
-   autocast as under the recipe's FSDP2 policy, 128 rows of 20-59 random prompt tokens, 64 new
-   tokens each at temperature 1, 192 slots): two timed ``generate`` calls (the first compiles the
-   Triton kernels), then one under torch's profiler, whose 12 busiest operators by host time and
-   its launch count are reported.
-4. ``grpo``: configs/qwen3-0.6b-grpo.yaml from random weights (``model.init_from=null``, the byte
+   ones at the GRPO recipe's sizes; for the row reductions also the tree sums they replaced
+   (models/batch_invariant.py's ``_*_by_trees``), and each one's kernel launches per call.
+3. ``sampler``: the recipe's rollouts alone, at the Qwen3-0.6B shape (random weights, bf16
+   parameters and no autocast as under the recipe's FSDP2 policy, the run's bitwise switches):
+   ``--sampler-rows`` rows (16, the recipe's) over 512 slots, ``--sampler-prompts`` prompts (128, a
+   step's) of 20-59 random tokens, 64 new tokens each at temperature 1. Two timed ``generate``
+   calls of the default sampler (CUDA graphs of the eager forwards; the first captures them), one
+   round of rows eagerly (its samples must equal the graphed ones) and eagerly with the tree
+   reductions (the previous path), one graphed call under torch's profiler (GPU time by kernel,
+   launches), and the trainer's log-probs of every sampled token (prompt + completion rows of 512,
+   micro-batches of 16, the fused head) against the sampler's: ``torch.equal``.
+4. ``logprobs``: a step's log-prob passes at the recipe's size (128 rows of 512 random tokens,
+   micro-batches of 16, the fused head, fp32 parameters under bf16 autocast), eager, with
+   batch_invariant on and off: the reference pass (no gradients) and the update's forward and backward.
+5. ``grpo``: configs/qwen3-0.6b-grpo.yaml from random weights (``model.init_from=null``, the byte
    tokenizer), ``objective.grpo.max_new_tokens=64``, ``--grpo-steps`` steps, no checkpoints or
    evaluation, with ``determinism.batch_invariant`` true and then false: each step's time, its
-   phases and ``logprob_parity`` from the run's ledger and metrics.
+   phases and ``logprob_parity`` from the run's ledger and metrics, and the ratio of the median
+   step times from step 2 (step 1 compiles).
 
-Prints a table and writes ``--out`` after each part (a call cut short keeps what finished). Exit 1 if
-a chain comparison failed or a run with batch_invariant on wrote a nonzero ``logprob_parity``.
-Needs a CUDA device, Triton, and for ``grpo`` the embedded tasks (datasets/tasks, ``python -m data
-prepare``) in the repository root.
+The parts run in the order chain, sampler, grpo, kernels, logprobs. Prints a table and writes
+``--out`` after each part (a call cut short keeps what finished); a part that raises is recorded
+with its error and the next one runs. Exit 1 if a part failed, a chain comparison failed, the
+sampler's samples or log-probs broke an equality above, or a run with batch_invariant on wrote a
+nonzero ``logprob_parity``. Needs a CUDA device, Triton, and for ``grpo``
+the embedded tasks (datasets/tasks, ``python -m data prepare``) in the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -60,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 from models import attention, batch_invariant  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 16, 8, 128, 1024
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 16, 8, 128, 1024, 151936
 WEIGHTS = {"q_proj": (2048, 1024), "gate_proj": (3072, 1024), "down_proj": (1024, 3072), "lm_head": (151936, 1024)}
 DOC_LENGTHS = (1, 5, 17, 33, 64, 100, 129, 200)
 ATTENTION_CASES = {  # name: (q and k dtype, v dtype, cache dtype)
@@ -207,10 +224,65 @@ def attention_chain(case: str, invariant: bool) -> dict[str, Any]:
     return result
 
 
+def _stock_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """models/qwen/model.py's RMSNorm outside batch_invariant."""
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _row_cases(invariant: bool) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int, torch.dtype]]:
+    """name: (function of (rows, width) -> per-row result, width, input dtype), the recipe's row reductions."""
+    generator = torch.Generator(device=CUDA).manual_seed(5)
+    hidden_weight = 1 + 0.1 * torch.randn(HIDDEN, device=CUDA, generator=generator)
+    head_weight = 1 + 0.1 * torch.randn(HEAD_DIM, device=CUDA, generator=generator)
+    norm = batch_invariant.rms_norm if invariant else _stock_rms_norm
+    lse = batch_invariant.logsumexp if invariant else (lambda x: torch.logsumexp(x.float(), dim=-1))
+    soft = batch_invariant.softmax if invariant else (lambda x: torch.softmax(x.float(), dim=-1))
+    return {
+        # The residual stream under bf16 autocast (fp32 rows, fp32 weight) and under FSDP2's policy (bf16).
+        "rms_norm hidden fp32": (lambda x: norm(x, hidden_weight, 1e-6), HIDDEN, torch.float32),
+        "rms_norm hidden bf16": (lambda x: norm(x, hidden_weight.bfloat16(), 1e-6), HIDDEN, torch.bfloat16),
+        # q/k norm over a head: bf16 projections, fp32 weight (autocast).
+        "rms_norm head bf16/fp32": (lambda x: norm(x, head_weight, 1e-6), HEAD_DIM, torch.bfloat16),
+        "logsumexp vocab fp32": (lse, VOCAB, torch.float32),
+        "logsumexp vocab bf16": (lse, VOCAB, torch.bfloat16),
+        "softmax 128 experts": (soft, 128, torch.float32),
+    }
+
+
+def rows_chain(invariant: bool) -> dict[str, Any]:
+    """Each row reduction's rows among 1, 7, 64 and 1000 rows, moved to row 500 and read through a
+    view that starts at row 3 (another address), against the 1000-row call's."""
+    generator = torch.Generator(device=CUDA).manual_seed(6)
+    results = {}
+    with torch.no_grad():
+        for name, (fn, width, dtype) in _row_cases(invariant).items():
+            x = (4 * torch.randn(1000, width, device=CUDA, generator=generator)).to(dtype)
+            full = fn(x)
+            same = {str(rows): torch.equal(fn(x[:rows]), full[:rows]) for rows in (1, 7, 64)}
+            same["moved_to_row_500"] = torch.equal(fn(x.roll(500, 0))[500], full[0])
+            same["view_from_row_3"] = torch.equal(fn(x[3:]), full[3:])
+            results[name] = same
+    return results
+
+
+def row_gaps() -> dict[str, float]:
+    """The row kernels against the stock torch ones on the same 1000 rows: max |difference|."""
+    generator = torch.Generator(device=CUDA).manual_seed(7)
+    gaps = {}
+    with torch.no_grad():
+        for (name, (fn, width, dtype)), (_, (stock, _, _)) in zip(_row_cases(True).items(), _row_cases(False).items()):
+            x = (4 * torch.randn(1000, width, device=CUDA, generator=generator)).to(dtype)
+            gaps[name] = (fn(x).float() - stock(x).float()).abs().max().item()
+    return gaps
+
+
 def run_chain() -> dict[str, Any]:
-    chain = {"linear": linear_chain(True), "attention": {c: attention_chain(c, True) for c in ATTENTION_CASES}}
-    control = {"linear": linear_chain(False), "attention": {c: attention_chain(c, False) for c in ATTENTION_CASES}}
-    return {"invariant": chain, "control_stock_kernels": control}
+    chain = {"linear": linear_chain(True), "attention": {c: attention_chain(c, True) for c in ATTENTION_CASES},
+             "rows": rows_chain(True)}
+    control = {"linear": linear_chain(False), "attention": {c: attention_chain(c, False) for c in ATTENTION_CASES},
+               "rows": rows_chain(False)}
+    return {"invariant": chain, "control_stock_kernels": control, "rows_max_abs_vs_stock": row_gaps()}
 
 
 def _booleans(tree) -> list[bool]:
@@ -238,9 +310,51 @@ def _time_ms(fn: Callable[[], Any], repeats: int = 20) -> float:
     return round(statistics.median(times), 4)
 
 
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+"""The host calls that launch a kernel, as torch's profiler names them."""
+
+
+def _launches(fn: Callable[[], Any]) -> int:
+    """Kernel launches of one call of ``fn`` (after a warm-up call), counted by torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
+
+
+def run_row_times() -> dict[str, Any]:
+    """The row reductions at the recipe's sizes: the Triton kernels, the tree sums they replace (the
+    previous CUDA path, models/batch_invariant.py's ``_*_by_trees``) and the stock torch ones."""
+    generator = torch.Generator(device=CUDA).manual_seed(8)
+    weight = torch.ones(HIDDEN, device=CUDA)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for rows in (16, 8192):
+            x = torch.randn(rows, HIDDEN, device=CUDA, generator=generator)
+            variants = {"invariant": lambda: batch_invariant.rms_norm(x, weight, 1e-6),
+                        "trees": lambda: batch_invariant._rms_norm_by_trees(x, weight, 1e-6),
+                        "stock": lambda: _stock_rms_norm(x, weight, 1e-6)}
+            out[f"rms_norm {rows} x {HIDDEN} fp32"] = {
+                **{f"{k}_ms": _time_ms(f) for k, f in variants.items()},
+                **{f"{k}_launches": _launches(f) for k, f in variants.items()}}
+        for rows in (16, 4096):
+            x = torch.randn(rows, VOCAB, device=CUDA, generator=generator)
+            variants = {"invariant": lambda: batch_invariant.logsumexp(x),
+                        "trees": lambda: batch_invariant._logsumexp_by_trees(x),
+                        "stock": lambda: torch.logsumexp(x, dim=-1)}
+            out[f"logsumexp {rows} x {VOCAB} fp32"] = {
+                **{f"{k}_ms": _time_ms(f) for k, f in variants.items()},
+                **{f"{k}_launches": _launches(f) for k, f in variants.items()}}
+    return out
+
+
 def run_kernel_times() -> dict[str, Any]:
     generator = torch.Generator(device=CUDA).manual_seed(4)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = run_row_times()
     backends = [torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
     with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
         for rows, (name, shape) in ((16384, ("gate_proj", WEIGHTS["gate_proj"])), (128, ("gate_proj", WEIGHTS["gate_proj"])),
@@ -286,43 +400,173 @@ def run_kernel_times() -> dict[str, Any]:
 # ---------------------------------------------------------------------------- 3. the sampler
 
 
-def run_sampler(rows: int = 128, new_tokens: int = 64) -> dict[str, Any]:
+def _qwen3(dtype: torch.dtype, numerics) -> torch.nn.Module:
+    """Qwen3-0.6B's shape from random weights (seed 0) on the GPU in ``dtype``, under ``numerics``."""
     import models
     from core.config import ModelConfig
-    from models.generation.sampler import SampleKey, Sampler, SamplingParams
-    from models.numerics import Numerics
-    from torch.profiler import ProfilerActivity, profile
 
-    config = ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=HIDDEN, intermediate_size=3072, num_layers=28,
+    config = ModelConfig(arch="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3072, num_layers=28,
                          num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=1e6, rms_norm_eps=1e-6,
                          tie_embeddings=True, qk_norm=True, attention="sdpa")
-    model = models.build(config, generator=torch.Generator().manual_seed(0)).eval().to(CUDA, torch.bfloat16)
-    model.use_numerics(Numerics(batch_invariant=True, precision="bf16", wrapper_casts=True))
+    model = models.build(config, generator=torch.Generator().manual_seed(0)).to(CUDA, dtype)
+    model.use_numerics(numerics)
+    return model
+
+
+@contextlib.contextmanager
+def _tree_row_reductions():
+    """The previous CUDA path, for comparison: the norm, log-partition and softmax by tree sums (one
+    launch per level, models/batch_invariant.py's ``_*_by_trees``) instead of the Triton row kernels."""
+    from models import batch_invariant_triton as kernels
+
+    kept = kernels.rms_norm, kernels.logsumexp, kernels.softmax
+    kernels.rms_norm = batch_invariant._rms_norm_by_trees
+    kernels.logsumexp = batch_invariant._logsumexp_by_trees
+    kernels.softmax = batch_invariant._softmax_by_trees
+    try:
+        yield
+    finally:
+        kernels.rms_norm, kernels.logsumexp, kernels.softmax = kept
+
+
+def run_sampler(rows: int, prompts_count: int, new_tokens: int = 64, max_len: int = 512) -> dict[str, Any]:
+    """The GRPO recipe's rollouts alone: its ``rows`` sampler rows over ``max_len`` slots, ``prompts_count``
+    random prompts of 20-59 tokens, ``new_tokens`` each at temperature 1; Qwen3-0.6B's shape in bf16
+    without autocast (the recipe's FSDP2 policy), the run's process-wide switches (bitwise)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from models.generation.sampler import SampleKey, Sampler, SamplingParams
+    from models.numerics import Numerics
+    from training import determinism
+    from training.objectives.token_logps import linear_token_logps
+
+    numerics = Numerics(batch_invariant=True, precision="bf16", wrapper_casts=True)
+    determinism.configure(numerics, CUDA)
+    model = _qwen3(torch.bfloat16, numerics).eval()
     generator = torch.Generator().manual_seed(1)
-    lengths = torch.randint(20, 60, (rows,), generator=generator).tolist()
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
-    keys = [SampleKey(seed=0, purpose="bench", step=0, prompt_index=i) for i in range(rows)]
+    lengths = torch.randint(20, 60, (prompts_count,), generator=generator).tolist()
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    keys = [SampleKey(seed=0, purpose="bench", step=0, prompt_index=i) for i in range(prompts_count)]
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-    sampler = Sampler(model, max_batch=rows, max_len=192)
 
-    def timed() -> tuple[float, int]:
-        began = time.perf_counter()
-        samples = sampler.generate(prompts, keys, params)
+    def timed(sampler: Sampler, count: int) -> tuple[float, list]:
         torch.cuda.synchronize()
-        return round(time.perf_counter() - began, 2), sum(len(s.tokens) for s in samples)
+        began = time.perf_counter()
+        samples = sampler.generate(prompts[:count], keys[:count], params)
+        torch.cuda.synchronize()
+        return round(time.perf_counter() - began, 3), samples
 
-    first, _ = timed()
-    second, tokens = timed()
+    def per_step_ms(seconds: float, samples: list) -> float:  # decode steps: the tokens over the rows
+        return round(1e3 * seconds / math.ceil(sum(len(s.tokens) for s in samples) / rows), 3)
+
+    report: dict[str, Any] = {"rows": rows, "prompts": prompts_count, "new_tokens": new_tokens, "max_len": max_len}
+    graphed = Sampler(model, max_batch=rows, max_len=max_len)
+    report["graphed_by_default"] = graphed.cuda_graphs and not graphed.compile
+    first, _ = timed(graphed, prompts_count)
+    seconds, samples = timed(graphed, prompts_count)
+    report["graphed"] = {"first_generate_s": first, "generate_s": seconds, "tokens": sum(len(s.tokens) for s in samples),
+                         "per_decode_step_ms": per_step_ms(seconds, samples)}
+    # The same samples eagerly (one round of rows): a graph replays the eager launches, so the same bits.
+    eager = Sampler(model, max_batch=rows, max_len=max_len, cuda_graphs=False)
+    timed(eager, rows)
+    seconds, alone = timed(eager, rows)
+    report["eager"] = {"prompts": rows, "generate_s": seconds, "per_decode_step_ms": per_step_ms(seconds, alone),
+                       "samples_equal_graphed": all(a.tokens == b.tokens and a.logprobs == b.logprobs
+                                                    for a, b in zip(alone, samples))}
+    with _tree_row_reductions():
+        timed(eager, rows)
+        seconds, trees = timed(eager, rows)
+    report["eager_tree_reductions"] = {"prompts": rows, "generate_s": seconds, "per_decode_step_ms": per_step_ms(seconds, trees)}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        timed()
+        timed(graphed, prompts_count)
     averages = prof.key_averages()
-    busiest = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
-    return {"first_generate_s": first, "generate_s": second, "tokens": tokens,
-            "host_s": round(sum(e.self_cpu_time_total for e in averages) / 1e6, 2),
-            "device_s": round(sum(e.self_device_time_total for e in averages) / 1e6, 2),
-            "launches": sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx")),
-            "busiest_by_host_time": [{"op": e.key, "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3, 1)}
-                                     for e in busiest]}
+    busiest = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:10]
+    report["graphed_profile"] = {
+        "device_s": round(sum(e.self_device_time_total for e in averages) / 1e6, 3),
+        "launches": sum(e.count for e in averages if e.key in LAUNCHES),
+        "graph_launches": sum(e.count for e in averages if e.key == "cudaGraphLaunch"),
+        "busiest_by_device_time": [{"op": e.key[:80], "calls": e.count, "device_ms": round(e.self_device_time_total / 1e3, 1)}
+                                   for e in busiest]}
+    # The trainer's log-probs of the sampled tokens (the recipe's rows: prompt + completion padded to
+    # max_len, micro-batches of ``rows``, the fused head) against the sampler's, bitwise.
+    equal, gap = True, 0.0
+    with torch.no_grad():
+        for first_row in range(0, prompts_count, rows):
+            group = range(first_row, min(first_row + rows, prompts_count))
+            ids = torch.zeros(len(group), max_len, dtype=torch.long)
+            labels = torch.full_like(ids, -100)
+            for r, i in enumerate(group):
+                sequence = prompts[i] + samples[i].tokens
+                ids[r, :len(sequence)] = torch.tensor(sequence)
+                labels[r, len(prompts[i]) - 1:len(sequence) - 1] = torch.tensor(samples[i].tokens)
+            labels = labels.to(CUDA)
+            out = models_forward(model, ids.to(CUDA), head=lambda h, w: linear_token_logps(
+                h, w, labels, chunk_tokens=8192, invariant=True))
+            for r, i in enumerate(group):
+                begin = len(prompts[i]) - 1
+                trainer = out[r, begin:begin + len(samples[i].tokens)].cpu()
+                sampled = torch.tensor(samples[i].logprobs, dtype=torch.float32)
+                equal &= torch.equal(trainer, sampled)
+                gap = max(gap, (trainer - sampled).abs().max().item())
+    report["trainer_logprobs_equal_sampler"] = equal
+    report["trainer_logprobs_max_abs_gap"] = gap
+    return report
+
+
+def models_forward(model: torch.nn.Module, ids: torch.Tensor, head: Callable) -> torch.Tensor:
+    """The model's one forward (models.model_forward) over (B, T) ids with a fused head: the head's result."""
+    from models import ModelInputs, model_forward
+
+    return model_forward(model, ModelInputs(ids), head=head).head
+
+
+def run_logprob_passes(rows: int = 128, seq_len: int = 512, micro: int = 16) -> dict[str, Any]:
+    """A GRPO step's log-prob passes at the recipe's size (``rows`` rows of ``seq_len`` random tokens,
+    micro-batches of ``micro``, the fused head), with batch_invariant on and off, eager, one model: the
+    reference pass (no gradients) and the update's forwards and backwards. fp32 parameters under bf16
+    autocast. Each timed after one micro-batch's warm-up (the kernels of these shapes compile)."""
+    from models.numerics import Numerics
+    from training import determinism
+    from training.objectives.token_logps import linear_token_logps
+
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (rows, seq_len), generator=generator).to(CUDA)
+    labels = ids.roll(-1, dims=1)
+    out: dict[str, Any] = {"rows": rows, "seq_len": seq_len, "micro_batch": micro}
+    model = None
+    for invariant in (True, False):
+        numerics = Numerics(batch_invariant=invariant, precision="bf16")
+        determinism.configure(numerics, CUDA)
+        if model is None:
+            model = _qwen3(torch.float32, numerics)
+        model.use_numerics(numerics)
+
+        def logps(start: int, invariant=invariant, numerics=numerics) -> torch.Tensor:
+            part = slice(start, start + micro)
+            with numerics.autocast(CUDA):
+                return models_forward(model, ids[part], head=lambda h, w: linear_token_logps(
+                    h, w, labels[part], chunk_tokens=8192, invariant=invariant, compute_dtype=torch.bfloat16))
+
+        def reference(starts) -> None:
+            with torch.no_grad():
+                for start in starts:
+                    logps(start)
+
+        def update(starts) -> None:
+            for start in starts:
+                logps(start).sum().backward()
+
+        timings = {}
+        for name, fn in (("reference_pass", reference), ("update_forward_backward", update)):
+            fn([0])
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            fn(range(0, rows, micro))
+            torch.cuda.synchronize()
+            timings[f"{name}_s"] = round(time.perf_counter() - began, 3)
+        out["on" if invariant else "off"] = timings
+        model.zero_grad(set_to_none=True)
+    return out
 
 
 # ---------------------------------------------------------------------------- 4. GRPO steps
@@ -384,20 +628,62 @@ def environment() -> dict[str, Any]:
             "triton": triton.__version__, "commit": commit or None}
 
 
+def _print_chain(chain: dict[str, Any]) -> bool:
+    invariant = _booleans(chain["invariant"])
+    control = _booleans(chain["control_stock_kernels"])
+    print(f"chain (torch.equal): {sum(invariant)} of {len(invariant)} comparisons equal with the invariant "
+          f"kernels, {sum(control)} of {len(control)} with the stock ones")
+    for part in ("invariant", "control_stock_kernels"):
+        for group, cases in chain[part].items():
+            for case, checks in cases.items():
+                print(f"  {part:22s} {group:9s} {case:24s} " + " ".join(f"{k}={v}" for k, v in checks.items()))
+    print("  row kernels against the stock ones, max |difference|: "
+          + ", ".join(f"{k} {v:.3g}" for k, v in chain["rows_max_abs_vs_stock"].items()))
+    return all(invariant)
+
+
+def _print_kernels(kernels: dict[str, Any]) -> None:
+    print(f"{'kernel (median of 20, ms)':55s} {'invariant':>10s} {'trees':>8s} {'stock':>10s} {'ratio':>7s} launches")
+    for name, times in kernels.items():
+        trees = f"{times['trees_ms']:8.3f}" if "trees_ms" in times else " " * 8
+        launches = (f"{times['invariant_launches']}/{times['trees_launches']}/{times['stock_launches']}"
+                    if "trees_launches" in times else "")
+        print(f"{name:55s} {times['invariant_ms']:10.3f} {trees} {times['stock_ms']:10.3f} "
+              f"{times['invariant_ms'] / times['stock_ms']:7.2f} {launches}")
+
+
+def _print_sampler(sampler: dict[str, Any]) -> bool:
+    graphed, eager, trees = sampler["graphed"], sampler["eager"], sampler["eager_tree_reductions"]
+    print(f"sampler ({sampler['rows']} rows, {sampler['prompts']} prompts x {sampler['new_tokens']} tokens, "
+          f"{sampler['max_len']} slots): graphed {graphed['generate_s']} s ({graphed['per_decode_step_ms']} ms a "
+          f"decode step; first call {graphed['first_generate_s']} s), eager {eager['per_decode_step_ms']} ms a step, "
+          f"eager with tree reductions {trees['per_decode_step_ms']} ms a step; eager samples == graphed: "
+          f"{eager['samples_equal_graphed']}; trainer log-probs == sampler's: {sampler['trainer_logprobs_equal_sampler']} "
+          f"(max gap {sampler['trainer_logprobs_max_abs_gap']})")
+    profile = sampler["graphed_profile"]
+    print(f"  graphed, profiled: {profile['device_s']} s of GPU time, {profile['launches']} kernel launches, "
+          f"{profile['graph_launches']} graph launches")
+    for row in profile["busiest_by_device_time"]:
+        print(f"  {row['op']:60s} {row['calls']:8d} calls {row['device_ms']:10.1f} ms GPU")
+    return sampler["trainer_logprobs_equal_sampler"] and eager["samples_equal_graphed"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", default="chain,kernels,sampler,grpo",
-                        help="comma-separated: chain, kernels, sampler, grpo")
+    parser.add_argument("--parts", default="chain,kernels,sampler,logprobs,grpo",
+                        help="comma-separated: chain, kernels, sampler, logprobs, grpo")
+    parser.add_argument("--sampler-rows", type=int, default=16, help="the sampler's rows (the recipe's rollout rows)")
+    parser.add_argument("--sampler-prompts", type=int, default=128, help="prompts of the sampler part (a step's)")
     parser.add_argument("--grpo-config", default="configs/qwen3-0.6b-grpo.yaml")
-    parser.add_argument("--grpo-steps", type=int, default=4)
+    parser.add_argument("--grpo-steps", type=int, default=3)
     parser.add_argument("--grpo-timeout", type=float, default=300.0, help="seconds per GRPO run")
     parser.add_argument("--set", action="append", default=[], help="another override of both GRPO runs")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lockstep-batch-invariant"))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if parts & {"chain", "kernels", "sampler"} and not torch.cuda.is_available():
-        print("batch_invariant_gpu.py: the chain, kernels and sampler parts need a CUDA device", file=sys.stderr)
+    if parts & {"chain", "kernels", "sampler", "logprobs"} and not torch.cuda.is_available():
+        print("batch_invariant_gpu.py: the chain, kernels, sampler and logprobs parts need a CUDA device", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"environment": environment() if torch.cuda.is_available() else {}}
@@ -406,47 +692,51 @@ def main() -> int:
     def save() -> None:
         args.out.write_text(json.dumps(report, indent=1))
 
-    if "chain" in parts:
+    def part(name: str, run: Callable[[], Any], show: Callable[[Any], Any]) -> None:
+        """Run one part; one that raises is recorded with its error (and fails the call), the others still run."""
+        nonlocal failed
+        if name not in parts:
+            return
         began = time.monotonic()
-        report["chain"] = run_chain()
-        report["chain"]["seconds"] = round(time.monotonic() - began, 1)
+        try:
+            report[name] = run()
+        except Exception as error:  # a part's failure is reported, not fatal to the parts after it
+            report[name] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"{name}: FAILED: {type(error).__name__}: {error}", flush=True)
+            failed = True
+        else:
+            if isinstance(report[name], dict):
+                report[name]["seconds"] = round(time.monotonic() - began, 1)
+            failed |= show(report[name]) is False
         save()
-        invariant = _booleans(report["chain"]["invariant"])
-        control = _booleans(report["chain"]["control_stock_kernels"])
-        print(f"chain (torch.equal): {sum(invariant)} of {len(invariant)} comparisons equal with the invariant "
-              f"kernels, {sum(control)} of {len(control)} with the stock ones")
-        for part in ("invariant", "control_stock_kernels"):
-            for group, cases in report["chain"][part].items():
-                for case, checks in cases.items():
-                    print(f"  {part:22s} {group:9s} {case:24s} " + " ".join(f"{k}={v}" for k, v in checks.items()))
-        failed |= not all(invariant)
-    if "kernels" in parts:
-        report["kernels"] = run_kernel_times()
-        save()
-        print(f"{'kernel (median of 20, ms)':55s} {'invariant':>10s} {'stock':>10s} {'ratio':>7s}")
-        for name, times in report["kernels"].items():
-            print(f"{name:55s} {times['invariant_ms']:10.3f} {times['stock_ms']:10.3f} "
-                  f"{times['invariant_ms'] / times['stock_ms']:7.2f}")
-    if "sampler" in parts:
-        report["sampler"] = run_sampler()
-        save()
-        sampler = report["sampler"]
-        print(f"sampler: {sampler['tokens']} tokens in {sampler['generate_s']} s (first call, compiling: "
-              f"{sampler['first_generate_s']} s); profiled: {sampler['host_s']} s of host time, "
-              f"{sampler['device_s']} s of GPU time, {sampler['launches']} kernel launches")
-        for row in sampler["busiest_by_host_time"]:
-            print(f"  {row['op']:40s} {row['calls']:8d} calls {row['self_host_ms']:10.1f} ms host")
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    if "grpo" in parts:
-        report["grpo"] = {}
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # The GRPO runs before the kernel times and the log-prob passes: a call cut short keeps the ratio.
+    part("chain", run_chain, _print_chain)
+    part("sampler", lambda: run_sampler(args.sampler_rows, args.sampler_prompts), _print_sampler)
+
+    def grpo() -> dict[str, Any]:
+        runs = {}
         for on in (True, False):
-            report["grpo"]["on" if on else "off"] = grpo_run(on, args)
+            runs["on" if on else "off"] = grpo_run(on, args)
+            report["grpo"] = runs
             save()
-        for label, run in report["grpo"].items():
-            print(f"grpo batch_invariant {label}: exit {run['exit']}, {run['steps_in_ledger']} steps, "
-                  f"median step {run['median_step_s_from_step_2']} s (from step 2), parity {run['logprob_parity']}")
-        failed |= any(value != 0.0 for value in report["grpo"]["on"]["logprob_parity"])
+        return runs
+
+    def show_grpo(runs: dict[str, Any]) -> bool:
+        for label, run in runs.items():
+            if isinstance(run, dict) and "exit" in run:
+                print(f"grpo batch_invariant {label}: exit {run['exit']}, {run['steps_in_ledger']} steps, "
+                      f"median step {run['median_step_s_from_step_2']} s (from step 2), parity {run['logprob_parity']}")
+        on, off = runs["on"]["median_step_s_from_step_2"], runs["off"]["median_step_s_from_step_2"]
+        if on and off:
+            print(f"grpo step-time ratio on/off: {on / off:.2f}")
+        return bool(runs["on"]["logprob_parity"]) and all(value == 0.0 for value in runs["on"]["logprob_parity"])
+
+    part("grpo", grpo, show_grpo)
+    part("kernels", run_kernel_times, _print_kernels)
+    part("logprobs", run_logprob_passes, lambda r: print("log-prob passes (s): " + json.dumps(r)))
     save()
     return 1 if failed else 0
 
