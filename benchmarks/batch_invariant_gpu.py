@@ -500,7 +500,7 @@ def run_sampler(rows: int, prompts_count: int, new_tokens: int = 64, max_len: in
                 ids[r, :len(sequence)] = torch.tensor(sequence)
                 labels[r, len(prompts[i]) - 1:len(sequence) - 1] = torch.tensor(samples[i].tokens)
             labels = labels.to(CUDA)
-            out = models_forward(model, ids.to(CUDA), head=lambda h, w: linear_token_logps(
+            out = models_forward(model, ids.to(CUDA), lambda h, w: linear_token_logps(
                 h, w, labels, chunk_tokens=8192, invariant=True))
             for r, i in enumerate(group):
                 begin = len(prompts[i]) - 1
@@ -544,7 +544,7 @@ def run_logprob_passes(rows: int = 128, seq_len: int = 512, micro: int = 16) -> 
         def logps(start: int, invariant=invariant, numerics=numerics) -> torch.Tensor:
             part = slice(start, start + micro)
             with numerics.autocast(CUDA):
-                return models_forward(model, ids[part], head=lambda h, w: linear_token_logps(
+                return models_forward(model, ids[part], lambda h, w: linear_token_logps(
                     h, w, labels[part], chunk_tokens=8192, invariant=invariant, compute_dtype=torch.bfloat16))
 
         def reference(starts) -> None:

@@ -482,11 +482,11 @@ class RowFunction(torch.autograd.Function):
     (deterministic library reductions, not batch-invariant)."""
 
     @staticmethod
-    def forward(ctx, forward, reference, x, weight, *extra):
-        ctx.reference, ctx.extra = reference, extra
+    def forward(ctx, kernel, plain, x, weight, *extra):
+        ctx.plain, ctx.extra = plain, extra
         ctx.has_weight = weight is not None
         ctx.save_for_backward(x, *([weight] if weight is not None else []))
-        return forward(x, weight, *extra) if weight is not None else forward(x, *extra)
+        return kernel(x, weight, *extra) if weight is not None else kernel(x, *extra)
 
     @staticmethod
     def backward(ctx, grad):
@@ -494,7 +494,7 @@ class RowFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[2:2 + len(saved)]
         inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, needs)]
         with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
-            out = ctx.reference(*inputs, *ctx.extra)
+            out = ctx.plain(*inputs, *ctx.extra)
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
         per_input = [next(grads) if t.requires_grad else None for t in inputs]
@@ -503,10 +503,10 @@ class RowFunction(torch.autograd.Function):
         return (None, None, *per_input, *(None for _ in ctx.extra))
 
 
-def _differentiable(forward, reference, x: torch.Tensor, weight: Optional[torch.Tensor], *extra):
+def _differentiable(kernel, plain, x: torch.Tensor, weight: Optional[torch.Tensor], *extra):
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return RowFunction.apply(forward, reference, x, weight, *extra)
-    return forward(x, weight, *extra) if weight is not None else forward(x, *extra)
+        return RowFunction.apply(kernel, plain, x, weight, *extra)
+    return kernel(x, weight, *extra) if weight is not None else kernel(x, *extra)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
