@@ -6,6 +6,7 @@
 - ``scheduler``: continuous refill of the sampler's rows, multi-turn episodes' rows.
 - ``nucleus``: the sampling rule's kernels (top-p's cut and the draw, torch and Triton).
 - ``row_copy``: one-kernel copies of cache rows (CUDA).
+- ``slot_write``: one-kernel writes of a forward's keys and values into their cache slots (CUDA, eager).
 - ``prompts``: prompts files, context length, keyed samples per prompt, output records.
 
 The numerics it runs under are the model's ``Numerics`` (models/numerics.py), the object the

@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from models.generation.nucleus import triton_available
 from models.generation.protocol import GenerationSpec
 from models.generation.row_copy import RowCopy, addresses
+from models.generation.slot_write import write_slots
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x (B, T, n_kv, head_dim) with each head's values contiguous (a copy only where they are not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class KVCache(torch.nn.Module):
@@ -85,9 +92,16 @@ class KVCache(torch.nn.Module):
     ) -> None:
         """Store k, v (B, T, n_kv_head, head_dim) of tokens at position_ids (B, T) into their slots.
 
-        Input row b writes cache row ``rows[b]`` ((B, 1) int64; default: row b itself).
+        Input row b writes cache row ``rows[b]`` ((B, 1) int64; default: row b itself). On CUDA, run
+        eagerly (not traced by the compiler) with Triton and without ``rows``, one launch of
+        models/generation/slot_write.py writes the same bytes as the indexed assignment below, without
+        its deterministic mode's sort and whole-buffer copies.
         """
         keys, values = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        if rows is None and keys.is_cuda and not torch.compiler.is_compiling() and triton_available(keys.device):
+            write_slots(keys, values, position_ids, _heads_contiguous(k.to(keys.dtype)),
+                        _heads_contiguous(v.to(values.dtype)))
+            return
         if rows is None:
             rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         # Advanced indices around a slice put the indexed dims first: the target is (B, T, n_kv, hd).
