@@ -1,7 +1,8 @@
 """The batch-invariant kernels on one CUDA GPU (``determinism.batch_invariant``): the chain, exact, and its cost.
 
     python benchmarks/batch_invariant_gpu.py --out bench_out/batch_invariant_gpu.json \
-        [--parts chain,kernels,sampler,logprobs,grpo] [--grpo-steps 3] [--grpo-timeout 300] [--work /tmp/lockstep-bi]
+        [--parts chain,sampler,grpo,kernels,logprobs,update] [--sampler-quick] [--grpo-steps 3] \
+        [--grpo-timeout 300] [--work /tmp/lockstep-bi]
     python benchmarks/batch_invariant_gpu.py --out bench_out/bi-cpu.json --parts grpo --grpo-steps 2 \
         --grpo-config tests/configs/e2e-grpo.yaml --set parallel.device=cpu   # the GRPO part, CPU smoke
 
@@ -39,13 +40,18 @@
 4. ``logprobs``: a step's log-prob passes at the recipe's size (128 rows of 512 random tokens,
    micro-batches of 16, the fused head, fp32 parameters under bf16 autocast), eager, with
    batch_invariant on and off: the reference pass (no gradients) and the update's forward and backward.
+   ``update``: one update micro-batch as the recipe's policy computes it (16 rows of a 120-token
+   document and padding, bf16 parameters without autocast, the fused head over the completion),
+   eager, on and off, under torch's profiler: forward and backward seconds, the busiest kernels by
+   GPU time and operators by host time.
 5. ``grpo``: configs/qwen3-0.6b-grpo.yaml from random weights (``model.init_from=null``, the byte
    tokenizer), ``objective.grpo.max_new_tokens=64``, ``--grpo-steps`` steps, no checkpoints or
    evaluation, with ``determinism.batch_invariant`` true and then false: each step's time, its
    phases and ``logprob_parity`` from the run's ledger and metrics, and the ratio of the median
    step times from step 2 (step 1 compiles).
 
-The parts run in the order chain, sampler, grpo, kernels, logprobs. Prints a table and writes
+The parts run in the order chain, sampler, grpo, kernels, logprobs, update (``--parts`` picks;
+``--sampler-quick`` runs the sampler's eager round once and leaves the tree reductions out). Prints a table and writes
 ``--out`` after each part (a call cut short keeps what finished); a part that raises is recorded
 with its error and the next one runs. Exit 1 if a part failed, a chain comparison failed, the
 sampler's samples or log-probs broke an equality above, or a run with batch_invariant on wrote a
@@ -429,10 +435,12 @@ def _tree_row_reductions():
         kernels.rms_norm, kernels.logsumexp, kernels.softmax = kept
 
 
-def run_sampler(rows: int, prompts_count: int, new_tokens: int = 64, max_len: int = 512) -> dict[str, Any]:
+def run_sampler(rows: int, prompts_count: int, new_tokens: int = 64, max_len: int = 512,
+                quick: bool = False) -> dict[str, Any]:
     """The GRPO recipe's rollouts alone: its ``rows`` sampler rows over ``max_len`` slots, ``prompts_count``
     random prompts of 20-59 tokens, ``new_tokens`` each at temperature 1; Qwen3-0.6B's shape in bf16
-    without autocast (the recipe's FSDP2 policy), the run's process-wide switches (bitwise)."""
+    without autocast (the recipe's FSDP2 policy), the run's process-wide switches (bitwise). ``quick``:
+    the eager round once (the graphed calls compiled its kernels) and no tree reductions."""
     from torch.profiler import ProfilerActivity, profile
 
     from models.generation.sampler import SampleKey, Sampler, SamplingParams
@@ -468,15 +476,18 @@ def run_sampler(rows: int, prompts_count: int, new_tokens: int = 64, max_len: in
                          "per_decode_step_ms": per_step_ms(seconds, samples)}
     # The same samples eagerly (one round of rows): a graph replays the eager launches, so the same bits.
     eager = Sampler(model, max_batch=rows, max_len=max_len, cuda_graphs=False)
-    timed(eager, rows)
+    if not quick:
+        timed(eager, rows)
     seconds, alone = timed(eager, rows)
     report["eager"] = {"prompts": rows, "generate_s": seconds, "per_decode_step_ms": per_step_ms(seconds, alone),
                        "samples_equal_graphed": all(a.tokens == b.tokens and a.logprobs == b.logprobs
                                                     for a, b in zip(alone, samples))}
-    with _tree_row_reductions():
-        timed(eager, rows)
-        seconds, trees = timed(eager, rows)
-    report["eager_tree_reductions"] = {"prompts": rows, "generate_s": seconds, "per_decode_step_ms": per_step_ms(seconds, trees)}
+    if not quick:
+        with _tree_row_reductions():
+            timed(eager, rows)
+            seconds, trees = timed(eager, rows)
+        report["eager_tree_reductions"] = {"prompts": rows, "generate_s": seconds,
+                                           "per_decode_step_ms": per_step_ms(seconds, trees)}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed(graphed, prompts_count)
     averages = prof.key_averages()
@@ -511,6 +522,70 @@ def run_sampler(rows: int, prompts_count: int, new_tokens: int = 64, max_len: in
     report["trainer_logprobs_equal_sampler"] = equal
     report["trainer_logprobs_max_abs_gap"] = gap
     return report
+
+
+def _profile_summary(prof, top: int = 12) -> dict[str, Any]:
+    """A torch profiler's busiest kernels by GPU time and operators by host time, and its totals."""
+    averages = prof.key_averages()
+    by_device = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    by_host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {"device_s": round(sum(e.self_device_time_total for e in averages) / 1e6, 3),
+            "host_s": round(sum(e.self_cpu_time_total for e in averages) / 1e6, 3),
+            "launches": sum(e.count for e in averages if e.key in LAUNCHES),
+            "busiest_by_device_time": [{"op": e.key[:80], "calls": e.count,
+                                        "device_ms": round(e.self_device_time_total / 1e3, 1)} for e in by_device],
+            "busiest_by_host_time": [{"op": e.key[:80], "calls": e.count,
+                                      "host_ms": round(e.self_cpu_time_total / 1e3, 1)} for e in by_host]}
+
+
+def run_update_profile(micro: int = 16, seq_len: int = 512, prompt: int = 56, completion: int = 64) -> dict[str, Any]:
+    """One GRPO update micro-batch as the recipe's policy computes it: ``micro`` rows of ``seq_len``
+    positions, each a document of ``prompt + completion`` random tokens and a padding document after it,
+    log-probs of the completion tokens by the fused head, their sum's backward; Qwen3-0.6B's shape with
+    bf16 parameters and no autocast (FSDP2's policy, unsharded), eager, batch_invariant on and then
+    off. Each profiled after one warm-up micro-batch: forward and backward seconds (synchronized),
+    the busiest kernels and host operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from models import ModelInputs, model_forward
+    from models.numerics import Numerics
+    from training import determinism
+    from training.objectives.token_logps import linear_token_logps
+
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (micro, seq_len), generator=generator).to(CUDA)
+    length = prompt + completion
+    documents = (torch.arange(seq_len) >= length).long().expand(micro, seq_len).to(CUDA)
+    positions = torch.arange(seq_len).expand(micro, seq_len).to(CUDA)
+    labels = torch.full((micro, seq_len), -100, dtype=torch.long)
+    labels[:, prompt - 1:length - 1] = ids[:, prompt:length].cpu()
+    labels = labels.to(CUDA)
+    out: dict[str, Any] = {"rows": micro, "seq_len": seq_len, "tokens_per_row": length}
+    model = None
+    for invariant in (True, False):
+        numerics = Numerics(batch_invariant=invariant, precision="bf16", wrapper_casts=True)
+        determinism.configure(numerics, CUDA)
+        if model is None:
+            model = _qwen3(torch.bfloat16, numerics)
+        model.use_numerics(numerics)
+
+        def step(invariant=invariant) -> tuple[float, float]:
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            logps = model_forward(model, ModelInputs(ids, positions, documents), head=lambda h, w: linear_token_logps(
+                h, w, labels, chunk_tokens=8192, invariant=invariant)).head
+            torch.cuda.synchronize()
+            forward = time.perf_counter() - began
+            logps.sum().backward()
+            torch.cuda.synchronize()
+            return round(forward, 4), round(time.perf_counter() - began - forward, 4)
+
+        step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            forward, backward = step()
+        out["on" if invariant else "off"] = {"forward_s": forward, "backward_s": backward, **_profile_summary(prof)}
+        model.zero_grad(set_to_none=True)
+    return out
 
 
 def models_forward(model: torch.nn.Module, ids: torch.Tensor, head: Callable) -> torch.Tensor:
@@ -645,6 +720,8 @@ def _print_chain(chain: dict[str, Any]) -> bool:
 def _print_kernels(kernels: dict[str, Any]) -> None:
     print(f"{'kernel (median of 20, ms)':55s} {'invariant':>10s} {'trees':>8s} {'stock':>10s} {'ratio':>7s} launches")
     for name, times in kernels.items():
+        if not isinstance(times, dict):
+            continue
         trees = f"{times['trees_ms']:8.3f}" if "trees_ms" in times else " " * 8
         launches = (f"{times['invariant_launches']}/{times['trees_launches']}/{times['stock_launches']}"
                     if "trees_launches" in times else "")
@@ -653,7 +730,8 @@ def _print_kernels(kernels: dict[str, Any]) -> None:
 
 
 def _print_sampler(sampler: dict[str, Any]) -> bool:
-    graphed, eager, trees = sampler["graphed"], sampler["eager"], sampler["eager_tree_reductions"]
+    graphed, eager = sampler["graphed"], sampler["eager"]
+    trees = sampler.get("eager_tree_reductions", {"per_decode_step_ms": None})
     print(f"sampler ({sampler['rows']} rows, {sampler['prompts']} prompts x {sampler['new_tokens']} tokens, "
           f"{sampler['max_len']} slots): graphed {graphed['generate_s']} s ({graphed['per_decode_step_ms']} ms a "
           f"decode step; first call {graphed['first_generate_s']} s), eager {eager['per_decode_step_ms']} ms a step, "
@@ -668,13 +746,27 @@ def _print_sampler(sampler: dict[str, Any]) -> bool:
     return sampler["trainer_logprobs_equal_sampler"] and eager["samples_equal_graphed"]
 
 
+def _print_update(update: dict[str, Any]) -> None:
+    for label in ("on", "off"):
+        run = update[label]
+        print(f"update micro-batch ({update['rows']} x {update['seq_len']}), batch_invariant {label}: forward "
+              f"{run['forward_s']} s, backward {run['backward_s']} s; profiled {run['device_s']} s GPU, "
+              f"{run['host_s']} s host, {run['launches']} launches")
+        for row in run["busiest_by_device_time"]:
+            print(f"  {row['op']:80s} {row['calls']:7d} calls {row['device_ms']:9.1f} ms GPU")
+        for row in run["busiest_by_host_time"][:6]:
+            print(f"  {row['op']:80s} {row['calls']:7d} calls {row['host_ms']:9.1f} ms host")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", default="chain,kernels,sampler,logprobs,grpo",
-                        help="comma-separated: chain, kernels, sampler, logprobs, grpo")
+    parser.add_argument("--parts", default="chain,sampler,grpo,kernels,logprobs,update",
+                        help="comma-separated: chain, sampler, grpo, kernels, logprobs, update")
     parser.add_argument("--sampler-rows", type=int, default=16, help="the sampler's rows (the recipe's rollout rows)")
     parser.add_argument("--sampler-prompts", type=int, default=128, help="prompts of the sampler part (a step's)")
+    parser.add_argument("--sampler-quick", action="store_true",
+                        help="the sampler part without its second eager round and the tree reductions")
     parser.add_argument("--grpo-config", default="configs/qwen3-0.6b-grpo.yaml")
     parser.add_argument("--grpo-steps", type=int, default=3)
     parser.add_argument("--grpo-timeout", type=float, default=300.0, help="seconds per GRPO run")
@@ -682,8 +774,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/lockstep-batch-invariant"))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if parts & {"chain", "kernels", "sampler", "logprobs"} and not torch.cuda.is_available():
-        print("batch_invariant_gpu.py: the chain, kernels, sampler and logprobs parts need a CUDA device", file=sys.stderr)
+    if parts - {"grpo"} and not torch.cuda.is_available():
+        print("batch_invariant_gpu.py: every part but grpo needs a CUDA device", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"environment": environment() if torch.cuda.is_available() else {}}
@@ -707,14 +799,20 @@ def main() -> int:
         else:
             if isinstance(report[name], dict):
                 report[name]["seconds"] = round(time.monotonic() - began, 1)
-            failed |= show(report[name]) is False
+            save()
+            try:
+                failed |= show(report[name]) is False
+            except Exception as error:  # the numbers are saved; a printing slip is reported, not fatal
+                print(f"{name}: could not print its table: {type(error).__name__}: {error}", flush=True)
+                failed = True
         save()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     # The GRPO runs before the kernel times and the log-prob passes: a call cut short keeps the ratio.
     part("chain", run_chain, _print_chain)
-    part("sampler", lambda: run_sampler(args.sampler_rows, args.sampler_prompts), _print_sampler)
+    part("sampler", lambda: run_sampler(args.sampler_rows, args.sampler_prompts, quick=args.sampler_quick),
+         _print_sampler)
 
     def grpo() -> dict[str, Any]:
         runs = {}
@@ -737,6 +835,7 @@ def main() -> int:
     part("grpo", grpo, show_grpo)
     part("kernels", run_kernel_times, _print_kernels)
     part("logprobs", run_logprob_passes, lambda r: print("log-prob passes (s): " + json.dumps(r)))
+    part("update", run_update_profile, _print_update)
     save()
     return 1 if failed else 0
 
