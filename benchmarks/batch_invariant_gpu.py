@@ -51,7 +51,8 @@
    step times from step 2 (step 1 compiles).
 
 The parts run in the order chain, sampler, grpo, kernels, logprobs, update (``--parts`` picks;
-``--sampler-quick`` runs the sampler's eager round once and leaves the tree reductions out). Prints a table and writes
+``--sampler-quick`` runs the sampler's eager round once and leaves the tree reductions and the
+profile out). Prints a table and writes
 ``--out`` after each part (a call cut short keeps what finished); a part that raises is recorded
 with its error and the next one runs. Exit 1 if a part failed, a chain comparison failed, the
 sampler's samples or log-probs broke an equality above, or a run with batch_invariant on wrote a
@@ -440,7 +441,7 @@ def run_sampler(rows: int, prompts_count: int, new_tokens: int = 64, max_len: in
     """The GRPO recipe's rollouts alone: its ``rows`` sampler rows over ``max_len`` slots, ``prompts_count``
     random prompts of 20-59 tokens, ``new_tokens`` each at temperature 1; Qwen3-0.6B's shape in bf16
     without autocast (the recipe's FSDP2 policy), the run's process-wide switches (bitwise). ``quick``:
-    the eager round once (the graphed calls compiled its kernels) and no tree reductions."""
+    the eager round once (the graphed calls compiled its kernels), no tree reductions, no profile."""
     from torch.profiler import ProfilerActivity, profile
 
     from models.generation.sampler import SampleKey, Sampler, SamplingParams
@@ -488,16 +489,17 @@ def run_sampler(rows: int, prompts_count: int, new_tokens: int = 64, max_len: in
             seconds, trees = timed(eager, rows)
         report["eager_tree_reductions"] = {"prompts": rows, "generate_s": seconds,
                                            "per_decode_step_ms": per_step_ms(seconds, trees)}
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        timed(graphed, prompts_count)
-    averages = prof.key_averages()
-    busiest = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:10]
-    report["graphed_profile"] = {
-        "device_s": round(sum(e.self_device_time_total for e in averages) / 1e6, 3),
-        "launches": sum(e.count for e in averages if e.key in LAUNCHES),
-        "graph_launches": sum(e.count for e in averages if e.key == "cudaGraphLaunch"),
-        "busiest_by_device_time": [{"op": e.key[:80], "calls": e.count, "device_ms": round(e.self_device_time_total / 1e3, 1)}
-                                   for e in busiest]}
+    if not quick:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            timed(graphed, prompts_count)
+        averages = prof.key_averages()
+        busiest = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:10]
+        report["graphed_profile"] = {
+            "device_s": round(sum(e.self_device_time_total for e in averages) / 1e6, 3),
+            "launches": sum(e.count for e in averages if e.key in LAUNCHES),
+            "graph_launches": sum(e.count for e in averages if e.key == "cudaGraphLaunch"),
+            "busiest_by_device_time": [{"op": e.key[:80], "calls": e.count,
+                                        "device_ms": round(e.self_device_time_total / 1e3, 1)} for e in busiest]}
     # The trainer's log-probs of the sampled tokens (the recipe's rows: prompt + completion padded to
     # max_len, micro-batches of ``rows``, the fused head) against the sampler's, bitwise.
     equal, gap = True, 0.0
@@ -738,11 +740,12 @@ def _print_sampler(sampler: dict[str, Any]) -> bool:
           f"eager with tree reductions {trees['per_decode_step_ms']} ms a step; eager samples == graphed: "
           f"{eager['samples_equal_graphed']}; trainer log-probs == sampler's: {sampler['trainer_logprobs_equal_sampler']} "
           f"(max gap {sampler['trainer_logprobs_max_abs_gap']})")
-    profile = sampler["graphed_profile"]
-    print(f"  graphed, profiled: {profile['device_s']} s of GPU time, {profile['launches']} kernel launches, "
-          f"{profile['graph_launches']} graph launches")
-    for row in profile["busiest_by_device_time"]:
-        print(f"  {row['op']:60s} {row['calls']:8d} calls {row['device_ms']:10.1f} ms GPU")
+    profile = sampler.get("graphed_profile")
+    if profile is not None:
+        print(f"  graphed, profiled: {profile['device_s']} s of GPU time, {profile['launches']} kernel launches, "
+              f"{profile['graph_launches']} graph launches")
+        for row in profile["busiest_by_device_time"]:
+            print(f"  {row['op']:60s} {row['calls']:8d} calls {row['device_ms']:10.1f} ms GPU")
     return sampler["trainer_logprobs_equal_sampler"] and eager["samples_equal_graphed"]
 
 
@@ -766,7 +769,7 @@ def main() -> int:
     parser.add_argument("--sampler-rows", type=int, default=16, help="the sampler's rows (the recipe's rollout rows)")
     parser.add_argument("--sampler-prompts", type=int, default=128, help="prompts of the sampler part (a step's)")
     parser.add_argument("--sampler-quick", action="store_true",
-                        help="the sampler part without its second eager round and the tree reductions")
+                        help="the sampler part without its second eager round, the tree reductions and the profile")
     parser.add_argument("--grpo-config", default="configs/qwen3-0.6b-grpo.yaml")
     parser.add_argument("--grpo-steps", type=int, default=3)
     parser.add_argument("--grpo-timeout", type=float, default=300.0, help="seconds per GRPO run")
