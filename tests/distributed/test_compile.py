@@ -6,11 +6,13 @@ compiled path is left to the GPU runs.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.distributed import scenarios
 
 
+@pytest.mark.slow  # compiles forward and backward from a cold cache (about 34 CPU-s): in make test, not in make test-fast
 def test_compiled_blocks_train_like_eager():
     eager = scenarios.train(scenarios.cpu_parallel(strategy="none"))
     compiled = scenarios.train(

@@ -122,6 +122,7 @@ def test_stop_tokens_end_a_sample_and_are_kept(sampler, batched):
     assert len(stopped[2].tokens) <= 5 and stopped[2].finish_reason == "stop"
 
 
+@pytest.mark.slow  # compiles the prefill and decode forwards from a cold cache (about 29 CPU-s): in make test, not in make test-fast
 def test_the_compiled_sampler_is_batch_invariant_and_draws_the_eager_tokens(sampler_model):
     """compile=True (the CUDA default; on the CPU without graphs): the decode step's and the
     prefill's forwards compile whole (fullgraph), a sample alone equals it in the batch bitwise,
