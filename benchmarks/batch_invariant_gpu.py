@@ -2,7 +2,8 @@
 
     python benchmarks/batch_invariant_gpu.py --out bench_out/batch_invariant_gpu.json \
         [--parts chain,sampler,grpo,kernels,logprobs,update] [--sampler-quick] [--grpo-steps 3] \
-        [--grpo-timeout 300] [--work /tmp/lockstep-bi]
+        [--grpo-timeout 300] [--grpo-runs on,off,off-eager] [--on-set runtime.profile_start_step=3] \
+        [--work /tmp/lockstep-bi]
     python benchmarks/batch_invariant_gpu.py --out bench_out/bi-cpu.json --parts grpo --grpo-steps 2 \
         --grpo-config tests/configs/e2e-grpo.yaml --set parallel.device=cpu   # the GRPO part, CPU smoke
 
@@ -48,7 +49,12 @@
    tokenizer), ``objective.grpo.max_new_tokens=64``, ``--grpo-steps`` steps, no checkpoints or
    evaluation, with ``determinism.batch_invariant`` true and then false: each step's time, its
    phases and ``logprob_parity`` from the run's ledger and metrics, and the ratio of the median
-   step times from step 2 (step 1 compiles).
+   step times from step 2 (step 1 compiles). ``--grpo-runs`` picks the runs (``on``, ``off``, and
+   ``off-eager``: the stock kernels with the blocks eager, as batch_invariant runs them, so that the
+   compiler's share of the ratio shows); ``--on-set`` adds overrides to the ``on`` run alone (a
+   profiler window, ``runtime.profile_start_step=3``), whose traces are summarized in the call
+   (benchmarks/trace_summary.py: GPU time by the phase that launched it) and whose steps are left
+   out of the median.
 
 The parts run in the order chain, sampler, grpo, kernels, logprobs, update (``--parts`` picks;
 ``--sampler-quick`` runs the sampler's eager round once and leaves the tree reductions and the
@@ -653,14 +659,23 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def grpo_run(invariant: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """One run of ``args.grpo_config`` with batch_invariant on or off; SIGKILLed (its process group)
-    after ``args.grpo_timeout`` seconds, keeping what its ledger and metrics hold."""
-    name = f"bi-{'on' if invariant else 'off'}"
+GRPO_RUNS = {"on": (True, []), "off": (False, []), "off-eager": (False, ["parallel.compile=false"])}
+"""``--grpo-runs``' names: batch_invariant and the overrides of each (``off-eager``: the stock kernels with the
+blocks eager, as batch_invariant runs them: what the compiler alone gives the ``off`` run)."""
+
+
+def grpo_run(label: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of ``args.grpo_config`` as ``GRPO_RUNS[label]`` says (with ``--on-set`` where batch_invariant is on);
+    SIGKILLed (its process group) after ``args.grpo_timeout`` seconds, keeping what its ledger and metrics
+    hold. A profiler window's traces are summarized here (benchmarks/trace_summary.py) and its steps left
+    out of the median."""
+    invariant, overrides = GRPO_RUNS[label]
+    overrides = [*overrides, *(args.on_set if invariant else [])]
+    name = f"bi-{label}"
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / args.grpo_config), "--root", str(args.work),
            "model.init_from=null", f"train.max_steps={args.grpo_steps}", "objective.grpo.max_new_tokens=64",
            "checkpoint.interval=0", "train.eval_interval=0", "metrics.tensorboard=false", f"run.name={name}",
-           f"determinism.batch_invariant={str(invariant).lower()}", *args.set]
+           f"determinism.batch_invariant={str(invariant).lower()}", *args.set, *overrides]
     print("$ " + " ".join(cmd), flush=True)
     began = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -686,12 +701,46 @@ def grpo_run(invariant: bool, args: argparse.Namespace) -> dict[str, Any]:
                  for key, value in values.items() if key == "step_time" or key.startswith("time_")}
         per_step.append({"step": record.get("step"), **times})
     parity = [line.get("logprob_parity") for line in ledger]
-    later = [s["step_time"] for s in per_step if s.get("step", 0) >= 2 and "step_time" in s]
-    return {"command": " ".join(cmd), "exit": code, "wall_s": round(wall, 1),
-            "timed_out": wall >= args.grpo_timeout, "steps_in_ledger": len(ledger),
-            "logprob_parity": parity, "per_step": per_step,
-            "median_step_s_from_step_2": round(statistics.median(later), 3) if later else None,
-            "console_tail": lines[-6:]}
+    traces = sorted((run_dir / "artifacts" / "traces").glob("*.json")) if run_dir else []
+    profiled = _profiled_steps(traces)
+    later = [s["step_time"] for s in per_step
+             if s.get("step", 0) >= 2 and "step_time" in s and s.get("step") not in profiled]
+    report = {"command": " ".join(cmd), "exit": code, "wall_s": round(wall, 1),
+              "timed_out": wall >= args.grpo_timeout, "steps_in_ledger": len(ledger),
+              "logprob_parity": parity, "per_step": per_step, "profiled_steps": sorted(profiled),
+              "median_step_s_from_step_2": round(statistics.median(later), 3) if later else None,
+              "console_tail": lines[-6:]}
+    if traces:
+        report["trace_summaries"] = _summarize_traces(traces)
+    return report
+
+
+def _profiled_steps(traces: list[Path]) -> set[int]:
+    """The steps runtime/profiler.py's trace names cover (``rank0_steps3-3.json``: step 3)."""
+    steps: set[int] = set()
+    for path in traces:
+        span = path.stem.rsplit("_steps", 1)[-1].split("-")
+        if len(span) == 2 and all(part.isdigit() for part in span):
+            steps.update(range(int(span[0]), int(span[1]) + 1))
+    return steps
+
+
+def _summarize_traces(traces: list[Path]) -> list[dict[str, Any]]:
+    """benchmarks/trace_summary.py's summary of each trace, printed; the traces themselves stay where they are."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "benchmarks" / "trace_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    summaries = []
+    for path in traces:
+        began = time.monotonic()
+        summary = module.summarize(path)
+        summary["trace_mb"] = round(path.stat().st_size / 1e6, 1)
+        summary["summarize_s"] = round(time.monotonic() - began, 1)
+        module.print_summary(summary)
+        summaries.append(summary)
+    return summaries
 
 
 # ---------------------------------------------------------------------------- the report
@@ -773,10 +822,19 @@ def main() -> int:
     parser.add_argument("--grpo-config", default="configs/qwen3-0.6b-grpo.yaml")
     parser.add_argument("--grpo-steps", type=int, default=3)
     parser.add_argument("--grpo-timeout", type=float, default=300.0, help="seconds per GRPO run")
-    parser.add_argument("--set", action="append", default=[], help="another override of both GRPO runs")
+    parser.add_argument("--set", action="append", default=[], help="another override of every GRPO run")
+    parser.add_argument("--grpo-runs", default="on,off",
+                        help="comma-separated GRPO runs, in order: on, off, off-eager (GRPO_RUNS)")
+    parser.add_argument("--on-set", action="append", default=[],
+                        help="an override of the batch_invariant run only (a profiler window: "
+                             "runtime.profile_start_step=3)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lockstep-batch-invariant"))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    unknown = sorted(set(args.grpo_runs.split(",")) - set(GRPO_RUNS))
+    if unknown:
+        print(f"batch_invariant_gpu.py: --grpo-runs names {unknown}; known: {sorted(GRPO_RUNS)}", file=sys.stderr)
+        return 2
     if parts - {"grpo"} and not torch.cuda.is_available():
         print("batch_invariant_gpu.py: every part but grpo needs a CUDA device", file=sys.stderr)
         return 2
@@ -819,8 +877,8 @@ def main() -> int:
 
     def grpo() -> dict[str, Any]:
         runs = {}
-        for on in (True, False):
-            runs["on" if on else "off"] = grpo_run(on, args)
+        for label in args.grpo_runs.split(","):
+            runs[label] = grpo_run(label, args)
             report["grpo"] = runs
             save()
         return runs
@@ -828,11 +886,17 @@ def main() -> int:
     def show_grpo(runs: dict[str, Any]) -> bool:
         for label, run in runs.items():
             if isinstance(run, dict) and "exit" in run:
-                print(f"grpo batch_invariant {label}: exit {run['exit']}, {run['steps_in_ledger']} steps, "
-                      f"median step {run['median_step_s_from_step_2']} s (from step 2), parity {run['logprob_parity']}")
-        on, off = runs["on"]["median_step_s_from_step_2"], runs["off"]["median_step_s_from_step_2"]
+                print(f"grpo {label}: exit {run['exit']}, {run['steps_in_ledger']} steps, median step "
+                      f"{run['median_step_s_from_step_2']} s (from step 2, profiled steps {run['profiled_steps']} "
+                      f"left out), parity {run['logprob_parity']}")
+                for step in run["per_step"]:
+                    print("    " + " ".join(f"{k}={v}" for k, v in step.items()
+                                            if k in ("step", "step_time") or k.startswith("time_") and v))
+        on, off = (runs.get(k, {}).get("median_step_s_from_step_2") for k in ("on", "off"))
         if on and off:
             print(f"grpo step-time ratio on/off: {on / off:.2f}")
+        if "on" not in runs:
+            return True
         return bool(runs["on"]["logprob_parity"]) and all(value == 0.0 for value in runs["on"]["logprob_parity"])
 
     part("grpo", grpo, show_grpo)

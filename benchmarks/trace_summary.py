@@ -11,6 +11,14 @@ the families say where the busy time goes. For the idle time it also lists the h
 that ran while the GPU had nothing to do: every host range (trainer phases, aten ops, CUDA
 runtime calls, Python functions) with the milliseconds per step it overlapped an idle gap.
 Ranges nest, so an outer range (a phase) counts the idle time of everything inside it.
+
+Per trainer phase (runtime/profiler.py's ranges: ``prepare``, ``forward``, ``backward``, ...) it
+also sums the GPU time of the kernels *launched* from it (a kernel is matched to its launch by the
+trace's correlation id, and the launch to the innermost phase range holding it; a backward's
+launches come from autograd's own thread, inside the backward range), beside the phase's host
+wall time: a phase whose kernels take far less than its wall time is host-bound (or waits on a
+sync), one whose kernels take about its wall time is GPU-bound. With each, its busiest kernels and
+its longest CUDA runtime calls (syncs, allocations).
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+PHASE_NAMES = ("data_wait", "prepare", "forward", "backward", "optimizer", "communication", "settle", "checkpoint")
+"""runtime/profiler.py's phase ranges (``StepTimer.phase`` annotates each with its name)."""
 MIN_GAP_US = 20.0  # idle stretches shorter than this are launch jitter, not host work
 
 
@@ -86,6 +98,75 @@ def host_work_in_gaps(host: list[tuple[str, float, float]], gaps: list[tuple[flo
                 overlap[name] += hi - lo
             i += 1
     return overlap
+
+
+def innermost(ranges: list[tuple[float, float, str]], at: float) -> str | None:
+    """The name of the latest-starting range of ``ranges`` (sorted by start) that holds ``at``."""
+    i = bisect.bisect_right(ranges, (at, float("inf"), "")) - 1
+    while i >= 0:
+        start, stop, name = ranges[i]
+        if start <= at < stop:
+            return name
+        i -= 1
+    return None
+
+
+def phase_attribution(events: list[dict], window: tuple[float, float], n_steps: int, top: int = 8) -> dict:
+    """Per phase name: host wall ms, the GPU ms and count of the kernels launched from it, its
+    busiest kernels and its longest CUDA runtime calls, each per step (module docstring)."""
+    phases: list[tuple[float, float, str]] = []
+    launches: dict[int, float] = {}
+    runtime: list[tuple[str, float, float]] = []
+    gpu: list[tuple[str, float, float, int]] = []
+    for ev in events:
+        if ev.get("ph") != "X":
+            continue
+        cat, name = ev.get("cat", ""), ev.get("name", "")
+        start, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
+        if start + dur <= window[0] or start >= window[1]:
+            continue
+        correlation = (ev.get("args") or {}).get("correlation")
+        if cat == "user_annotation" and name in PHASE_NAMES:
+            phases.append((start, start + dur, name))
+        elif cat in LAUNCH_CATEGORIES:
+            runtime.append((name, start, dur))
+            if correlation is not None:
+                launches[correlation] = start
+        elif cat in GPU_CATEGORIES:
+            gpu.append((name if cat == "kernel" else cat, start, dur, correlation))
+    phases.sort()
+    n = max(n_steps, 1)
+    out: dict[str, dict] = {}
+
+    def entry(phase: str) -> dict:
+        return out.setdefault(phase, {"wall_ms": 0.0, "gpu_ms": 0.0, "kernels": 0,
+                                      "by_kernel": defaultdict(lambda: [0.0, 0]), "by_call": defaultdict(lambda: [0.0, 0])})
+
+    for start, stop, name in phases:
+        entry(name)["wall_ms"] += (stop - start) / 1e3
+    for name, start, dur, correlation in gpu:
+        launched = launches.get(correlation)
+        phase = innermost(phases, launched) if launched is not None else None
+        row = entry(phase or "outside phases")
+        row["gpu_ms"] += dur / 1e3
+        row["kernels"] += 1
+        kernel = row["by_kernel"][re.sub(r"\s+", " ", name)[:100]]
+        kernel[0] += dur / 1e3
+        kernel[1] += 1
+    for name, start, dur in runtime:
+        phase = innermost(phases, start)
+        call = entry(phase or "outside phases")["by_call"][name]
+        call[0] += dur / 1e3
+        call[1] += 1
+    result = {}
+    for phase, row in sorted(out.items(), key=lambda kv: -kv[1]["gpu_ms"]):
+        result[phase] = {
+            "wall_ms": row["wall_ms"] / n, "gpu_ms": row["gpu_ms"] / n, "kernels": row["kernels"] / n,
+            "top_kernels": [{"name": k, "ms": v[0] / n, "calls": v[1] / n}
+                            for k, v in sorted(row["by_kernel"].items(), key=lambda kv: -kv[1][0])[:top]],
+            "top_runtime_calls": [{"name": k, "ms": v[0] / n, "calls": v[1] / n}
+                                  for k, v in sorted(row["by_call"].items(), key=lambda kv: -kv[1][0])[:top]]}
+    return result
 
 
 def summarize(path: Path, top: int = 25) -> dict:
@@ -142,6 +223,7 @@ def summarize(path: Path, top: int = 25) -> dict:
         "host_during_gpu_idle": [
             {"name": k, "ms_per_step": v / 1e3 / n} for k, v in sorted(idle_host.items(), key=lambda kv: -kv[1])[:top]
         ],
+        "phases": phase_attribution(events, window, len(steps)),
     }
 
 
@@ -160,6 +242,13 @@ def print_summary(summary: dict) -> None:
     print("host ranges while the GPU was idle (ms per step; nested ranges each count):")
     for row in summary["host_during_gpu_idle"]:
         print(f"  {row['ms_per_step']:8.2f}  {row['name']}")
+    print("per phase (ms per step): host wall, GPU time of the kernels it launched, kernels")
+    for phase, row in summary.get("phases", {}).items():
+        print(f"  {phase:<16} wall {row['wall_ms']:9.1f}  gpu {row['gpu_ms']:9.1f}  kernels {row['kernels']:8.0f}")
+        for kernel in row["top_kernels"][:5]:
+            print(f"      {kernel['ms']:8.2f} ms {kernel['calls']:7.0f}x  {kernel['name']}")
+        for call in row["top_runtime_calls"][:4]:
+            print(f"      {call['ms']:8.2f} ms {call['calls']:7.0f}x  (runtime) {call['name']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,3 +62,39 @@ def test_idle_time_is_attributed_to_the_host_work_inside_it(trace_summary, tmp_p
 def test_short_launch_gaps_are_not_idle_work(trace_summary):
     gaps = trace_summary.idle_gaps([(0, 100), (105, 200), (400, 500)], 0, 510)
     assert gaps == [(200, 400)]
+
+
+def test_kernels_count_for_the_phase_that_launched_them(trace_summary, tmp_path):
+    # A forward range issues a kernel that runs during the backward range (the host ran ahead), and
+    # the backward (from autograd's thread) issues two more; a synchronize sits in the backward.
+    def launch(name, ts, dur, correlation, cat="cuda_runtime"):
+        return {**_x(name, cat, ts, dur), "args": {"correlation": correlation}}
+
+    def kernel(name, ts, dur, correlation):
+        return {**_x(name, "kernel", ts, dur), "args": {"correlation": correlation}}
+
+    events = [
+        _x("lockstep_step#3", "user_annotation", 0, 1000),
+        _x("forward", "user_annotation", 0, 100),
+        _x("backward", "user_annotation", 100, 900),
+        launch("cudaLaunchKernel", 10, 5, 1),
+        launch("cuLaunchKernel", 150, 5, 2, cat="cuda_driver"),
+        launch("cudaLaunchKernel", 160, 5, 3),
+        launch("cudaStreamSynchronize", 170, 700, 4),
+        kernel("nvjet_gemm", 100, 400, 1),
+        kernel("_attention_kernel", 500, 300, 2),
+        kernel("_rms_norm_kernel", 800, 50, 3),
+        kernel("orphan", 900, 10, 99),  # no launch in the trace
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    phases = trace_summary.summarize(path)["phases"]
+
+    assert phases["forward"]["wall_ms"] == pytest.approx(0.1)
+    assert phases["forward"]["gpu_ms"] == pytest.approx(0.4) and phases["forward"]["kernels"] == 1
+    assert phases["backward"]["wall_ms"] == pytest.approx(0.9)
+    assert phases["backward"]["gpu_ms"] == pytest.approx(0.35) and phases["backward"]["kernels"] == 2
+    assert [k["name"] for k in phases["backward"]["top_kernels"]] == ["_attention_kernel", "_rms_norm_kernel"]
+    assert phases["backward"]["top_runtime_calls"][0] == {"name": "cudaStreamSynchronize", "ms": 0.7, "calls": 1}
+    assert phases["outside phases"]["gpu_ms"] == pytest.approx(0.01)
+    assert list(phases)[0] == "forward"  # ordered by GPU time
