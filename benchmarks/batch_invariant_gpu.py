@@ -2,7 +2,7 @@
 
     python benchmarks/batch_invariant_gpu.py --out bench_out/batch_invariant_gpu.json \
         [--parts chain,sampler,grpo,kernels,logprobs,update] [--sampler-quick] [--grpo-steps 3] \
-        [--grpo-timeout 300] [--grpo-runs on,off,off-eager] [--on-set runtime.profile_start_step=3] \
+        [--grpo-timeout 300] [--grpo-runs on,off,off-eager] [--run-set on:runtime.profile_start_step=3] \
         [--work /tmp/lockstep-bi]
     python benchmarks/batch_invariant_gpu.py --out bench_out/bi-cpu.json --parts grpo --grpo-steps 2 \
         --grpo-config tests/configs/e2e-grpo.yaml --set parallel.device=cpu   # the GRPO part, CPU smoke
@@ -51,10 +51,10 @@
    phases and ``logprob_parity`` from the run's ledger and metrics, and the ratio of the median
    step times from step 2 (step 1 compiles). ``--grpo-runs`` picks the runs (``on``, ``off``, and
    ``off-eager``: the stock kernels with the blocks eager, as batch_invariant runs them, so that the
-   compiler's share of the ratio shows); ``--on-set`` adds overrides to the ``on`` run alone (a
-   profiler window, ``runtime.profile_start_step=3``), whose traces are summarized in the call
-   (benchmarks/trace_summary.py: GPU time by the phase that launched it) and whose steps are left
-   out of the median.
+   compiler's share of the ratio shows); ``--run-set RUN:KEY=VALUE`` adds an override to one run (a
+   profiler window, ``on:runtime.profile_start_step=3``), whose traces are summarized in the call
+   (benchmarks/trace_summary.py: GPU time by the phase that launched it) and whose profiled steps
+   are left out of the median.
 
 The parts run in the order chain, sampler, grpo, kernels, logprobs, update (``--parts`` picks;
 ``--sampler-quick`` runs the sampler's eager round once and leaves the tree reductions and the
@@ -665,12 +665,12 @@ blocks eager, as batch_invariant runs them: what the compiler alone gives the ``
 
 
 def grpo_run(label: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One run of ``args.grpo_config`` as ``GRPO_RUNS[label]`` says (with ``--on-set`` where batch_invariant is on);
+    """One run of ``args.grpo_config`` as ``GRPO_RUNS[label]`` says (with its ``--run-set`` overrides);
     SIGKILLed (its process group) after ``args.grpo_timeout`` seconds, keeping what its ledger and metrics
     hold. A profiler window's traces are summarized here (benchmarks/trace_summary.py) and its steps left
     out of the median."""
     invariant, overrides = GRPO_RUNS[label]
-    overrides = [*overrides, *(args.on_set if invariant else [])]
+    overrides = [*overrides, *(value.split(":", 1)[1] for value in args.run_set if value.split(":", 1)[0] == label)]
     name = f"bi-{label}"
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / args.grpo_config), "--root", str(args.work),
            "model.init_from=null", f"train.max_steps={args.grpo_steps}", "objective.grpo.max_new_tokens=64",
@@ -825,15 +825,15 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], help="another override of every GRPO run")
     parser.add_argument("--grpo-runs", default="on,off",
                         help="comma-separated GRPO runs, in order: on, off, off-eager (GRPO_RUNS)")
-    parser.add_argument("--on-set", action="append", default=[],
-                        help="an override of the batch_invariant run only (a profiler window: "
-                             "runtime.profile_start_step=3)")
+    parser.add_argument("--run-set", action="append", default=[], metavar="RUN:KEY=VALUE",
+                        help="an override of one GRPO run (a profiler window: on:runtime.profile_start_step=3)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lockstep-batch-invariant"))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    unknown = sorted(set(args.grpo_runs.split(",")) - set(GRPO_RUNS))
+    unknown = sorted((set(args.grpo_runs.split(",")) | {v.split(":", 1)[0] for v in args.run_set}) - set(GRPO_RUNS))
     if unknown:
-        print(f"batch_invariant_gpu.py: --grpo-runs names {unknown}; known: {sorted(GRPO_RUNS)}", file=sys.stderr)
+        print(f"batch_invariant_gpu.py: --grpo-runs or --run-set names {unknown}; known: {sorted(GRPO_RUNS)}",
+              file=sys.stderr)
         return 2
     if parts - {"grpo"} and not torch.cuda.is_available():
         print("batch_invariant_gpu.py: every part but grpo needs a CUDA device", file=sys.stderr)
