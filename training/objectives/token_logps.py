@@ -69,6 +69,11 @@ def linear_token_logps(
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if compute_dtype is None and invariant and hidden.is_cuda:
+        # The invariant matmul multiplies in autocast's dtype in the forward; the backward, outside
+        # autocast, must recompute the same logits (not fp32 ones, which took 23 ms a 1,024-token
+        # chunk on an H200 and did not match the forward's log-partition).
+        compute_dtype = autocast_dtype(hidden.device)
     logps = _LinearTokenLogps.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
         max(1, int(chunk_tokens)), float(temperature), compute_dtype or hidden.dtype,
