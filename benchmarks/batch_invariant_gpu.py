@@ -225,12 +225,12 @@ def attention_chain(case: str, invariant: bool) -> dict[str, Any]:
         result = {name: all(torch.equal(a, b) for a, b in zip(anchor, outs)) for name, outs in ways.items()
                   if name != "training_mb8"}
         if invariant:  # against the same attention in plain fp32 ops: close, not equal
-            from models import batch_invariant_triton
+            from models import batch_invariant_grads, batch_invariant_triton
 
             gaps = []
             for doc, out in zip(docs, anchor):
                 positions = torch.arange(doc["q"].shape[1], device=CUDA)[None]
-                allowed = batch_invariant_triton.allowed_keys(positions, None, True, 1, doc["q"].shape[1])
+                allowed = batch_invariant_grads.allowed_keys(positions, None, True, 1, doc["q"].shape[1])
                 dense = batch_invariant_triton.dense_attention(doc["q"][None], doc["k"][None], doc["v"][None], allowed)
                 gaps.append((dense[0].float() - out.float()).abs().max().item())
             result["max_abs_vs_dense_fp32"] = max(gaps)
@@ -295,7 +295,49 @@ def run_chain() -> dict[str, Any]:
              "rows": rows_chain(True)}
     control = {"linear": linear_chain(False), "attention": {c: attention_chain(c, False) for c in ATTENTION_CASES},
                "rows": rows_chain(False)}
-    return {"invariant": chain, "control_stock_kernels": control, "rows_max_abs_vs_stock": row_gaps()}
+    return {"invariant": chain, "control_stock_kernels": control, "rows_max_abs_vs_stock": row_gaps(),
+            "backward": backward_checks()}
+
+
+def backward_checks() -> dict[str, Any]:
+    """The kernels' backwards as the trainer runs them on CUDA (models/batch_invariant_grads.py's closed
+    forms, compiled) at the GRPO recipe's update shapes (2 rows of 512: a 120-token document and padding):
+    the norm over the hidden size (fp32, the residual stream under autocast) and over a head (bf16 input,
+    fp32 weight), the attention (fp32 queries and keys, bf16 values). Each twice on the same inputs
+    (``repeat_equal``: deterministic) and against autograd of its reference formula in fp32 (the largest
+    difference, over the largest reference value)."""
+    from models import batch_invariant_grads as grads
+    from models.batch_invariant_triton import dense_attention
+
+    generator = torch.Generator(device=CUDA).manual_seed(7)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=CUDA).to(dtype)
+
+    def compare(compiled: Callable, reference: Callable, inputs: list[torch.Tensor], grad: torch.Tensor,
+                *extra: Any) -> dict[str, Any]:
+        first, second = compiled(*inputs, grad, *extra), compiled(*inputs, grad, *extra)
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        want = torch.autograd.grad(reference(*leaves), leaves, grad)
+        gaps = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(first, want)]
+        return {"repeat_equal": all(torch.equal(a, b) for a, b in zip(first, second)),
+                "max_rel_vs_autograd": max(gaps)}
+
+    out: dict[str, Any] = {}
+    for name, x in (("rms_norm_hidden_fp32", rand(2, 512, 1024)),
+                    ("rms_norm_head_bf16", rand(2, 512, 16, 128, dtype=torch.bfloat16))):
+        weight = 1 + rand(x.shape[-1]) / 4
+        grad = rand(*x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+        out[name] = compare(grads.compiled(grads.rms_norm_grads), lambda a, b: grads.rms_norm_reference(a, b, 1e-6),
+                            [x, weight], grad, 1e-6)
+    positions = torch.arange(512, device=CUDA)[None]
+    documents = (torch.arange(512, device=CUDA) >= 120).long().expand(2, 512)
+    q, k, v = rand(2, 16, 512, 128), rand(2, 8, 512, 128), rand(2, 8, 512, 128, dtype=torch.bfloat16)
+    allowed = grads.allowed_keys(positions, documents, True, 2, 512)
+    out["attention"] = compare(
+        lambda a, b, c, g: grads.compiled(grads.attention_grads)(a, b, c, positions, documents, g, True),
+        lambda a, b, c: dense_attention(a, b, c, allowed), [q, k, v], rand(2, 16, 512, 128))
+    return out
 
 
 def _booleans(tree) -> list[bool]:
@@ -765,7 +807,11 @@ def _print_chain(chain: dict[str, Any]) -> bool:
                 print(f"  {part:22s} {group:9s} {case:24s} " + " ".join(f"{k}={v}" for k, v in checks.items()))
     print("  row kernels against the stock ones, max |difference|: "
           + ", ".join(f"{k} {v:.3g}" for k, v in chain["rows_max_abs_vs_stock"].items()))
-    return all(invariant)
+    backward = chain.get("backward", {})
+    for name, check in backward.items():
+        print(f"  backward {name:24s} repeat equal {check['repeat_equal']}, largest difference from autograd of "
+              f"the reference {check['max_rel_vs_autograd']:.3g} (relative to its largest value)")
+    return all(invariant) and all(check["repeat_equal"] for check in backward.values())
 
 
 def _print_kernels(kernels: dict[str, Any]) -> None:

@@ -26,8 +26,8 @@ within a device, which is where the sampler and the trainer meet.
   ``block_m`` query rows (a query and its GQA group's heads); rows of another document (a packed
   row's neighbour) are computed in a pass of their own over their own key blocks, the others' state
   left untouched, so a row's arithmetic is the same alone, beside neighbours, in a prefill chunk or
-  in a decode step. The whole tile configuration is one constant for every call. The backward
-  recomputes the attention with plain differentiable fp32 ops (``AttentionFunction``).
+  in a decode step. The whole tile configuration is one constant for every call. The backward is
+  the dense fp32 attention's (``dense_attention``) in closed form (``AttentionFunction``).
 - ``rms_norm``, ``logsumexp`` and ``softmax``: one program per row, which walks its row in steps of
   ``row_block(width)`` elements (a function of the row's width alone), keeps one fp32 partial per
   lane of the block (the mean square's squares, the log-partition's ``exp(x - max)``, the softmax's
@@ -39,8 +39,13 @@ within a device, which is where the sampler and the trainer meet.
   (``do_not_specialize``): Triton picks a load's vector width from those, and with it which elements
   a thread holds, so a row that sits at another offset (a sliced tensor, a moved row) would otherwise
   be summed in another order. sqrt and divisions are IEEE-rounded (``sqrt_rn``, ``div_rn``), as
-  torch's are; exp and log are Triton's. The backwards recompute with plain differentiable torch ops
+  torch's are; exp and log are Triton's. The backwards are their plain torch formulas' derivatives
   (``RowFunction``): deterministic, not batch-invariant, as the other backwards.
+
+The backwards (models/batch_invariant_grads.py) are written out in closed form and run on CUDA as
+one compiled function each (a few fused kernels): recomputing a forward and its autograd graph took
+twenty to forty launches a norm or attention, and with small micro-batches the host could not keep
+the GPU busy (the Qwen3-0.6B GRPO recipe's update: 64 micro-batches of 2 x 512 tokens).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from models import batch_invariant_grads as grads
 
 
 @dataclass(frozen=True)
@@ -267,21 +274,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     return out
 
 
-def allowed_keys(positions: torch.Tensor, documents: Optional[torch.Tensor], relative: bool, batch: int,
-                 k_len: int) -> torch.Tensor:
-    """(B, T, S) bool: which key rows each query reads, the kernel's rule as a dense mask (the backward's)."""
-    positions = positions.expand(batch, -1)
-    query = torch.arange(positions.shape[1], device=positions.device)
-    key = torch.arange(k_len, device=positions.device)
-    start = (query - positions) if relative else torch.zeros_like(positions)
-    j = key[None, None, :] - start[:, :, None]  # the key row's place in the query's document
-    allowed = (j >= 0) & (j <= positions[:, :, None])
-    if documents is not None:
-        documents = documents.expand(batch, k_len)
-        allowed &= documents[:, None, :] == documents[:, :positions.shape[1], None]
-    return allowed
-
-
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """The same attention by plain differentiable fp32 ops: q (B, H, T, hd), k, v (B, n_kv, S, hd),
     allowed (B, T, S) -> (B, H, T, hd) in q's dtype."""
@@ -297,8 +289,9 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
 
 
 class AttentionFunction(torch.autograd.Function):
-    """The invariant attention forward; the backward of ``dense_attention`` recomputed (deterministic
-    library matmuls and softmax, not batch-invariant)."""
+    """The invariant attention forward; the backward of ``dense_attention`` in closed form
+    (models/batch_invariant_grads.py ``attention_grads``: deterministic library matmuls and fused
+    kernels, not batch-invariant), one compiled function on CUDA."""
 
     @staticmethod
     def forward(ctx, q, k, v, positions, documents, relative):
@@ -309,13 +302,17 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, positions, documents = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(needed) for x, needed in zip((q, k, v), ctx.needs_input_grad[:3])]
-        with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
-            allowed = allowed_keys(positions, documents, ctx.relative, q.shape[0], k.shape[2])
-            out = dense_attention(*inputs, allowed)
-            wanted = [x for x in inputs if x.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
-        return (*(next(grads) if x.requires_grad else None for x in inputs), None, None, None)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _backward(grads.attention_grads, q)(q, k, v, positions, documents, grad.contiguous(),
+                                                             ctx.relative)
+        return (*(d if needed else None for d, needed in zip((dq, dk, dv), ctx.needs_input_grad[:3])),
+                None, None, None)
+
+
+def _backward(formula, x: torch.Tensor):
+    """A closed-form backward of models/batch_invariant_grads.py: compiled on CUDA (a few fused
+    kernels), as written elsewhere."""
+    return grads.compiled(formula) if x.device.type == "cuda" else formula
 
 
 def _attention(q, k, v, positions, documents, relative: bool) -> torch.Tensor:
@@ -463,27 +460,15 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.to(torch.float32)
-    normed = x32 / torch.sqrt((x32 * x32).mean(dim=-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def _logsumexp_reference(x: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(x.to(torch.float32), dim=-1)
-
-
-def _softmax_reference(x: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(x.to(torch.float32), dim=-1)
-
-
 class RowFunction(torch.autograd.Function):
-    """A row kernel's forward; the backward of its reference in plain torch ops, recomputed
-    (deterministic library reductions, not batch-invariant)."""
+    """A row kernel's forward; the backward of its reference formula in closed form
+    (models/batch_invariant_grads.py: deterministic fused reductions, not batch-invariant), one
+    compiled function on CUDA. ``formula(x, weight, grad, *extra)`` gives (dx, dweight) where the
+    kernel takes a weight, else ``formula(x, grad)`` gives dx."""
 
     @staticmethod
-    def forward(ctx, kernel, plain, x, weight, *extra):
-        ctx.plain, ctx.extra = plain, extra
+    def forward(ctx, kernel, formula, x, weight, *extra):
+        ctx.formula, ctx.extra = formula, extra
         ctx.has_weight = weight is not None
         ctx.save_for_backward(x, *([weight] if weight is not None else []))
         return kernel(x, weight, *extra) if weight is not None else kernel(x, *extra)
@@ -491,34 +476,33 @@ class RowFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad[2:2 + len(saved)]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, needs)]
-        with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
-            out = ctx.plain(*inputs, *ctx.extra)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
-        per_input = [next(grads) if t.requires_grad else None for t in inputs]
-        if not ctx.has_weight:
-            per_input.append(None)
-        return (None, None, *per_input, *(None for _ in ctx.extra))
+        x = saved[0]
+        with torch.autocast(grad.device.type, enabled=False):
+            if ctx.has_weight:
+                dx, dweight = _backward(ctx.formula, x)(x, saved[1], grad.contiguous(), *ctx.extra)
+            else:
+                dx, dweight = _backward(ctx.formula, x)(x, grad.contiguous(), *ctx.extra), None
+        needs_x, needs_weight = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        return (None, None, dx if needs_x else None, dweight if needs_weight else None,
+                *(None for _ in ctx.extra))
 
 
-def _differentiable(kernel, plain, x: torch.Tensor, weight: Optional[torch.Tensor], *extra):
+def _differentiable(kernel, formula, x: torch.Tensor, weight: Optional[torch.Tensor], *extra):
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return RowFunction.apply(kernel, plain, x, weight, *extra)
+        return RowFunction.apply(kernel, formula, x, weight, *extra)
     return kernel(x, weight, *extra) if weight is not None else kernel(x, *extra)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``batch_invariant.rms_norm`` on CUDA (``_rms_norm_kernel``). Differentiable."""
-    return _differentiable(rms_norm_forward, _rms_norm_reference, x, weight, float(eps))
+    return _differentiable(rms_norm_forward, grads.rms_norm_grads, x, weight, float(eps))
 
 
 def logsumexp(x: torch.Tensor) -> torch.Tensor:
     """``batch_invariant.logsumexp`` on CUDA for fp32/bf16/fp16 rows (``_logsumexp_kernel``). Differentiable."""
-    return _differentiable(logsumexp_forward, _logsumexp_reference, x, None)
+    return _differentiable(logsumexp_forward, grads.logsumexp_grads, x, None)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """``batch_invariant.softmax`` on CUDA for fp32/bf16/fp16 rows (``_softmax_kernel``). Differentiable."""
-    return _differentiable(softmax_forward, _softmax_reference, x, None)
+    return _differentiable(softmax_forward, grads.softmax_grads, x, None)
