@@ -2,7 +2,10 @@
 
 The arithmetic is that of transformers' PIL-backed ``Qwen2VLImageProcessorPil`` (the "slow"
 processor; ``Qwen2VLImageProcessor`` is the torchvision one), so the pixel values are equal to
-its output within 1e-6 (tests/data/test_images.py, on the four photographs):
+its output within 1e-6 (tests/data/test_images.py, on the four photographs). The torchvision
+processor differs from it, and so from these rows, by its resampler alone: the same steps after
+torchvision's resize give its pixels within 1e-6, and the two resizes differ by up to a few uint8
+levels (tests/data/test_image_processors.py; docs/data.md, "Images"):
 
 1. decode with Pillow, apply the EXIF orientation (as transformers' ``load_image``), composite
    any transparency onto white and convert to RGB (as its ``convert_to_rgb``);
@@ -243,12 +246,18 @@ def preprocess(pixels: np.ndarray, processing: ImageProcessing = ImageProcessing
     height, width = pixels.shape[:2]
     new_height, new_width = smart_resize(height, width, processing, file=file, record=record)
     resized = Image.fromarray(pixels).resize((new_width, new_height), resample=Image.Resampling.BICUBIC)
-    chw = np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1)  # (3, H, W)
+    rows, grid_h, grid_w = patch_rows(np.asarray(resized, dtype=np.uint8), processing)
+    return ProcessedImage(rows, (1, grid_h, grid_w), processing.merge_size, sha256)
+
+
+def patch_rows(resized: np.ndarray, processing: ImageProcessing) -> tuple[np.ndarray, int, int]:
+    """(rows, grid_h, grid_w) of uint8 (H, W, 3) RGB pixels already resized to multiples of the factor:
+    rescaled by 1/255, normalized and flattened (steps 3 and 4 above)."""
+    chw = resized.transpose(2, 0, 1)  # (3, H, W)
     scaled = (chw.astype(np.float64) * (1 / 255)).astype(np.float32)
     mean = np.asarray(processing.image_mean, dtype=np.float32)[:, None, None]
     std = np.asarray(processing.image_std, dtype=np.float32)[:, None, None]
-    rows, grid_h, grid_w = patchify((scaled - mean) / std, processing)
-    return ProcessedImage(rows, (1, grid_h, grid_w), processing.merge_size, sha256)
+    return patchify((scaled - mean) / std, processing)
 
 
 def patchify(image: np.ndarray, processing: ImageProcessing) -> tuple[np.ndarray, int, int]:

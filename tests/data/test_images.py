@@ -1,5 +1,6 @@
-"""Image preprocessing (data/vision/images.py) equal to transformers' Qwen2-VL image processor on
-the pinned photographs, their SHA-256 pinning (data/vision/photographs.py), and bad images as a
+"""Image preprocessing (data/vision/images.py) equal to transformers' PIL-backed Qwen2-VL image processor
+on the pinned photographs (also where torchvision is installed and transformers' default is the other one,
+tests/data/test_image_processors.py), their SHA-256 pinning (data/vision/photographs.py), and bad images as a
 DataError naming file and record."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from PIL import Image, ImageOps
 from core.exceptions import ConfigError, DataError
 from data.vision.images import ImageProcessing, decode_image, load_image, smart_resize
 from data.vision.photographs import COMPLETE, PHOTOGRAPHS, copy_photographs, photograph_path, wheel_directory
+from tests.data.hf_image_processors import pil_module, pil_processor
 
 SETTINGS = {
     # Qwen2-VL / Qwen2.5-VL's processor as released: every photograph stays near its own size.
@@ -38,27 +40,8 @@ def photographs(tmp_path_factory):
     return out
 
 
-def _hf_module():
-    """The module of transformers' PIL-backed Qwen2-VL image processor and its smart_resize (5.x
-    names it Qwen2VLImageProcessorPil; before 5.x it was Qwen2VLImageProcessor, the slow one)."""
-    try:
-        import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as module
-    except ImportError:
-        module = pytest.importorskip("transformers.models.qwen2_vl.image_processing_qwen2_vl")
-    return module
-
-
-def _hf_processor(processing: ImageProcessing):
-    module = _hf_module()
-    cls = getattr(module, "Qwen2VLImageProcessorPil", None) or module.Qwen2VLImageProcessor
-    return cls(size={"shortest_edge": processing.min_pixels, "longest_edge": processing.max_pixels},
-               patch_size=processing.patch_size, temporal_patch_size=processing.temporal_patch_size,
-               merge_size=processing.merge_size, image_mean=list(processing.image_mean),
-               image_std=list(processing.image_std))
-
-
 def _assert_equal_to_transformers(ours: list, images: list[Image.Image], processing: ImageProcessing) -> None:
-    hf = _hf_processor(processing)(images=images, return_tensors="np")
+    hf = pil_processor(processing)(images=images, return_tensors="np")
     assert [list(image.grid_thw) for image in ours] == hf["image_grid_thw"].tolist()
     rows = np.concatenate([image.pixel_values for image in ours])
     assert rows.dtype == np.float32 and rows.shape == hf["pixel_values"].shape
@@ -127,7 +110,7 @@ def test_exif_orientation_is_applied_as_transformers_load_image_does(tmp_path):
 @pytest.mark.parametrize("height,width", [(1, 1), (10, 1990), (1990, 10), (28, 28), (27, 29), (4000, 3000),
                                           (123, 4567), (14, 2800), (3000, 31)])
 def test_smart_resize_is_transformers_rule(height, width):
-    module = _hf_module()
+    module = pil_module()
     for processing in SETTINGS.values():
         expected = module.smart_resize(height, width, factor=processing.factor, min_pixels=processing.min_pixels,
                                        max_pixels=processing.max_pixels)
