@@ -99,7 +99,13 @@ _SAME = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image
 
 
 def processor_config(processing: ImageProcessing) -> dict[str, Any]:
-    """The ``preprocessor_config.json`` of ``processing``: transformers' Qwen2-VL image processor's fields."""
+    """The ``preprocessor_config.json`` of ``processing``: transformers' Qwen2-VL image processor's fields.
+
+    The type is ``Qwen2VLImageProcessor``, a name transformers 4.51, 4.57 and 5.24 all load; 4.x refuses
+    5.x's ``Qwen2VLImageProcessorPil`` (no such class), and 5.24 finds either name's pair of backends and
+    picks the backend itself, so naming the PIL one would change nothing there. Where torchvision is
+    installed, 4.57 and 5.24 load the torchvision processor, whose pixels differ from the ones the model
+    trained on (docs/data.md, "Images"); ``use_fast=False`` loads the PIL one, whose pixels equal ours."""
     config: dict[str, Any] = {"image_processor_type": "Qwen2VLImageProcessor", "do_resize": True,
                               "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
                               "do_convert_rgb": True}
