@@ -3,14 +3,14 @@ user's transformers loads for an export's ``preprocessor_config.json`` (data/vis
 
 Ours equal the PIL-backed processor within 1e-6 (tests/data/test_images.py). The torchvision-backed one, which
 transformers 5.x loads by default wherever torchvision is installed, resizes with torch's antialiased bicubic
-instead of Pillow's: the resized uint8 images differ by one level at about 0.1 to 16% of the values and, where one
+instead of Pillow's: the resized uint8 images differ by one level at up to 16% of the values and, where one
 side shrinks while the other grows, by up to 7 (Qwen2.5-VL's budget, rocket) or 11 levels (Qwen3-VL's, coffee)
 at a few dozen values of high-contrast edges (torch 2.13, torchvision 0.28, transformers 5.24). Everything after
 the resize is the same within 1e-6, which ``test_the_torchvision_processor_differs_by_its_resize_alone`` shows.
 
-An export names ``Qwen2VLImageProcessor`` (every transformers loads that name; which backend is transformers'
-choice), so ``AutoProcessor.from_pretrained(export)`` gives the torchvision processor where torchvision is
-installed; ``use_fast=False`` gives the PIL one, whose pixels are the training pixels.
+An export names ``Qwen2VLImageProcessor`` (transformers 4.51, 4.57 and 5.24 all load that name; which backend
+is transformers' choice), so ``AutoProcessor.from_pretrained(export)`` gives the torchvision processor where
+torchvision is installed; ``use_fast=False`` gives the PIL one, whose pixels are the training pixels.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ QWEN3_VL = ImageProcessing(patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=
 MAX_LEVELS = {"qwen2.5-vl": 7, "qwen3-vl": 11}
 """The largest difference between the torchvision-resized and the Pillow-resized uint8 images of the four
 photographs, in levels, as measured (torch 2.13, torchvision 0.28): rocket (427x640 to 420x644) at Qwen2.5-VL's
-budget, coffee (400x600 to 384x608) at Qwen3-VL's; both resamplers are bicubic with antialiasing, and they round
-differently, most where one side shrinks while the other grows."""
+budget, coffee (400x600 to 384x608) at Qwen3-VL's: both resamplers are antialiased bicubic, and their results
+differ most where one side shrinks while the other grows."""
 SETTINGS = {"qwen2.5-vl": QWEN2_5_VL, "qwen3-vl": QWEN3_VL}
 
 

@@ -4,20 +4,24 @@ tests/configs/e2e-vl-sft.yaml: one process, two steps, a checkpoint at step 2), 
 The checkpoint holds no tensor and no optimizer state of the tower; the export carries the tower as the
 run started it (its seeded init, bit for bit) and the trained language model; ``python -m training
 generate --image`` from the run (its ``data.images``) and from the export (the ``preprocessor_config.json``
-export wrote from them) give the same greedy answer.
+export wrote from them) give the same greedy answer, and transformers' PIL image processor loaded from the export
+(``use_fast=False``, docs/data.md "What an export names") gives a photograph the training pixels.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import models
 from core import config as config_lib
 from core import seeding
 from core.layout import RunPaths
+from data.vision.images import load_image, processing_of
 from distributed.safe_dcp import SafeFileSystemReader
 from models.hf_weights import load_pretrained
 from tests import launch
@@ -27,6 +31,7 @@ from training.checkpoint.load import checkpoint_dir
 from training.checkpoint.manifest import DCP_DIR
 
 pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +63,13 @@ def test_the_checkpoint_leaves_the_tower_out_and_the_export_carries_it_as_initia
                                                                   config.data.images.max_pixels)
 
     photo = e2e_workdir / "datasets" / "images" / "photographs" / "chelsea.png"
+    # transformers' PIL processor for the export (use_fast=False: where torchvision is installed the default
+    # is its torchvision one, whose pixels differ; docs/data.md) gives the training pixels
+    hf = transformers.AutoImageProcessor.from_pretrained(out, use_fast=False)(images=[Image.open(photo)],
+                                                                              return_tensors="np")
+    ours = load_image(photo, processing_of(config.data.images))
+    assert hf["image_grid_thw"].tolist() == [list(ours.grid_thw)]
+    assert float(np.abs(hf["pixel_values"] - ours.pixel_values).max()) <= 1e-6
     answers = []
     for source in (frozen_run, out):
         samples = tmp_path / f"samples-{len(answers)}.jsonl"
