@@ -5,8 +5,9 @@ Ours equal the PIL-backed processor within 1e-6 (tests/data/test_images.py). The
 transformers 5.x loads by default wherever torchvision is installed, resizes with torch's antialiased bicubic
 instead of Pillow's: the resized uint8 images differ by one level at up to 16% of the values and, where one
 side shrinks while the other grows, by up to 7 (Qwen2.5-VL's budget, rocket) or 11 levels (Qwen3-VL's, coffee)
-at a few dozen values of high-contrast edges (torch 2.13, torchvision 0.28, transformers 5.24). Everything after
-the resize is the same within 1e-6, which ``test_the_torchvision_processor_differs_by_its_resize_alone`` shows.
+at a few dozen values of high-contrast edges (torch 2.13, torchvision 0.28, transformers 5.24; torch 2.11 with
+torchvision 0.26 parts less, by 2 levels at most). Everything after the resize is the same within 1e-6, which
+``test_the_torchvision_processor_differs_by_its_resize_alone`` shows.
 
 An export names ``Qwen2VLImageProcessor`` (transformers 4.51, 4.57 and 5.24 all load that name; which backend
 is transformers' choice), so ``AutoProcessor.from_pretrained(export)`` gives the torchvision processor where
@@ -47,7 +48,7 @@ MAX_LEVELS = {"qwen2.5-vl": 7, "qwen3-vl": 11}
 """The largest difference between the torchvision-resized and the Pillow-resized uint8 images of the four
 photographs, in levels, as measured (torch 2.13, torchvision 0.28): rocket (427x640 to 420x644) at Qwen2.5-VL's
 budget, coffee (400x600 to 384x608) at Qwen3-VL's: both resamplers are antialiased bicubic, and their results
-differ most where one side shrinks while the other grows."""
+differ most where one side shrinks while the other grows (torch 2.11 with torchvision 0.26: 2 levels at most)."""
 SETTINGS = {"qwen2.5-vl": QWEN2_5_VL, "qwen3-vl": QWEN3_VL}
 
 
