@@ -112,3 +112,27 @@ def test_compiled_chunk_kernels_match_eager(monkeypatch):
     torch.testing.assert_close(logps, token_logps_from_logits(hidden @ weight.t(), labels, temperature=0.7))
     torch.testing.assert_close(hidden.grad, eager[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(weight.grad, eager[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_under_autocast_the_backward_recomputes_the_forwards_logits(invariant):
+    """fp32 weights under bf16 autocast (a mixed-precision run's policy): the head's matmul runs in bf16
+    in the forward, and the backward (outside autocast) recomputes those bf16 logits, as the explicit
+    ``compute_dtype`` does, not fp32 ones that the forward's log-partition never saw."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 5, 16, generator=gen)
+    weight = torch.randn(40, 16, generator=gen) / 4
+    labels = torch.randint(0, 40, (2, 5), generator=gen)
+    labels[0, :2] = IGNORE_INDEX
+
+    def run(autocast: bool, compute_dtype):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logps = linear_token_logps(h, w, labels, chunk_tokens=4, compute_dtype=compute_dtype, invariant=invariant)
+        (logps * torch.linspace(0.5, 1.5, logps.numel()).reshape(logps.shape)).sum().backward()
+        return logps.detach(), h.grad, w.grad
+
+    default, explicit, fp32 = run(True, None), run(False, torch.bfloat16), run(False, None)
+    for a, b in zip(default, explicit):
+        assert torch.equal(a, b)
+    assert not torch.equal(default[1], fp32[1])  # the fp32 recompute's gradient is another one

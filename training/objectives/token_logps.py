@@ -62,17 +62,20 @@ def linear_token_logps(
     """``log softmax(hidden @ weight.T / temperature)[label]`` per token, 0 where the label is IGNORE_INDEX.
 
     hidden (..., d), weight (V, d), labels (...) -> fp32 (or fp64 for fp64 inputs) tensor of
-    labels' shape. Differentiable with respect to ``hidden`` and ``weight``. ``compiled``:
+    labels' shape. Differentiable with respect to ``hidden`` and ``weight``. ``compute_dtype``:
+    the matmuls' dtype in both passes (default: autocast's where it is on, else ``hidden``'s).
+    ``compiled``:
     the per-chunk work after the matmuls through torch.compile (CUDA only; rounds differently
     from eager, deterministically). ``invariant``: the batch-invariant matmul and log-partition
     (models/batch_invariant.py; not compiled).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if compute_dtype is None and invariant and hidden.is_cuda:
-        # The invariant matmul multiplies in autocast's dtype in the forward; the backward, outside
-        # autocast, must recompute the same logits (not fp32 ones, which took 23 ms a 1,024-token
-        # chunk on an H200 and did not match the forward's log-partition).
+    if compute_dtype is None:
+        # Under autocast the forward's matmul multiplies in autocast's dtype; the backward runs
+        # outside autocast and must recompute the same logits, not fp32 ones (which did not match
+        # the forward's log-partition, and took 23 ms a 1,024-token chunk of Qwen's vocabulary on an
+        # H200 with the invariant matmul, against about 1 ms in bf16).
         compute_dtype = autocast_dtype(hidden.device)
     logps = _LinearTokenLogps.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
