@@ -314,11 +314,11 @@ def backward_checks() -> dict[str, Any]:
     def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, device=CUDA).to(dtype)
 
-    def compare(compiled: Callable, reference: Callable, inputs: list[torch.Tensor], grad: torch.Tensor,
+    def compare(compiled: Callable, formula: Callable, inputs: list[torch.Tensor], grad: torch.Tensor,
                 *extra: Any) -> dict[str, Any]:
         first, second = compiled(*inputs, grad, *extra), compiled(*inputs, grad, *extra)
         leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-        want = torch.autograd.grad(reference(*leaves), leaves, grad)
+        want = torch.autograd.grad(formula(*leaves), leaves, grad)
         gaps = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(first, want)]
         return {"repeat_equal": all(torch.equal(a, b) for a, b in zip(first, second)),
                 "max_rel_vs_autograd": max(gaps)}
