@@ -452,6 +452,14 @@ def resolved_config(run_dir: Path):
     return from_dict(yaml.safe_load(path.read_text())) if path.is_file() else None
 
 
+def profiled_steps(config) -> set[int]:
+    """The steps of the run's torch.profiler window (``runtime.profile_start_step``, 0: none)."""
+    if config is None or not config.runtime.profile_start_step:
+        return set()
+    first = config.runtime.profile_start_step
+    return set(range(first, first + config.runtime.profile_steps))
+
+
 def summarize_run(run_dir: Path, *, warmup: int, gpus: int, peak: float | None, started_at: float) -> dict[str, Any]:
     """Steady-state throughput, MFU, memory and phase times of one finished run directory."""
     records = sorted(
@@ -489,16 +497,27 @@ def summarize_run(run_dir: Path, *, warmup: int, gpus: int, peak: float | None, 
     if start is None or not steady or any(r.get("interval_steps", 1) != 1 for r in steady):
         out["error"] = f"no steady-state window after warmup step {warmup} (need metrics.log_interval=1)"
         return out
+    profiled = profiled_steps(config)
+    if any(r["step"] in profiled for r in steady):
+        # The profiler's trace is written at its window's end, inside the wall time between records
+        # (a 0.093 s MoE step read as 0.15 s from the wall): those steps are left out and the rate
+        # comes from the other steps' own times.
+        out["profiled_steps_left_out"] = sorted(r["step"] for r in steady if r["step"] in profiled)
+        steady = [r for r in steady if r["step"] not in profiled]
+        if not steady:
+            out["error"] = f"every step after warmup step {warmup} is in the profiler's window {sorted(profiled)}"
+            return out
 
     tokens = sum(metric(r, "tokens", "sum") or 0.0 for r in steady)
     wall = steady[-1]["time"] - start["time"]
     step_max = [step_seconds(r, "max") for r in steady]
     step_mean = [step_seconds(r, "mean") for r in steady]
+    from_step_times = (tokens / sum(step_max)) if all(step_max) else None
     out.update(
         steady_steps=len(steady),
         tokens_per_step=tokens / len(steady),
-        tokens_per_s=tokens / wall if wall > 0 else None,
-        tokens_per_s_from_step_times=(tokens / sum(step_max)) if all(step_max) else None,
+        tokens_per_s=from_step_times if "profiled_steps_left_out" in out else (tokens / wall if wall > 0 else None),
+        tokens_per_s_from_step_times=from_step_times,
         step_time_s=(sum(step_max) / len(step_max)) if all(step_max) else None,
         step_time_median_s=statistics.median(step_max) if all(step_max) else None,
         step_times_s=[round(t, 5) for t in step_max] if all(step_max) else None,
