@@ -48,7 +48,7 @@ test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: the in-process tests only (no test marked `slow`, i.e. none that starts
-# processes; tests/conftest.py), under 3 minutes on 2 cores. `make test` runs everything.
+# processes; tests/conftest.py), under 2 minutes on 2 cores from a cold cache. `make test` runs everything.
 test-fast: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
