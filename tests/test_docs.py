@@ -116,6 +116,7 @@ LAST_LINE = re.compile(r"`([0-9a-f]{16})(?:\.\.\.)?`")
 FROM_TINY_SFT = ["parallel.device=cpu", "model.init_from=exports/tiny-sft"]
 DISTILLED = ["parallel.device=cpu", "objective.distill.teacher=run:tiny-20261202-043217-112136ec"]
 ALONE = ["parallel.device=cpu", "objective.kind=causal_lm", "run.name=tiny-student-alone"]
+FROM_SHAPES = ["model.init_from=exports/tiny-vl-shapes"]
 MEASURED = {
     "tiny-ppo-20261202-045750-ffedd2d1": ("tiny-ppo.yaml", FROM_TINY_SFT, "a025bdd97d909522"),
     "tiny-rm-20261202-045751-460a9237": ("tiny-rm.yaml", ["parallel.device=cpu"], "4216ccead1447f25"),
@@ -127,6 +128,16 @@ MEASURED = {
     "tiny-dpo-20261202-043218-b9a5bc66": ("tiny-dpo.yaml", FROM_TINY_SFT, "1a536e374278da07"),
     "tiny-dpo-20261202-044939-65472c01": ("tiny-dpo.yaml", [*FROM_TINY_SFT, "train.lr=0", "train.max_steps=1",
                                                             "train.eval_interval=1"], "59a2279806ba1125"),
+    # README.md's vision-language chain: the shapes SFT stage and GRPO from its export on three seeds.
+    "tiny-vl-shapes-sft-short-20261202-164959-39bc5641": ("tiny-vl-shapes-sft-short.yaml", [], "84d45db671bdcf17"),
+    "tiny-vl-shapes-grpo-20261202-165018-aaf2b995": ("tiny-vl-shapes-grpo.yaml", [*FROM_SHAPES, "train.seed=1"],
+                                                     "1bbe3ad265d51bb1"),
+    "tiny-vl-shapes-grpo-20261202-165128-3d66041f": ("tiny-vl-shapes-grpo.yaml", [*FROM_SHAPES, "train.seed=2"],
+                                                     "5ddec7577c2be652"),
+    "tiny-vl-shapes-grpo-20261202-165236-bb971e76": ("tiny-vl-shapes-grpo.yaml", [*FROM_SHAPES, "train.seed=3"],
+                                                     "2cf45b707f9fe72f"),
+    "tiny-vl-shapes-grpo-20261202-165346-bf4bbbd5": ("tiny-vl-shapes-grpo.yaml", [
+        *FROM_SHAPES, "train.seed=1", "train.lr=0", "train.max_steps=1", "train.eval_interval=1"], "d055440cca34c0c9"),
 }
 
 
