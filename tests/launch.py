@@ -326,8 +326,29 @@ def _kill_session(pid: int, sig: int) -> None:
         pass
 
 
-def _dump_stacks_then_kill(pid: int, grace_s: float = 3.0) -> None:
-    _kill_session(pid, signal.SIGUSR1)  # faulthandler, registered by tests/ranks.py --call
+def _session_pids(pid: int) -> list[int]:
+    """The processes of the session ``pid`` started (its process group), ``pid`` first."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pid:
+                found.append(process.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return sorted(found, key=lambda each: (each != pid, each))
+
+
+def _dump_stacks_then_kill(pid: int, grace_s: float = 3.0, apart_s: float = 0.5) -> None:
+    # faulthandler's SIGUSR1 (registered by tests/ranks.py --call), one process at a time: stacks
+    # written at once interleave character by character on the stderr they share.
+    for each in _session_pids(pid) or [pid]:
+        try:
+            os.kill(each, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+        time.sleep(apart_s)
     time.sleep(grace_s)
     _kill_session(pid, signal.SIGKILL)
 
