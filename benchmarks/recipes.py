@@ -1,7 +1,7 @@
 """The recipes for real Qwen checkpoints, proven at their real size without downloading weights.
 
     python benchmarks/recipes.py --out bench_out/recipes [--steps 20] [--recipes NAME,...] [--gpus 1] \
-        [--work /tmp/lockstep-recipes] [--set KEY=VALUE ...] [--workdir DIR] [--tokenizer DIR]
+        [--work /tmp/lockstep-recipes] [--set KEY=VALUE ...] [--workdir DIR] [--tokenizer DIR] [--concurrent]
     python benchmarks/recipes.py --out bench_out/recipes-cpu --tiny --steps 4 --recipes qwen3-0.6b-sft   # CPU smoke
 
 For every recipe (configs/qwen3-0.6b-sft.yaml, qwen2.5-0.5b-lora-sft, qwen3-1.7b-qlora-sft,
@@ -16,7 +16,9 @@ qwen3-0.6b-dpo, -grpo, -rm, -ppo; all by default), as its header's command runs 
    steps (compilation), the largest memory metric, the console's first and last lines.
 3. ``kill_resume``: the same command again, SIGKILLed (the whole process group) once its
    checkpoint at S/2 is intact and a step after it is in the ledger, then ``python train.py
-   [--nproc G] --resume RUN_ID``; its ledger must equal the reference's byte for byte.
+   [--nproc G] --resume RUN_ID``; its ledger must equal the reference's byte for byte. With
+   ``--concurrent`` the killed run starts beside the reference (both on the same GPUs), which halves
+   the wall time of a slow recipe; the reference's step times are then those of a shared card.
 4. ``export``: ``python -m training export --run RUN_ID --to DIR`` (LoRA/QLoRA: ``--merge``) of the
    reference run, then in a fresh process ``transformers`` loads it
    (``AutoModelForCausalLM``; the reward model: ``AutoModelForSequenceClassification``) with its
@@ -24,7 +26,7 @@ qwen3-0.6b-dpo, -grpo, -rm, -ppo; all by default), as its header's command runs 
    LM also greedily generates 8 tokens, and its logits are compared with Lockstep's own model of
    the run's last checkpoint (largest absolute difference, fp32).
 
-Writes ``--out``/recipes.json (after each recipe: a cut-short call keeps what finished) and one log
+Writes ``--out``/recipes.json (after each part of each recipe: a cut-short call keeps what finished) and one log
 per recipe, ``--out``/RECIPE.log, with every command and its output; runs, weights and exports go
 under ``--work`` (large, kept out of ``--out``). Exit 1 if any check failed.
 
@@ -197,20 +199,27 @@ def console(log_text: str, command_line: str) -> dict:
     return {"head": lines[:12], "tail": lines[-4:]}
 
 
-def reference_run(name: str, train_args: list[str], args: argparse.Namespace, log: Log) -> tuple[Path | None, dict]:
+def reference_run(name: str, train_args: list[str], args: argparse.Namespace, log: Log,
+                  proc: subprocess.Popen | None = None, began: float | None = None) -> tuple[Path | None, dict]:
+    """The reference run, S steps; ``proc``: it was started already (--concurrent) at ``began``."""
     cmd = train_command(args.gpus, [*train_args, f"run.name={name}-ref"])
-    code, wall = run(cmd, log, args)
+    if proc is None:
+        code, wall = run(cmd, log, args)
+    else:
+        code = finish(proc, max(1.0, args.timeout - (time.monotonic() - began)))
+        wall = round(time.monotonic() - began, 1)
     directory = run_dir(args.work / "runs", f"{name}-ref")
     out: dict[str, Any] = {"ok": code == 0 and directory is not None and len(ledger_lines(directory)) == args.steps,
                            "command": shlex.join(cmd), "exit": code, "wall_s": wall,
-                           "run_id": directory.name if directory else None}
+                           "run_id": directory.name if directory else None, "concurrent": proc is not None}
     if directory is not None:
         out.update(step_stats(directory))
         out["console"] = console(log.path.read_text(errors="replace"), shlex.join(cmd))
     return directory, out
 
 
-def kill_resume(name: str, train_args: list[str], ref_dir: Path, args: argparse.Namespace, log: Log) -> dict:
+def kill_resume(name: str, train_args: list[str], args: argparse.Namespace, log: Log) -> tuple[Path | None, dict]:
+    """The run again, SIGKILLed after its checkpoint at S/2 and a step beyond it, then resumed."""
     interval = max(1, args.steps // 2)
     runs = args.work / "runs"
     cmd = train_command(args.gpus, [*train_args, f"run.name={name}-kill"])
@@ -225,20 +234,25 @@ def kill_resume(name: str, train_args: list[str], ref_dir: Path, args: argparse.
         time.sleep(0.05)
     if directory is None or proc.poll() is not None:
         finish(proc, 1)
-        return {"ok": False, "command": shlex.join(cmd), "error": "the run ended (or never started) before the kill"}
+        return None, {"ok": False, "command": shlex.join(cmd), "error": "the run ended (or never started) before the kill"}
     kill(proc)
     at_kill = len(ledger_lines(directory))
     latest = (directory / "checkpoints" / "LATEST").read_text().strip()
     log.note(f"SIGKILL after {at_kill} ledger lines, checkpoints/LATEST = {latest}")
     resume = train_command(args.gpus, ["--resume", directory.name, f"run.root={runs}"])
     code, wall = run(resume, log, args)
+    return directory, {"ok": code == 0, "command": shlex.join(cmd), "resume_command": shlex.join(resume),
+                       "killed_after_lines": at_kill, "latest_at_kill": latest, "resume_exit": code,
+                       "resume_wall_s": wall, "run_id": directory.name}
+
+
+def same_ledger(ref_dir: Path, directory: Path, result: dict) -> dict:
+    """``result`` (kill_resume's) with the comparison of the two runs' ledgers, byte for byte."""
     ref, got = ledger_lines(ref_dir), ledger_lines(directory)
     first = next((i + 1 for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
     if first is None and len(ref) != len(got):
         first = min(len(ref), len(got)) + 1
-    return {"ok": code == 0 and ref == got, "command": shlex.join(cmd), "resume_command": shlex.join(resume),
-            "killed_after_lines": at_kill, "latest_at_kill": latest, "resume_exit": code, "resume_wall_s": wall,
-            "ledger_identical": ref == got, "first_differing_line": first, "run_id": directory.name}
+    return {**result, "ok": result["ok"] and ref == got, "ledger_identical": ref == got, "first_differing_line": first}
 
 
 def export(name: str, recipe: Recipe, ref_dir: Path, args: argparse.Namespace, log: Log) -> dict:
@@ -310,23 +324,37 @@ def environment() -> dict:
             "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def prove(name: str, args: argparse.Namespace) -> dict:
+def prove(name: str, args: argparse.Namespace, result: dict, save) -> None:
+    """Fills ``result`` part by part, calling ``save`` after each (a call cut short keeps what finished)."""
     recipe = RECIPES[name]
     log = Log(args.out / f"{name}.log")
-    weights, written = checkpoint(recipe, args, log)
-    result: dict[str, Any] = {"checkpoint": written}
+    weights, result["checkpoint"] = checkpoint(recipe, args, log)
+    written = result["checkpoint"]
+    save()
     if not written["ok"]:
-        return result
+        return
     train_args = ["--config", str(ROOT / "configs" / f"{name}.yaml"), f"model.init_from={weights}",
                   f"run.root={args.work / 'runs'}", f"train.max_steps={args.steps}",
                   f"checkpoint.interval={max(1, args.steps // 2)}", *COMMON,
                   *((*SMOKE, *recipe.smoke) if args.tiny else ()), *args.set]
-    ref_dir, result["reference"] = reference_run(name, train_args, args, log)
+    if args.concurrent:
+        began = time.monotonic()
+        proc = start(train_command(args.gpus, [*train_args, f"run.name={name}-ref"]), log, args.workdir)
+        killed_dir, killed = kill_resume(name, train_args, args, log)
+        ref_dir, result["reference"] = reference_run(name, train_args, args, log, proc, began)
+        save()
+    else:
+        ref_dir, result["reference"] = reference_run(name, train_args, args, log)
+        save()
+        if ref_dir is None or not result["reference"]["ok"]:
+            return
+        killed_dir, killed = kill_resume(name, train_args, args, log)
     if ref_dir is None or not result["reference"]["ok"]:
-        return result
-    result["kill_resume"] = kill_resume(name, train_args, ref_dir, args, log)
+        return
+    result["kill_resume"] = same_ledger(ref_dir, killed_dir, killed) if killed_dir is not None else killed
+    save()
     result["export"] = export(name, recipe, ref_dir, args, log)
-    return result
+    save()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run (e.g. parallel.compile=false)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds each command may take")
+    p.add_argument("--concurrent", action="store_true",
+                   help="start the kill run beside the reference (one card, two runs: half the wall time; "
+                        "the step times are the shared card's)")
     p.add_argument("--tiny", action="store_true", help="2-layer checkpoints, CPU, shrunk runs (SMOKE): a smoke")
     p.add_argument("--workdir", type=Path, default=ROOT, help="where the commands run (datasets/tasks/ there)")
     p.add_argument("--tokenizer", type=Path, help="the checkpoints' tokenizer (default: WORKDIR/datasets/tokenizers/qwen)")
@@ -368,10 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = args.work.resolve()
     report: dict[str, Any] = {"environment": environment(), "steps": args.steps, "gpus": args.gpus,
-                              "tiny": args.tiny, "set": args.set, "recipes": {}}
-    for name in names:
-        report["recipes"][name] = prove(name, args)
+                              "tiny": args.tiny, "concurrent": args.concurrent, "set": args.set, "recipes": {}}
+    def save() -> None:
         (args.out / "recipes.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    for name in names:
+        prove(name, args, report["recipes"].setdefault(name, {}), save)
     failed = [n for n, r in report["recipes"].items() if not all(part.get("ok") for part in r.values())
               or set(r) != {"checkpoint", "reference", "kill_resume", "export"}]
     for name, r in report["recipes"].items():
