@@ -342,17 +342,18 @@ def prove(name: str, args: argparse.Namespace, result: dict, save) -> None:
         proc = start(train_command(args.gpus, [*train_args, f"run.name={name}-ref"]), log, args.workdir)
         killed_dir, killed = kill_resume(name, train_args, args, log)
         ref_dir, result["reference"] = reference_run(name, train_args, args, log, proc, began)
-        save()
     else:
         ref_dir, result["reference"] = reference_run(name, train_args, args, log)
         save()
         if ref_dir is None or not result["reference"]["ok"]:
             return
         killed_dir, killed = kill_resume(name, train_args, args, log)
+    finished = ref_dir is not None and result["reference"]["ok"] and killed_dir is not None
+    result["kill_resume"] = same_ledger(ref_dir, killed_dir, killed) if finished else {
+        **killed, "ok": False, "error": killed.get("error", "the reference run failed: no ledger to compare with")}
+    save()
     if ref_dir is None or not result["reference"]["ok"]:
         return
-    result["kill_resume"] = same_ledger(ref_dir, killed_dir, killed) if killed_dir is not None else killed
-    save()
     result["export"] = export(name, recipe, ref_dir, args, log)
     save()
 
@@ -400,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work = args.work.resolve()
     report: dict[str, Any] = {"environment": environment(), "steps": args.steps, "gpus": args.gpus,
                               "tiny": args.tiny, "concurrent": args.concurrent, "set": args.set, "recipes": {}}
+
     def save() -> None:
         (args.out / "recipes.json").write_text(json.dumps(report, indent=1) + "\n")
 
