@@ -41,15 +41,17 @@ def _config(**settings):
                                 max_position_embeddings=128, qwen3_moe=Qwen3MoeSettings(**section))
 
 
-def _hf_model(norm_topk_prob: bool, directory: Path):
-    """transformers' Qwen3MoeForCausalLM of ``_config``'s shape, seeded, norms moved off 1, saved to ``directory``."""
+def _hf_model(norm_topk_prob: bool, directory: Path, **shape):
+    """transformers' Qwen3MoeForCausalLM of ``_config``'s shape (``shape`` overrides its config keys), seeded,
+    norms moved off 1, saved to ``directory``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    keys = dict(num_hidden_layers=3, mlp_only_layers=[1]) | shape
     config = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, max_position_embeddings=128,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_experts=6, num_experts_per_tok=2,
-        moe_intermediate_size=24, mlp_only_layers=[1], norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.02)
+        moe_intermediate_size=24, norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.02, **keys)
     with torch.random.fork_rng():
         torch.manual_seed(7)
         model = Qwen3MoeForCausalLM(config).eval()
@@ -80,6 +82,21 @@ def test_logits_and_aux_loss_equal_transformers(tmp_path, norm_topk_prob):
     aux = out.aux_losses["load_balance"]
     assert aux.per == INPUT_TOKEN and aux.weight == 0.02
     torch.testing.assert_close(aux.sum / ids.numel(), reference.aux_loss, rtol=1e-6, atol=1e-6)
+
+
+def test_every_second_layer_sparse_equals_transformers(tmp_path):
+    """decoder_sparse_step=2 over 4 layers, layer 3 also dense by mlp_only_layers: only layer 1 is a mixture,
+    the shape read from transformers' config.json."""
+    theirs = _hf_model(True, tmp_path, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    ours = load_pretrained(tmp_path).eval()
+    assert ours.dims.sparse == (False, True, False, False)
+    ids = _ids(seed=2)
+    with torch.no_grad():
+        reference = theirs(ids, output_router_logits=True)
+        out = model_forward(ours, ModelInputs(ids))
+    torch.testing.assert_close(out.logits, reference.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.aux_losses["load_balance"].sum / ids.numel(), reference.aux_loss,
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_checkpoint_keys_are_per_expert_and_fill_their_slots(tmp_path):
