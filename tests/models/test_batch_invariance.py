@@ -84,6 +84,41 @@ def test_a_linear_row_does_not_depend_on_the_number_of_rows_or_its_place():
     torch.testing.assert_close(batch_invariant.linear(x, weight), x @ weight.t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_row_does_not_depend_on_the_number_of_rows_or_its_place(dtype):
+    """RMSNorm's mean is a fixed tree per row: a row alone, among 2 to 300 rows or moved to another
+    place gives the same bits (fp32 and a bf16 residual stream, normalized in fp32)."""
+    weight = (1 + 0.1 * torch.randn(1000, generator=torch.Generator().manual_seed(0))).to(dtype)
+    x = torch.randn(300, 1000, generator=torch.Generator().manual_seed(1)).to(dtype)
+    alone = batch_invariant.rms_norm(x[:1], weight, 1e-6)[0]
+    for rows in (2, 7, 64, 65, 300):
+        assert torch.equal(batch_invariant.rms_norm(x[:rows], weight, 1e-6)[0], alone), rows
+    moved = torch.cat([x[1:100], x[:1]]).reshape(4, 25, 1000)  # row 0 now the last of a (4, 25) batch
+    assert torch.equal(batch_invariant.rms_norm(moved, weight, 1e-6)[-1, -1], alone)
+    x32 = x.float()
+    stock = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(batch_invariant.rms_norm(x, weight, 1e-6), stock)
+
+
+def test_the_rotary_table_stays_fp32_under_autocast_and_fsdp_s_input_cast():
+    """The angles are fp32 whatever the precision: built under bf16 autocast, and passed through the
+    cast FSDP2's bf16 policy applies to a block's tensor inputs (which rounds a tensor or dataclass)."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from models.qwen.rope import RotaryTable
+
+    positions = torch.arange(4096).expand(2, -1)
+    plain = RotaryTable.build(positions, 128, 1e6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        table = RotaryTable.build(positions, 128, 1e6)
+    assert table.cos.dtype == table.sin.dtype == torch.float32
+    assert torch.equal(table.cos, plain.cos) and torch.equal(table.sin, plain.sin)
+    passed = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, table)
+    assert passed is table and passed.cos.dtype == torch.float32
+    rounded = _apply_to_tensors(lambda t: t.to(torch.bfloat16), (table.cos,))  # the control: a tuple is entered
+    assert rounded[0].dtype == torch.bfloat16
+
+
 def test_a_pairwise_sum_padded_with_zeros_is_unchanged():
     values = torch.randn(5, 112, generator=torch.Generator().manual_seed(0))
     for extra in (16, 144):

@@ -4,7 +4,8 @@ GRPO and PPO on the e2e configs' tiny model (GRPO also as a tiny Qwen3-MoE) with
 first update's trainer log-probs equal the sampler's (parity exactly 0) and a forced difference of one
 token's last bit is a ``LogprobParityError`` (exit 5) naming the step, the completion's global row, the
 token's position and both log-probs; later updates (moved weights) are not checked. PPO's old log-probs
-are the sampler's, bitwise what the policy forward it no longer runs gives (full logits and fused head).
+are the sampler's, bitwise what the policy forward it no longer runs gives (full logits and fused head);
+with the stock kernels PPO's rollout reports the gap between the two instead.
 GRPO in bf16 too: the trainer's autocast over fp32 weights, the sampler's forwards under the same one.
 The multi-rank runs: test_logprob_parity_e2e.py.
 """
@@ -156,3 +157,20 @@ def test_ppo_old_log_probs_are_the_sampler_s_and_the_first_update_checks_them(pp
     with pytest.raises(LogprobParityError) as info:
         objective.loss(model, updates[0], parts)
     assert info.value.context["row"] == updates[0].sequence_index[0] and info.value.context["step"] == batch.step
+
+
+def test_ppo_reports_the_stock_kernels_gap_from_its_rollout(tasks_workdir):
+    """Outside batch_invariant the old log-probs are the trainer's forward and the rollout's ``parity`` is
+    max |sampler - old| over the sampled tokens: the sampler's ride along as rollout correction's."""
+    from training.objectives.rollout_correction import ROLLOUT_LOGPS
+
+    stock = [o for o in TINY if not o.startswith("determinism.")]
+    config = load(CONFIGS / "e2e-ppo.yaml", [*stock, "objective.ppo.kl_coef=0", "objective.ppo.kl_target=0",
+                                            "objective.ppo.max_new_tokens=4", "objective.ppo.rollout_correction={}"])
+    with contextlib.chdir(tasks_workdir):
+        _, _, batch, _ = _setup(ppo.PPOObjective, config)
+    mask = batch.labels != IGNORE_INDEX
+    gap = ((batch.extras["old_logps"] - batch.extras[ROLLOUT_LOGPS]).abs() * mask).max().item()
+    assert mask.any() and CHECKED not in batch.extras
+    assert batch.prepared.parity == gap and batch.prepared.summary()["parity"] == gap
+    assert 0.0 <= gap < 1e-4  # fp32 on the CPU: the last bits of two kernels

@@ -50,6 +50,9 @@ def test_ppo_trains_actor_and_critic_with_its_ledger_fields(reference):
         assert line["score_min"] <= line["reward_mean"] <= line["score_max"]
         for key in ("kl", "kl_coef", "value_loss", "policy_loss", "approx_kl", "dual_clip_fraction"):
             assert isinstance(line[key], float), key
+    # The stock kernels' gap between the sampler's log-probs and the old ones (a statistic outside
+    # determinism.batch_invariant, as GRPO's): small in fp32, never absent.
+    assert all(0.0 <= line["logprob_parity"] < 1e-4 for line in lines)
     assert lines[0]["kl"] == 0.0  # the policy is the reference at its first rollouts
     # approx_kl and the clip fractions are means over all four updates (ledger_over_updates): the
     # first update's ratio is exactly 1 on the CPU, the later ones' are not.

@@ -43,8 +43,10 @@ rollout batch):
 **Batch-invariant numerics.** Under ``determinism.batch_invariant`` the sampler's log-probs are the
 trainer's bit for bit, so they are the old log-probs: ``prepare`` runs no policy forward. The first
 update checks it on its rows (training/objectives/logprob_parity.py): a sampled token whose trainer
-log-prob differs is a determinism violation (exit 5), and the ledger adds ``logprob_parity`` (0.0: the
-first update's maximum; the later updates train moved weights and report 0).
+log-prob differs is a determinism violation (exit 5), and the ledger's ``logprob_parity`` is 0.0 (the
+first update's maximum; the later updates train moved weights and report 0). Outside that mode the
+ledger's ``logprob_parity`` is the gap the stock kernels leave, max |sampler log-prob - old log-prob|
+over the step's sampled tokens (both of the weights that sampled: no extra forward).
 
 **Rollout correction.** With ``objective.ppo.rollout_correction`` (off by default) the sampler's
 log-probs ride beside the old ones (the trainer's forward above) as ``rollout_logps``; the policy
@@ -132,9 +134,13 @@ class PPORollout:
     """This rank's completions: (global row, summed KL estimate, old values, returns on its response tokens)."""
     layout: tuple[tuple[int, ...], ...]
     """Every rank's global rows (the minibatch shares are padded to the largest)."""
+    parity: float | None = None
+    """Outside ``determinism.batch_invariant``: max |sampler log-prob - old log-prob| over this rank's
+    sampled tokens (both of the weights that sampled; the ledger's ``logprob_parity``). None in that mode,
+    where the first update checks the trainer's against the sampler's instead."""
 
     def summary(self) -> dict[str, Any]:
-        return {"experience": self.experience.summary(), "rows": list(self.rows)}
+        return {"experience": self.experience.summary(), "rows": list(self.rows), "parity": self.parity}
 
 
 class _PhaseClock:
@@ -317,8 +323,9 @@ class PPOObjective:
         rows = tuple((row, float(kl[r].sum()), old_values[r][mask[r]].tolist(), returns[r][mask[r]].tolist())
                      for r, row in enumerate(out.sequence_index))
         clock.lap("advantages_s")
+        parity = None if self.exact else float(logprob_parity(old_logps, sampled, mask)) if bool(mask.any()) else 0.0
         prepared = PPORollout(experience=experience.with_timings(**clock.laps), kl_coef=self.kl.coef, rows=rows,
-                              layout=tuple(tuple(sorted(part)) for part in gathered))
+                              layout=tuple(tuple(sorted(part)) for part in gathered), parity=parity)
         out = out.with_extras(old_logps=old_logps, old_values=old_values, advantages=advantages, returns=returns,
                               **checked_extras(sampled, exact=self.exact))
         if self.correction is not None:
@@ -397,8 +404,8 @@ class PPOObjective:
                       **{name: totals[name] / tokens for name in names})
         if self.correction is not None:
             fields.update(correction_fields(totals, self.correction))
-        if self.exact:
-            fields[PARITY] = totals[PARITY]
+        # Exact: the first update's check (0.0); else the rollout's gap, the largest of any rank's.
+        fields[PARITY] = totals[PARITY] if self.exact else max(part["parity"] for part in parts)
         if self.p.kl_target > 0:
             self.kl.update(kl, samples=len(rows))
         return fields
