@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -21,6 +22,9 @@ from experiments.schema import MetricRecord
 
 MODEL_AUX_PREFIX = "model/aux/"
 """The metrics of a model's auxiliary losses (training.step.AUX_PREFIX), shown on the step line."""
+LAYER_STAT = re.compile(r"model/layer\d+_(load|bias)_(min|max)")
+"""A mixture of experts' per-layer balance (models/qwen3_moe/model.py): the least and most loaded
+expert's tokens over the even share, the balancing bias's range."""
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +150,23 @@ def build_sinks(
     return sinks
 
 
+def expert_balance(record: MetricRecord) -> list[str]:
+    """A mixture of experts' balance on the step line, over every sparse layer: ``load 0.62-1.41`` (the
+    least and the most loaded expert of any layer, in tokens over the even share) and, with the
+    balancing bias, ``bias -1.2e-03..3.4e-03``; nothing for a dense model."""
+    found: dict[tuple[str, str], list[float]] = {}
+    for name, stats in record.metrics.items():
+        match = LAYER_STAT.fullmatch(name)
+        if match:
+            found.setdefault(match.groups(), []).append(stats.mean)
+    parts = []
+    if ("load", "min") in found and ("load", "max") in found:
+        parts.append(f"load {min(found['load', 'min']):.2f}-{max(found['load', 'max']):.2f}")
+    if ("bias", "min") in found and ("bias", "max") in found:
+        parts.append(f"bias {min(found['bias', 'min']):.1e}..{max(found['bias', 'max']):.1e}")
+    return parts
+
+
 def format_progress(record: MetricRecord, total_steps: int, line: ConsoleLine | None = None) -> str:
     """``step 3/10 | loss 0.6931 per pair | accuracy 0.6250 | ... | lr 1.00e-03 | 500 tok/s | ...``:
     without ``line`` (a method's console line), the loss alone, without a unit."""
@@ -159,6 +180,7 @@ def format_progress(record: MetricRecord, total_steps: int, line: ConsoleLine | 
     # The model's auxiliary losses (a router's balance loss), where the model adds any: training/step.py.
     parts += [f"aux {name.removeprefix(MODEL_AUX_PREFIX)} {stats.mean:.4f}"
               for name, stats in sorted(record.metrics.items()) if name.startswith(MODEL_AUX_PREFIX)]
+    parts += expert_balance(record)
     lr = record.metrics.get("lr")
     if lr is not None:
         parts.append(f"lr {lr.mean:.2e}")

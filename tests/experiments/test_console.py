@@ -40,6 +40,17 @@ def test_a_line_without_a_loss_label_hides_the_loss_and_without_a_line_the_old_f
     assert format_progress(record, 10) == "step 3/10 | loss -0.2090 | 500 tok/s"
 
 
+def test_a_mixture_of_experts_shows_its_balance_over_every_layer_after_its_aux_loss():
+    record = _record(**{"loss": 2.5, "model/aux/load_balance": 1.0123, "model/layer1_load_min": 0.62,
+                        "model/layer1_load_max": 1.2, "model/layer3_load_min": 0.7, "model/layer3_load_max": 1.414,
+                        "model/layer1_bias_min": -0.0012, "model/layer1_bias_max": 0.0005,
+                        "model/layer3_bias_min": -0.0003, "model/layer3_bias_max": 0.0034})
+    assert format_progress(record, 10) == ("step 3/10 | loss 2.5000 | aux load_balance 1.0123 | load 0.62-1.41 "
+                                           "| bias -1.2e-03..3.4e-03 | 500 tok/s")
+    without_bias = _record(**{"model/layer1_load_min": 0.9, "model/layer1_load_max": 1.1})
+    assert format_progress(without_bias, 10) == "step 3/10 | load 0.90-1.10 | 500 tok/s"
+
+
 def test_the_eval_line_counts_its_units():
     values = {"loss": 0.5, "objective/accuracies": 0.75}
     assert eval_line(8, 64, values, PAIRS) == "eval step 8 over 64 pairs: loss 0.5000 | accuracy 0.7500"
