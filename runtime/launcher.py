@@ -281,14 +281,20 @@ def _ended_first_unexplained(failures: dict, ended: dict[int, int]):
 def launch_if_asked(script: str, argv: Sequence[str], check: Callable[[list[str], int], None] | None = None) -> None:
     """With ``--nproc N`` in ``argv``: ``check(the other arguments, N)`` first, then launch
     ``script`` with them as N ranks and exit with the job's code; without it, return (this
-    process is a rank). ``check`` raises a LockstepError for what no rank should start with
+    process is a rank), after ``check(argv, 1)`` where the process is the whole job (started by
+    hand, not by a launcher). ``check`` raises a LockstepError for what no rank should start with
     (train.py's: the command line and the config for N ranks), which is printed as its one
-    line, without a rank's prefix, and exits with its code before any rank exists."""
+    line, without a rank's prefix, and exits with its code before any rank exists (and before
+    torch loads: a typo is answered in well under a second)."""
     from runtime.fast_exit import exit_process
 
     try:
         nproc, rest = split_nproc(argv)
-        if nproc is None or {"-h", "--help"} & set(rest):  # help: this process prints it, once
+        if {"-h", "--help"} & set(rest):  # help: this process prints it, once
+            return
+        if nproc is None:
+            if check is not None and _alone():
+                _check_alone(check, rest)
             return
         if check is not None:
             check(rest, nproc)
@@ -297,3 +303,21 @@ def launch_if_asked(script: str, argv: Sequence[str], check: Callable[[list[str]
         exit_process(error.exit_code)
         return
     exit_process(launch(nproc, script, rest))
+
+
+def _alone() -> bool:
+    """This process is the whole job: started by hand (``python train.py ...``), not as a rank of
+    ``--nproc``, torchrun or another launcher that sets the rank's environment."""
+    return not ({LAUNCHER_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"} & set(os.environ))
+
+
+def _check_alone(check: Callable[[list[str], int], None], rest: list[str]) -> None:
+    """A one-process run's ``check`` for one rank, before torch loads: a typed error is its one line
+    without a rank's prefix (raised to ``launch_if_asked``); anything else is left to the rank itself,
+    which checks it all again and reports it as a failure of its own."""
+    try:
+        check(rest, 1)
+    except LockstepError:
+        raise
+    except Exception:  # noqa: BLE001 - the rank's own check reports it, with its log
+        return

@@ -75,6 +75,32 @@ def test_a_resume_is_checked_with_its_recorded_config(tmp_path):
         check_before_ranks(["--resume", "r", f"run.root={tmp_path}"], 3)  # a prefix, as a rank takes it
 
 
+def test_a_process_alone_is_checked_for_one_rank_and_a_launched_rank_checks_itself(monkeypatch):
+    """Without --nproc the config is checked before torch loads where the process is the whole job; a
+    rank that torchrun or --nproc started (RANK in its environment) leaves it to its own start."""
+    import runtime.fast_exit
+    from runtime import launcher
+
+    exits, asked = [], []
+
+    def check(argv, world_size):
+        asked.append(world_size)
+        raise ConfigError("train.lr must be float", key="train.lr")
+
+    monkeypatch.setattr(runtime.fast_exit, "exit_process", exits.append)
+    for name in (launcher.LAUNCHER_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    launcher.launch_if_asked("train.py", ["--config", TINY], check=check)
+    assert asked == [1] and exits == [ConfigError.exit_code]
+    monkeypatch.setenv("RANK", "0")
+    launcher.launch_if_asked("train.py", ["--config", TINY], check=check)
+    assert asked == [1] and exits == [ConfigError.exit_code]
+    monkeypatch.delenv("RANK")
+    launcher.launch_if_asked("train.py", ["--config", TINY],
+                             check=lambda argv, n: asked.append(1 / 0))  # not a typed error: the rank reports it
+    assert exits == [ConfigError.exit_code]
+
+
 @pytest.mark.slow
 def test_nproc_answers_two_violations_before_any_rank_starts(tmp_path):
     cmd = [launch.PYTHON, str(launch.ROOT / "train.py"), "--nproc", "2", "--config", TINY, *TWO_WRONG_ON_TWO_RANKS]
@@ -88,6 +114,13 @@ def test_nproc_answers_two_violations_before_any_rank_starts(tmp_path):
     assert "train.global_batch_size=12 is not divisible by train.micro_batch_size=4" in lines[0]
     assert "data.num_streams=3 is not divisible by data-parallel ranks=2" in lines[0]
     assert "[rank" not in result.stderr and not (tmp_path / "runs").exists()
+    # Without --nproc: the same check for one rank (12 sequences over 5 streams), no prefix either.
+    alone = subprocess.run([*cmd[:2], *cmd[4:-1], "data.num_streams=5"], cwd=tmp_path, env=launch.env(tmp_path),
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and alone.stdout == "", alone.stderr
+    assert alone.stderr.splitlines() == ["config error: train.global_batch_size=12 is not divisible by "
+                                         "data.num_streams=5 [key=train.global_batch_size] -> every stream contributes "
+                                         "the same number of sequences to a global batch"], alone.stderr
     # The launcher's own imports only, no torch (1.2-1.4 s on a 2-core machine at load 5-8; ranks
     # would add their start-up on top): the bound leaves room for a loaded test machine.
     assert elapsed < 40, elapsed
