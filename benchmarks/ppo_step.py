@@ -50,9 +50,10 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=4, help="PPO minibatches per epoch")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--prepare-precision", choices=("fp32", "bf16"), default="fp32",
-                        help="prepare's forwards (reference, reward model, old log-probs, values): fp32 as the loop "
-                             "runs them under parallel.strategy none; bf16 autocast as fsdp's bf16 parameters do")
+    parser.add_argument("--prepare-precision", choices=("fp32", "bf16"), default="bf16",
+                        help="prepare's forwards (reference, reward model, old log-probs, values): bf16 autocast, "
+                             "as a bf16 run's loop runs them (frozen models under the precision's autocast, PPO's "
+                             "policy and critic under the updates'); fp32 to see them without it")
     parser.add_argument("--tiny", action="store_true", help="smoke: the tiny model, 4 prompts x 2, 8 new tokens")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

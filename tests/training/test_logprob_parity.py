@@ -174,3 +174,27 @@ def test_ppo_reports_the_stock_kernels_gap_from_its_rollout(tasks_workdir):
     assert mask.any() and CHECKED not in batch.extras
     assert batch.prepared.parity == gap and batch.prepared.summary()["parity"] == gap
     assert 0.0 <= gap < 1e-4  # fp32 on the CPU: the last bits of two kernels
+
+
+def test_ppo_old_log_probs_in_bf16_are_the_first_update_s_forward(tasks_workdir):
+    """On one process in bf16 the loop runs the updates under autocast over fp32 weights; prepare's
+    forwards of the trained parts run under the same autocast, so the first update's forward gives the
+    old log-probs bit for bit (ratio exactly 1, nothing clipped) and the critic's values its old values."""
+    stock = [o for o in TINY if not o.startswith("determinism.")]
+    config = load(CONFIGS / "e2e-ppo.yaml", [*stock, "parallel.precision=bf16", "objective.ppo.kl_coef=0",
+                                            "objective.ppo.kl_target=0", "objective.ppo.max_new_tokens=4"])
+    with contextlib.chdir(tasks_workdir):
+        model, objective, batch, parts = _setup(ppo.PPOObjective, config)
+    first = objective.update_batch(batch, 0)
+    mask = first.labels != IGNORE_INDEX
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.no_grad(), autocast:  # the loop's training forward (training/step.py)
+        logps = objective._token_logps(model, first).float()
+        values = objective._values(first, critic=parts[ppo.CRITIC])
+        out = objective.loss(model, first, parts)
+    assert mask.any()
+    assert torch.equal(logps * mask, first.extras["old_logps"] * mask)
+    assert torch.equal(values * mask, first.extras["old_values"] * mask)
+    assert out.metrics["clip_fraction"].item() == 0.0 and out.metrics["approx_kl"].item() == 0.0
+    with torch.no_grad():  # the control: the fp32 forward prepare ran before is other bits
+        assert not torch.equal(objective._token_logps(model, first).float() * mask, logps * mask)

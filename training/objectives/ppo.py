@@ -12,8 +12,9 @@ rollout batch):
    baseline), keys ``(train.seed, "ppo", step, global prompt row, sample index)``, each scored by
    the reward environment plus the weighted scores of the reward models of its prompt + completion. On the experience laid out as a batch (one row per completion, global
    row ``prompt row * group_size + sample``) it computes once, with the weights that sampled:
-   the policy's log-probs (``old_logps``), the critic's values (``old_values``) and, with a KL
-   term, the reference's log-probs; then per-token rewards ``token_rewards(kl_estimate(old_logps,
+   the policy's log-probs (``old_logps``) and the critic's values (``old_values``), under the
+   autocast the updates' forwards run under (so the first update's ratio is exactly 1 in bf16 as
+   in fp32), and, with a KL term, the reference's log-probs; then per-token rewards ``token_rewards(kl_estimate(old_logps,
    ref_logps, kl_estimator), score, mask, kl_coef)``, GAE (``gamma``, ``lam``) over the response
    tokens, advantages whitened over the whole rollout batch's response tokens
    (``whiten_advantages``; every rank's rows gathered in global row order, so the result does not
@@ -93,6 +94,7 @@ from core.exceptions import ConfigError
 from data.batch import IGNORE_INDEX, Batch
 from data.chat_template import ChatTemplate
 from data.tokenizers import build_tokenizer
+from distributed.params import unwrap
 from experiments.console import ConsoleField, ConsoleLine, ConsoleLines
 from models.generation.sampler import SamplingParams
 from models.routing_replay import replayed
@@ -300,13 +302,14 @@ class PPOObjective:
         mask = out.labels != IGNORE_INDEX
         sampled = out.extras["old_logps"]  # the sampler's log-probs (rollout correction's pi_rollout)
         clock.lap()
-        if self.exact:  # the trainer's forward would give these bits: the first update checks that it does
-            old_logps = sampled
-        else:
-            old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, replayed(placed)))
-            clock.lap("policy_logps_s")
-        old_values = self._each_micro(out, self._values) * mask
-        clock.lap("critic_values_s")
+        with self._update_autocast():  # the first update's arithmetic: its ratio is exactly 1
+            if self.exact:  # the trainer's forward would give these bits: the first update checks that it does
+                old_logps = sampled
+            else:
+                old_logps = self._each_micro(out, lambda placed: self._token_logps(self._model, replayed(placed)))
+                clock.lap("policy_logps_s")
+            old_values = self._each_micro(out, self._values) * mask
+            clock.lap("critic_values_s")
         if self.reference is not None:
             ref_logps = self._each_micro(out, self._reference_logps)
             clock.lap("reference_s")
@@ -443,6 +446,14 @@ class PPOObjective:
                           for micro in batch.micro_batches(self.config.train.micro_batch_size)])
 
     # ------------------------------------------------------------------ model calls
+
+    def _update_autocast(self):
+        """The autocast the loop runs the updates' forwards under (the policy's numerics: the precision's,
+        none in fp32 or where FSDP2's policy casts the parameters), entered around prepare's forwards of
+        the trained parts too, which the loop runs under no autocast: so the old log-probs are the bits the
+        first update's forward gives (its ratio exactly 1, as in fp32) and the old values the critic's own
+        arithmetic, in bf16 on one GPU as on several."""
+        return unwrap(self._model).numerics.autocast(self._context.parallel.device)
 
     def _values(self, placed: Batch, critic: nn.Module | None = None) -> torch.Tensor:
         """(B, T) the critic's values, aligned with the labels (critic.py)."""
