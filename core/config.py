@@ -212,7 +212,7 @@ RESUMABLE_KEYS = (
     "checkpoint.", "runtime.", "metrics.", "data.workers", "data.prefetch_batches", "data.max_in_flight", "data.process_pool",
     "parallel.strategy", "parallel.ddp_embedding_grad", "parallel.compile", "parallel.compile_mode",
     "parallel.activation_checkpointing", "parallel.reshard_after_forward", "parallel.fsdp_unit_blocks",
-    "parallel.cpu_offload", "parallel.backend", "parallel.timeout_s", "parallel.dp_replicate", "parallel.tp", "parallel.ep",
+    "parallel.cpu_offload", "parallel.fsdp_cast_parameters", "parallel.backend", "parallel.timeout_s", "parallel.dp_replicate", "parallel.tp", "parallel.ep",
 )
 
 
@@ -493,7 +493,7 @@ def canonical_json(config: Config) -> str:
 # registered after the registry existed has its whole section treated so (hash_default_section),
 # as has every model family's section (core/config_schema.py, registered_sections).
 HASHED_ONLY_WHEN_SET = ("train.eval_generate", "data.template_clock", "data.template_thinking", "data.images",
-                        "parallel.ep", "determinism.batch_invariant")
+                        "parallel.ep", "determinism.batch_invariant", "parallel.fsdp_cast_parameters")
 
 
 def _hashed_only_when_set() -> list[str]:

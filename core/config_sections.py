@@ -194,6 +194,8 @@ class ParallelConfig:
     """FSDP: consecutive transformer blocks per FSDP unit. Each unit is one all-gather, one reduce-scatter and one set of hooks per pass: more blocks per unit cut FSDP's host time (it bounds small models) and hold more gathered parameters at once."""
     cpu_offload: bool = False
     """FSDP: keep parameters and optimizer state in host memory."""
+    fsdp_cast_parameters: bool = True
+    """FSDP with precision bf16 on several ranks: all-gather the parameters cast to bf16 and compute with them (true), or all-gather the fp32 parameters and compute under bf16 autocast, as one process computes (false): then every batch a trained model computes (PPO's old log-probs and values, the sampler's copy under determinism.batch_invariant) is the same on any number of GPUs, and a checkpoint resumed on another GPU count keeps its batches; the price is fp32 gathers (twice the bytes) and fp32 activations between the matmuls. Needs strategy fsdp and precision bf16; see docs/parallelism.md."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process group backend; auto is nccl on CUDA, gloo on CPU."""
     timeout_s: float = 600.0

@@ -46,6 +46,13 @@ def _check_parallel_keys(config: Config) -> None:
             key="parallel.reduce_dtype",
             hint="set parallel.reduce_dtype=fp32, or train in bf16 with data parallelism",
         ))
+    if not p.fsdp_cast_parameters and (p.precision != "bf16" or p.strategy != "fsdp"):
+        found.append(ConfigError(
+            f"parallel.fsdp_cast_parameters=false needs parallel.strategy=fsdp and precision=bf16 (got "
+            f"strategy={p.strategy}, precision={p.precision}): elsewhere no parameter is cast",
+            key="parallel.fsdp_cast_parameters",
+            hint="leave parallel.fsdp_cast_parameters at true, or train in bf16 under fsdp",
+        ))
     if not math.isfinite(p.ddp_bucket_mb) or p.ddp_bucket_mb <= 0:
         found.append(ConfigError(
             f"parallel.ddp_bucket_mb must be a finite number > 0, got {p.ddp_bucket_mb}",

@@ -87,7 +87,8 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
 
         model, plan = xla.setup(model, config, topology)
     else:
-        model = parallelize(model, eager_under_batch_invariance(config.parallel, numerics), dist, topology)
+        model = parallelize(model, eager_under_batch_invariance(config.parallel, numerics), dist, topology,
+                            cast_parameters=config.parallel.fsdp_cast_parameters)
         reduces_beside_backward = topology.dp_size > 1 and config.parallel.strategy in ("ddp", "fsdp")
         carveout = config.parallel.backward_sm_carveout if reduces_beside_backward else 0
         check_carveout(carveout, dist.device)
@@ -101,7 +102,8 @@ def build_model(config: Config, dist: DistributedContext) -> tuple[nn.Module, Pa
             backward_sm_carveout=carveout,
             after_backward=gathered.add_to_grad if gathered is not None else None,
         )
-        if plan.fsdp_applied:  # FSDP2's policy casts the parameters, not autocast: the sampler's copy follows
+        if plan.fsdp_applied and config.parallel.fsdp_cast_parameters:
+            # FSDP2's policy casts the parameters, not autocast: the sampler's copy follows
             unwrap(model).use_numerics(dataclasses.replace(numerics, wrapper_casts=True))
     get_logger().info(
         "model: %s, %.2fM parameters (%.2fM trained), strategy %s, dp %d x tp %d",

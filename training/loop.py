@@ -157,7 +157,8 @@ class Trainer:
         self.generation_eval = (  # train.eval_generate: held-out answers, at every evaluation step
             GenerationEvaluation(config, rank=parallel.dp_rank, world_size=parallel.dp_size, device=self.device)
             if config.train.eval_generate.source is not None else None)
-        self.precision = Precision(unwrap(model).numerics, device=self.device, wrapper_casts=parallel.fsdp_applied)
+        numerics = unwrap(model).numerics  # its wrapper_casts: FSDP2's policy casts the parameters (builders.py)
+        self.precision = Precision(numerics, device=self.device, wrapper_casts=numerics.wrapper_casts)
         # The policy, and the parts the objective trains beside it (training/parts.py).
         self.parts: dict[str, TrainablePart] = build_parts(
             model, config.train, declared_parts(self.objective, context), device=self.device,

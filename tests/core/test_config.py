@@ -83,6 +83,21 @@ def test_reduction_and_collection_keys_are_checked(overrides, key, says):
     assert loaded.parallel.backward_sm_carveout == 16
 
 
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["parallel.fsdp_cast_parameters=false"], "strategy=ddp, precision=fp32"),
+    (["parallel.fsdp_cast_parameters=false", "parallel.strategy=fsdp"], "strategy=fsdp, precision=fp32"),
+    (["parallel.fsdp_cast_parameters=false", "parallel.precision=bf16"], "strategy=ddp, precision=bf16"),
+])
+def test_fsdp_cast_parameters_off_needs_fsdp_in_bf16_and_is_hashed_only_when_set(overrides, says):
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(TINY, overrides)
+    assert info.value.context["key"] == "parallel.fsdp_cast_parameters" and says in str(info.value)
+    bf16 = ["parallel.strategy=fsdp", "parallel.precision=bf16"]
+    default = config_lib.load(TINY, bf16)
+    assert config_lib.load(TINY, [*bf16, "parallel.fsdp_cast_parameters=true"]).hash == default.hash
+    assert config_lib.load(TINY, [*bf16, "parallel.fsdp_cast_parameters=false"]).hash != default.hash
+
+
 def test_fsdp_unit_blocks_must_be_positive():
     with pytest.raises(ConfigError) as info:
         config_lib.load(TINY, ["parallel.fsdp_unit_blocks=0"])
