@@ -198,3 +198,17 @@ def test_ppo_old_log_probs_in_bf16_are_the_first_update_s_forward(tasks_workdir)
     assert out.metrics["clip_fraction"].item() == 0.0 and out.metrics["approx_kl"].item() == 0.0
     with torch.no_grad():  # the control: the fp32 forward prepare ran before is other bits
         assert not torch.equal(objective._token_logps(model, first).float() * mask, logps * mask)
+
+
+@pytest.mark.usefixtures("in_tasks_workdir")
+@pytest.mark.parametrize("variant", [
+    ["objective.grpo.importance=sequence"],  # GSPO
+    ["objective.grpo.loss_norm=dr_grpo", "objective.grpo.advantage_std=none"],  # Dr. GRPO
+    ["objective.grpo.loss_norm=token", "objective.grpo.clip_eps_high=0.28"],  # DAPO's token mean and clip-higher
+])
+def test_grpo_variants_parity_is_exactly_zero(variant):
+    """The variants change the loss over the log-probs, not the log-probs: the first update's trainer
+    forward gives the sampler's bits under each of them."""
+    model, objective, batch, _ = _setup(grpo.GRPOObjective, load(CONFIGS / "e2e-grpo.yaml", [*GRPO, *variant]))
+    assert (batch.labels != IGNORE_INDEX).any()
+    assert objective.loss(model, objective.update_batch(batch, 0)).maxima[PARITY].item() == 0.0
