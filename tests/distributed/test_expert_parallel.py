@@ -283,3 +283,10 @@ def test_a_run_at_ep2_matches_ep1_and_resumes_on_one_rank_at_ep1(e2e_workdir):
     for a, b in zip(ref[2:], got[2:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
+    # And back, 1 -> 2: the ep=1 run's step-2 checkpoint (experts whole, their AdamW state too) resumed
+    # at ep=2 on its 2 ranks splits them and writes the uninterrupted ledger bit for bit (one
+    # micro-batch a rank: ep=2 computes ep=1's bits, above).
+    split = launch.cut_back_copy(runs[1], 2, "-at-ep2")
+    resumed = launch.train(e2e_workdir, ["--resume", split.name, "parallel.ep=2"], nproc=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert launch.ledger(split) == launch.ledger(runs[1])
