@@ -212,3 +212,18 @@ def test_grpo_variants_parity_is_exactly_zero(variant):
     model, objective, batch, _ = _setup(grpo.GRPOObjective, load(CONFIGS / "e2e-grpo.yaml", [*GRPO, *variant]))
     assert (batch.labels != IGNORE_INDEX).any()
     assert objective.loss(model, objective.update_batch(batch, 0)).maxima[PARITY].item() == 0.0
+
+
+@pytest.mark.usefixtures("in_tasks_workdir")
+def test_agent_ppo_episodes_parity_is_exactly_zero():
+    """PPO's episodes (turns sampled between the environment's observations): the sampler's log-probs of
+    every sampled token of every turn are its old log-probs, and the first update's forward gives them."""
+    config = load(CONFIGS / "e2e-agent-ppo.yaml", [*TINY, "objective.ppo.kl_coef=0", "objective.ppo.kl_target=0"])
+    model, objective, batch, parts = _setup(ppo.PPOObjective, config)
+    labelled = batch.labels != IGNORE_INDEX
+    assert objective.episodes is not None and labelled.any()
+    turns = [int((row[1:] & ~row[:-1]).sum()) + int(row[0]) for row in labelled]  # runs of sampled tokens
+    assert max(turns) > 1  # some episode went on after an observation
+    first = objective.update_batch(batch, 0)
+    assert CHECKED in first.extras
+    assert objective.loss(model, first, parts).maxima[PARITY].item() == 0.0
