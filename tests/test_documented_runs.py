@@ -33,3 +33,11 @@ def test_a_documented_run_id_ends_with_its_commands_config_hash(label, config, o
     quoted = re.search(r"`[a-z0-9.-]+-\d{8}-\d{6}-([0-9a-f]{8})`", row)
     assert quoted is not None, row
     assert config_lib.load(CONFIGS / config, overrides).hash[:8] == quoted.group(1), (label, row)
+
+
+def test_the_tiny_moe_header_quotes_the_run_id_of_its_command():
+    """configs/tiny-moe.yaml's header quotes its measured run (`python train.py --nproc 2 --config
+    configs/tiny-moe.yaml`, no overrides): the run ID's hash is the config's."""
+    header = (CONFIGS / "tiny-moe.yaml").read_text()
+    quoted = re.search(r"run ID hash ([0-9a-f]{8})", header)
+    assert quoted is not None and quoted.group(1) == config_lib.load(CONFIGS / "tiny-moe.yaml").hash[:8]
