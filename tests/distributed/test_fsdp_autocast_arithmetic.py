@@ -6,8 +6,8 @@ its fp32 parameters under bf16 autocast, so the log-probs of one set of weights 
 batches that come from them (PPO's old log-probs and values, the sampler's copy under
 ``determinism.batch_invariant``) after a 2 -> 1 rank resume. With the key off, FSDP gathers the fp32
 parameters and the loop autocasts (training/builders.py, training/precision.py): two ranks give one
-rank's bits. The control: the default (the policy cast) gives other bits on two ranks, so the
-equality is not an accident of the arithmetic.
+rank's bits. The control: bf16 parameters without autocast (what the default computes on several
+ranks) give other bits, so the equality is not an accident of the arithmetic (shown in process).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import torch
 from core import config as config_lib
 from tests import launch
 from tests.distributed.dist_harness import run_on_ranks
-
-pytestmark = pytest.mark.slow  # two spawned ranks, twice
 
 CONFIG = launch.ROOT / "tests" / "configs" / "e2e-ppo.yaml"
 OVERRIDES = ["parallel.device=cpu", "parallel.precision=bf16", "parallel.strategy=fsdp"]
@@ -56,6 +54,7 @@ def _policy_logps(cast: bool) -> dict:
         return {"logps": logps, "autocast": precision.use_autocast, "sharded": plan.fsdp_applied}
 
 
+@pytest.mark.slow  # two spawned ranks
 def test_fp32_gathers_under_autocast_give_one_rank_s_log_probs_on_two():
     one = _policy_logps(cast=False)  # world size 1: a plain model under autocast, nothing sharded
     assert one["autocast"] and not one["sharded"] and one["logps"].abs().sum() > 0
@@ -63,6 +62,25 @@ def test_fp32_gathers_under_autocast_give_one_rank_s_log_probs_on_two():
         assert gathered["sharded"] and gathered["autocast"], rank
         assert torch.equal(gathered["logps"], one["logps"]), \
             f"rank {rank}: max diff {(gathered['logps'] - one['logps']).abs().max().item():.3e}"
-    cast = run_on_ranks(_policy_logps, 2, True)  # the control: FSDP2's bf16 parameters, no autocast
-    assert cast[0]["sharded"] and not cast[0]["autocast"]
-    assert not torch.equal(cast[0]["logps"], one["logps"])
+
+
+def test_bf16_parameters_without_autocast_would_give_other_log_probs():
+    """The control, in process: what FSDP2's bf16 policy computes (the default on several ranks: bf16
+    parameters, no autocast) is not what fp32 parameters under autocast compute, so the equality above
+    is not an accident of the arithmetic."""
+    from distributed.params import unwrap
+    from training.builders import build_model
+    from training.objectives.token_logps import label_logps
+    from core.distributed_context import DistributedContext
+
+    torch.set_num_threads(1)
+    config = config_lib.load(str(CONFIG), OVERRIDES)
+    with DistributedContext.from_env(config.parallel) as dist:
+        model = unwrap(build_model(config, dist)[0])
+        rows = _rows(config)
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                autocast = label_logps(model, rows, fused=True, chunk_tokens=config.train.loss_chunk_tokens).float()
+            model.to(torch.bfloat16)
+            cast = label_logps(model, rows, fused=True, chunk_tokens=config.train.loss_chunk_tokens).float()
+    assert autocast.abs().sum() > 0 and not torch.equal(cast, autocast)
