@@ -749,7 +749,9 @@ def grpo_run(label: str, args: argparse.Namespace) -> dict[str, Any]:
              if s.get("step", 0) >= 2 and "step_time" in s and s.get("step") not in profiled]
     report = {"command": " ".join(cmd), "exit": code, "wall_s": round(wall, 1),
               "timed_out": wall >= args.grpo_timeout, "steps_in_ledger": len(ledger),
-              "logprob_parity": parity, "per_step": per_step, "profiled_steps": sorted(profiled),
+              "logprob_parity": parity, "per_step": per_step,
+              # whether the policy moved: a step with rewards that differ in a group has a gradient
+              "ledger": {key: [line.get(key) for line in ledger] for key in ("reward_mean", "grad_norm", "loss")}, "profiled_steps": sorted(profiled),
               "median_step_s_from_step_2": round(statistics.median(later), 3) if later else None,
               "console_tail": lines[-6:]}
     if traces:

@@ -12,7 +12,11 @@ time of one whole ``generate`` call (prefill included), median of ``--repeats`` 
 one warm-up call (which includes compilation and CUDA-graph capture; reported separately).
 
 Variants of ours: ``eager``; ``compiled`` (decode step under torch.compile, no CUDA graphs);
-``graphs`` (compiled and replayed as a CUDA graph, the default on CUDA). transformers:
+``graphs`` (compiled and replayed as a CUDA graph, the default on CUDA); ``invariant`` (the sampler
+as a run with ``determinism.batch_invariant: true`` builds it: a copy of the model under the
+batch-invariant kernels, models/batch_invariant.py, whose eager launches are replayed as CUDA
+graphs, timed under ``torch.use_deterministic_algorithms(True)`` as bitwise mode sets; its
+log-probs are the trainer's bit for bit). transformers:
 ``hf`` (``model.generate`` with its default dynamic cache) and, with ``--hf-static``,
 ``hf_static`` (``cache_implementation="static"`` in a ``GenerationConfig``; transformers compiles its
 forward by itself for a static cache on GPU). Each transformers result records the cache class that
@@ -119,9 +123,23 @@ def build_models(args, device):
     return hf_model, ours.eval(), class_name, model_config
 
 
+def invariant_model(model):
+    """A copy of ``model`` under the batch-invariant kernels (bf16 parameters, no autocast)."""
+    import copy
+
+    from models.numerics import Numerics
+
+    invariant = copy.deepcopy(model)
+    invariant.use_numerics(Numerics(batch_invariant=True, precision="bf16", wrapper_casts=True))
+    return invariant
+
+
 def ours_variant(model, args, name: str):
     from models.generation.sampler import Sampler
 
+    if name == "invariant":  # compile and CUDA graphs as the sampler chooses them for these kernels
+        return Sampler(invariant_model(model), max_batch=args.batch, max_len=args.prompt_len + args.new_tokens,
+                       prefill_chunk=args.prompt_len, prefill_rows=args.prefill_rows)
     compile_, graphs = {"eager": (False, False), "compiled": (True, False), "graphs": (True, True)}[name]
     return Sampler(model, max_batch=args.batch, max_len=args.prompt_len + args.new_tokens,
                    prefill_chunk=args.prompt_len, prefill_rows=args.prefill_rows, compile=compile_, cuda_graphs=graphs)
@@ -427,7 +445,14 @@ def main(argv: list[str] | None = None) -> int:
                 outputs[name] = tokens.tolist()
             else:
                 sampler = samplers[name] = ours_variant(ours, args, name)
-                measured = _measure(lambda: run_ours(sampler, prompts, keys, params), device, args.repeats, generated)
+                previous = torch.are_deterministic_algorithms_enabled()
+                torch.use_deterministic_algorithms(previous or name == "invariant")
+                try:
+                    measured = _measure(lambda: run_ours(sampler, prompts, keys, params), device, args.repeats,
+                                        generated)
+                finally:
+                    torch.use_deterministic_algorithms(previous)
+                measured["compiled"], measured["cuda_graphs"] = sampler.compile, sampler.cuda_graphs
                 outputs[name] = [s.tokens for s in measured.pop("result")]
                 if fastest is None or measured["tokens_per_s"] > results[fastest]["tokens_per_s"]:
                     fastest = name
@@ -479,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                 agreement[name] = {"first_token_equal": same_first / len(tokens), "mean_equal_prefix": statistics.mean(prefix)}
 
     hf_speed = results.get("hf", {}).get("tokens_per_s")
+    static_speed = results.get("hf_static", {}).get("tokens_per_s")
     payload = {
         "shape": args.shape, "model_class": class_name, "batch": args.batch, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "greedy": args.greedy, "top_p": None if args.greedy else args.top_p, "dtype": "bfloat16", "device": str(device),
@@ -487,19 +513,21 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "results": results, "speedup_vs_hf": {n: r["tokens_per_s"] / hf_speed for n, r in results.items()
                                               if hf_speed and "tokens_per_s" in r},
+        "speedup_vs_hf_static": {n: r["tokens_per_s"] / static_speed for n, r in results.items()
+                                 if static_speed and "tokens_per_s" in r},
         "determinism": determinism, "greedy_agreement_with_hf": agreement, "rollout": rollout,
     }
     write_json(args.out, payload)
     print(f"\n{args.shape} ({class_name}), batch {args.batch} x {args.prompt_len} prompt tokens, "
           f"{args.new_tokens} new, bf16, {payload['gpu'] or device}")
-    print("| variant | tokens/s | median s | warm-up s | vs hf |\n|---|---|---|---|---|")
+    print("| variant | tokens/s | median s | warm-up s | vs hf | vs hf_static |\n|---|---|---|---|---|---|")
     for name, r in results.items():
         if "error" in r:
-            print(f"| {name} | error: {r['error'][:80]} | | | |")
+            print(f"| {name} | error: {r['error'][:80]} | | | | |")
         else:
-            ratio = payload["speedup_vs_hf"].get(name)
+            ratios = (payload["speedup_vs_hf"].get(name), payload["speedup_vs_hf_static"].get(name))
             print(f"| {name} | {r['tokens_per_s']:.0f} | {r['median_s']:.3f} | {r['warmup_s']:.1f} | "
-                  f"{'' if ratio is None else f'{ratio:.2f}x'} |")
+                  + " | ".join("" if ratio is None else f"{ratio:.2f}x" for ratio in ratios) + " |")
     for label, checks in determinism.items():
         print(f"determinism ({label}): " + ", ".join(
             f"{k}={v['equal']} ({v['differing_samples']}/{v['compared']} differ)" if "equal" in v else f"{k}={v}"

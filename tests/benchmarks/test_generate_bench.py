@@ -94,3 +94,20 @@ def test_write_profiles_tables_each_call_by_device_and_host_time(tmp_path):
     text = path.read_text()
     assert [line.split(":")[0] for line in text.splitlines() if line.startswith("## ")] == ["## first", "## second"]
     assert "aten::mm" in text and "aten::sum" in text
+
+
+def test_the_invariant_variant_samples_through_a_batch_invariant_copy():
+    """``invariant`` times the sampler a batch_invariant run builds, on a copy: the other variants keep
+    the stock kernels, and its samples repeat."""
+    from models.generation.sampler import SampleKey, SamplingParams
+
+    args = types.SimpleNamespace(shape="tiny", config=None, batch=2, prompt_len=4, new_tokens=3, prefill_rows=None)
+    _, ours, _, _ = bench.build_models(args, torch.device("cpu"))
+    sampler = bench.ours_variant(ours, args, "invariant")
+    assert sampler.numerics.batch_invariant and not ours.numerics.batch_invariant
+    assert sampler.model is not ours
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    keys = [SampleKey(0, "benchmark", 0, i) for i in range(2)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    first, again = (bench.run_ours(sampler, prompts, keys, params) for _ in range(2))
+    assert [(s.tokens, s.logprobs) for s in first] == [(s.tokens, s.logprobs) for s in again]
