@@ -43,19 +43,14 @@ lint: $(STAMP)
 # that its shared reference runs are trained once, the groups longest first by their measured
 # CPU seconds (tests/group_costs.py, tests/group_costs.json); TEST_WORKERS=0 runs them in this process.
 XDIST := --dist loadgroup --no-loadscope-reorder
-# Bytecode written even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on some
-# machines): every rank and command the tests start imports the repository's modules, 0.8 CPU-s
-# each from source against 0.0 from __pycache__ (git ignores it), and each pytest worker rewrites
-# the test modules' asserts once instead of all of them per process.
-TEST_ENV := PYTHONDONTWRITEBYTECODE=
 
 test: lint
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: the in-process tests only (no test marked `slow`, i.e. none that starts
 # processes; tests/conftest.py), under 2 minutes on 2 cores from a cold cache. `make test` runs everything.
 test-fast: lint
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 test-xla:
 	bash scripts/setup_xla_venv.sh
