@@ -50,7 +50,9 @@ def batch_shape_violations(config: Config, world_size: int | None = None) -> lis
         found.append(ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by data.num_streams={d.num_streams}",
             key="train.global_batch_size",
-            hint="every stream contributes the same number of sequences to a global batch",
+            hint=(f"every stream contributes the same number of sequences to a global batch: use a global "
+                  f"batch that is a multiple of {d.num_streams}, or (a new run: the stream count is part of "
+                  f"the data order) a data.num_streams that divides {t.global_batch_size}"),
         ))
     if dp is not None and d.num_streams % dp:
         found.append(ConfigError(

@@ -130,6 +130,7 @@ def test_batch_divisibility_checked_against_world():
     with pytest.raises(ConfigError) as info:  # 20 is not divisible by 8 streams
         config_lib.load(TINY, ["train.global_batch_size=20", "data.num_streams=8"])
     assert "data.num_streams" in str(info.value)
+    assert "a multiple of 8" in info.value.hint and "divides 20" in info.value.hint  # what to do
     config = config_lib.load(TINY, ["train.global_batch_size=16", "train.micro_batch_size=3"])
     with pytest.raises(ConfigError) as info:
         config_lib.validate_world(config, 2)

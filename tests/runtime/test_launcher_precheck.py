@@ -120,7 +120,9 @@ def test_nproc_answers_two_violations_before_any_rank_starts(tmp_path):
     assert alone.returncode == 2 and alone.stdout == "", alone.stderr
     assert alone.stderr.splitlines() == ["config error: train.global_batch_size=12 is not divisible by "
                                          "data.num_streams=5 [key=train.global_batch_size] -> every stream contributes "
-                                         "the same number of sequences to a global batch"], alone.stderr
+                                         "the same number of sequences to a global batch: use a global batch "
+                                         "that is a multiple of 5, or (a new run: the stream count is part of the "
+                                         "data order) a data.num_streams that divides 12"], alone.stderr
     # The launcher's own imports only, no torch (1.2-1.4 s on a 2-core machine at load 5-8; ranks
     # would add their start-up on top): the bound leaves room for a loaded test machine.
     assert elapsed < 40, elapsed
