@@ -34,12 +34,22 @@ for the order of the combine:
 The all-to-alls are autograd functions whose backward is the reverse exchange, so a local expert's
 gradient sums the contributions of every ep rank's tokens; FSDP (distributed/fsdp.py) then reduces it
 over the data-parallel ranks outside the ep group and divides by the whole data-parallel size.
+
+Gradient accumulation keeps the sources apart (``SourceSums``). At ep=1 each data-parallel rank adds
+its own micro-batches first and FSDP adds the ranks on the last one: (r0m1 + r0m2) + (r1m1 + r1m2).
+An expert at ep>1 sees every source's rows in each micro-batch, so adding them as they come would
+give (r0m1 + r1m1) + (r0m2 + r1m2): the same sum in another association, other bits. Inside
+``distributed.grad.no_sync`` (``accumulating``) the experts' weights enter each source's block through
+a tap whose backward keeps that source's gradient apart, summed over the micro-batches in their
+order; on the last micro-batch each tap hands its sum on and the sources add there, in ep=1's
+association (over two ranks: the same bits, as FSDP's sum of two is the same either way round).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,6 +75,8 @@ class ExpertParallel:
     """The ep degree."""
     num_experts: int
     """The block's experts in all (each rank holds ``num_experts / size`` of them)."""
+    sums: SourceSums = field(default_factory=lambda: SourceSums())
+    """The experts' gradients kept apart by source rank across accumulation micro-batches."""
 
     @property
     def local_experts(self) -> int:
@@ -96,6 +108,64 @@ class ExpertParallel:
         inverse = torch.argsort(order)
         out = run(received.index_select(0, order), recv_counts.t())  # (R, d) by local expert, then source
         return _AllToAll.apply(out.index_select(0, inverse), send_splits, recv_splits, self.group)
+
+
+class SourceSums:
+    """An experts module's weight gradients per source rank, summed over a step's accumulation
+    micro-batches until the last (module docstring)."""
+
+    def __init__(self) -> None:
+        self.accumulating = False
+        """Set inside ``no_sync``: a micro-batch before the step's last."""
+        self.pending: dict[int, list[torch.Tensor]] = {}
+        """Source rank -> its summed gradients of the weights, in the order ``per_source`` got them."""
+
+    def active(self) -> bool:
+        """Whether this forward's weights must be tapped: an accumulation micro-batch, or the last one
+        of a step that had some."""
+        return torch.is_grad_enabled() and (self.accumulating or bool(self.pending))
+
+    def per_source(self, weights: tuple[torch.Tensor, ...], sources: int) -> list[tuple[torch.Tensor, ...]]:
+        """``weights`` for each source rank's block: the same values, through a tap per source."""
+        return [_SourceTap.apply(self, source, self.accumulating, *weights) for source in range(sources)]
+
+    def take(self, source: int, grads: tuple[torch.Tensor | None, ...], keep: bool) -> tuple[torch.Tensor | None, ...]:
+        """Add one micro-batch's ``grads`` of a source to its sum; ``keep``: hold it (None goes on),
+        else hand the sum on and forget it."""
+        held = self.pending.pop(source, None)
+        if held is not None:
+            grads = tuple(g if h is None else h if g is None else h + g for h, g in zip(held, grads))
+        if keep:
+            self.pending[source] = list(grads)
+            return tuple(None for _ in grads)
+        return grads
+
+
+class _SourceTap(torch.autograd.Function):
+    """The identity on a source's view of the experts' weights; its backward goes through ``SourceSums``."""
+
+    @staticmethod
+    def forward(ctx, sums: SourceSums, source: int, keep: bool, *weights: torch.Tensor):
+        ctx.sums, ctx.source, ctx.keep = sums, source, keep
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, None, None, *ctx.sums.take(ctx.source, grads, ctx.keep))
+
+
+@contextlib.contextmanager
+def accumulating(model: nn.Module) -> Iterator[None]:
+    """Inside: the model's split experts keep their gradients apart by source (an accumulation
+    micro-batch, ``distributed.grad.no_sync``)."""
+    sums = [getattr(m, EXPERT_PARALLEL).sums for m in expert_modules(model)]
+    for s in sums:
+        s.accumulating = True
+    try:
+        yield
+    finally:
+        for s in sums:
+            s.accumulating = False
 
 
 class _AllToAll(torch.autograd.Function):

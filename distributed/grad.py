@@ -27,6 +27,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
+from distributed import expert_parallel
+
 EXPERT_DIM = "ep"
 """The mesh dimension expert parallelism splits experts over (distributed/topology.py's MESH_DIMS)."""
 
@@ -127,7 +129,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
         try:
-            yield
+            with expert_parallel.accumulating(model):  # experts split over ep: sums kept by source
+                yield
         finally:
             model.set_requires_gradient_sync(True)
     else:

@@ -246,14 +246,23 @@ class Experts(nn.Module):
         # too: its (0, d) output adds no row and its weight gradient is exactly zero (not none, also
         # where this rank's experts got no rows under expert parallelism), and no Python branch reads a
         # block's size, so torch.compile traces the loop whole (the sizes stay symbolic).
-        gate, up, down = (w.unbind(0) for w in weights)
         blocks = counts.reshape(counts.shape[0], -1)  # (experts, blocks of each)
+        sources = blocks.shape[1]
+        expert_parallel = getattr(self, "expert_parallel", None)  # set by distributed/expert_parallel.py
+        if adapters is None and expert_parallel is not None and sources > 1 and expert_parallel.sums.active():
+            # accumulating: each source's block reads the weights through its own tap, whose gradient
+            # is summed apart over the micro-batches (distributed/expert_parallel.py, SourceSums)
+            per_source = [tuple(w.unbind(0) for w in ws) for ws in expert_parallel.sums.per_source(weights, sources)]
+        else:
+            per_source = [tuple(w.unbind(0) for w in weights)] * sources
         outputs = []
         if adapters is None:
             for block, rows in enumerate(x.split(blocks.flatten().tolist())):
-                expert = block // blocks.shape[1]
+                expert, source = divmod(block, sources)
+                gate, up, down = per_source[source]
                 outputs.append(F.linear(F.silu(F.linear(rows, gate[expert])) * F.linear(rows, up[expert]), down[expert]))
             return torch.cat(outputs)
+        gate, up, down = per_source[0]
         lora = [tuple(zip(a.unbind(0), b.unbind(0))) for a, b in adapters]  # per projection, per expert (A_e, B_e)
         for block, rows in enumerate(x.split(blocks.flatten().tolist())):
             e = block // blocks.shape[1]

@@ -3,19 +3,21 @@
 EP=2 splits each sparse block's 4 experts 2 + 2 over the ranks and exchanges the tokens by all-to-all.
 Against EP=1 (the plain model over the whole batch in one process) the loss and every gradient agree
 within fp32 tolerance; against FSDP on 2 ranks without the axis they are the same bits (each expert
-runs each source rank's rows on their own); each degree repeats bit for bit. On 4 ranks at EP=2,
+runs each source rank's rows on their own), also with two micro-batches a rank (each expert keeps its
+sources' sums apart until the last); each degree repeats bit for bit. On 4 ranks at EP=2,
 where FSDP shards the experts over the 2 ranks outside the ep group, they agree within tolerance.
 The exchange itself hands each rank's experts their rows grouped by expert, then source rank, then
 the source's order, and gives the caller its outputs back in the order it sent them. The experts are
 DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
 EP=2 loads into the plain model, and one written by the plain model loads at EP=2; through train.py, a
-2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` writes ep=1's ledger line for line (one
-micro-batch a rank) and resumes on one rank at ``parallel.ep=1`` with the same batches and losses
+2-rank run of configs/tiny-moe.yaml at ``parallel.ep=2`` writes ep=1's ledger line for line (two
+micro-batches a rank) and resumes on one rank at ``parallel.ep=1`` with the same batches and losses
 within fp32 noise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from core.config_schema import model_config_class
 from core.distributed_context import DistributedContext
 from distributed import build_mesh, parallelize
 from distributed.expert_parallel import ExpertParallel, apply_expert_parallel, expert_modules
+from distributed.grad import no_sync
 from models.builder import build
 from models.forward import ModelInputs, model_forward
 from models.qwen3_moe.family import Qwen3MoeSettings
@@ -111,8 +114,9 @@ def _ep_plain(topology) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _ep_fsdp(dist: DistributedContext, ep: int, *, load: Path | None = None,
-             save: Path | None = None) -> dict[str, Any]:
-    """FSDP on 2 ranks at ``ep``: one step's loss and full gradients; optionally load a state first
+             save: Path | None = None, micro_batches: int = 1) -> dict[str, Any]:
+    """FSDP on 2 ranks at ``ep``: one step's loss and full gradients, over ``micro_batches`` a rank
+    (the gradient synchronized on the last, as the training step does); optionally load a state first
     (DCP) or save the model after an SGD update."""
     parallel = _parallel(ep=ep)
     topology = build_mesh(parallel, dist)
@@ -121,10 +125,16 @@ def _ep_fsdp(dist: DistributedContext, ep: int, *, load: Path | None = None,
         state = get_model_state_dict(model)
         dcp.load(state, checkpoint_id=str(load))
         set_model_state_dict(model, state)
-    per_rank = ROWS // topology.dp_size
-    loss = _loss(model, slice(topology.dp_rank * per_rank, (topology.dp_rank + 1) * per_rank), topology.dp_size)
-    loss.backward()
-    total = loss.detach().clone()
+    per_micro = ROWS // topology.dp_size // micro_batches
+    total = torch.zeros(())
+    for i in range(micro_batches):
+        start = (topology.dp_rank * micro_batches + i) * per_micro
+        with contextlib.ExitStack() as sync:
+            if i != micro_batches - 1:
+                sync.enter_context(no_sync(model))
+            loss = _loss(model, slice(start, start + per_micro), topology.dp_size)
+            loss.backward()
+        total += loss.detach()
     torch.distributed.all_reduce(total)
     out = {"loss": float(total) / topology.dp_size, "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
            "experts": [isinstance(m, FSDPModule) for m in expert_modules(model)]}
@@ -167,6 +177,7 @@ def _on_ranks(directory: str) -> dict[str, Any]:
         out["fsdp_ep2"] = [_ep_fsdp(dist, 2, save=Path(directory) / "ep2")]
         out["fsdp_ep2"].append(_ep_fsdp(dist, 2))
         out["loaded_ep2"] = _ep_fsdp(dist, 2, load=Path(directory) / "ep1")
+        out["accumulated"] = {ep: [_ep_fsdp(dist, ep, micro_batches=2) for _ in range(2)] for ep in (1, 2)}
         return out
 
 
@@ -234,6 +245,25 @@ def test_ep2_under_fsdp_equals_ep1_bitwise_and_repeats(ranks):
             assert all(torch.equal(runs[0]["grads"][n], runs[1]["grads"][n]) for n in reference[1])
 
 
+def test_ep2_equals_ep1_bitwise_with_accumulation(ranks):
+    # Two micro-batches a rank: at ep=1 each rank adds its own micro-batches, then FSDP adds the ranks,
+    # (r0m1 + r0m2) + (r1m1 + r1m2); an expert at ep=2 keeps each source rank's partial sum across the
+    # micro-batches and adds the sources on the last, in that association: the same bits.
+    reference = _reference()
+    for result in ranks:
+        ep1, ep2 = result["accumulated"][1], result["accumulated"][2]
+        _assert_close((ep2[0]["loss"], ep2[0]["grads"]), reference)
+        assert ep1[0]["loss"] == ep2[0]["loss"]
+        unequal = [n for n in reference[1] if not torch.equal(ep1[0]["grads"][n], ep2[0]["grads"][n])]
+        assert unequal == []
+        for runs in (ep1, ep2):
+            assert all(torch.equal(runs[0]["grads"][n], runs[1]["grads"][n]) for n in reference[1])
+    # the micro-batches change the association of the dense parameters' sums, not what they add up to
+    for name in reference[1]:
+        torch.testing.assert_close(ranks[0]["accumulated"][2][0]["grads"][name], ranks[0]["fsdp_ep2"][0]["grads"][name],
+                                   rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_ep2_over_two_shards_equals_ep1():
     reference = _reference()
     for result in run_on_ranks(_on_four_ranks, 4):
@@ -266,13 +296,13 @@ def test_a_run_at_ep2_matches_ep1_and_resumes_on_one_rank_at_ep1(e2e_workdir):
     for ep in (2, 1):
         args = ["--config", str(ROOT / "configs" / "tiny-moe.yaml"), f"run.name=ep{ep}", "parallel.device=cpu",
                 "parallel.strategy=fsdp", f"parallel.ep={ep}", "train.max_steps=4", "train.eval_interval=0",
-                "train.global_batch_size=8", "train.micro_batch_size=4", "data.seq_len=128", "checkpoint.interval=2"]
+                "train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=128", "checkpoint.interval=2"]
         result = launch.train(e2e_workdir, args, nproc=2)
         assert result.returncode == 0, result.stderr
         runs.append(result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir)
     reference = runs[0]
     at_ep2 = launch.ledger(reference)
-    assert len(at_ep2) == 4 and at_ep2 == launch.ledger(runs[1])  # one micro-batch a rank: the same bits
+    assert len(at_ep2) == 4 and at_ep2 == launch.ledger(runs[1])  # two micro-batches a rank: the same bits
     copy = launch.cut_back_copy(reference, 2, "-one-rank")
     resumed = launch.train(e2e_workdir, ["--resume", copy.name, "parallel.ep=1"], nproc=1)
     assert resumed.returncode == 0, resumed.stderr
@@ -284,8 +314,8 @@ def test_a_run_at_ep2_matches_ep1_and_resumes_on_one_rank_at_ep1(e2e_workdir):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
     # And back, 1 -> 2: the ep=1 run's step-2 checkpoint (experts whole, their AdamW state too) resumed
-    # at ep=2 on its 2 ranks splits them and writes the uninterrupted ledger bit for bit (one
-    # micro-batch a rank: ep=2 computes ep=1's bits, above).
+    # at ep=2 on its 2 ranks splits them and writes the uninterrupted ledger bit for bit (ep=2
+    # computes ep=1's bits, above).
     split = launch.cut_back_copy(runs[1], 2, "-at-ep2")
     resumed = launch.train(e2e_workdir, ["--resume", split.name, "parallel.ep=2"], nproc=2)
     assert resumed.returncode == 0, resumed.stderr
