@@ -16,8 +16,9 @@ torchao's cast inside each weight's ``fsdp_pre_all_gather`` against the hook's b
 casts (``precast_local_shards``) and the cached result each gather then returns (median of
 20, the device synchronized around each). Prints a table, writes JSON,
 and exits 1 if a check failed. Needs CUDA GPUs with FP8 tensor cores and torchao; without CUDA
-it runs on CPU ranks over gloo with torchao's FP8 emulation (the test suite does, without
-the compiled cases: ``--no-compile``).
+it runs on CPU ranks over gloo with torchao's FP8 emulation, on a narrower model of the same
+layout (hidden 128: a check of the bits, not of speed; the test suite does, without the
+compiled cases: ``--no-compile``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from models.forward import ModelInputs, model_forward  # noqa: E402
 
 SHAPE = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
                     num_kv_heads=2, head_dim=64, tie_embeddings=False)
+# On CPU ranks (torchao's FP8 emulation, a check of the bits and not of speed): the same layout, narrower.
+CPU_SHAPE = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=32, tie_embeddings=False)
 STEPS = 4
 # Qwen3-1.7B's count of FP8 weights (28 blocks of 7), each small: what the host pays per weight.
 HOST_SHAPE = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=28, num_heads=4,
@@ -55,7 +59,8 @@ def train(parallel: ParallelConfig, mesh, device: torch.device, *, compile_block
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_utils import tensor_to_scale
 
-    model = models.build(SHAPE, generator=torch.Generator().manual_seed(0)).to(device)
+    shape = SHAPE if device.type == "cuda" else CPU_SHAPE
+    model = models.build(shape, generator=torch.Generator().manual_seed(0)).to(device)
     apply_float8(model, parallel, fsdp=True, emulate=device.type != "cuda")
     if compile_blocks:
         apply_compile(model, "default")
@@ -143,7 +148,8 @@ def main() -> int:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    tokens = torch.randint(0, SHAPE.vocab_size, (4, 129), generator=torch.Generator().manual_seed(1)).to(device)
+    vocab = (SHAPE if device.type == "cuda" else CPU_SHAPE).vocab_size
+    tokens = torch.randint(0, vocab, (4, 129), generator=torch.Generator().manual_seed(1)).to(device)
     cases = []
     for reshard in (True, False):
         for compile_blocks in (False,) if args.no_compile else (False, True):

@@ -112,9 +112,9 @@ if out["gpu_count"] and shutil.which("nvidia-smi"):
     out["gpu_driver"] = (smi.stdout.splitlines() or [None])[0] if smi.returncode == 0 else None
 for name in ("transformers", "zstandard", "pyarrow", "git"):
     out["has_" + name] = importlib.util.find_spec(name) is not None
-if out["has_transformers"]:
-    import transformers
-    out["transformers"] = transformers.__version__
+if out["has_transformers"]:  # its version from the installed metadata: importing it costs seconds
+    import importlib.metadata
+    out["transformers"] = importlib.metadata.version("transformers")
 print(json.dumps(out))
 """
 
