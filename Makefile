@@ -11,7 +11,7 @@ TEST_WORKERS ?= 3
 TINY_DATA := datasets/stdlib/.complete
 QWEN_TOKENIZER := datasets/tokenizers/qwen/manifest.json
 
-.PHONY: setup train lint test test-fast test-xla data bench clean
+.PHONY: setup train lint test test-fast test-bench test-xla data bench clean
 
 setup: $(STAMP)
 
@@ -44,11 +44,18 @@ lint: $(STAMP)
 # CPU seconds (tests/group_costs.py, tests/group_costs.json); TEST_WORKERS=0 runs them in this process.
 XDIST := --dist loadgroup --no-loadscope-reorder
 
+# The benchmark scripts' own CPU paths (tests/benchmarks) are a lane of their own, `make test-bench`,
+# which .ci/run runs after `make test`: they check the measuring tools, not the training stack
+# (about 195 worker-seconds of the suite, a minute of its wall time on the 2-core machine).
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) --ignore=tests/benchmarks $(PYTEST_ARGS)
+
+test-bench: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) tests/benchmarks $(PYTEST_ARGS)
 
 # The inner loop: the in-process tests only (no test marked `slow`, i.e. none that starts
-# processes; tests/conftest.py), under 2 minutes on 2 cores from a cold cache. `make test` runs everything.
+# processes; tests/conftest.py), under 2 minutes on 2 cores from a cold cache. `make test` runs all the
+# rest but tests/benchmarks (`make test-bench`).
 test-fast: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
