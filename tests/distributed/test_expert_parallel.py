@@ -5,7 +5,8 @@ Against EP=1 (the plain model over the whole batch in one process) the loss and 
 within fp32 tolerance; against FSDP on 2 ranks without the axis they are the same bits (each expert
 runs each source rank's rows on their own), also with two micro-batches a rank (each expert keeps its
 sources' sums apart until the last); each degree repeats bit for bit. On 4 ranks at EP=2,
-where FSDP shards the experts over the 2 ranks outside the ep group, they agree within tolerance.
+where FSDP shards the experts over the 2 ranks outside the ep group, and at TP=2 x EP=2, they agree
+within tolerance.
 The exchange itself hands each rank's experts their rows grouped by expert, then source rank, then
 the source's order, and gives the caller its outputs back in the order it sent them. The experts are
 DTensors on the ep mesh, so DCP stores whole (E, ...) tensors: a state written at
@@ -114,11 +115,11 @@ def _ep_plain(topology) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _ep_fsdp(dist: DistributedContext, ep: int, *, load: Path | None = None,
-             save: Path | None = None, micro_batches: int = 1) -> dict[str, Any]:
+             save: Path | None = None, micro_batches: int = 1, tp: int = 1) -> dict[str, Any]:
     """FSDP on 2 ranks at ``ep``: one step's loss and full gradients, over ``micro_batches`` a rank
     (the gradient synchronized on the last, as the training step does); optionally load a state first
     (DCP) or save the model after an SGD update."""
-    parallel = _parallel(ep=ep)
+    parallel = _parallel(ep=ep, tp=tp)
     topology = build_mesh(parallel, dist)
     model = parallelize(_model(), parallel, dist, topology)
     if load is not None:
@@ -136,7 +137,8 @@ def _ep_fsdp(dist: DistributedContext, ep: int, *, load: Path | None = None,
             loss.backward()
         total += loss.detach()
     torch.distributed.all_reduce(total)
-    out = {"loss": float(total) / topology.dp_size, "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
+    out = {"loss": float(total) / torch.distributed.get_world_size(),  # tp ranks repeat their dp rank's loss
+           "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
            "experts": [isinstance(m, FSDPModule) for m in expert_modules(model)]}
     out["weights"] = {n: _full(p.detach()) for n, p in model.named_parameters()}
     if save is not None:
@@ -182,10 +184,13 @@ def _on_ranks(directory: str) -> dict[str, Any]:
 
 
 def _on_four_ranks() -> dict[str, Any]:
-    """ep=2 with dp_shard=2: the experts' FSDP units shard over 2 ranks and sum their gradients."""
+    """ep=2 with dp_shard=2: the experts' FSDP units shard over 2 ranks and sum their gradients; and
+    tp=2 x ep=2 (TP, then EP, then FSDP, in parallelize's order): each tp rank runs its ep group's exchange."""
     with DistributedContext.from_env(_parallel(strategy="ddp")) as dist:
         topology = build_mesh(_parallel(ep=2), dist)
-        return {"shape": topology.shape, "expert_ranks": topology.expert_dp_mesh.size(), **_ep_fsdp(dist, 2)}
+        out = {"shape": topology.shape, "expert_ranks": topology.expert_dp_mesh.size(), **_ep_fsdp(dist, 2)}
+        out["tp_ep"] = {"shape": build_mesh(_parallel(ep=2, tp=2), dist).shape, **_ep_fsdp(dist, 2, tp=2)}
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -264,11 +269,15 @@ def test_ep2_equals_ep1_bitwise_with_accumulation(ranks):
                                    rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_ep2_over_two_shards_equals_ep1():
+def test_ep2_over_two_shards_and_under_tp_equals_ep1():
     reference = _reference()
     for result in run_on_ranks(_on_four_ranks, 4):
         assert (result["shape"].dp_shard, result["shape"].ep, result["expert_ranks"]) == (2, 2, 2)
         _assert_close((result["loss"], result["grads"]), reference)
+        tp_ep = result["tp_ep"]
+        assert (tp_ep["shape"].dp_shard, tp_ep["shape"].ep, tp_ep["shape"].tp) == (1, 2, 2)
+        assert tp_ep["experts"] == [True, True]
+        _assert_close((tp_ep["loss"], tp_ep["grads"]), reference)
 
 
 def test_a_state_saved_at_ep2_loads_into_the_plain_model(ranks, checkpoints):
