@@ -81,9 +81,10 @@ Notes on the rows that differ from the defaults:
   (``one_rank_overrides``: the experts are whole tensors in the checkpoint), and the accumulation
   check runs on one rank at ep=1. Its fields compare as the moe row's. 6 steps, a checkpoint every 3.
 - ``moe-grpo`` runs GRPO on the moe row's model (tests/configs/e2e-moe-grpo.yaml, e2e-grpo.yaml's
-  rollouts and rewards, two updates per step; the router bias moves after each): as the grpo
-  row, the 1-rank resume and the accumulation check compare the first step after their common
-  start, the fields as the moe row's. 3 steps, a checkpoint at 2.
+  rollouts and rewards, two updates per step; the router bias moves after each) with routing replay
+  on (the rollouts carry the sampler's expert choices, in the batch hash, and every update routes by
+  them): as the grpo row, the 1-rank resume and the accumulation check compare the first step after
+  their common start, the fields as the moe row's. 3 steps, a checkpoint at 2.
 - ``vl-sft`` fine-tunes a tiny Qwen2.5-VL (tests/configs/e2e-vl-sft.yaml) on the image chats that
   ``python -m data prepare`` writes beside the photographs (data/kinds/image_chat.py): each image's
   patches are ``Batch.media``, in the row digests, so ``batch_hash`` (kill/resume, replay, the

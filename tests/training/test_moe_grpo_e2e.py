@@ -7,11 +7,12 @@ resume (mostly mid-rollout) and replay give the ledger bit for bit, rollouts and
 included; a 2-rank run resumed on 1 rank samples the same rollouts and batch at the first step after
 its checkpoint; accumulation keeps the first step's batch and loss. Here, on the row's run: the
 ledger's rollout and balancing fields, the bias moved after each of a step's two updates, and the
-sampler's log-probs equal to the trainer's (the sampler's copy routes with the policy's bias). With
-routing replay on (``model.qwen3_moe.routing_replay``), the same run routes each update's tokens to
-the experts the sampler recorded: the first update, on the weights that sampled, routes as the row
-does (no token differs, the same loss bits), the second follows the record after the weights moved
-(another loss), and a resume from the step-2 checkpoint writes the run's ledger bit for bit.
+sampler's log-probs equal to the trainer's (the sampler's copy routes with the policy's bias). The
+row runs with routing replay on (``model.qwen3_moe.routing_replay``): each update routes its tokens to
+the experts the sampler recorded. The same run without it: the first update, on the weights that
+sampled, has the row's loss bits (no token routed otherwise), the second another loss (the row's
+record held after the weights moved), and a resume from its step-2 checkpoint writes its ledger
+bit for bit.
 """
 
 from __future__ import annotations
@@ -46,26 +47,27 @@ def test_the_ledger_reports_rollouts_and_the_balancing_fields(reference):
     assert lines[1][MOE_BIAS_FIELDS[1]] > RATE  # two updates of step 1 moved an expert twice
 
 
-def test_routing_replay_follows_the_record_and_resumes_bitwise(reference_runs, reference):
+def test_routing_replay_follows_the_record_and_a_run_without_it_resumes_bitwise(reference_runs, reference):
     workdir = reference_runs.workdir
+    lines = launch.ledger(reference)
+    for line in lines:  # the first update's recorded tokens: every one routed as the sampler chose
+        assert line["model/routing_replay_mismatch"] == 0.0, line["step"]
     result = launch.train(workdir, reference_runs.args(
-        MOE_GRPO, name="moe-grpo-routing-replay", overrides=("model.qwen3_moe.routing_replay=true",)), nproc=2,
+        MOE_GRPO, name="moe-grpo-no-replay", overrides=("model.qwen3_moe.routing_replay=false",)), nproc=2,
         timeout=MOE_GRPO.timeout_s)
     assert result.returncode == 0, result.stderr
     run = result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
-    replayed, lines = launch.ledger(run), launch.ledger(reference)
-    assert [line["step"] for line in replayed] == [line["step"] for line in lines]
-    for line in replayed:  # the first update's recorded tokens: every one routed as the sampler chose
-        assert line["model/routing_replay_mismatch"] == 0.0, line["step"]
-    first, row = replayed[0], lines[0]
-    assert "model/routing_replay_mismatch" not in row
-    # step 1 samples the same rollouts; the record is in the batch hash; the first update (the weights
-    # that sampled, no token routed otherwise) has the row's loss bits, the second follows the record
-    # where the moved router would have chosen otherwise
+    plain = launch.ledger(run)
+    assert [line["step"] for line in plain] == [line["step"] for line in lines]
+    assert all("model/routing_replay_mismatch" not in line for line in plain)
+    # step 1 samples the same rollouts; the record is in the row's batch hash; the first update (the
+    # weights that sampled, no token routed otherwise) has the same loss bits, the second follows the
+    # record where the moved router would have chosen otherwise
+    first, row = plain[0], lines[0]
     assert first["rollout_hash"] == row["rollout_hash"] and first["batch_hash"] != row["batch_hash"]
     assert first["inner_losses"][0] == row["inner_losses"][0]
     assert first["inner_losses"][1] != row["inner_losses"][1]
     copy = launch.cut_back_copy(run, 2, "-resumed")
     resumed = launch.train(workdir, ["--resume", copy.name], nproc=2, timeout=MOE_GRPO.timeout_s)
     assert resumed.returncode == 0, resumed.stderr
-    assert launch.ledger(copy) == replayed
+    assert launch.ledger(copy) == plain
