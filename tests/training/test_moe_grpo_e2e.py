@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 
 from tests import launch
+from tests.guarantees import run_dir
 from tests.methods import MOE_BIAS_FIELDS, MOE_FIELDS, MOE_GRPO
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def test_routing_replay_follows_the_record_and_a_run_without_it_resumes_bitwise(
         MOE_GRPO, name="moe-grpo-no-replay", overrides=("model.qwen3_moe.routing_replay=false",)), nproc=2,
         timeout=MOE_GRPO.timeout_s)
     assert result.returncode == 0, result.stderr
-    run = result.run_dir if result.run_dir.is_absolute() else workdir / result.run_dir
+    run = run_dir(workdir, result)
     plain = launch.ledger(run)
     assert [line["step"] for line in plain] == [line["step"] for line in lines]
     assert all("model/routing_replay_mismatch" not in line for line in plain)
