@@ -1,7 +1,7 @@
 """The batch-invariant kernels on one CUDA GPU (``determinism.batch_invariant``): the chain, exact, and its cost.
 
     python benchmarks/batch_invariant_gpu.py --out bench_out/batch_invariant_gpu.json \
-        [--parts chain,sampler,grpo,kernels,logprobs,update] [--sampler-quick] [--grpo-steps 3] \
+        [--parts chain,sampler,grpo,matmul,kernels,logprobs,update] [--sampler-quick] [--grpo-steps 3] \
         [--grpo-timeout 300] [--grpo-runs on,off,off-eager] [--run-set on:runtime.profile_start_step=3] \
         [--work /tmp/lockstep-bi]
     python benchmarks/batch_invariant_gpu.py --out bench_out/bi-cpu.json --parts grpo --grpo-steps 2 \
@@ -12,7 +12,8 @@
    heads of 128, vocabulary 151,936), random inputs:
    - ``linear``: a row of ``x @ W.T`` computed among 1, 7, 64 and 1000 rows, and moved to row 500,
      for the q, gate, down and output-head weights; under bf16 autocast (fp32 inputs, as the
-     trainer's) and in fp32.
+     trainer's) and in fp32; and the matmul's two launches (a program per chunk, the chunks in one
+     program) equal on 1, 64 and 1000 rows.
    - ``attention``: 8 documents of 1 to 200 tokens attended as a training forward (packed rows at
      micro-batch 1, 2 and 8, each document at another offset beside other neighbours), as the
      sampler's prefill (chunks of 64 into a cache whose later slots hold stale values) and as its
@@ -26,7 +27,12 @@
    - ``control``: the same comparisons with the stock kernels (``F.linear``'s cuBLAS; SDPA in
      training, the cached path's SDPA or fp32 matmuls in the cache; torch's mean, logsumexp and
      softmax); and the row kernels' largest difference from the stock ones.
-2. ``kernels``: forward times (CUDA events, median of 20) of the invariant kernels and the stock
+2. ``matmul``: the invariant matmul's forward times (CUDA events, median of 20) at a decode step's
+   rows (16, 64, 128) and a training micro-batch's (8,192), bf16, for the Qwen2.5-0.5B and Qwen3-1.7B
+   weights: as dispatched, its chunks forced into one program, the whole width as one chunk (the
+   kernel before chunks), two other chunk widths (timing only: other bits), and the stock
+   ``F.linear``; and each case's split and unsplit outputs ``torch.equal``.
+   ``kernels``: forward times (CUDA events, median of 20) of the invariant kernels and the stock
    ones at the GRPO recipe's sizes; for the row reductions also the tree sums they replaced
    (models/batch_invariant.py's ``_*_by_trees``), and each one's kernel launches per call.
 3. ``sampler``: the recipe's rollouts alone, at the Qwen3-0.6B shape (random weights, bf16
@@ -56,7 +62,7 @@
    (benchmarks/trace_summary.py: GPU time by the phase that launched it) and whose profiled steps
    are left out of the median.
 
-The parts run in the order chain, sampler, grpo, kernels, logprobs, update (``--parts`` picks;
+The parts run in the order chain, sampler, grpo, matmul, kernels, logprobs, update (``--parts`` picks;
 ``--sampler-quick`` runs the sampler's eager round once and leaves the tree reductions and the
 profile out). Prints a table and writes
 ``--out`` after each part (a call cut short keeps what finished); a part that raises is recorded
@@ -117,8 +123,22 @@ def linear_chain(invariant: bool) -> dict[str, Any]:
                 full = kernel(x, weight)
                 same = {str(rows): torch.equal(kernel(x[:rows], weight), full[:rows]) for rows in (1, 7, 64)}
                 same["moved_to_row_500"] = torch.equal(kernel(x.roll(500, 0), weight)[500], full[0])
+                if invariant:  # a chunk per program (a decode step's launch) == the chunks in one program
+                    same.update(_split_equals_unsplit(x, weight))
             results[f"{name}/{case}"] = same
     return results
+
+
+def _split_equals_unsplit(x: torch.Tensor, weight: torch.Tensor) -> dict[str, bool]:
+    """The matmul's two launches (models/batch_invariant_triton.py ``matmul``'s ``split``) on 1, 64 and
+    1000 rows, in the operand dtype ``batch_invariant.linear`` would use."""
+    from models import batch_invariant_triton as triton_kernels
+
+    dtype = triton_kernels.operand_dtype(x, weight)
+    w = weight.to(dtype).contiguous()
+    return {f"split_equals_unsplit_{rows}": torch.equal(
+        triton_kernels.matmul(x[:rows].to(dtype).contiguous(), w, split=True),
+        triton_kernels.matmul(x[:rows].to(dtype).contiguous(), w, split=False)) for rows in (1, 64, 1000)}
 
 
 def _documents(q_dtype: torch.dtype, v_dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
@@ -450,6 +470,64 @@ def run_kernel_times() -> dict[str, Any]:
             "invariant_ms": _time_ms(lambda: attention.attend_cached(qd, kc, vc, mask, kernel="exact")),
             "stock_ms": _time_ms(lambda: attention.attend_cached(qd, kc, vc, mask, kernel="sdpa"))}
     return out
+
+
+DECODE_SHAPES = {  # name: its weights (out, in) as the sampler's decode step multiplies them
+    "qwen2.5-0.5b": {"q_proj": (896, 896), "k_proj": (128, 896), "gate_proj": (4864, 896),
+                     "down_proj": (896, 4864), "lm_head": (151936, 896)},
+    "qwen3-1.7b": {"q_proj": (2048, 2048), "k_proj": (1024, 2048), "gate_proj": (6144, 2048),
+                   "down_proj": (2048, 6144), "lm_head": (151936, 2048)},
+}
+
+
+def run_matmul_times() -> dict[str, Any]:
+    """The invariant matmul at a decode step's rows (16, 64, 128) and a training micro-batch's (8,192),
+    bf16, for the weights of two model shapes: as dispatched (``auto``: the chunks split over programs
+    where the tiles are fewer than the multiprocessors), forced into one program (``unsplit``), in one
+    chunk (``one_chunk``: the kernel before chunks, a K loop over the whole width), with other chunk
+    widths (timing only: another chunk width computes other bits), and the stock ``F.linear``.
+    Each row: its split and unsplit outputs ``torch.equal``."""
+    from dataclasses import replace
+
+    import triton
+
+    from models import batch_invariant_triton as triton_kernels
+
+    generator = torch.Generator(device=CUDA).manual_seed(9)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for shape, weights in DECODE_SHAPES.items():
+            for name, (cols, depth) in weights.items():
+                weight = torch.randn(cols, depth, device=CUDA, generator=generator).to(torch.bfloat16)
+                tiles = triton_kernels.matmul_tiles(cols, depth, torch.bfloat16)
+                one_chunk = replace(tiles, chunk_k=triton.cdiv(depth, tiles.block_k) * tiles.block_k)
+                for rows in (16, 64, 128, 8192):
+                    x = torch.randn(rows, depth, device=CUDA, generator=generator).to(torch.bfloat16)
+                    row = {"auto_ms": _time_ms(lambda: triton_kernels.matmul(x, weight)),
+                           "unsplit_ms": _time_ms(lambda: triton_kernels.matmul(x, weight, split=False)),
+                           "one_chunk_ms": _time_ms(lambda: triton_kernels.matmul(x, weight, tiles=one_chunk)),
+                           "stock_ms": _time_ms(lambda: F.linear(x, weight))}
+                    if rows <= 128:
+                        for chunk in (256, 1024):
+                            other = replace(tiles, chunk_k=chunk)
+                            row[f"chunk_{chunk}_ms"] = _time_ms(lambda: triton_kernels.matmul(x, weight, tiles=other))
+                    row["split_equals_unsplit"] = torch.equal(triton_kernels.matmul(x, weight, split=True),
+                                                              triton_kernels.matmul(x, weight, split=False))
+                    out[f"{shape} {name} {cols}x{depth} {rows} rows"] = row
+    return out
+
+
+def _print_matmul(times: dict[str, Any]) -> bool:
+    columns = ("auto_ms", "unsplit_ms", "one_chunk_ms", "chunk_256_ms", "chunk_1024_ms", "stock_ms")
+    print(f"{'matmul, bf16 (median of 20, ms)':48s} " + " ".join(f"{c[:-3]:>10s}" for c in columns) + " split==unsplit")
+    equal = True
+    for name, row in times.items():
+        if not isinstance(row, dict):
+            continue
+        equal &= row["split_equals_unsplit"]
+        print(f"{name:48s} " + " ".join(f"{row[c]:10.4f}" if c in row else " " * 10 for c in columns)
+              + f" {row['split_equals_unsplit']}")
+    return equal
 
 
 # ---------------------------------------------------------------------------- 3. the sampler
@@ -861,8 +939,8 @@ def _print_update(update: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", default="chain,sampler,grpo,kernels,logprobs,update",
-                        help="comma-separated: chain, sampler, grpo, kernels, logprobs, update")
+    parser.add_argument("--parts", default="chain,sampler,grpo,matmul,kernels,logprobs,update",
+                        help="comma-separated: chain, sampler, grpo, matmul, kernels, logprobs, update")
     parser.add_argument("--sampler-rows", type=int, default=16, help="the sampler's rows (the recipe's rollout rows)")
     parser.add_argument("--sampler-prompts", type=int, default=128, help="prompts of the sampler part (a step's)")
     parser.add_argument("--sampler-quick", action="store_true",
@@ -948,6 +1026,7 @@ def main() -> int:
         return bool(runs["on"]["logprob_parity"]) and all(value == 0.0 for value in runs["on"]["logprob_parity"])
 
     part("grpo", grpo, show_grpo)
+    part("matmul", run_matmul_times, _print_matmul)
     part("kernels", run_kernel_times, _print_kernels)
     part("logprobs", run_logprob_passes, lambda r: print("log-prob passes (s): " + json.dumps(r)))
     part("update", run_update_profile, _print_update)

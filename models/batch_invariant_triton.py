@@ -7,22 +7,30 @@ the cache's length, so the training forward, the sampler's prefill and its cache
 token identically. The bits are not the CPU path's (other reduction orders); the equalities hold
 within a device, which is where the sampler and the trainer meet.
 
-- ``linear``: one Triton matmul, ``x @ weight.T`` by (BLOCK_M, BLOCK_N) output tiles, each the dot of
-  its rows and columns over the whole input width in BLOCK_K steps, always in the same order (no
-  split-K). The tile shape, warps and pipeline stages are ``matmul_tiles(weight shape, dtype)``: they
-  never depend on the number of rows, so a row's output tile is computed by the same instructions
-  whatever rows share it or wherever it sits (the tensor cores' products and the per-element
-  accumulation do not mix rows). The operands are the dtype autocast would give the stock linear
-  (bf16 under a bf16 autocast, else the inputs' own), accumulated in fp32; fp32 operands use
-  IEEE fp32 products, never TF32. The backward is the stock matmuls' (``LinearFunction``):
+- ``linear``: one Triton matmul, ``x @ weight.T`` by (BLOCK_M, BLOCK_N) output tiles. The input width
+  is cut into chunks of ``chunk_k`` features; a chunk's dot is accumulated from zero in BLOCK_K steps,
+  and the chunks' fp32 partial sums are added in chunk order. The tile shape, chunk, warps and
+  pipeline stages are ``matmul_tiles(weight shape, dtype)``: they never depend on the number of rows,
+  so a row's output tile is computed by the same instructions whatever rows share it or wherever it
+  sits (the tensor cores' products and the per-element accumulation do not mix rows). Where a call's
+  tiles cannot fill the GPU (a decode step's few rows), each chunk is its own program and writes its
+  partial sum, and a second kernel adds the partials in chunk order; otherwise one program walks the
+  chunks in turn. The two launches run the same instructions on a chunk and the same additions
+  after it, so which one a call takes (a function of its row count) never changes a bit. The
+  operands are the dtype autocast would give the stock linear (bf16 under a bf16 autocast, else the
+  inputs' own), accumulated in fp32; fp32 operands use IEEE fp32 products, never TF32. The backward is the stock matmuls' (``LinearFunction``):
   gradients must be deterministic, not batch-invariant.
 - ``attend`` / ``attend_cached``: one kernel over the *relative-key* layout of
   models/batch_invariant.py: query t's key j is its document's j-th token (row ``t - position[t]
   + j`` of a packed training row; slot j of the cache, which holds position j). The keys are
   visited in blocks of ``ATTENTION_TILES.block_n`` counted from the document's first token, an
-  online softmax in fp32 (scores by IEEE fp32 products over head_dim, a running maximum, the
-  weighted values by IEEE fp32 products over the block's keys) updates a query's state block by
-  block up to the block holding its own position, and no further. A program holds
+  online softmax in fp32 (the scores' products over head_dim, a running maximum, the weighted
+  values' products over the block's keys) updates a query's state block by block up to the block
+  holding its own position, and no further. The products are bf16 on the tensor cores, accumulated
+  in fp32, where the queries are bf16 (bf16 parameters; the keys, values and softmax weights are
+  rounded to bf16 for them, as flash attention does), else IEEE fp32. The queries' dtype decides:
+  the trainer's call and the sampler's share it (a cache may hold bf16 keys in fp32, never the
+  queries). A program holds
   ``block_m`` query rows (a query and its GQA group's heads); rows of another document (a packed
   row's neighbour) are computed in a pass of their own over their own key blocks, the others' state
   left untouched, so a row's arithmetic is the same alone, beside neighbours, in a prefill chunk or
@@ -74,15 +82,28 @@ class Tiles:
     """Warps of a program: with the tile shape, it lays out which thread reduces which elements."""
     num_stages: int
     """Software-pipeline stages of the K loop's loads (the loads only: the sums keep their order)."""
+    chunk_k: int = 0
+    """matmul: input features whose dot is accumulated from zero before it is added to the chunks
+    before it (a multiple of block_k); the split a decode step's programs run in parallel."""
 
 
 def matmul_tiles(out_features: int, in_features: int, dtype: torch.dtype) -> Tiles:
     """The matmul's tiles for a weight of this shape and operand dtype: a function of these alone
     (never of the row count), so every call with this weight rounds a row the same way. Today one
-    configuration per dtype: tensor-core tiles for bf16/fp16, FMA tiles for IEEE fp32."""
+    configuration per dtype: tensor-core tiles for bf16/fp16, FMA tiles for IEEE fp32, both in chunks
+    of ``MATMUL_CHUNK_K`` input features."""
     if dtype == torch.float32:
-        return Tiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
-    return Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return Tiles(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2, chunk_k=MATMUL_CHUNK_K)
+    return Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, chunk_k=MATMUL_CHUNK_K)
+
+
+MATMUL_CHUNK_K = 512
+"""The matmul's chunk of input features (``Tiles.chunk_k``): a decode step's matmul over a width of
+4,864 runs ten programs a tile of eight steps each rather than one program of 76 steps."""
+
+SPLIT_BYTES_MAX = 64 << 20
+"""The most memory a split call's fp32 partial sums may take; a larger call walks its chunks in one
+program (the same bits)."""
 
 
 ATTENTION_TILES = Tiles(block_m=16, block_n=32, block_k=0, num_warps=4, num_stages=1)
@@ -96,39 +117,97 @@ _NO_START = 1 << 30
 # ---------------------------------------------------------------------------- the matmul
 
 
-@triton.jit(do_not_specialize=["rows"])
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, rows, cols, depth, PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out (rows, cols) = x (rows, depth) @ w (cols, depth).T; one program per output tile, its K loop
-    from 0 to depth in BLOCK_K steps. ``rows`` is never specialized on (a value of 1 would compile
-    another kernel)."""
-    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
+@triton.jit
+def _chunk_dot(x_ptr, w_ptr, m, n, k, rows, cols, depth, begin, PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr):
+    """The fp32 dot of rows m and columns n over input features [begin, begin + CHUNK_K) ∩ [0, depth),
+    accumulated from zero in BLOCK_K steps in order."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, depth, BLOCK_K):
+    for start in range(begin, tl.minimum(begin + CHUNK_K, depth), BLOCK_K):
         kk = start + k
         a = tl.load(x_ptr + m[:, None] * depth + kk[None, :], mask=(m[:, None] < rows) & (kk[None, :] < depth),
                     other=0.0)
         b = tl.load(w_ptr + n[None, :] * depth + kk[:, None], mask=(n[None, :] < cols) & (kk[:, None] < depth),
                     other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    tl.store(out_ptr + m[:, None] * cols + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(m[:, None] < rows) & (n[None, :] < cols))
+    return acc
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (rows, in) @ weight (out, in).T -> (rows, out) in x's dtype, both contiguous and of one dtype."""
+@triton.jit(do_not_specialize=["rows"])
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, rows, cols, depth, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr):
+    """out (rows, cols) = x (rows, depth) @ w (cols, depth).T by chunks of CHUNK_K input features.
+    SPLIT: program (i, j, c) writes chunk c's fp32 dot to out (chunks, rows, cols), for
+    ``_sum_chunks_kernel``; else program (i, j) adds its chunks' dots in order and writes the sum in
+    out's dtype. ``rows`` is never specialized on (a value of 1 would compile another kernel)."""
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    keep = (m[:, None] < rows) & (n[None, :] < cols)
+    if SPLIT:
+        chunk = tl.program_id(2)
+        acc = _chunk_dot(x_ptr, w_ptr, m, n, k, rows, cols, depth, chunk * CHUNK_K, PRECISION,
+                         BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K)
+        tl.store(out_ptr + chunk.to(tl.int64) * rows * cols + m[:, None] * cols + n[None, :], acc, mask=keep)
+    else:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for begin in range(0, depth, CHUNK_K):
+            total += _chunk_dot(x_ptr, w_ptr, m, n, k, rows, cols, depth, begin, PRECISION,
+                                BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K)
+        tl.store(out_ptr + m[:, None] * cols + n[None, :], total.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _sum_chunks_kernel(part_ptr, out_ptr, numel, chunks, BLOCK: tl.constexpr):
+    """out[i] = sum over c in order of part[c, i], from zero in fp32 (the unsplit kernel's additions)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = i < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    part = part_ptr + i
+    for _ in range(0, chunks):
+        total += tl.load(part, mask=keep, other=0.0)
+        part += numel  # pointer steps: chunks x numel may pass 2**31
+    tl.store(out_ptr + i, total.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, split: Optional[bool] = None,
+           tiles: Optional[Tiles] = None) -> torch.Tensor:
+    """x (rows, in) @ weight (out, in).T -> (rows, out) in x's dtype, both contiguous and of one dtype.
+    split: run each chunk as its own program (True) or walk them in one (False); by default split
+    where the output's tiles are fewer than the GPU's multiprocessors. Either gives the same bits.
+    tiles: ``matmul_tiles``' by default (another configuration computes other bits: benchmarks only)."""
     rows, depth = x.shape
     cols = weight.shape[0]
     out = torch.empty(rows, cols, device=x.device, dtype=x.dtype)
     if rows == 0:
         return out
-    tiles = matmul_tiles(cols, depth, weight.dtype)
+    tiles = tiles or matmul_tiles(cols, depth, weight.dtype)
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(cols, tiles.block_n))
-    _matmul_kernel[grid](x, weight, out, rows, cols, depth, "ieee" if x.dtype == torch.float32 else "tf32",
-                         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    chunks = triton.cdiv(depth, tiles.chunk_k)
+    if split is None:
+        split = (chunks > 1 and grid[0] * grid[1] < _sm_count(x.device)
+                 and chunks * rows * cols * 4 <= SPLIT_BYTES_MAX)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, CHUNK_K=tiles.chunk_k,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if not split:
+        _matmul_kernel[grid](x, weight, out, rows, cols, depth, precision, False, **launch)
+        return out
+    partials = torch.empty(chunks, rows, cols, device=x.device, dtype=torch.float32)
+    _matmul_kernel[(*grid, chunks)](x, weight, partials, rows, cols, depth, precision, True, **launch)
+    block = 1024
+    _sum_chunks_kernel[(triton.cdiv(rows * cols, block),)](partials, out, rows * cols, chunks, BLOCK=block,
+                                                           num_warps=4)
     return out
 
 
@@ -179,10 +258,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, doc_ptr,
                       groups, q_len, k_len, head_dim, scale,
                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sp_b, sp_t, sd_b, sd_t,
-                      RELATIVE: tl.constexpr, HAS_DOCS: tl.constexpr, NO_START: tl.constexpr,
+                      RELATIVE: tl.constexpr, HAS_DOCS: tl.constexpr, NO_START: tl.constexpr, BF16_DOTS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program: BLOCK_M query rows (query t, group head g) of one (batch row, kv head), over the
-    keys of each row's document (models/batch_invariant_triton.py's docstring)."""
+    keys of each row's document (models/batch_invariant_triton.py's docstring). BF16_DOTS: both dots on
+    the tensor cores from bf16 operands (the queries, keys and values as bf16, the softmax weights
+    rounded to bf16), accumulated in fp32; else IEEE fp32 products."""
     tile = tl.program_id(0)
     b = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -194,7 +275,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, doc_ptr,
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     q = tl.load(q_ptr + b.to(tl.int64) * sq_b + head[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(tl.bfloat16) if BF16_DOTS else q.to(tl.float32)
     pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=row_ok, other=0).to(tl.int32)
     if RELATIVE:
         start = t - pos  # the row of the document's first token
@@ -217,8 +299,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, doc_ptr,
             row = first + j
             key_ok = (row >= 0) & (row < k_len) & (j <= last)
             keys = tl.load(k_base + row[None, :] * sk_t + d[:, None], mask=key_ok[None, :] & d_ok[:, None],
-                           other=0.0).to(tl.float32)  # (BLOCK_D, BLOCK_N)
-            scores = tl.dot(q, keys, input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
+                           other=0.0)  # (BLOCK_D, BLOCK_N)
+            if BF16_DOTS:
+                scores = tl.dot(q, keys.to(tl.bfloat16))
+            else:
+                scores = tl.dot(q, keys.to(tl.float32), input_precision="ieee")
+            scores = scores * scale  # (BLOCK_M, BLOCK_N), fp32
             valid = seg[:, None] & key_ok[None, :] & (j[None, :] <= pos[:, None])
             if HAS_DOCS:
                 key_doc = tl.load(doc_ptr + b * sd_b + row * sd_t, mask=key_ok, other=-1)
@@ -231,9 +317,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, doc_ptr,
             alpha = tl.where(live, tl.exp(m_i - m_new), 1.0)
             weights = tl.where(valid & live[:, None], tl.exp(scores - m_new[:, None]), 0.0)
             values = tl.load(v_base + row[:, None] * sv_t + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
-                             other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_D)
+                             other=0.0)  # (BLOCK_N, BLOCK_D)
+            if BF16_DOTS:
+                weighted = tl.dot(weights.to(tl.bfloat16), values.to(tl.bfloat16))
+            else:
+                weighted = tl.dot(weights, values.to(tl.float32), input_precision="ieee")
             l_i = tl.where(live, l_i * alpha + tl.sum(weights, axis=1), l_i)
-            acc = tl.where(live[:, None], acc * alpha[:, None] + tl.dot(weights, values, input_precision="ieee"), acc)
+            acc = tl.where(live[:, None], acc * alpha[:, None] + weighted, acc)
             m_i = m_new
         first = tl.min(tl.where(start > first, start, NO_START), axis=0)
     out = acc / l_i[:, None]
@@ -268,7 +358,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         q, k, v, out, positions, doc_args[0], groups, q_len, k_len, head_dim, head_dim**-0.5,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1), doc_args[1], doc_args[2],
-        RELATIVE=relative, HAS_DOCS=documents is not None, NO_START=_NO_START,
+        RELATIVE=relative, HAS_DOCS=documents is not None, NO_START=_NO_START, BF16_DOTS=q.dtype == torch.bfloat16,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
