@@ -27,8 +27,9 @@
    - ``control``: the same comparisons with the stock kernels (``F.linear``'s cuBLAS; SDPA in
      training, the cached path's SDPA or fp32 matmuls in the cache; torch's mean, logsumexp and
      softmax); and the row kernels' largest difference from the stock ones.
-2. ``matmul``: the invariant matmul's forward times (CUDA events, median of 20) at a decode step's
-   rows (16, 64, 128) and a training micro-batch's (8,192), bf16, for the Qwen2.5-0.5B and Qwen3-1.7B
+2. ``matmul``: the invariant matmul's forward times at a decode step's rows (16, 64, 128; 20 calls
+   replayed from one CUDA graph, as the sampler runs them) and a training micro-batch's (8,192; CUDA
+   events, median of 20), bf16, for the Qwen2.5-0.5B and Qwen3-1.7B
    weights: as dispatched, its chunks forced into one program, the whole width as one chunk (the
    kernel before chunks), two other chunk widths (timing only: other bits), and the stock
    ``F.linear``; and each case's split and unsplit outputs ``torch.equal``.
@@ -480,13 +481,38 @@ DECODE_SHAPES = {  # name: its weights (out, in) as the sampler's decode step mu
 }
 
 
+def _graph_time_ms(fn: Callable[[], Any], calls: int = 20, repeats: int = 5) -> float:
+    """GPU milliseconds a call of ``fn``: ``calls`` calls captured as one CUDA graph, its replay timed
+    by CUDA events (median of ``repeats``), so that the host's launches (which bound an eager call at
+    a decode step's sizes) are not in the figure; the sampler replays its decode step the same way."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) / calls)
+    return round(statistics.median(times), 4)
+
+
 def run_matmul_times() -> dict[str, Any]:
     """The invariant matmul at a decode step's rows (16, 64, 128) and a training micro-batch's (8,192),
     bf16, for the weights of two model shapes: as dispatched (``auto``: the chunks split over programs
     where the tiles are fewer than the multiprocessors), forced into one program (``unsplit``), in one
     chunk (``one_chunk``: the kernel before chunks, a K loop over the whole width), with other chunk
     widths (timing only: another chunk width computes other bits), and the stock ``F.linear``.
-    Each row: its split and unsplit outputs ``torch.equal``."""
+    At the decode rows each is timed as the sampler runs it, replayed from a CUDA graph
+    (``_graph_time_ms``); at 8,192 rows eagerly (``_time_ms``). Each row: its split and unsplit
+    outputs ``torch.equal``."""
     from dataclasses import replace
 
     import triton
@@ -503,14 +529,15 @@ def run_matmul_times() -> dict[str, Any]:
                 one_chunk = replace(tiles, chunk_k=triton.cdiv(depth, tiles.block_k) * tiles.block_k)
                 for rows in (16, 64, 128, 8192):
                     x = torch.randn(rows, depth, device=CUDA, generator=generator).to(torch.bfloat16)
-                    row = {"auto_ms": _time_ms(lambda: triton_kernels.matmul(x, weight)),
-                           "unsplit_ms": _time_ms(lambda: triton_kernels.matmul(x, weight, split=False)),
-                           "one_chunk_ms": _time_ms(lambda: triton_kernels.matmul(x, weight, tiles=one_chunk)),
-                           "stock_ms": _time_ms(lambda: F.linear(x, weight))}
+                    timed = _graph_time_ms if rows <= 128 else _time_ms
+                    row = {"auto_ms": timed(lambda: triton_kernels.matmul(x, weight)),
+                           "unsplit_ms": timed(lambda: triton_kernels.matmul(x, weight, split=False)),
+                           "one_chunk_ms": timed(lambda: triton_kernels.matmul(x, weight, tiles=one_chunk)),
+                           "stock_ms": timed(lambda: F.linear(x, weight)), "graphed": rows <= 128}
                     if rows <= 128:
                         for chunk in (256, 1024):
                             other = replace(tiles, chunk_k=chunk)
-                            row[f"chunk_{chunk}_ms"] = _time_ms(lambda: triton_kernels.matmul(x, weight, tiles=other))
+                            row[f"chunk_{chunk}_ms"] = timed(lambda: triton_kernels.matmul(x, weight, tiles=other))
                     row["split_equals_unsplit"] = torch.equal(triton_kernels.matmul(x, weight, split=True),
                                                               triton_kernels.matmul(x, weight, split=False))
                     out[f"{shape} {name} {cols}x{depth} {rows} rows"] = row
@@ -519,7 +546,8 @@ def run_matmul_times() -> dict[str, Any]:
 
 def _print_matmul(times: dict[str, Any]) -> bool:
     columns = ("auto_ms", "unsplit_ms", "one_chunk_ms", "chunk_256_ms", "chunk_1024_ms", "stock_ms")
-    print(f"{'matmul, bf16 (median of 20, ms)':48s} " + " ".join(f"{c[:-3]:>10s}" for c in columns) + " split==unsplit")
+    print(f"{'matmul, bf16, ms a call (decode rows graphed)':48s} " + " ".join(f"{c[:-3]:>10s}" for c in columns)
+          + " split==unsplit")
     equal = True
     for name, row in times.items():
         if not isinstance(row, dict):
