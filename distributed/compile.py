@@ -12,18 +12,14 @@ from __future__ import annotations
 from torch import nn
 
 from distributed.model_structure import plan_blocks
+from models.lora import keep_dropout_out_of_graphs
 
 
 def apply_compile(model: nn.Module, mode: str = "default") -> None:
     """Compile every block of every stack in place; ``mode="reduce-overhead"`` also captures each compiled
     block's forward and backward as CUDA graphs (torch's cudagraph trees), so the host
     launches a block with one call instead of one per kernel. The loop then marks each step's
-    start (``torch.compiler.cudagraph_mark_step_begin``). A module whose class declares
-    ``before_compile()`` (models/lora.py's adapters: their dropout draw stays out of the graphs) has
-    it called first."""
-    for cls in {type(module) for module in model.modules()}:
-        prepare = getattr(cls, "before_compile", None)
-        if prepare is not None:
-            prepare()
+    start (``torch.compiler.cudagraph_mark_step_begin``)."""
+    keep_dropout_out_of_graphs()
     for _, _, block in plan_blocks(model):
         block.compile(mode=None if mode == "default" else mode)
