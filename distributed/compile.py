@@ -12,7 +12,6 @@ from __future__ import annotations
 from torch import nn
 
 from distributed.model_structure import plan_blocks
-from models.lora import keep_dropout_out_of_graphs
 
 
 def apply_compile(model: nn.Module, mode: str = "default") -> None:
@@ -20,6 +19,5 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
     block's forward and backward as CUDA graphs (torch's cudagraph trees), so the host
     launches a block with one call instead of one per kernel. The loop then marks each step's
     start (``torch.compiler.cudagraph_mark_step_begin``)."""
-    keep_dropout_out_of_graphs()
     for _, _, block in plan_blocks(model):
         block.compile(mode=None if mode == "default" else mode)

@@ -155,8 +155,8 @@ class LoRALinear(nn.Module):
         update = self.lora_B(self.lora_A(x))
         return (result + update * self.scaling).to(result.dtype)
 
+    @torch.compiler.disable
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        # Kept out of compiled graphs by keep_dropout_out_of_graphs (distributed/compile.py calls it).
         if self._dropout_key is None:
             raise RuntimeError(
                 f"{self.name}: model.lora.dropout > 0 needs models.lora.set_dropout_key before each training forward"
@@ -183,18 +183,6 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}"
-
-
-def keep_dropout_out_of_graphs() -> None:
-    """Run every adapter's dropout draw outside torch.compile (``torch.compiler.disable``): the draw
-    seeds a generator of its own, which a graph would not replay. Called before the model's blocks
-    are compiled (distributed/compile.py); applied here, not as a decorator, because the decorator
-    imports torch._dynamo (about 0.9 s) in every process that imports this module, also in the many
-    that never compile."""
-    if not getattr(LoRALinear._dropout, "_kept_out_of_graphs", False):
-        disabled = torch.compiler.disable(LoRALinear._dropout)
-        disabled._kept_out_of_graphs = True
-        LoRALinear._dropout = disabled
 
 
 # --------------------------------------------------------------------------- names
