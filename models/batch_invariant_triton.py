@@ -18,8 +18,8 @@ within a device, which is where the sampler and the trainer meet.
   chunks in turn. The two launches run the same instructions on a chunk and the same additions
   after it, so which one a call takes (a function of its row count) never changes a bit. The
   operands are the dtype autocast would give the stock linear (bf16 under a bf16 autocast, else the
-  inputs' own), accumulated in fp32; fp32 operands use IEEE fp32 products, never TF32. The backward is the stock matmuls' (``LinearFunction``):
-  gradients must be deterministic, not batch-invariant.
+  inputs' own), accumulated in fp32; fp32 operands use IEEE fp32 products, never TF32. The backward
+  is the stock matmuls' (``LinearFunction``): gradients must be deterministic, not batch-invariant.
 - ``attend`` / ``attend_cached``: one kernel over the *relative-key* layout of
   models/batch_invariant.py: query t's key j is its document's j-th token (row ``t - position[t]
   + j`` of a packed training row; slot j of the cache, which holds position j). The keys are
@@ -30,8 +30,7 @@ within a device, which is where the sampler and the trainer meet.
   in fp32, where the queries are bf16 (bf16 parameters; the keys, values and softmax weights are
   rounded to bf16 for them, as flash attention does), else IEEE fp32. The queries' dtype decides:
   the trainer's call and the sampler's share it (a cache may hold bf16 keys in fp32, never the
-  queries). A program holds
-  ``block_m`` query rows (a query and its GQA group's heads); rows of another document (a packed
+  queries). A program holds ``block_m`` query rows (a query and its GQA group's heads); rows of another document (a packed
   row's neighbour) are computed in a pass of their own over their own key blocks, the others' state
   left untouched, so a row's arithmetic is the same alone, beside neighbours, in a prefill chunk or
   in a decode step. The whole tile configuration is one constant for every call. The backward is
