@@ -6,6 +6,9 @@
         [--work /tmp/lockstep-bi]
     python benchmarks/batch_invariant_gpu.py --out bench_out/bi-cpu.json --parts grpo --grpo-steps 2 \
         --grpo-config tests/configs/e2e-grpo.yaml --set parallel.device=cpu   # the GRPO part, CPU smoke
+    python benchmarks/batch_invariant_gpu.py ... --parts grpo --grpo-runs on --grpo-steps 200 \
+        --grpo-checkpoint-interval 50 --grpo-timeout 540    # a run longer than one call: checkpoints, then
+    python benchmarks/batch_invariant_gpu.py ... --parts grpo --grpo-runs on --grpo-steps 200 --grpo-resume
 
 1. ``chain``: models/batch_invariant.py's kernels on CUDA (models/batch_invariant_triton.py), every
    comparison ``torch.equal``, at the Qwen3-0.6B shapes (hidden 1024, 16 heads over 8 key/value
@@ -820,10 +823,20 @@ def grpo_run(label: str, args: argparse.Namespace) -> dict[str, Any]:
     invariant, overrides = GRPO_RUNS[label]
     overrides = [*overrides, *(value.split(":", 1)[1] for value in args.run_set if value.split(":", 1)[0] == label)]
     name = f"bi-{label}"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / args.grpo_config), "--root", str(args.work),
-           "model.init_from=null", f"train.max_steps={args.grpo_steps}", "objective.grpo.max_new_tokens=64",
-           "checkpoint.interval=0", "train.eval_interval=0", "metrics.tensorboard=false", f"run.name={name}",
-           f"determinism.batch_invariant={str(invariant).lower()}", *args.set, *overrides]
+    resumed = None
+    if args.grpo_resume:  # the newest run of this label under --work, from its newest checkpoint
+        runs = sorted(args.work.glob(f"{name}-*"), key=lambda path: path.stat().st_mtime)
+        if not runs:
+            raise FileNotFoundError(f"--grpo-resume: no run {name}-* under {args.work} (run the part without it first)")
+        resumed = {"run": runs[-1].name, "ledger_before": _jsonl(runs[-1] / "ledger.jsonl")}
+        cmd = [sys.executable, str(ROOT / "train.py"), "--resume", runs[-1].name, "--root", str(args.work),
+               f"train.max_steps={args.grpo_steps}"]
+    else:
+        cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / args.grpo_config), "--root", str(args.work),
+               "model.init_from=null", f"train.max_steps={args.grpo_steps}", "objective.grpo.max_new_tokens=64",
+               f"checkpoint.interval={args.grpo_checkpoint_interval}", "checkpoint.keep=1", "checkpoint.at_end=false",
+               "train.eval_interval=0", "metrics.tensorboard=false", f"run.name={name}",
+               f"determinism.batch_invariant={str(invariant).lower()}", *args.set, *overrides]
     print("$ " + " ".join(cmd), flush=True)
     began = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -862,7 +875,27 @@ def grpo_run(label: str, args: argparse.Namespace) -> dict[str, Any]:
               "console_tail": lines[-6:]}
     if traces:
         report["trace_summaries"] = _summarize_traces(traces)
+    if resumed is not None:
+        report["resume"] = _compare_resumed(resumed, ledger)
     return report
+
+
+TIMING_KEYS = ("wall_time", "time", "timestamp")
+
+
+def _compare_resumed(resumed: dict[str, Any], ledger: list[dict]) -> dict[str, Any]:
+    """The killed run's ledger lines after the restored step against the resumed run's lines for the same
+    steps: every key but the clock's equal is the kill/resume guarantee at this shape. (Lines up to the
+    restored step are the killed run's, kept; a key only the last step writes, as ``param_hash``, is
+    compared where both lines hold it.)"""
+    before = {line["step"]: line for line in resumed["ledger_before"]}
+    after = {line["step"]: line for line in ledger}
+    overlap = sorted(step for step in before if step in after)
+    differing = {step: sorted(key for key in before[step] if key not in TIMING_KEYS and key in after[step] and before[step][key] != after[step][key])
+                 for step in overlap}
+    differing = {step: keys for step, keys in differing.items() if keys}
+    return {"run": resumed["run"], "steps_before": len(before), "steps_after": len(after),
+            "steps_compared": overlap[:1] + overlap[-1:], "lines_compared": len(overlap), "lines_differing": differing}
 
 
 def _profiled_steps(traces: list[Path]) -> set[int]:
@@ -982,6 +1015,11 @@ def main() -> int:
     parser.add_argument("--run-set", action="append", default=[], metavar="RUN:KEY=VALUE",
                         help="an override of one GRPO run (a profiler window: on:runtime.profile_start_step=3)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lockstep-batch-invariant"))
+    parser.add_argument("--grpo-checkpoint-interval", type=int, default=0,
+                        help="steps between the GRPO runs' checkpoints (0: none); keep 1, none at the end")
+    parser.add_argument("--grpo-resume", action="store_true",
+                        help="resume each GRPO run's newest run under --work (a run longer than one call: "
+                             "the killed run's lines after the checkpoint are compared with the resumed ones)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     unknown = sorted((set(args.grpo_runs.split(",")) | {v.split(":", 1)[0] for v in args.run_set}) - set(GRPO_RUNS))
@@ -1046,12 +1084,19 @@ def main() -> int:
                 for step in run["per_step"]:
                     print("    " + " ".join(f"{k}={v}" for k, v in step.items()
                                             if k in ("step", "step_time") or k.startswith("time_") and v))
+                if "resume" in run:
+                    resume = run["resume"]
+                    print(f"grpo {label}: resumed {resume['run']}: {resume['lines_compared']} ledger lines of the killed "
+                          f"run (steps {resume['steps_compared']}) against the resumed run's, "
+                          f"{len(resume['lines_differing'])} differ {resume['lines_differing'] or ''}")
         on, off = (runs.get(k, {}).get("median_step_s_from_step_2") for k in ("on", "off"))
         if on and off:
             print(f"grpo step-time ratio on/off: {on / off:.2f}")
         if "on" not in runs:
             return True
-        return bool(runs["on"]["logprob_parity"]) and all(value == 0.0 for value in runs["on"]["logprob_parity"])
+        resumed_equal = not runs["on"].get("resume", {}).get("lines_differing")
+        return (bool(runs["on"]["logprob_parity"]) and all(value == 0.0 for value in runs["on"]["logprob_parity"])
+                and resumed_equal)
 
     part("grpo", grpo, show_grpo)
     part("matmul", run_matmul_times, _print_matmul)

@@ -18,6 +18,18 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
     """Compile every block of every stack in place; ``mode="reduce-overhead"`` also captures each compiled
     block's forward and backward as CUDA graphs (torch's cudagraph trees), so the host
     launches a block with one call instead of one per kernel. The loop then marks each step's
-    start (``torch.compiler.cudagraph_mark_step_begin``)."""
+    start (``torch.compiler.cudagraph_mark_step_begin``).
+
+    Data-dependent sizes are traced, not broken on: a block whose Python reads a tensor's values as
+    sizes (Qwen3-MoE's expert loop splits its rows by the per-expert counts, models/qwen3_moe/moe.py)
+    keeps one graph with the sizes as symbols, as the sampler's whole-graph compile traces it. Without
+    this the read breaks the graph, dynamo specialises the rest of the block on each routing's sizes and
+    compiles it again per step until its recompile limit sends the block back to eager, so which steps
+    ran compiled code, and with it the bits, depended on the routing (compiled ``parallel.ep=2``
+    differed from ``ep=1``). The setting is process-wide: the process compiles for training.
+    """
+    import torch._dynamo  # only where blocks compile: not every process loads dynamo
+
+    torch._dynamo.config.capture_scalar_outputs = True
     for _, _, block in plan_blocks(model):
         block.compile(mode=None if mode == "default" else mode)

@@ -23,3 +23,33 @@ def test_compiled_blocks_train_like_eager():
     assert compiled["names"] == eager["names"]
     assert compiled["state_dict_keys"] == eager["state_dict_keys"]
     assert compiled["hash_before"] == eager["hash_before"]
+
+
+@pytest.mark.slow  # inductor compiles a tiny MoE block's forward and backward (about 20 CPU-s)
+def test_compiled_moe_blocks_trace_the_expert_loop_once_for_every_routing():
+    # The loop splits its rows by the routing's per-expert counts. Traced as symbols, one graph serves
+    # every routing; broken on, dynamo recompiled the block per routing until its limit sent it back to
+    # eager (distributed/compile.py).
+    from torch._dynamo.utils import counters
+
+    from distributed.compile import apply_compile
+    from models.builder import build
+    from models.forward import ModelInputs, model_forward
+    from tests.models.test_qwen3_moe import _config
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build(_config(), generator=torch.Generator().manual_seed(0))
+    eager = build(_config(), generator=torch.Generator().manual_seed(0))
+    apply_compile(model)
+    graphs = []
+    for seed in range(3):  # three batches, three routings (the counts differ; checked below)
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(seed))
+        out = model_forward(model, ModelInputs(ids))
+        out.logits.square().mean().backward()
+        want = model_forward(eager, ModelInputs(ids))
+        torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], graphs
+    torch._dynamo.reset()
