@@ -14,7 +14,7 @@ from torch import nn
 from distributed.model_structure import plan_blocks
 
 
-def apply_compile(model: nn.Module, mode: str = "default") -> None:
+def apply_compile(model: nn.Module, mode: str = "default", *, backend: str = "inductor") -> None:
     """Compile every block of every stack in place; ``mode="reduce-overhead"`` also captures each compiled
     block's forward and backward as CUDA graphs (torch's cudagraph trees), so the host
     launches a block with one call instead of one per kernel. The loop then marks each step's
@@ -27,9 +27,11 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
     compiles it again per step until its recompile limit sends the block back to eager, so which steps
     ran compiled code, and with it the bits, depended on the routing (compiled ``parallel.ep=2``
     differed from ``ep=1``). The setting is process-wide: the process compiles for training.
+
+    ``backend``: torch.compile's (``"eager"`` traces with dynamo alone, for tests of what it traces).
     """
     import torch._dynamo  # only where blocks compile: not every process loads dynamo
 
     torch._dynamo.config.capture_scalar_outputs = True
     for _, _, block in plan_blocks(model):
-        block.compile(mode=None if mode == "default" else mode)
+        block.compile(backend=backend, mode=None if mode == "default" else mode)

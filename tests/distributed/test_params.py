@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch._dynamo
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from distributed import canonical_name, param_hash, unwrap
@@ -10,6 +12,13 @@ from distributed.activation_checkpoint import apply_activation_checkpointing
 from distributed.compile import apply_compile
 from distributed.params import canonical_named_parameters
 from tests.distributed.scenarios import build_model
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_config():
+    """apply_compile's process-wide dynamo setting (distributed/compile.py), undone after each test."""
+    with torch._dynamo.config.patch(capture_scalar_outputs=torch._dynamo.config.capture_scalar_outputs):
+        yield
 
 
 def _wrapped_model() -> torch.nn.Module:
