@@ -830,7 +830,8 @@ def grpo_run(label: str, args: argparse.Namespace) -> dict[str, Any]:
             raise FileNotFoundError(f"--grpo-resume: no run {name}-* under {args.work} (run the part without it first)")
         resumed = {"run": runs[-1].name, "ledger_before": _jsonl(runs[-1] / "ledger.jsonl")}
         cmd = [sys.executable, str(ROOT / "train.py"), "--resume", runs[-1].name, "--root", str(args.work),
-               f"train.max_steps={args.grpo_steps}"]
+               f"train.max_steps={args.grpo_steps}",  # and checkpoints of its own, for a call after this one
+               *([f"checkpoint.interval={args.grpo_checkpoint_interval}"] if args.grpo_checkpoint_interval else [])]
     else:
         cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / args.grpo_config), "--root", str(args.work),
                "model.init_from=null", f"train.max_steps={args.grpo_steps}", "objective.grpo.max_new_tokens=64",
@@ -1016,7 +1017,8 @@ def main() -> int:
                         help="an override of one GRPO run (a profiler window: on:runtime.profile_start_step=3)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lockstep-batch-invariant"))
     parser.add_argument("--grpo-checkpoint-interval", type=int, default=0,
-                        help="steps between the GRPO runs' checkpoints (0: none); keep 1, none at the end")
+                        help="steps between the GRPO runs' checkpoints (0: none); keep 1, none at the end; "
+                             "with --grpo-resume the resumed run's (0: the recorded interval)")
     parser.add_argument("--grpo-resume", action="store_true",
                         help="resume each GRPO run's newest run under --work (a run longer than one call: "
                              "the killed run's lines after the checkpoint are compared with the resumed ones)")
