@@ -29,11 +29,6 @@ def test_compiled_moe_blocks_trace_the_expert_loop_once_for_every_routing():
     # The loop splits its rows by the routing's per-expert counts. Traced as symbols, one graph serves
     # every routing; broken on, dynamo recompiled the block per routing until its limit sent it back to
     # eager (distributed/compile.py).
-    with torch._dynamo.config.patch(capture_scalar_outputs=False):  # apply_compile sets it; undone after
-        _trace_three_routings()
-
-
-def _trace_three_routings():
     from torch._dynamo.utils import counters
 
     from distributed.compile import apply_compile
@@ -45,15 +40,16 @@ def _trace_three_routings():
     counters.clear()
     model = build(_config(), generator=torch.Generator().manual_seed(0))
     eager = build(_config(), generator=torch.Generator().manual_seed(0))
-    apply_compile(model, backend="eager")  # dynamo's tracing is the subject: its graphs run eagerly
     graphs = []
-    for seed in range(3):  # three batches of random ids: three routings
-        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(seed))
-        out = model_forward(model, ModelInputs(ids))
-        out.logits.square().mean().backward()
-        want = model_forward(eager, ModelInputs(ids))
-        assert torch.equal(out.logits, want.logits)
-        graphs.append(counters["stats"]["unique_graphs"])
+    with torch._dynamo.config.patch(capture_scalar_outputs=False):  # apply_compile sets it; undone after
+        apply_compile(model, backend="eager")  # dynamo's tracing is the subject: its graphs run eagerly
+        for seed in range(3):  # three batches of random ids: three routings
+            ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(seed))
+            out = model_forward(model, ModelInputs(ids))
+            out.logits.square().mean().backward()
+            want = model_forward(eager, ModelInputs(ids))
+            assert torch.equal(out.logits, want.logits)
+            graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], graphs
     torch._dynamo.reset()
