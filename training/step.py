@@ -184,9 +184,16 @@ def _add_model_sums(metrics: dict[str, torch.Tensor], emitted: EmittedOutputs, u
                     pooled: Mapping[str, torch.Tensor] | None = None) -> None:
     """Add this micro-batch's model sums to ``metrics``: each auxiliary loss's weighted sum over its
     local count of units (a pooled product loss: its share, ``pooled_share``), each metric's sum over
-    its count (``model_sum_names``)."""
+    its count (``model_sum_names``).
+
+    A host number (a count) becomes a device scalar by a fill, never by a copy from the host: on a GPU
+    that copy waits for every kernel queued before it, and a Qwen3-MoE step made nine of them (the
+    count of each layer's load statistics), which left the GPU idle while the host caught up."""
     def add(name: str, value: Any) -> None:
-        value = torch.as_tensor(value, dtype=torch.float32, device=device).detach().reshape(())
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(device=device, dtype=torch.float32).reshape(())
+        else:  # rounded to fp32 as torch.as_tensor rounds it
+            value = torch.full((), value, dtype=torch.float32, device=device)
         metrics[name] = metrics[name] + value if name in metrics else value
 
     for name, aux in emitted.aux_losses():

@@ -251,3 +251,37 @@ def test_the_console_line_shows_the_aux_losses():
     stats = {name: MetricStats(mean=v, min=v, max=v, sum=v) for name, v in means.items()}
     record = MetricRecord(step=3, time=0.0, world_size=1, interval_steps=1, metrics=stats)
     assert format_progress(record, 10, ConsoleLine()) == "step 3/10 | loss 2.5000 per token | aux hidden_l2 0.0100 | lr 1.00e-03"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run this file on a GPU machine")
+def test_the_model_sums_reach_the_gpu_without_waiting_for_it():
+    """A step's model sums on a GPU: their counts (host numbers) become device scalars without a copy
+    from the host, which would wait for every queued kernel (training/step.py); the sums equal the
+    CPU run's. The micro-batches stay on the host and the loss moves them, as the loop's objectives do."""
+    device = torch.device("cuda")
+    batch = make_batch()
+    targets, units = batch.num_target_tokens(), local_units(batch)
+    micro_batches = batch.micro_batches(2)
+
+    class Placed(TokenCrossEntropy):
+        def loss(self, model, micro):
+            logits = model_forward(model, micro, place=lambda t: t.to(device, non_blocking=True)).logits
+            labels = micro.labels.to(device, non_blocking=True)
+            total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            return LossOutput(total, int((micro.labels != IGNORE_INDEX).sum()))  # counted on the host
+
+    model = penalized_model().to(device)
+    precision = Precision(Numerics(precision="fp32"), device=device, wrapper_casts=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _, sums, _ = forward_backward(model, micro_batches, objective=Placed(), precision=precision,
+                                      global_targets=targets, dp_size=1, device=device,
+                                      no_sync=lambda m: contextlib.nullcontext(), units=units)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _, _, want = step_gradient(penalized_model(), micro_batches, global_targets=targets, units=units)
+    assert sums.keys() == want.keys()
+    for name in want:
+        assert sums[name].device.type == "cuda"
+        torch.testing.assert_close(sums[name].cpu(), want[name], rtol=1e-6, atol=0)
