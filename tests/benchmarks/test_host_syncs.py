@@ -3,26 +3,19 @@ start and end (the warnings are raised here as PyTorch raises them in its sync d
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import host_syncs
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def host_syncs():
-    spec = importlib.util.spec_from_file_location("host_syncs", ROOT / "benchmarks" / "host_syncs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _sync():
-    warnings.warn(f"{'called a synchronizing CUDA operation'}", UserWarning, stacklevel=2)
+    warnings.warn(host_syncs.MESSAGE, UserWarning, stacklevel=2)  # PyTorch's words in its sync debug mode
 
 
 def _metric_count():  # a step's wait, three times a step
@@ -33,7 +26,7 @@ def _run_step():  # named as training/loop.py's step; the file is checked too, s
     _metric_count()
 
 
-def test_sites_are_counted_by_stack_and_other_warnings_pass_through(host_syncs):
+def test_sites_are_counted_by_stack_and_other_warnings_pass_through():
     sites = host_syncs.Sites(frames=3)
     shown = []
     with warnings.catch_warnings():
@@ -51,7 +44,7 @@ def test_sites_are_counted_by_stack_and_other_warnings_pass_through(host_syncs):
     assert report["in_step_calls"] == 0 and report["other_calls"] == 3  # not training/loop.py's _run_step
 
 
-def test_a_site_under_the_trainers_step_counts_per_step(host_syncs):
+def test_a_site_under_the_trainers_step_counts_per_step():
     import traceback
 
     sites = host_syncs.Sites(frames=2)
@@ -71,7 +64,7 @@ def test_a_site_under_the_trainers_step_counts_per_step(host_syncs):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
-def test_without_cuda_it_says_there_is_nothing_to_find(host_syncs, capsys, tmp_path):
+def test_without_cuda_it_says_there_is_nothing_to_find(capsys, tmp_path):
     assert host_syncs.main(["--out", str(tmp_path / "s.json"), "--", "--config", "configs/tiny.yaml"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
