@@ -5,7 +5,8 @@
     python benchmarks/host_syncs.py --out bench_out/host_syncs.json -- --config configs/qwen3-30b-a3b.yaml \\
         model.num_layers=4 parallel.strategy=none parallel.compile=true train.max_steps=8 checkpoint.interval=0
 
-Everything after ``--`` is train.py's command line (one process: no ``--nproc``). The run goes through
+Everything after ``--`` is train.py's command line (one process: no ``--nproc``; the presets read the data
+that ``make data`` prepares). The run goes through
 ``train.main`` in this process under ``torch.cuda.set_sync_debug_mode("warn")``: PyTorch then warns at
 each call that waits for the device (a ``.item()``, a ``.tolist()``, a copy to or from pageable host
 memory, ``torch.cuda.synchronize``, an operator whose output size depends on the data). Each warning's
