@@ -3,7 +3,8 @@
 GRPO and PPO on the e2e configs' tiny model (GRPO also as a tiny Qwen3-MoE) with real rollouts from the batch-invariant sampler: the
 first update's trainer log-probs equal the sampler's (parity exactly 0) and a forced difference of one
 token's last bit is a ``LogprobParityError`` (exit 5) naming the step, the completion's global row, the
-token's position and both log-probs; later updates (moved weights) are not checked. PPO's old log-probs
+token's position and both log-probs when the step settles (on every rank, the one that found it
+named); later updates (moved weights) are not checked. PPO's old log-probs
 are the sampler's, bitwise what the policy forward it no longer runs gives (full logits and fused head);
 with the stock kernels PPO's rollout reports the gap between the two instead.
 GRPO in bf16 too: the trainer's autocast over fp32 weights, the sampler's forwards under the same one.
@@ -98,9 +99,11 @@ def test_grpo_parity_is_exactly_zero_and_a_difference_stops_the_run(grpo_run, mo
     first = objective.update_batch(batch, 0)
     assert first is batch and torch.equal(batch.extras[CHECKED], batch.extras["old_logps"])
     assert objective.loss(model, batch).maxima[PARITY].item() == 0.0
+    objective.parity.settle(batch.step, objective._context.dist)  # nothing differs
     _off_by_one_bit(monkeypatch, grpo, row=1)
+    objective.loss(model, batch)  # the comparison stays on the device until the step settles
     with pytest.raises(LogprobParityError) as info:
-        objective.loss(model, batch)
+        objective.parity.settle(batch.step, objective._context.dist)
     error = info.value
     assert error.exit_code == ExitCode.DETERMINISM == 5
     position = int((batch.labels[1] != IGNORE_INDEX).nonzero()[0])
@@ -112,6 +115,28 @@ def test_grpo_parity_is_exactly_zero_and_a_difference_stops_the_run(grpo_run, mo
     # The second inner update trains moved weights: its rows carry no sampler log-probs to check.
     later = objective.update_batch(batch, 1)
     assert CHECKED not in later.extras and objective.loss(model, later).maxima[PARITY] > 0
+    objective.parity.settle(batch.step, objective._context.dist)  # settled comparisons are forgotten
+
+
+def test_a_difference_on_one_rank_stops_every_rank(grpo_run, monkeypatch):
+    """The ranks gather their first differences when the step settles: the rank that found one names
+    its row, the others the same row and that rank; where none differs, no rank raises."""
+    model, objective, batch, _ = grpo_run
+    _off_by_one_bit(monkeypatch, grpo, row=0)
+    objective.loss(model, batch)
+    found = []
+    rank0 = SimpleNamespace(rank=0, all_gather_object=lambda obj: found.append(obj) or [obj, None])
+    with pytest.raises(LogprobParityError) as on_rank0:
+        objective.parity.settle(batch.step, rank0)
+    assert found[0] is not None and "on rank" not in on_rank0.value.message
+    rank1 = SimpleNamespace(rank=1, all_gather_object=lambda obj: [found[0], obj])
+    with pytest.raises(LogprobParityError) as on_rank1:
+        objective.parity.settle(batch.step, rank1)  # this rank compared nothing of the step
+    assert " on rank 0 " in on_rank1.value.message
+    assert on_rank1.value.context == on_rank0.value.context
+    assert on_rank0.value.context["row"] == batch.sequence_index[0]
+    quiet = SimpleNamespace(rank=0, all_gather_object=lambda obj: [obj, None])
+    objective.parity.settle(batch.step + 1, quiet)  # a later step with nothing found: no error
 
 
 @pytest.mark.usefixtures("in_tasks_workdir")
@@ -126,8 +151,10 @@ def test_bf16_grpo_parity_is_exactly_zero():
     assert precision.use_autocast
     with precision.autocast():
         assert objective.loss(model, batch).maxima[PARITY].item() == 0.0
+    objective.parity.settle(batch.step, objective._context.dist)
+    objective.loss(model, batch)
     with pytest.raises(LogprobParityError):  # fp32 compute is not what sampled
-        objective.loss(model, batch)
+        objective.parity.settle(batch.step, objective._context.dist)
 
 
 @pytest.mark.usefixtures("in_tasks_workdir")
@@ -153,9 +180,11 @@ def test_ppo_old_log_probs_are_the_sampler_s_and_the_first_update_checks_them(pp
     assert CHECKED in updates[0].extras and all(CHECKED not in share.extras for share in updates[1:])
     assert objective.loss(model, updates[0], parts).maxima[PARITY].item() == 0.0
     assert objective.loss(model, updates[1], parts).maxima[PARITY].item() == 0.0  # reported, not checked
+    objective.parity.settle(batch.step, objective._context.dist)
     _off_by_one_bit(monkeypatch, ppo, row=0)
+    objective.loss(model, updates[0], parts)
     with pytest.raises(LogprobParityError) as info:
-        objective.loss(model, updates[0], parts)
+        objective.parity.settle(batch.step, objective._context.dist)
     assert info.value.context["row"] == updates[0].sequence_index[0] and info.value.context["step"] == batch.step
 
 
@@ -227,3 +256,32 @@ def test_agent_ppo_episodes_parity_is_exactly_zero():
     first = objective.update_batch(batch, 0)
     assert CHECKED in first.extras
     assert objective.loss(model, first, parts).maxima[PARITY].item() == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: on the CPU nothing waits")
+def test_the_comparison_does_not_make_the_host_wait_for_the_gpu():
+    """``ParityCheck.add`` on CUDA tensors under ``set_sync_debug_mode("error")`` (any wait for the GPU
+    raises); ``settle`` then reads them in one copy and names the one differing token."""
+    from training.objectives.logprob_parity import ParityCheck
+
+    cuda = torch.device("cuda")
+    generator = torch.Generator().manual_seed(0)
+    sampled = -torch.rand(4, 16, generator=generator).to(cuda)
+    labels = torch.randint(0, 100, (4, 16), generator=generator).to(cuda)
+    labels[:, :5] = IGNORE_INDEX
+    trainer = sampled.clone()
+    trainer[2, 9] = torch.nextafter(sampled[2, 9], torch.zeros((), device=cuda))
+    micro = SimpleNamespace(extras={CHECKED: sampled}, labels=labels, step=7, sequence_index=[10, 11, 12, 13])
+    check = ParityCheck()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        check.add(sampled.clone(), micro)
+        check.add(trainer, micro)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    dist = SimpleNamespace(rank=0, all_gather_object=lambda obj: [obj])
+    with pytest.raises(LogprobParityError) as info:
+        check.settle(7, dist)
+    assert info.value.context == {"step": 7, "row": 12, "position": 9, "token": int(labels[2, 9])}
+    assert "1 of 44 sampled tokens" in info.value.message

@@ -109,7 +109,7 @@ from models.routing_replay import replayed
 from training.objectives.base import OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, check_state, metric
 from training.objectives.grpo_loss import SurrogateSettings, loss_count, per_token_loss, reduce_loss, reduce_metric
 from training.objectives.grpo_settings import KIND, model_rewards, resolve_rewards
-from training.objectives.logprob_parity import PARITY, check_exact, checked_extras, first_update_only, logprob_parity
+from training.objectives.logprob_parity import PARITY, ParityCheck, checked_extras, first_update_only, logprob_parity
 from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
 from training.objectives.rollout_correction import (ROLLOUT_LOGPS, correction_extras, correction_fields,
                                                     mismatch_sums, policy_weights)
@@ -139,6 +139,7 @@ class GRPOObjective:
         self.updates_per_batch = g.inner_updates
         self.correction = g.rollout_correction  # None: the sampler's log-probs are the ratio's old policy
         self.exact = config.determinism.batch_invariant  # a nonzero logprob_parity is a determinism violation
+        self.parity = ParityCheck()  # the first update's exact comparison, read when the step settles
         # Deferring a step's ledger fields would gain nothing: the next step's rollouts wait for
         # the GPU anyway (every decode step reads its tokens back).
         self.settles_late = False
@@ -289,7 +290,7 @@ class GRPOObjective:
         per_token, terms = per_token_loss(logps, old, placed.extras.get("ref_logps"), placed.extras["advantages"],
                                           mask, self.settings, weights)
         total = reduce_loss(per_token, mask, self.g.loss_norm)
-        check_exact(logps, placed)  # under determinism.batch_invariant, on the first update: exit 5 on a difference
+        self.parity.add(logps, placed)  # under determinism.batch_invariant, the first update: read at settle
         with torch.no_grad():
             sampled = old if self.correction is None else placed.extras[ROLLOUT_LOGPS]
             parity = logprob_parity(logps, sampled, mask)
@@ -308,6 +309,8 @@ class GRPOObjective:
     def ledger_fields(self, batch: Batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         experience: Experience = batch.prepared
         g = self.g
+        if self.exact:  # exit 5 on every rank, before this step's ledger line and checkpoint
+            self.parity.settle(batch.step, self._context.dist)
         parts = self._context.dist.all_gather_object(experience.summary())  # every rank, at the same point
         context = self._context
         self.agent.write(context.run_dir, batch.step, parts, records=context.records, dist=context.dist)

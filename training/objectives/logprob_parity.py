@@ -5,13 +5,19 @@ GRPO and PPO sample their completions with the Sampler and train on them with th
 a maximum the loop reduces over micro-batches and ranks (``LossOutput.maxima``). With the stock kernels
 it is a statistic (about 1e-7 in fp32 on the CPU). Under ``determinism.batch_invariant`` the two sides
 run the same kernels and must agree bit for bit (docs/determinism.md, "Sampler == trainer, bit for
-bit"), so a difference there is a determinism violation: ``check_exact`` raises ``LogprobParityError``
+bit"), so a difference there is a determinism violation: ``ParityCheck`` raises ``LogprobParityError``
 (exit 5) naming the step, the completion's global row, the token's position and both log-probs.
 
 The check holds where the trainer runs the weights that sampled, the first update of a step. The
 method's ``prepare`` puts the sampler's log-probs a second time under ``CHECKED`` (``checked_extras``)
 and its ``update_batch`` drops them from the later updates' rows (``first_update_only``): the loss
-checks the rows that carry them, and only those.
+compares the rows that carry them, and only those.
+
+The comparison stays on the device until the step settles (``ParityCheck.add`` in the loss,
+``ParityCheck.settle`` in the ledger fields): reading a flag back per micro-batch would make the host
+wait for the GPU 64 times a step in the Qwen3-0.6B GRPO recipe. Both methods settle a step at once
+(``settles_late`` false), so a difference still stops the run before the step's ledger line and
+before any checkpoint of its weights; every rank stops, naming the row of the rank that found it.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def logprob_parity(trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Ten
 
 
 def checked_extras(sampled: torch.Tensor, *, exact: bool) -> dict[str, torch.Tensor]:
-    """The extras a rollout batch carries for ``check_exact``: the sampler's log-probs under ``CHECKED``
+    """The extras a rollout batch carries for ``ParityCheck``: the sampler's log-probs under ``CHECKED``
     where ``exact`` (``determinism.batch_invariant``), none otherwise (its rows and hash unchanged)."""
     return {CHECKED: sampled} if exact else {}
 
@@ -53,26 +59,60 @@ def first_update_only(batch, update: int):
     return dataclasses.replace(batch, extras={k: v for k, v in batch.extras.items() if k != CHECKED})
 
 
-def check_exact(trainer: torch.Tensor, micro) -> None:
-    """Raise ``LogprobParityError`` where a labelled token's ``trainer`` log-prob (B, T) is not bitwise the
-    sampler's of the placed micro-batch ``micro`` (its ``CHECKED`` extra); nothing where it has none. Reads
-    one flag back from the device (a sync per micro-batch, in batch-invariant runs only)."""
-    sampled = micro.extras.get(CHECKED)
-    if sampled is None:
-        return
-    trainer = trainer.detach().float()
-    differs = (micro.labels != IGNORE_INDEX) & (trainer != sampled)  # NaN differs too
-    if not bool(differs.any()):
-        return
-    where = differs.nonzero()
-    row, position = (int(i) for i in where[0])
-    ours, theirs = float(trainer[row, position]), float(sampled[row, position])
-    raise LogprobParityError(
-        f"under determinism.batch_invariant the trainer's log-prob of a sampled token is {ours!r}, the "
-        f"sampler's {theirs!r} ({len(where)} of {int((micro.labels != IGNORE_INDEX).sum())} sampled tokens of this "
-        "micro-batch differ)",
-        step=micro.step, row=micro.sequence_index[row], position=position,
-        token=int(micro.labels[row, position]),
-        hint="a kernel outside models/batch_invariant.py ran in the trainer's or the sampler's forward "
-             "(docs/determinism.md, 'Sampler == trainer, bit for bit'); to train on, turn "
-             "determinism.batch_invariant off (logprob_parity is then a statistic)")
+class ParityCheck:
+    """The first update's exact comparison under ``determinism.batch_invariant``, kept on the device.
+
+    ``add`` (the loss, per micro-batch) compares without reading anything back; ``settle`` (the step's
+    ledger fields, on every rank at the same point) reads the step's comparisons in one copy, gathers
+    each rank's first difference and raises ``LogprobParityError`` on every rank where one has any."""
+
+    def __init__(self) -> None:
+        # Per micro-batch that carries CHECKED: its step, its rows' global indices, its width, and on the
+        # device (6,) float64: differing tokens, first differing flat index, trainer's and sampler's
+        # log-prob and the token there, labelled tokens (float64 holds each exactly).
+        self._pending: list[tuple[int, list[int], int, torch.Tensor]] = []
+
+    def add(self, trainer: torch.Tensor, micro) -> None:
+        """Compare a labelled token's ``trainer`` log-prob (B, T) with the sampler's of the placed
+        micro-batch ``micro`` (its ``CHECKED`` extra), bit for bit; nothing where it has none."""
+        sampled = micro.extras.get(CHECKED)
+        if sampled is None or micro.labels.numel() == 0:
+            return
+        with torch.no_grad():
+            trainer = trainer.detach().float().flatten()
+            labels = micro.labels.flatten()
+            labelled = labels != IGNORE_INDEX
+            differs = labelled & (trainer != sampled.flatten())  # NaN differs too
+            positions = torch.arange(differs.numel(), device=differs.device)
+            first = torch.where(differs, positions, differs.numel()).min().clamp(max=differs.numel() - 1).view(1)
+            at = [values.index_select(0, first).double() for values in (trainer, sampled.flatten(), labels)]
+            record = torch.cat([differs.sum().double().view(1), first.double(), *at, labelled.sum().double().view(1)])
+        self._pending.append((micro.step, list(micro.sequence_index), micro.labels.shape[-1], record))
+
+    def settle(self, step: int, dist) -> None:
+        """Raise ``LogprobParityError`` on every rank if any rank's comparisons of ``step`` found a
+        difference (``dist.all_gather_object``: every rank calls this at the same point); forget them."""
+        pending = [p for p in self._pending if p[0] == step]
+        self._pending = [p for p in self._pending if p[0] > step]
+        found = None
+        if pending:
+            values = torch.stack([record for *_, record in pending]).cpu().tolist()  # the GPU is done with the step
+            for (_, rows, width, _), (count, first, ours, theirs, token, labelled) in zip(pending, values):
+                if count:
+                    row, position = divmod(int(first), width)
+                    found = {"row": rows[row], "position": position, "token": int(token), "ours": ours,
+                             "theirs": theirs, "count": int(count), "labelled": int(labelled)}
+                    break
+        parts = dist.all_gather_object(found)
+        rank, found = next(((r, part) for r, part in enumerate(parts) if part is not None), (None, None))
+        if found is None:
+            return
+        elsewhere = "" if rank == dist.rank else f" on rank {rank}"
+        raise LogprobParityError(
+            f"under determinism.batch_invariant the trainer's log-prob of a sampled token is {found['ours']!r}, the "
+            f"sampler's {found['theirs']!r}{elsewhere} ({found['count']} of {found['labelled']} sampled tokens of "
+            "its micro-batch differ)",
+            step=step, row=found["row"], position=found["position"], token=found["token"],
+            hint="a kernel outside models/batch_invariant.py ran in the trainer's or the sampler's forward "
+                 "(docs/determinism.md, 'Sampler == trainer, bit for bit'); to train on, turn "
+                 "determinism.batch_invariant off (logprob_parity is then a statistic)")

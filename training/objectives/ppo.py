@@ -101,7 +101,7 @@ from models.routing_replay import replayed
 from training.objectives.base import (OBJECTIVE_STATE_VERSION, LossOutput, ObjectiveContext, PartSpec, check_state,
                                       metric)
 from training.objectives.critic import Critic, build_critic
-from training.objectives.logprob_parity import CHECKED, PARITY, check_exact, checked_extras, first_update_only, logprob_parity
+from training.objectives.logprob_parity import CHECKED, PARITY, ParityCheck, checked_extras, first_update_only, logprob_parity
 from training.objectives.ppo_loss import (AdaptiveKL, PolicyClip, explained_variance, gae, kl_estimate,
                                           masked_mean_var, minibatch_order, policy_loss, token_rewards, value_loss)
 from training.objectives.model_reward import ReadPosition, build_model_rewards, reward_role, rollout_scores
@@ -172,6 +172,7 @@ class PPOObjective:
         # determinism.batch_invariant: the sampler's log-probs are the trainer's bit for bit, so they are the
         # old log-probs (no policy forward in prepare) and the first update checks them (logprob_parity.py).
         self.exact = config.determinism.batch_invariant
+        self.parity = ParityCheck()  # the first update's exact comparison, read when the step settles
         self.rewards = self.check_config(config)
         self.tokenizer = build_tokenizer(config.data.tokenizer)
         self.template = template = ChatTemplate.for_tokenizer(config.data.tokenizer, config.data.chat_template,
@@ -362,7 +363,7 @@ class PPOObjective:
         mask = placed.labels != IGNORE_INDEX
         extras = placed.extras
         logps = self._token_logps(model, replayed(placed)).float()  # the sampler's routing, where recorded
-        check_exact(logps, placed)  # under determinism.batch_invariant, on the first update: exit 5 on a difference
+        self.parity.add(logps, placed)  # under determinism.batch_invariant, the first update: read at settle
         values = self._values(placed, critic=parts[CRITIC])
         policy, policy_terms = policy_loss(logps, extras["old_logps"], extras["advantages"], mask, self.clip)
         if self.correction is not None:
@@ -387,6 +388,8 @@ class PPOObjective:
 
     def ledger_fields(self, batch: Batch, totals: dict[str, float], count: int) -> dict[str, Any]:
         rollout: PPORollout = batch.prepared
+        if self.exact:  # exit 5 on every rank, before this step's ledger line and checkpoint
+            self.parity.settle(batch.step, self._context.dist)
         parts = self._context.dist.all_gather_object(rollout.summary())  # every rank, at the same point
         experiences = [part["experience"] for part in parts]
         context = self._context
