@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report), flush=True)
+    if code != 0:
+        print(f"host_syncs: the run exited {code} (its error is above): the counts cover what ran", flush=True)
     print(f"host_syncs: results: {out}", flush=True)
     return 1 if code != 0 or report["in_step_calls"] else 0
 
@@ -155,6 +157,11 @@ class _Tee:
 
     def text(self) -> str:
         return "".join(self._parts)
+
+    def __getattr__(self, name: str):
+        """The rest of a stream's interface (``isatty``, ``fileno``, ``encoding``: the console asks) is
+        stdout's."""
+        return getattr(sys.__stdout__, name)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ start and end (the warnings are raised here as PyTorch raises them in its sync d
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -68,3 +69,12 @@ def test_without_cuda_it_says_there_is_nothing_to_find(capsys, tmp_path):
     assert host_syncs.main(["--out", str(tmp_path / "s.json"), "--", "--config", "configs/tiny.yaml"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
+
+
+def test_the_captured_stdout_answers_as_a_stream():
+    """The run's stdout is kept and shown; the rest of a stream's interface is stdout's (GRPO's console
+    asks ``isatty``: on the GPU the run died of it before its first step, 2026-12-04)."""
+    tee = host_syncs._Tee()
+    tee.write("run_dir: /tmp/x\n")
+    assert tee.text() == "run_dir: /tmp/x\n"
+    assert tee.isatty() == sys.__stdout__.isatty() and tee.encoding == sys.__stdout__.encoding
