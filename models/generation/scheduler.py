@@ -204,9 +204,9 @@ class RowState:
         prompt token, that token's position and its budget (k,), and its uniforms (k, n), n <= width."""
         self.token[rows, 0] = last
         self.start[rows] = start
-        self.local[rows] = 0
+        self.local.index_fill_(0, rows, 0)  # a fill, not a host scalar copied over (which waits for the GPU)
         self.budget[rows] = budget
-        self.done[rows] = False
+        self.done.index_fill_(0, rows, False)
         self.uniforms[rows, : uniforms.shape[1]] = uniforms
 
     def inputs(self, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -373,8 +373,8 @@ class GRPOObjective:
         """(B, T) the trainer's log-probs of the sampled tokens with the weights that sampled them
         (rollout correction's pi_train), micro-batch by micro-batch as the loss runs them."""
         place = self._context.place
-        return torch.cat([self._token_logps(self._model, replayed(micro.placed(place)), fuse=self.fuse_head).float().cpu()
-                          for micro in batch.micro_batches(self.config.train.micro_batch_size)])
+        return torch.cat([self._token_logps(self._model, replayed(micro.placed(place)), fuse=self.fuse_head).float()
+                          for micro in batch.micro_batches(self.config.train.micro_batch_size)]).cpu()  # one wait
 
     def _reference_logps(self, batch: Batch) -> torch.Tensor:
         place = self._context.place
@@ -384,8 +384,10 @@ class GRPOObjective:
             placed = micro.placed(place)
             with self.reference.context():  # frozen.py: one arithmetic on any number of GPUs
                 parts.append(self._token_logps(self.reference.module, placed, fuse=fuse,
-                                               compute_dtype=autocast_dtype(placed.input_ids.device)).float().cpu())
-        return torch.cat(parts)
+                                               compute_dtype=autocast_dtype(placed.input_ids.device)).float())
+        # One copy to the host for the batch: a copy per micro-batch made the host wait for the GPU
+        # after each (64 a step in the Qwen3-0.6B recipe, benchmarks/host_syncs.py).
+        return torch.cat(parts).cpu()
 
     def _token_logps(self, module: nn.Module, placed: Batch, *, fuse: bool,
                      compute_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -443,10 +443,11 @@ class PPOObjective:
         return (advantages - mean) * torch.rsqrt(var + WHITEN_EPS) * mask.to(advantages.dtype)
 
     def _each_micro(self, batch: Batch, fn) -> torch.Tensor:
-        """``fn(placed micro-batch)`` (B, T) over the batch's micro-batches, concatenated on the host."""
+        """``fn(placed micro-batch)`` (B, T) over the batch's micro-batches, concatenated on the device and
+        copied to the host once (a copy per micro-batch would make the host wait for the GPU after each)."""
         place = self._context.place
-        return torch.cat([fn(micro.placed(place)).float().cpu()
-                          for micro in batch.micro_batches(self.config.train.micro_batch_size)])
+        return torch.cat([fn(micro.placed(place)).float()
+                          for micro in batch.micro_batches(self.config.train.micro_batch_size)]).cpu()
 
     # ------------------------------------------------------------------ model calls
 
