@@ -21,6 +21,12 @@ Kinds:
 - ``nan``: the loss of the step is replaced by NaN (keeping the autograd graph, so the
   gradients are NaN too) to exercise ``runtime.on_nonfinite``.
 - ``slow_data``: fetching the step's batch is delayed by ``runtime.fault_slow_data_s``.
+- ``logprob_drift``: under ``determinism.batch_invariant``, the trainer's log-prob of the first
+  sampled token that step STEP's first update compares with the sampler's
+  (training/objectives/logprob_parity.py) reaches the comparison moved to the next float toward
+  zero, as a kernel outside the batch-invariant set would move it (the loss is untouched): every
+  rank must stop with exit 5, before the step's ledger line and checkpoint. Nothing to compare
+  (another method, the stock kernels): nothing happens.
 
 Steps are the trainer's step numbers (the ledger's ``step``). A fault fires when its step
 is executed for the first time in this process; a step re-executed in the same process
@@ -32,7 +38,8 @@ A replay (``train.py --replay``) keeps only the faults that are part of what a s
 ``nan`` (the recorded step's loss was NaN, and the replay must reproduce it, skipped or
 aborted as the run was). It drops the process-level kinds (``hang``, ``crash``,
 ``crash_checkpoint``, ``sigterm``), which would stop the replay before it reaches the step
-it was asked to verify, and ``slow_data``, which only costs time (``for_replay``). The
+it was asked to verify, ``slow_data``, which only costs time, and ``logprob_drift``, whose step
+stopped the run and so has no ledger line to verify (``for_replay``). The
 run's recorded config keeps them all, whatever a resume overrode.
 """
 
@@ -49,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 from core.exceptions import ConfigError
 
-FAULT_KINDS = ("hang", "nan", "crash", "crash_checkpoint", "sigterm", "slow_data")
+FAULT_KINDS = ("hang", "nan", "crash", "crash_checkpoint", "sigterm", "slow_data", "logprob_drift")
 STEPLESS_KINDS = ("slow_data",)
 STEP_START_KINDS = ("crash", "sigterm", "hang")  # fired by FaultInjector.before_step
 REPLAYED_KINDS = ("nan",)  # change what the step computes: a replay must fire them too
@@ -199,6 +206,14 @@ class FaultInjector:
             self._announce(f"NaN loss at step {step}")
             return loss * float("nan")
         return loss
+
+    def drift_logprob(self, step: int) -> bool:
+        """Whether step ``step``'s exact comparison of the sampler's and the trainer's log-probs sees a
+        trainer log-prob moved by one float (``logprob_drift``); asked once per compared micro-batch."""
+        if self._take("logprob_drift", step):
+            self._announce(f"a trainer log-prob of step {step} moved to the next float before the parity check")
+            return True
+        return False
 
     def slow_data_delay(self, step: int) -> float:
         """Seconds to sleep before handing out the step's batch (0.0 without a fault)."""

@@ -150,7 +150,7 @@ class Trainer:
         signals = getattr(guards, "signals", None)
         context = ObjectiveContext(config=config, dist=dist, parallel=parallel, place=parallel.place_batch,
                                    fuse_head=parallel.output_weight_is_local, run_dir=run.paths.root,
-                                   records=self.recorder.records)
+                                   records=self.recorder.records, faults=getattr(guards, "faults", None))
         with signals.at_once() if signals is not None else contextlib.nullcontext():  # frozen models: minutes
             self.objective.setup(model, context)
         tracker.show(self.objective.console.step)  # the method's unit and fields on the step line

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("sigterm@6", ("sigterm", 6, None)),
         ("slow_data@2", ("slow_data", 2, None)),
         ("slow_data", ("slow_data", None, None)),
+        ("logprob_drift@2:1", ("logprob_drift", 2, 1)),
         ("hang@step=5,rank=1", ("hang", 5, 1)),
         ("sigterm@step=4", ("sigterm", 4, None)),
         (" nan@ 3 ", ("nan", 3, None)),
@@ -39,6 +40,7 @@ def test_parse_accepts_documented_forms(entry, expected):
     "entry, fragment",
     [
         ("hang", "needs a step"),
+        ("logprob_drift", "needs a step"),
         ("boom@3", "unknown fault kind 'boom'"),
         ("hnag@5", "did you mean 'hang'"),
         ("hang@x", "cannot read"),
@@ -65,6 +67,13 @@ def test_fault_fires_once_on_its_step_and_rank_only():
     rank0 = FaultInjector(faults, rank=0, slow_data_s=0.25)
     assert [rank1.slow_data_delay(s) for s in (1, 2, 2, 3, 4, 4)] == [0, 0.25, 0, 0, 0.25, 0]
     assert [rank0.slow_data_delay(s) for s in (1, 2, 3, 4)] == [0, 0, 0, 0.25]
+
+
+def test_logprob_drift_moves_one_comparison_on_its_step_and_rank():
+    faults = parse_faults(["logprob_drift@2:1"])
+    rank1, rank0 = FaultInjector(faults, rank=1), FaultInjector(faults, rank=0)
+    assert [rank1.drift_logprob(s) for s in (1, 2, 2, 3)] == [False, True, False, False]  # the first compared micro-batch
+    assert [rank0.drift_logprob(s) for s in (1, 2, 3)] == [False, False, False]
 
 
 def test_stepless_slow_data_applies_every_step():

@@ -118,6 +118,26 @@ def test_grpo_parity_is_exactly_zero_and_a_difference_stops_the_run(grpo_run, mo
     objective.parity.settle(batch.step, objective._context.dist)  # settled comparisons are forgotten
 
 
+def test_the_logprob_drift_fault_is_a_difference_the_check_finds(grpo_run):
+    """runtime.faults' ``logprob_drift@S``: the first compared token of step S reaches the check one
+    float nearer zero (its loss untouched) and the settle names it; the next step's compares equal."""
+    from runtime.faults import FaultInjector, parse_faults
+
+    model, objective, batch, _ = grpo_run
+    faults = FaultInjector(parse_faults([f"logprob_drift@{batch.step}"]), rank=0)
+    dist = objective._context.dist
+    objective.parity.add(batch.extras[CHECKED].clone(), batch, faults)
+    with pytest.raises(LogprobParityError) as info:
+        objective.parity.settle(batch.step, dist)
+    first = (batch.labels != IGNORE_INDEX).flatten().nonzero()[0].item()
+    row, position = divmod(first, batch.labels.shape[1])
+    assert info.value.context == {"step": batch.step, "row": batch.sequence_index[row], "position": position,
+                                  "token": int(batch.labels[row, position])}
+    assert "1 of " in info.value.message
+    objective.parity.add(batch.extras[CHECKED].clone(), batch, faults)  # fired once: equal now
+    objective.parity.settle(batch.step, dist)
+
+
 def test_a_difference_on_one_rank_stops_every_rank(grpo_run, monkeypatch):
     """The ranks gather their first differences when the step settles: the rank that found one names
     its row, the others the same row and that rank; where none differs, no rank raises."""
@@ -128,11 +148,11 @@ def test_a_difference_on_one_rank_stops_every_rank(grpo_run, monkeypatch):
     rank0 = SimpleNamespace(rank=0, all_gather_object=lambda obj: found.append(obj) or [obj, None])
     with pytest.raises(LogprobParityError) as on_rank0:
         objective.parity.settle(batch.step, rank0)
-    assert found[0] is not None and "on rank" not in on_rank0.value.message
+    assert found[0] is not None and "found it" not in on_rank0.value.message
     rank1 = SimpleNamespace(rank=1, all_gather_object=lambda obj: [found[0], obj])
     with pytest.raises(LogprobParityError) as on_rank1:
         objective.parity.settle(batch.step, rank1)  # this rank compared nothing of the step
-    assert " on rank 0 " in on_rank1.value.message
+    assert "differ; rank 0 found it)" in on_rank1.value.message
     assert on_rank1.value.context == on_rank0.value.context
     assert on_rank0.value.context["row"] == batch.sequence_index[0]
     quiet = SimpleNamespace(rank=0, all_gather_object=lambda obj: [obj, None])

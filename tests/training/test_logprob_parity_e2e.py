@@ -29,3 +29,21 @@ def test_logprob_parity_is_zero_on_every_line(e2e_workdir, method):
     lines = launch.ledger(run_dir)
     assert [line["step"] for line in lines] == [1, 2]
     assert all(line["logprob_parity"] == 0.0 for line in lines), [line["logprob_parity"] for line in lines]
+
+
+def test_a_parity_difference_on_one_rank_stops_both_before_the_step_is_recorded(e2e_workdir):
+    """``runtime.faults=[logprob_drift@2:1]``: rank 1's first compared token of step 2 reaches the check
+    one float off. Both ranks stop with exit 5 where the step settles: the ledger ends at step 1,
+    LATEST is step 1's checkpoint (step 2's is never written), and each rank's error names step 2,
+    the row and token, rank 0's adding that rank 1 found it."""
+    args = ["--config", str(GRPO.config_path), "run.name=parity-drift", "train.max_steps=2", "checkpoint.interval=1",
+            "determinism.batch_invariant=true", "runtime.faults=[logprob_drift@2:1]", *GRPO.overrides]
+    result = launch.train(e2e_workdir, args, timeout=GRPO.timeout_s)
+    assert result.exit_code == 5, result.stderr
+    run_dir = result.run_dir if result.run_dir.is_absolute() else e2e_workdir / result.run_dir
+    assert [line["step"] for line in launch.ledger(run_dir)] == [1]
+    assert (run_dir / "checkpoints" / "LATEST").read_text().strip() == "step_00000001"
+    assert not (run_dir / "checkpoints" / "step_00000002").exists()
+    output = result.stdout + result.stderr
+    assert "determinism violation" in output and "step=2" in output, output[-3000:]
+    assert "rank 1 found it" in output, output[-3000:]  # rank 0's error: the difference was rank 1's

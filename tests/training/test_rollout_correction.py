@@ -237,7 +237,7 @@ def test_ppo_weighs_its_policy_loss_and_not_its_value_loss():
         config = config_lib.from_dict({**base, "objective": {"kind": "ppo", "ppo": ppo}})
         config_lib.validate(config)
         made = PPOObjective(config)
-        made._context = SimpleNamespace(place=lambda tensor: tensor)
+        made._context = SimpleNamespace(place=lambda tensor: tensor, faults=None)
         return made
 
     off = objective({})

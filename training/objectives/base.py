@@ -91,6 +91,9 @@ class ObjectiveContext:
     episodes); None where there is none (a test, a benchmark)."""
     records: bool = True
     """False in a replay: the run is only read, never written."""
+    faults: Any = None
+    """The rank's ``runtime.faults`` (runtime.faults.FaultInjector) where the loop runs the method: the
+    faults a method's own computation fires (``logprob_drift``); None in a test or a benchmark."""
 
 
 class Objective(Protocol):

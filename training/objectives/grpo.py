@@ -290,7 +290,7 @@ class GRPOObjective:
         per_token, terms = per_token_loss(logps, old, placed.extras.get("ref_logps"), placed.extras["advantages"],
                                           mask, self.settings, weights)
         total = reduce_loss(per_token, mask, self.g.loss_norm)
-        self.parity.add(logps, placed)  # under determinism.batch_invariant, the first update: read at settle
+        self.parity.add(logps, placed, self._context.faults)  # batch_invariant, the first update: read at settle
         with torch.no_grad():
             sampled = old if self.correction is None else placed.extras[ROLLOUT_LOGPS]
             parity = logprob_parity(logps, sampled, mask)

@@ -72,9 +72,11 @@ class ParityCheck:
         # log-prob and the token there, labelled tokens (float64 holds each exactly).
         self._pending: list[tuple[int, list[int], int, torch.Tensor]] = []
 
-    def add(self, trainer: torch.Tensor, micro) -> None:
+    def add(self, trainer: torch.Tensor, micro, faults=None) -> None:
         """Compare a labelled token's ``trainer`` log-prob (B, T) with the sampler's of the placed
-        micro-batch ``micro`` (its ``CHECKED`` extra), bit for bit; nothing where it has none."""
+        micro-batch ``micro`` (its ``CHECKED`` extra), bit for bit; nothing where it has none. ``faults``:
+        the rank's fault injector, whose ``logprob_drift`` moves the first labelled token's trainer
+        log-prob to the next float toward zero before the comparison (runtime/faults.py)."""
         sampled = micro.extras.get(CHECKED)
         if sampled is None or micro.labels.numel() == 0:
             return
@@ -82,6 +84,8 @@ class ParityCheck:
             trainer = trainer.detach().float().flatten()
             labels = micro.labels.flatten()
             labelled = labels != IGNORE_INDEX
+            if faults is not None and faults.drift_logprob(micro.step):
+                trainer = _drifted(trainer, labelled)
             differs = labelled & (trainer != sampled.flatten())  # NaN differs too
             positions = torch.arange(differs.numel(), device=differs.device)
             first = torch.where(differs, positions, differs.numel()).min().clamp(max=differs.numel() - 1).view(1)
@@ -107,12 +111,21 @@ class ParityCheck:
         rank, found = next(((r, part) for r, part in enumerate(parts) if part is not None), (None, None))
         if found is None:
             return
-        elsewhere = "" if rank == dist.rank else f" on rank {rank}"
+        elsewhere = "" if rank == dist.rank else f"; rank {rank} found it"
         raise LogprobParityError(
             f"under determinism.batch_invariant the trainer's log-prob of a sampled token is {found['ours']!r}, the "
-            f"sampler's {found['theirs']!r}{elsewhere} ({found['count']} of {found['labelled']} sampled tokens of "
-            "its micro-batch differ)",
+            f"sampler's {found['theirs']!r} ({found['count']} of {found['labelled']} sampled tokens of its "
+            f"micro-batch differ{elsewhere})",
             step=step, row=found["row"], position=found["position"], token=found["token"],
             hint="a kernel outside models/batch_invariant.py ran in the trainer's or the sampler's forward "
                  "(docs/determinism.md, 'Sampler == trainer, bit for bit'); to train on, turn "
                  "determinism.batch_invariant off (logprob_parity is then a statistic)")
+
+
+def _drifted(trainer: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    """``trainer`` (N,) with its first ``labelled`` entry moved to the next float toward zero (on the
+    device: nothing is read back)."""
+    positions = torch.arange(labelled.numel(), device=labelled.device)
+    first = torch.where(labelled, positions, labelled.numel()).min().clamp(max=labelled.numel() - 1).view(1)
+    value = trainer.index_select(0, first)
+    return trainer.index_copy(0, first, torch.nextafter(value, torch.zeros_like(value)))

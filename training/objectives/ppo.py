@@ -363,7 +363,7 @@ class PPOObjective:
         mask = placed.labels != IGNORE_INDEX
         extras = placed.extras
         logps = self._token_logps(model, replayed(placed)).float()  # the sampler's routing, where recorded
-        self.parity.add(logps, placed)  # under determinism.batch_invariant, the first update: read at settle
+        self.parity.add(logps, placed, self._context.faults)  # batch_invariant, the first update: read at settle
         values = self._values(placed, critic=parts[CRITIC])
         policy, policy_terms = policy_loss(logps, extras["old_logps"], extras["advantages"], mask, self.clip)
         if self.correction is not None:
