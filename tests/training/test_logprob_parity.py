@@ -120,7 +120,7 @@ def test_grpo_parity_is_exactly_zero_and_a_difference_stops_the_run(grpo_run, mo
 
 def test_the_logprob_drift_fault_is_a_difference_the_check_finds(grpo_run):
     """runtime.faults' ``logprob_drift@S``: the first compared token of step S reaches the check one
-    float nearer zero (its loss untouched) and the settle names it; the next step's compares equal."""
+    float nearer zero and the settle names it; the fault fires once, so a second comparison is equal."""
     from runtime.faults import FaultInjector, parse_faults
 
     model, objective, batch, _ = grpo_run

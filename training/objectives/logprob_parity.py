@@ -87,8 +87,7 @@ class ParityCheck:
             if faults is not None and faults.drift_logprob(micro.step):
                 trainer = _drifted(trainer, labelled)
             differs = labelled & (trainer != sampled.flatten())  # NaN differs too
-            positions = torch.arange(differs.numel(), device=differs.device)
-            first = torch.where(differs, positions, differs.numel()).min().clamp(max=differs.numel() - 1).view(1)
+            first = _first(differs)
             at = [values.index_select(0, first).double() for values in (trainer, sampled.flatten(), labels)]
             record = torch.cat([differs.sum().double().view(1), first.double(), *at, labelled.sum().double().view(1)])
         self._pending.append((micro.step, list(micro.sequence_index), micro.labels.shape[-1], record))
@@ -122,10 +121,16 @@ class ParityCheck:
                  "determinism.batch_invariant off (logprob_parity is then a statistic)")
 
 
+def _first(flags: torch.Tensor) -> torch.Tensor:
+    """(1,) int64 on ``flags``' device: the index of the first set entry of ``flags`` (N,), the last index
+    where none is set; computed there, nothing read back."""
+    positions = torch.arange(flags.numel(), device=flags.device)
+    return torch.where(flags, positions, flags.numel()).min().clamp(max=flags.numel() - 1).view(1)
+
+
 def _drifted(trainer: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
     """``trainer`` (N,) with its first ``labelled`` entry moved to the next float toward zero (on the
     device: nothing is read back)."""
-    positions = torch.arange(labelled.numel(), device=labelled.device)
-    first = torch.where(labelled, positions, labelled.numel()).min().clamp(max=labelled.numel() - 1).view(1)
+    first = _first(labelled)
     value = trainer.index_select(0, first)
     return trainer.index_copy(0, first, torch.nextafter(value, torch.zeros_like(value)))
